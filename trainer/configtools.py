@@ -1,0 +1,207 @@
+"""YAML <-> typed dataclasses, with errors that name the key path.
+
+The loader is generic over dataclass types so that each package owns its own section
+(`data.config.DataConfig`, `doremi.config.DoReMiConfig`) while the trainer composes them.
+Validation happens before any work starts; every error is a `ConfigError` whose message is one
+line: the key path, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from data.atomic import atomic_write_text
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as one line naming the key path."""
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin is dict:
+        args = typing.get_args(tp)
+        return f"mapping of {_type_name(args[0])} to {_type_name(args[1])}" if args else "mapping"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Convert `value` to type `tp` or raise ConfigError naming `path`."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        # Try exact-type members first so that "1" stays a str in `int | str`.
+        ordered = sorted(args, key=lambda a: 0 if isinstance(a, type) and type(value) is a else 1)
+        for arg in ordered:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}{extra}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {_describe(value)}")
+        return from_dict(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+        (arg,) = typing.get_args(tp)[:1] or (Any,)
+        items = [_coerce(v, arg, f"{path}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+        kt, vt = typing.get_args(tp) or (Any, Any)
+        return {_coerce(k, kt, path): _coerce(v, vt, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected bool, got {_describe(value)}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{path}: expected int, got {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected float, got {_describe(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected str, got {_describe(value)}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+    return value
+
+
+def from_dict(cls: type[T], raw: dict[str, Any], path: str = "") -> T:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys with a suggestion."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in raw.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {(path + '.' if path else '') + close[0]}?)" if close else ""
+            valid = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown key {where}{hint}; valid keys here: {valid}")
+        kwargs[key] = _coerce(value, hints[key], where)
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        missing = [n for n, f in fields.items() if n not in kwargs
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        name = (path + "." if path else "") + (missing[0] if missing else "?")
+        raise ConfigError(f"{name}: required key is missing") from e
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        validate(path)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclasses to plain YAML-able structures."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], value parsed as YAML, so 3 is an int and [1,2] a list)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `--set` overrides to the raw mapping; the typed load coerces and validates them."""
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for i, k in enumerate(keys[:-1]):
+            child = node.get(k)
+            if child is None:
+                child = node[k] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {text}: {'.'.join(keys[:i + 1])} is not a section")
+            node = child
+        node[keys[-1]] = value
+    return raw
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def dump_yaml(obj: Any, path: str | os.PathLike) -> None:
+    atomic_write_text(path, yaml.safe_dump(to_dict(obj), sort_keys=False))
