@@ -19,6 +19,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode open() would
     try:
         yield Path(tmp)
         with open(tmp, "rb+") as f:

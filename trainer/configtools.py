@@ -105,6 +105,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected int, got {_describe(value)}")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads `3e-4` (no dot) as a string.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected float, got {_describe(value)}")
         return float(value)

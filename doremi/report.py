@@ -1,0 +1,228 @@
+"""The experiment report: a per-domain table (mixtures, validation loss, loss above the known
+entropy) with average and worst-case rows, and PNG plots, written as `report.md`.
+
+Functions take data, not run directories: the caller reads the run directories. Average and
+worst case are over domains, the two summaries of Xie et al. 2023 (Table/Fig. 3-4). Plots use
+matplotlib's object API on an Agg canvas (no pyplot, no global backend switch), imported only
+when a report is written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from data.atomic import atomic_path, atomic_write_text
+
+WEIGHTS_PNG = "domain_weights.png"
+VAL_LOSS_PNG = "val_loss.png"
+FINAL_LOSS_PNG = "final_loss.png"
+
+Vector = Sequence[float]
+
+
+def _check_len(what: str, values: Sequence, k: int) -> None:
+    if len(values) != k:
+        raise ValueError(f"{what}: expected {k} values (one per domain), got {len(values)}")
+
+
+def _fmt(x: float | None) -> str:
+    return "" if x is None else f"{x:.4f}"
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _worst(xs: list[float]) -> float | None:
+    return max(xs) if xs else None
+
+
+def format_table(domains: Sequence[str], mixtures: Mapping[str, Vector],
+                 losses: Mapping[str, Vector],
+                 entropy: Sequence[float | None] | None = None) -> str:
+    """A markdown table with one row per domain, then `average` and `worst case` rows.
+
+    Columns: the domain's known entropy H (when any domain has one), each mixture's weight,
+    each run's validation loss, and each run's loss - H (for domains with known entropy).
+    Average and worst case (max) are taken over domains; for loss - H, over the domains with
+    known entropy. Weight columns are left empty in the summary rows.
+    """
+    k = len(domains)
+    for name, w in mixtures.items():
+        _check_len(f"mixtures[{name!r}]", w, k)
+    for name, l in losses.items():
+        _check_len(f"losses[{name!r}]", l, k)
+    ent = list(entropy) if entropy is not None else [None] * k
+    _check_len("entropy", ent, k)
+    known = [i for i in range(k) if ent[i] is not None]
+
+    header = ["domain"] + (["H"] if known else [])
+    header += [f"weight: {m}" for m in mixtures] + [f"loss: {r}" for r in losses]
+    header += [f"loss - H: {r}" for r in losses] if known else []
+
+    rows = []
+    for i, d in enumerate(domains):
+        row = [d] + ([_fmt(ent[i])] if known else [])
+        row += [_fmt(float(w[i])) for w in mixtures.values()]
+        row += [_fmt(float(l[i])) for l in losses.values()]
+        if known:
+            row += [_fmt(float(l[i]) - ent[i]) if ent[i] is not None else ""
+                    for l in losses.values()]
+        rows.append(row)
+    for label, agg in (("average", _mean), ("worst case", _worst)):
+        row = [f"**{label}**"] + ([""] if known else []) + [""] * len(mixtures)
+        row += [_fmt(agg([float(x) for x in l])) for l in losses.values()]
+        if known:
+            row += [_fmt(agg([float(l[i]) - ent[i] for i in known])) for l in losses.values()]
+        rows.append(row)
+
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _colors(k: int) -> list:
+    from matplotlib import colormaps
+    cmap = colormaps["tab10" if k <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(k)]
+
+
+def _save(fig, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+
+
+def plot_weight_history(path: Path, domains: Sequence[str],
+                        weight_history: Sequence[Vector]) -> None:
+    """alpha_t per domain over the proxy's steps, and its running mean (the tuned weights if
+    the run stopped at t)."""
+    from matplotlib.figure import Figure
+    k, steps = len(domains), list(range(1, len(weight_history) + 1))
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    ax_w, ax_m = fig.subplots(1, 2, sharey=True)
+    for i, (d, c) in enumerate(zip(domains, _colors(k))):
+        series = [float(w[i]) for w in weight_history]
+        running, total = [], 0.0
+        for t, x in enumerate(series, start=1):
+            total += x
+            running.append(total / t)
+        ax_w.plot(steps, series, color=c, label=d, lw=1.2)
+        ax_m.plot(steps, running, color=c, label=d, lw=1.2)
+    ax_w.set(title="domain weights $\\alpha_t$", xlabel="proxy step", ylabel="weight")
+    ax_m.set(title="running mean of $\\alpha_t$ (tuned weights)", xlabel="proxy step")
+    ax_w.grid(alpha=0.3)
+    ax_m.grid(alpha=0.3)
+    ax_m.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+    _save(fig, path)
+
+
+def plot_val_loss(path: Path, domains: Sequence[str],
+                  main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
+                  entropy: Sequence[float | None]) -> None:
+    """Validation loss per domain (one panel each) over the main runs' steps; known entropy
+    dashed."""
+    from matplotlib.figure import Figure
+    k = len(domains)
+    ncols = min(4, k)
+    nrows = math.ceil(k / ncols)
+    fig = Figure(figsize=(3.2 * ncols, 2.6 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    colors = _colors(len(main_runs))
+    for i, (ax, d) in enumerate(zip(axes, domains)):
+        for (name, points), c in zip(main_runs.items(), colors):
+            ax.plot([s for s, _ in points], [float(l[i]) for _, l in points], color=c,
+                    label=name, lw=1.2, marker="o" if len(points) < 20 else None, ms=3)
+        if entropy[i] is not None:
+            ax.axhline(entropy[i], color="k", ls="--", lw=0.8, label="entropy")
+        ax.set_title(d, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in axes[k:]:
+        ax.set_visible(False)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncols=len(labels), fontsize=8)
+    fig.supxlabel("training step", fontsize=9)
+    fig.supylabel("validation loss", fontsize=9)
+    _save(fig, path)
+
+
+def plot_final_loss(path: Path, domains: Sequence[str], final_losses: Mapping[str, Vector],
+                    entropy: Sequence[float | None]) -> None:
+    """Final validation loss per domain, one bar per run (grouped), known entropy as a mark."""
+    from matplotlib.figure import Figure
+    k, n = len(domains), len(final_losses)
+    fig = Figure(figsize=(max(6.0, 0.9 * k * max(n, 1) * 0.5 + 2), 4), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / max(n, 1)
+    for j, ((name, l), c) in enumerate(zip(final_losses.items(), _colors(n))):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(k)]
+        ax.bar(xs, [float(x) for x in l], width=width, color=c, label=name)
+    known = [i for i in range(k) if entropy[i] is not None]
+    if known:
+        ax.hlines([entropy[i] for i in known], [i - 0.45 for i in known],
+                  [i + 0.45 for i in known], colors="k", linestyles="--", lw=1, label="entropy", zorder=3)
+    ax.set_xticks(range(k), domains, rotation=30 if k > 6 else 0, ha="right" if k > 6 else "center")
+    ax.set(ylabel="final validation loss", title="final validation loss per domain")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def write_report(out_dir: str | os.PathLike, domains: Sequence[str],
+                 weight_history: Sequence[Vector],
+                 main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
+                 final_losses: Mapping[str, Vector], mixtures: Mapping[str, Vector],
+                 entropy: Sequence[float | None] | None = None,
+                 title: str = "DoReMi report") -> Path:
+    """Write `out_dir/report.md` and its PNGs; return the report's path.
+
+    Args:
+        weight_history: alpha_t per proxy step t = 1..T (empty: no weights plot).
+        main_runs: run name -> [(step, per-domain validation loss)] (runs without points are
+            left out; none: no curves plot).
+        final_losses: run name -> final per-domain validation loss (the table's loss columns).
+        mixtures: mixture name -> domain weights (e.g. reference, doremi).
+        entropy: per-domain known entropy in nats, None where unknown (real domains).
+    """
+    out = Path(out_dir)
+    k = len(domains)
+    ent = list(entropy) if entropy is not None else [None] * k
+    _check_len("entropy", ent, k)
+    for t, w in enumerate(weight_history, start=1):
+        _check_len(f"weight_history[step {t}]", w, k)
+    for name, points in main_runs.items():
+        for step, l in points:
+            _check_len(f"main_runs[{name!r}] at step {step}", l, k)
+    main_runs = {name: points for name, points in main_runs.items() if points}
+    table = format_table(domains, mixtures, final_losses, ent)
+
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [f"# {title}", "", "## Mixtures and final validation loss", "", table,
+             "Average and worst case are over domains (validation loss, nats per token)."]
+    if any(e is not None for e in ent):
+        parts.append("H is the domain's known entropy (synthetic domains): loss - H is the "
+                     "part a model could still learn.")
+    if final_losses:
+        avg = {r: sum(map(float, l)) / k for r, l in final_losses.items()}
+        worst = {r: max(map(float, l)) for r, l in final_losses.items()}
+        parts += ["", f"Best average loss: **{min(avg, key=avg.get)}**; "
+                      f"best worst-case loss: **{min(worst, key=worst.get)}**."]
+    if weight_history:
+        plot_weight_history(out / WEIGHTS_PNG, domains, weight_history)
+        parts += ["", "## Domain weights during the proxy run", "",
+                  f"![domain weights]({WEIGHTS_PNG})"]
+    if main_runs:
+        plot_val_loss(out / VAL_LOSS_PNG, domains, main_runs, ent)
+        parts += ["", "## Validation loss during the main runs", "",
+                  f"![validation loss]({VAL_LOSS_PNG})"]
+    if final_losses:
+        plot_final_loss(out / FINAL_LOSS_PNG, domains, final_losses, ent)
+        parts += ["", "## Final validation loss per domain", "",
+                  f"![final validation loss]({FINAL_LOSS_PNG})"]
+    report = out / "report.md"
+    atomic_write_text(report, "\n".join(parts) + "\n")
+    return report

@@ -1,0 +1,116 @@
+"""Config loading: typed sections, --set coercion, and one-line errors naming the key path."""
+
+import pytest
+
+from doremi.config import ExperimentConfig
+from trainer.config import load_config
+from trainer.configtools import ConfigError, dump_yaml
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+DOMAINS = "data: {domains: [{name: a, paths: [a.txt]}]}\n"
+
+
+def load(tmp_path, text, *sets):
+    return load_config(write(tmp_path, text), ["data.domains=[{name: a, paths: [a.txt]}]", *sets],
+                       cls=ExperimentConfig)
+
+
+def error(tmp_path, text, *sets) -> str:
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, text, *sets)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_sections_and_coercion(tmp_path):
+    cfg = load(tmp_path, "model: {preset: tiny}\ntrain: {steps: 5, lr: 1}\n", "train.lr=3e-4",
+               "parallelism.tp=2", "doremi.eta=0.5", "data.domain_weights=[0.5, 0.5]")
+    assert cfg.train.steps == 5 and cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.parallelism.tp == 2 and cfg.doremi.eta == 0.5
+    assert cfg.data.domain_weights == [0.5, 0.5]
+    assert cfg.model.d_model == 64  # from the preset
+
+
+def test_preset_values_overridden_by_file(tmp_path):
+    cfg = load(tmp_path, "model: {preset: llama3-70b, n_layers: 4}\ndata: {seq_len: 128}\n")
+    assert cfg.model.n_layers == 4 and cfg.model.d_model == 8192 and cfg.model.rope_scaling.factor == 8.0
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    msg = error(tmp_path, "train: {lrr: 0.1}\n")
+    assert "unknown key train.lrr" in msg and "did you mean train.lr?" in msg
+
+
+def test_unknown_section(tmp_path):
+    assert "did you mean parallelism?" in error(tmp_path, "paralelism: {tp: 2}\n")
+
+
+def test_wrong_type_names_path_expected_and_given(tmp_path):
+    msg = error(tmp_path, "train: {steps: ten}\n")
+    assert msg.startswith("train.steps: expected int, got 'ten' (str)")
+
+
+def test_wrong_type_from_set(tmp_path):
+    assert "parallelism.sequence_parallel: expected bool" in error(tmp_path, "", "parallelism.sequence_parallel=maybe")
+
+
+def test_literal_choice(tmp_path):
+    msg = error(tmp_path, "parallelism: {recompute: ful}\n")
+    assert "parallelism.recompute: expected one of 'none', 'selective', 'full'" in msg and "did you mean 'full'" in msg
+
+
+def test_tp_must_divide_heads(tmp_path):
+    msg = error(tmp_path, "model: {preset: tiny}\nparallelism: {tp: 4}\n")
+    assert msg.startswith("parallelism.tp: expected a divisor of model.n_kv_heads=2, got 4")
+
+
+def test_world_size_must_match(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    msg = error(tmp_path, "parallelism: {tp: 2}\n")
+    assert "world size 4" in msg and "= 2" in msg
+
+
+def test_batch_must_divide(tmp_path):
+    msg = error(tmp_path, "train: {global_batch_size: 6, micro_batches: 4}\n")
+    assert msg.startswith("train.global_batch_size: expected a multiple of")
+
+
+def test_pp_layers_must_sum(tmp_path):
+    msg = error(tmp_path, "model: {n_layers: 4}\nparallelism: {pp: 2, pp_layers: [1, 2]}\n")
+    assert "parallelism.pp_layers" in msg and "summing to model.n_layers=4" in msg
+
+
+def test_bad_values(tmp_path):
+    assert error(tmp_path, "doremi: {smoothing: 2}\n").startswith("doremi.smoothing: expected a value in [0, 1]")
+    assert error(tmp_path, "model: {preset: huge}\n").startswith("model.preset: expected one of")
+    assert error(tmp_path, "data: {seq_len: 4096}\n").startswith("data.seq_len: expected at most model.max_seq_len")
+    assert error(tmp_path, "model: {d_model: 65}\n").startswith("model.d_model: expected a multiple of n_heads")
+
+
+def test_not_a_mapping(tmp_path):
+    assert "expected a mapping" in error(tmp_path, "- 1\n- 2\n")
+    assert error(tmp_path, "train: 3\n").startswith("train: expected a mapping, got 3 (int)")
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    assert "is not valid YAML" in error(tmp_path, "train: {steps: [\n")
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_bad_override_syntax(tmp_path):
+    assert "expected KEY.PATH=VALUE" in error(tmp_path, "", "train.steps")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load(tmp_path, "model: {preset: tiny}\ntrain: {steps: 7}\n")
+    dump_yaml(cfg, tmp_path / "resolved.yaml")
+    again = load_config(tmp_path / "resolved.yaml", cls=ExperimentConfig)
+    assert again == cfg

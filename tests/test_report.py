@@ -1,0 +1,82 @@
+"""The report: table numbers, summary rows, and the files it writes."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from doremi.report import FINAL_LOSS_PNG, VAL_LOSS_PNG, WEIGHTS_PNG, format_table, write_report
+
+DOMAINS = ["noise", "easy", "web"]
+MIXTURES = {"uniform": [1 / 3, 1 / 3, 1 / 3], "doremi": [0.1, 0.2, 0.7]}
+LOSSES = {"uniform": [4.5, 0.25, 3.0], "doremi": [4.25, 0.5, 2.5]}
+ENTROPY = [4.0, 0.0, None]
+
+
+def _cells(table: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+
+
+def test_table_rows_and_summaries():
+    rows = _cells(format_table(DOMAINS, MIXTURES, LOSSES, ENTROPY))
+    assert rows[0] == ["domain", "H", "weight: uniform", "weight: doremi", "loss: uniform",
+                       "loss: doremi", "loss - H: uniform", "loss - H: doremi"]
+    assert rows[2] == ["noise", "4.0000", "0.3333", "0.1000", "4.5000", "4.2500", "0.5000",
+                       "0.2500"]
+    assert rows[3] == ["easy", "0.0000", "0.3333", "0.2000", "0.2500", "0.5000", "0.2500",
+                       "0.5000"]
+    assert rows[4] == ["web", "", "0.3333", "0.7000", "3.0000", "2.5000", "", ""]
+    # average over 3 domains: (4.5 + 0.25 + 3) / 3, (4.25 + 0.5 + 2.5) / 3; loss - H over the
+    # 2 domains with known entropy: (0.5 + 0.25) / 2, (0.25 + 0.5) / 2
+    assert rows[5] == ["**average**", "", "", "", "2.5833", "2.4167", "0.3750", "0.3750"]
+    assert rows[6] == ["**worst case**", "", "", "", "4.5000", "4.2500", "0.5000", "0.5000"]
+    assert len(rows) == 7
+
+
+def test_table_without_entropy_has_no_entropy_columns():
+    rows = _cells(format_table(DOMAINS, {}, LOSSES, None))
+    assert rows[0] == ["domain", "loss: uniform", "loss: doremi"]
+    assert rows[-1] == ["**worst case**", "4.5000", "4.2500"]
+
+
+def test_table_rejects_wrong_lengths():
+    with pytest.raises(ValueError, match=r"losses\['doremi'\]: expected 3 values .* got 2"):
+        format_table(DOMAINS, MIXTURES, {"doremi": [1.0, 2.0]}, ENTROPY)
+    with pytest.raises(ValueError, match="entropy: expected 3 values"):
+        format_table(DOMAINS, MIXTURES, LOSSES, [1.0])
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_write_report_writes_markdown_and_pngs(tmp_path):
+    history = [[1 / 3, 1 / 3, 1 / 3], [0.2, 0.3, 0.5], [0.1, 0.2, 0.7]]
+    runs = {name: [(0, [6.0, 2.0, 5.0]), (50, [5.0, 1.0, 4.0]), (100, loss)]
+            for name, loss in LOSSES.items()}
+    report = write_report(tmp_path / "report", DOMAINS, history, runs, LOSSES, MIXTURES, ENTROPY)
+    text = report.read_text()
+    assert report.name == "report.md"
+    assert format_table(DOMAINS, MIXTURES, LOSSES, ENTROPY) in text
+    assert "Best average loss: **doremi**; best worst-case loss: **doremi**." in text
+    for png in (WEIGHTS_PNG, VAL_LOSS_PNG, FINAL_LOSS_PNG):
+        assert f"]({png})" in text
+        w, h = _png_size(tmp_path / "report" / png)
+        assert w > 300 and h > 200
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == sorted(
+        ["report.md", WEIGHTS_PNG, VAL_LOSS_PNG, FINAL_LOSS_PNG])
+
+
+def test_write_report_skips_plots_without_data(tmp_path):
+    report = write_report(tmp_path, DOMAINS, [], {"uniform": []}, {}, MIXTURES, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]
+    assert "| noise | 0.3333 | 0.1000 |" in report.read_text()
+
+
+def test_write_report_rejects_bad_history_before_writing(tmp_path):
+    with pytest.raises(ValueError, match=r"weight_history\[step 2\]: expected 3 values"):
+        write_report(tmp_path / "r", DOMAINS, [[0.5, 0.25, 0.25], [1.0]], {}, LOSSES, MIXTURES)
+    assert not (tmp_path / "r").exists()
