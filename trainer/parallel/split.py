@@ -1,0 +1,311 @@
+"""Which transformer blocks each pipeline stage owns: a pure cost model of compute and memory.
+
+Per rank (one tp shard of one stage), per micro-batch of T = b x s tokens; h = d_model,
+f = ffn_dim, a = heads, g = kv heads, d = h / a, V = vocabulary (padded to a multiple of tp),
+t = tp. Activations are bf16 (autocast), 2 bytes.
+
+Compute (matmul FLOPs; norms, RoPE, softmax ignored): a block's forward is
+2 T P_block / t + 2 T s h / t, P_block = h(h + 2gd) + h^2 + 3hf its matmul parameters and
+2 T s h / t the causal half of QK^T and AV (flash skips masked blocks). Training costs
+forward + backward (2x) + recompute (selective: the attention core's forward again; full: the
+whole forward again). The head costs 3 x 2 T h V / t; the embedding lookup is free.
+
+Memory: see `layer_activation_bytes` for the per-block formula (Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", Sec. 4, adapted to
+RMSNorm/SwiGLU/GQA and to our model) and `StageMemory` for what each stage holds. Under 1F1B,
+stage p holds min(pp - p, M) micro-batches in flight; under afab all M. The first stage holds
+the embedding, the last the final norm, the head and the loss.
+
+`split_layers` picks contiguous blocks per stage minimising the largest per-stage cost, by
+dynamic programming over (stage, blocks used) - exact for that objective:
+- `compute`: cost = compute time (the usual balance, as nanotron's block compute costs);
+- `memory` (default): cost = (1 - w) C_p / C_ref + w M_p / M_ref, C and M the stage's
+  compute and peak memory, normalised by the mean stage of the compute-balanced split, so
+  both terms read 1.0 at that split. The first 1F1B stage holds pp micro-batches in flight
+  plus the embedding, so it gets fewer blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from trainer.config import ModelConfig, ParallelismConfig
+
+ACT_BYTES = 2
+POLICIES = ("memory", "compute")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Persistent bytes per parameter.
+
+    fp32 (our GPU path): fp32 parameters under bf16 autocast: 4 weight + 4 grad + 8 AdamW
+    (m, v) sharded over dp by ZeRO-1, plus a 2-byte bf16 copy made by autocast's weight cache
+    and kept for backward (one copy per step when the schedule runs inside one autocast
+    region). bf16 (Megatron's distributed optimizer, Korthikanti et al. / Rajbhandari et al.):
+    2 bf16 weight + 4 fp32 main grad + 12 (fp32 master, m, v) sharded over dp."""
+
+    weight: float
+    grad: float
+    optimizer: float
+    cast: float
+
+    @property
+    def total(self) -> float:
+        return self.weight + self.grad + self.optimizer + self.cast
+
+
+def bytes_per_param(param_precision: str, dp: int, zero1: bool) -> BytesPerParam:
+    shards = dp if zero1 else 1
+    if param_precision == "fp32":
+        return BytesPerParam(4.0, 4.0, 8.0 / shards, 2.0)
+    if param_precision == "bf16":
+        return BytesPerParam(2.0, 4.0, 12.0 / shards, 0.0)
+    raise ValueError(f"param_precision: expected one of {', '.join(PRECISIONS)}, got {param_precision!r}")
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one rank of one stage. `activations` = in_flight x per-micro-batch activations;
+    `transient` is the largest short-lived allocation on top (logits, a recomputed block)."""
+
+    params: int
+    weights: float
+    grads: float
+    optimizer: float
+    cast: float
+    activations_per_micro_batch: float
+    in_flight: int
+    transient: float
+
+    @property
+    def activations(self) -> float:
+        return self.in_flight * self.activations_per_micro_batch
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.cast + self.activations + self.transient
+
+
+@dataclass(frozen=True)
+class CostModel:
+    model: ModelConfig
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 1
+    seq_len: int = 256
+    micro_batches: int = 1  # per dp rank per step
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    recompute_allgather: bool = False
+    zero1: bool = True
+    param_precision: str = "fp32"
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, par: ParallelismConfig, micro_batch_size: int, seq_len: int,
+                    micro_batches: int | None = None, param_precision: str = "fp32") -> "CostModel":
+        return cls(model=model, tp=par.tp, pp=par.pp, dp=par.dp, micro_batch_size=micro_batch_size,
+                   seq_len=seq_len, micro_batches=micro_batches or par.pp, schedule=par.pp_schedule,
+                   recompute=par.recompute, sequence_parallel=par.sequence_parallel and par.tp > 1,
+                   recompute_allgather=par.tp_recompute_allgather, zero1=par.zero1, param_precision=param_precision)
+
+    # --- shapes ---------------------------------------------------------------------------
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    @property
+    def local_vocab(self) -> int:
+        return math.ceil(self.model.vocab_size / self.tp)
+
+    @property
+    def _sp(self) -> int:
+        """Divisor of the sequence-parallel regions (norm inputs, stage boundary)."""
+        return self.tp if self.sequence_parallel else 1
+
+    @property
+    def _gathered(self) -> int:
+        """Divisor of the column-linear inputs saved for backward: only the local sequence
+        shard when the all-gather is recomputed in backward, else the gathered sequence."""
+        return self.tp if self.sequence_parallel and self.recompute_allgather else 1
+
+    # --- parameters (per rank) ------------------------------------------------------------
+
+    def block_matmul_params(self) -> int:
+        m = self.model
+        kv = m.n_kv_heads * m.head_dim
+        return m.d_model * (m.d_model + 2 * kv) + m.d_model * m.d_model + 3 * m.d_model * m.ffn_dim
+
+    def block_params(self) -> int:
+        return self.block_matmul_params() // self.tp + 2 * self.model.d_model
+
+    def embedding_params(self) -> int:
+        return self.local_vocab * self.model.d_model
+
+    def head_params(self) -> int:
+        """Head and final norm. With tied embeddings and pp == 1 the head is the embedding."""
+        tied_here = self.model.tie_embeddings and self.pp == 1
+        return (0 if tied_here else self.local_vocab * self.model.d_model) + self.model.d_model
+
+    def stage_params(self, stage: int, n_blocks: int) -> int:
+        return (n_blocks * self.block_params() + (self.embedding_params() if stage == 0 else 0)
+                + (self.head_params() if stage == self.pp - 1 else 0))
+
+    # --- compute ----------------------------------------------------------------------------
+
+    def block_flops(self) -> float:
+        """Training FLOPs of one block for one micro-batch on one rank."""
+        m, t = self.model, self.tokens
+        matmul = 2 * t * self.block_matmul_params() / self.tp
+        attention = 2 * t * self.seq_len * m.d_model / self.tp
+        extra = {"none": 0.0, "selective": attention, "full": matmul + attention}[self.recompute]
+        return 3 * (matmul + attention) + extra
+
+    def head_flops(self) -> float:
+        return 3 * 2 * self.tokens * self.model.d_model * self.local_vocab
+
+    def stage_flops(self, stage: int, n_blocks: int) -> float:
+        return n_blocks * self.block_flops() + (self.head_flops() if stage == self.pp - 1 else 0.0)
+
+    # --- memory -----------------------------------------------------------------------------
+
+    def layer_activation_bytes(self, recompute: str | None = None) -> float:
+        """Bytes one block saves for backward, per micro-batch, on one rank.
+
+        Per token, with B = 2 (bf16), t = tp, t_sp = t with sequence parallel (else 1), t_ag =
+        t when the all-gathered inputs are recomputed in backward (else 1):
+          none:      2 (B h + 4) / t_sp        two RMSNorm inputs + fp32 rstd
+                   + 2 B h / t_ag              QKV and gate/up linear inputs
+                   + B (h + 2 g d) / t         q, k, v (after RoPE) kept by attention
+                   + B h / t + 4 a / t         attention output (out-proj input), fp32 logsumexp
+                   + 2 B f / t + B f / t       fused SwiGLU input (gate|up), down-proj input
+          selective: none - 4 a / t            attention core recomputed from q, k, v: with
+                                               flash attention there is no s^2 term to save
+          full:      B h / t_sp                the block input only
+        Korthikanti's GPT count is 34 s b h (+5 a s^2 b without flash); ours is about
+        12 h + 4 g d + 6 f per token at t = 1, i.e. 33.5 h for Llama-3-70B.
+        """
+        recompute = recompute or self.recompute
+        m, t, b = self.model, self.tp, ACT_BYTES
+        h, f, heads = m.d_model, m.ffn_dim, m.n_heads
+        kv = m.n_kv_heads * m.head_dim
+        if recompute == "full":
+            per_token = b * h / self._sp
+        else:
+            per_token = (2 * (b * h + 4) / self._sp + 2 * b * h / self._gathered + b * (h + 2 * kv) / t
+                         + b * h / t + 3 * b * f / t)
+            if recompute == "none":
+                per_token += 4 * heads / t
+        return per_token * self.tokens
+
+    def head_activation_bytes(self) -> float:
+        """Saved by the last stage per micro-batch: final-norm input and rstd, the head input,
+        and the fp32 softmax that the vocabulary-parallel cross entropy keeps for backward."""
+        h = self.model.d_model
+        per_token = (ACT_BYTES * h + 4) / self._sp + ACT_BYTES * h / self._gathered + 4 * self.local_vocab
+        return per_token * self.tokens
+
+    def head_transient_bytes(self) -> float:
+        """bf16 logits and their fp32 upcast, alive together while the loss is computed."""
+        return (ACT_BYTES + 4) * self.tokens * self.local_vocab
+
+    def in_flight(self, stage: int) -> int:
+        if self.schedule == "afab":
+            return self.micro_batches
+        return min(self.pp - stage, self.micro_batches)
+
+    def stage_memory(self, stage: int, n_blocks: int) -> StageMemory:
+        params = self.stage_params(stage, n_blocks)
+        per = bytes_per_param(self.param_precision, self.dp, self.zero1)
+        acts = n_blocks * self.layer_activation_bytes()
+        transient = 0.0
+        if stage == self.pp - 1:
+            acts += self.head_activation_bytes()
+            transient = self.head_transient_bytes()
+        if stage == 0:
+            transient = max(transient, 4.0 * self.tokens * self.model.d_model)  # fp32 embedding output
+        if self.recompute == "full" and n_blocks:
+            transient += self.layer_activation_bytes("none")  # the block rebuilt for its backward
+        return StageMemory(params=params, weights=params * per.weight, grads=params * per.grad,
+                           optimizer=params * per.optimizer, cast=params * per.cast,
+                           activations_per_micro_batch=acts, in_flight=self.in_flight(stage),
+                           transient=transient)
+
+
+def ranges_from_counts(counts: list[int]) -> list[range]:
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [range(s, s + n) for s, n in zip(starts, counts)]
+
+
+def min_max_split(n_blocks: int, stages: int, cost: Callable[[int, int], float]) -> list[int]:
+    """Blocks per stage (each >= 1, summing to n_blocks) minimising max_p cost(p, n_p); ties
+    broken by the smaller sum of squared costs. Dynamic programming, O(stages x n_blocks^2)."""
+    if not 1 <= stages <= n_blocks:
+        raise ValueError(f"parallelism.pp: expected 1 <= pp <= n_layers={n_blocks}, got {stages}")
+    table = [[cost(p, n) for n in range(n_blocks + 1)] for p in range(stages)]
+    # best[used] = (rounded max, sum of squares, counts) over the stages placed so far
+    best: dict[int, tuple[float, float, tuple[int, ...]]] = {0: (0.0, 0.0, ())}
+    for p in range(stages):
+        left_after = stages - p - 1
+        nxt: dict[int, tuple[float, float, tuple[int, ...]]] = {}
+        for used, (worst, squares, counts) in best.items():
+            for n in range(1, n_blocks - used - left_after + 1):
+                c = table[p][n]
+                cand = (_rounded(max(worst, c)), squares + c * c, counts + (n,))
+                key = used + n
+                if key not in nxt or cand[:2] < nxt[key][:2]:
+                    nxt[key] = cand
+        best = nxt
+    return list(best[n_blocks][2])
+
+
+def _rounded(x: float) -> float:
+    return float(f"{x:.12g}")
+
+
+def explicit_split(pp_layers: list[int], n_layers: int, pp: int) -> list[range]:
+    if len(pp_layers) != pp:
+        raise ValueError(f"parallelism.pp_layers: expected {pp} entries (one per stage), got {len(pp_layers)}")
+    if sum(pp_layers) != n_layers or min(pp_layers) < 1:
+        raise ValueError(f"parallelism.pp_layers: expected positive entries summing to model.n_layers="
+                         f"{n_layers}, got {pp_layers}")
+    return ranges_from_counts(list(pp_layers))
+
+
+def split_layers(model_cfg: ModelConfig, par_cfg: ParallelismConfig, micro_batch_size: int, seq_len: int,
+                 *, micro_batches: int | None = None, policy: str = "memory", memory_weight: float = 0.5,
+                 param_precision: str = "fp32") -> list[range]:
+    """Global block indices of each pipeline stage: `par_cfg.pp_layers` when given, else the
+    split minimising the largest per-stage cost under `policy` (see the module docstring).
+
+    `micro_batches` (per dp rank and step) bounds the micro-batches in flight; default pp."""
+    if par_cfg.pp_layers:
+        return explicit_split(par_cfg.pp_layers, model_cfg.n_layers, par_cfg.pp)
+    return ranges_from_counts(split_counts(
+        CostModel.from_config(model_cfg, par_cfg, micro_batch_size, seq_len, micro_batches, param_precision),
+        policy, memory_weight))
+
+
+def split_counts(cm: CostModel, policy: str = "memory", memory_weight: float = 0.5) -> list[int]:
+    if policy not in POLICIES:
+        raise ValueError(f"split policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+    if not 0.0 <= memory_weight <= 1.0:
+        raise ValueError(f"split memory_weight: expected a value in [0, 1], got {memory_weight}")
+    n, pp = cm.model.n_layers, cm.pp
+    balanced = min_max_split(n, pp, cm.stage_flops)
+    if policy == "compute" or memory_weight == 0.0:
+        return balanced
+    c_ref = sum(cm.stage_flops(p, k) for p, k in enumerate(balanced)) / pp
+    m_ref = sum(cm.stage_memory(p, k).total for p, k in enumerate(balanced)) / pp
+
+    def cost(p: int, k: int) -> float:
+        return ((1 - memory_weight) * cm.stage_flops(p, k) / c_ref
+                + memory_weight * cm.stage_memory(p, k).total / m_ref)
+
+    return min_max_split(n, pp, cost)

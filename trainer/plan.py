@@ -1,0 +1,142 @@
+"""Predicted memory per rank and pipeline stage before a run (`doremi plan`), and whether it fits.
+
+Every tp x dp rank of one stage holds the same amounts (ZeRO-1 shards differ by rounding only),
+so a stage's row is also its per-rank number. The formulas are `trainer.parallel.split`'s:
+parameters by `BytesPerParam`, activations per block by `CostModel.layer_activation_bytes`,
+micro-batches in flight by the schedule. Not counted, and covered by `headroom`: the CUDA
+context, NCCL buffers, allocator fragmentation and the backward pass's gradient workspace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.config import TrainerConfig
+from trainer.parallel.split import CostModel, StageMemory, explicit_split, ranges_from_counts, split_counts
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    layers: range
+    memory: StageMemory
+    flops_per_micro_batch: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    gpus: int
+    gpu_memory_gb: float
+    headroom: float
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    seq_len: int
+    micro_batches: int
+    schedule: str
+    recompute: str
+    sequence_parallel: bool
+    recompute_allgather: bool
+    param_precision: str
+    split: str  # "explicit", "memory" or "compute"
+    layer_activation_bytes: float
+    stages: list[StagePlan]
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu_memory_gb * GIB * (1.0 - self.headroom)
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(s.memory.total for s in self.stages)
+
+    @property
+    def peak_stage(self) -> int:
+        return max(self.stages, key=lambda s: s.memory.total).stage
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.usable_bytes
+
+
+def plan_memory(cfg: TrainerConfig, gpus: int, gpu_memory_gb: float, *, split: str | None = None,
+                param_precision: str = "fp32", headroom: float = 0.10,
+                memory_weight: float = 0.5) -> Plan:
+    """Memory of every pipeline stage for `cfg` on `gpus` GPUs of `gpu_memory_gb` GiB each.
+
+    The layer split is `parallelism.pp_layers` when set, else the cost model's (`split`:
+    "memory" by default, or "compute"). Micro-batch size = global_batch_size / (dp x
+    micro_batches); sequence length = data.seq_len. `param_precision`: "fp32" (fp32 params
+    under bf16 autocast, our GPU path) or "bf16" (bf16 params, fp32 main grads and master
+    weights); see `trainer.parallel.split.BytesPerParam`."""
+    par, train = cfg.parallelism, cfg.train
+    if gpus != par.world_size:
+        raise ValueError(f"--gpus: expected tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {par.world_size} "
+                         f"for this config, got {gpus} (change parallelism.dp with --set)")
+    if gpu_memory_gb <= 0:
+        raise ValueError(f"--gpu-memory: expected a positive number of GiB, got {gpu_memory_gb}")
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"headroom: expected a fraction in [0, 1), got {headroom}")
+    per_rank = par.dp * train.micro_batches
+    if train.global_batch_size % per_rank:
+        raise ValueError(f"train.global_batch_size: expected a multiple of parallelism.dp x train.micro_batches "
+                         f"= {per_rank}, got {train.global_batch_size}")
+    cm = CostModel.from_config(cfg.model, par, train.global_batch_size // per_rank, cfg.data.seq_len,
+                               train.micro_batches, param_precision)
+    if par.pp_layers and split is None:
+        layers, how = explicit_split(par.pp_layers, cfg.model.n_layers, par.pp), "explicit"
+    else:
+        how = split or "memory"
+        layers = ranges_from_counts(split_counts(cm, how, memory_weight))
+    stages = [StagePlan(p, r, cm.stage_memory(p, len(r)), cm.stage_flops(p, len(r))) for p, r in enumerate(layers)]
+    return Plan(model=cfg.model.preset or "custom", gpus=gpus, gpu_memory_gb=gpu_memory_gb, headroom=headroom,
+                tp=par.tp, pp=par.pp, dp=par.dp, micro_batch_size=cm.micro_batch_size, seq_len=cm.seq_len,
+                micro_batches=train.micro_batches, schedule=par.pp_schedule, recompute=par.recompute,
+                sequence_parallel=cm.sequence_parallel, recompute_allgather=par.tp_recompute_allgather,
+                param_precision=param_precision, split=how,
+                layer_activation_bytes=cm.layer_activation_bytes(), stages=stages)
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f}"
+
+
+def format_plan(plan: Plan) -> str:
+    """A table, one row per pipeline stage (= per rank of that stage), sizes in GiB."""
+    p = plan
+    params = {"fp32": "fp32 params + bf16 autocast copy, fp32 grads, fp32 AdamW",
+              "bf16": "bf16 params, fp32 main grads, fp32 master + AdamW"}[p.param_precision]
+    head = [
+        f"model {p.model}: tp{p.tp} x pp{p.pp} x dp{p.dp} = {p.gpus} GPUs of {p.gpu_memory_gb:g} GiB",
+        f"micro-batch {p.micro_batch_size} x {p.seq_len} tokens, {p.micro_batches} micro-batches per dp rank, "
+        f"schedule {p.schedule}, recompute {p.recompute}, sequence parallel {'on' if p.sequence_parallel else 'off'}, "
+        f"recomputed all-gather {'on' if p.recompute_allgather else 'off'}",
+        f"{params}; optimizer state sharded over dp={p.dp} (ZeRO-1)",
+        f"layer split: {p.split}; activations per block per micro-batch {p.layer_activation_bytes / 2**20:.0f} MiB",
+        "",
+    ]
+    cols = ["stage", "layers", "params", "weights", "grads", "optim", "cast", "act/mb", "in-flight",
+            "activations", "transient", "total"]
+    rows = []
+    for s in p.stages:
+        m = s.memory
+        layers = f"{s.layers.start}-{s.layers.stop - 1} ({len(s.layers)})"
+        rows.append([str(s.stage), layers, f"{m.params / 1e9:.2f}B", _gib(m.weights), _gib(m.grads),
+                     _gib(m.optimizer), _gib(m.cast), _gib(m.activations_per_micro_batch), str(m.in_flight),
+                     _gib(m.activations), _gib(m.transient), _gib(m.total)])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+
+    verdict = "fits" if p.fits else "does NOT fit"
+    tail = [
+        "",
+        f"peak {_gib(p.peak_bytes)} GiB on stage {p.peak_stage}; usable {_gib(p.usable_bytes)} GiB "
+        f"({p.gpu_memory_gb:g} GiB less {p.headroom:.0%} headroom): {verdict}",
+    ]
+    return "\n".join(head + [line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows] + tail)
