@@ -1,0 +1,393 @@
+"""Sharded, atomic checkpoints that load into another (tp, pp, dp) layout.
+
+Layout of `RUN/checkpoints/step_0000042/`:
+- `model_pp{p}_tp{t}.pt`: {name: tensor}, the tp-local parameters of stage p, written once per
+  (tp, pp) position (by dp rank 0). The tied embedding's duplicate on the last stage is skipped.
+- `optim_pp{p}_tp{t}_dp{d}.pt`: {"kind", "state": {name: {key: tensor}}}, written by each rank
+  that holds optimizer state of its own: every owner under ZeRO-1, dp rank 0 otherwise.
+- `rng_rank{r}.pt`: each rank's torch (CPU and CUDA), numpy and python RNG states.
+- `extra.pt`: the caller's state (JSON-able values and tensors), from rank 0.
+- `meta.json`: format version, step, layout, optimizer kind, per parameter its full shape,
+  ShardSpec, dtype and file per saved tp rank, per parameter the optimizer file per tp rank, and
+  every file's size (a truncated file is reported as such).
+
+Atomicity: every rank writes into `step_XXXXXXX.tmp/`; after all have written, rank 0 writes
+`meta.json` and renames the directory. Only directories with `meta.json` and no `.tmp` suffix
+are checkpoints; rank 0 removes leftover `.tmp` directories before saving. All ranks must see
+one filesystem (shared storage across nodes).
+
+Resharding: every tensor is looked up by parameter name. When the saved tp equals the current
+tp a rank reads its own shard; otherwise it reads every saved tp shard, `unshard`s and `shard`s
+for its new tp rank. Optimizer state tensors shaped like the tp-local parameter get the same
+treatment; a state dimension of size 1 where the parameter is sharded (Adafactor's factored row
+or column statistic) is averaged over the old shards (exact for the mean it stores) and
+replicated to the new ones; scalars (the step count) come from tp rank 0. The dp layout and the
+ZeRO-1 partition may change freely (state is per whole parameter). RNG states are restored only
+when the layout is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from data.atomic import atomic_path, atomic_write_text
+from trainer.optim import ShardedOptimizer
+from trainer.parallel.clip import is_tied_duplicate
+from trainer.parallel.context import ParallelContext
+from trainer.parallel.shard import ShardSpec, get_shard_spec, shard, unshard
+
+FORMAT_VERSION = 1
+META = "meta.json"
+_STEP_DIR = re.compile(r"step_(\d{7,})")
+
+
+class CheckpointError(ValueError):
+    """A missing, incompatible or damaged checkpoint: one line naming the file or parameter."""
+
+
+# -- locating ---------------------------------------------------------------------------------
+
+def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
+
+
+def _complete(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    found = [d for d in root.iterdir() if _STEP_DIR.fullmatch(d.name) and (d / META).is_file()]
+    return sorted(found, key=lambda d: int(_STEP_DIR.fullmatch(d.name).group(1)))
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of a run directory (partial `.tmp` ones are ignored)."""
+    found = _complete(Path(run_dir) / "checkpoints")
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(path_or_run_dir: str | os.PathLike) -> Path:
+    p = Path(path_or_run_dir)
+    if (p / META).is_file():
+        return p
+    if (p / "checkpoints").is_dir():
+        latest = latest_checkpoint(p)
+        if latest is None:
+            raise CheckpointError(f"{p}: run directory has no complete checkpoint")
+        return latest
+    raise CheckpointError(f"{p}: no checkpoint found (expected a checkpoint directory with {META} or a run directory)")
+
+
+# -- saving -----------------------------------------------------------------------------------
+
+def _check_extra(value: Any, path: str = "extra") -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{path}: checkpoint keys must be str or int, got {type(k).__name__}")
+            _check_extra(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_extra(v, f"{path}[{i}]")
+    elif not (value is None or isinstance(value, (str, int, float, bool, torch.Tensor))):
+        raise TypeError(f"{path}: checkpoint extra state must be JSON-able values or tensors, "
+                        f"got {type(value).__name__}")
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`torch.save` writes a view's whole storage; copy views so each file holds only its tensors."""
+    t = t.detach()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+def _save(path: Path, obj: Any) -> None:
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, py_state, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "python": [version, list(py_state), py_gauss],
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, py_state, py_gauss = state["python"]
+    random.setstate((version, tuple(py_state), py_gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _spec_json(spec: ShardSpec | None) -> dict[str, Any] | None:
+    return None if spec is None else {"dim": spec.dim, "parts": list(spec.parts)}
+
+
+def _spec_from_json(js: dict[str, Any] | None) -> ShardSpec | None:
+    return None if js is None else ShardSpec(js["dim"], tuple(js["parts"]))
+
+
+def full_shape(param: torch.Tensor, tp: int) -> list[int]:
+    """The single-process shape of a tp-local parameter."""
+    shape = list(param.shape)
+    spec = get_shard_spec(param)
+    if spec is not None and tp > 1:
+        shape[spec.dim] = sum(spec.parts)
+    return shape
+
+
+def _gather_to_main(entry: dict[str, Any], pc: ParallelContext) -> list[dict[str, Any]]:
+    if pc.world_size == 1:
+        return [entry]
+    out: list[Any] | None = [None] * pc.world_size if pc.is_main else None
+    dist.gather_object(entry, out, dst=0)
+    return out or []
+
+
+def _write_rank_files(tmp: Path, model: torch.nn.Module, optimizer: ShardedOptimizer | None,
+                      pc: ParallelContext, extra: dict[str, Any]) -> dict[str, Any]:
+    pp, tp, dp = pc.pp_rank, pc.tp_rank, pc.dp_rank
+    entry: dict[str, Any] = {"pp": pp, "tp": tp, "params": {}, "optim": None}
+    if dp == 0:
+        file = f"model_pp{pp}_tp{tp}.pt"
+        named = [(n, p) for n, p in model.named_parameters() if not is_tied_duplicate(n, pc)]
+        _save(tmp / file, {n: _own_storage(p) for n, p in named})
+        entry["params"] = {n: {"shape": full_shape(p, pc.tp), "spec": _spec_json(get_shard_spec(p)),
+                               "dtype": str(p.dtype).removeprefix("torch."), "stage": pp, "file": file}
+                           for n, p in named}
+    if optimizer is not None and (optimizer.zero1 or dp == 0):
+        file = f"optim_pp{pp}_tp{tp}_dp{dp}.pt"
+        sd = optimizer.state_dict()
+        state = {n: {k: _own_storage(v) for k, v in s.items()}
+                 for n, s in sd["state"].items() if not is_tied_duplicate(n, pc)}
+        _save(tmp / file, {"kind": sd["kind"], "state": state})
+        entry["optim"] = {"file": file, "kind": sd["kind"], "names": sorted(state)}
+    _save(tmp / f"rng_rank{pc.rank}.pt", _rng_state(pc.device))
+    if pc.is_main:
+        _save(tmp / "extra.pt", extra)
+    return entry
+
+
+def _metadata(step: int, entries: list[dict[str, Any]], pc: ParallelContext, zero1: bool,
+              tmp: Path) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for e in entries:
+        for name, info in e["params"].items():
+            cur = params.setdefault(name, {k: info[k] for k in ("shape", "spec", "dtype", "stage")}
+                                    | {"files": [None] * pc.tp})
+            cur["files"][e["tp"]] = info["file"]
+    optim_files: dict[str, list[str | None]] = {}
+    kinds = {e["optim"]["kind"] for e in entries if e["optim"]}
+    for e in entries:
+        if e["optim"]:
+            for name in e["optim"]["names"]:
+                optim_files.setdefault(name, [None] * pc.tp)[e["tp"]] = e["optim"]["file"]
+    return {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "layout": {"tp": pc.tp, "pp": pc.pp, "dp": pc.dp},
+        "zero1": zero1,
+        "optimizer": kinds.pop() if kinds else None,
+        "params": dict(sorted(params.items())),
+        "optim_files": dict(sorted(optim_files.items())),
+        "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()},
+    }
+
+
+def _prune(root: Path, keep: int) -> None:
+    if keep > 0:
+        for old in _complete(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module,
+                    optimizer: ShardedOptimizer | None, pc: ParallelContext, extra: dict[str, Any],
+                    keep: int = 0) -> Path:
+    """Write this step's checkpoint from every rank (collective); keep the newest `keep`
+    (0: all). Returns the checkpoint directory."""
+    _check_extra(extra)
+    final = checkpoint_dir(run_dir, step)
+    root, tmp = final.parent, final.with_name(final.name + ".tmp")
+    if pc.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    pc.barrier()
+    entry = _write_rank_files(tmp, model, optimizer, pc, extra)
+    entries = _gather_to_main(entry, pc)
+    if pc.is_main:
+        zero1 = bool(optimizer is not None and optimizer.zero1)
+        meta = _metadata(step, entries, pc, zero1, tmp)
+        atomic_write_text(tmp / META, json.dumps(meta, indent=1))
+        if final.exists():
+            old = final.with_name(final.name + ".old.tmp")
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        _prune(root, keep)
+    pc.barrier()
+    return final
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+class _Reader:
+    """Opens each checkpoint file at most once (memory-mapped), checking its size first."""
+
+    def __init__(self, ck: Path, meta: dict[str, Any]):
+        self.ck, self.sizes, self.cache = ck, meta["files"], {}
+
+    def __call__(self, name: str) -> Any:
+        if name not in self.cache:
+            path = self.ck / name
+            if not path.is_file():
+                raise CheckpointError(f"{path}: checkpoint file missing")
+            size = path.stat().st_size
+            if name in self.sizes and size != self.sizes[name]:
+                raise CheckpointError(f"{path}: truncated or corrupted checkpoint file "
+                                      f"(expected {self.sizes[name]} bytes, found {size})")
+            try:
+                self.cache[name] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as e:
+                raise CheckpointError(f"{path}: corrupted checkpoint file ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        return self.cache[name]
+
+
+def _read_meta(ck: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((ck / META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{ck / META}: unreadable checkpoint metadata ({e})") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{ck / META}: checkpoint format {meta.get('format')!r}, "
+                              f"this code reads format {FORMAT_VERSION}")
+    return meta
+
+
+def _is_full(saved: ShardSpec | None, saved_tp: int) -> bool:
+    """The saved tensor is the whole parameter (replicated over tp, or saved at tp 1)."""
+    return saved is None or saved_tp == 1
+
+
+def _moves(saved: ShardSpec | None, spec: ShardSpec | None, saved_tp: int, pc: ParallelContext) -> bool:
+    """Whether this rank's tensor must be rebuilt from other tp ranks' shards; if not, it reads
+    its own (saved_tp == tp, same sharding) or the only one (replicated or saved at tp 1)."""
+    return not (_is_full(saved, saved_tp) or (saved_tp == pc.tp and saved == spec))
+
+
+def _own_source(saved: ShardSpec | None, saved_tp: int, pc: ParallelContext) -> int:
+    return 0 if _is_full(saved, saved_tp) else pc.tp_rank
+
+
+def _unshard_state(shards: list[torch.Tensor], saved: ShardSpec, saved_local: int) -> torch.Tensor:
+    """A state tensor of the full parameter from its saved tp shards. `saved_local`: the saved
+    tp-local parameter's size along the shard dimension."""
+    t = shards[0]
+    if t.ndim == 0:
+        return t
+    if t.shape[saved.dim] == saved_local:
+        return unshard(shards, saved)
+    if t.shape[saved.dim] == 1:
+        return torch.stack(shards).mean(dim=0)
+    raise CheckpointError(f"optimizer state of shape {tuple(t.shape)} does not follow its parameter's "
+                          f"sharding along dim {saved.dim}")
+
+
+def _shard_state(full: torch.Tensor, spec: ShardSpec | None, shape: list[int], pc: ParallelContext) -> torch.Tensor:
+    """This tp rank's slice of a full-parameter state tensor; one reduced (size 1) along the
+    shard dimension is replicated."""
+    if spec is None or full.ndim == 0 or full.shape[spec.dim] != shape[spec.dim]:
+        return full
+    return shard(full, spec, pc.tp_rank, pc.tp)
+
+
+def _check_param(name: str, param: torch.Tensor, info: dict[str, Any] | None, ck: Path, pc: ParallelContext) -> None:
+    if info is None:
+        raise CheckpointError(f"{ck}: checkpoint has no parameter {name!r}")
+    want = full_shape(param, pc.tp)
+    if list(info["shape"]) != want:
+        raise CheckpointError(f"{ck}: parameter {name!r} has shape {tuple(info['shape'])} in the checkpoint, "
+                              f"the model expects {tuple(want)}")
+
+
+def _load_param(name: str, param: torch.Tensor, info: dict[str, Any], saved_tp: int, read: _Reader,
+                pc: ParallelContext) -> torch.Tensor:
+    saved, spec = _spec_from_json(info["spec"]), get_shard_spec(param)
+    if not _moves(saved, spec, saved_tp, pc):
+        own = read(info["files"][_own_source(saved, saved_tp, pc)])[name]
+        return shard(own, spec, pc.tp_rank, pc.tp) if _is_full(saved, saved_tp) else own
+    full = unshard([read(f)[name] for f in info["files"]], saved)
+    return shard(full, spec, pc.tp_rank, pc.tp)
+
+
+def _load_optimizer(optimizer: ShardedOptimizer, meta: dict[str, Any], read: _Reader, ck: Path,
+                    pc: ParallelContext) -> None:
+    if meta["optimizer"] is None:
+        raise CheckpointError(f"{ck}: checkpoint has no optimizer state")
+    if meta["optimizer"] != optimizer.kind:
+        raise CheckpointError(f"{ck}: optimizer state is {meta['optimizer']!r}, the run uses {optimizer.kind!r}")
+    saved_tp = meta["layout"]["tp"]
+    specs = {n: get_shard_spec(p) for n, p in optimizer.local}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for name in optimizer.owned_names():
+        files = meta["optim_files"].get(name)
+        if files is None:
+            raise CheckpointError(f"{ck}: checkpoint has no optimizer state for parameter {name!r}")
+        info = meta["params"][name]
+        saved, spec = _spec_from_json(info["spec"]), specs[name]
+        if not _moves(saved, spec, saved_tp, pc):
+            own = read(files[_own_source(saved, saved_tp, pc)])["state"][name]
+            state[name] = {k: _shard_state(v, spec, info["shape"], pc) if _is_full(saved, saved_tp) else v
+                           for k, v in own.items()}
+            continue
+        per_tp = [read(f)["state"][name] for f in files]
+        saved_local = info["shape"][saved.dim] // saved_tp
+        state[name] = {k: _shard_state(_unshard_state([s[k] for s in per_tp], saved, saved_local), spec,
+                                       info["shape"], pc)
+                       for k in per_tp[0]}
+    # Tensors read from a checkpoint are memory-mapped from its files: give the optimizer its own.
+    state = {n: {k: v.clone() if v.device == pc.device else v for k, v in s.items()} for n, s in state.items()}
+    optimizer.load_state_dict({"kind": optimizer.kind, "state": state})
+
+
+def load_checkpoint(path_or_run_dir: str | os.PathLike, model: torch.nn.Module,
+                    optimizer: ShardedOptimizer | None, pc: ParallelContext) -> dict[str, Any]:
+    """Load parameters (and the optimizer state unless None) into this rank's stage under its
+    current layout; restore RNG states when the layout is unchanged. Returns the saved `extra`."""
+    ck = resolve_checkpoint(path_or_run_dir)
+    meta = _read_meta(ck)
+    read = _Reader(ck, meta)
+    saved_tp = meta["layout"]["tp"]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            info = meta["params"].get(name)
+            _check_param(name, param, info, ck, pc)
+            param.copy_(_load_param(name, param, info, saved_tp, read, pc))
+    if optimizer is not None:
+        _load_optimizer(optimizer, meta, read, ck, pc)
+    if meta["layout"] == {"tp": pc.tp, "pp": pc.pp, "dp": pc.dp}:
+        _set_rng_state(read(f"rng_rank{pc.rank}.pt"), pc.device)
+    return read("extra.pt")

@@ -1,0 +1,61 @@
+"""Gradient-norm clipping over the whole model, under any (tp, pp, dp) layout.
+
+The total norm is the L2 norm of the full (single-process) model's gradient, each element
+counted once: every rank adds the squares of the gradients it is responsible for, and one
+all-reduce sums them over the world. A rank is responsible for a parameter when
+- it is not the tied duplicate of the embedding (`embed.weight` on a stage other than the first
+  when pp > 1: its gradient was summed with the first stage's, which counts it),
+- it is tp-sharded (each tp rank holds a distinct slice), or replicated over tp and this is tp
+  rank 0,
+- this is its dp owner (`trainer.parallel.data.get_dp_owner`, set by the optimizer; with ZeRO-1
+  only the owner holds the reduced gradient), or dp rank 0 when the parameter has no owner.
+The scale factor is applied to every gradient present on the rank, duplicates included, so
+what the optimizer uses is clipped. Semantics follow `torch.nn.utils.clip_grad_norm_`:
+coefficient min(1, max_norm / (norm + 1e-6)). No host synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from trainer.parallel.context import ParallelContext
+from trainer.parallel.data import get_dp_owner
+from trainer.parallel.shard import get_shard_spec
+
+TIED_EMBEDDING = "embed.weight"
+
+
+def is_tied_duplicate(name: str, pc: ParallelContext) -> bool:
+    """The last stage's copy of the tied embedding (pp > 1): a duplicate of the first stage's."""
+    return name == TIED_EMBEDDING and pc.pp > 1 and not pc.is_first_stage
+
+
+def counts_here(name: str, param: torch.Tensor, pc: ParallelContext) -> bool:
+    if is_tied_duplicate(name, pc):
+        return False
+    if pc.tp > 1 and get_shard_spec(param) is None and pc.tp_rank != 0:
+        return False
+    owner = get_dp_owner(param)
+    return pc.dp_rank == (0 if owner is None else owner)
+
+
+def clip_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], max_norm: float,
+                   pc: ParallelContext) -> torch.Tensor:
+    """Clip in place when max_norm > 0; return the global total norm (fp32 0-dim tensor on the
+    device). Call after the tp/tied syncs and the dp reduction."""
+    grads = [p.grad for _, p in named_params if p.grad is not None]
+    counted = [p.grad for n, p in named_params if p.grad is not None and counts_here(n, p, pc)]
+    sq = torch.zeros((), dtype=torch.float32, device=pc.device)
+    if counted:
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in counted])
+        sq = sq + torch.stack(norms).square().sum().to(pc.device)
+    if pc.world_size > 1:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    total = sq.sqrt()
+    if max_norm > 0 and grads:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total

@@ -1,0 +1,171 @@
+"""Data parallelism: gradient reduction over the dp group and the ZeRO-1 parameter partition.
+
+Gradients are SUMMED over dp ranks, never averaged: the loss weights already carry the global
+normalisation (`trainer.weighting`). Reductions run once per optimizer step, after every
+micro-batch's backward, over flattened buckets (fewer, larger collectives), with at most a
+couple of buckets in flight so the extra memory is bounded by the bucket size, not the model.
+
+ZeRO-1 (Rajbhandari et al. 2020, stage 1) here is parameter-granular: each parameter's optimizer
+state lives on one dp rank, its *owner*, chosen by a deterministic greedy size balance. The
+gradient is reduced to the owner only (non-owners drop theirs), the owner updates the parameter,
+then broadcasts it. Whole parameters keep Adafactor's factored (row, column) state intact and
+make the optimizer state in a checkpoint per parameter, so it reshards by name.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from trainer.parallel.context import ParallelContext, grid_rank
+
+#: Elements per flattened bucket (64 MiB of fp32).
+DEFAULT_BUCKET_NUMEL = 1 << 24
+_MAX_IN_FLIGHT = 2
+_OWNER_ATTR = "_dp_owner"
+
+
+def partition_params(sizes: Sequence[int], parts: int) -> list[int]:
+    """Owner (0..parts-1) of each parameter: largest first onto the least-loaded part, ties to the
+    lower index, so every dp rank computes the same answer from the same shapes."""
+    load = [0] * parts
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owner = min(range(parts), key=lambda r: (load[r], r))
+        owners[i] = owner
+        load[owner] += sizes[i]
+    return owners
+
+
+def set_dp_owner(param: torch.Tensor, owner: int | None) -> None:
+    """Record which dp rank counts this parameter's reduced gradient (see `clip_grad_norm`)."""
+    setattr(param, _OWNER_ATTR, owner)
+
+
+def get_dp_owner(param: torch.Tensor) -> int | None:
+    return getattr(param, _OWNER_ATTR, None)
+
+
+def buckets(params: Sequence[torch.Tensor], max_numel: int = DEFAULT_BUCKET_NUMEL) -> list[list[torch.Tensor]]:
+    """Consecutive runs of params of one dtype and device, each run at most `max_numel` elements
+    (a larger parameter gets a bucket of its own)."""
+    out: list[list[torch.Tensor]] = []
+    cur: list[torch.Tensor] = []
+    size = 0
+    for p in params:
+        if cur and (p.dtype != cur[0].dtype or p.device != cur[0].device or size + p.numel() > max_numel):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += p.numel()
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _flat_grads(bucket: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+
+
+def _unflatten(flat: torch.Tensor, bucket: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.view_as(p) for t, p in zip(torch.split(flat, [p.numel() for p in bucket]), bucket)]
+
+
+def _pipelined(items: list[list[torch.Tensor]],
+               launch: Callable[[list[torch.Tensor]], tuple[torch.Tensor, dist.Work | None]],
+               finish: Callable[[list[torch.Tensor], torch.Tensor], None]) -> None:
+    """Launch an async collective per bucket, keeping at most `_MAX_IN_FLIGHT` outstanding."""
+    pending: deque = deque()
+    for bucket in items:
+        flat, work = launch(bucket)
+        pending.append((bucket, flat, work))
+        if len(pending) > _MAX_IN_FLIGHT:
+            _complete(pending.popleft(), finish)
+    while pending:
+        _complete(pending.popleft(), finish)
+
+
+def _complete(entry: tuple, finish: Callable) -> None:
+    bucket, flat, work = entry
+    if work is not None:
+        work.wait()
+    finish(bucket, flat)
+
+
+def _copy_into_grads(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
+    for p, g in zip(bucket, _unflatten(flat, bucket)):
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+
+
+def all_reduce_grads(params: Sequence[torch.Tensor], pc: ParallelContext,
+                     bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+    """Sum every parameter's gradient over the dp group, in place (a missing grad counts as 0)."""
+    if pc.dp == 1:
+        return
+
+    def launch(bucket):
+        flat = _flat_grads(bucket)
+        return flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pc.dp_group, async_op=True)
+
+    _pipelined(buckets(params, bucket_numel), launch, _copy_into_grads)
+
+
+def owner_global_rank(owner: int, pc: ParallelContext) -> int:
+    return grid_rank(pc.pp_rank, owner, pc.tp_rank, pc.tp, pc.dp)
+
+
+def _by_owner(params: Sequence[torch.Tensor], owners: Sequence[int], dp: int) -> list[list[torch.Tensor]]:
+    return [[p for p, o in zip(params, owners) if o == r] for r in range(dp)]
+
+
+def reduce_grads_to_owners(params: Sequence[torch.Tensor], owners: Sequence[int], pc: ParallelContext,
+                           bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+    """Sum each gradient over dp onto its owner; non-owners drop their (partial) gradients."""
+    if pc.dp == 1:
+        return
+    for owner, mine in enumerate(_by_owner(params, owners, pc.dp)):
+        dst = owner_global_rank(owner, pc)
+
+        def launch(bucket, dst=dst):
+            flat = _flat_grads(bucket)
+            return flat, dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=pc.dp_group, async_op=True)
+
+        def finish(bucket, flat, owner=owner):
+            if owner == pc.dp_rank:
+                _copy_into_grads(bucket, flat)
+            else:
+                for p in bucket:
+                    p.grad = None
+
+        _pipelined(buckets(mine, bucket_numel), launch, finish)
+
+
+@torch.no_grad()
+def broadcast_from_owners(params: Sequence[torch.Tensor], owners: Sequence[int], pc: ParallelContext,
+                          bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+    """After the owners' update, every dp rank receives each parameter from its owner."""
+    if pc.dp == 1:
+        return
+    for owner, mine in enumerate(_by_owner(params, owners, pc.dp)):
+        src = owner_global_rank(owner, pc)
+        sending = owner == pc.dp_rank
+
+        def launch(bucket, src=src, sending=sending):
+            if sending:
+                flat = torch.cat([p.detach().reshape(-1) for p in bucket])
+            else:
+                flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            return flat, dist.broadcast(flat, src=src, group=pc.dp_group, async_op=True)
+
+        def finish(bucket, flat, sending=sending):
+            if not sending:
+                for p, v in zip(bucket, _unflatten(flat, bucket)):
+                    p.copy_(v)
+
+        _pipelined(buckets(mine, bucket_numel), launch, finish)
