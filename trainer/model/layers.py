@@ -1,0 +1,129 @@
+"""Llama building blocks that know nothing of parallelism: RMSNorm, RoPE (with the Llama-3
+frequency scaling), the fused SwiGLU and the attention core. Activations are [s, b, ...]."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """Zhang & Sennrich 2019, through the fused `F.rms_norm`. With sequence parallel the weight
+    sees only this rank's part of the sequence: its gradient is summed over tp later."""
+
+    def __init__(self, dim: int, eps: float, sequence_parallel: bool = False,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+        if sequence_parallel:
+            self.weight._sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+# -- RoPE ---------------------------------------------------------------------------------------
+
+def llama3_scaled_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                              high_freq_factor: float, original_max_position: int) -> torch.Tensor:
+    """Llama 3.1 RoPE scaling: wavelengths longer than original_max / low_freq_factor are
+    stretched by `factor`, those shorter than original_max / high_freq_factor are kept, and the
+    band in between is interpolated linearly in original_max / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = original_max_position / low_freq_factor
+    high_wavelen = original_max_position / high_freq_factor
+    smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(medium, interpolated, out)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, scaling=None,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [seq_len, head_dim / 2] in fp32 for the rotate-half RoPE convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_scaled_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
+                                             scaling.high_freq_factor, scaling.original_max_position)
+    freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [s, b, heads, head_dim]; cos, sin [s, head_dim / 2] (Su et al. 2021, rotate-half)."""
+    cos = cos[:, None, None, :].to(x.dtype)
+    sin = sin[:, None, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# -- SwiGLU -------------------------------------------------------------------------------------
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up from the fused projection [..., 2f] = [gate | up]. Saves only that input:
+    the activation silu(gate) is recomputed in backward instead of being kept."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        ctx.save_for_backward(gate_up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g):
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        d_gate = torch.ops.aten.silu_backward(g * up, gate)
+        d_up = g * F.silu(gate)
+        return torch.cat([d_gate, d_up], dim=-1)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    return _SwiGLU.apply(gate_up)
+
+
+def per_token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                            ignore_index: int) -> torch.Tensor:
+    """Unsharded per-token cross entropy in fp32 over the first `vocab_size` columns: the form
+    torch.compile fuses with the head (eager, the vocabulary-parallel one keeps less memory)."""
+    z = logits[..., :vocab_size].float()
+    return F.cross_entropy(z.reshape(-1, z.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+                           reduction="none").view(target.shape)
+
+
+# -- attention core -----------------------------------------------------------------------------
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attention(requested: str, device: torch.device) -> str:
+    """`auto`: flash-attn on CUDA when installed, else SDPA. `flash` without it is an error."""
+    if requested == "sdpa":
+        return "sdpa"
+    available = device.type == "cuda" and flash_attn_available()
+    if requested == "flash" and not available:
+        raise ValueError(f"model.attention: 'flash' needs CUDA and the flash_attn package "
+                         f"(device {device.type}, flash_attn installed: {flash_attn_available()})")
+    if requested not in ("auto", "flash"):
+        raise ValueError(f"model.attention: expected auto, sdpa or flash, got {requested!r}")
+    return "flash" if available else "sdpa"
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
+    """q [s, b, h, hd], k and v [s, b, kv, hd] (grouped-query when kv < h) -> [s, b, h * hd]."""
+    s, b, h, hd = q.shape
+    if impl == "flash" and q.dtype in (torch.float16, torch.bfloat16):
+        from flash_attn import flash_attn_func
+
+        out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True)
+        return out.transpose(0, 1).reshape(s, b, h * hd)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != h)
+    return out.permute(2, 0, 1, 3).reshape(s, b, h * hd)

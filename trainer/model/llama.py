@@ -1,0 +1,253 @@
+"""The Llama model as pipeline stages, tensor-parallel inside.
+
+Architecture (numerically the same as shared/bench/plain_llama.py): token embedding, blocks of
+pre-norm attention (RMSNorm, fused QKV [q | k | v] with grouped-query attention, rotate-half
+RoPE with configurable theta and Llama-3 frequency scaling, causal SDPA or flash-attn, output
+projection) and pre-norm SwiGLU (fused [gate | up] projection, silu(gate) * up, down
+projection), a final RMSNorm and an LM head (optionally tied to the embedding), no biases.
+
+Layout: activations are [s, b, d]; the tensor passed between pipeline stages is [s, b, d], or
+[s / tp, b, d] (this rank's sequence shard) under sequence parallel. Per-token losses come out
+as [b, s] in fp32.
+
+Parameter names are the single-process ones whatever the layout: `embed.weight`,
+`layers.<global index>.{attn_norm,attn.qkv,attn.out,mlp_norm,mlp.gate_up,mlp.down}.weight`,
+`norm.weight`, `head.weight`. With tied embeddings the head is `embed.weight` (a duplicate on
+the last stage when pp > 1, kept equal by `sync_tied_grads`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from trainer.configtools import ConfigError
+from trainer.model.init import init_parameters
+from trainer.model.layers import (
+    RMSNorm,
+    apply_rope,
+    causal_attention,
+    per_token_cross_entropy,
+    resolve_attention,
+    rope_tables,
+    swiglu,
+)
+from trainer.parallel.context import ParallelContext
+from trainer.parallel.tensor import (
+    IGNORE_INDEX,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    gather_last_dim,
+    padded_vocab_size,
+    vocab_parallel_cross_entropy,
+)
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def _checkpoint(fn, *args):
+    # No dropout anywhere: no RNG state to replay.
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, tp: TensorParallel, impl: str, device=None):
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.local_heads = cfg.n_heads // tp.size
+        self.local_kv_heads = cfg.n_kv_heads // tp.size
+        self.impl = impl
+        self.recompute_core = False
+        self.qkv = ColumnParallelLinear(cfg.d_model, (cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd),
+                                        tp, device=device)
+        self.out = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, tp, device=device)
+
+    def core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE and causal attention: [s, b, (h + 2 kv) hd / tp] -> [s, b, h hd / tp]."""
+        s, b, _ = qkv.shape
+        hd, h, kv = self.head_dim, self.local_heads, self.local_kv_heads
+        q, k, v = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
+        q = apply_rope(q.view(s, b, h, hd), cos, sin)
+        k = apply_rope(k.view(s, b, kv, hd), cos, sin)
+        return causal_attention(q, k, v.view(s, b, kv, hd), self.impl)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        a = _checkpoint(self.core, qkv, cos, sin) if self.recompute_core else self.core(qkv, cos, sin)
+        return self.out(a)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, tp: TensorParallel, device=None):
+        super().__init__()
+        self.gate_up = ColumnParallelLinear(cfg.d_model, (cfg.ffn_dim, cfg.ffn_dim), tp, device=device)
+        self.down = RowParallelLinear(cfg.ffn_dim, cfg.d_model, tp, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(swiglu(self.gate_up(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm attention + SwiGLU. `recompute` (per block): `none`; `selective` recomputes the
+    attention core (RoPE + attention) in backward; `full` keeps only the block input."""
+
+    def __init__(self, cfg, tp: TensorParallel, impl: str, recompute: str = "none", compile: bool = False,
+                 device=None):
+        super().__init__()
+        sp = tp.sequence_parallel
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp, device=device)
+        self.attn = Attention(cfg, tp, impl, device=device)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp, device=device)
+        self.mlp = MLP(cfg, tp, device=device)
+        self.recompute = recompute
+        self._compiled = torch.compile(self.body) if compile else None
+
+    @property
+    def recompute(self) -> str:
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, mode: str) -> None:
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"parallelism.recompute: expected one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+        self._recompute = mode
+        self.attn.recompute_core = mode == "selective"
+
+    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        body = self._compiled or self.body
+        return _checkpoint(body, x, cos, sin) if self._recompute == "full" else body(x, cos, sin)
+
+
+class LlamaStage(nn.Module):
+    """The blocks `layers` (global indices) of one pipeline stage, with the embedding on the
+    first stage and the final norm, head and loss on the last. See the module docstring."""
+
+    def __init__(self, cfg, tp: TensorParallel, layers: range, is_first: bool, is_last: bool,
+                 recompute: str = "none", device: torch.device | str | None = None):
+        super().__init__()
+        device = torch.device(device or "cpu")
+        self.cfg = cfg
+        self.tp = tp
+        self.is_first, self.is_last = is_first, is_last
+        self.tie_embeddings = cfg.tie_embeddings
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, tp.size)
+        impl = resolve_attention(cfg.attention, device)
+        compile_blocks = bool(cfg.compile) and device.type == "cuda"
+        if is_first or (is_last and cfg.tie_embeddings):
+            self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, tp, device=device)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, impl, recompute, compile_blocks, device=device)
+                                     for i in layers})
+        if is_last:
+            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, tp.sequence_parallel, device=device)
+            if not cfg.tie_embeddings:
+                self.head = ColumnParallelLinear(cfg.d_model, (self.padded_vocab,), tp, device=device)
+        # tp = 1 and compiled: the head and a plain cross entropy fuse into one graph.
+        self._fused_loss = compile_blocks and tp.size == 1
+        self._losses = torch.compile(self.head_losses) if self._fused_loss else self.head_losses
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # -- the inter-stage tensor ------------------------------------------------------------
+    def activation_shape(self, batch_size: int, seq_len: int) -> tuple[int, ...]:
+        tp = self.tp
+        if tp.sequence_parallel and seq_len % tp.size:
+            raise ValueError(f"sequence parallel: sequence length {seq_len} is not divisible by tp={tp.size}")
+        return (seq_len // tp.size if tp.sequence_parallel else seq_len, batch_size, self.cfg.d_model)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return next((p.dtype for p in self.parameters()), torch.get_default_dtype())
+
+    # -- forward ---------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = x.shape[0] * (self.tp.size if self.tp.sequence_parallel else 1)
+        if seq > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.rope_cos.shape[0]}")
+        return self.rope_cos[:seq], self.rope_sin[:seq]
+
+    def hidden(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        """This stage's blocks applied to its input: [s(/tp), b, d]."""
+        if self.is_first:
+            x = self.embed(batch["input_ids"])
+        elif hidden is None:
+            raise ValueError("LlamaStage.forward: a stage after the first needs the previous stage's hidden states")
+        else:
+            x = hidden
+        cos, sin = self._rope(x)
+        for block in self.layers.values():
+            x = block(x, cos, sin)
+        return x
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.tie_embeddings else self.head.weight
+
+    def _local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[s, b, padded_vocab / tp]: this rank's vocabulary slice over the full sequence."""
+        return column_parallel_linear(self.norm(x), self._head_weight(), self.tp)
+
+    def head_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Final norm, head and per-token cross entropy: [s(/tp), b, d], [b, s] -> [b, s] fp32."""
+        logits, target = self._local_logits(x), labels.t()
+        if self._fused_loss:
+            losses = per_token_cross_entropy(logits, target, self.cfg.vocab_size, IGNORE_INDEX)
+        else:
+            losses = vocab_parallel_cross_entropy(logits, target, self.tp, self.cfg.vocab_size, IGNORE_INDEX)
+        return losses.t().contiguous()
+
+    def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        """Hidden states for the next stage, or on the last stage per-token losses [b, s] (fp32,
+        0 where labels == -100), identical on every tp rank."""
+        x = self.hidden(hidden, batch)
+        return self._losses(x, batch["labels"]) if self.is_last else x
+
+    def logits(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        """Last stage: logits [b, s, vocab_size], gathered over tp (for eval and tests)."""
+        if not self.is_last:
+            raise ValueError("LlamaStage.logits: only the last pipeline stage has the head")
+        local = self._local_logits(self.hidden(hidden, batch))
+        return gather_last_dim(local, self.tp)[..., : self.cfg.vocab_size].transpose(0, 1)
+
+
+def _check_layout(cfg, tp: int, layers: range) -> None:
+    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(cfg, name) % tp:
+            raise ConfigError(f"parallelism.tp: expected a divisor of model.{name}={getattr(cfg, name)}, got {tp}")
+    if layers.step != 1 or layers.start < 0 or layers.stop > cfg.n_layers or layers.start > layers.stop:
+        raise ConfigError(f"build_stage: layers {layers} are not a contiguous range within "
+                          f"model.n_layers={cfg.n_layers}")
+
+
+def build_stage(cfg, par, pc: ParallelContext, layers: range, seed: int = 0) -> LlamaStage:
+    """This rank's pipeline stage (blocks `layers`), tp-sharded, initialised on pc.device as the
+    tp slice of the single-process model with the same seed."""
+    _check_layout(cfg, pc.tp, layers)
+    tp = TensorParallel.from_config(par, pc)
+    stage = LlamaStage(cfg, tp, layers, pc.is_first_stage, pc.is_last_stage, par.recompute, pc.device)
+    init_parameters(stage, cfg, seed, tp.rank, tp.size)
+    return stage
+
+
+class Llama(LlamaStage):
+    """The whole model as one stage (pp = 1): `Llama(cfg)(None, batch)` gives per-token losses."""
+
+    def __init__(self, cfg, par=None, pc: ParallelContext | None = None, seed: int = 0):
+        from trainer.config import ParallelismConfig
+
+        pc = pc or ParallelContext.single()
+        par = par or ParallelismConfig(tp=pc.tp)
+        if pc.pp != 1:
+            raise ConfigError(f"Llama: the whole model needs parallelism.pp=1, got {pc.pp}; use build_stage")
+        _check_layout(cfg, pc.tp, range(cfg.n_layers))
+        tp = TensorParallel.from_config(par, pc)
+        super().__init__(cfg, tp, range(cfg.n_layers), True, True, par.recompute, pc.device)
+        init_parameters(self, cfg, seed, tp.rank, tp.size)
