@@ -1,0 +1,5 @@
+import sys
+
+from doremi.cli import main
+
+sys.exit(main())

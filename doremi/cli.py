@@ -1,0 +1,157 @@
+"""`doremi <stage> CONFIG.yaml [--set a.b=value ...]`, the same under torchrun.
+
+Errors in the input are one line on stderr and exit status 2 (`--debug` shows the traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from data.errors import DataError
+    from doremi.history import HistoryError
+    from doremi.reference import DoReMiError
+    from trainer.configtools import ConfigError
+
+    return (ConfigError, DataError, DoReMiError, HistoryError)
+
+
+def _config(args: argparse.Namespace):
+    from doremi.config import ExperimentConfig
+    from trainer.config import load_config
+
+    return load_config(args.config, args.set, cls=ExperimentConfig)
+
+
+def _print_losses(domains: list[str], losses) -> None:
+    width = max(len(d) for d in domains + ["average"])
+    print(f"{'domain':<{width}}  val_loss")
+    for d, v in zip(domains, losses):
+        print(f"{d:<{width}}  {v:.4f}")
+    print(f"{'average':<{width}}  {float(sum(losses) / len(losses)):.4f}")
+    print(f"{'worst':<{width}}  {float(max(losses)):.4f}  ({domains[int(losses.argmax())]})")
+
+
+def cmd_preprocess(args):
+    from data.preprocess import preprocess
+
+    cfg = _config(args)
+    manifest = preprocess(cfg.data, force=args.force)
+    print(f"stores in {cfg.data.store_dir}: {len(manifest.domains)} domains")
+
+
+def cmd_train(args):
+    from doremi import stages
+
+    stages.train(_config(args))
+
+
+def cmd_train_reference(args):
+    from doremi import stages
+
+    stages.train_reference(_config(args))
+
+
+def cmd_train_proxy(args):
+    from doremi import stages
+
+    stages.train_proxy(_config(args))
+
+
+def cmd_score(args):
+    from doremi import stages
+
+    cfg = _config(args)
+    out = args.out or cfg.doremi.reference_cache or str(Path(cfg.train.run_dir) / "reference_cache")
+    print(f"reference losses cached in {stages.score(cfg, out)}")
+
+
+def cmd_average(args):
+    from doremi import stages
+
+    print(stages.average(args.run_dir, args.out, args.from_step))
+
+
+def cmd_eval(args):
+    from doremi import stages
+
+    domains, losses = stages.evaluate(args.checkpoint, args.set)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _print_losses(domains, losses)
+
+
+def cmd_plan(args):
+    from trainer.plan import format_plan, plan_memory
+
+    print(format_plan(plan_memory(_config(args), gpus=args.gpus, gpu_memory_gb=args.gpu_memory)))
+
+
+def cmd_pipeline(args):
+    from doremi.pipeline import run_pipeline
+
+    run_pipeline(args.config, args.set)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="doremi", description="DoReMi data mixing on a 3D-parallel Llama trainer")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(name: str, fn, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help)
+        sp.add_argument("config", help="experiment YAML file")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.steps=10")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    with_config("preprocess", cmd_preprocess, "tokenize each domain into token stores").add_argument(
+        "--force", action="store_true", help="rebuild even when the inputs are unchanged")
+    with_config("train", cmd_train, "train on data.domain_weights")
+    with_config("train-reference", cmd_train_reference, "train the DoReMi reference model")
+    with_config("train-proxy", cmd_train_proxy, "train the DoReMi proxy (Group DRO over domains)")
+    with_config("score", cmd_score, "cache per-token reference losses for the proxy's data").add_argument(
+        "--out", help="cache directory (default: doremi.reference_cache)")
+    sp = with_config("plan", cmd_plan, "predict memory per rank and pipeline stage")
+    sp.add_argument("--gpus", type=int, required=True)
+    sp.add_argument("--gpu-memory", type=float, required=True, help="GB per GPU")
+    with_config("pipeline", cmd_pipeline, "run every stage of an experiment, skipping finished ones")
+
+    sp = sub.add_parser("average", help="average a proxy's per-step domain weights")
+    sp.add_argument("run_dir")
+    sp.add_argument("--from-step", type=int, default=1)
+    sp.add_argument("--out", help="weights JSON path (default RUN_DIR/weights.json)")
+    sp.set_defaults(fn=cmd_average)
+
+    sp = sub.add_parser("eval", help="per-domain validation loss of a checkpoint")
+    sp.add_argument("checkpoint", help="run directory or checkpoint directory")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    sp.set_defaults(fn=cmd_eval)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except _user_errors() as e:
+        if args.debug:
+            raise
+        print(f"doremi {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

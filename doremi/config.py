@@ -1,0 +1,71 @@
+"""The `doremi` and `pipeline` sections, and `ExperimentConfig`: the trainer's sections plus these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trainer.config import TrainerConfig
+from trainer.configtools import ConfigError
+
+
+@dataclass
+class DoReMiConfig:
+    """DoReMi (Xie et al. 2023, Algorithm 1). DESIGN.md section 4 states every choice."""
+
+    eta: float = 1.0
+    smoothing: float = 1e-3
+    # Reference run directory (or a checkpoint directory) for `train-proxy` and `score`.
+    reference: str | None = None
+    # Weights the reference trains on: `uniform`, `tokens`, a weights JSON, or values.
+    reference_weights: str | list[float] | dict[str, float] = "uniform"
+    # The proxy's fixed sampling distribution (Algorithm 1: uniform over domains).
+    proxy_sampling: str | list[float] | dict[str, float] = "uniform"
+    # `reweight`: the loss is reweighted by alpha_t (the paper). `resample`: data drawn from alpha_t.
+    mode: Literal["reweight", "resample"] = "reweight"
+    # `exact`: alpha_t from this step's losses before any gradient (all-forward-all-backward).
+    # `lagged`: the gradient uses alpha_{t-1}, which allows 1F1B; a different algorithm.
+    update: Literal["exact", "lagged"] = "exact"
+    # Directory of cached per-token reference losses (`doremi score`); None: online reference.
+    reference_cache: str | None = None
+    average_from_step: int = 1
+
+    def validate(self, path: str = "doremi") -> None:
+        if self.eta < 0:
+            raise ConfigError(f"{path}.eta: expected >= 0, got {self.eta}")
+        if not 0 <= self.smoothing <= 1:
+            raise ConfigError(f"{path}.smoothing: expected a value in [0, 1], got {self.smoothing}")
+        if self.average_from_step < 1:
+            raise ConfigError(f"{path}.average_from_step: expected >= 1, got {self.average_from_step}")
+
+
+@dataclass
+class PipelineConfig:
+    """`doremi pipeline`: where the stages write, and what the main runs change."""
+
+    run_dir: str = "runs/experiment"
+    # Overrides (same shape as the experiment file) applied to the reference and proxy runs.
+    proxy: dict[str, Any] = field(default_factory=dict)
+    # Overrides applied to the main runs (typically a larger model, more steps).
+    main: dict[str, Any] = field(default_factory=dict)
+    # Mixtures the main runs train on besides DoReMi's: `uniform`, `tokens`, or weight JSON paths.
+    baselines: list[str] = field(default_factory=lambda: ["uniform", "tokens"])
+    # Iterated DoReMi: round r+1's reference weights are round r's averaged weights.
+    rounds: int = 1
+    # Stop iterating when the largest change in a domain weight is below this.
+    rounds_tolerance: float = 1e-3
+    # Skip the main runs (only tune the weights).
+    skip_main: bool = False
+
+    def validate(self, path: str = "pipeline") -> None:
+        if self.rounds < 1:
+            raise ConfigError(f"{path}.rounds: expected >= 1, got {self.rounds}")
+        for i, b in enumerate(self.baselines):
+            if not isinstance(b, str):
+                raise ConfigError(f"{path}.baselines[{i}]: expected a name or a path, got {b!r}")
+
+
+@dataclass
+class ExperimentConfig(TrainerConfig):
+    doremi: DoReMiConfig = field(default_factory=DoReMiConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)

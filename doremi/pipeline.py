@@ -1,0 +1,185 @@
+"""`doremi pipeline EXPERIMENT.yaml`: preprocess -> reference -> proxy -> average (x rounds) ->
+main runs (DoReMi weights and baselines) -> per-domain eval -> report.
+
+Each stage writes `stage.json` (its config fingerprint) when it completes; a stage whose output
+exists for an unchanged config is skipped, one whose config changed is redone from scratch,
+and one interrupted mid-way resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import yaml
+
+from data.atomic import atomic_write_text
+from doremi import stages
+from doremi.config import ExperimentConfig
+from trainer.configtools import apply_overrides, from_dict, read_yaml, to_dict
+from trainer.config import _apply_preset
+from trainer.metrics import read_jsonl
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _dependency(value: Any) -> str | None:
+    """The content a config value points at (a weights file, a finished stage), so that a stage
+    is redone when what it reads changed even though its config did not."""
+    if not isinstance(value, str):
+        return None
+    p = Path(value)
+    if p.is_file():
+        return p.read_text()
+    if (p / "stage.json").is_file():
+        return (p / "stage.json").read_text()
+    return None
+
+
+def fingerprint(cfg: ExperimentConfig) -> str:
+    raw = to_dict(cfg)
+    raw.pop("logging", None)
+    raw.pop("pipeline", None)
+    deps = [_dependency(v) for v in (cfg.data.domain_weights, cfg.doremi.reference_weights, cfg.doremi.reference)]
+    blob = json.dumps([raw, deps], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def is_main_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+class Pipeline:
+    def __init__(self, path: str | os.PathLike, overrides: list[str] | None = None,
+                 say: Callable[[str], None] | None = None):
+        self.raw = apply_overrides(read_yaml(path), list(overrides or []))
+        self.cfg = self._load(self.raw)
+        self.p = self.cfg.pipeline
+        self.root = Path(self.p.run_dir)
+        self.say = say or (lambda msg: print(msg, flush=True) if is_main_rank() else None)
+        self._t0 = time.perf_counter()
+
+    @staticmethod
+    def _load(raw: dict[str, Any]) -> ExperimentConfig:
+        raw = copy.deepcopy(raw)
+        _apply_preset(raw)
+        return from_dict(ExperimentConfig, raw)
+
+    def stage_config(self, section: dict[str, Any], **sets: Any) -> ExperimentConfig:
+        raw = deep_merge(self.raw, section)
+        raw = apply_overrides(raw, [f"{k.replace('__', '.')}={json.dumps(v)}" for k, v in sets.items()])
+        return self._load(raw)
+
+    # -- stage bookkeeping -------------------------------------------------------------------
+    def _run_stage(self, name: str, out: Path, cfg: ExperimentConfig | None, fn: Callable[[], Any]) -> Any:
+        marker = out / "stage.json" if out.suffix == "" else out.with_name(out.name + ".stage.json")
+        fp = fingerprint(cfg) if cfg is not None else "-"
+        if marker.is_file():
+            done = json.loads(marker.read_text())
+            if done.get("fingerprint") == fp:
+                self.say(f"[{self._elapsed()}] {name}: done already ({out}), skipped")
+                return done.get("result")
+            self.say(f"[{self._elapsed()}] {name}: config changed, redoing")
+            if is_main_rank():
+                marker.unlink()
+                if out.is_dir():
+                    shutil.rmtree(out)
+        self.say(f"[{self._elapsed()}] {name} ...")
+        result = fn()
+        if is_main_rank():
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(marker, json.dumps({"stage": name, "fingerprint": fp, "result": result}))
+        return result
+
+    def _elapsed(self) -> str:
+        s = int(time.perf_counter() - self._t0)
+        return f"{s // 60:02d}:{s % 60:02d}"
+
+    # -- the stages ----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from data.preprocess import preprocess
+
+        cfg = self.cfg
+        self._run_stage("preprocess", Path(cfg.data.store_dir), cfg,
+                        lambda: (preprocess(cfg.data, progress=is_main_rank()), None)[1])
+        weights_path = self.tune_weights()
+        results: dict[str, Any] = {"weights": str(weights_path)}
+        if not self.p.skip_main:
+            results["main"] = self.main_runs(weights_path)
+        return results
+
+    def tune_weights(self) -> Path:
+        ref_weights: Any = self.cfg.doremi.reference_weights
+        previous: np.ndarray | None = None
+        weights_path = self.root / "weights.json"
+        for r in range(1, self.p.rounds + 1):
+            rdir = self.root / f"round{r}"
+            ref_cfg = self.stage_config(self.p.proxy, train__run_dir=str(rdir / "reference"),
+                                        doremi__reference_weights=ref_weights)
+            self._run_stage(f"round {r}: reference", rdir / "reference", ref_cfg,
+                            lambda: (stages.train_reference(ref_cfg), None)[1])
+            proxy_cfg = self.stage_config(self.p.proxy, train__run_dir=str(rdir / "proxy"),
+                                          doremi__reference=str(rdir / "reference"),
+                                          doremi__reference_weights=ref_weights)
+            self._run_stage(f"round {r}: proxy", rdir / "proxy", proxy_cfg,
+                            lambda: (stages.train_proxy(proxy_cfg), None)[1])
+            avg_path = rdir / "weights.json"
+            self._run_stage(f"round {r}: average", avg_path, proxy_cfg,
+                            lambda: str(stages.average(rdir / "proxy", avg_path, proxy_cfg.doremi.average_from_step)))
+            weights = np.array(json.loads(avg_path.read_text())["weights"])
+            self.say(f"           weights: " + ", ".join(
+                f"{d}={w:.3f}" for d, w in zip(json.loads(avg_path.read_text())["domains"], weights)))
+            if is_main_rank():
+                atomic_write_text(weights_path, avg_path.read_text())
+            ref_weights = str(avg_path)
+            if previous is not None and np.abs(weights - previous).max() < self.p.rounds_tolerance:
+                self.say(f"           converged after round {r} (max change < {self.p.rounds_tolerance})")
+                break
+            previous = weights
+        return weights_path
+
+    def mixtures(self, weights_path: Path) -> dict[str, str]:
+        mix = {"doremi": str(weights_path)}
+        for b in self.p.baselines:
+            mix[Path(b).stem if b not in ("uniform", "tokens") else b] = b
+        return mix
+
+    def main_runs(self, weights_path: Path) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, weights in self.mixtures(weights_path).items():
+            run_dir = self.root / "main" / name
+            cfg = self.stage_config(self.p.main, train__run_dir=str(run_dir), data__domain_weights=weights)
+            self._run_stage(f"main run: {name}", run_dir, cfg, lambda: (stages.train(cfg, desc=f"main:{name}"), None)[1])
+            result = self._run_stage(f"eval: {name}", run_dir / "eval.json", cfg,
+                                     lambda: self._eval(run_dir))
+            out[name] = result
+        return out
+
+    def _eval(self, run_dir: Path) -> dict[str, Any]:
+        domains, losses = stages.evaluate(run_dir)
+        return {"domains": domains, "val_loss": [float(x) for x in losses]}
+
+
+def run_pipeline(path: str | os.PathLike, overrides: list[str] | None = None) -> dict[str, Any]:
+    pipe = Pipeline(path, overrides)
+    results = pipe.run()
+    if is_main_rank() and "main" in results:
+        from doremi.summary import summarize
+
+        print(summarize(pipe), flush=True)
+    return results

@@ -1,0 +1,94 @@
+"""Per-token reference losses for the proxy's micro-batches: from the frozen reference model
+run through the proxy's own parallel layout (online), or from a cache written by `doremi score`.
+
+The cache holds, per domain, a float32 array [num_train_sequences, seq_len] of per-token
+reference losses (NaN where not scored) indexed by the sequence's position in the domain's
+packed train stream, so it is independent of the layout, the batch size and the step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainer.build import autocast, build_model
+from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.config import TrainerConfig
+from trainer.parallel.context import ParallelContext
+from trainer.parallel.pipeline import forward_only
+
+CACHE_VERSION = 1
+
+
+class DoReMiError(ValueError):
+    """Bad DoReMi input: one line naming the file or key, what was expected and what was found."""
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run directory (its latest checkpoint) or a checkpoint directory."""
+    p = Path(path)
+    if (p / "checkpoints").is_dir():
+        ck = latest_checkpoint(p)
+        if ck is None:
+            raise DoReMiError(f"{p}: run directory has no complete checkpoint")
+        return ck
+    if p.is_dir():
+        return p
+    raise DoReMiError(f"{p}: reference checkpoint not found (expected a run directory or a checkpoint directory)")
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+
+
+def load_frozen(cfg: TrainerConfig, checkpoint: Path, pc: ParallelContext) -> torch.nn.Module:
+    """The reference model in `cfg`'s layout, loaded from any layout, frozen in eval mode."""
+    model = build_model(cfg, pc)
+    load_checkpoint(checkpoint, model, None, pc)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+class OnlineReference:
+    """Forward the frozen reference over the proxy's micro-batches (no grad, no activations)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, pc: ParallelContext):
+        self.model, self.pc = model, pc
+        self.autocast = autocast(cfg, pc.device)
+
+    def __call__(self, step: int, micro_batches: list[dict]) -> None:
+        with torch.inference_mode(), self.autocast:
+            losses = forward_only(self.model, micro_batches, self.pc)
+        for loss, b in zip(losses, micro_batches):
+            b["ref_loss"] = loss.float().clone()
+
+
+class CachedReference:
+    """Look the reference losses up by (domain, sequence index)."""
+
+    def __init__(self, cache_dir: str | Path, domains: list[str], seq_len: int, device: torch.device):
+        self.dir = Path(cache_dir)
+        meta_path = self.dir / "meta.json"
+        if not meta_path.is_file():
+            raise DoReMiError(f"{meta_path}: reference cache not found (run `doremi score` first)")
+        meta = json.loads(meta_path.read_text())
+        if meta.get("domains") != domains or meta.get("seq_len") != seq_len:
+            raise DoReMiError(f"{meta_path}: cache was built for domains {meta.get('domains')} and seq_len "
+                              f"{meta.get('seq_len')}, the run has {domains} and {seq_len}")
+        self.arrays = [np.load(self.dir / f"{d}.npy", mmap_mode="r") for d in domains]
+        self.domains = domains
+        self.device = device
+
+    def __call__(self, step: int, micro_batches: list[dict]) -> None:
+        for b in micro_batches:
+            rows = [self.arrays[d][i] for d, i in zip(b["domain_ids"].tolist(), b["sequence_ids"].tolist())]
+            ref = torch.from_numpy(np.stack(rows).astype(np.float32))
+            if torch.isnan(ref).any():
+                d, i = next((d, i) for d, i, r in zip(b["domain_ids"].tolist(), b["sequence_ids"].tolist(), rows)
+                            if np.isnan(r).any())
+                raise DoReMiError(f"{self.dir}: no cached reference loss for {self.domains[d]} sequence {i} "
+                                  f"at step {step} (the cache covers fewer steps than the run)")
+            b["ref_loss"] = ref.to(self.device)

@@ -1,0 +1,178 @@
+"""The stage commands of DESIGN.md section 1, as functions of a config.
+
+`doremi <stage> CONFIG` calls these; `doremi pipeline` chains them. Each returns the path it
+produced so that the pipeline can pass it on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data.atomic import atomic_write_text
+from data.batch import collate
+from data.weights import resolve_weights
+from doremi.config import ExperimentConfig
+from doremi.history import average_weights, read_history, write_weights_json
+from doremi.objective import DoReMiHook
+from doremi.reference import (CACHE_VERSION, CachedReference, DoReMiError, OnlineReference, load_frozen,
+                              resolve_checkpoint, run_dir_of)
+from trainer.build import autocast, init_parallel
+from trainer.config import load_config
+from trainer.configtools import ConfigError, read_yaml
+from trainer.evaluate import evaluate_domains
+from trainer.feed import DataFeed
+from trainer.loop import Trainer
+from trainer.parallel.pipeline import forward_only
+
+
+def with_weights(cfg: ExperimentConfig, weights: Any) -> ExperimentConfig:
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, domain_weights=weights))
+
+
+def train(cfg: ExperimentConfig, desc: str = "train") -> dict[str, Any]:
+    """Plain training on `data.domain_weights` (the large run with tuned weights)."""
+    return Trainer(cfg, desc=desc).fit()
+
+
+def train_reference(cfg: ExperimentConfig) -> dict[str, Any]:
+    return train(with_weights(cfg, cfg.doremi.reference_weights), desc="reference")
+
+
+def reference_config(cfg: ExperimentConfig, checkpoint: Path) -> ExperimentConfig:
+    """The proxy's layout and data with the reference run's model shape."""
+    saved = run_dir_of(checkpoint) / "config.yaml"
+    if not saved.is_file():
+        raise DoReMiError(f"{saved}: the reference run's config.yaml is missing")
+    ref = load_config(saved, cls=ExperimentConfig)
+    if ref.data.seq_len != cfg.data.seq_len:
+        raise DoReMiError(f"{saved}: reference data.seq_len={ref.data.seq_len} differs from the proxy's {cfg.data.seq_len}")
+    return dataclasses.replace(cfg, model=ref.model)
+
+
+def _require_reference(cfg: ExperimentConfig) -> Path:
+    if not cfg.doremi.reference:
+        raise ConfigError("doremi.reference: required (the reference run directory or checkpoint), got nothing")
+    return resolve_checkpoint(cfg.doremi.reference)
+
+
+def train_proxy(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The DoReMi proxy: Group DRO over domains against the frozen reference.
+
+    The exact update needs every forward of the step before any backward, so the proxy runs
+    the all-forward-all-backward schedule (and the stage split counts its in-flight batches)."""
+    if cfg.doremi.update == "exact" and cfg.doremi.mode == "reweight":
+        cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, pp_schedule="afab"))
+    trainer = Trainer(cfg, desc="proxy")
+    if cfg.doremi.reference_cache:
+        ref = CachedReference(cfg.doremi.reference_cache, trainer.feed.domains, cfg.data.seq_len, trainer.pc.device)
+    else:
+        ck = _require_reference(cfg)
+        ref_cfg = reference_config(cfg, ck)
+        ref = OnlineReference(load_frozen(ref_cfg, ck, trainer.pc), ref_cfg, trainer.pc)
+    sampling = resolve_weights(cfg.doremi.proxy_sampling, trainer.feed.manifest)
+    trainer.hook = DoReMiHook(cfg.doremi, trainer.feed.domains, trainer.pc, trainer.run_dir, sampling, ref)
+    return trainer.fit()
+
+
+def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
+    """Cache per-token reference losses for every sequence the proxy's data stream visits.
+
+    The proxy samples from a fixed distribution, so its stream for steps 1..T is known in
+    advance; each visited sequence is scored once, whatever the layout."""
+    if cfg.doremi.mode == "resample":
+        raise ConfigError("doremi.mode: a reference cache needs a fixed proxy data stream; got 'resample'")
+    out = Path(out_dir)
+    ck = _require_reference(cfg)
+    ref_cfg = reference_config(cfg, ck)
+    pc = init_parallel(cfg)
+    feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
+    weights = resolve_weights(cfg.doremi.proxy_sampling, feed.manifest)
+    visited: list[set[int]] = [set() for _ in feed.domains]
+    for step in range(1, cfg.train.steps + 1):
+        for d, i in feed.sampler.global_batch(step - 1, weights):
+            visited[d].add(int(i))
+    model = load_frozen(ref_cfg, ck, pc)
+    ctx = autocast(ref_cfg, pc.device)
+    tmp = out.with_name(out.name + ".tmp")
+    seq_len = cfg.data.seq_len
+    if pc.is_main:
+        tmp.mkdir(parents=True, exist_ok=True)
+        for d, name in enumerate(feed.domains):
+            arr = np.lib.format.open_memmap(tmp / f"{name}.npy", mode="w+", dtype=np.float32,
+                                            shape=(feed.train.num_sequences(d), seq_len))
+            arr[:] = np.nan
+            arr.flush()
+            del arr
+    pc.barrier()
+    mbs = cfg.train.global_batch_size // (cfg.parallelism.dp * cfg.train.micro_batches)
+    for d, name in enumerate(feed.domains):
+        idx = sorted(visited[d])
+        chunks = [idx[j:j + mbs] for j in range(0, len(idx), mbs)]
+        mine = chunks[pc.dp_rank::pc.dp]
+        # every dp rank runs the same number of forwards (collectives inside tp/pp groups only)
+        writer = pc.is_last_stage and pc.tp_rank == 0
+        arr = np.load(tmp / f"{name}.npy", mmap_mode="r+") if writer else None
+        for chunk in mine:
+            batch = collate(feed.train, [(d, i) for i in chunk], device=pc.device)
+            with torch.inference_mode(), ctx:
+                losses = forward_only(model, [batch], pc)
+            if writer:
+                arr[chunk] = losses[0].float().cpu().numpy()
+        if arr is not None:
+            arr.flush()
+            del arr
+    pc.barrier()
+    if pc.is_main:
+        meta = {"version": CACHE_VERSION, "domains": feed.domains, "seq_len": seq_len,
+                "reference": str(ck), "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
+                "seed": cfg.data.seed, "sequences": [len(v) for v in visited]}
+        atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        tmp.rename(out)
+    pc.barrier()
+    return out
+
+
+def average(run_dir: str | Path, out: str | Path | None = None, from_step: int = 1) -> Path:
+    """Mean of alpha_t over the proxy's steps t >= from_step, written as the weights JSON."""
+    run = Path(run_dir)
+    history = read_history(run)
+    if not history:
+        raise DoReMiError(f"{run}/domain_weights.jsonl: no DoReMi weight history (is this a proxy run?)")
+    weights = average_weights(history, from_step=from_step)
+    out_path = Path(out) if out else run / "weights.json"
+    steps = [h["step"] for h in history if h["step"] >= from_step]
+    cfg_path = run / "config.yaml"
+    doremi_cfg = read_yaml(cfg_path).get("doremi", {}) if cfg_path.is_file() else {}
+    write_weights_json(out_path, history[0]["domains"], weights, {
+        "source": str(run), "from_step": from_step, "steps_averaged": len(steps),
+        "last_step": steps[-1] if steps else None, "eta": doremi_cfg.get("eta"),
+        "smoothing": doremi_cfg.get("smoothing"), "update": doremi_cfg.get("update"),
+        "mode": doremi_cfg.get("mode")})
+    return out_path
+
+
+def evaluate(checkpoint: str | Path, overrides: list[str] | None = None) -> tuple[list[str], np.ndarray]:
+    """Per-domain validation loss of a checkpoint (its run's config, any layout via --set)."""
+    ck = resolve_checkpoint(checkpoint)
+    saved = run_dir_of(ck) / "config.yaml"
+    if not saved.is_file():
+        raise DoReMiError(f"{saved}: the checkpoint's run config is missing")
+    raw_overrides = ["checkpoint.resume=false", *(overrides or [])]
+    cfg = load_config(saved, raw_overrides, cls=ExperimentConfig)
+    pc = init_parallel(cfg)
+    feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
+    model = load_frozen(cfg, ck, pc)
+    mbs = cfg.train.global_batch_size // (cfg.parallelism.dp * cfg.train.micro_batches)
+    losses = evaluate_domains(model, feed.validation(mbs, max(cfg.train.eval_batches, 1)), pc,
+                              autocast(cfg, pc.device))
+    return feed.domains, losses.cpu().numpy()

@@ -1,0 +1,54 @@
+"""The pipeline's closing table and `report.md`, built from the runs' own files
+(weights JSON, domain_weights.jsonl, metrics.jsonl, eval results, the stores' manifest)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from data.store import open_stores
+from data.weights import resolve_weights
+from doremi.history import HistoryError, read_history
+from doremi.report import format_table, write_report
+from trainer.metrics import read_jsonl
+
+if TYPE_CHECKING:
+    from doremi.pipeline import Pipeline
+
+
+def collect(pipe: "Pipeline") -> dict[str, Any]:
+    """Everything the table and the report show, read back from disk."""
+    root = pipe.root
+    manifest = open_stores(pipe.cfg.data.store_dir).manifest
+    domains = manifest.domain_names
+    mixtures: dict[str, np.ndarray] = {}
+    for name, spec in pipe.mixtures(root / "weights.json").items():
+        mixtures[name] = resolve_weights(spec, manifest)
+    final: dict[str, list[float]] = {}
+    curves: dict[str, list[tuple[int, list[float]]]] = {}
+    for name in mixtures:
+        run = root / "main" / name
+        marker = run / "eval.json.stage.json"
+        if marker.is_file():
+            final[name] = json.loads(marker.read_text())["result"]["val_loss"]
+        curves[name] = [(r["step"], [r["val_loss"][d] for d in domains])
+                        for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
+    rounds = sorted(root.glob("round*/proxy"))
+    try:
+        history = read_history(rounds[-1]) if rounds else []
+    except HistoryError:
+        history = []
+    entropy = manifest.entropies
+    return {"domains": domains, "mixtures": mixtures, "final": final, "curves": curves,
+            "history": [h["weights"] for h in history], "entropy": entropy}
+
+
+def summarize(pipe: "Pipeline") -> str:
+    c = collect(pipe)
+    report = write_report(pipe.root, c["domains"], c["history"], c["curves"], c["final"], c["mixtures"],
+                          c["entropy"])
+    table = format_table(c["domains"], c["mixtures"], c["final"], c["entropy"])
+    return f"{table}\n\nreport: {report}"

@@ -1,0 +1,70 @@
+"""Small end-to-end runs for tests: token stores of synthetic domains, configs of a tiny Llama,
+and trainer runs in one process or spread over gloo processes (tests/distributed.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from data.atomic import atomic_write_text
+from doremi.config import ExperimentConfig
+from trainer.config import load_config
+from trainer.metrics import read_jsonl
+
+STORE_YAML = """
+model: {{preset: tiny, vocab_size: 260, n_layers: 4, d_model: 64, n_heads: 4, n_kv_heads: 2, ffn_dim: 128}}
+data:
+  domains:
+    - {{name: noise, synthetic: {{kind: noise, num_tokens: 30000, vocab: 64, seed: 1}}}}
+    - {{name: easy, synthetic: {{kind: repeat, num_tokens: 30000, vocab: 64, seed: 2}}}}
+    - {{name: markov, synthetic: {{kind: markov, num_tokens: 60000, vocab: 64, order: 2, branching: 4, seed: 3}}}}
+  store_dir: {store}
+  seq_len: 32
+  validation_fraction: 0.1
+train: {{steps: 3, global_batch_size: 8, micro_batches: 1, lr: 3.0e-3, warmup_steps: 1, grad_clip: 1.0,
+        run_dir: {run}, eval_batches: 2}}
+logging: {{progress: false}}
+checkpoint: {{resume: true}}
+"""
+
+
+def config_path(store: Path, run: Path) -> Path:
+    """The experiment YAML of a test run, written beside its run directory."""
+    path = Path(str(run) + ".yaml")
+    atomic_write_text(path, STORE_YAML.format(store=store, run=run))
+    return path
+
+
+def config(store: Path, run: Path, *sets: str) -> ExperimentConfig:
+    return load_config(config_path(store, run), list(sets), cls=ExperimentConfig)
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(Path(run) / "metrics.jsonl") if "loss" in r]
+
+
+def alphas(run: Path) -> list[list[float]]:
+    return [r["weights"] for r in read_jsonl(Path(run) / "domain_weights.jsonl")]
+
+
+def final_params(store: Path, run: Path) -> dict[str, torch.Tensor]:
+    """Parameters of a run's last checkpoint, reassembled into a single-process model."""
+    from trainer.build import build_model
+    from trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from trainer.parallel.context import ParallelContext
+
+    cfg = config(store, Path(str(run) + "-load"))
+    model = build_model(cfg, ParallelContext.single())
+    load_checkpoint(latest_checkpoint(run), model, None, ParallelContext.single())
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_stage(rank: int, world: int, stage: str, store: str, jobs: list[tuple[str, list[str]]]) -> None:
+    """Worker: run `stage` (train / train-proxy) for each (run_dir, --set list) in turn."""
+    from doremi import stages
+
+    for run, sets in jobs:
+        cfg = config(Path(store), Path(run), *sets)
+        {"train": stages.train, "train-proxy": stages.train_proxy,
+         "train-reference": stages.train_reference}[stage](cfg)

@@ -1,0 +1,63 @@
+"""Turning a config into the objects a run holds: the process grid, the model stage, the
+precision context. Shared by training, the frozen DoReMi reference, scoring and eval."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import numpy as np
+import torch
+
+from trainer.config import TrainerConfig
+from trainer.parallel.context import ParallelContext
+
+
+def init_parallel(cfg: TrainerConfig) -> ParallelContext:
+    p = cfg.parallelism
+    return ParallelContext.initialize(p.tp, p.pp, p.dp, backend=p.backend, device=cfg.train.device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def micro_batch_size(cfg: TrainerConfig) -> int:
+    t = cfg.train
+    return t.global_batch_size // (cfg.parallelism.dp * t.micro_batches)
+
+
+def stage_layers(cfg: TrainerConfig) -> list[range]:
+    """Layers per pipeline stage: the explicit list, or the compute-and-memory cost model."""
+    p = cfg.parallelism
+    if p.pp_layers:
+        starts = np.cumsum([0, *p.pp_layers])
+        return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+    if p.pp == 1:
+        return [range(cfg.model.n_layers)]
+    from trainer.parallel.split import split_layers
+
+    in_flight = cfg.train.micro_batches if p.pp_schedule == "afab" else None
+    return split_layers(cfg.model, p, micro_batch_size(cfg), cfg.data.seq_len, micro_batches=in_flight)
+
+
+def build_model(cfg: TrainerConfig, pc: ParallelContext, seed: int | None = None) -> torch.nn.Module:
+    """This rank's pipeline stage of the Llama model, tp-sharded, on pc.device."""
+    from trainer.model.llama import build_stage
+
+    layers = stage_layers(cfg)[pc.pp_rank]
+    stage = build_stage(cfg.model, cfg.parallelism, pc, layers, seed=cfg.train.seed if seed is None else seed)
+    return stage.to(pc.device)
+
+
+def use_bf16(cfg: TrainerConfig, device: torch.device) -> bool:
+    prec = cfg.train.precision
+    return prec == "bf16" or (prec == "auto" and device.type == "cuda")
+
+
+def autocast(cfg: TrainerConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    if use_bf16(cfg, device):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

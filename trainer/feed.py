@@ -1,0 +1,68 @@
+"""The trainer's view of the data: this rank's micro-batches for a step, drawn from the token
+stores with the step's domain weights, and the per-domain validation batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from data.batch import collate
+from data.config import DataConfig
+from data.dataset import PackedDomains
+from data.sampler import DomainBatchSampler
+from data.store import open_stores
+from data.validation import validation_batches
+from trainer.configtools import ConfigError
+from trainer.parallel.context import ParallelContext
+
+
+class DataFeed:
+    def __init__(self, data: DataConfig, global_batch_size: int, micro_batches: int, pc: ParallelContext,
+                 seed: int, expect_tokenizer: dict | None = None):
+        self.pc = pc
+        self.micro_batches = micro_batches
+        self.stores = open_stores(data.store_dir, expect_tokenizer=expect_tokenizer)
+        self.manifest = self.stores.manifest
+        self.domains: list[str] = list(self.stores.domains)
+        self.train = PackedDomains(self.stores, "train", data.seq_len)
+        self.sampler = DomainBatchSampler([self.train.num_sequences(i) for i in range(len(self.domains))],
+                                          global_batch_size, seed)
+        self._val = PackedDomains(self.stores, "validation", data.seq_len)
+        self._val_cache: dict[tuple[int, int], list[list[dict]]] = {}
+
+    def check_vocab(self, model_vocab: int) -> None:
+        vocab = int(self.manifest.tokenizer["vocab_size"])
+        if model_vocab < vocab:
+            raise ConfigError(f"model.vocab_size: expected >= {vocab} (the tokenizer of the stores in "
+                              f"{self.stores.store_dir}), got {model_vocab}")
+
+    @property
+    def k(self) -> int:
+        return len(self.domains)
+
+    def step_batches(self, step: int, weights: np.ndarray) -> list[dict]:
+        """This rank's micro-batches of global batch `step` (1-based), on the device."""
+        local = self.sampler.local(step - 1, weights, self.pc.dp_rank, self.pc.dp, self.micro_batches)
+        batches = []
+        for items in local:
+            b = collate(self.train, items, device=self.pc.device)
+            b["sequence_ids"] = torch.tensor([i for _, i in items], dtype=torch.int64, device=self.pc.device)
+            batches.append(b)
+        return batches
+
+    def validation(self, batch_size: int, max_batches: int) -> list[list[dict]]:
+        key = (batch_size, max_batches)
+        if key not in self._val_cache:
+            self._val_cache[key] = [
+                [{k: v.to(self.pc.device) for k, v in b.items()}
+                 for b in validation_batches(self._val, d, batch_size, max_batches)]
+                for d in range(self.k)]
+        return self._val_cache[key]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)

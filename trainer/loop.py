@@ -1,0 +1,160 @@
+"""The training loop: data -> mixing hook -> forward/backward schedule -> sync -> clip ->
+update -> metrics, eval and checkpoints. Knows nothing of data mixing beyond `MixingHook`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data.weights import resolve_weights
+from trainer.build import autocast, build_model, init_parallel, micro_batch_size, seed_everything
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.config import TrainerConfig
+from trainer.configtools import dump_yaml
+from trainer.evaluate import evaluate_domains
+from trainer.feed import DataFeed
+from trainer.hooks import FixedMixture, MixingHook
+from trainer.lr_schedule import lr_at
+from trainer.metrics import MetricsLogger
+from trainer.model.flops import flops_per_token
+from trainer.optim import build_optimizer
+from trainer.parallel.clip import clip_grad_norm
+from trainer.parallel.context import ParallelContext
+from trainer.parallel.tensor import sync_sequence_parallel_grads, sync_tied_grads
+from trainer.step import StepStats, domain_token_counts, forward_backward
+
+#: bf16 dense peak of an H100/H200 from the datasheet, for MFU.
+DATASHEET_PEAK_FLOPS = 989e12
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, pc: ParallelContext | None = None, run_dir: str | None = None,
+                 desc: str = "train"):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir or cfg.train.run_dir)
+        self.desc = desc
+        self.pc = pc or init_parallel(cfg)
+        seed_everything(cfg.train.seed)
+        self.feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, self.pc,
+                             seed=cfg.data.seed)
+        self.feed.check_vocab(cfg.model.vocab_size)
+        self.model = build_model(cfg, self.pc)
+        self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.named_params, cfg.train, self.pc, cfg.parallelism.zero1)
+        self.hook: MixingHook = FixedMixture(resolve_weights(cfg.data.domain_weights, self.feed.manifest))
+        self.step = 0
+        self.autocast = autocast(cfg, self.pc.device)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+
+    # -- state ---------------------------------------------------------------------------
+    def extra_state(self) -> dict[str, Any]:
+        return {"step": self.step, "data": self.feed.state_dict(), "hook": self.hook.state_dict()}
+
+    def save(self) -> None:
+        save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.pc, self.extra_state(),
+                        keep=self.cfg.checkpoint.keep)
+
+    def maybe_resume(self) -> bool:
+        ck = self.cfg.checkpoint
+        path = latest_checkpoint(self.run_dir) if ck.resume else None
+        if path is None and ck.load:
+            path = Path(ck.load)
+        if path is None:
+            return False
+        extra = load_checkpoint(path, self.model, self.optimizer, self.pc)
+        self.step = int(extra["step"])
+        self.feed.load_state_dict(extra["data"])
+        self.hook.load_state_dict(extra.get("hook", {}))
+        return True
+
+    # -- one step ------------------------------------------------------------------------
+    def train_step(self) -> tuple[StepStats, dict[str, Any]]:
+        self.step += 1
+        step, pc, hook = self.step, self.pc, self.hook
+        batches = self.feed.step_batches(step, hook.sampling_weights(step))
+        hook.prepare_batches(step, batches)
+        domain_tokens = domain_token_counts(batches, self.feed.k, pc)
+        weighting = hook.weighting(step, batches, domain_tokens)
+        schedule = "afab" if weighting.needs_forward_losses else self.cfg.parallelism.pp_schedule
+        with self.autocast:
+            stats = forward_backward(self.model, batches, weighting, pc, schedule, self.feed.k)
+        sync_sequence_parallel_grads(self.model, pc)
+        sync_tied_grads(self.model, pc)
+        self.optimizer.reduce_gradients()
+        stats.grad_norm = clip_grad_norm(self.named_params, self.cfg.train.grad_clip, pc)
+        self.optimizer.step(lr_at(step, self.cfg.train))
+        self.optimizer.zero_grad()
+        return stats, hook.after_step(step, stats)
+
+    def evaluate(self) -> np.ndarray:
+        t = self.cfg.train
+        batches = self.feed.validation(micro_batch_size(self.cfg), t.eval_batches)
+        return evaluate_domains(self.model, batches, self.pc, self.autocast).cpu().numpy()
+
+    # -- the loop ------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        cfg, pc = self.cfg, self.pc
+        resumed = self.maybe_resume()
+        if pc.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_yaml(cfg, self.run_dir / "config.yaml")
+        log = MetricsLogger(self.run_dir, pc.is_main, cfg.train.steps, self.step, cfg.logging.progress,
+                            cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.run_name,
+                            resume=resumed, desc=self.desc)
+        if pc.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pc.device)
+        last: dict[str, Any] = {}
+        tokens_since, t0 = 0.0, time.perf_counter()
+        try:
+            while self.step < cfg.train.steps:
+                stats, extra = self.train_step()
+                step = self.step
+                tokens_since += cfg.train.global_batch_size * cfg.data.seq_len
+                is_last = step == cfg.train.steps
+                if step % cfg.logging.every == 0 or is_last:
+                    if pc.device.type == "cuda":
+                        torch.cuda.synchronize(pc.device)
+                    dt = time.perf_counter() - t0
+                    row = self._row(step, stats, tokens_since / dt, extra)
+                    tokens_since, t0 = 0.0, time.perf_counter()
+                    log.log(row)
+                    log.progress(step, loss=row["loss"], tok_s=int(row["tokens_per_s"]))
+                    last = row
+                if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or is_last):
+                    val = self.evaluate()
+                    vrow = self._val_row(step, val)
+                    log.log(vrow)
+                    last = {**last, **vrow}
+                    t0 = time.perf_counter()
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or is_last:
+                    self.save()
+                    t0 = time.perf_counter()
+        finally:
+            log.close()
+            self.hook.close()
+        return last
+
+    def _row(self, step: int, stats: StepStats, tokens_per_s: float, extra: dict[str, Any]) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "step": step,
+            "loss": float(stats.loss),
+            "lr": lr_at(step, self.cfg.train),
+            "grad_norm": float(stats.grad_norm) if stats.grad_norm is not None else None,
+            "tokens": step * self.cfg.train.global_batch_size * self.cfg.data.seq_len,
+            "tokens_per_s": tokens_per_s,
+            "domain_loss": dict(zip(self.feed.domains, stats.domain_loss.tolist())),
+        }
+        if self.pc.device.type == "cuda":
+            achieved = tokens_per_s * self.flops_per_token / self.pc.world_size
+            row["mfu"] = achieved / DATASHEET_PEAK_FLOPS
+            row["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.pc.device) / 2**30
+        row.update(extra)
+        return row
+
+    def _val_row(self, step: int, val: np.ndarray) -> dict[str, Any]:
+        return {"step": step, "val_loss": dict(zip(self.feed.domains, val.tolist())),
+                "val_avg": float(np.mean(val)), "val_worst": float(np.max(val))}

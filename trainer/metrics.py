@@ -1,0 +1,118 @@
+"""Run metrics: `metrics.jsonl` (one JSON object per logged step), a progress bar, and wandb
+when asked. Only the global rank 0 writes; every number it writes is already global."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from data.atomic import atomic_write_text
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    rows = []
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a torn last line from a crash
+    return rows
+
+
+def truncate_jsonl(path: str | os.PathLike, last_step: int) -> None:
+    """Keep the rows with step <= last_step (a resumed run rewrites the steps after it)."""
+    p = Path(path)
+    if p.exists():
+        rows = [r for r in read_jsonl(p) if r.get("step", 0) <= last_step]
+        atomic_write_text(p, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+class JsonlWriter:
+    """Append-only JSON lines, flushed per line."""
+
+    def __init__(self, path: str | os.PathLike, resume_step: int | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            truncate_jsonl(self.path, resume_step)
+        elif self.path.exists():
+            self.path.unlink()
+        self._f = open(self.path, "a")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool, total_steps: int, start_step: int,
+                 progress: bool = True, wandb: bool = False, wandb_project: str = "doremi",
+                 run_name: str | None = None, config: dict | None = None,
+                 resume: bool = False, desc: str = "train"):
+        self.enabled = enabled
+        self._bar = None
+        self._wandb = None
+        self._last_time = time.perf_counter()
+        if not enabled:
+            return
+        self.writer = JsonlWriter(Path(run_dir) / "metrics.jsonl", start_step if resume else None)
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True,
+                             file=sys.stderr, mininterval=1.0)
+        if wandb:
+            import wandb as wb
+
+            self._wandb = wb.init(project=wandb_project, name=run_name, config=config,
+                                  dir=str(run_dir), resume="allow")
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {k: _clean(v) for k, v in row.items()}
+        self.writer.write(row)
+        if self._wandb is not None:
+            flat = {}
+            for k, v in row.items():
+                if isinstance(v, dict):
+                    flat.update({f"{k}/{kk}": vv for kk, vv in v.items()})
+                elif isinstance(v, (int, float)):
+                    flat[k] = v
+            self._wandb.log(flat, step=row.get("step"))
+
+    def progress(self, step: int, **postfix: Any) -> None:
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in postfix.items()},
+                                  refresh=False)
+            self._bar.refresh()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        self.writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()

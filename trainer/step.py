@@ -1,0 +1,74 @@
+"""One optimizer step over a global batch, under any (tp, pp, dp) layout.
+
+The order is fixed: micro-batch schedule (forwards/backwards, `trainer.parallel.pipeline`) ->
+tp/tied gradient sync -> dp reduction (inside the optimizer, once per step) -> clipping over all
+groups -> update. The statistics returned are over the global batch and identical on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from trainer.parallel.context import ParallelContext
+from trainer.parallel.pipeline import broadcast_from_last_stage, train_schedule
+from trainer.weighting import IGNORE_INDEX, LossWeighting
+
+
+@dataclass
+class StepStats:
+    """Global-batch statistics, tensors on the device (no host sync until someone reads them)."""
+
+    loss: torch.Tensor  # mean per-token loss over the global batch
+    tokens: torch.Tensor  # non-masked tokens in the global batch
+    domain_loss_sum: torch.Tensor  # [k]
+    domain_tokens: torch.Tensor  # [k]
+    grad_norm: torch.Tensor | None = None
+    #: Detached per-token losses of this rank's micro-batches (last pipeline stage; [] elsewhere).
+    local_losses: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def domain_loss(self) -> torch.Tensor:
+        return self.domain_loss_sum / self.domain_tokens.clamp_min(1)
+
+
+def all_reduce_dp(t: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
+    if pc.dp > 1:
+        dist.all_reduce(t, group=pc.dp_group)
+    return t
+
+
+def domain_token_counts(micro_batches: list[dict], k: int, pc: ParallelContext) -> torch.Tensor:
+    """Non-masked tokens per domain over the global batch, known from labels before the step."""
+    counts = torch.zeros(k, dtype=torch.float64, device=pc.device)
+    for b in micro_batches:
+        per_seq = (b["labels"] != IGNORE_INDEX).sum(dim=1).to(torch.float64)
+        counts.index_add_(0, b["domain_ids"], per_seq)
+    return all_reduce_dp(counts, pc)
+
+
+def global_stats(losses: list[torch.Tensor], micro_batches: list[dict], k: int,
+                 pc: ParallelContext) -> StepStats:
+    """Per-domain loss sums and token counts over the global batch, on every rank.
+
+    The per-token losses live on the last pipeline stage; they are summed there, reduced over
+    dp, then broadcast to the other stages so the logged loss is right everywhere."""
+    sums = torch.zeros(2, k, dtype=torch.float64, device=pc.device)
+    if pc.is_last_stage:
+        for loss, b in zip(losses, micro_batches):
+            mask = b["labels"] != IGNORE_INDEX
+            sums[0].index_add_(0, b["domain_ids"], (loss.detach() * mask).sum(dim=1).to(torch.float64))
+            sums[1].index_add_(0, b["domain_ids"], mask.sum(dim=1).to(torch.float64))
+        all_reduce_dp(sums, pc)
+    sums = broadcast_from_last_stage(sums, pc)
+    tokens = sums[1].sum()
+    return StepStats(loss=sums[0].sum() / tokens.clamp_min(1), tokens=tokens,
+                     domain_loss_sum=sums[0], domain_tokens=sums[1], local_losses=losses)
+
+
+def forward_backward(stage: torch.nn.Module, micro_batches: list[dict], weighting: LossWeighting,
+                     pc: ParallelContext, schedule: str, k: int) -> StepStats:
+    losses = train_schedule(stage, micro_batches, pc, schedule, weighting)
+    return global_stats(losses, micro_batches, k, pc)

@@ -1,0 +1,48 @@
+"""How per-token losses become the scalar each micro-batch differentiates.
+
+The trainer knows nothing of data mixing: a `LossWeighting` gives, for every micro-batch, a
+weight per token such that the step's objective is sum over the *global* batch of
+weight x per-token loss. Gradients are therefore *summed* over micro-batches and data-parallel
+ranks (never averaged): the normalisation lives in the weights. Plain training is
+`MeanTokenLoss` (1 / global token count on every non-masked token); DoReMi supplies weights
+alpha_i / n_i on domain i's tokens (see `doremi.objective`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class LossWeighting(Protocol):
+    #: True when the weights depend on the forward losses of the whole step (all micro-batches,
+    #: all dp ranks): the schedule must then run every forward before any backward and call
+    #: `prepare` in between. False: weights are known before the step starts (1F1B allowed).
+    needs_forward_losses: bool
+
+    def prepare(self, losses: list[torch.Tensor], batches: list[dict]) -> None:
+        """Last pipeline stage only, after all forwards: per-token losses [b, s] of each local
+        micro-batch (detached). May run collectives over the dp group."""
+
+    def token_weights(self, index: int, batch: dict) -> torch.Tensor:
+        """Weights [b, s] for local micro-batch `index` (last pipeline stage)."""
+
+
+class MeanTokenLoss:
+    """The mean per-token loss over the global batch: weight 1 / N on each non-masked token,
+    N the number of non-masked tokens over all micro-batches and dp ranks."""
+
+    needs_forward_losses = False
+
+    def __init__(self, global_tokens: int | torch.Tensor):
+        self.scale = 1.0 / torch.as_tensor(global_tokens, dtype=torch.float32).clamp_min(1)
+
+    def prepare(self, losses: list[torch.Tensor], batches: list[dict]) -> None:
+        pass
+
+    def token_weights(self, index: int, batch: dict) -> torch.Tensor:
+        mask = batch["labels"] != IGNORE_INDEX
+        return mask.to(torch.float32) * self.scale.to(mask.device)
