@@ -72,9 +72,12 @@ def test_tp_must_divide_heads(tmp_path):
 
 
 def test_world_size_must_match(tmp_path, monkeypatch):
+    from trainer.build import check_world_size
+
+    cfg = load(tmp_path, "parallelism: {tp: 2}\n")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    msg = error(tmp_path, "parallelism: {tp: 2}\n")
-    assert "world size 4" in msg and "= 2" in msg
+    with pytest.raises(ConfigError, match=r"parallelism: world size 4 \(torchrun\) != tp x pp x dp = 2 x 1 x 1 = 2"):
+        check_world_size(cfg)
 
 
 def test_batch_must_divide(tmp_path):
@@ -82,8 +85,13 @@ def test_batch_must_divide(tmp_path):
     assert msg.startswith("train.global_batch_size: expected a multiple of")
 
 
+def test_pipeline_needs_micro_batches(tmp_path):
+    msg = error(tmp_path, "model: {n_layers: 4}\nparallelism: {pp: 4}\ntrain: {micro_batches: 2}\n")
+    assert msg == "train.micro_batches: pipeline parallel with pp=4 needs at least 4 micro-batches per step, got 2"
+
+
 def test_pp_layers_must_sum(tmp_path):
-    msg = error(tmp_path, "model: {n_layers: 4}\nparallelism: {pp: 2, pp_layers: [1, 2]}\n")
+    msg = error(tmp_path, "model: {n_layers: 4}\nparallelism: {pp: 2, pp_layers: [1, 2]}\ntrain: {micro_batches: 2}\n")
     assert "parallelism.pp_layers" in msg and "summing to model.n_layers=4" in msg
 
 

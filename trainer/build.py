@@ -4,16 +4,27 @@ precision context. Shared by training, the frozen DoReMi reference, scoring and 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 
 import numpy as np
 import torch
 
 from trainer.config import TrainerConfig
+from trainer.configtools import ConfigError
 from trainer.parallel.context import ParallelContext
 
 
+def check_world_size(cfg: TrainerConfig) -> None:
+    p = cfg.parallelism
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != p.world_size:
+        raise ConfigError(f"parallelism: world size {world} (torchrun) != tp x pp x dp = "
+                          f"{p.tp} x {p.pp} x {p.dp} = {p.world_size}")
+
+
 def init_parallel(cfg: TrainerConfig) -> ParallelContext:
+    check_world_size(cfg)
     p = cfg.parallelism
     return ParallelContext.initialize(p.tp, p.pp, p.dp, backend=p.backend, device=cfg.train.device)
 

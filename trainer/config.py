@@ -167,6 +167,9 @@ class TrainerConfig:
             raise ConfigError(f"parallelism.pp: expected at most model.n_layers={m.n_layers} stages, got {p.pp}")
         if p.pp_layers and sum(p.pp_layers) != m.n_layers:
             raise ConfigError(f"parallelism.pp_layers: expected entries summing to model.n_layers={m.n_layers}, got {p.pp_layers}")
+        if p.pp > 1 and t.micro_batches < p.pp:
+            raise ConfigError(f"train.micro_batches: pipeline parallel with pp={p.pp} needs at least {p.pp} "
+                              f"micro-batches per step, got {t.micro_batches}")
         if t.global_batch_size % (p.dp * t.micro_batches):
             raise ConfigError(
                 f"train.global_batch_size: expected a multiple of parallelism.dp x train.micro_batches "
@@ -175,11 +178,6 @@ class TrainerConfig:
             raise ConfigError(f"data.seq_len: expected a multiple of parallelism.tp={p.tp} with sequence parallel, got {self.data.seq_len}")
         if self.data.seq_len > m.max_seq_len:
             raise ConfigError(f"data.seq_len: expected at most model.max_seq_len={m.max_seq_len}, got {self.data.seq_len}")
-        world = os.environ.get("WORLD_SIZE")
-        if world is not None and int(world) != p.world_size:
-            raise ConfigError(
-                f"parallelism: world size {world} (torchrun) != tp x pp x dp = "
-                f"{p.tp} x {p.pp} x {p.dp} = {p.world_size}")
 
 
 C = TypeVar("C", bound=TrainerConfig)
