@@ -9,6 +9,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class RMSNorm(nn.Module):
@@ -99,6 +100,13 @@ def per_token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_si
 
 # -- attention core -----------------------------------------------------------------------------
 
+#: SDPA backends on CUDA, fastest first: on Hopper cuDNN's fused attention runs the forward and
+#: backward faster than the FlashAttention-2 kernels torch ships; SDPA falls through the list to
+#: the first backend that supports the inputs (dtype, head dim, GQA), so correctness never depends
+#: on cuDNN. Measured in experiments/PERFORMANCE.md.
+CUDA_SDPA_PRIORITY = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                      SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
@@ -125,5 +133,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
         out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True)
         return out.transpose(0, 1).reshape(s, b, h * hd)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != h)
+    if q.device.type == "cuda":
+        with sdpa_kernel(list(CUDA_SDPA_PRIORITY), set_priority=True):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != h)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != h)
     return out.permute(2, 0, 1, 3).reshape(s, b, h * hd)

@@ -105,7 +105,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp, device=device)
         self.mlp = MLP(cfg, tp, device=device)
         self.recompute = recompute
-        self._compiled = torch.compile(self.body) if compile else None
+        self._compiled = torch.compile(self.body, dynamic=False) if compile else None
 
     @property
     def recompute(self) -> str:
@@ -152,7 +152,7 @@ class LlamaStage(nn.Module):
                 self.head = ColumnParallelLinear(cfg.d_model, (self.padded_vocab,), tp, device=device)
         # tp = 1 and compiled: the head and a plain cross entropy fuse into one graph.
         self._fused_loss = compile_blocks and tp.size == 1
-        self._losses = torch.compile(self.head_losses) if self._fused_loss else self.head_losses
+        self._losses = torch.compile(self.head_losses, dynamic=False) if self._fused_loss else self.head_losses
         cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

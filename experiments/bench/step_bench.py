@@ -1,0 +1,446 @@
+"""The framework's training step against the plain PyTorch baseline, on one GPU, in one invocation.
+
+For each preset (the baseline's `1b` and `280m` = our `bench-1b` and `bench-280m`, same shapes and
+micro-batch) it times, in this order:
+- baseline: ../shared/bench/plain_llama.py's model (bf16 weights, fused AdamW on bf16), compiled;
+- plain: our Llama (per-block torch.compile, compiled head + cross entropy), bf16 parameters with
+  fp32 master weights (`trainer.master_weights`), `trainer.step.forward_backward` with the
+  mean-token weighting, clipping at 1.0, AdamW;
+- doremi-cached: the DoReMi proxy step (exact mode, `doremi.objective.DoReMiHook`) with reference
+  losses from `doremi.reference.CachedReference` (a cache written for the bench);
+- doremi-online: the same with `OnlineReference`: a bf16 reference model forwarded under
+  inference mode before the proxy step;
+- at 1B, plain again with recompute selective and full (peak memory against the plan).
+Each line: tokens/s, model TFLOP/s, MFU against 989 TFLOP/s and against the bf16 matmul peak
+measured at the start of the run, peak memory (max allocated during the timed steps minus what
+was allocated before the configuration was built), `doremi plan`'s prediction
+(`trainer.plan.plan_memory`, bf16 parameters), and the host-device syncs seen per phase of one
+step under torch.cuda.set_sync_debug_mode("warn").
+
+FLOPs per token: the baseline's convention (`trainer.model.flops`): 6 N + 6 L d s, causal
+attention counted half, recompute not counted. The online DoReMi step also counts the
+reference forward (2 N + 2 L d s per token).
+
+Usage (on a GPU, from the repository root):
+    python experiments/bench/step_bench.py [--presets 1b,280m] [--steps 8] [--deadline 270] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from doremi.config import DoReMiConfig  # noqa: E402
+from doremi.objective import DoReMiHook  # noqa: E402
+from doremi.reference import CachedReference, OnlineReference  # noqa: E402
+from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
+from data.config import DataConfig  # noqa: E402
+from trainer.master_weights import MasterWeightAdamW  # noqa: E402
+from trainer.model import layers  # noqa: E402
+from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
+from trainer.model.llama import Llama  # noqa: E402
+from trainer.model.presets import PRESETS  # noqa: E402
+from trainer.parallel.context import ParallelContext  # noqa: E402
+from trainer.plan import plan_memory  # noqa: E402
+from trainer.step import domain_token_counts, forward_backward  # noqa: E402
+from trainer.weighting import MeanTokenLoss  # noqa: E402
+
+DATASHEET_TFLOPS = 989.0
+GIB = 2 ** 30
+K_DOMAINS = 4
+#: baseline preset -> (our preset, micro-batch)
+SHAPES = {"1b": ("bench-1b", 8), "280m": ("bench-280m", 32)}
+#: rough seconds of compile + timing per configuration, to stay inside --deadline
+COST = {"baseline": 45, "plain": 35, "doremi-cached": 5, "doremi-online": 20, "selective": 20, "full": 10}
+
+
+@dataclass
+class Row:
+    preset: str
+    variant: str
+    tokens_per_s: float = 0.0
+    tflops: float = 0.0
+    mfu_datasheet: float = 0.0
+    mfu_measured: float = 0.0
+    peak_gib: float = 0.0
+    plan_gib: float | None = None
+    syncs: str = ""
+    note: str = ""
+
+
+def timed(fn: Callable[[], None], iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if iters == 0:
+        return 0.0
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def matmul_peak() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    return 2 * 8192 ** 3 / timed(lambda: a @ b, 10, 3) / 1e12
+
+
+def attention_bench(out: list[str]) -> None:
+    """fwd+bwd of the 1B shape's attention per SDPA backend (GQA 32/8 heads, hd 64, causal)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, h, kv, s, hd = 8, 32, 8, 2048, 64
+    q = torch.randn(b, h, s, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, kv, s, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    flops = 3 * 4 * b * h * s * s * hd / 2
+    try:
+        with sdpa_kernel(list(layers.CUDA_SDPA_PRIORITY), set_priority=True):
+            choice = torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True)
+        out.append(f"attention: the model's SDPA priority picks {SDPBackend(choice).name} for this shape")
+    except Exception as e:  # noqa: BLE001 - a private API: report, do not fail the bench
+        out.append(f"attention: backend choice unknown ({str(e).splitlines()[0][:120]})")
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        def run(kk=k, vv=v, gqa=True):
+            with sdpa_kernel(backend):
+                o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa)
+            o.backward(torch.ones_like(o))
+        for label, fn in (("gqa", run),
+                          ("expanded", lambda: run(k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1),
+                                                   False))):
+            try:
+                dt = timed(fn, 10, 2)
+                out.append(f"attention {backend.name} {label}: {dt * 1e3:.2f} ms fwd+bwd, {flops / dt / 1e12:.0f} TFLOP/s")
+            except Exception as e:  # noqa: BLE001 - report which backends run here
+                out.append(f"attention {backend.name} {label}: unsupported ({str(e).splitlines()[0][:120]})")
+            q.grad = k.grad = v.grad = None
+
+
+def own_peak(base: int) -> float:
+    return (torch.cuda.max_memory_allocated() - base) / GIB
+
+
+def free() -> int:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def count_syncs(phases: list[tuple[str, Callable[[], None]]]) -> str:
+    """Host-device synchronisations per phase of one step (torch.cuda.set_sync_debug_mode)."""
+    counts = []
+    for name, fn in phases:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        n = sum("synchroniz" in str(w.message) for w in seen)
+        counts.append(f"{name}={n}")
+    torch.cuda.synchronize()
+    return " ".join(counts)
+
+
+# -- the baseline ----------------------------------------------------------------------------
+
+def load_baseline(path: Path):
+    spec = importlib.util.spec_from_file_location("plain_llama", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_baseline(mod, name: str, steps: int, peak: float, device: torch.device, compile: bool = True) -> Row:
+    vocab, d, n_layers, heads, kv_heads, d_ff, seq, mb = mod.PRESETS[name]
+    base = free()
+    torch.manual_seed(0)
+    model = mod.Llama(vocab, d, n_layers, heads, kv_heads, d_ff, seq).to(device, torch.bfloat16)
+    n_matmul = sum(p.numel() for p in model.parameters()) - model.emb.weight.numel()
+    fpt = 6 * n_matmul + 6 * n_layers * d * seq
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    fwd = torch.compile(model) if compile else model
+    idx = torch.randint(0, vocab, (mb, seq), device=device)
+    tgt = torch.randint(0, vocab, (mb, seq), device=device)
+
+    def step():
+        fwd(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    timed(step, 0, 3)
+    torch.cuda.reset_peak_memory_stats()
+    dt = timed(step, steps, 0)
+    row = _row(name, "baseline --compile", mb * seq / dt, fpt, peak, own_peak(base))
+    row.syncs = count_syncs([("step", step)])
+    del model, opt, fwd, step
+    return row
+
+
+def _row(preset: str, variant: str, tps: float, fpt: float, peak: float, peak_gib: float) -> Row:
+    tflops = tps * fpt / 1e12
+    return Row(preset, variant, tps, tflops, tflops / DATASHEET_TFLOPS, tflops / peak, peak_gib)
+
+
+# -- the framework ---------------------------------------------------------------------------
+
+def trainer_config(preset: str, mb: int, recompute: str) -> TrainerConfig:
+    model = ModelConfig(**PRESETS[preset], preset=preset, compile=True)
+    return TrainerConfig(model=model, data=DataConfig(seq_len=model.max_seq_len),
+                         train=TrainConfig(global_batch_size=mb, micro_batches=1, lr=1e-4, precision="bf16"),
+                         parallelism=ParallelismConfig(recompute=recompute))
+
+
+def predicted_gib(cfg: TrainerConfig) -> float:
+    return plan_memory(cfg, 1, 141.0, param_precision="bf16").peak_bytes / GIB
+
+
+def make_batch(cfg: TrainerConfig, mb: int, seed: int, device: torch.device) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    v, s = cfg.model.vocab_size, cfg.data.seq_len
+    ids = torch.randint(0, v, (mb, s), device=device, generator=g)
+    labels = torch.randint(0, v, (mb, s), device=device, generator=g)
+    domains = torch.arange(mb, device=device) % K_DOMAINS
+    return {"input_ids": ids, "labels": labels, "domain_ids": domains,
+            "sequence_ids": torch.arange(mb, device=device) // K_DOMAINS}
+
+
+def write_cache(directory: Path, mb: int, seq: int) -> None:
+    """A reference-loss cache in `doremi score`'s format for the bench's sequence ids."""
+    domains = [f"d{i}" for i in range(K_DOMAINS)]
+    rng = np.random.default_rng(0)
+    for d in domains:
+        np.save(directory / f"{d}.npy", rng.uniform(9.0, 11.0, (-(-mb // K_DOMAINS), seq)).astype(np.float32))
+    (directory / "meta.json").write_text(json.dumps({"version": 1, "domains": domains, "seq_len": seq}))
+
+
+class FrameworkStep:
+    """One optimizer step of the framework, as `trainer.loop.Trainer.train_step` runs it."""
+
+    def __init__(self, model, opt: MasterWeightAdamW, pc: ParallelContext, batch: dict,
+                 hook: DoReMiHook | None = None):
+        self.model, self.opt, self.pc, self.batch, self.hook = model, opt, pc, batch, hook
+        self.step_no = 0
+        self._stats = None
+
+    def phases(self) -> list[tuple[str, Callable[[], None]]]:
+        out = []
+        if self.hook is not None:
+            out.append(("reference", self._reference))
+        out += [("fwd_bwd", self._fwd_bwd), ("optimizer", self._optimizer)]
+        if self.hook is not None:
+            out.append(("doremi_log", self._after))
+        return out
+
+    def _reference(self) -> None:
+        self.hook.prepare_batches(self.step_no + 1, [self.batch])
+
+    def _fwd_bwd(self) -> None:
+        self.step_no += 1
+        batches = [self.batch]
+        tokens = domain_token_counts(batches, K_DOMAINS, self.pc)
+        if self.hook is None:
+            weighting, schedule = MeanTokenLoss(tokens.sum()), "1f1b"
+        else:
+            weighting, schedule = self.hook.weighting(self.step_no, batches, tokens), "afab"
+        self._stats = forward_backward(self.model, batches, weighting, self.pc, schedule, K_DOMAINS)
+
+    def _optimizer(self) -> None:
+        self.opt.reduce_gradients()
+        self._stats.grad_norm = self.opt.clip_grad_norm(1.0)
+        self.opt.step(1e-4)
+        self.opt.zero_grad()
+
+    def _after(self) -> None:
+        self.hook.after_step(self.step_no, self._stats)
+
+    def __call__(self) -> None:
+        for _, fn in self.phases():
+            fn()
+
+
+def make_hook(run_dir: Path, pc: ParallelContext, reference) -> DoReMiHook:
+    return DoReMiHook(DoReMiConfig(), [f"d{i}" for i in range(K_DOMAINS)], pc, run_dir,
+                      np.full(K_DOMAINS, 1.0 / K_DOMAINS), reference)
+
+
+def measure(preset: str, variant: str, step: FrameworkStep, steps: int, warmup: int, fpt: float, peak: float,
+            base: int, plan: float | None) -> Row:
+    timed(step, 0, warmup)
+    torch.cuda.reset_peak_memory_stats()
+    dt = timed(step, steps, 0)
+    mb, seq = step.batch["input_ids"].shape
+    row = _row(preset, variant, mb * seq / dt, fpt, peak, own_peak(base))
+    row.plan_gib = plan
+    row.syncs = count_syncs(step.phases())
+    return row
+
+
+def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[[Row], None],
+                  time_left: Callable[[str], bool], device: torch.device, doremi: bool) -> Callable[[], None]:
+    preset, mb = SHAPES[name]
+    pc = ParallelContext.single(device)
+    cfg = trainer_config(preset, mb, "none")
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+    ref_fpt = (2 * non_embedding_params(cfg.model) + 2 * cfg.model.n_layers * cfg.model.d_model * cfg.data.seq_len)
+    base = free()
+    model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
+    opt = MasterWeightAdamW([(n, p) for n, p in model.named_parameters()], cfg.train, pc)
+    batch = make_batch(cfg, mb, seed=1, device=pc.device)
+
+    plain = FrameworkStep(model, opt, pc, batch)
+    emit(measure(name, "plain", plain, steps, 3, fpt, peak, base, predicted_gib(cfg)))
+
+    if doremi and time_left("doremi-cached"):
+        cache = tmp / f"cache-{name}"
+        cache.mkdir()
+        write_cache(cache, mb, cfg.data.seq_len)
+        ref = CachedReference(cache, [f"d{i}" for i in range(K_DOMAINS)], cfg.data.seq_len, pc.device)
+        step = FrameworkStep(model, opt, pc, batch, make_hook(tmp / f"cached-{name}", pc, ref))
+        emit(measure(name, "doremi cached ref", step, steps, 2, fpt, peak, base, None))
+
+    if doremi and time_left("doremi-online"):
+        ref_model = Llama(cfg.model, cfg.parallelism, pc, seed=1).to(torch.bfloat16).eval().requires_grad_(False)
+        ref = OnlineReference(ref_model, cfg, pc)
+        step = FrameworkStep(model, opt, pc, batch, make_hook(tmp / f"online-{name}", pc, ref))
+        row = measure(name, "doremi online ref", step, steps, 3, fpt + ref_fpt, peak, base, None)
+        row.note = "MFU counts the reference forward"
+        emit(row)
+        del ref_model, ref, step
+        free()
+
+    def recompute_modes() -> None:
+        """Run last: the same model and optimizer with recompute selective, then full."""
+        for mode in ("selective", "full"):
+            if not time_left(mode):
+                continue
+            for block in model.layers.values():
+                block.recompute = mode
+            row = measure(name, f"plain recompute={mode}", FrameworkStep(model, opt, pc, batch), steps, 3, fpt,
+                          peak, base, predicted_gib(trainer_config(preset, mb, mode)))
+            emit(row)
+
+    return recompute_modes
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ["preset", "variant", "tokens/s", "TFLOP/s", "MFU(989)", "MFU(meas)", "peak GiB", "plan GiB",
+            "vs base", "vs plain", "syncs"]
+    lines = []
+    base = {r.preset: r.tokens_per_s for r in rows if r.variant.startswith("baseline")}
+    plain = {r.preset: r.tokens_per_s for r in rows if r.variant == "plain"}
+    for r in rows:
+        vb = f"{r.tokens_per_s / base[r.preset]:.3f}" if r.preset in base and r.tokens_per_s else "-"
+        vp = f"{r.tokens_per_s / plain[r.preset]:.3f}" if r.preset in plain and r.tokens_per_s else "-"
+        lines.append([r.preset, r.variant, f"{r.tokens_per_s:,.0f}", f"{r.tflops:.0f}", f"{r.mfu_datasheet:.1%}",
+                      f"{r.mfu_measured:.1%}", f"{r.peak_gib:.1f}",
+                      "-" if r.plan_gib is None else f"{r.plan_gib:.1f}", vb, vp, r.syncs or r.note])
+    widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(head)] + [fmt(x) for x in lines])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", default="1b,280m")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--doremi-presets", default="1b,280m", help="presets that also time the DoReMi proxy steps")
+    p.add_argument("--baseline", type=Path, default=REPO.parent / "shared" / "bench" / "plain_llama.py")
+    p.add_argument("--deadline", type=float, default=1e9, help="seconds: skip configurations that would end later")
+    p.add_argument("--out", type=Path, default=None, help="directory for bench.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("step_bench: needs a CUDA device")
+    if not args.baseline.is_file():
+        sys.exit(f"--baseline: {args.baseline} not found (the shared plain_llama.py)")
+    torch._dynamo.config.recompile_limit = 64
+    device = torch.device("cuda")
+    t0 = time.perf_counter()
+    rows: list[Row] = []
+    notes: list[str] = []
+
+    def emit(row: Row) -> None:
+        rows.append(row)
+        print(f"{row.preset} {row.variant}: {row.tokens_per_s:,.0f} tok/s, {row.tflops:.0f} TFLOP/s, "
+              f"MFU {row.mfu_datasheet:.1%} (989) {row.mfu_measured:.1%} (measured), peak {row.peak_gib:.1f} GiB, "
+              f"plan {row.plan_gib}, syncs [{row.syncs}] {row.note}  (t={time.perf_counter() - t0:.0f}s)", flush=True)
+        if args.out:
+            (args.out / "bench.json").write_text(json.dumps({"rows": [asdict(r) for r in rows], "notes": notes},
+                                                            indent=1))
+
+    def time_left(what: str) -> bool:
+        ok = time.perf_counter() - t0 + COST[what] < args.deadline
+        if not ok:
+            notes.append(f"skipped {what}: deadline")
+            print(f"skipped {what}: deadline", flush=True)
+        return ok
+
+    peak = matmul_peak()
+    head = (f"{torch.cuda.get_device_name(0)} torch={torch.__version__} cudnn={torch.backends.cudnn.version()} "
+            f"bf16 matmul peak {peak:.0f} TFLOP/s")
+    print(head, flush=True)
+    notes.append(head)
+    attention_bench(notes)
+    print("\n".join(notes[1:]), flush=True)
+    mod = load_baseline(args.baseline)
+    later: dict[str, Callable[[], None]] = {}
+
+    def guarded(label: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - keep the other configurations' numbers
+            msg = traceback.format_exc()
+            print(msg, flush=True)
+            notes.append(f"{label} failed at t={time.perf_counter() - t0:.0f}s: {msg.strip().splitlines()[-1][:300]}")
+            if "cudnn" in msg.lower() and layers.CUDA_SDPA_PRIORITY[0].name == "CUDNN_ATTENTION":
+                layers.CUDA_SDPA_PRIORITY = layers.CUDA_SDPA_PRIORITY[1:]
+                notes.append("cuDNN attention dropped from the SDPA priority for the rest of the run")
+                free()
+                if time_left("plain"):
+                    guarded(label + " (flash attention)", fn)
+        free()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.presets.split(","):
+            if time_left("baseline"):
+                guarded(f"{name} baseline", lambda: emit(run_baseline(mod, name, args.steps, peak, device)))
+            if time_left("plain"):
+                guarded(f"{name} framework", lambda: later.__setitem__(
+                    name, run_framework(name, args.steps, peak, Path(tmp), emit, time_left, device,
+                                        name in args.doremi_presets.split(","))))
+        if "1b" in later:
+            guarded("1b recompute", later["1b"])
+        later.clear()
+    counters = torch._dynamo.utils.counters
+    notes.append(f"dynamo graph breaks: {dict(counters['graph_break'])}; "
+                 f"unique graphs: {counters['stats'].get('unique_graphs', 0)}")
+    print(notes[-1])
+    print("\n" + format_table(rows), flush=True)
+    if args.out:
+        (args.out / "bench.json").write_text(json.dumps({"rows": [asdict(r) for r in rows], "notes": notes}, indent=1))
+        (args.out / "table.txt").write_text(format_table(rows) + "\n\n" + "\n".join(notes) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Mixed-precision AdamW (trainer.master_weights) against torch.optim.AdamW on fp32 copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.config import TrainConfig
+from trainer.master_weights import MasterWeightAdamW, MasterWeightStateError
+from trainer.parallel.context import ParallelContext
+
+CFG = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+def _named(seed: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
+    g = torch.Generator().manual_seed(seed)
+    return [("norm.weight", torch.nn.Parameter(torch.rand(5, generator=g) + 0.5)),
+            ("a.weight", torch.nn.Parameter(torch.randn(4, 3, generator=g))),
+            ("b.weight", torch.nn.Parameter(torch.randn(2, 6, generator=g)))]
+
+
+def _grads(step: int, named) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return {n: torch.randn(p.shape, generator=g).to(torch.bfloat16) for n, p in named}
+
+
+def _reference(named, steps: int, lrs: list[float], clip: float = 0.0) -> dict[str, torch.Tensor]:
+    ref = {n: torch.nn.Parameter(p.detach().clone()) for n, p in named}
+    opt = torch.optim.AdamW([{"params": [ref[n] for n, p in named if p.ndim >= 2], "weight_decay": CFG.weight_decay},
+                             {"params": [ref[n] for n, p in named if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=CFG.lr, betas=(CFG.beta1, CFG.beta2), eps=CFG.eps, foreach=False)
+    for t in range(steps):
+        for n, g in _grads(t, named).items():
+            ref[n].grad = g.float()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(list(ref.values()), clip)
+        for group in opt.param_groups:
+            group["lr"] = lrs[t]
+        opt.step()
+    return {n: p.detach() for n, p in ref.items()}
+
+
+def _run(opt: MasterWeightAdamW, named, steps: range, lrs: list[float], clip: float = 0.0) -> list[torch.Tensor]:
+    norms = []
+    for t in steps:
+        for n, g in _grads(t, named).items():
+            dict(named)[n].grad = g.clone()
+        opt.reduce_gradients()
+        norms.append(opt.clip_grad_norm(clip))
+        opt.step(lrs[t])
+        opt.zero_grad()
+    return norms
+
+
+def _master(opt: MasterWeightAdamW) -> dict[str, torch.Tensor]:
+    return dict(zip(opt.owned_names(), opt._views(opt.master)))
+
+
+def test_matches_torch_adamw_on_fp32_master_and_params_are_its_bf16_rounding():
+    named = _named()
+    expected = _reference(named, 3, [1e-2, 5e-3, 2e-3])
+    opt = MasterWeightAdamW(named, CFG, ParallelContext.single())
+    assert all(p.dtype == torch.bfloat16 for _, p in named)
+    _run(opt, named, range(3), [1e-2, 5e-3, 2e-3])
+    master = _master(opt)
+    for n, p in named:
+        torch.testing.assert_close(master[n], expected[n], rtol=1e-6, atol=1e-7)
+        assert torch.equal(p.detach(), master[n].to(torch.bfloat16))
+    assert opt.offsets == [0, 64, 128]  # a.weight, b.weight, norm.weight: 64-element aligned
+    assert not opt.master[12:64].any() and not opt.exp_avg_sq[12:64].any()
+
+
+def test_clipping_scales_the_gradient_and_reports_the_unclipped_norm():
+    named = _named()
+    expected = _reference(named, 2, [1e-2, 1e-2], clip=0.5)
+    grads0 = _grads(0, named)
+    want_norm = torch.cat([g.float().reshape(-1) for g in grads0.values()]).norm()
+    opt = MasterWeightAdamW(named, CFG, ParallelContext.single())
+    norms = _run(opt, named, range(2), [1e-2, 1e-2], clip=0.5)
+    torch.testing.assert_close(norms[0], want_norm, rtol=1e-6, atol=0)
+    assert norms[0].item() > 0.5
+    master = _master(opt)
+    for n, _ in named:
+        torch.testing.assert_close(master[n], expected[n], rtol=1e-6, atol=1e-7)
+
+
+def test_state_dict_resume_equals_uninterrupted_run():
+    lrs = [1e-2, 8e-3, 6e-3, 4e-3]
+    full_named = _named()
+    full = MasterWeightAdamW(full_named, CFG, ParallelContext.single())
+    _run(full, full_named, range(4), lrs)
+
+    first_named = _named()
+    first = MasterWeightAdamW(first_named, CFG, ParallelContext.single())
+    _run(first, first_named, range(2), lrs)
+    saved = {"kind": "adamw", "state": {n: {k: v.clone() for k, v in s.items()}
+                                        for n, s in first.state_dict()["state"].items()}}
+    assert set(saved["state"]["a.weight"]) == {"step", "exp_avg", "exp_avg_sq", "master"}
+    assert float(saved["state"]["a.weight"]["step"]) == 2.0
+
+    resumed_named = _named(seed=7)  # different weights: the master must come from the state
+    resumed = MasterWeightAdamW(resumed_named, CFG, ParallelContext.single())
+    resumed.load_state_dict(saved)
+    _run(resumed, resumed_named, range(2, 4), lrs)
+    for (n, p), (_, q) in zip(full_named, resumed_named):
+        assert torch.equal(_master(full)[n], _master(resumed)[n])
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_bad_state_and_config_are_one_line_errors():
+    opt = MasterWeightAdamW(_named(), CFG, ParallelContext.single())
+    named = dict(zip(opt.owned_names(), opt.params))
+    with torch.no_grad():
+        named["a.weight"].fill_(0.5)
+    opt.refresh_master()
+    assert torch.equal(_master(opt)["a.weight"], torch.full((4, 3), 0.5))
+    with pytest.raises(MasterWeightStateError, match="no entry for parameter 'a.weight'"):
+        opt.load_state_dict({"kind": "adamw", "state": {"norm.weight": {"step": torch.tensor(1.0)}}})
+    bad = {n: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+           for n in ("a.weight", "b.weight", "norm.weight")}
+    with pytest.raises(MasterWeightStateError, match=r"'exp_avg' of parameter 'a.weight' has shape \(3,\), "
+                                                     r"the parameter is \(4, 3\)"):
+        opt.load_state_dict({"kind": "adamw", "state": bad})
+    with pytest.raises(MasterWeightStateError, match="state is for 'adafactor'"):
+        opt.load_state_dict({"kind": "adafactor", "state": {}})
+    with pytest.raises(ValueError, match="train.optimizer: mixed-precision master weights support adamw, "
+                                         "got 'adafactor'"):
+        MasterWeightAdamW(_named(), TrainConfig(optimizer="adafactor"), ParallelContext.single())
