@@ -24,6 +24,15 @@ class SyntheticSpec:
     order: int = 2
     branching: int = 4
     seed: int = 0
+    # Generated tokens are cut into documents of this many tokens (EOS between them).
+    doc_tokens: int = 1024
+
+    def validate(self, path: str = "synthetic") -> None:
+        for name in ("num_tokens", "vocab", "order", "branching", "doc_tokens"):
+            if getattr(self, name) < 1:
+                raise DataError(f"{path}.{name}: expected a positive int, got {getattr(self, name)}")
+        if self.kind == "markov" and self.branching > self.vocab:
+            raise DataError(f"{path}.branching: expected at most vocab={self.vocab}, got {self.branching}")
 
 
 @dataclass
@@ -35,10 +44,13 @@ class DomainSource:
     paths: list[str] = field(default_factory=list)
     hub: str | None = None
     hub_split: str = "train"
-    text_field: str = "text"
+    # None: the data section's `text_field`.
+    text_field: str | None = None
     embedded: str | None = None
     synthetic: SyntheticSpec | None = None
     max_documents: int | None = None
+    # How a .txt file becomes documents: the whole file, each paragraph, or each line.
+    sample_by: Literal["document", "paragraph", "line"] = "document"
 
 
 @dataclass
@@ -49,6 +61,11 @@ class TokenizerConfig:
     kind: Literal["byte", "bpe", "file", "hf"] = "byte"
     vocab_size: int = 4096
     path: str | None = None
+    # The end-of-document token of a `file`/`hf` tokenizer; None: the first known one it has
+    # (<|endoftext|>, <|end_of_text|>, </s>, <eos>, [SEP]).
+    eos_token: str | None = None
+    # `bpe`: train on at most this many characters of the train split (documents in order).
+    train_max_chars: int = 200_000_000
 
 
 @dataclass
@@ -63,6 +80,8 @@ class DataConfig:
     validation_fraction: float = 0.05
     split_seed: int = 1234
     num_proc: int = 2
+    # Token file dtype; `auto`: uint16 when the vocabulary fits, else uint32.
+    token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     seq_len: int = 256
     # `uniform`, `tokens` (proportional to train tokens), a weights JSON path, or a list of
     # values in domain order / a mapping from domain name to value.
@@ -74,6 +93,27 @@ class DataConfig:
         for n in names:
             if names.count(n) > 1:
                 raise DataError(f"{path}.domains: domain {n!r} is named twice")
+        for i, d in enumerate(self.domains):
+            where = f"{path}.domains[{i}]"
+            if not d.name or "/" in d.name or d.name.startswith("."):
+                raise DataError(f"{where}.name: expected a non-empty name without '/' or a leading '.', got {d.name!r}")
+            given = [k for k in ("paths", "hub", "embedded", "synthetic") if getattr(d, k)]
+            if len(given) > 1:
+                raise DataError(f"{where} ({d.name}): expected one source, got {' and '.join(given)}")
+            if not given and not self.dataset:
+                raise DataError(f"{where} ({d.name}): no source (paths, hub, embedded or synthetic) "
+                                f"and no {path}.dataset with a domain column")
+            if d.max_documents is not None and d.max_documents < 1:
+                raise DataError(f"{where}.max_documents: expected >= 1, got {d.max_documents}")
+        if self.dataset and not self.domain_column:
+            raise DataError(f"{path}.domain_column: required when {path}.dataset is set")
+        if not self.domains and not self.dataset:
+            raise DataError(f"{path}.domains: expected at least one domain, got none")
+        tok = self.tokenizer
+        if tok.kind == "bpe" and tok.vocab_size < 258:
+            raise DataError(f"{path}.tokenizer.vocab_size: expected >= 258 for bpe (256 bytes + EOS + merges), got {tok.vocab_size}")
+        if tok.kind in ("file", "hf") and not tok.path:
+            raise DataError(f"{path}.tokenizer.path: required for kind {tok.kind!r}")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise DataError(f"{path}.validation_fraction: expected a value in [0, 1), got {self.validation_fraction}")
         if self.seq_len < 2:

@@ -1,0 +1,219 @@
+"""`doremi preprocess`: tokenize every domain into per-domain token stores (see data.store).
+
+Steps: resolve and fingerprint the sources; stop if the stores already hold that fingerprint;
+otherwise, in a staging directory inside the store directory, read each text domain, split its
+documents into train/validation (data.split), build the tokenizer (training a BPE on the train
+documents), tokenize in `num_proc` processes, generate the synthetic domains, then move the
+files into place and write `manifest.json` last. Every input error is raised before anything
+in the store directory changes; an interrupted commit leaves no manifest, so the next run
+rebuilds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from data.config import DataConfig, TokenizerConfig
+from data.encode import Encoder
+from data.errors import DataError
+from data.sources import (DomainPlan, SourceReader, TextSource, column_plans, digest, file_digest,
+                          needs_column_plans, plan_domains, shared_dataset_digest)
+from data.split import validation_mask
+from data.store import (FORMAT_VERSION, MANIFEST_FILE, DomainEntry, Manifest,
+                        SplitWriter, open_stores, read_manifest, split_paths, token_dtype,
+                        write_manifest)
+from data.synthetic import check_fits, entropy, generate_documents, symbol_ids
+from data.tokenizer import TOKENIZER_FILE, build_tokenizer, save_tokenizer
+
+log = logging.getLogger(__name__)
+
+READ_ROWS = 256
+RESERVED_NAMES = {MANIFEST_FILE, TOKENIZER_FILE}
+
+
+def tokenizer_fingerprint(cfg: TokenizerConfig) -> Any:
+    if cfg.kind == "byte":
+        return "byte"
+    if cfg.kind == "bpe":
+        return ["bpe", cfg.vocab_size, cfg.train_max_chars]
+    path = Path(cfg.path or "").expanduser()
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    content = file_digest(str(path)) if path.is_file() else cfg.path
+    return [cfg.kind, content, cfg.eos_token]
+
+
+def fingerprint(cfg: DataConfig, plans: list[DomainPlan]) -> str:
+    """Everything the stores' bytes depend on: sources, tokenizer, split, dtype, format."""
+    return digest({"version": FORMAT_VERSION,
+                   "domains": [[p.name, p.fingerprint] for p in plans],
+                   "column_domains": shared_dataset_digest(cfg) if needs_column_plans(cfg, plans) else None,
+                   "tokenizer": tokenizer_fingerprint(cfg.tokenizer),
+                   "split": [cfg.validation_fraction, cfg.split_seed],
+                   "token_dtype": cfg.token_dtype})
+
+
+def preprocess(cfg: DataConfig, force: bool = False, progress: bool = True) -> Manifest:
+    """Build the stores in `cfg.store_dir`; return the existing manifest when its fingerprint
+    matches and the files are intact (unless `force`)."""
+    cfg.validate()
+    plans = plan_domains(cfg)
+    fp = fingerprint(cfg, plans)
+    store = Path(cfg.store_dir)
+    if not force:
+        current = _up_to_date(store, fp)
+        if current is not None:
+            log.info("%s: stores up to date (fingerprint %s)", store, fp[:12])
+            return current
+    store.mkdir(parents=True, exist_ok=True)
+    _remove_orphans(store)
+    staging = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}-", dir=store))
+    try:
+        with _datasets_progress(progress):
+            manifest = _build(cfg, plans, fp, staging, progress)
+        _commit(store, staging, manifest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def _remove_orphans(store: Path) -> None:
+    """Staging directories left by killed runs (their process no longer exists on this host)."""
+    for path in store.glob(".staging-*-*"):
+        try:
+            os.kill(int(path.name.split("-")[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
+
+
+def _up_to_date(store: Path, fp: str) -> Manifest | None:
+    try:
+        if read_manifest(store).fingerprint != fp:
+            return None
+        return open_stores(store).manifest
+    except DataError:
+        return None
+
+
+@contextlib.contextmanager
+def _datasets_progress(enabled: bool) -> Iterator[None]:
+    if enabled:
+        yield
+        return
+    import datasets
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
+def _check_text(value: Any, domain: str, field: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise DataError(f"domain {domain!r}: field {field!r} holds {type(value).__name__}, expected text")
+    return value
+
+
+def _split_batches(source: TextSource, mask: np.ndarray, field: str) -> Iterator[tuple[list[str], list[str]]]:
+    """(train texts, validation texts) per read batch; empty documents are dropped."""
+    row = 0
+    for batch in source.batches(READ_ROWS):
+        train, val = [], []
+        for value in batch:
+            text = _check_text(value, source.name, field)
+            if text:
+                (val if mask[row] else train).append(text)
+            row += 1
+        yield train, val
+
+
+def _training_texts(sources: list[tuple[DomainPlan, TextSource, np.ndarray]]) -> Iterator[str]:
+    for plan, source, mask in sources:
+        for train, _ in _split_batches(source, mask, plan.text_field):
+            yield from train
+
+
+def _build(cfg: DataConfig, plans: list[DomainPlan], fp: str, staging: Path, progress: bool) -> Manifest:
+    from tqdm import tqdm
+
+    reader = SourceReader(cfg, staging / ".hf-cache")
+    if needs_column_plans(cfg, plans):
+        plans = plans + column_plans(cfg, reader, plans)
+    for p in plans:
+        if p.name in RESERVED_NAMES:
+            raise DataError(f"data.domains: domain name {p.name!r} is reserved for a store file")
+    texts = []
+    for p in plans:
+        if p.kind != "synthetic":
+            source = reader.open(p)
+            if source.num_rows == 0:
+                raise DataError(f"domain {p.name!r}: empty domain ({p.description} has no documents)")
+            texts.append((p, source, validation_mask(source.num_rows, cfg.validation_fraction, cfg.split_seed, p.name)))
+    if cfg.tokenizer.kind == "bpe" and not texts:
+        raise DataError("data.tokenizer: kind 'bpe' is trained on the text domains, but there are none")
+    tok = build_tokenizer(cfg.tokenizer, _training_texts(texts) if cfg.tokenizer.kind == "bpe" else None)
+    dtype = token_dtype(tok.vocab_size, cfg.token_dtype)
+    for p in plans:
+        if p.synthetic is not None:
+            check_fits(p.synthetic, tok.vocab_size, tok.eos_id, f"domain {p.name!r}")
+
+    by_name = {p.name: (source, mask) for p, source, mask in texts}
+    with Encoder(tok, dtype, cfg.num_proc if texts else 1) as encoder:
+        entries = [_write_domain(p, by_name.get(p.name), tok, dtype, encoder, cfg, staging)
+                   for p in tqdm(plans, desc="preprocess", unit="domain", disable=not progress)]
+    save_tokenizer(tok, staging / TOKENIZER_FILE)
+    return Manifest(domains=entries, tokenizer=tok.identity, dtype=dtype, fingerprint=fp,
+                    sources={p.name: p.fingerprint for p in plans},
+                    split={"validation_fraction": cfg.validation_fraction, "seed": cfg.split_seed})
+
+
+def _write_domain(p: DomainPlan, text: tuple[TextSource, np.ndarray] | None, tok: Any, dtype: str,
+                  encoder: Encoder, cfg: DataConfig, staging: Path) -> DomainEntry:
+    writers = [SplitWriter(*split_paths(staging, p.name, split), dtype) for split in ("train", "validation")]
+    if p.synthetic is not None:
+        docs = generate_documents(p.synthetic)
+        mask = validation_mask(len(docs), cfg.validation_fraction, cfg.split_seed, p.name)
+        for doc, is_val in zip(docs, mask):
+            ids = np.append(symbol_ids(doc, tok.eos_id), tok.eos_id)
+            writers[int(is_val)].append(ids, np.array([len(ids)]))
+    else:
+        assert text is not None
+        source, mask = text
+        for encoded in encoder.map(_split_batches(source, mask, p.text_field)):
+            for writer, (flat, lengths) in zip(writers, encoded):
+                writer.append(flat, lengths)
+    train, val = (w.close() for w in writers)
+    if train.documents + val.documents == 0:
+        raise DataError(f"domain {p.name!r}: empty domain ({p.description} has only empty documents)")
+    return DomainEntry(name=p.name, source=p.description, train=train, validation=val,
+                       entropy=entropy(p.synthetic) if p.synthetic else None,
+                       synthetic=dict(vars(p.synthetic), eos_id=tok.eos_id) if p.synthetic else None)
+
+
+def _commit(store: Path, staging: Path, manifest: Manifest) -> None:
+    """Move the staged files into place; the manifest goes first out and last in."""
+    (store / MANIFEST_FILE).unlink(missing_ok=True)
+    for d in manifest.domains:
+        target = store / d.name
+        if target.exists():
+            trash = store / f".old-{uuid.uuid4().hex}"
+            os.replace(target, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(staging / d.name, target)
+    os.replace(staging / TOKENIZER_FILE, store / TOKENIZER_FILE)
+    write_manifest(store, manifest)

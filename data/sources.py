@@ -1,0 +1,279 @@
+"""Where each domain's documents come from: local files read through `datasets`, one dataset
+split by a domain column, a hub dataset, the embedded corpus, or a synthetic generator.
+
+`plan_domains` resolves the config into one `DomainPlan` per domain (with a fingerprint of its
+inputs, cheap enough to decide whether preprocessing can be skipped) and checks that every file
+exists. `SourceReader.open` then loads a text domain as a `TextSource` (rows in order, read in
+batches); errors name the domain, the file and the field.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from data.config import DataConfig, DomainSource, SyntheticSpec
+from data.errors import DataError
+
+CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text",
+           ".arrow": "arrow", ".csv": "csv"}
+
+
+def embedded_domains() -> list[str]:
+    return sorted(p.name[:-len(".jsonl.gz")] for p in CORPUS_DIR.glob("*.jsonl.gz"))
+
+
+def embedded_path(name: str) -> Path:
+    path = CORPUS_DIR / f"{name}.jsonl.gz"
+    if not path.is_file():
+        raise DataError(f"embedded corpus {name!r} not found; available: {', '.join(embedded_domains())}")
+    return path
+
+
+def read_embedded(name: str) -> list[str]:
+    """The documents of embedded corpus domain `name`, in order."""
+    with gzip.open(embedded_path(name), "rt", encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+def file_format(path: str) -> str:
+    name = path.lower()
+    for suffix in COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[:-len(suffix)]
+    ext = Path(name).suffix
+    if ext not in FORMATS:
+        raise DataError(f"{path}: unknown file type {ext or '(none)'!r}; expected one of "
+                        f"{', '.join(sorted(FORMATS))} (optionally compressed)")
+    return FORMATS[ext]
+
+
+def expand_paths(paths: list[str], where: str) -> list[str]:
+    """Files named by `paths` (globs allowed), each of which must exist."""
+    out: list[str] = []
+    for p in paths:
+        matches = sorted(glob.glob(str(Path(p).expanduser()))) if glob.has_magic(p) else [str(Path(p).expanduser())]
+        if not matches or not Path(matches[0]).exists():
+            raise DataError(f"{where}: file {p} not found")
+        for m in matches:
+            if not Path(m).is_file():
+                raise DataError(f"{where}: {m} is not a file")
+        out.extend(matches)
+    return out
+
+
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass
+class DomainPlan:
+    """One domain, resolved: `kind` is `files`, `column`, `hub`, `embedded` or `synthetic`."""
+
+    name: str
+    kind: str
+    fingerprint: str
+    description: str
+    files: list[str] = field(default_factory=list)
+    text_field: str = "text"
+    source: DomainSource | None = None
+    synthetic: SyntheticSpec | None = None
+
+
+def _file_group(paths: list[str], where: str) -> tuple[list[str], str]:
+    files = expand_paths(paths, where)
+    formats = {file_format(f) for f in files}
+    if len(formats) > 1:
+        raise DataError(f"{where}: files of different types ({', '.join(sorted(formats))}); one type per source")
+    return files, formats.pop()
+
+
+def shared_dataset_digest(cfg: DataConfig) -> str | None:
+    """Fingerprint of `data.dataset` (the one dataset split by a domain column), if any."""
+    if not cfg.dataset:
+        return None
+    files, fmt = _file_group(cfg.dataset, "data.dataset")
+    return digest([fmt, cfg.domain_column, cfg.text_field] + [file_digest(f) for f in files])
+
+
+def plan_domains(cfg: DataConfig) -> list[DomainPlan]:
+    """Resolve and check every listed domain's source and fingerprint its inputs. With
+    `data.dataset` and no source-less domain listed, the column's values add domains later
+    (`column_plans`), once the dataset is read."""
+    plans: list[DomainPlan] = []
+    shared = shared_dataset_digest(cfg)
+    for i, d in enumerate(cfg.domains):
+        where = f"data.domains[{i}] ({d.name})"
+        text_field = d.text_field or cfg.text_field
+        common = {"text_field": text_field, "max_documents": d.max_documents, "sample_by": d.sample_by}
+        if d.synthetic is not None:
+            plans.append(DomainPlan(d.name, "synthetic", digest(["synthetic", asdict(d.synthetic)]),
+                                    f"synthetic:{d.synthetic.kind}", synthetic=d.synthetic))
+        elif d.embedded:
+            path = embedded_path(d.embedded)
+            plans.append(DomainPlan(d.name, "embedded", digest(["embedded", file_digest(str(path)), d.max_documents]),
+                                    f"embedded:{d.embedded}", source=d, text_field="text"))
+        elif d.paths:
+            files, fmt = _file_group(d.paths, where)
+            fp = digest(["files", fmt, common] + [file_digest(f) for f in files])
+            plans.append(DomainPlan(d.name, "files", fp, f"files:{','.join(Path(f).name for f in files)}",
+                                    files=files, text_field=text_field, source=d))
+        elif d.hub:
+            plans.append(DomainPlan(d.name, "hub", digest(["hub", d.hub, d.hub_split, common]),
+                                    f"hub:{d.hub}[{d.hub_split}]", text_field=text_field, source=d))
+        else:
+            plans.append(DomainPlan(d.name, "column", digest(["column", shared, d.name, common]),
+                                    f"column:{cfg.domain_column}={d.name}", text_field=text_field, source=d))
+    return plans
+
+
+def needs_column_plans(cfg: DataConfig, plans: list[DomainPlan]) -> bool:
+    return bool(cfg.dataset) and not any(p.kind == "column" for p in plans)
+
+
+def column_plans(cfg: DataConfig, reader: "SourceReader", plans: list[DomainPlan]) -> list[DomainPlan]:
+    """One domain per value of `data.domain_column` (sorted), after the listed domains."""
+    shared = shared_dataset_digest(cfg)
+    out = []
+    for value in reader.column_values():
+        if any(p.name == value for p in plans):
+            raise DataError(f"data.domains: domain {value!r} is named twice (in data.domains and as a "
+                            f"value of column {cfg.domain_column!r})")
+        out.append(DomainPlan(value, "column", digest(["column", shared, value, cfg.text_field]),
+                              f"column:{cfg.domain_column}={value}", text_field=cfg.text_field,
+                              source=DomainSource(name=value)))
+    return out
+
+
+@dataclass
+class TextSource:
+    """A text domain's rows, in order; `batches(n)` yields lists of up to n texts (None or
+    non-strings are passed through for the caller to reject)."""
+
+    name: str
+    num_rows: int
+    read: Callable[[int], Iterator[list[Any]]]
+
+    def batches(self, rows: int) -> Iterator[list[Any]]:
+        return self.read(rows)
+
+
+def _list_batches(texts: list[Any]) -> Callable[[int], Iterator[list[Any]]]:
+    def read(rows: int) -> Iterator[list[Any]]:
+        for i in range(0, len(texts), rows):
+            yield texts[i:i + rows]
+    return read
+
+
+def _dataset_batches(ds: Any, text_field: str) -> Callable[[int], Iterator[list[Any]]]:
+    def read(rows: int) -> Iterator[list[Any]]:
+        for batch in ds.select_columns([text_field]).iter(batch_size=rows):
+            yield batch[text_field]
+    return read
+
+
+class SourceReader:
+    """Loads text domains through `datasets`; `cache_dir` holds the Arrow caches of local files
+    (a staging directory that the caller removes), hub datasets use the default HF cache."""
+
+    def __init__(self, cfg: DataConfig, cache_dir: Path | None):
+        self.cfg = cfg
+        self.cache_dir = cache_dir
+        self._shared: Any = None
+        self._shared_index: dict[str, list[int]] | None = None
+
+    def _load(self, fmt: str, files: list[str], where: str, sample_by: str = "document") -> Any:
+        import datasets
+        nonempty = [f for f in files if Path(f).stat().st_size > 0]
+        if not nonempty:
+            raise DataError(f"{where}: empty domain ({', '.join(files)}: empty file)")
+        files = nonempty
+        kwargs: dict[str, Any] = {"sample_by": sample_by} if fmt == "text" else {}
+        try:
+            return datasets.load_dataset(fmt, data_files=files, split="train",
+                                         cache_dir=str(self.cache_dir) if self.cache_dir else None, **kwargs)
+        except Exception as e:  # datasets raises many types; report the first line
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"{where}: could not read {', '.join(files)} as {fmt} ({msg})") from None
+
+    def _shared_dataset(self) -> tuple[Any, dict[str, list[int]]]:
+        if self._shared is None:
+            files, fmt = _file_group(self.cfg.dataset, "data.dataset")
+            ds = self._load(fmt, files, "data.dataset")
+            col = self.cfg.domain_column
+            if col not in ds.column_names:
+                raise DataError(f"data.domain_column: {', '.join(files)} have no column {col!r} "
+                                f"(columns: {', '.join(ds.column_names)})")
+            index: dict[str, list[int]] = {}
+            for i, v in enumerate(ds[col]):
+                index.setdefault(str(v), []).append(i)
+            self._shared, self._shared_index = ds, index
+        assert self._shared_index is not None
+        return self._shared, self._shared_index
+
+    def column_values(self) -> list[str]:
+        return sorted(self._shared_dataset()[1])
+
+    def open(self, plan: DomainPlan) -> TextSource:
+        where = f"domain {plan.name!r}"
+        src = plan.source
+        assert src is not None
+        if plan.kind == "embedded":
+            texts: list[Any] = read_embedded(src.embedded or "")
+            return self._limit(TextSource(plan.name, len(texts), _list_batches(texts)), src.max_documents)
+        if plan.kind == "files":
+            fmt = file_format(plan.files[0])
+            ds = self._load(fmt, plan.files, where, src.sample_by)
+            files = ", ".join(plan.files)
+        elif plan.kind == "hub":
+            import datasets
+            try:
+                ds = datasets.load_dataset(src.hub, split=src.hub_split)
+            except Exception as e:
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise DataError(f"{where}: hub dataset {src.hub!r} split {src.hub_split!r} could not be "
+                                f"loaded (offline?): {msg}") from None
+            files = f"hub dataset {src.hub}"
+        else:
+            shared, index = self._shared_dataset()
+            if plan.name not in index:
+                raise DataError(f"{where}: empty domain: no row of data.dataset has "
+                                f"{self.cfg.domain_column}={plan.name!r}")
+            ds = shared.select(index[plan.name])
+            files = "data.dataset"
+        if plan.text_field not in ds.column_names:
+            raise DataError(f"{where}: {files} have no field {plan.text_field!r} (fields: "
+                            f"{', '.join(ds.column_names)}); set text_field")
+        if src.max_documents is not None and src.max_documents < len(ds):
+            ds = ds.select(range(src.max_documents))
+        return TextSource(plan.name, len(ds), _dataset_batches(ds, plan.text_field))
+
+    @staticmethod
+    def _limit(source: TextSource, max_documents: int | None) -> TextSource:
+        if max_documents is None or max_documents >= source.num_rows:
+            return source
+        inner = source.read
+
+        def read(rows: int) -> Iterator[list[Any]]:
+            left = max_documents
+            for batch in inner(rows):
+                if left <= 0:
+                    return
+                yield batch[:left]
+                left -= len(batch)
+        return TextSource(source.name, max_documents, read)
