@@ -86,9 +86,12 @@ class Pipeline:
         return self._load(raw)
 
     # -- stage bookkeeping -------------------------------------------------------------------
-    def _run_stage(self, name: str, out: Path, cfg: ExperimentConfig | None, fn: Callable[[], Any]) -> Any:
+    def _run_stage(self, name: str, out: Path, cfg: ExperimentConfig, fn: Callable[[], Any],
+                   fp: str | None = None, clean: bool = True) -> Any:
+        """Run `fn` unless `out` holds its result for fingerprint `fp` (default: the whole
+        config's). `clean`: remove a stale output before redoing it."""
         marker = out / "stage.json" if out.suffix == "" else out.with_name(out.name + ".stage.json")
-        fp = fingerprint(cfg) if cfg is not None else "-"
+        fp = fp or fingerprint(cfg)
         if marker.is_file():
             done = json.loads(marker.read_text())
             if done.get("fingerprint") == fp:
@@ -97,7 +100,7 @@ class Pipeline:
             self.say(f"[{self._elapsed()}] {name}: config changed, redoing")
             if is_main_rank():
                 marker.unlink()
-                if out.is_dir():
+                if clean and out.is_dir():
                     shutil.rmtree(out)
         self.say(f"[{self._elapsed()}] {name} ...")
         result = fn()
@@ -115,8 +118,10 @@ class Pipeline:
         from data.preprocess import preprocess
 
         cfg = self.cfg
+        # The stores depend on the data section only, and `preprocess` itself rebuilds what changed.
+        data_fp = hashlib.sha256(json.dumps(to_dict(cfg.data), sort_keys=True).encode()).hexdigest()[:16]
         self._run_stage("preprocess", Path(cfg.data.store_dir), cfg,
-                        lambda: (preprocess(cfg.data, progress=is_main_rank()), None)[1])
+                        lambda: (preprocess(cfg.data, progress=is_main_rank()), None)[1], fp=data_fp, clean=False)
         weights_path = self.tune_weights()
         results: dict[str, Any] = {"weights": str(weights_path)}
         if not self.p.skip_main:

@@ -1,0 +1,78 @@
+"""The quickstart pipeline end to end, at a smaller size: every stage runs from nothing, the
+table and report.md show the numbers the runs wrote, and a second run skips every stage."""
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from doremi.pipeline import Pipeline, run_pipeline
+from trainer.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+SMALL = ["train.steps=12", "train.eval_every=6", "train.eval_batches=2", "logging.progress=false",
+         "checkpoint.every=0", "pipeline.main.train.steps=8",
+         "model.d_model=32", "model.n_layers=2", "model.ffn_dim=64",
+         "pipeline.main.model.d_model=48", "pipeline.main.model.n_layers=2", "pipeline.main.model.ffn_dim=96"]
+
+
+def table_rows(report: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in report.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 3 and cells[0] not in ("domain", "---"):
+            rows[cells[0].strip("*")] = cells[1:]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quickstart")
+    sets = [*SMALL, f"pipeline.run_dir={root / 'run'}", f"data.store_dir={root / 'stores'}"]
+    messages: list[str] = []
+    pipe = Pipeline(QUICKSTART, sets, say=messages.append)
+    pipe.run()
+    return root / "run", sets, messages
+
+
+def test_every_stage_ran_and_report_matches_the_runs(pipeline_run, capsys):
+    run, sets, messages = pipeline_run
+    assert any("round 1: proxy ..." in m for m in messages)
+    results = run_pipeline(QUICKSTART, sets)  # second run: skips every stage, prints the table
+    out = capsys.readouterr().out
+    assert "done already" in out and "..." not in out.replace("done already", "")
+    report = (run / "report.md").read_text()
+    for png in ("domain_weights.png", "val_loss.png", "final_loss.png"):
+        assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert png in report
+
+    rows = table_rows(report)
+    header = [c.strip() for c in next(l for l in report.splitlines() if l.startswith("| domain")).strip("|").split("|")][1:]
+    weights = json.loads((run / "weights.json").read_text())
+    for domain, w in zip(weights["domains"], weights["weights"]):
+        assert float(rows[domain][header.index("weight: doremi")]) == pytest.approx(w, abs=5e-5)
+    for mixture in ("doremi", "uniform", "tokens"):
+        final = [r for r in read_jsonl(run / "main" / mixture / "metrics.jsonl") if "val_loss" in r][-1]
+        assert final["step"] == 8
+        losses = [final["val_loss"][d] for d in weights["domains"]]
+        for domain, loss in zip(weights["domains"], losses):
+            assert float(rows[domain][header.index(f"loss: {mixture}")]) == pytest.approx(loss, abs=5e-5)
+        assert float(rows["average"][header.index(f"loss: {mixture}")]) == pytest.approx(np.mean(losses), abs=5e-5)
+        assert float(rows["worst case"][header.index(f"loss: {mixture}")]) == pytest.approx(max(losses), abs=5e-5)
+        assert results["main"][mixture]["val_loss"] == pytest.approx(losses, abs=1e-9)
+    history = read_jsonl(run / "round1" / "proxy" / "domain_weights.jsonl")
+    assert [h["step"] for h in history] == list(range(1, 13))
+    assert weights["weights"] == pytest.approx(np.mean([h["weights"] for h in history], axis=0), abs=1e-12)
+
+
+def test_changed_stage_is_redone(pipeline_run):
+    run, sets, _ = pipeline_run
+    messages: list[str] = []
+    Pipeline(QUICKSTART, [*sets, "pipeline.main.train.steps=9", "pipeline.baselines=[uniform]"],
+             say=messages.append).run()
+    redone = [m for m in messages if "config changed" in m]
+    assert any("main run: doremi" in m for m in redone) and any("main run: uniform" in m for m in redone)
+    assert any("round 1: proxy: done already" in m for m in messages)
