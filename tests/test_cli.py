@@ -1,0 +1,64 @@
+"""The README's commands, run as a user runs them: the staged DoReMi chain through the `doremi`
+console script, `torchrun`, `doremi plan`, and `doremi eval`."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.runs import alphas, config_path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def sh(*args: str, timeout: int = 300) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([str(a) for a in args], capture_output=True, text=True, env=env, cwd=ROOT,
+                            timeout=timeout)
+    assert result.returncode == 0, f"{args}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def doremi(*args: str) -> str:
+    return sh(BIN / "doremi", *args)
+
+
+def test_staged_doremi_chain(stores, tmp_path):
+    cfg = config_path(stores, tmp_path / "exp")
+    doremi("preprocess", cfg)
+    doremi("train-reference", cfg, "--set", f"train.run_dir={tmp_path / 'ref'}")
+    proxy = ["--set", f"train.run_dir={tmp_path / 'proxy'}", "--set", f"doremi.reference={tmp_path / 'ref'}",
+             "--set", "train.steps=4"]
+    doremi("score", cfg, *proxy, "--out", tmp_path / "cache")
+    doremi("train-proxy", cfg, *proxy)
+    assert len(alphas(tmp_path / "proxy")) == 4
+    out = doremi("average", tmp_path / "proxy", "--from-step", "2")
+    weights = json.loads(Path(out.strip()).read_text())
+    assert weights["domains"] == ["noise", "easy", "markov"] and weights["steps_averaged"] == 3
+    assert sum(weights["weights"]) == pytest.approx(1.0)
+    doremi("train", cfg, "--set", f"train.run_dir={tmp_path / 'main'}",
+           "--set", f"data.domain_weights={tmp_path / 'proxy' / 'weights.json'}")
+    table = doremi("eval", tmp_path / "main")
+    lines = table.strip().splitlines()
+    assert lines[0].split() == ["domain", "val_loss"] and len(lines) == 1 + 3 + 2
+    assert lines[-1].startswith("worst")
+
+
+def test_torchrun_data_parallel(stores, tmp_path):
+    cfg = config_path(stores, tmp_path / "dp")
+    sh(BIN / "torchrun", "--standalone", "--nproc_per_node=2", "-m", "doremi", "train", cfg,
+       "--set", "parallelism.dp=2", "--set", "logging.progress=false")
+    rows = [json.loads(l) for l in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+
+
+def test_plan_70b():
+    out = doremi("plan", "experiments/llama3_70b.yaml", "--gpus", "16", "--gpu-memory", "96")
+    assert "tp4 x pp4 x dp1" in out
+    stage_rows = [l for l in out.splitlines() if l.strip()[:1].isdigit()]
+    assert len(stage_rows) == 4
