@@ -35,6 +35,9 @@ class DoReMiConfig:
             raise ConfigError(f"{path}.eta: expected >= 0, got {self.eta}")
         if not 0 <= self.smoothing <= 1:
             raise ConfigError(f"{path}.smoothing: expected a value in [0, 1], got {self.smoothing}")
+        if self.mode == "resample" and self.reference_cache:
+            raise ConfigError(f"{path}.reference_cache: a cache needs a fixed proxy data stream, but "
+                              f"{path}.mode 'resample' draws the data from alpha")
         if self.average_from_step < 1:
             raise ConfigError(f"{path}.average_from_step: expected >= 1, got {self.average_from_step}")
 

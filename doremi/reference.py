@@ -69,7 +69,11 @@ class OnlineReference:
 class CachedReference:
     """Look the reference losses up by (domain, sequence index)."""
 
-    def __init__(self, cache_dir: str | Path, domains: list[str], seq_len: int, device: torch.device):
+    def __init__(self, cache_dir: str | Path, domains: list[str], seq_len: int, device: torch.device,
+                 steps: int, global_batch_size: int, seed: int, sampling: list[float],
+                 reference: str | None = None):
+        """`steps`, `global_batch_size` and `seed` describe the run's data stream; the cache must
+        cover it (checked before any work). `reference`: the run's reference, if it names one."""
         self.dir = Path(cache_dir)
         meta_path = self.dir / "meta.json"
         if not meta_path.is_file():
@@ -78,6 +82,19 @@ class CachedReference:
         if meta.get("domains") != domains or meta.get("seq_len") != seq_len:
             raise DoReMiError(f"{meta_path}: cache was built for domains {meta.get('domains')} and seq_len "
                               f"{meta.get('seq_len')}, the run has {domains} and {seq_len}")
+        for key, want in (("global_batch_size", global_batch_size), ("seed", seed)):
+            if meta.get(key) != want:
+                raise DoReMiError(f"{meta_path}: cache was scored for data.{key if key == 'seed' else 'train.' + key}"
+                                  f"={meta.get(key)}, the run has {want} (another data stream)")
+        if not np.allclose(meta.get("sampling", []), sampling, rtol=0, atol=1e-12):
+            raise DoReMiError(f"{meta_path}: cache was scored for proxy sampling weights {meta.get('sampling')}, "
+                              f"the run samples with {list(sampling)} (doremi.proxy_sampling)")
+        if meta.get("steps", 0) < steps:
+            raise DoReMiError(f"{meta_path}: cache covers {meta.get('steps')} steps, fewer steps than the run's "
+                              f"train.steps={steps}")
+        if reference is not None and Path(resolve_checkpoint(reference)) != Path(meta.get("reference", "")):
+            raise DoReMiError(f"{meta_path}: cache was scored with reference {meta.get('reference')}, the run "
+                              f"names {resolve_checkpoint(reference)}")
         self.arrays = [np.load(self.dir / f"{d}.npy", mmap_mode="r") for d in domains]
         self.domains = domains
         self.device = device

@@ -69,13 +69,15 @@ def train_proxy(cfg: ExperimentConfig) -> dict[str, Any]:
     if cfg.doremi.update == "exact" and cfg.doremi.mode == "reweight":
         cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, pp_schedule="afab"))
     trainer = Trainer(cfg, desc="proxy")
+    sampling = resolve_weights(cfg.doremi.proxy_sampling, trainer.feed.manifest)
     if cfg.doremi.reference_cache:
-        ref = CachedReference(cfg.doremi.reference_cache, trainer.feed.domains, cfg.data.seq_len, trainer.pc.device)
+        ref = CachedReference(cfg.doremi.reference_cache, trainer.feed.domains, cfg.data.seq_len, trainer.pc.device,
+                              steps=cfg.train.steps, global_batch_size=cfg.train.global_batch_size,
+                              seed=cfg.data.seed, sampling=sampling.tolist(), reference=cfg.doremi.reference)
     else:
         ck = _require_reference(cfg)
         ref_cfg = reference_config(cfg, ck)
         ref = OnlineReference(load_frozen(ref_cfg, ck, trainer.pc), ref_cfg, trainer.pc)
-    sampling = resolve_weights(cfg.doremi.proxy_sampling, trainer.feed.manifest)
     trainer.hook = DoReMiHook(cfg.doremi, trainer.feed.domains, trainer.pc, trainer.run_dir, sampling, ref)
     return trainer.fit()
 
@@ -131,7 +133,7 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     if pc.is_main:
         meta = {"version": CACHE_VERSION, "domains": feed.domains, "seq_len": seq_len,
                 "reference": str(ck), "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
-                "seed": cfg.data.seed, "sequences": [len(v) for v in visited]}
+                "seed": cfg.data.seed, "sampling": weights.tolist(), "sequences": [len(v) for v in visited]}
         atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
         if out.exists():
             import shutil

@@ -14,7 +14,7 @@ import numpy as np
 
 from data.preprocess import preprocess
 from data.store import open_stores
-from data.synthetic import empirical_entropy
+from data.stats import unigram_entropy
 from doremi import stages
 from doremi.config import ExperimentConfig
 from trainer.config import load_config
@@ -22,12 +22,7 @@ from trainer.config import load_config
 
 def unigram_entropies(store_dir: str) -> dict[str, float]:
     stores = open_stores(store_dir)
-    out = {}
-    for d in stores.domains:
-        n = len(stores.documents(d, "validation")) - 1
-        docs = [stores.document(d, "validation", i) for i in range(n)]
-        out[d] = empirical_entropy(docs, order=0)
-    return out
+    return {d: unigram_entropy(stores, d) for d in stores.domains}
 
 
 def check(config: str, overrides: list[str]) -> tuple[dict[str, float], dict[str, float], float]:

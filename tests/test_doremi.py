@@ -286,4 +286,8 @@ def test_cache_shorter_than_the_run_is_a_one_line_error(stores, root, reference)
         train_proxy(stores, root / "cached-short", reference, f"doremi.reference_cache={cache}")
     message = str(err.value)
     assert "\n" not in message
-    assert str(cache) in message and "at step 3" in message and "fewer steps" in message
+    assert str(cache) in message and "covers 2 steps, fewer steps than the run's train.steps=5" in message
+    assert not (root / "cached-short" / "metrics.jsonl").exists()  # refused before any step
+    with pytest.raises(DoReMiError, match="cache was scored for data.seed=0, the run has 7"):
+        train_proxy(stores, root / "cached-seed", reference, f"doremi.reference_cache={cache}",
+                    "data.seed=7", "train.steps=2")

@@ -76,3 +76,19 @@ def test_changed_stage_is_redone(pipeline_run):
     redone = [m for m in messages if "config changed" in m]
     assert any("main run: doremi" in m for m in redone) and any("main run: uniform" in m for m in redone)
     assert any("round 1: proxy: done already" in m for m in messages)
+
+
+def test_iterated_rounds_feed_weights_forward_and_stop_on_tolerance(tmp_path):
+    from trainer.configtools import read_yaml
+
+    run = tmp_path / "run"
+    sets = [*SMALL, f"pipeline.run_dir={run}", f"data.store_dir={tmp_path / 'stores'}", "pipeline.skip_main=true",
+            "pipeline.rounds=3", "pipeline.rounds_tolerance=1.0", "train.steps=4", "train.eval_every=0"]
+    messages: list[str] = []
+    Pipeline(QUICKSTART, sets, say=messages.append).run()
+    assert (run / "round2" / "weights.json").is_file() and not (run / "round3").exists()
+    assert any("converged after round 2" in m for m in messages)
+    ref2 = read_yaml(run / "round2" / "reference" / "config.yaml")
+    assert ref2["data"]["domain_weights"] == str(run / "round1" / "weights.json")
+    assert json.loads((run / "weights.json").read_text())["weights"] == \
+        json.loads((run / "round2" / "weights.json").read_text())["weights"]

@@ -102,3 +102,12 @@ def test_cli_errors_are_one_line(stores, tmp_path, args, expect):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expect in lines[0], result.stderr
     assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+def test_wandb_offline(stores, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "wb"
+    stages.train(config(stores, run, "train.steps=2", "logging.wandb=true", "logging.run_name=t"))
+    assert len(losses(run)) == 2
+    assert list((run / "wandb").glob("offline-run-*")), "no offline wandb run written"
