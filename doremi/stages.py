@@ -175,6 +175,6 @@ def evaluate(checkpoint: str | Path, overrides: list[str] | None = None) -> tupl
     feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
     model = load_frozen(cfg, ck, pc)
     mbs = cfg.train.global_batch_size // (cfg.parallelism.dp * cfg.train.micro_batches)
-    losses = evaluate_domains(model, feed.validation(mbs, max(cfg.train.eval_batches, 1)), pc,
+    losses = evaluate_domains(model, feed.validation(mbs, cfg.train.eval_sequences), pc,
                               autocast(cfg, pc.device))
     return feed.domains, losses.cpu().numpy()

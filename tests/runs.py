@@ -23,7 +23,7 @@ data:
   seq_len: 32
   validation_fraction: 0.1
 train: {{steps: 3, global_batch_size: 8, micro_batches: 1, lr: 3.0e-3, warmup_steps: 1, grad_clip: 1.0,
-        run_dir: {run}, eval_batches: 2}}
+        run_dir: {run}, eval_sequences: 16}}
 logging: {{progress: false}}
 checkpoint: {{resume: true}}
 """

@@ -28,10 +28,12 @@ import torch
 from doremi import stages
 from tests.distributed import spawn
 from tests.runs import alphas, config, final_params, losses, run_stage
+from trainer.metrics import read_jsonl
 
 # Adam divides by |g| + eps: a larger eps keeps summation-order rounding of near-zero gradients
 # from being amplified to ~lr, so the parameter comparison is about the gradients.
-COMMON = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=1"]
+COMMON = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=1",
+          "train.eval_every=3"]
 
 LAYOUTS: dict[str, list[str]] = {
     "tp2": ["parallelism.tp=2"],
@@ -66,6 +68,12 @@ RESUME_AT: dict[str, list[str]] = {
     "resume-tp2": ["parallelism.tp=2"],
     "resume-pp2": ["parallelism.pp=2", "train.micro_batches=2"],
 }
+
+
+def val_losses(run: Path) -> list[float]:
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
+    assert len(rows) == 1
+    return list(rows[0]["val_loss"].values())
 
 
 def world(sets: list[str]) -> int:
@@ -110,6 +118,7 @@ def runs(stores, tmp_path_factory) -> Path:
 def test_layout_matches_single_process(runs, stores, name):
     assert len(losses(runs / name)) == 3
     assert losses(runs / name) == pytest.approx(losses(runs / "single"), rel=1e-5)
+    assert val_losses(runs / name) == pytest.approx(val_losses(runs / "single"), rel=1e-5)
     want, got = final_params(stores, runs / "single"), final_params(stores, runs / name)
     for p in want:
         torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-5, msg=p)

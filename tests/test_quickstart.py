@@ -13,7 +13,7 @@ from trainer.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
-SMALL = ["train.steps=12", "train.eval_every=6", "train.eval_batches=2", "logging.progress=false",
+SMALL = ["train.steps=12", "train.eval_every=6", "train.eval_sequences=32", "logging.progress=false",
          "checkpoint.every=0", "pipeline.main.train.steps=8",
          "model.d_model=32", "model.n_layers=2", "model.ffn_dim=64",
          "pipeline.main.model.d_model=48", "pipeline.main.model.n_layers=2", "pipeline.main.model.ffn_dim=96"]

@@ -87,7 +87,8 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval_every: int = 0
-    eval_batches: int = 4
+    # Validation sequences per domain (0: the whole validation split), the same set whatever the layout.
+    eval_sequences: int = 64
     run_dir: str = "runs/train"
 
     def validate(self, path: str = "train") -> None:

@@ -13,7 +13,7 @@ from data.config import DataConfig
 from data.dataset import PackedDomains
 from data.sampler import DomainBatchSampler
 from data.store import open_stores
-from data.validation import validation_batches
+from data.validation import validation_items
 from trainer.configtools import ConfigError
 from trainer.parallel.context import ParallelContext
 
@@ -52,13 +52,18 @@ class DataFeed:
             batches.append(b)
         return batches
 
-    def validation(self, batch_size: int, max_batches: int) -> list[list[dict]]:
-        key = (batch_size, max_batches)
+    def validation(self, batch_size: int, sequences: int) -> list[list[dict]]:
+        """Per domain, its first `sequences` validation sequences (0: all) in batches of
+        `batch_size`: the same tokens whatever the layout, so validation losses compare."""
+        key = (batch_size, sequences)
         if key not in self._val_cache:
-            self._val_cache[key] = [
-                [{k: v.to(self.pc.device) for k, v in b.items()}
-                 for b in validation_batches(self._val, d, batch_size, max_batches)]
-                for d in range(self.k)]
+            per_domain = []
+            for d in range(self.k):
+                n = self._val.num_sequences(d)
+                n = min(n, sequences) if sequences else n
+                per_domain.append([collate(self._val, items, device=self.pc.device)
+                                   for items in validation_items(n, d, batch_size)])
+            self._val_cache[key] = per_domain
         return self._val_cache[key]
 
     def state_dict(self) -> dict[str, Any]:

@@ -92,7 +92,7 @@ class Trainer:
 
     def evaluate(self) -> np.ndarray:
         t = self.cfg.train
-        batches = self.feed.validation(micro_batch_size(self.cfg), t.eval_batches)
+        batches = self.feed.validation(micro_batch_size(self.cfg), t.eval_sequences)
         return evaluate_domains(self.model, batches, self.pc, self.autocast).cpu().numpy()
 
     # -- the loop ------------------------------------------------------------------------
