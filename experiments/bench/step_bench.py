@@ -232,7 +232,9 @@ def write_cache(directory: Path, mb: int, seq: int) -> None:
     rng = np.random.default_rng(0)
     for d in domains:
         np.save(directory / f"{d}.npy", rng.uniform(9.0, 11.0, (-(-mb // K_DOMAINS), seq)).astype(np.float32))
-    (directory / "meta.json").write_text(json.dumps({"version": 1, "domains": domains, "seq_len": seq}))
+    (directory / "meta.json").write_text(json.dumps({
+        "version": 1, "domains": domains, "seq_len": seq, "steps": 10**9, "global_batch_size": mb, "seed": 0,
+        "sampling": [1.0 / K_DOMAINS] * K_DOMAINS}))
 
 
 class FrameworkStep:
@@ -316,7 +318,8 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
         cache = tmp / f"cache-{name}"
         cache.mkdir()
         write_cache(cache, mb, cfg.data.seq_len)
-        ref = CachedReference(cache, [f"d{i}" for i in range(K_DOMAINS)], cfg.data.seq_len, pc.device)
+        ref = CachedReference(cache, [f"d{i}" for i in range(K_DOMAINS)], cfg.data.seq_len, pc.device,
+                              steps=steps, global_batch_size=mb, seed=0, sampling=[1.0 / K_DOMAINS] * K_DOMAINS)
         step = FrameworkStep(model, opt, pc, batch, make_hook(tmp / f"cached-{name}", pc, ref))
         emit(measure(name, "doremi cached ref", step, steps, 2, fpt, peak, base, None))
 
