@@ -29,6 +29,10 @@ class DoReMiConfig:
     # Directory of cached per-token reference losses (`doremi score`); None: online reference.
     reference_cache: str | None = None
     average_from_step: int = 1
+    # Iterated DoReMi (`doremi pipeline`): round r+1's reference trains on round r's averaged
+    # weights; stop early when no domain weight moves by more than `rounds_tolerance`.
+    rounds: int = 1
+    rounds_tolerance: float = 1e-3
 
     def validate(self, path: str = "doremi") -> None:
         if self.eta < 0:
@@ -38,6 +42,8 @@ class DoReMiConfig:
         if self.mode == "resample" and self.reference_cache:
             raise ConfigError(f"{path}.reference_cache: a cache needs a fixed proxy data stream, but "
                               f"{path}.mode 'resample' draws the data from alpha")
+        if self.rounds < 1:
+            raise ConfigError(f"{path}.rounds: expected >= 1, got {self.rounds}")
         if self.average_from_step < 1:
             raise ConfigError(f"{path}.average_from_step: expected >= 1, got {self.average_from_step}")
 
@@ -53,16 +59,10 @@ class PipelineConfig:
     main: dict[str, Any] = field(default_factory=dict)
     # Mixtures the main runs train on besides DoReMi's: `uniform`, `tokens`, or weight JSON paths.
     baselines: list[str] = field(default_factory=lambda: ["uniform", "tokens"])
-    # Iterated DoReMi: round r+1's reference weights are round r's averaged weights.
-    rounds: int = 1
-    # Stop iterating when the largest change in a domain weight is below this.
-    rounds_tolerance: float = 1e-3
     # Skip the main runs (only tune the weights).
     skip_main: bool = False
 
     def validate(self, path: str = "pipeline") -> None:
-        if self.rounds < 1:
-            raise ConfigError(f"{path}.rounds: expected >= 1, got {self.rounds}")
         for i, b in enumerate(self.baselines):
             if not isinstance(b, str):
                 raise ConfigError(f"{path}.baselines[{i}]: expected a name or a path, got {b!r}")

@@ -55,6 +55,8 @@ def fingerprint(cfg: ExperimentConfig) -> str:
     raw = to_dict(cfg)
     raw.pop("logging", None)
     raw.pop("pipeline", None)
+    for key in ("rounds", "rounds_tolerance"):  # how many rounds run does not change any one round
+        raw["doremi"].pop(key, None)
     deps = [_dependency(v) for v in (cfg.data.domain_weights, cfg.doremi.reference_weights, cfg.doremi.reference)]
     blob = json.dumps([raw, deps], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -132,7 +134,8 @@ class Pipeline:
         ref_weights: Any = self.cfg.doremi.reference_weights
         previous: np.ndarray | None = None
         weights_path = self.root / "weights.json"
-        for r in range(1, self.p.rounds + 1):
+        dcfg = self.cfg.doremi
+        for r in range(1, dcfg.rounds + 1):
             rdir = self.root / f"round{r}"
             ref_cfg = self.stage_config(self.p.proxy, train__run_dir=str(rdir / "reference"),
                                         doremi__reference_weights=ref_weights)
@@ -152,8 +155,8 @@ class Pipeline:
             if is_main_rank():
                 atomic_write_text(weights_path, avg_path.read_text())
             ref_weights = str(avg_path)
-            if previous is not None and np.abs(weights - previous).max() < self.p.rounds_tolerance:
-                self.say(f"           converged after round {r} (max change < {self.p.rounds_tolerance})")
+            if previous is not None and np.abs(weights - previous).max() < dcfg.rounds_tolerance:
+                self.say(f"           converged after round {r} (max change < {dcfg.rounds_tolerance})")
                 break
             previous = weights
         return weights_path

@@ -36,7 +36,7 @@ def collect(pipe: "Pipeline") -> dict[str, Any]:
             final[name] = json.loads(marker.read_text())["result"]["val_loss"]
         curves[name] = [(r["step"], [r["val_loss"][d] for d in domains])
                         for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
-    rounds = sorted(root.glob("round*/proxy"))
+    rounds = sorted(root.glob("round*/proxy"), key=lambda p: int(p.parent.name.removeprefix("round")))
     try:
         history = read_history(rounds[-1]) if rounds else []
     except HistoryError:

@@ -83,7 +83,7 @@ def test_iterated_rounds_feed_weights_forward_and_stop_on_tolerance(tmp_path):
 
     run = tmp_path / "run"
     sets = [*SMALL, f"pipeline.run_dir={run}", f"data.store_dir={tmp_path / 'stores'}", "pipeline.skip_main=true",
-            "pipeline.rounds=3", "pipeline.rounds_tolerance=1.0", "train.steps=4", "train.eval_every=0"]
+            "doremi.rounds=3", "doremi.rounds_tolerance=1.0", "train.steps=4", "train.eval_every=0"]
     messages: list[str] = []
     Pipeline(QUICKSTART, sets, say=messages.append).run()
     assert (run / "round2" / "weights.json").is_file() and not (run / "round3").exists()
