@@ -13,11 +13,13 @@ from pathlib import Path
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from data.errors import DataError
+    from doremi.errors import DoReMiError
     from doremi.history import HistoryError
-    from doremi.reference import DoReMiError
+    from trainer.checkpoint import CheckpointError
     from trainer.configtools import ConfigError
+    from trainer.optim import OptimizerStateError
 
-    return (ConfigError, DataError, DoReMiError, HistoryError)
+    return (ConfigError, DataError, DoReMiError, HistoryError, CheckpointError, OptimizerStateError)
 
 
 def _config(args: argparse.Namespace):
@@ -40,6 +42,8 @@ def cmd_preprocess(args):
     from data.preprocess import preprocess
 
     cfg = _config(args)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # under torchrun, one process builds the stores
     manifest = preprocess(cfg.data, force=args.force)
     print(f"stores in {cfg.data.store_dir}: {len(manifest.domains)} domains")
 

@@ -35,8 +35,10 @@ class DoReMiConfig:
     rounds_tolerance: float = 1e-3
 
     def validate(self, path: str = "doremi") -> None:
-        if self.eta < 0:
-            raise ConfigError(f"{path}.eta: expected >= 0, got {self.eta}")
+        if not 0 <= self.eta < float("inf"):
+            raise ConfigError(f"{path}.eta: expected a finite value >= 0, got {self.eta}")
+        if self.rounds_tolerance < 0:
+            raise ConfigError(f"{path}.rounds_tolerance: expected >= 0, got {self.rounds_tolerance}")
         if not 0 <= self.smoothing <= 1:
             raise ConfigError(f"{path}.smoothing: expected a value in [0, 1], got {self.smoothing}")
         if self.mode == "resample" and self.reference_cache:

@@ -24,7 +24,7 @@ from data.atomic import atomic_write_text
 from doremi import stages
 from doremi.config import ExperimentConfig
 from trainer.configtools import apply_overrides, from_dict, read_yaml, to_dict
-from trainer.config import _apply_preset
+from trainer.config import apply_preset
 from trainer.metrics import read_jsonl
 
 
@@ -66,6 +66,13 @@ def is_main_rank() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 class Pipeline:
     def __init__(self, path: str | os.PathLike, overrides: list[str] | None = None,
                  say: Callable[[str], None] | None = None):
@@ -75,11 +82,17 @@ class Pipeline:
         self.root = Path(self.p.run_dir)
         self.say = say or (lambda msg: print(msg, flush=True) if is_main_rank() else None)
         self._t0 = time.perf_counter()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Under torchrun: one process group for the whole pipeline, so that the stages'
+            # file-system work is done by rank 0 alone and the others wait for it.
+            from trainer.build import init_parallel
+
+            init_parallel(self.cfg)
 
     @staticmethod
     def _load(raw: dict[str, Any]) -> ExperimentConfig:
         raw = copy.deepcopy(raw)
-        _apply_preset(raw)
+        apply_preset(raw)
         return from_dict(ExperimentConfig, raw)
 
     def stage_config(self, section: dict[str, Any], **sets: Any) -> ExperimentConfig:
@@ -89,9 +102,10 @@ class Pipeline:
 
     # -- stage bookkeeping -------------------------------------------------------------------
     def _run_stage(self, name: str, out: Path, cfg: ExperimentConfig, fn: Callable[[], Any],
-                   fp: str | None = None, clean: bool = True) -> Any:
+                   fp: str | None = None, clean: bool = True, main_only: bool = False) -> Any:
         """Run `fn` unless `out` holds its result for fingerprint `fp` (default: the whole
-        config's). `clean`: remove a stale output before redoing it."""
+        config's). `clean`: remove a stale output before redoing it. `main_only`: `fn` only
+        touches files, so rank 0 runs it while the other ranks wait."""
         marker = out / "stage.json" if out.suffix == "" else out.with_name(out.name + ".stage.json")
         fp = fp or fingerprint(cfg)
         if marker.is_file():
@@ -104,11 +118,14 @@ class Pipeline:
                 marker.unlink()
                 if clean and out.is_dir():
                     shutil.rmtree(out)
+        barrier()
         self.say(f"[{self._elapsed()}] {name} ...")
-        result = fn()
+        result = fn() if is_main_rank() or not main_only else None
+        barrier()
         if is_main_rank():
             marker.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(marker, json.dumps({"stage": name, "fingerprint": fp, "result": result}))
+        barrier()
         return result
 
     def _elapsed(self) -> str:
@@ -123,7 +140,7 @@ class Pipeline:
         # The stores depend on the data section only, and `preprocess` itself rebuilds what changed.
         data_fp = hashlib.sha256(json.dumps(to_dict(cfg.data), sort_keys=True).encode()).hexdigest()[:16]
         self._run_stage("preprocess", Path(cfg.data.store_dir), cfg,
-                        lambda: (preprocess(cfg.data, progress=is_main_rank()), None)[1], fp=data_fp, clean=False)
+                        lambda: (preprocess(cfg.data), None)[1], fp=data_fp, clean=False, main_only=True)
         weights_path = self.tune_weights()
         results: dict[str, Any] = {"weights": str(weights_path)}
         if not self.p.skip_main:
@@ -148,12 +165,14 @@ class Pipeline:
                             lambda: (stages.train_proxy(proxy_cfg), None)[1])
             avg_path = rdir / "weights.json"
             self._run_stage(f"round {r}: average", avg_path, proxy_cfg,
-                            lambda: str(stages.average(rdir / "proxy", avg_path, proxy_cfg.doremi.average_from_step)))
+                            lambda: str(stages.average(rdir / "proxy", avg_path, proxy_cfg.doremi.average_from_step)),
+                            main_only=True)
             weights = np.array(json.loads(avg_path.read_text())["weights"])
             self.say(f"           weights: " + ", ".join(
                 f"{d}={w:.3f}" for d, w in zip(json.loads(avg_path.read_text())["domains"], weights)))
             if is_main_rank():
                 atomic_write_text(weights_path, avg_path.read_text())
+            barrier()
             ref_weights = str(avg_path)
             if previous is not None and np.abs(weights - previous).max() < dcfg.rounds_tolerance:
                 self.say(f"           converged after round {r} (max change < {dcfg.rounds_tolerance})")

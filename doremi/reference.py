@@ -14,29 +14,14 @@ import numpy as np
 import torch
 
 from trainer.build import autocast, build_model
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from data.batch import to_device
+from doremi.errors import DoReMiError
+from trainer.checkpoint import load_checkpoint, resolve_checkpoint
 from trainer.config import TrainerConfig
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline import forward_only
 
 CACHE_VERSION = 1
-
-
-class DoReMiError(ValueError):
-    """Bad DoReMi input: one line naming the file or key, what was expected and what was found."""
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run directory (its latest checkpoint) or a checkpoint directory."""
-    p = Path(path)
-    if (p / "checkpoints").is_dir():
-        ck = latest_checkpoint(p)
-        if ck is None:
-            raise DoReMiError(f"{p}: run directory has no complete checkpoint")
-        return ck
-    if p.is_dir():
-        return p
-    raise DoReMiError(f"{p}: reference checkpoint not found (expected a run directory or a checkpoint directory)")
 
 
 def run_dir_of(checkpoint: Path) -> Path:
@@ -101,11 +86,11 @@ class CachedReference:
 
     def __call__(self, step: int, micro_batches: list[dict]) -> None:
         for b in micro_batches:
-            rows = [self.arrays[d][i] for d, i in zip(b["domain_ids"].tolist(), b["sequence_ids"].tolist())]
+            items = b["items"].tolist()  # host tensor: no device sync
+            rows = [self.arrays[d][i] for d, i in items]
             ref = torch.from_numpy(np.stack(rows).astype(np.float32))
             if torch.isnan(ref).any():
-                d, i = next((d, i) for d, i, r in zip(b["domain_ids"].tolist(), b["sequence_ids"].tolist(), rows)
-                            if np.isnan(r).any())
+                d, i = next((d, i) for (d, i), r in zip(items, rows) if np.isnan(r).any())
                 raise DoReMiError(f"{self.dir}: no cached reference loss for {self.domains[d]} sequence {i} "
                                   f"at step {step} (the cache covers fewer steps than the run)")
-            b["ref_loss"] = ref.to(self.device)
+            b["ref_loss"] = to_device({"r": ref}, self.device)["r"]

@@ -16,13 +16,15 @@ import torch
 
 from data.atomic import atomic_write_text
 from data.batch import collate
+from data.store import read_manifest
 from data.weights import resolve_weights
 from doremi.config import ExperimentConfig
 from doremi.history import average_weights, read_history, write_weights_json
 from doremi.objective import DoReMiHook
-from doremi.reference import (CACHE_VERSION, CachedReference, DoReMiError, OnlineReference, load_frozen,
-                              resolve_checkpoint, run_dir_of)
-from trainer.build import autocast, init_parallel
+from doremi.errors import DoReMiError
+from doremi.reference import CACHE_VERSION, CachedReference, OnlineReference, load_frozen, run_dir_of
+from trainer.checkpoint import resolve_checkpoint
+from trainer.build import autocast, init_parallel, micro_batch_size
 from trainer.config import load_config
 from trainer.configtools import ConfigError, read_yaml
 from trainer.evaluate import evaluate_domains
@@ -52,6 +54,16 @@ def reference_config(cfg: ExperimentConfig, checkpoint: Path) -> ExperimentConfi
     ref = load_config(saved, cls=ExperimentConfig)
     if ref.data.seq_len != cfg.data.seq_len:
         raise DoReMiError(f"{saved}: reference data.seq_len={ref.data.seq_len} differs from the proxy's {cfg.data.seq_len}")
+    tokenizer = read_manifest(cfg.data.store_dir).tokenizer
+    if ref.model.vocab_size < int(tokenizer["vocab_size"]):
+        raise DoReMiError(f"{saved}: reference model.vocab_size={ref.model.vocab_size} is smaller than the "
+                          f"proxy's tokenizer ({tokenizer['vocab_size']} ids)")
+    if Path(ref.data.store_dir).joinpath("manifest.json").is_file():
+        ref_tokenizer = read_manifest(ref.data.store_dir).tokenizer
+        if ref_tokenizer.get("hash") != tokenizer.get("hash"):
+            raise DoReMiError(f"{saved}: the reference was trained with tokenizer {ref_tokenizer.get('name')} "
+                              f"({ref_tokenizer.get('hash')}), the proxy's stores use {tokenizer.get('name')} "
+                              f"({tokenizer.get('hash')})")
     return dataclasses.replace(cfg, model=ref.model)
 
 
@@ -112,12 +124,12 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
             arr.flush()
             del arr
     pc.barrier()
-    mbs = cfg.train.global_batch_size // (cfg.parallelism.dp * cfg.train.micro_batches)
+    mbs = micro_batch_size(cfg)
     for d, name in enumerate(feed.domains):
         idx = sorted(visited[d])
         chunks = [idx[j:j + mbs] for j in range(0, len(idx), mbs)]
         mine = chunks[pc.dp_rank::pc.dp]
-        # every dp rank runs the same number of forwards (collectives inside tp/pp groups only)
+        # dp ranks may run different numbers of forwards: the collectives are inside tp/pp groups
         writer = pc.is_last_stage and pc.tp_rank == 0
         arr = np.load(tmp / f"{name}.npy", mmap_mode="r+") if writer else None
         for chunk in mine:
@@ -174,7 +186,7 @@ def evaluate(checkpoint: str | Path, overrides: list[str] | None = None) -> tupl
     pc = init_parallel(cfg)
     feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
     model = load_frozen(cfg, ck, pc)
-    mbs = cfg.train.global_batch_size // (cfg.parallelism.dp * cfg.train.micro_batches)
+    mbs = micro_batch_size(cfg)
     losses = evaluate_domains(model, feed.validation(mbs, cfg.train.eval_sequences), pc,
                               autocast(cfg, pc.device))
     return feed.domains, losses.cpu().numpy()

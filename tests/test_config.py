@@ -122,3 +122,19 @@ def test_resolved_config_round_trips(tmp_path):
     dump_yaml(cfg, tmp_path / "resolved.yaml")
     again = load_config(tmp_path / "resolved.yaml", cls=ExperimentConfig)
     assert again == cfg
+
+
+@pytest.mark.parametrize("sets, expect", [
+    (["logging.every=0"], "logging.every: expected >= 1, got 0"),
+    (["train.decay=exponential", "train.min_lr=0"], "train.min_lr: exponential decay needs min_lr > 0, got 0.0"),
+    (["train.warmup_steps=-1"], "train.warmup_steps: expected >= 0, got -1"),
+    (["checkpoint.keep=-1"], "checkpoint.keep: expected >= 1, got -1"),
+    (["checkpoint.every=-5"], "checkpoint.every: expected >= 0"),
+    (["train.eval_every=-1"], "train.eval_every: expected >= 0, got -1"),
+    (["doremi.eta=.inf"], "doremi.eta: expected a finite value >= 0, got inf"),
+    (["doremi.eta=-1"], "doremi.eta: expected a finite value >= 0, got -1.0"),
+    (["doremi.rounds=0"], "doremi.rounds: expected >= 1, got 0"),
+    (["doremi.mode=resample", "doremi.reference_cache=c"], "doremi.reference_cache: a cache needs a fixed proxy data stream"),
+])
+def test_values_that_would_fail_mid_run_fail_at_load(tmp_path, sets, expect):
+    assert expect in error(tmp_path, "", *sets)

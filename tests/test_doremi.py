@@ -29,7 +29,7 @@ from data.sampler import largest_remainder
 from doremi import stages
 from doremi.config import ExperimentConfig
 from doremi.history import read_history
-from doremi.reference import DoReMiError
+from doremi.errors import DoReMiError
 from tests.runs import alphas, config, config_path, losses
 from trainer.checkpoint import checkpoint_dir, latest_checkpoint
 from trainer.config import load_config

@@ -388,6 +388,7 @@ def load_checkpoint(path_or_run_dir: str | os.PathLike, model: torch.nn.Module,
             param.copy_(_load_param(name, param, info, saved_tp, read, pc))
     if optimizer is not None:
         _load_optimizer(optimizer, meta, read, ck, pc)
-    if meta["layout"] == {"tp": pc.tp, "pp": pc.pp, "dp": pc.dp}:
+    # RNG states belong to a resumed run, not to a frozen model loaded beside another run.
+    if optimizer is not None and meta["layout"] == {"tp": pc.tp, "pp": pc.pp, "dp": pc.dp}:
         _set_rng_state(read(f"rng_rank{pc.rank}.pt"), pc.device)
     return read("extra.pt")

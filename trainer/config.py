@@ -100,6 +100,16 @@ class TrainConfig:
             raise ConfigError(f"{path}.min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
         if not 0 <= self.warmup_fraction < 1:
             raise ConfigError(f"{path}.warmup_fraction: expected a value in [0, 1), got {self.warmup_fraction}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ConfigError(f"{path}.warmup_steps: expected >= 0, got {self.warmup_steps}")
+        if self.decay == "exponential" and self.min_lr <= 0:
+            raise ConfigError(f"{path}.min_lr: exponential decay needs min_lr > 0, got {self.min_lr}")
+        for name in ("eval_every", "eval_sequences"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{path}.{name}: expected >= 0, got {getattr(self, name)}")
+        if self.grad_clip < 0 or self.eps <= 0 or not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
+            raise ConfigError(f"{path}: expected grad_clip >= 0, eps > 0 and betas in [0, 1), got grad_clip="
+                              f"{self.grad_clip}, eps={self.eps}, beta1={self.beta1}, beta2={self.beta2}")
 
 
 @dataclass
@@ -125,8 +135,6 @@ class ParallelismConfig:
         for name in ("tp", "pp", "dp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{path}.{name}: expected >= 1, got {getattr(self, name)}")
-        if (self.sequence_parallel or self.tp_async or self.tp_recompute_allgather) and self.tp == 1:
-            pass  # no-ops at tp=1, allowed so that one config serves several layouts
         if self.pp_layers and len(self.pp_layers) != self.pp:
             raise ConfigError(f"{path}.pp_layers: expected {self.pp} entries (one per stage), got {len(self.pp_layers)}")
 
@@ -139,6 +147,12 @@ class CheckpointConfig:
     resume: bool = True
     load: str | None = None
 
+    def validate(self, path: str = "checkpoint") -> None:
+        if self.every < 0:
+            raise ConfigError(f"{path}.every: expected >= 0 (0: only at the end), got {self.every}")
+        if self.keep < 1:
+            raise ConfigError(f"{path}.keep: expected >= 1, got {self.keep}")
+
 
 @dataclass
 class LoggingConfig:
@@ -147,6 +161,10 @@ class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "doremi"
     run_name: str | None = None
+
+    def validate(self, path: str = "logging") -> None:
+        if self.every < 1:
+            raise ConfigError(f"{path}.every: expected >= 1, got {self.every}")
 
 
 @dataclass
@@ -184,7 +202,7 @@ class TrainerConfig:
 C = TypeVar("C", bound=TrainerConfig)
 
 
-def _apply_preset(raw: dict[str, Any]) -> None:
+def apply_preset(raw: dict[str, Any]) -> None:
     model = raw.get("model")
     if isinstance(model, dict) and isinstance(model.get("preset"), str) and model["preset"] in PRESETS:
         merged = dict(PRESETS[model["preset"]])
@@ -197,7 +215,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     """Read YAML, apply `--set` overrides, resolve the model preset, validate, return `cls`."""
     raw = read_yaml(path) if path is not None else {}
     apply_overrides(raw, overrides or [])
-    _apply_preset(raw)
+    apply_preset(raw)
     return from_dict(cls, raw)
 
 

@@ -14,7 +14,8 @@ from trainer.weighting import IGNORE_INDEX
 
 def evaluate_domains(stage: torch.nn.Module, batches_per_domain: list[list[dict]], pc: ParallelContext,
                      autocast: contextlib.AbstractContextManager | None = None) -> torch.Tensor:
-    """Mean per-token validation loss of each domain [k] (fp64), identical on every rank.
+    """Mean per-token validation loss of each domain [k] (fp64, NaN for a domain without
+    validation tokens), identical on every rank.
 
     Batch j of a domain is evaluated by dp rank j % dp; sums are reduced over dp and broadcast
     from the last pipeline stage."""
@@ -37,4 +38,4 @@ def evaluate_domains(stage: torch.nn.Module, batches_per_domain: list[list[dict]
     if pc.is_last_stage and pc.dp > 1:
         dist.all_reduce(sums, group=pc.dp_group)
     sums = broadcast_from_last_stage(sums, pc)
-    return sums[0] / sums[1].clamp_min(1)
+    return torch.where(sums[1] > 0, sums[0] / sums[1].clamp_min(1), torch.nan)

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from data.batch import collate
 from data.config import DataConfig
 from data.dataset import PackedDomains
+from data.errors import DataError
 from data.sampler import DomainBatchSampler
 from data.store import open_stores
 from data.validation import validation_items
@@ -45,12 +45,7 @@ class DataFeed:
     def step_batches(self, step: int, weights: np.ndarray) -> list[dict]:
         """This rank's micro-batches of global batch `step` (1-based), on the device."""
         local = self.sampler.local(step - 1, weights, self.pc.dp_rank, self.pc.dp, self.micro_batches)
-        batches = []
-        for items in local:
-            b = collate(self.train, items, device=self.pc.device)
-            b["sequence_ids"] = torch.tensor([i for _, i in items], dtype=torch.int64, device=self.pc.device)
-            batches.append(b)
-        return batches
+        return [collate(self.train, items, device=self.pc.device) for items in local]
 
     def validation(self, batch_size: int, sequences: int) -> list[list[dict]]:
         """Per domain, its first `sequences` validation sequences (0: all) in batches of
@@ -60,6 +55,9 @@ class DataFeed:
             per_domain = []
             for d in range(self.k):
                 n = self._val.num_sequences(d)
+                if n == 0:
+                    raise DataError(f"data.validation_fraction: domain {self.domains[d]!r} has no validation "
+                                    f"sequences in {self.stores.store_dir}; evaluation needs some")
                 n = min(n, sequences) if sequences else n
                 per_domain.append([collate(self._val, items, device=self.pc.device)
                                    for items in validation_items(n, d, batch_size)])

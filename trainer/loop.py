@@ -49,6 +49,8 @@ class Trainer:
         self.step = 0
         self.autocast = autocast(cfg, self.pc.device)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        if cfg.train.eval_every:
+            self.feed.validation(micro_batch_size(cfg), cfg.train.eval_sequences)  # fail before any step
 
     # -- state ---------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
@@ -129,10 +131,10 @@ class Trainer:
                     vrow = self._val_row(step, val)
                     log.log(vrow)
                     last = {**last, **vrow}
-                    t0 = time.perf_counter()
+                    tokens_since, t0 = 0.0, time.perf_counter()
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or is_last:
                     self.save()
-                    t0 = time.perf_counter()
+                    tokens_since, t0 = 0.0, time.perf_counter()
         finally:
             log.close()
             self.hook.close()

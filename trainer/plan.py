@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.configtools import ConfigError
 from trainer.config import TrainerConfig
 from trainer.parallel.split import CostModel, StageMemory, explicit_split, ranges_from_counts, split_counts
 
@@ -75,15 +76,15 @@ def plan_memory(cfg: TrainerConfig, gpus: int, gpu_memory_gb: float, *, split: s
     weights); see `trainer.parallel.split.BytesPerParam`."""
     par, train = cfg.parallelism, cfg.train
     if gpus != par.world_size:
-        raise ValueError(f"--gpus: expected tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {par.world_size} "
+        raise ConfigError(f"--gpus: expected tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {par.world_size} "
                          f"for this config, got {gpus} (change parallelism.dp with --set)")
     if gpu_memory_gb <= 0:
-        raise ValueError(f"--gpu-memory: expected a positive number of GiB, got {gpu_memory_gb}")
+        raise ConfigError(f"--gpu-memory: expected a positive number of GiB, got {gpu_memory_gb}")
     if not 0.0 <= headroom < 1.0:
-        raise ValueError(f"headroom: expected a fraction in [0, 1), got {headroom}")
+        raise ConfigError(f"headroom: expected a fraction in [0, 1), got {headroom}")
     per_rank = par.dp * train.micro_batches
     if train.global_batch_size % per_rank:
-        raise ValueError(f"train.global_batch_size: expected a multiple of parallelism.dp x train.micro_batches "
+        raise ConfigError(f"train.global_batch_size: expected a multiple of parallelism.dp x train.micro_batches "
                          f"= {per_rank}, got {train.global_batch_size}")
     cm = CostModel.from_config(cfg.model, par, train.global_batch_size // per_rank, cfg.data.seq_len,
                                train.micro_batches, param_precision)

@@ -222,8 +222,9 @@ def make_batch(cfg: TrainerConfig, mb: int, seed: int, device: torch.device) -> 
     ids = torch.randint(0, v, (mb, s), device=device, generator=g)
     labels = torch.randint(0, v, (mb, s), device=device, generator=g)
     domains = torch.arange(mb, device=device) % K_DOMAINS
-    return {"input_ids": ids, "labels": labels, "domain_ids": domains,
-            "sequence_ids": torch.arange(mb, device=device) // K_DOMAINS}
+    sequences = torch.arange(mb) // K_DOMAINS
+    return {"input_ids": ids, "labels": labels, "domain_ids": domains, "sequence_ids": sequences.to(device),
+            "items": torch.stack([torch.arange(mb) % K_DOMAINS, sequences], dim=1)}
 
 
 def write_cache(directory: Path, mb: int, seq: int) -> None:

@@ -9,6 +9,8 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from trainer.configtools import ConfigError
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
@@ -117,10 +119,10 @@ def resolve_attention(requested: str, device: torch.device) -> str:
         return "sdpa"
     available = device.type == "cuda" and flash_attn_available()
     if requested == "flash" and not available:
-        raise ValueError(f"model.attention: 'flash' needs CUDA and the flash_attn package "
+        raise ConfigError(f"model.attention: 'flash' needs CUDA and the flash_attn package "
                          f"(device {device.type}, flash_attn installed: {flash_attn_available()})")
     if requested not in ("auto", "flash"):
-        raise ValueError(f"model.attention: expected auto, sdpa or flash, got {requested!r}")
+        raise ConfigError(f"model.attention: expected auto, sdpa or flash, got {requested!r}")
     return "flash" if available else "sdpa"
 
 

@@ -30,8 +30,6 @@ class ParallelContext:
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
-    # tp x pp: every rank holding a distinct part of the model (for gradient-norm clipping).
-    mp_group: dist.ProcessGroup | None = None
     # The first and last pipeline stages of one (dp, tp) position: tied embedding gradients.
     embed_group: dist.ProcessGroup | None = None
 
@@ -122,10 +120,6 @@ class ParallelContext:
                 g = dist.new_group([grid_rank(p, d, t, tp, dp) for p in range(pp)])
                 if (d, t) == (me_dp, me_tp):
                     ctx.pp_group = g
-        for d in range(dp):
-            g = dist.new_group([grid_rank(p, d, t, tp, dp) for p in range(pp) for t in range(tp)])
-            if d == me_dp:
-                ctx.mp_group = g
         for d in range(dp):
             for t in range(tp):
                 ranks = sorted({grid_rank(0, d, t, tp, dp), grid_rank(pp - 1, d, t, tp, dp)})

@@ -1,0 +1,2 @@
+class DoReMiError(ValueError):
+    """Bad DoReMi input: one line naming the file or key, what was expected and what was found."""
