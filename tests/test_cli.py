@@ -62,3 +62,20 @@ def test_plan_70b():
     assert "tp4 x pp4 x dp1" in out
     stage_rows = [l for l in out.splitlines() if l.strip()[:1].isdigit()]
     assert len(stage_rows) == 4
+
+
+def test_pipeline_under_torchrun(tmp_path):
+    """Two ranks share the stages: rank 0 alone builds stores and writes markers, the others wait."""
+    run = tmp_path / "run"
+    args = ["--set", "parallelism.dp=2", "--set", f"pipeline.run_dir={run}", "--set", f"data.store_dir={tmp_path / 's'}",
+            "--set", "train.steps=6", "--set", "train.eval_every=6", "--set", "train.eval_sequences=16",
+            "--set", "pipeline.main.train.steps=4", "--set", "pipeline.baselines=[uniform]",
+            "--set", "logging.progress=false", "--set", "checkpoint.every=0"]
+    torchrun = [BIN / "torchrun", "--standalone", "--nproc_per_node=2", "-m", "doremi", "pipeline",
+                "experiments/quickstart.yaml", *args]
+    out = sh(*torchrun)
+    assert "| **worst case**" in out and (run / "report.md").is_file()
+    assert [len(alphas(run / "round1" / "proxy"))] == [6]
+    again = sh(*torchrun)
+    # preprocess, reference, proxy, average, and a main run and its eval for doremi and uniform
+    assert again.count("done already") == 8
