@@ -24,6 +24,7 @@ import torch.distributed as dist
 from doremi.config import DoReMiConfig
 from doremi.history import WeightHistory
 from doremi.update import domain_excess, domain_excess_sums, uniform_log_weights, update_weights
+from trainer.domains import domain_sums
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline import broadcast_from_last_stage
 from trainer.step import StepStats
@@ -145,18 +146,16 @@ class DoReMiHook:
 
     def _update(self, losses: list[torch.Tensor], batches: list[dict]) -> None:
         """lambda_t and alpha_t from the global batch's per-token proxy and reference losses."""
-        sums = torch.zeros(4, self.k, dtype=torch.float64, device=self.pc.device)
+        sums = torch.zeros(3, self.k, dtype=torch.float64, device=self.pc.device)  # excess, tokens, ref loss
         for loss, b in zip(losses, batches):
             mask = b["labels"] != IGNORE_INDEX
             ex, cnt = domain_excess_sums(loss.detach(), b["ref_loss"], b["domain_ids"], mask, self.k)
             sums[0] += ex.to(torch.float64)
             sums[1] += cnt.to(torch.float64)
-            ref = (b["ref_loss"].to(torch.float64) * mask).sum(dim=1)
-            sums[2].index_add_(0, b["domain_ids"], ref)
-            sums[3].index_add_(0, b["domain_ids"], mask.sum(dim=1).to(torch.float64))
+            sums[2] += domain_sums(b["ref_loss"].double(), b["domain_ids"], mask, self.k)[0]
         if self.pc.dp > 1:
             dist.all_reduce(sums, group=self.pc.dp_group)
         self.excess = domain_excess(sums[0], sums[1], self.excess)
         self.log_alpha, _ = update_weights(self.log_alpha, self.excess, self.cfg.eta, self.cfg.smoothing)
-        self.ref_sums = sums[2:4]
+        self.ref_sums = sums[[2, 1]]
         self._updated_this_step = True

@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from trainer.domains import domain_sums
+
 
 def _float_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else torch.float32
@@ -47,24 +49,6 @@ def _check_batch(name: str, values: torch.Tensor, domain_ids: torch.Tensor,
                          f"sequence), got {tuple(domain_ids.shape)}")
     if domain_ids.is_floating_point() or domain_ids.is_complex() or domain_ids.dtype == torch.bool:
         raise ValueError(f"domain_ids: expected an integer dtype, got {domain_ids.dtype}")
-
-
-def _domain_sums(values: torch.Tensor, domain_ids: torch.Tensor, mask: torch.Tensor,
-                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of `values` over the non-masked tokens of each domain, and their count.
-
-    Masked tokens contribute exactly 0 even when their value is NaN or inf (torch.where, not a
-    multiplication by the mask). Domain ids must lie in [0, k); they are not checked on the
-    host so that the step has no device sync (an id out of range fails inside scatter_add).
-    """
-    dtype = _float_dtype(values)
-    per_seq = torch.where(mask, values.to(dtype), torch.zeros((), dtype=dtype,
-                                                              device=values.device)).sum(dim=1)
-    ids = domain_ids.to(device=values.device, dtype=torch.long)
-    sums = torch.zeros(k, dtype=dtype, device=values.device).scatter_add_(0, ids, per_seq)
-    counts = torch.zeros(k, dtype=torch.long, device=values.device).scatter_add_(
-        0, ids, mask.sum(dim=1))
-    return sums, counts
 
 
 def domain_excess_sums(proxy_loss: torch.Tensor, ref_loss: torch.Tensor,
@@ -90,7 +74,7 @@ def domain_excess_sums(proxy_loss: torch.Tensor, ref_loss: torch.Tensor,
                          f"got {tuple(ref_loss.shape)}")
     dtype = torch.promote_types(_float_dtype(proxy_loss), _float_dtype(ref_loss))
     excess = (proxy_loss.to(dtype) - ref_loss.to(dtype)).clamp_min(0)
-    return _domain_sums(excess, domain_ids, mask, k)
+    return domain_sums(excess, domain_ids, mask, k)
 
 
 def per_domain_mean_loss(loss: torch.Tensor, domain_ids: torch.Tensor, mask: torch.Tensor,
@@ -100,7 +84,7 @@ def per_domain_mean_loss(loss: torch.Tensor, domain_ids: torch.Tensor, mask: tor
     The mean is sum / count after the caller has reduced both over the global batch.
     """
     _check_batch("loss", loss, domain_ids, mask, k)
-    return _domain_sums(loss, domain_ids, mask, k)
+    return domain_sums(loss, domain_ids, mask, k)
 
 
 def domain_excess(excess_sum: torch.Tensor, token_count: torch.Tensor,

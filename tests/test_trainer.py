@@ -42,6 +42,7 @@ def test_metrics_rows(stores, tmp_path):
     for r in train_rows:
         assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "domain_loss"} <= set(r)
         assert r["tokens"] == r["step"] * 8 * 32
+        assert set(r["epochs"]) == {"noise", "easy", "markov"} and all(e > 0 for e in r["epochs"].values())
     val = [r for r in rows if "val_loss" in r]
     assert len(val) == 1 and set(val[0]["val_loss"]) == {"noise", "easy", "markov"}
     assert val[0]["val_worst"] == max(val[0]["val_loss"].values())

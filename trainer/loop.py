@@ -149,6 +149,7 @@ class Trainer:
             "tokens": step * self.cfg.train.global_batch_size * self.cfg.data.seq_len,
             "tokens_per_s": tokens_per_s,
             "domain_loss": dict(zip(self.feed.domains, stats.domain_loss.tolist())),
+            "epochs": dict(zip(self.feed.domains, self.feed.sampler.epochs())),
         }
         if self.pc.device.type == "cuda":
             achieved = tokens_per_s * self.flops_per_token / self.pc.world_size

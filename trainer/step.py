@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from trainer.domains import domain_sums
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline import broadcast_from_last_stage, train_schedule
 from trainer.weighting import IGNORE_INDEX, LossWeighting
@@ -44,8 +45,8 @@ def domain_token_counts(micro_batches: list[dict], k: int, pc: ParallelContext) 
     """Non-masked tokens per domain over the global batch, known from labels before the step."""
     counts = torch.zeros(k, dtype=torch.float64, device=pc.device)
     for b in micro_batches:
-        per_seq = (b["labels"] != IGNORE_INDEX).sum(dim=1).to(torch.float64)
-        counts.index_add_(0, b["domain_ids"], per_seq)
+        mask = b["labels"] != IGNORE_INDEX
+        counts += domain_sums(mask, b["domain_ids"], mask, k)[1]
     return all_reduce_dp(counts, pc)
 
 
@@ -58,9 +59,9 @@ def global_stats(losses: list[torch.Tensor], micro_batches: list[dict], k: int,
     sums = torch.zeros(2, k, dtype=torch.float64, device=pc.device)
     if pc.is_last_stage:
         for loss, b in zip(losses, micro_batches):
-            mask = b["labels"] != IGNORE_INDEX
-            sums[0].index_add_(0, b["domain_ids"], (loss.detach() * mask).sum(dim=1).to(torch.float64))
-            sums[1].index_add_(0, b["domain_ids"], mask.sum(dim=1).to(torch.float64))
+            total, count = domain_sums(loss.detach().double(), b["domain_ids"], b["labels"] != IGNORE_INDEX, k)
+            sums[0] += total
+            sums[1] += count
         all_reduce_dp(sums, pc)
     sums = broadcast_from_last_stage(sums, pc)
     tokens = sums[1].sum()
