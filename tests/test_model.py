@@ -13,7 +13,8 @@ from trainer.config import ModelConfig, ParallelismConfig, RopeScaling
 from trainer.configtools import ConfigError
 from trainer.model.flops import flops_per_token, non_embedding_params, param_count
 from trainer.model.init import init_std
-from trainer.model.layers import llama3_scaled_frequencies, swiglu
+from trainer.model.layers import llama3_scaled_frequencies
+from trainer.model.swiglu import swiglu
 from trainer.model.llama import Llama, build_stage
 from trainer.model.presets import PRESETS
 from trainer.parallel.context import ParallelContext

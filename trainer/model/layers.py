@@ -1,5 +1,6 @@
 """Llama building blocks that know nothing of parallelism: RMSNorm, RoPE (with the Llama-3
-frequency scaling), the fused SwiGLU and the attention core. Activations are [s, b, ...]."""
+frequency scaling), the per-token cross entropy and the attention core (the fused SwiGLU is
+`trainer.model.swiglu`). Activations are [s, b, ...]."""
 
 from __future__ import annotations
 
@@ -64,31 +65,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     sin = sin[:, None, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-# -- SwiGLU -------------------------------------------------------------------------------------
-
-class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up from the fused projection [..., 2f] = [gate | up]. Saves only that input:
-    the activation silu(gate) is recomputed in backward instead of being kept."""
-
-    @staticmethod
-    def forward(ctx, gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        ctx.save_for_backward(gate_up)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, g):
-        (gate_up,) = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        d_gate = torch.ops.aten.silu_backward(g * up, gate)
-        d_up = g * F.silu(gate)
-        return torch.cat([d_gate, d_up], dim=-1)
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    return _SwiGLU.apply(gate_up)
 
 
 def per_token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,

@@ -31,8 +31,8 @@ from trainer.model.layers import (
     per_token_cross_entropy,
     resolve_attention,
     rope_tables,
-    swiglu,
 )
+from trainer.model.swiglu import swiglu
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import (
     IGNORE_INDEX,

@@ -1,0 +1,196 @@
+"""Where a step's time and memory go, on one GPU: the evidence behind experiments/PERFORMANCE.md.
+
+Three measurements, each guarded so that one failure keeps the others:
+- `kernels`: torch.profiler over two steps of the baseline (`--compile`) and of the framework's
+  plain step at one shape; the CUDA kernels grouped into classes (matmul, attention forward and
+  backward, optimizer, elementwise/reduction, copies, communication) with their time per step,
+  plus the top kernels by total time. The difference between the two columns is where the
+  framework gains or loses against the baseline.
+- `activations`: bytes each block (and the head + loss) keeps alive from its forward to its
+  backward, per recompute mode, read from the allocator (`torch.cuda.memory_allocated` after each
+  block's forward, so what the compiled graph really saves), against
+  `CostModel.layer_activation_bytes` / `head_activation_bytes`; and the step's peak over what was
+  allocated before it.
+
+Usage (GPU, repository root):
+    python experiments/bench/profile_step.py --baseline runs/bench_baseline/plain_llama.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import step_bench as sb  # noqa: E402
+from trainer.model.llama import Llama  # noqa: E402
+from trainer.parallel.context import ParallelContext  # noqa: E402
+from trainer.parallel.split import CostModel  # noqa: E402
+
+MIB = 2 ** 20
+
+#: kernel-name fragments -> class, first match wins (lower-case names)
+CLASSES = (
+    ("attention bwd", ("flash_bwd", "cudnn_bwd", "fmha_bwd", "attn_bwd", "dgrad_engine", "bprop", "dq_dk_dv",
+                       "convert_dq", "dot_do_o")),
+    ("attention fwd", ("flash_fwd", "fmha", "cudnn", "attn", "fprop", "sdpa")),
+    ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "wgmma", "matmul", "sgemm", "hgemm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "fused_adamw")),
+    ("triton (fused elementwise / norm / loss)", ("triton",)),
+    ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
+    ("communication", ("nccl",)),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for label, keys in CLASSES:
+        if any(k in low for k in keys):
+            return label
+    return "other (aten elementwise / reduction)"
+
+
+def profile(fn, steps: int = 2) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
+    """Per-class and per-kernel CUDA time (ms per step) over `steps` calls of `fn`."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    by_class: dict[str, float] = defaultdict(float)
+    kernels = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = e.cuda_time_total
+        if t <= 0 or e.key.startswith("ProfilerStep"):
+            continue
+        ms = t / 1e3 / steps
+        by_class[kernel_class(e.key)] += ms
+        kernels.append((e.key, ms, e.count // steps))
+    kernels.sort(key=lambda x: -x[1])
+    return dict(by_class), kernels
+
+
+def bench_optimizer(model: torch.nn.Module, cfg, pc: ParallelContext):
+    return sb.MasterWeightAdamW(list(model.named_parameters()), cfg.train, pc)
+
+
+def kernels_section(args, out: list[str]) -> None:
+    mod = sb.load_baseline(args.baseline)
+    vocab, d, n_layers, heads, kv_heads, d_ff, seq, mb = mod.PRESETS[args.preset]
+    torch.manual_seed(0)
+    model = mod.Llama(vocab, d, n_layers, heads, kv_heads, d_ff, seq).to("cuda", torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    fwd = torch.compile(model)
+    idx = torch.randint(0, vocab, (mb, seq), device="cuda")
+
+    def base_step():
+        fwd(idx, idx).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    base_cls, base_k = profile(base_step)
+    del model, opt, fwd
+    sb.free()
+
+    preset, mb = sb.SHAPES[args.preset]
+    pc = ParallelContext.single(torch.device("cuda"))
+    cfg = sb.trainer_config(preset, mb, "none")
+    ours = Llama(cfg.model, cfg.parallelism, pc, seed=0)
+    step = sb.FrameworkStep(ours, bench_optimizer(ours, cfg, pc), pc, sb.make_batch(cfg, mb, 1, pc.device))
+    our_cls, our_k = profile(step)
+    del ours, step
+    sb.free()
+
+    out.append(f"## kernels, {args.preset}: CUDA ms per step (torch.profiler, 2 steps after 2 warm-up)")
+    out.append(f"{'class':44s} {'baseline':>9s} {'framework':>9s} {'diff':>8s}")
+    for c in sorted(set(base_cls) | set(our_cls), key=lambda c: -max(base_cls.get(c, 0), our_cls.get(c, 0))):
+        b, o = base_cls.get(c, 0.0), our_cls.get(c, 0.0)
+        out.append(f"{c:44s} {b:9.2f} {o:9.2f} {o - b:+8.2f}")
+    out.append(f"{'total':44s} {sum(base_cls.values()):9.2f} {sum(our_cls.values()):9.2f} "
+               f"{sum(our_cls.values()) - sum(base_cls.values()):+8.2f}")
+    for label, ks in (("baseline", base_k), ("framework", our_k)):
+        out.append(f"\n### top kernels, {label} (ms per step, calls per step)")
+        for name, ms, n in ks[:args.top]:
+            out.append(f"{ms:8.2f} {n:5d}  {kernel_class(name)[:12]:12s} {name[:150]}")
+
+
+def activations_section(args, out: list[str]) -> None:
+    preset, mb = sb.SHAPES[args.preset]
+    pc = ParallelContext.single(torch.device("cuda"))
+    out.append(f"\n## activations kept for backward, {preset}, micro-batch {mb} (MiB)")
+    out.append(f"{'mode':10s} {'block meas':>10s} {'block plan':>10s} {'head meas':>10s} {'head plan':>10s} "
+               f"{'step peak - base':>16s}")
+    model = None
+    for mode in ("none", "selective", "full"):
+        cfg = sb.trainer_config(preset, mb, mode)
+        if model is None:
+            model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
+            opt = bench_optimizer(model, cfg, pc)
+            batch = sb.make_batch(cfg, mb, 1, pc.device)
+        for block in model.layers.values():
+            block.recompute = mode
+        step = sb.FrameworkStep(model, opt, pc, batch)
+        sb.timed(step, 0, 3)
+        marks: list[int] = []
+        hooks = [b.register_forward_hook(lambda *_: marks.append(torch.cuda.memory_allocated()))
+                 for b in model.layers.values()]
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        losses = model(None, batch)
+        after = torch.cuda.memory_allocated()
+        for h in hooks:
+            h.remove()
+        losses.mean().backward()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        step_peak = torch.cuda.max_memory_allocated() - start
+        deltas = [b - a for a, b in zip(marks[:-1], marks[1:])]
+        block = sorted(deltas)[len(deltas) // 2]
+        head = after - marks[-1]
+        cm = CostModel.from_config(cfg.model, cfg.parallelism, mb, cfg.data.seq_len, 1, "bf16")
+        out.append(f"{mode:10s} {block / MIB:10.1f} {cm.layer_activation_bytes() / MIB:10.1f} {head / MIB:10.1f} "
+                   f"{cm.head_activation_bytes() / MIB:10.1f} {step_peak / MIB:16.1f}")
+        del losses
+    del model, opt
+    sb.free()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--baseline", type=Path, required=True)
+    p.add_argument("--preset", default="1b", choices=sorted(sb.SHAPES))
+    p.add_argument("--sections", default="kernels,activations")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_step: needs a CUDA device")
+    torch._dynamo.config.recompile_limit = 64
+    out: list[str] = [f"{torch.cuda.get_device_name(0)} torch={torch.__version__}"]
+    print(out[0], flush=True)
+    for name in args.sections.split(","):
+        printed = len(out)
+        try:
+            {"kernels": kernels_section, "activations": activations_section}[name](args, out)
+        except Exception:  # noqa: BLE001 - keep the other sections
+            out.append(f"{name} failed:\n{traceback.format_exc()}")
+        print("\n".join(out[printed:]), flush=True)
+        if args.out:
+            (args.out / f"profile_{args.preset}.txt").write_text("\n".join(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()

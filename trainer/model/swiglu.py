@@ -1,0 +1,111 @@
+"""The fused SwiGLU, silu(gate) * up, from the fused projection [..., 2f] = [gate | up].
+
+Forward saves only its input (the activation silu(gate) is recomputed in backward). The backward
+is one custom op, `doremi::swiglu_backward`, so that `torch.compile` keeps it as one call:
+- on CUDA, a Triton kernel: each program reads one row block of gate, up and the incoming
+  gradient once and writes both halves of the input gradient, all in fp32 registers. That is
+  the floor of 3 reads + 2 writes of f elements per token. What inductor makes of the same
+  expression (a pointwise `cat` over the 2f output columns, each half masked) ran at 2.1 TB/s on
+  an H200, half the copy bandwidth: 10.2 ms of a 1B step (experiments/PERFORMANCE.md);
+- elsewhere (CPU, or no Triton), the same math in torch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+#: Columns per Triton program (of f); 1024 bf16 = 2 KiB per load.
+BLOCK = 1024
+
+
+def swiglu_backward_torch(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """d(silu(gate) * up) / d[gate | up] applied to `g`, in torch ops (the input's precision)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    d_gate = torch.ops.aten.silu_backward(g * up, gate)
+    d_up = g * F.silu(gate)
+    return torch.cat([d_gate, d_up], dim=-1)
+
+
+@functools.cache
+def triton_kernel():
+    """The Triton backward kernel, or None without Triton. Built on first use, so that importing
+    this module never needs Triton, and so that TRITON_INTERPRET=1 (the tests' CPU mode) is read
+    when the kernel is made."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def swiglu_backward_kernel(g_ptr, gu_ptr, out_ptr, f, g_row_stride, gu_row_stride, out_row_stride,
+                               BLOCK_SIZE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = cols < f
+        gate = tl.load(gu_ptr + row * gu_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + row * gu_row_stride + f + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        d_up = g * gate * sig
+        d_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
+        out = out_ptr + row * out_row_stride
+        tl.store(out + cols, d_gate.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + f + cols, d_up.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return swiglu_backward_kernel
+
+
+def swiglu_backward_triton(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel over [tokens, f] rows; any leading shape, last dim contiguous."""
+    kernel = triton_kernel()
+    f = g.shape[-1]
+    g2 = g.reshape(-1, f)
+    gu2 = gate_up.reshape(-1, 2 * f)
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    if gu2.stride(-1) != 1:
+        gu2 = gu2.contiguous()
+    out = torch.empty(gu2.shape, dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel():
+        grid = (gu2.shape[0], -(-f // BLOCK))
+        kernel[grid](g2, gu2, out, f, g2.stride(0), gu2.stride(0), out.stride(0), BLOCK_SIZE=BLOCK)
+    return out.view(gate_up.shape)
+
+
+@torch.library.custom_op("doremi::swiglu_backward", mutates_args=())
+def swiglu_backward(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    return swiglu_backward_torch(g, gate_up)
+
+
+@swiglu_backward.register_kernel("cuda")
+def _swiglu_backward_cuda(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    if triton_kernel() is None:
+        return swiglu_backward_torch(g, gate_up)
+    return swiglu_backward_triton(g, gate_up)
+
+
+@swiglu_backward.register_fake
+def _swiglu_backward_fake(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(gate_up)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        ctx.save_for_backward(gate_up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        return swiglu_backward(g.contiguous(), gate_up)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
+    return _SwiGLU.apply(gate_up)
