@@ -31,6 +31,24 @@ def test_layer_activation_bytes_by_hand():
     assert gathered.layer_activation_bytes("none") == (844 + 128) * 32
 
 
+def test_compiled_block_and_fused_head_by_hand():
+    """Compiled at tp = 1 (the terms measured on an H200 for bench-1b, experiments/PERFORMANCE.md)."""
+    model = ModelConfig(**{**PRESETS["tiny"], "compile": True})
+    cm = CostModel.from_config(model, ParallelismConfig(), micro_batch_size=2, seq_len=16)
+    assert cm.compiled and cm.fused_loss
+    # h 64, g d 32, f 128, 4 heads: none 2(7*64 + 3*32 + 3*128) + 16 + 8, selective 2(5*64 + 2*32 + 3*128) + 8
+    assert cm.layer_activation_bytes("none") == (1856 + 24) * 32
+    assert cm.layer_activation_bytes("selective") == 1544 * 32
+    assert cm.layer_activation_bytes("full") == 128 * 32
+    # head: bf16 final-norm input and logits, rstd, log-sum-exp and the loss in fp32
+    assert cm.head_activation_bytes() == (2 * (64 + 256) + 12) * 32
+    assert cm.head_transient_bytes() == 2 * 256 * 32
+    tp2 = CostModel.from_config(model, ParallelismConfig(tp=2), micro_batch_size=2, seq_len=16)
+    assert tp2.compiled and not tp2.fused_loss
+    assert tp2.layer_activation_bytes("none") == CostModel(TINY, tp=2, micro_batch_size=2,
+                                                          seq_len=16).layer_activation_bytes("none")
+
+
 def test_llama70b_block_is_about_korthikanti_34sbh():
     cm = CostModel(LLAMA70, micro_batch_size=1, seq_len=1)
     # 12 h + 4 g d + 6 f + 4 a + 8 per token at tp = 1

@@ -1,11 +1,12 @@
 """Where a step's time and memory go, on one GPU: the evidence behind experiments/PERFORMANCE.md.
 
-Three measurements, each guarded so that one failure keeps the others:
+Measurements, each guarded so that one failure keeps the others:
 - `kernels`: torch.profiler over two steps of the baseline (`--compile`) and of the framework's
   plain step at one shape; the CUDA kernels grouped into classes (matmul, attention forward and
   backward, optimizer, elementwise/reduction, copies, communication) with their time per step,
   plus the top kernels by total time. The difference between the two columns is where the
   framework gains or loses against the baseline.
+- `swiglu`: the SwiGLU backward alone, inductor's kernel against the Triton op.
 - `activations`: bytes each block (and the head + loss) keeps alive from its forward to its
   backward, per recompute mode, read from the allocator (`torch.cuda.memory_allocated` after each
   block's forward, so what the compiled graph really saves), against
@@ -56,8 +57,27 @@ def kernel_class(name: str) -> str:
     return "other (aten elementwise / reduction)"
 
 
+def idle_time(prof, steps: int) -> tuple[float, float, list[tuple[float, str]]]:
+    """GPU timeline of the profiled window: (ms from the first kernel's start to the last one's
+    end, ms in which no kernel ran, the largest gaps with the kernel that ended each), per step."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA")
+    if not spans:
+        return 0.0, 0.0, []
+    idle, gaps, end, last = 0.0, [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            idle += start - end
+            gaps.append((start - end, last))
+        if stop >= end:
+            end, last = stop, name
+    gaps.sort(reverse=True)
+    return (end - spans[0][0]) / 1e3 / steps, idle / 1e3 / steps, [(g / 1e3, n) for g, n in gaps[:8]]
+
+
 def profile(fn, steps: int = 2) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
-    """Per-class and per-kernel CUDA time (ms per step) over `steps` calls of `fn`."""
+    """Per-class and per-kernel CUDA time (ms per step) over `steps` calls of `fn`; the class
+    `idle` is GPU time between kernels (from `idle_time`)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     for _ in range(2):
@@ -79,6 +99,10 @@ def profile(fn, steps: int = 2) -> tuple[dict[str, float], list[tuple[str, float
         by_class[kernel_class(e.key)] += ms
         kernels.append((e.key, ms, e.count // steps))
     kernels.sort(key=lambda x: -x[1])
+    span, idle, gaps = idle_time(prof, steps)
+    by_class["idle (no kernel running)"] = idle
+    kernels.append((f"GPU span {span:.2f} ms per step; largest gaps (ms, after): "
+                    + "; ".join(f"{g:.2f} {n[:60]}" for g, n in gaps), 0.0, 0))
     return dict(by_class), kernels
 
 
@@ -118,11 +142,12 @@ def kernels_section(args, out: list[str]) -> None:
     for c in sorted(set(base_cls) | set(our_cls), key=lambda c: -max(base_cls.get(c, 0), our_cls.get(c, 0))):
         b, o = base_cls.get(c, 0.0), our_cls.get(c, 0.0)
         out.append(f"{c:44s} {b:9.2f} {o:9.2f} {o - b:+8.2f}")
-    out.append(f"{'total':44s} {sum(base_cls.values()):9.2f} {sum(our_cls.values()):9.2f} "
+    out.append(f"{'total (kernels + idle)':44s} {sum(base_cls.values()):9.2f} {sum(our_cls.values()):9.2f} "
                f"{sum(our_cls.values()) - sum(base_cls.values()):+8.2f}")
     for label, ks in (("baseline", base_k), ("framework", our_k)):
         out.append(f"\n### top kernels, {label} (ms per step, calls per step)")
-        for name, ms, n in ks[:args.top]:
+        out.append(ks[-1][0])
+        for name, ms, n in ks[:-1][:args.top]:
             out.append(f"{ms:8.2f} {n:5d}  {kernel_class(name)[:12]:12s} {name[:150]}")
 
 
@@ -168,11 +193,34 @@ def activations_section(args, out: list[str]) -> None:
     sb.free()
 
 
+def swiglu_section(args, out: list[str]) -> None:
+    """The SwiGLU backward alone at this preset's shape: inductor's kernel for the torch
+    expression against the Triton op; error against float64; bandwidth over 3 reads + 2 writes."""
+    from triton.testing import do_bench
+
+    from trainer.model.swiglu import swiglu_backward_torch, swiglu_backward_triton
+
+    preset, mb = sb.SHAPES[args.preset]
+    cfg = sb.trainer_config(preset, mb, "none")
+    n, f = mb * cfg.data.seq_len, cfg.model.ffn_dim
+    gu = torch.randn(n, 2 * f, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(n, f, device="cuda", dtype=torch.bfloat16)
+    ref = swiglu_backward_torch(g.double(), gu.double())
+    compiled = torch.compile(swiglu_backward_torch, dynamic=False)
+    nbytes = 5 * n * f * 2
+    out.append(f"\n## SwiGLU backward, {n} tokens x f={f}, bf16 (median ms of do_bench)")
+    for label, fn in (("inductor (torch expression)", compiled), ("triton op", swiglu_backward_triton)):
+        res = fn(g, gu)
+        err = ((res.double() - ref).norm() / ref.norm()).item()
+        ms = do_bench(lambda: fn(g, gu), return_mode="median")
+        out.append(f"{label:28s} {ms:6.3f} ms  {nbytes / ms / 1e9:6.2f} TB/s  rel err {err:.2e}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", type=Path, required=True)
     p.add_argument("--preset", default="1b", choices=sorted(sb.SHAPES))
-    p.add_argument("--sections", default="kernels,activations")
+    p.add_argument("--sections", default="swiglu,kernels,activations")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -184,7 +232,7 @@ def main() -> None:
     for name in args.sections.split(","):
         printed = len(out)
         try:
-            {"kernels": kernels_section, "activations": activations_section}[name](args, out)
+            {"kernels": kernels_section, "activations": activations_section, "swiglu": swiglu_section}[name](args, out)
         except Exception:  # noqa: BLE001 - keep the other sections
             out.append(f"{name} failed:\n{traceback.format_exc()}")
         print("\n".join(out[printed:]), flush=True)

@@ -105,6 +105,9 @@ class CostModel:
     recompute_allgather: bool = False
     zero1: bool = True
     param_precision: str = "fp32"
+    #: `model.compile` on a GPU: inductor's graphs decide what a block saves (see
+    #: `layer_activation_bytes`); at tp = 1 the head and the loss are one graph.
+    compiled: bool = False
 
     @classmethod
     def from_config(cls, model: ModelConfig, par: ParallelismConfig, micro_batch_size: int, seq_len: int,
@@ -112,7 +115,13 @@ class CostModel:
         return cls(model=model, tp=par.tp, pp=par.pp, dp=par.dp, micro_batch_size=micro_batch_size,
                    seq_len=seq_len, micro_batches=micro_batches or par.pp, schedule=par.pp_schedule,
                    recompute=par.recompute, sequence_parallel=par.sequence_parallel and par.tp > 1,
-                   recompute_allgather=par.tp_recompute_allgather, zero1=par.zero1, param_precision=param_precision)
+                   recompute_allgather=par.tp_recompute_allgather, zero1=par.zero1, param_precision=param_precision,
+                   compiled=bool(model.compile))
+
+    @property
+    def fused_loss(self) -> bool:
+        """The compiled head + cross entropy (`LlamaStage._fused_loss`): tp = 1 and compiled."""
+        return self.compiled and self.tp == 1
 
     # --- shapes ---------------------------------------------------------------------------
 
@@ -190,6 +199,16 @@ class CostModel:
           full:      B h / t_sp                the block input only
         Korthikanti's GPT count is 34 s b h (+5 a s^2 b without flash); ours is about
         12 h + 4 g d + 6 f per token at t = 1, i.e. 33.5 h for Llama-3-70B.
+
+        Compiled blocks at t = 1 (`compiled`): inductor's partitioner picks what to keep, read
+        from the allocator on an H200 (experiments/PERFORMANCE.md, `profile_step.py`):
+          none:      B (7 h + 3 g d + 3 f) + 4 a + 8   the eager set less one normalised input
+                                                     (recomputed from its block input), plus the
+                                                     pre-RoPE qkv and the attention output in
+                                                     SDPA's layout besides the out-proj input
+          selective: B (5 h + 2 g d + 3 f) + 8       qkv and the core's output; q, k and the
+                                                     SDPA output are rebuilt in backward
+          full:      B h                             as eager
         """
         recompute = recompute or self.recompute
         m, t, b = self.model, self.tp, ACT_BYTES
@@ -197,6 +216,9 @@ class CostModel:
         kv = m.n_kv_heads * m.head_dim
         if recompute == "full":
             per_token = b * h / self._sp
+        elif self.compiled and t == 1:
+            per_token = (b * (7 * h + 3 * kv + 3 * f) + 4 * heads + 8 if recompute == "none"
+                         else b * (5 * h + 2 * kv + 3 * f) + 8)
         else:
             per_token = (2 * (b * h + 4) / self._sp + 2 * b * h / self._gathered + b * (h + 2 * kv) / t
                          + b * h / t + 3 * b * f / t)
@@ -205,15 +227,22 @@ class CostModel:
         return per_token * self.tokens
 
     def head_activation_bytes(self) -> float:
-        """Saved by the last stage per micro-batch: final-norm input and rstd, the head input,
-        and the fp32 softmax that the vocabulary-parallel cross entropy keeps for backward."""
-        h = self.model.d_model
-        per_token = (ACT_BYTES * h + 4) / self._sp + ACT_BYTES * h / self._gathered + 4 * self.local_vocab
+        """Saved by the last stage per micro-batch. Eager (the vocabulary-parallel cross
+        entropy): final-norm input and rstd, the head input, and the fp32 softmax kept for
+        backward. Fused (compiled, tp = 1): the final-norm input and rstd, the bf16 logits, the
+        fp32 log-sum-exp and the per-token losses; the normalised input is recomputed."""
+        h, v = self.model.d_model, self.local_vocab
+        if self.fused_loss:
+            per_token = ACT_BYTES * (h + v) + 4 + 4 + 4
+        else:
+            per_token = (ACT_BYTES * h + 4) / self._sp + ACT_BYTES * h / self._gathered + 4 * v
         return per_token * self.tokens
 
     def head_transient_bytes(self) -> float:
-        """bf16 logits and their fp32 upcast, alive together while the loss is computed."""
-        return (ACT_BYTES + 4) * self.tokens * self.local_vocab
+        """Eager: bf16 logits and their fp32 upcast, alive together while the loss is computed.
+        Fused: the bf16 gradient of the logits (the fp32 softmax is never materialised)."""
+        per_token = ACT_BYTES if self.fused_loss else ACT_BYTES + 4
+        return per_token * self.tokens * self.local_vocab
 
     def in_flight(self, stage: int) -> int:
         if self.schedule == "afab":
