@@ -67,6 +67,8 @@ GIB = 2 ** 30
 K_DOMAINS = 4
 #: baseline preset -> (our preset, micro-batch)
 SHAPES = {"1b": ("bench-1b", 8), "280m": ("bench-280m", 32)}
+#: timing windows per configuration (the median is reported)
+WINDOWS = 3
 #: rough seconds of compile + timing per configuration, to stay inside --deadline
 COST = {"baseline": 45, "plain": 35, "doremi-cached": 5, "doremi-online": 20, "selective": 20, "full": 10}
 
@@ -85,17 +87,22 @@ class Row:
     note: str = ""
 
 
-def timed(fn: Callable[[], None], iters: int, warmup: int) -> float:
+def timed(fn: Callable[[], None], iters: int, warmup: int, windows: int = 1) -> float:
+    """Seconds per call: the median over `windows` back-to-back windows of `iters` calls each
+    (one window's mean hides a slow window; the median of a few does not)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     if iters == 0:
         return 0.0
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+    means = []
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        means.append((time.perf_counter() - t0) / iters)
+    return float(np.median(means))
 
 
 def matmul_peak() -> float:
@@ -191,7 +198,7 @@ def run_baseline(mod, name: str, steps: int, peak: float, device: torch.device, 
 
     timed(step, 0, 3)
     torch.cuda.reset_peak_memory_stats()
-    dt = timed(step, steps, 0)
+    dt = timed(step, steps, 0, WINDOWS)
     row = _row(name, "baseline --compile", mb * seq / dt, fpt, peak, own_peak(base))
     row.syncs = count_syncs([("step", step)])
     del model, opt, fwd, step
@@ -292,7 +299,7 @@ def measure(preset: str, variant: str, step: FrameworkStep, steps: int, warmup: 
             base: int, plan: float | None) -> Row:
     timed(step, 0, warmup)
     torch.cuda.reset_peak_memory_stats()
-    dt = timed(step, steps, 0)
+    dt = timed(step, steps, 0, WINDOWS)
     mb, seq = step.batch["input_ids"].shape
     row = _row(preset, variant, mb * seq / dt, fpt, peak, own_peak(base))
     row.plan_gib = plan
