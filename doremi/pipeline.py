@@ -62,6 +62,25 @@ def fingerprint(cfg: ExperimentConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+#: `data` keys that change how batches are drawn from the stores, not the stores' bytes.
+SAMPLING_KEYS = ("seed", "domain_weights", "seq_len", "num_proc")
+
+
+def store_fingerprint(cfg: ExperimentConfig) -> str:
+    """The preprocess stage's fingerprint: the data section without SAMPLING_KEYS."""
+    raw = {k: v for k, v in to_dict(cfg.data).items() if k not in SAMPLING_KEYS}
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def mixtures(weights_path: str | os.PathLike, baselines: list[str]) -> dict[str, str]:
+    """Main-run name -> `data.domain_weights` value: DoReMi's weights file, then the baselines
+    (`uniform`, `tokens`, or a weights JSON named by its file stem)."""
+    mix = {"doremi": str(weights_path)}
+    for b in baselines:
+        mix[Path(b).stem if b not in ("uniform", "tokens") else b] = b
+    return mix
+
+
 def is_main_rank() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -115,7 +134,7 @@ class Pipeline:
                 return done.get("result")
             self.say(f"[{self._elapsed()}] {name}: config changed, redoing")
             if is_main_rank():
-                marker.unlink()
+                marker.unlink(missing_ok=True)  # another pipeline sharing the stage may have gone first
                 if clean and out.is_dir():
                     shutil.rmtree(out)
         barrier()
@@ -137,8 +156,10 @@ class Pipeline:
         from data.preprocess import preprocess
 
         cfg = self.cfg
-        # The stores depend on the data section only, and `preprocess` itself rebuilds what changed.
-        data_fp = hashlib.sha256(json.dumps(to_dict(cfg.data), sort_keys=True).encode()).hexdigest()[:16]
+        # `preprocess` itself rebuilds what changed; the marker skips even its check when none of
+        # the keys the stores depend on changed, so that runs differing only in how they sample
+        # (data.seed, data.domain_weights, seq_len) share one store directory, also concurrently.
+        data_fp = store_fingerprint(cfg)
         self._run_stage("preprocess", Path(cfg.data.store_dir), cfg,
                         lambda: (preprocess(cfg.data), None)[1], fp=data_fp, clean=False, main_only=True)
         weights_path = self.tune_weights()
@@ -181,10 +202,7 @@ class Pipeline:
         return weights_path
 
     def mixtures(self, weights_path: Path) -> dict[str, str]:
-        mix = {"doremi": str(weights_path)}
-        for b in self.p.baselines:
-            mix[Path(b).stem if b not in ("uniform", "tokens") else b] = b
-        return mix
+        return mixtures(weights_path, self.p.baselines)
 
     def main_runs(self, weights_path: Path) -> dict[str, Any]:
         out: dict[str, Any] = {}

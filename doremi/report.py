@@ -28,7 +28,8 @@ def _check_len(what: str, values: Sequence, k: int) -> None:
         raise ValueError(f"{what}: expected {k} values (one per domain), got {len(values)}")
 
 
-def _fmt(x: float | None) -> str:
+def fmt(x: float | None) -> str:
+    """A table cell: 4 decimals, empty for None."""
     return "" if x is None else f"{x:.4f}"
 
 
@@ -65,20 +66,25 @@ def format_table(domains: Sequence[str], mixtures: Mapping[str, Vector],
 
     rows = []
     for i, d in enumerate(domains):
-        row = [d] + ([_fmt(ent[i])] if known else [])
-        row += [_fmt(float(w[i])) for w in mixtures.values()]
-        row += [_fmt(float(l[i])) for l in losses.values()]
+        row = [d] + ([fmt(ent[i])] if known else [])
+        row += [fmt(float(w[i])) for w in mixtures.values()]
+        row += [fmt(float(l[i])) for l in losses.values()]
         if known:
-            row += [_fmt(float(l[i]) - ent[i]) if ent[i] is not None else ""
+            row += [fmt(float(l[i]) - ent[i]) if ent[i] is not None else ""
                     for l in losses.values()]
         rows.append(row)
     for label, agg in (("average", _mean), ("worst case", _worst)):
         row = [f"**{label}**"] + ([""] if known else []) + [""] * len(mixtures)
-        row += [_fmt(agg([float(x) for x in l])) for l in losses.values()]
+        row += [fmt(agg([float(x) for x in l])) for l in losses.values()]
         if known:
-            row += [_fmt(agg([float(l[i]) - ent[i] for i in known])) for l in losses.values()]
+            row += [fmt(agg([float(l[i]) - ent[i] for i in known])) for l in losses.values()]
         rows.append(row)
 
+    return markdown_table(header, rows)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table: the first column left-aligned, the others (numbers) right-aligned."""
     lines = ["| " + " | ".join(header) + " |",
              "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -151,8 +157,12 @@ def plot_val_loss(path: Path, domains: Sequence[str],
 
 
 def plot_final_loss(path: Path, domains: Sequence[str], final_losses: Mapping[str, Vector],
-                    entropy: Sequence[float | None]) -> None:
-    """Final validation loss per domain, one bar per run (grouped), known entropy as a mark."""
+                    entropy: Sequence[float | None], ylabel: str = "final validation loss",
+                    title: str = "final validation loss per domain", log: bool = False) -> None:
+    """Final validation loss per domain, one bar per run (grouped), known entropy as a mark.
+
+    `log`: a log y-axis, for values spanning decades (loss above entropy next to raw loss);
+    it needs every value > 0."""
     from matplotlib.figure import Figure
     k, n = len(domains), len(final_losses)
     fig = Figure(figsize=(max(6.0, 0.9 * k * max(n, 1) * 0.5 + 2), 4), layout="constrained")
@@ -166,7 +176,12 @@ def plot_final_loss(path: Path, domains: Sequence[str], final_losses: Mapping[st
         ax.hlines([entropy[i] for i in known], [i - 0.45 for i in known],
                   [i + 0.45 for i in known], colors="k", linestyles="--", lw=1, label="entropy", zorder=3)
     ax.set_xticks(range(k), domains, rotation=30 if k > 6 else 0, ha="right" if k > 6 else "center")
-    ax.set(ylabel="final validation loss", title="final validation loss per domain")
+    if log:
+        bad = [f"{name}: {x}" for name, l in final_losses.items() for x in l if not float(x) > 0]
+        if bad:
+            raise ValueError(f"plot_final_loss: a log axis needs values > 0, got {bad[0]}")
+        ax.set_yscale("log")
+    ax.set(ylabel=ylabel, title=title)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, path)

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from data.store import open_stores
+from data.store import Manifest, open_stores
 from data.weights import resolve_weights
 from doremi.history import HistoryError, read_history
+from doremi.pipeline import mixtures as mixture_specs
 from doremi.report import format_table, write_report
 from trainer.metrics import read_jsonl
 
@@ -21,11 +22,17 @@ if TYPE_CHECKING:
 
 def collect(pipe: "Pipeline") -> dict[str, Any]:
     """Everything the table and the report show, read back from disk."""
-    root = pipe.root
-    manifest = open_stores(pipe.cfg.data.store_dir).manifest
+    return collect_run(pipe.root, open_stores(pipe.cfg.data.store_dir).manifest, pipe.p.baselines)
+
+
+def collect_run(root: Path, manifest: Manifest, baselines: list[str]) -> dict[str, Any]:
+    """The same from a pipeline's run directory alone (e.g. one copied off the machine that ran
+    it) and the manifest of its stores: domains, mixture weights, final and per-eval validation
+    losses of the main runs, the last round's alpha_t history, the domains' entropies."""
+    root = Path(root)
     domains = manifest.domain_names
     mixtures: dict[str, np.ndarray] = {}
-    for name, spec in pipe.mixtures(root / "weights.json").items():
+    for name, spec in mixture_specs(root / "weights.json", baselines).items():
         mixtures[name] = resolve_weights(spec, manifest)
     final: dict[str, list[float]] = {}
     curves: dict[str, list[tuple[int, list[float]]]] = {}

@@ -80,3 +80,13 @@ def test_write_report_rejects_bad_history_before_writing(tmp_path):
     with pytest.raises(ValueError, match=r"weight_history\[step 2\]: expected 3 values"):
         write_report(tmp_path / "r", DOMAINS, [[0.5, 0.25, 0.25], [1.0]], {}, LOSSES, MIXTURES)
     assert not (tmp_path / "r").exists()
+
+
+def test_final_loss_plot_on_a_log_axis_needs_positive_values(tmp_path):
+    from doremi.report import plot_final_loss
+
+    plot_final_loss(tmp_path / "log.png", DOMAINS, LOSSES, [None] * 3, ylabel="loss - H", log=True)
+    assert _png_size(tmp_path / "log.png")[0] > 300
+    with pytest.raises(ValueError, match=r"a log axis needs values > 0, got uniform: 0.0"):
+        plot_final_loss(tmp_path / "bad.png", DOMAINS, {"uniform": [1.0, 0.0, 2.0]}, [None] * 3, log=True)
+    assert not (tmp_path / "bad.png").exists()
