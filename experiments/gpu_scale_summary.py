@@ -257,10 +257,16 @@ def diagnostics_section(seeds: Sequence[Seed]) -> str:
     def final_val(run: Path) -> list[float]:
         return [last_row(run, "val_loss")["val_loss"][d] for d in domains]
 
+    def proxy_history(x: Seed) -> list[dict[str, Any]]:
+        return read_jsonl(x.root / "round1" / "proxy" / "domain_weights.jsonl")
+
     def late_excess(x: Seed) -> list[float]:
-        hist = read_jsonl(x.root / "round1" / "proxy" / "domain_weights.jsonl")
+        hist = proxy_history(x)
         tail = hist[-max(1, len(hist) // 10):]
         return np.mean([h["excess"] for h in tail], axis=0).tolist()
+
+    def ref_on_train(x: Seed) -> list[float]:
+        return np.mean([h["ref_loss"] for h in proxy_history(x)], axis=0).tolist()
 
     def overfit(run: Path) -> list[float]:
         curve = [[r["val_loss"][d] for d in domains] for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
@@ -268,13 +274,18 @@ def diagnostics_section(seeds: Sequence[Seed]) -> str:
 
     ref = np.mean([final_val(x.root / "round1" / "reference") for x in seeds], axis=0)
     proxy = np.mean([final_val(x.root / "round1" / "proxy") for x in seeds], axis=0)
+    ref_train = np.mean([ref_on_train(x) for x in seeds], axis=0)
     excess = np.mean([late_excess(x) for x in seeds], axis=0)
     over = {m: np.mean([overfit(x.root / "main" / m) for x in seeds], axis=0) for m in s.c["final"]}
-    rows = [[domains[i], fmt(float(ref[i])), fmt(float(proxy[i])), fmt(float(excess[i]))]
+    rows = [[domains[i], fmt(float(ref[i])), fmt(float(ref_train[i])), fmt(float(proxy[i])), fmt(float(excess[i]))]
             + [fmt(float(over[m][i])) for m in over] for i in range(k)]
-    header = ["domain", "reference val loss", "proxy val loss", "proxy excess (last 10%)"] + [f"final - best: {m}" for m in over]
+    header = (["domain", "reference val loss", "reference loss on proxy batches", "proxy val loss",
+               "proxy excess (last 10%)"] + [f"final - best: {m}" for m in over])
     return ("## Diagnostics\n\n" + markdown_table(header, rows) +
-            "\nMeans over seeds. Reference and proxy: final validation loss of round 1. Proxy excess: "
+            "\nMeans over seeds. Reference and proxy: final validation loss of round 1. Reference loss "
+            "on proxy batches: the frozen reference's per-token loss on the training batches the proxy "
+            "saw, averaged over the proxy's steps (far below its validation loss: the reference "
+            "memorised that domain, so its loss is no estimate of the loss a model can reach there). Proxy excess: "
             "lambda_t (mean per-token max(proxy - reference, 0)) averaged over the proxy's last 10% of "
             "steps, what drives the weights at the end. final - best: the main run's final validation "
             "loss minus its lowest over the evaluations (> 0: it got worse, e.g. by overfitting a "

@@ -177,6 +177,12 @@ def test_summary_numbers_come_from_the_runs(experiment):
         for d in domains:
             assert float(seed1[(d,)][header.index(f"loss: {m}")]) == pytest.approx(val[d], abs=5e-5)
 
+    diagnostics = table(text, "domain | reference val loss")
+    ref_train = np.mean([[h["ref_loss"] for h in read_jsonl(s / "round1" / "proxy" / "domain_weights.jsonl")]
+                         for s in experiment["seeds"]], axis=(0, 1))
+    for i, d in enumerate(domains):
+        assert float(diagnostics[(d,)][1]) == pytest.approx(ref_train[i], abs=5e-5)
+
     wins = {k: all(means["doremi"][k] < means[b][k] for b in ("uniform", "tokens")) for k in (1, 2)}
     expected = {2: "win", 1: "mixed", 0: "lose"}[sum(wins.values())]
     assert f"- mean over seeds: DoReMi **{expected} (" in text
