@@ -89,9 +89,11 @@ def cmd_eval(args):
 
 
 def cmd_plan(args):
-    from trainer.plan import format_plan, plan_memory
+    from trainer.plan import format_plan, gpu_param_precision, plan_memory
 
-    print(format_plan(plan_memory(_config(args), gpus=args.gpus, gpu_memory_gb=args.gpu_memory)))
+    cfg = _config(args)
+    print(format_plan(plan_memory(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory,
+                                  param_precision=gpu_param_precision(cfg))))
 
 
 def cmd_pipeline(args):

@@ -60,6 +60,7 @@ def test_torchrun_data_parallel(stores, tmp_path):
 def test_plan_70b():
     out = doremi("plan", "experiments/llama3_70b.yaml", "--gpus", "16", "--gpu-memory", "96")
     assert "tp4 x pp4 x dp1" in out
+    assert "bf16 params, fp32 main grads" in out  # train.param_dtype auto, resolved for GPUs
     stage_rows = [l for l in out.splitlines() if l.strip()[:1].isdigit()]
     assert len(stage_rows) == 4
 

@@ -73,6 +73,20 @@ def test_bytes_per_param():
     assert (fp32.weight, fp32.grad, fp32.optimizer, fp32.cast) == (4, 4, 2, 2)
     assert bytes_per_param("bf16", dp=4, zero1=True).total == 2 + 4 + 3
     assert bytes_per_param("bf16", dp=4, zero1=False).total == 18
+    assert bytes_per_param("bf16", dp=1, zero1=True, summed_grads=False).total == 2 + 2 + 12
+
+
+@pytest.mark.parametrize("micro_batches,dp,grad_bytes", [(1, 1, 2), (2, 1, 4), (1, 2, 4)])
+def test_bf16_main_grads_are_fp32_only_when_summed(micro_batches, dp, grad_bytes):
+    """What `trainer.parallel.data.main_grad_dtype` gives the optimizer, the plan counts."""
+    import torch
+    from trainer.parallel.data import main_grad_dtype
+
+    cm = CostModel(model=TINY, dp=dp, micro_batches=micro_batches, param_precision="bf16")
+    mem = cm.stage_memory(0, 2)
+    assert mem.grads == mem.params * grad_bytes
+    want = torch.bfloat16 if grad_bytes == 2 else torch.float32
+    assert main_grad_dtype(torch.bfloat16, micro_batches, dp) == want
     with pytest.raises(ValueError, match="param_precision: expected one of fp32, bf16, got 'fp8'"):
         bytes_per_param("fp8", 1, True)
 

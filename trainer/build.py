@@ -68,8 +68,19 @@ def build_model(cfg: TrainerConfig, pc: ParallelContext, seed: int | None = None
 
 
 def use_bf16(cfg: TrainerConfig, device: torch.device) -> bool:
-    prec = cfg.train.precision
-    return prec == "bf16" or (prec == "auto" and device.type == "cuda")
+    """Whether the run computes in bf16 (autocast): precision bf16, or auto on CUDA or with
+    explicitly bf16 parameters (they compute in bf16 whatever autocast says)."""
+    t = cfg.train
+    return t.precision == "bf16" or (t.precision == "auto" and (device.type == "cuda" or t.param_dtype == "bf16"))
+
+
+def param_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
+    """The dtype the model's parameters are stored in on `device` (train.param_dtype resolved):
+    bf16 (with fp32 master weights) for bf16 compute with AdamW, fp32 otherwise."""
+    t = cfg.train
+    if t.param_dtype == "auto":
+        return torch.bfloat16 if use_bf16(cfg, device) and t.optimizer == "adamw" else torch.float32
+    return torch.bfloat16 if t.param_dtype == "bf16" else torch.float32
 
 
 def autocast(cfg: TrainerConfig, device: torch.device) -> contextlib.AbstractContextManager:

@@ -19,11 +19,17 @@ one filesystem (shared storage across nodes).
 Resharding: every tensor is looked up by parameter name. When the saved tp equals the current
 tp a rank reads its own shard; otherwise it reads every saved tp shard, `unshard`s and `shard`s
 for its new tp rank. Optimizer state tensors shaped like the tp-local parameter get the same
-treatment; a state dimension of size 1 where the parameter is sharded (Adafactor's factored row
-or column statistic) is averaged over the old shards (exact for the mean it stores) and
-replicated to the new ones; scalars (the step count) come from tp rank 0. The dp layout and the
-ZeRO-1 partition may change freely (state is per whole parameter). RNG states are restored only
-when the layout is unchanged.
+treatment (the bf16 optimizer's fp32 "master" among them); a state dimension of size 1 where
+the parameter is sharded (Adafactor's factored row or column statistic) is averaged over the
+old shards (exact for the mean it stores) and replicated to the new ones; scalars (the step
+count) come from tp rank 0. The dp layout and the ZeRO-1 partition may change freely (state is
+per whole parameter). RNG states are restored only when the layout is unchanged.
+
+Parameter precision may change on resume too (`meta.json` "master_weights" says whether the
+state holds fp32 masters). Resuming fp32 parameters from a bf16 run loads each parameter from
+its master, not from its bf16 rounding; a bf16 run resuming from an fp32 one takes each master
+from the saved fp32 parameter. Loading without an optimizer (a frozen reference, eval) reads
+the parameters as saved: the weights the model computed with.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from data.atomic import atomic_path, atomic_write_text
-from trainer.optim import ShardedOptimizer
+from trainer.optim import Optimizer
 from trainer.parallel.clip import is_tied_duplicate
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.shard import ShardSpec, get_shard_spec, shard, unshard
@@ -163,7 +169,7 @@ def _gather_to_main(entry: dict[str, Any], pc: ParallelContext) -> list[dict[str
     return out or []
 
 
-def _write_rank_files(tmp: Path, model: torch.nn.Module, optimizer: ShardedOptimizer | None,
+def _write_rank_files(tmp: Path, model: torch.nn.Module, optimizer: Optimizer | None,
                       pc: ParallelContext, extra: dict[str, Any]) -> dict[str, Any]:
     pp, tp, dp = pc.pp_rank, pc.tp_rank, pc.dp_rank
     entry: dict[str, Any] = {"pp": pp, "tp": tp, "params": {}, "optim": None}
@@ -180,7 +186,8 @@ def _write_rank_files(tmp: Path, model: torch.nn.Module, optimizer: ShardedOptim
         state = {n: {k: _own_storage(v) for k, v in s.items()}
                  for n, s in sd["state"].items() if not is_tied_duplicate(n, pc)}
         _save(tmp / file, {"kind": sd["kind"], "state": state})
-        entry["optim"] = {"file": file, "kind": sd["kind"], "names": sorted(state)}
+        entry["optim"] = {"file": file, "kind": sd["kind"], "names": sorted(state),
+                          "master": any("master" in s for s in state.values())}
     _save(tmp / f"rng_rank{pc.rank}.pt", _rng_state(pc.device))
     if pc.is_main:
         _save(tmp / "extra.pt", extra)
@@ -207,6 +214,7 @@ def _metadata(step: int, entries: list[dict[str, Any]], pc: ParallelContext, zer
         "layout": {"tp": pc.tp, "pp": pc.pp, "dp": pc.dp},
         "zero1": zero1,
         "optimizer": kinds.pop() if kinds else None,
+        "master_weights": any(e["optim"]["master"] for e in entries if e["optim"]),
         "params": dict(sorted(params.items())),
         "optim_files": dict(sorted(optim_files.items())),
         "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()},
@@ -220,7 +228,7 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module,
-                    optimizer: ShardedOptimizer | None, pc: ParallelContext, extra: dict[str, Any],
+                    optimizer: Optimizer | None, pc: ParallelContext, extra: dict[str, Any],
                     keep: int = 0) -> Path:
     """Write this step's checkpoint from every rank (collective); keep the newest `keep`
     (0: all). Returns the checkpoint directory."""
@@ -343,51 +351,64 @@ def _load_param(name: str, param: torch.Tensor, info: dict[str, Any], saved_tp: 
     return shard(full, spec, pc.tp_rank, pc.tp)
 
 
-def _load_optimizer(optimizer: ShardedOptimizer, meta: dict[str, Any], read: _Reader, ck: Path,
-                    pc: ParallelContext) -> None:
+def _load_state(name: str, spec: ShardSpec | None, meta: dict[str, Any], read: _Reader, ck: Path,
+                pc: ParallelContext, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """The optimizer state of parameter `name` (only `keys`, if given) for this rank's tp slice."""
+    files = meta["optim_files"].get(name)
+    if files is None:
+        raise CheckpointError(f"{ck}: checkpoint has no optimizer state for parameter {name!r}")
+    info, saved_tp = meta["params"][name], meta["layout"]["tp"]
+    saved = _spec_from_json(info["spec"])
+    if not _moves(saved, spec, saved_tp, pc):
+        own = read(files[_own_source(saved, saved_tp, pc)])["state"][name]
+        return {k: _shard_state(v, spec, info["shape"], pc) if _is_full(saved, saved_tp) else v
+                for k, v in own.items() if keys is None or k in keys}
+    per_tp = [read(f)["state"][name] for f in files]
+    saved_local = info["shape"][saved.dim] // saved_tp
+    return {k: _shard_state(_unshard_state([s[k] for s in per_tp], saved, saved_local), spec, info["shape"], pc)
+            for k in per_tp[0] if keys is None or k in keys}
+
+
+def _load_optimizer(optimizer: Optimizer, params: dict[str, torch.Tensor], meta: dict[str, Any], read: _Reader,
+                    ck: Path, pc: ParallelContext) -> None:
     if meta["optimizer"] is None:
         raise CheckpointError(f"{ck}: checkpoint has no optimizer state")
     if meta["optimizer"] != optimizer.kind:
         raise CheckpointError(f"{ck}: optimizer state is {meta['optimizer']!r}, the run uses {optimizer.kind!r}")
-    saved_tp = meta["layout"]["tp"]
-    specs = {n: get_shard_spec(p) for n, p in optimizer.local}
     state: dict[str, dict[str, torch.Tensor]] = {}
     for name in optimizer.owned_names():
-        files = meta["optim_files"].get(name)
-        if files is None:
-            raise CheckpointError(f"{ck}: checkpoint has no optimizer state for parameter {name!r}")
-        info = meta["params"][name]
-        saved, spec = _spec_from_json(info["spec"]), specs[name]
-        if not _moves(saved, spec, saved_tp, pc):
-            own = read(files[_own_source(saved, saved_tp, pc)])["state"][name]
-            state[name] = {k: _shard_state(v, spec, info["shape"], pc) if _is_full(saved, saved_tp) else v
-                           for k, v in own.items()}
-            continue
-        per_tp = [read(f)["state"][name] for f in files]
-        saved_local = info["shape"][saved.dim] // saved_tp
-        state[name] = {k: _shard_state(_unshard_state([s[k] for s in per_tp], saved, saved_local), spec,
-                                       info["shape"], pc)
-                       for k in per_tp[0]}
+        param = params[name]
+        state[name] = _load_state(name, get_shard_spec(param), meta, read, ck, pc)
+        if optimizer.keeps_master and "master" not in state[name]:
+            state[name]["master"] = _load_param(name, param, meta["params"][name], meta["layout"]["tp"], read, pc)
     # Tensors read from a checkpoint are memory-mapped from its files: give the optimizer its own.
     state = {n: {k: v.clone() if v.device == pc.device else v for k, v in s.items()} for n, s in state.items()}
     optimizer.load_state_dict({"kind": optimizer.kind, "state": state})
 
 
+def _param_value(name: str, param: torch.Tensor, meta: dict[str, Any], read: _Reader, ck: Path,
+                 pc: ParallelContext, from_master: bool) -> torch.Tensor:
+    if from_master and name in meta["optim_files"]:
+        return _load_state(name, get_shard_spec(param), meta, read, ck, pc, keys=("master",))["master"]
+    return _load_param(name, param, meta["params"][name], meta["layout"]["tp"], read, pc)
+
+
 def load_checkpoint(path_or_run_dir: str | os.PathLike, model: torch.nn.Module,
-                    optimizer: ShardedOptimizer | None, pc: ParallelContext) -> dict[str, Any]:
+                    optimizer: Optimizer | None, pc: ParallelContext) -> dict[str, Any]:
     """Load parameters (and the optimizer state unless None) into this rank's stage under its
-    current layout; restore RNG states when the layout is unchanged. Returns the saved `extra`."""
+    current layout and parameter precision; restore RNG states when the layout is unchanged.
+    Returns the saved `extra`."""
     ck = resolve_checkpoint(path_or_run_dir)
     meta = _read_meta(ck)
     read = _Reader(ck, meta)
-    saved_tp = meta["layout"]["tp"]
+    params = dict(model.named_parameters())
+    from_master = optimizer is not None and not optimizer.keeps_master and meta.get("master_weights", False)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            info = meta["params"].get(name)
-            _check_param(name, param, info, ck, pc)
-            param.copy_(_load_param(name, param, info, saved_tp, read, pc))
+        for name, param in params.items():
+            _check_param(name, param, meta["params"].get(name), ck, pc)
+            param.copy_(_param_value(name, param, meta, read, ck, pc, from_master))
     if optimizer is not None:
-        _load_optimizer(optimizer, meta, read, ck, pc)
+        _load_optimizer(optimizer, params, meta, read, ck, pc)
     # RNG states belong to a resumed run, not to a frozen model loaded beside another run.
     if optimizer is not None and meta["layout"] == {"tp": pc.tp, "pp": pc.pp, "dp": pc.dp}:
         _set_rng_state(read(f"rng_rank{pc.rank}.pt"), pc.device)

@@ -83,8 +83,12 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 0
-    # `auto`: bf16 autocast on CUDA, fp32 on CPU.
+    # `auto`: bf16 autocast on CUDA (or with param_dtype bf16), fp32 on CPU.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # Parameter storage. bf16: bf16 parameters, fp32 main grads, fp32 master weights and AdamW
+    # moments (trainer.master_weights). `auto`: bf16 when the compute precision resolves to bf16
+    # and the optimizer is adamw, fp32 otherwise (trainer.build.param_dtype).
+    param_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval_every: int = 0
     # Validation sequences per domain (0: the whole validation split), the same set whatever the layout.
@@ -107,6 +111,12 @@ class TrainConfig:
         for name in ("eval_every", "eval_sequences"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{path}.{name}: expected >= 0, got {getattr(self, name)}")
+        if self.param_dtype == "bf16" and self.optimizer != "adamw":
+            raise ConfigError(f"{path}.param_dtype: bf16 parameters keep fp32 master weights in AdamW only, "
+                              f"got {path}.optimizer={self.optimizer!r} (use param_dtype fp32 or auto)")
+        if self.param_dtype == "bf16" and self.precision == "fp32":
+            raise ConfigError(f"{path}.param_dtype: bf16 parameters compute in bf16, got {path}.precision='fp32' "
+                              f"(use precision bf16 or auto)")
         if self.grad_clip < 0 or self.eps <= 0 or not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
             raise ConfigError(f"{path}: expected grad_clip >= 0, eps > 0 and betas in [0, 1), got grad_clip="
                               f"{self.grad_clip}, eps={self.eps}, beta1={self.beta1}, beta2={self.beta2}")

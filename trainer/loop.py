@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from data.weights import resolve_weights
-from trainer.build import autocast, build_model, init_parallel, micro_batch_size, seed_everything
+from trainer.build import autocast, build_model, init_parallel, micro_batch_size, param_dtype, seed_everything
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.configtools import dump_yaml
@@ -22,7 +22,6 @@ from trainer.lr_schedule import lr_at
 from trainer.metrics import MetricsLogger
 from trainer.model.flops import flops_per_token
 from trainer.optim import build_optimizer
-from trainer.parallel.clip import clip_grad_norm
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import sync_sequence_parallel_grads, sync_tied_grads
 from trainer.step import StepStats, domain_token_counts, forward_backward
@@ -44,7 +43,8 @@ class Trainer:
         self.feed.check_vocab(cfg.model.vocab_size)
         self.model = build_model(cfg, self.pc)
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.named_params, cfg.train, self.pc, cfg.parallelism.zero1)
+        self.optimizer = build_optimizer(self.named_params, cfg.train, self.pc, cfg.parallelism.zero1,
+                                         param_dtype=param_dtype(cfg, self.pc.device))
         self.hook: MixingHook = FixedMixture(resolve_weights(cfg.data.domain_weights, self.feed.manifest))
         self.step = 0
         self.autocast = autocast(cfg, self.pc.device)
@@ -87,7 +87,7 @@ class Trainer:
         sync_sequence_parallel_grads(self.model, pc)
         sync_tied_grads(self.model, pc)
         self.optimizer.reduce_gradients()
-        stats.grad_norm = clip_grad_norm(self.named_params, self.cfg.train.grad_clip, pc)
+        stats.grad_norm = self.optimizer.clip_grad_norm(self.cfg.train.grad_clip)
         self.optimizer.step(lr_at(step, self.cfg.train))
         self.optimizer.zero_grad()
         return stats, hook.after_step(step, stats)

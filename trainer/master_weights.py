@@ -1,6 +1,7 @@
-"""Mixed-precision AdamW: bf16 model parameters, fp32 master weights and moments in the optimizer
+"""Mixed-precision AdamW: bf16 model parameters, fp32 main grads, fp32 master weights and moments
 (Micikevicius et al. 2018, "Mixed Precision Training", with bf16 so no loss scaling; the layout of
-Megatron-LM's distributed optimizer, here without its dp sharding).
+Megatron-LM's distributed optimizer, with ZeRO-1 at parameter granularity as `trainer.optim`).
+The trainer's path for bf16 compute with AdamW (train.param_dtype, `trainer.optim.build_optimizer`).
 
 Why: fp32 parameters under bf16 autocast cast every weight to bf16 in each forward, turn every
 bf16 weight gradient into fp32 in backward and run AdamW over fp32 parameters: about 52 bytes
@@ -8,22 +9,32 @@ of memory traffic per parameter per step with clipping. Pure bf16 parameters upd
 (the plain baseline) are cheaper (14 bytes) but round every update to 8 mantissa bits, so small
 updates vanish. Here the model runs on bf16 parameters and the optimizer owns the fp32 truth.
 
-Layout: the trainable parameters, matrices first and then vectors (the weight-decay groups of
-`trainer.optim`), become views into one flat bf16 buffer; the fp32 master copy and the AdamW
-moments are flat fp32 buffers in the same order. Per step:
-- `reduce_gradients`: the bf16 gradients that autograd left in `.grad` are copied into one flat
-  buffer (one multi-tensor copy), summed over dp in fp32 (one all-reduce) when dp > 1;
-- `clip_grad_norm`: the global L2 norm from per-parameter norms of that buffer (one read; the
-  parameters counted follow `trainer.parallel.clip`), and the clip coefficient, both on device;
-- `step(lr)`: one fused elementwise kernel (torch.compile on CUDA) that scales the gradient by
-  the clip coefficient, applies torch.optim.AdamW's update (decoupled weight decay on matrices
-  only, bias corrections) to the fp32 master and writes its bf16 rounding into the parameters.
-Traffic: 4 (copy) + 2 (norm) + 28 (update) = 34 bytes per parameter. lr and the step count live
-on the device, so a step has no host synchronisation.
+Layout: the trainable parameters become views into one flat bf16 buffer, and each gets an fp32
+main grad, a view into one flat fp32 buffer in the same order (`trainer.parallel.data.
+attach_main_grad`: after each micro-batch's backward the bf16 `.grad` is copied or added into it
+and dropped, so accumulation over micro-batches is in fp32). The order is by dp owner (ZeRO-1;
+one group without it), within an owner matrices then vectors (the weight-decay groups of
+`trainer.optim`), each view 64-element aligned, so each owner's parameters are one contiguous
+span. The fp32 master copy and the AdamW moments exist for this rank's span only. Per step:
+- `reduce_gradients`: the main grads summed over dp in fp32, in place, span by span: to the
+  owner under ZeRO-1 (`reduce_grads_to_owners`), to every rank without (`all_reduce_grads`);
+- `clip_grad_norm`: the global L2 norm over the main grads (`trainer.parallel.clip`, each
+  parameter counted on its owner) and the clip coefficient, both on device;
+- `step(lr)`: one fused elementwise kernel (torch.compile on CUDA) over this rank's span that
+  scales the gradient by the clip coefficient, applies torch.optim.AdamW's update (decoupled
+  weight decay on matrices only, bias corrections) to the fp32 master and writes its bf16
+  rounding into the parameters; under ZeRO-1 the owners then broadcast their spans of bf16
+  parameters (`broadcast_from_owners`, in place).
+Traffic with fp32 main grads: 6 (bf16 `.grad` into the fp32 main grad) + 4 (norm) + 30
+(update: master, moments, fp32 grad, bf16 param) = 40 bytes per parameter; each further
+micro-batch adds 10 (the add). They buy exact fp32 accumulation and an fp32 dp reduction. When
+nothing is summed (one micro-batch, one rank) the main grads are bf16 (`main_grad_dtype`,
+lossless): 4 + 2 + 28 = 34 bytes. lr, the step count and the clip
+coefficient live on the device, so a step has no host synchronisation.
 
-Limits of this first pass: no ZeRO-1 (the state is replicated over dp), and micro-batch
-gradients accumulate in bf16 in `.grad` (fp32 accumulation is an open item, see
-experiments/PERFORMANCE.md).
+State by name, as `trainer.optim`: torch AdamW's keys plus "master" for the parameters this
+rank owns, so checkpoints reshard it like any state shaped as its parameter, and fp32-parameter
+checkpoints load here (master from the saved fp32 parameters) and back.
 """
 
 from __future__ import annotations
@@ -31,12 +42,14 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.nn import Parameter
 
 from trainer.config import TrainConfig
-from trainer.parallel.clip import counts_here
+from trainer.optim import decay_first
+from trainer.parallel.clip import clip_coefficient, global_grad_norm
 from trainer.parallel.context import ParallelContext
+from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, all_reduce_grads, attach_main_grad, broadcast_from_owners,
+                                   main_grad_dtype, partition_params, reduce_grads_to_owners, reset_main_grads, set_dp_owner)
 
 
 #: Each parameter's view starts at a multiple of this many elements (128 bytes in bf16): compiled
@@ -75,82 +88,120 @@ def _aligned_offsets(numels: Sequence[int], multiple: int = ALIGN_ELEMENTS) -> l
     return offsets
 
 
-def _ordered(named: Sequence[tuple[str, Parameter]]) -> list[tuple[str, Parameter]]:
-    return [x for x in named if x[1].ndim >= 2] + [x for x in named if x[1].ndim < 2]
-
-
 class MasterWeightAdamW:
     """See the module docstring. Built from the model's fp32 parameters, which it turns into bf16
     views of its flat buffer (cast the module's other floating tensors yourself if you want them
-    in bf16). Same per-step interface as `trainer.optim.ShardedOptimizer`, plus `clip_grad_norm`."""
+    in bf16). The `trainer.optim.Optimizer` interface; `zero1` shards the state over dp."""
+
+    kind = "adamw"
+    keeps_master = True
 
     def __init__(self, named_params: Sequence[tuple[str, Parameter]], cfg: TrainConfig, pc: ParallelContext,
+                 zero1: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
                  param_dtype: torch.dtype = torch.bfloat16, compile: bool | None = None):
         if cfg.optimizer != "adamw":
             raise ValueError(f"train.optimizer: mixed-precision master weights support adamw, got {cfg.optimizer!r}")
-        named = _ordered([(n, p) for n, p in named_params if p.requires_grad])
+        named = [(n, p) for n, p in named_params if p.requires_grad]
         names = [n for n, _ in named]
         if len(set(names)) != len(names):
             raise ValueError("MasterWeightAdamW: parameter names must be unique")
         if not named:
             raise ValueError("MasterWeightAdamW: no trainable parameters")
         self.cfg, self.pc = cfg, pc
+        self.zero1 = zero1 and pc.dp > 1
+        self.bucket_numel = bucket_numel
+        # The model's order: the gradient norm sums in it, so it does not depend on the layout.
         self.named_params = named
-        self.params = [p for _, p in named]
-        device = self.params[0].device
+        owners = partition_params([p.numel() for _, p in named], pc.dp)
+        for (_, p), o in zip(named, owners):
+            set_dp_owner(p, o)
+        groups = self._groups(named, owners)
+        self.layout = [x for _, g in groups for x in decay_first(g)]
+        self.params = [p for _, p in self.layout]
+        self.owners = [o for o, g in groups for _ in g]
         self.numels = [p.numel() for p in self.params]
         self.offsets = _aligned_offsets(self.numels)
-        total = self.offsets[-1] + self.numels[-1]
-        n_matrices = sum(p.ndim >= 2 for p in self.params)
-        self.n_decay = self.offsets[n_matrices] if n_matrices < len(self.params) else total
-        self.master = torch.zeros(total, dtype=torch.float32, device=device)
-        for p, view in zip(self.params, self._views(self.master)):
+        mine = pc.dp_rank if self.zero1 else 0
+        self._first = sum(len(g) for _, g in groups[:mine])
+        self.local = self.layout[self._first:self._first + len(groups[mine][1])]
+        self._span = self._local_span()
+        self.n_decay = self._decay_elements()
+        device = self.params[0].device
+        self.master = torch.zeros(self._span[1] - self._span[0], dtype=torch.float32, device=device)
+        for (_, p), view in zip(self.local, self._local_views(self.master)):
             view.copy_(p.detach())
-        self.flat_params = self.master.to(param_dtype)
-        for p, view in zip(self.params, self._views(self.flat_params)):
-            p.data = view
+        self.flat_params = torch.zeros(self.offsets[-1] + self.numels[-1], dtype=param_dtype, device=device)
+        self.main_grad = torch.zeros_like(self.flat_params,
+                                          dtype=main_grad_dtype(param_dtype, cfg.micro_batches, pc.world_size))
+        for p, w, g in zip(self.params, self._views(self.flat_params), self._views(self.main_grad)):
+            w.copy_(p.detach())
+            p.data = w
+            attach_main_grad(p, g)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.flat_grad = torch.zeros(total, dtype=param_dtype, device=device)
         self._lr = torch.tensor(cfg.lr, dtype=torch.float64, device=device)
         self._step = torch.zeros((), dtype=torch.float64, device=device)
         self._grad_scale = torch.ones((), dtype=torch.float32, device=device)
-        self._counted = torch.tensor([float(counts_here(n, p, pc)) for n, p in named], device=device)
-        self._reduced: torch.Tensor | None = None
+        self._reduced = False
         use_compile = device.type == "cuda" if compile is None else compile
         self._update: Callable[..., None] = (torch.compile(adamw_update, fullgraph=True, dynamic=False)
                                              if use_compile else adamw_update)
 
+    # -- layout -----------------------------------------------------------------------------
+    def _groups(self, named: list[tuple[str, Parameter]],
+                owners: list[int]) -> list[tuple[int, list[tuple[str, Parameter]]]]:
+        """(owner, its parameters) in buffer order: one group per dp rank under ZeRO-1, else
+        one group of all (owner 0: every rank updates it; the owners set above still say who
+        counts each parameter's norm)."""
+        if not self.zero1:
+            return [(0, named)]
+        return [(r, [x for x, o in zip(named, owners) if o == r]) for r in range(self.pc.dp)]
+
+    def _local_span(self) -> tuple[int, int]:
+        """[start, end) of this rank's parameters in the flat buffers."""
+        if not self.local:
+            return (0, 0)
+        last = self._first + len(self.local) - 1
+        return self.offsets[self._first], self.offsets[last] + self.numels[last]
+
+    def _decay_elements(self) -> int:
+        """Elements of the local span that get weight decay: the matrices, which come first."""
+        vectors = [i for i, (_, p) in enumerate(self.local) if p.ndim < 2]
+        if not vectors:
+            return self._span[1] - self._span[0]
+        return self.offsets[self._first + vectors[0]] - self._span[0]
+
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o:o + n].view(p.shape) for p, o, n in zip(self.params, self.offsets, self.numels)]
 
+    def _local_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Per local parameter, its view of a buffer of the local span (master, moments)."""
+        a = self._span[0]
+        idx = range(self._first, self._first + len(self.local))
+        return [buf[self.offsets[i] - a:self.offsets[i] - a + self.numels[i]].view(self.params[i].shape) for i in idx]
+
+    def _local(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self._span[0]:self._span[1]]
+
     # -- the step ---------------------------------------------------------------------------
-    def reduce_gradients(self) -> torch.Tensor:
-        """The step's gradient as one flat buffer (bf16, or fp32 summed over dp when dp > 1).
-        Idempotent within a step."""
-        if self._reduced is not None:
-            return self._reduced
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        torch._foreach_copy_(self._views(self.flat_grad), grads)
-        flat = self.flat_grad
-        if self.pc.dp > 1:
-            flat = flat.float()
-            dist.all_reduce(flat, group=self.pc.dp_group)
-        self._reduced = flat
-        return flat
+    def reduce_gradients(self) -> None:
+        """Sum the main grads over dp in fp32 (to the owners under ZeRO-1). Idempotent within
+        a step; call after the tp/tied syncs."""
+        if self._reduced:
+            return
+        if self.zero1:
+            reduce_grads_to_owners(self.params, self.owners, self.pc, self.bucket_numel)
+        else:
+            all_reduce_grads(self.params, self.pc, self.bucket_numel)
+        self._reduced = True
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient L2 norm (fp32 0-dim on the device, as `trainer.parallel.clip`); when
         max_norm > 0 the next `step` scales the gradient by min(1, max_norm / (norm + 1e-6))."""
-        flat = self.reduce_gradients()
-        norms = torch._foreach_norm([flat[o:o + n] for o, n in zip(self.offsets, self.numels)], 2,
-                                    dtype=torch.float32)
-        sq = (torch.stack(norms).square() * self._counted).sum()
-        if self.pc.world_size > 1:
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM)
-        total = sq.sqrt()
+        self.reduce_gradients()
+        total = global_grad_norm(self.named_params, self.pc)
         if max_norm > 0:
-            self._grad_scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            self._grad_scale = clip_coefficient(total, max_norm)
         return total
 
     def set_lr(self, lr: float) -> None:
@@ -158,59 +209,69 @@ class MasterWeightAdamW:
 
     @torch.no_grad()
     def step(self, lr: float | None = None) -> None:
-        grad = self.reduce_gradients()
+        self.reduce_gradients()
         if lr is not None:
             self.set_lr(lr)
         self._step += 1
         c = self.cfg
-        self._update(self.master, grad, self.exp_avg, self.exp_avg_sq, self.flat_params, self._lr, self._step,
-                     self._grad_scale, self.n_decay, c.beta1, c.beta2, c.eps, c.weight_decay)
+        if self.local:
+            self._update(self.master, self._local(self.main_grad), self.exp_avg, self.exp_avg_sq,
+                         self._local(self.flat_params), self._lr, self._step, self._grad_scale, self.n_decay,
+                         c.beta1, c.beta2, c.eps, c.weight_decay)
+        if self.zero1:
+            broadcast_from_owners(self.params, self.owners, self.pc, self.bucket_numel)
         self._grad_scale = torch.ones_like(self._grad_scale)
-        self._reduced = None
+        self._reduced = False
 
     def zero_grad(self) -> None:
+        reset_main_grads(self.params)
         for p in self.params:
             p.grad = None
-        self._reduced = None
+        self._reduced = False
 
     @torch.no_grad()
     def refresh_master(self) -> None:
         """Master = the current bf16 parameters: call after loading model weights without an
         optimizer state (a fresh run initialised from a checkpoint)."""
-        for p, w in zip(self.params, self._views(self.master)):
-            w.copy_(p)
+        self.master.copy_(self._local(self.flat_params))
 
     def owned_names(self) -> list[str]:
-        return [n for n, _ in self.named_params]
+        """Names of the parameters whose master and moments live on this rank."""
+        return [n for n, _ in self.local]
 
     # -- state by name ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """{"kind": "adamw", "state": {name: {"step", "exp_avg", "exp_avg_sq", "master"}}}: torch
-        AdamW's per-parameter keys plus the fp32 master, views of the live buffers."""
+        AdamW's per-parameter keys plus the fp32 master, views of the live buffers, for this
+        rank's parameters (empty before the first step, as torch's)."""
         state: dict[str, dict[str, torch.Tensor]] = {}
         if float(self._step) > 0:
-            for (name, _), m, v, w in zip(self.named_params, self._views(self.exp_avg),
-                                          self._views(self.exp_avg_sq), self._views(self.master)):
-                state[name] = {"step": self._step.float().cpu(), "exp_avg": m, "exp_avg_sq": v, "master": w}
+            step = self._step.float().cpu()
+            for (name, _), m, v, w in zip(self.local, self._local_views(self.exp_avg),
+                                          self._local_views(self.exp_avg_sq), self._local_views(self.master)):
+                state[name] = {"step": step, "exp_avg": m, "exp_avg_sq": v, "master": w}
         return {"kind": "adamw", "state": state}
 
+    @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """An empty state loads as fresh (master = the current parameters); otherwise every
-        parameter must be there. A state without "master" (saved by the fp32 optimizer) takes
-        the master from the current parameters."""
+        """Load this rank's parameters' state from `sd` (which may hold others' too). An empty
+        state loads as fresh (master = the current parameters); otherwise every local parameter
+        must be there. A state without "master" (saved by the fp32 optimizer) takes the master
+        from the current, bf16, parameters: `trainer.checkpoint` supplies the saved fp32 ones."""
         if sd.get("kind") != "adamw":
             raise MasterWeightStateError(f"optimizer state is for {sd.get('kind')!r}, this optimizer is 'adamw'")
         state = sd["state"]
         if not state:
+            self.refresh_master()
             return
-        missing = [n for n, _ in self.named_params if n not in state]
+        missing = [n for n, _ in self.local if n not in state]
         if missing:
             raise MasterWeightStateError(f"optimizer state has no entry for parameter {missing[0]!r}")
-        steps = {float(state[n]["step"]) for n, _ in self.named_params}
-        if len(steps) != 1:
+        steps = {float(state[n]["step"]) for n, _ in self.local}
+        if len(steps) > 1:
             raise MasterWeightStateError(f"optimizer state: parameters are at different steps {sorted(steps)}")
-        for (name, p), m, v, w in zip(self.named_params, self._views(self.exp_avg), self._views(self.exp_avg_sq),
-                                      self._views(self.master)):
+        for (name, p), m, v, w in zip(self.local, self._local_views(self.exp_avg), self._local_views(self.exp_avg_sq),
+                                      self._local_views(self.master)):
             entry = state[name]
             for key, dst in (("exp_avg", m), ("exp_avg_sq", v), ("master", w)):
                 src = entry.get(key, p.detach() if key == "master" else None)
@@ -219,5 +280,6 @@ class MasterWeightAdamW:
                     raise MasterWeightStateError(f"optimizer state {key!r} of parameter {name!r} has shape {got}, "
                                                  f"the parameter is {tuple(p.shape)}")
                 dst.copy_(src)
-        self._step.fill_(steps.pop())
-        self.flat_params.copy_(self.master)
+        if steps:
+            self._step.fill_(steps.pop())
+        self._local(self.flat_params).copy_(self.master)

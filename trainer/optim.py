@@ -1,10 +1,20 @@
 """The optimizer of one rank: AdamW or Adafactor, plain data parallel or ZeRO-1, state by name.
 
+Two implementations behind one interface (`Optimizer`), chosen by `build_optimizer` from the
+resolved parameter dtype (`trainer.build.param_dtype`, train.param_dtype in the config):
+- fp32 parameters: `ShardedOptimizer` (here), a torch AdamW or Adafactor;
+- bf16 parameters: `trainer.master_weights.MasterWeightAdamW`, fp32 main grads, fp32 master
+  weights and moments, one fused update (AdamW only).
+Both shard their state over dp with ZeRO-1 by the same owner partition
+(`trainer.parallel.data.partition_params`), which is also what clipping counts by.
+
+Per step: `reduce_gradients()` (dp sum, once, after every micro-batch's backward and the tp/tied
+syncs; `step` calls it if the caller did not), `clip_grad_norm(max_norm)` (the global norm as a
+device tensor, `trainer.parallel.clip`), `step(lr)` (the update, then under ZeRO-1 the owners
+broadcast the updated parameters), `zero_grad()`.
+
 `ShardedOptimizer` wraps a torch optimizer over the parameters whose update this rank computes:
-all of them without ZeRO-1, the ones it owns with ZeRO-1 (`trainer.parallel.data`). Per step:
-`reduce_gradients()` (dp sum, once, after every micro-batch's backward; `step` calls it if the
-caller did not), optional clipping (`trainer.parallel.clip.clip_grad_norm`), `step(lr)` (the
-update, then under ZeRO-1 the owners broadcast the updated parameters), `zero_grad()`.
+all of them without ZeRO-1, the ones it owns with ZeRO-1 (`trainer.parallel.data`).
 
 Weight decay applies to matrices only, not to norms or biases (1-D parameters). AdamW is fused
 when the parameters are on CUDA, foreach otherwise. Adafactor is `torch.optim.Adafactor`
@@ -13,17 +23,21 @@ max(eps2, RMS(param)), factored second moment for >= 2-D parameters, no first mo
 tp > 1 its factored statistics and parameter RMS are those of the tp-local shard.
 
 `state_dict()` is keyed by parameter name, holding only this rank's state (the owned parameters
-under ZeRO-1), so a checkpoint can regroup it under any other layout.
+under ZeRO-1), so a checkpoint can regroup it under any other layout. The AdamW keys ("step",
+"exp_avg", "exp_avg_sq") are torch's in both implementations; the bf16 one adds "master", so
+either loads the other's state (`trainer.checkpoint` moves the master into fp32 parameters,
+and fp32 parameters into the master).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch.nn import Parameter
 
 from trainer.config import TrainConfig
+from trainer.parallel.clip import clip_grad_norm
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, all_reduce_grads, broadcast_from_owners,
                                    partition_params, reduce_grads_to_owners, set_dp_owner)
@@ -33,6 +47,22 @@ class OptimizerStateError(ValueError):
     """An optimizer state that does not fit this optimizer: one line naming the parameter."""
 
 
+class Optimizer(Protocol):
+    """What the training loop and the checkpoints use of an optimizer."""
+
+    kind: str  # "adamw" | "adafactor": the state's format
+    zero1: bool  # the state is sharded over dp (each rank writes its own)
+    keeps_master: bool  # the state holds an fp32 "master" of each (lower-precision) parameter
+
+    def reduce_gradients(self) -> Any: ...
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor: ...
+    def step(self, lr: float | None = None) -> None: ...
+    def zero_grad(self) -> None: ...
+    def owned_names(self) -> list[str]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, sd: dict[str, Any]) -> None: ...
+
+
 def _param_groups(named: Sequence[tuple[str, Parameter]], weight_decay: float) -> list[dict[str, Any]]:
     decay = [p for _, p in named if p.ndim >= 2]
     no_decay = [p for _, p in named if p.ndim < 2]
@@ -40,8 +70,9 @@ def _param_groups(named: Sequence[tuple[str, Parameter]], weight_decay: float) -
     return [g for g in groups if g["params"]]
 
 
-def _ordered(named: Sequence[tuple[str, Parameter]]) -> list[tuple[str, Parameter]]:
-    """Parameters in the order of `_param_groups` (= the indices of torch's state_dict)."""
+def decay_first(named: Sequence[tuple[str, Parameter]]) -> list[tuple[str, Parameter]]:
+    """Matrices (weight decay) then vectors (none): the order of `_param_groups`, which is that
+    of the indices of torch's state_dict, and the two contiguous decay regions of a flat buffer."""
     return [x for x in named if x[1].ndim >= 2] + [x for x in named if x[1].ndim < 2]
 
 
@@ -58,6 +89,8 @@ def _torch_optimizer(named: Sequence[tuple[str, Parameter]], cfg: TrainConfig) -
 
 class ShardedOptimizer:
     """See the module docstring. `zero1` shards the optimizer state over dp (no-op at dp=1)."""
+
+    keeps_master = False
 
     def __init__(self, named_params: Sequence[tuple[str, Parameter]], cfg: TrainConfig, pc: ParallelContext,
                  zero1: bool, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
@@ -77,7 +110,7 @@ class ShardedOptimizer:
             local = [(n, p) for (n, p), o in zip(self.named_params, self.owners) if o == pc.dp_rank]
         else:
             local = self.named_params
-        self.local = _ordered(local)
+        self.local = decay_first(local)
         self.inner = _torch_optimizer(self.local, cfg) if self.local else None
         self._reduced = False
 
@@ -91,6 +124,11 @@ class ShardedOptimizer:
         else:
             all_reduce_grads(self.params, self.pc, self.bucket_numel)
         self._reduced = True
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm (device tensor); clips the gradients in place when max_norm > 0."""
+        self.reduce_gradients()
+        return clip_grad_norm(self.named_params, max_norm, self.pc)
 
     def set_lr(self, lr: float) -> None:
         for g in self.param_groups:
@@ -136,10 +174,12 @@ class ShardedOptimizer:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load the state of this rank's parameters from `sd` (which may hold others' too). An empty
-        state (a fresh optimizer) loads as fresh; otherwise every local parameter must be there."""
+        state (a fresh optimizer) loads as fresh; otherwise every local parameter must be there.
+        A "master" (from the bf16 optimizer) is not state here: it is the parameter itself, which
+        `trainer.checkpoint` loads from it."""
         if sd.get("kind") != self.kind:
             raise OptimizerStateError(f"optimizer state is for {sd.get('kind')!r}, this optimizer is {self.kind!r}")
-        state = sd["state"]
+        state = {n: {k: v for k, v in s.items() if k != "master"} for n, s in sd["state"].items()}
         if self.inner is None or not state:
             return
         missing = [n for n, _ in self.local if n not in state]
@@ -157,6 +197,15 @@ class ShardedOptimizer:
 
 
 def build_optimizer(named_params: Sequence[tuple[str, Parameter]], cfg: TrainConfig, pc: ParallelContext,
-                    zero1: bool, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> ShardedOptimizer:
-    """The optimizer for this rank's trainable parameters (global names, tp-local tensors)."""
-    return ShardedOptimizer([(n, p) for n, p in named_params if p.requires_grad], cfg, pc, zero1, bucket_numel)
+                    zero1: bool, param_dtype: torch.dtype = torch.float32,
+                    bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> Optimizer:
+    """The optimizer for this rank's trainable parameters (global names, tp-local tensors).
+    `param_dtype` bf16 turns the (fp32) parameters into bf16 views of the master-weight
+    optimizer's flat buffer; build it before anything else captures the parameters' storage."""
+    trainable = [(n, p) for n, p in named_params if p.requires_grad]
+    if param_dtype == torch.float32:
+        return ShardedOptimizer(trainable, cfg, pc, zero1, bucket_numel)
+    # Imported here: trainer.master_weights builds on this module's helpers.
+    from trainer.master_weights import MasterWeightAdamW
+
+    return MasterWeightAdamW(trainable, cfg, pc, zero1=zero1, bucket_numel=bucket_numel, param_dtype=param_dtype)

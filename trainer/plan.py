@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from trainer.build import param_dtype
 from trainer.configtools import ConfigError
 from trainer.config import TrainerConfig
 from trainer.parallel.split import CostModel, StageMemory, explicit_split, ranges_from_counts, split_counts
@@ -64,6 +67,12 @@ class Plan:
         return self.peak_bytes <= self.usable_bytes
 
 
+def gpu_param_precision(cfg: TrainerConfig) -> str:
+    """`plan_memory`'s param_precision for `cfg` run on GPUs: train.param_dtype as the trainer
+    resolves it on CUDA (`trainer.build.param_dtype`), so `doremi plan` plans what will run."""
+    return "bf16" if param_dtype(cfg, torch.device("cuda")) == torch.bfloat16 else "fp32"
+
+
 def plan_memory(cfg: TrainerConfig, gpus: int, gpu_memory_gb: float, *, split: str | None = None,
                 param_precision: str = "fp32", headroom: float = 0.10,
                 memory_weight: float = 0.5) -> Plan:
@@ -72,8 +81,8 @@ def plan_memory(cfg: TrainerConfig, gpus: int, gpu_memory_gb: float, *, split: s
     The layer split is `parallelism.pp_layers` when set, else the cost model's (`split`:
     "memory" by default, or "compute"). Micro-batch size = global_batch_size / (dp x
     micro_batches); sequence length = data.seq_len. `param_precision`: "fp32" (fp32 params
-    under bf16 autocast, our GPU path) or "bf16" (bf16 params, fp32 main grads and master
-    weights); see `trainer.parallel.split.BytesPerParam`."""
+    under bf16 autocast) or "bf16" (bf16 params, fp32 main grads and master weights, the GPU
+    path by default: `gpu_param_precision`); see `trainer.parallel.split.BytesPerParam`."""
     par, train = cfg.parallelism, cfg.train
     if gpus != par.world_size:
         raise ConfigError(f"--gpus: expected tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {par.world_size} "

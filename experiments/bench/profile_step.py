@@ -106,10 +106,6 @@ def profile(fn, steps: int = 2) -> tuple[dict[str, float], list[tuple[str, float
     return dict(by_class), kernels
 
 
-def bench_optimizer(model: torch.nn.Module, cfg, pc: ParallelContext):
-    return sb.MasterWeightAdamW(list(model.named_parameters()), cfg.train, pc)
-
-
 def kernels_section(args, out: list[str]) -> None:
     mod = sb.load_baseline(args.baseline)
     vocab, d, n_layers, heads, kv_heads, d_ff, seq, mb = mod.PRESETS[args.preset]
@@ -132,7 +128,7 @@ def kernels_section(args, out: list[str]) -> None:
     pc = ParallelContext.single(torch.device("cuda"))
     cfg = sb.trainer_config(preset, mb, "none")
     ours = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-    step = sb.FrameworkStep(ours, bench_optimizer(ours, cfg, pc), pc, sb.make_batch(cfg, mb, 1, pc.device))
+    step = sb.FrameworkStep(cfg, ours, sb.framework_optimizer(ours, cfg, pc), pc, sb.make_batch(cfg, mb, 1, pc.device))
     our_cls, our_k = profile(step)
     del ours, step
     sb.free()
@@ -162,11 +158,11 @@ def activations_section(args, out: list[str]) -> None:
         cfg = sb.trainer_config(preset, mb, mode)
         if model is None:
             model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-            opt = bench_optimizer(model, cfg, pc)
+            opt = sb.framework_optimizer(model, cfg, pc)
             batch = sb.make_batch(cfg, mb, 1, pc.device)
         for block in model.layers.values():
             block.recompute = mode
-        step = sb.FrameworkStep(model, opt, pc, batch)
+        step = sb.FrameworkStep(cfg, model, opt, pc, batch)
         sb.timed(step, 0, 3)
         marks: list[int] = []
         hooks = [b.register_forward_hook(lambda *_: marks.append(torch.cuda.memory_allocated()))

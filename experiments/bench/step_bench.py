@@ -37,12 +37,13 @@ import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -52,13 +53,14 @@ from doremi.objective import DoReMiHook  # noqa: E402
 from doremi.reference import CachedReference, OnlineReference  # noqa: E402
 from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
 from data.config import DataConfig  # noqa: E402
-from trainer.master_weights import MasterWeightAdamW  # noqa: E402
+from trainer.build import autocast, param_dtype  # noqa: E402
+from trainer.optim import Optimizer, build_optimizer  # noqa: E402
 from trainer.model import layers  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.model.presets import PRESETS  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
-from trainer.plan import plan_memory  # noqa: E402
+from trainer.plan import gpu_param_precision, plan_memory  # noqa: E402
 from trainer.step import domain_token_counts, forward_backward  # noqa: E402
 from trainer.weighting import MeanTokenLoss  # noqa: E402
 
@@ -70,7 +72,8 @@ SHAPES = {"1b": ("bench-1b", 8), "280m": ("bench-280m", 32)}
 #: timing windows per configuration (the median is reported)
 WINDOWS = 3
 #: rough seconds of compile + timing per configuration, to stay inside --deadline
-COST = {"baseline": 45, "plain": 35, "doremi-cached": 5, "doremi-online": 20, "selective": 20, "full": 10}
+COST = {"baseline": 45, "plain": 35, "doremi-cached": 5, "doremi-online": 20, "selective": 20, "full": 10,
+        "ablation": 40}
 
 
 @dataclass
@@ -85,11 +88,23 @@ class Row:
     plan_gib: float | None = None
     syncs: str = ""
     note: str = ""
+    windows: str = ""
 
 
-def timed(fn: Callable[[], None], iters: int, warmup: int, windows: int = 1) -> float:
+def sm_clock_mhz() -> int | None:
+    """The SM clock over NVML's last sample period (None without pynvml): a sustained step that
+    runs slower than a short profile of it is usually a lower clock (power), not idle time."""
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # noqa: BLE001 - pynvml missing or NVML refused: report nothing
+        return None
+
+
+def timed(fn: Callable[[], None], iters: int, warmup: int, windows: int = 1,
+          log: list[str] | None = None) -> float:
     """Seconds per call: the median over `windows` back-to-back windows of `iters` calls each
-    (one window's mean hides a slow window; the median of a few does not)."""
+    (one window's mean hides a slow window; the median of a few does not). `log` gets each
+    window's ms per call and the SM clock at its end."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -102,6 +117,8 @@ def timed(fn: Callable[[], None], iters: int, warmup: int, windows: int = 1) -> 
             fn()
         torch.cuda.synchronize()
         means.append((time.perf_counter() - t0) / iters)
+        if log is not None:
+            log.append(f"{means[-1] * 1e3:.1f}ms@{sm_clock_mhz()}MHz")
     return float(np.median(means))
 
 
@@ -113,7 +130,7 @@ def matmul_peak() -> float:
 
 def attention_bench(out: list[str]) -> None:
     """fwd+bwd of the 1B shape's attention per SDPA backend (GQA 32/8 heads, hd 64, causal)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     b, h, kv, s, hd = 8, 32, 8, 2048, 64
     q = torch.randn(b, h, s, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -198,8 +215,10 @@ def run_baseline(mod, name: str, steps: int, peak: float, device: torch.device, 
 
     timed(step, 0, 3)
     torch.cuda.reset_peak_memory_stats()
-    dt = timed(step, steps, 0, WINDOWS)
+    log: list[str] = []
+    dt = timed(step, steps, 0, WINDOWS, log)
     row = _row(name, "baseline --compile", mb * seq / dt, fpt, peak, own_peak(base))
+    row.windows = " ".join(log)
     row.syncs = count_syncs([("step", step)])
     del model, opt, fwd, step
     return row
@@ -220,7 +239,7 @@ def trainer_config(preset: str, mb: int, recompute: str) -> TrainerConfig:
 
 
 def predicted_gib(cfg: TrainerConfig) -> float:
-    return plan_memory(cfg, 1, 141.0, param_precision="bf16").peak_bytes / GIB
+    return plan_memory(cfg, 1, 141.0, param_precision=gpu_param_precision(cfg)).peak_bytes / GIB
 
 
 def make_batch(cfg: TrainerConfig, mb: int, seed: int, device: torch.device) -> dict:
@@ -245,12 +264,20 @@ def write_cache(directory: Path, mb: int, seq: int) -> None:
         "sampling": [1.0 / K_DOMAINS] * K_DOMAINS}))
 
 
-class FrameworkStep:
-    """One optimizer step of the framework, as `trainer.loop.Trainer.train_step` runs it."""
+def framework_optimizer(model: torch.nn.Module, cfg: TrainerConfig, pc: ParallelContext) -> Optimizer:
+    """The optimizer `trainer.loop.Trainer` builds for this config on this device."""
+    return build_optimizer(list(model.named_parameters()), cfg.train, pc, cfg.parallelism.zero1,
+                           param_dtype=param_dtype(cfg, pc.device))
 
-    def __init__(self, model, opt: MasterWeightAdamW, pc: ParallelContext, batch: dict,
+
+class FrameworkStep:
+    """One optimizer step of the framework, as `trainer.loop.Trainer.train_step` runs it
+    (forward and backward under the trainer's autocast for `cfg`)."""
+
+    def __init__(self, cfg: TrainerConfig, model, opt: Optimizer, pc: ParallelContext, batch: dict,
                  hook: DoReMiHook | None = None):
         self.model, self.opt, self.pc, self.batch, self.hook = model, opt, pc, batch, hook
+        self.amp = autocast(cfg, pc.device)
         self.step_no = 0
         self._stats = None
 
@@ -274,7 +301,8 @@ class FrameworkStep:
             weighting, schedule = MeanTokenLoss(tokens.sum()), "1f1b"
         else:
             weighting, schedule = self.hook.weighting(self.step_no, batches, tokens), "afab"
-        self._stats = forward_backward(self.model, batches, weighting, self.pc, schedule, K_DOMAINS)
+        with self.amp:
+            self._stats = forward_backward(self.model, batches, weighting, self.pc, schedule, K_DOMAINS)
 
     def _optimizer(self) -> None:
         self.opt.reduce_gradients()
@@ -299,9 +327,11 @@ def measure(preset: str, variant: str, step: FrameworkStep, steps: int, warmup: 
             base: int, plan: float | None) -> Row:
     timed(step, 0, warmup)
     torch.cuda.reset_peak_memory_stats()
-    dt = timed(step, steps, 0, WINDOWS)
+    log: list[str] = []
+    dt = timed(step, steps, 0, WINDOWS, log)
     mb, seq = step.batch["input_ids"].shape
     row = _row(preset, variant, mb * seq / dt, fpt, peak, own_peak(base))
+    row.windows = " ".join(log)
     row.plan_gib = plan
     row.syncs = count_syncs(step.phases())
     return row
@@ -316,10 +346,10 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
     ref_fpt = (2 * non_embedding_params(cfg.model) + 2 * cfg.model.n_layers * cfg.model.d_model * cfg.data.seq_len)
     base = free()
     model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-    opt = MasterWeightAdamW([(n, p) for n, p in model.named_parameters()], cfg.train, pc)
+    opt = framework_optimizer(model, cfg, pc)
     batch = make_batch(cfg, mb, seed=1, device=pc.device)
 
-    plain = FrameworkStep(model, opt, pc, batch)
+    plain = FrameworkStep(cfg, model, opt, pc, batch)
     emit(measure(name, "plain", plain, steps, 3, fpt, peak, base, predicted_gib(cfg)))
 
     if doremi and time_left("doremi-cached"):
@@ -328,13 +358,13 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
         write_cache(cache, mb, cfg.data.seq_len)
         ref = CachedReference(cache, [f"d{i}" for i in range(K_DOMAINS)], cfg.data.seq_len, pc.device,
                               steps=steps, global_batch_size=mb, seed=0, sampling=[1.0 / K_DOMAINS] * K_DOMAINS)
-        step = FrameworkStep(model, opt, pc, batch, make_hook(tmp / f"cached-{name}", pc, ref))
+        step = FrameworkStep(cfg, model, opt, pc, batch, make_hook(tmp / f"cached-{name}", pc, ref))
         emit(measure(name, "doremi cached ref", step, steps, 2, fpt, peak, base, None))
 
     if doremi and time_left("doremi-online"):
         ref_model = Llama(cfg.model, cfg.parallelism, pc, seed=1).to(torch.bfloat16).eval().requires_grad_(False)
         ref = OnlineReference(ref_model, cfg, pc)
-        step = FrameworkStep(model, opt, pc, batch, make_hook(tmp / f"online-{name}", pc, ref))
+        step = FrameworkStep(cfg, model, opt, pc, batch, make_hook(tmp / f"online-{name}", pc, ref))
         row = measure(name, "doremi online ref", step, steps, 3, fpt + ref_fpt, peak, base, None)
         row.note = "MFU counts the reference forward"
         emit(row)
@@ -348,11 +378,45 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
                 continue
             for block in model.layers.values():
                 block.recompute = mode
-            row = measure(name, f"plain recompute={mode}", FrameworkStep(model, opt, pc, batch), steps, 3, fpt,
+            row = measure(name, f"plain recompute={mode}", FrameworkStep(cfg, model, opt, pc, batch), steps, 3, fpt,
                           peak, base, predicted_gib(trainer_config(preset, mb, mode)))
             emit(row)
 
     return recompute_modes
+
+
+#: Each ablation undoes one optimisation of the plain 1B step: (label, config overrides of
+#: TrainConfig, the SDPA backend order to use). Measured on a fresh model, after the main rows.
+ABLATIONS = [
+    ("ablation: fp32 params + torch AdamW (no master weights)", {"param_dtype": "fp32"}, None),
+    ("ablation: flash attention first (not cuDNN)", {}, ("FLASH_ATTENTION", "CUDNN_ATTENTION",
+                                                        "EFFICIENT_ATTENTION", "MATH")),
+]
+
+
+def run_ablations(name: str, steps: int, peak: float, emit: Callable[[Row], None],
+                  time_left: Callable[[str], bool]) -> None:
+    preset, mb = SHAPES[name]
+    pc = ParallelContext.single(torch.device("cuda"))
+    saved = layers.CUDA_SDPA_PRIORITY
+    for label, train_overrides, sdpa in ABLATIONS:
+        if not time_left("ablation"):
+            continue
+        cfg = trainer_config(preset, mb, "none")
+        cfg = replace(cfg, train=replace(cfg.train, **train_overrides))
+        fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+        try:
+            if sdpa is not None:
+                layers.CUDA_SDPA_PRIORITY = tuple(getattr(SDPBackend, b) for b in sdpa)
+            base = free()
+            model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
+            opt = framework_optimizer(model, cfg, pc)
+            step = FrameworkStep(cfg, model, opt, pc, make_batch(cfg, mb, seed=1, device=pc.device))
+            emit(measure(name, label, step, steps, 3, fpt, peak, base, None))
+            del model, opt, step
+        finally:
+            layers.CUDA_SDPA_PRIORITY = saved
+            free()
 
 
 def format_table(rows: list[Row]) -> str:
@@ -380,6 +444,8 @@ def main() -> None:
     p.add_argument("--baseline", type=Path, default=REPO.parent / "shared" / "bench" / "plain_llama.py")
     p.add_argument("--deadline", type=float, default=1e9, help="seconds: skip configurations that would end later")
     p.add_argument("--out", type=Path, default=None, help="directory for bench.json")
+    p.add_argument("--no-ablations", dest="ablations", action="store_false",
+                   help="skip the 1B ablation rows (each undoes one optimisation)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_bench: needs a CUDA device")
@@ -395,7 +461,8 @@ def main() -> None:
         rows.append(row)
         print(f"{row.preset} {row.variant}: {row.tokens_per_s:,.0f} tok/s, {row.tflops:.0f} TFLOP/s, "
               f"MFU {row.mfu_datasheet:.1%} (989) {row.mfu_measured:.1%} (measured), peak {row.peak_gib:.1f} GiB, "
-              f"plan {row.plan_gib}, syncs [{row.syncs}] {row.note}  (t={time.perf_counter() - t0:.0f}s)", flush=True)
+              f"plan {row.plan_gib}, syncs [{row.syncs}] windows [{row.windows}] {row.note}  "
+              f"(t={time.perf_counter() - t0:.0f}s)", flush=True)
         if args.out:
             (args.out / "bench.json").write_text(json.dumps({"rows": [asdict(r) for r in rows], "notes": notes},
                                                             indent=1))
@@ -442,6 +509,10 @@ def main() -> None:
                                         name in args.doremi_presets.split(","))))
         if "1b" in later:
             guarded("1b recompute", later["1b"])
+            later.clear()
+            free()
+            if args.ablations:
+                guarded("1b ablations", lambda: run_ablations("1b", args.steps, peak, emit, time_left))
         later.clear()
     counters = torch._dynamo.utils.counters
     notes.append(f"dynamo graph breaks: {dict(counters['graph_break'])}; "

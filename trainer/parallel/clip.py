@@ -11,7 +11,11 @@ all-reduce sums them over the world. A rank is responsible for a parameter when
   only the owner holds the reduced gradient), or dp rank 0 when the parameter has no owner.
 The scale factor is applied to every gradient present on the rank, duplicates included, so
 what the optimizer uses is clipped. Semantics follow `torch.nn.utils.clip_grad_norm_`:
-coefficient min(1, max_norm / (norm + 1e-6)). No host synchronisation.
+coefficient min(1, max_norm / (norm + 1e-6)). Gradients are read through
+`trainer.parallel.data.grad_of` (the fp32 main grad where one exists). No host synchronisation.
+
+`global_grad_norm` and `clip_coefficient` are the two halves for an optimizer that applies the
+coefficient inside its own update (`trainer.master_weights`) instead of scaling in place.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data import get_dp_owner
+from trainer.parallel.data import get_dp_owner, grad_of
 from trainer.parallel.shard import get_shard_spec
 
 TIED_EMBEDDING = "embed.weight"
@@ -42,20 +46,29 @@ def counts_here(name: str, param: torch.Tensor, pc: ParallelContext) -> bool:
     return pc.dp_rank == (0 if owner is None else owner)
 
 
-def clip_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], max_norm: float,
-                   pc: ParallelContext) -> torch.Tensor:
-    """Clip in place when max_norm > 0; return the global total norm (fp32 0-dim tensor on the
-    device). Call after the tp/tied syncs and the dp reduction."""
-    grads = [p.grad for _, p in named_params if p.grad is not None]
-    counted = [p.grad for n, p in named_params if p.grad is not None and counts_here(n, p, pc)]
+def global_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], pc: ParallelContext) -> torch.Tensor:
+    """L2 norm of the whole model's gradient (fp32 0-dim on the device), summed in the order of
+    `named_params`. Collective over the world."""
+    counted = [g for n, p in named_params if (g := grad_of(p)) is not None and counts_here(n, p, pc)]
     sq = torch.zeros((), dtype=torch.float32, device=pc.device)
     if counted:
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in counted])
         sq = sq + torch.stack(norms).square().sum().to(pc.device)
     if pc.world_size > 1:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM)
-    total = sq.sqrt()
+    return sq.sqrt()
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    return (max_norm / (total + 1e-6)).clamp(max=1.0)
+
+
+def clip_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], max_norm: float,
+                   pc: ParallelContext) -> torch.Tensor:
+    """Clip in place when max_norm > 0; return the global total norm (fp32 0-dim tensor on the
+    device). Call after the tp/tied syncs and the dp reduction."""
+    total = global_grad_norm(named_params, pc)
+    grads = [g for _, p in named_params if (g := grad_of(p)) is not None]
     if max_norm > 0 and grads:
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+        torch._foreach_mul_(grads, clip_coefficient(total, max_norm).to(grads[0].device))
     return total

@@ -10,6 +10,17 @@ state lives on one dp rank, its *owner*, chosen by a deterministic greedy size b
 gradient is reduced to the owner only (non-owners drop theirs), the owner updates the parameter,
 then broadcasts it. Whole parameters keep Adafactor's factored (row, column) state intact and
 make the optimizer state in a checkpoint per parameter, so it reshards by name.
+
+Main grads (Megatron-LM's `main_grad`): with bf16 parameters, summing micro-batch gradients in
+bf16 `.grad` rounds every partial sum to 8 mantissa bits. `attach_main_grad` gives a parameter
+an fp32 buffer (`main_grad_dtype`) that a post-accumulate-grad hook fills after each backward (the first write of a
+step copies, later ones add) before dropping `.grad`. `grad_of` is the one accessor that every
+gradient consumer (these reductions, the tp/tied syncs, clipping) reads: the main grad where one
+is attached, `.grad` otherwise.
+
+Tensors that are consecutive views of one storage (the flat buffers of
+`trainer.master_weights`) are reduced and broadcast in place as one span of that storage, gaps
+included (there they are zero padding), instead of through a flattened copy.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ from trainer.parallel.context import ParallelContext, grid_rank
 DEFAULT_BUCKET_NUMEL = 1 << 24
 _MAX_IN_FLIGHT = 2
 _OWNER_ATTR = "_dp_owner"
+_WRITTEN_ATTR = "_main_grad_written"
+_HOOK_ATTR = "_main_grad_hook"
 
 
 def partition_params(sizes: Sequence[int], parts: int) -> list[int]:
@@ -49,6 +62,75 @@ def get_dp_owner(param: torch.Tensor) -> int | None:
     return getattr(param, _OWNER_ATTR, None)
 
 
+def main_grad_dtype(param_dtype: torch.dtype, micro_batches: int, world_size: int) -> torch.dtype:
+    """fp32 when gradients are summed (over micro-batches, or over ranks: dp reduction, tp
+    sequence-parallel norms, tied embeddings across stages); otherwise the parameter dtype, which
+    is lossless since each gradient is then exactly the one autograd produced, and saves 2 bytes
+    per parameter of memory and 4 of traffic per step (the copy in and the optimizer's read)."""
+    return torch.float32 if micro_batches > 1 or world_size > 1 else param_dtype
+
+
+def attach_main_grad(param: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """Accumulate `param`'s gradients into `main_grad` (same shape, fp32) from now on, exposed
+    as `param.main_grad`; `.grad` is dropped after each backward."""
+    old = getattr(param, _HOOK_ATTR, None)
+    if old is not None:
+        old.remove()
+    param.main_grad = main_grad
+    setattr(param, _WRITTEN_ATTR, False)
+    setattr(param, _HOOK_ATTR, param.register_post_accumulate_grad_hook(_accumulate_main_grad))
+
+
+def _accumulate_main_grad(param: torch.Tensor) -> None:
+    if getattr(param, _WRITTEN_ATTR):
+        param.main_grad.add_(param.grad)
+    else:
+        param.main_grad.copy_(param.grad)
+        setattr(param, _WRITTEN_ATTR, True)
+    param.grad = None
+
+
+def reset_main_grads(params: Sequence[torch.Tensor]) -> None:
+    """Start a new step: the next backward overwrites the main grads instead of adding (no
+    memset: a main grad that no backward writes reads as zero, see `grad_of`)."""
+    for p in params:
+        if hasattr(p, _WRITTEN_ATTR):
+            setattr(p, _WRITTEN_ATTR, False)
+
+
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of `param` for this step: its main grad when one is attached (zeroed if no
+    backward wrote it since `reset_main_grads`; a `.grad` set outside autograd is added in
+    first), else `.grad`."""
+    main = getattr(param, "main_grad", None)
+    if main is None:
+        return param.grad
+    if param.grad is not None:
+        _accumulate_main_grad(param)
+    if not getattr(param, _WRITTEN_ATTR):
+        main.zero_()
+        setattr(param, _WRITTEN_ATTR, True)
+    return main
+
+
+def _span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D view of the storage from the first tensor's start to the last one's end, when the
+    tensors are contiguous, of one dtype and in increasing order in one storage; else None."""
+    first = tensors[0]
+    ptr, end = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if (t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr
+                or t.storage_offset() < end):
+            return None
+        end = t.storage_offset() + t.numel()
+    start = first.storage_offset()
+    return first.detach().as_strided((end - start,), (1,), start)
+
+
+def _aliases(flat: torch.Tensor, t: torch.Tensor) -> bool:
+    return flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
 def buckets(params: Sequence[torch.Tensor], max_numel: int = DEFAULT_BUCKET_NUMEL) -> list[list[torch.Tensor]]:
     """Consecutive runs of params of one dtype and device, each run at most `max_numel` elements
     (a larger parameter gets a bucket of its own)."""
@@ -67,7 +149,14 @@ def buckets(params: Sequence[torch.Tensor], max_numel: int = DEFAULT_BUCKET_NUME
 
 
 def _flat_grads(bucket: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+    """The bucket's gradients as one flat tensor: a span of their storage when they lie in one
+    buffer, else a copy (a missing gradient counts as 0)."""
+    grads = [grad_of(p) for p in bucket]
+    if all(g is not None for g in grads):
+        span = _span(grads)
+        if span is not None:
+            return span
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for p, g in zip(bucket, grads)])
 
 
 def _unflatten(flat: torch.Tensor, bucket: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -96,11 +185,15 @@ def _complete(entry: tuple, finish: Callable) -> None:
 
 
 def _copy_into_grads(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
+    first = grad_of(bucket[0])
+    if first is not None and _aliases(flat, first):
+        return
     for p, g in zip(bucket, _unflatten(flat, bucket)):
-        if p.grad is None:
+        target = grad_of(p)
+        if target is None:
             p.grad = g.clone()
         else:
-            p.grad.copy_(g)
+            target.copy_(g)
 
 
 def all_reduce_grads(params: Sequence[torch.Tensor], pc: ParallelContext,
@@ -126,7 +219,8 @@ def _by_owner(params: Sequence[torch.Tensor], owners: Sequence[int], dp: int) ->
 
 def reduce_grads_to_owners(params: Sequence[torch.Tensor], owners: Sequence[int], pc: ParallelContext,
                            bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
-    """Sum each gradient over dp onto its owner; non-owners drop their (partial) gradients."""
+    """Sum each gradient over dp onto its owner; non-owners drop their (partial) `.grad`s (a
+    main grad stays allocated, holding a partial sum that nothing reads)."""
     if pc.dp == 1:
         return
     for owner, mine in enumerate(_by_owner(params, owners, pc.dp)):
@@ -157,14 +251,15 @@ def broadcast_from_owners(params: Sequence[torch.Tensor], owners: Sequence[int],
         sending = owner == pc.dp_rank
 
         def launch(bucket, src=src, sending=sending):
-            if sending:
+            flat = _span(bucket)
+            if flat is None and sending:
                 flat = torch.cat([p.detach().reshape(-1) for p in bucket])
-            else:
+            elif flat is None:
                 flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
             return flat, dist.broadcast(flat, src=src, group=pc.dp_group, async_op=True)
 
         def finish(bucket, flat, sending=sending):
-            if not sending:
+            if not sending and not _aliases(flat, bucket[0]):
                 for p, v in zip(bucket, _unflatten(flat, bucket)):
                     p.copy_(v)
 

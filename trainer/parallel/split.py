@@ -31,7 +31,10 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from trainer.config import ModelConfig, ParallelismConfig
+from trainer.parallel.data import main_grad_dtype
 
 ACT_BYTES = 2
 POLICIES = ("memory", "compute")
@@ -46,7 +49,8 @@ class BytesPerParam:
     (m, v) sharded over dp by ZeRO-1, plus a 2-byte bf16 copy made by autocast's weight cache
     and kept for backward (one copy per step when the schedule runs inside one autocast
     region). bf16 (Megatron's distributed optimizer, Korthikanti et al. / Rajbhandari et al.):
-    2 bf16 weight + 4 fp32 main grad + 12 (fp32 master, m, v) sharded over dp."""
+    2 bf16 weight + 4 fp32 main grad (2: bf16 when nothing sums gradients, see
+    `trainer.parallel.data.main_grad_dtype`) + 12 (fp32 master, m, v) sharded over dp."""
 
     weight: float
     grad: float
@@ -58,12 +62,13 @@ class BytesPerParam:
         return self.weight + self.grad + self.optimizer + self.cast
 
 
-def bytes_per_param(param_precision: str, dp: int, zero1: bool) -> BytesPerParam:
+def bytes_per_param(param_precision: str, dp: int, zero1: bool, summed_grads: bool = True) -> BytesPerParam:
+    """`summed_grads`: gradients are summed over micro-batches or ranks (fp32 main grads)."""
     shards = dp if zero1 else 1
     if param_precision == "fp32":
         return BytesPerParam(4.0, 4.0, 8.0 / shards, 2.0)
     if param_precision == "bf16":
-        return BytesPerParam(2.0, 4.0, 12.0 / shards, 0.0)
+        return BytesPerParam(2.0, 4.0 if summed_grads else 2.0, 12.0 / shards, 0.0)
     raise ValueError(f"param_precision: expected one of {', '.join(PRECISIONS)}, got {param_precision!r}")
 
 
@@ -251,7 +256,8 @@ class CostModel:
 
     def stage_memory(self, stage: int, n_blocks: int) -> StageMemory:
         params = self.stage_params(stage, n_blocks)
-        per = bytes_per_param(self.param_precision, self.dp, self.zero1)
+        main_grad = main_grad_dtype(torch.bfloat16, self.micro_batches, self.tp * self.pp * self.dp)
+        per = bytes_per_param(self.param_precision, self.dp, self.zero1, summed_grads=main_grad == torch.float32)
         acts = n_blocks * self.layer_activation_bytes()
         transient = 0.0
         if stage == self.pp - 1:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from trainer.parallel.buffer import GatherBuffer
 from trainer.parallel.context import ParallelContext
+from trainer.parallel.data import grad_of
 from trainer.parallel.shard import ShardSpec, set_shard_spec
 from trainer.weighting import IGNORE_INDEX
 
@@ -445,24 +446,25 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
 
 
 def sync_sequence_parallel_grads(stage: nn.Module, pc: ParallelContext) -> None:
-    """Sum over tp the gradients of replicated parameters used on sequence shards (norm
-    weights, marked `_sequence_parallel`): each rank saw only its part of the sequence."""
+    """Sum over tp the gradients (`grad_of`: main grads where attached) of replicated parameters
+    used on sequence shards (norm weights, marked `_sequence_parallel`): each rank saw only its
+    part of the sequence."""
     if pc.tp == 1:
         return
-    grads = [p.grad for p in stage.parameters()
-             if getattr(p, "_sequence_parallel", False) and p.grad is not None]
+    grads = [g for p in stage.parameters()
+             if getattr(p, "_sequence_parallel", False) and (g := grad_of(p)) is not None]
     if grads:
         _all_reduce_coalesced(grads, pc.tp_group)
 
 
 def sync_tied_grads(stage: nn.Module, pc: ParallelContext) -> None:
     """With tied embeddings and pp > 1 the first stage (embedding) and last stage (head) each
-    hold `embed.weight`; both get the sum of the two gradients."""
+    hold `embed.weight`; both get the sum of the two gradients (`grad_of`)."""
     if pc.pp == 1 or not getattr(stage, "tie_embeddings", False):
         return
     if not (pc.is_first_stage or pc.is_last_stage):
         return
     weight = stage.embed.weight
-    if weight.grad is None:
+    if grad_of(weight) is None:
         weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=pc.embed_group)
+    dist.all_reduce(grad_of(weight), group=pc.embed_group)
