@@ -86,7 +86,9 @@ def test_param_dtype_resolution_and_config_errors(stores, tmp_path):
     assert gpu_param_precision(cfg) == "bf16"  # what `doremi plan` plans for
     assert gpu_param_precision(config(stores, tmp_path / "c", "train.optimizer=adafactor")) == "fp32"
     explicit = config(stores, tmp_path / "e", "train.param_dtype=bf16")
-    assert param_dtype(explicit, cpu) == torch.bfloat16 and isinstance(autocast(explicit, cpu), torch.autocast)
+    # bf16 parameters compute in bf16 without autocast; fp32 parameters computing in bf16 use it.
+    assert param_dtype(explicit, cpu) == torch.bfloat16 and not isinstance(autocast(explicit, cpu), torch.autocast)
+    assert isinstance(autocast(config(stores, tmp_path / "f", *FP32_PARAMS), cpu), torch.autocast)
     for sets, want in [
         (["train.param_dtype=bf16", "train.optimizer=adafactor"],
          "train.param_dtype: bf16 parameters keep fp32 master weights in AdamW only, got "

@@ -84,6 +84,9 @@ def param_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
 
 
 def autocast(cfg: TrainerConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    if use_bf16(cfg, device):
+    """bf16 autocast for fp32 parameters computing in bf16. bf16 parameters run without it: they
+    already compute in bf16, and autocast would only add casts to fp32 (RMSNorm is on its fp32
+    list), which compiled blocks then keep for backward as fp32 copies of the hidden state."""
+    if use_bf16(cfg, device) and param_dtype(cfg, device) == torch.float32:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -52,7 +52,9 @@ def global_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], pc: Paral
     counted = [g for n, p in named_params if (g := grad_of(p)) is not None and counts_here(n, p, pc)]
     sq = torch.zeros((), dtype=torch.float32, device=pc.device)
     if counted:
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in counted])
+        # Accumulated in fp32 by the kernel: no fp32 copy of bf16 gradients (4 bytes a parameter
+        # at once, at the step's end, where full recompute has its peak).
+        norms = torch._foreach_norm(counted, 2, dtype=torch.float32)
         sq = sq + torch.stack(norms).square().sum().to(pc.device)
     if pc.world_size > 1:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM)
