@@ -39,7 +39,7 @@ import traceback
 import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -338,7 +338,8 @@ def measure(preset: str, variant: str, step: FrameworkStep, steps: int, warmup: 
 
 
 def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[[Row], None],
-                  time_left: Callable[[str], bool], device: torch.device, doremi: bool) -> Callable[[], None]:
+                  time_left: Callable[[str], bool], device: torch.device, doremi: bool,
+                  recompute: Sequence[str] = ()) -> None:
     preset, mb = SHAPES[name]
     pc = ParallelContext.single(device)
     cfg = trainer_config(preset, mb, "none")
@@ -371,18 +372,16 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
         del ref_model, ref, step
         free()
 
-    def recompute_modes() -> None:
-        """Run last: the same model and optimizer with recompute selective, then full."""
-        for mode in ("selective", "full"):
-            if not time_left(mode):
-                continue
-            for block in model.layers.values():
-                block.recompute = mode
-            row = measure(name, f"plain recompute={mode}", FrameworkStep(cfg, model, opt, pc, batch), steps, 3, fpt,
-                          peak, base, predicted_gib(trainer_config(preset, mb, mode)))
-            emit(row)
-
-    return recompute_modes
+    # Last for this model: the same model and optimizer with recompute selective, then full.
+    # (Nothing else may be alive then: peak memory counts from `base`.)
+    for mode in recompute:
+        if not time_left(mode):
+            continue
+        for block in model.layers.values():
+            block.recompute = mode
+        row = measure(name, f"plain recompute={mode}", FrameworkStep(cfg, model, opt, pc, batch), steps, 3, fpt,
+                      peak, base, predicted_gib(trainer_config(preset, mb, mode)))
+        emit(row)
 
 
 #: Each ablation undoes one optimisation of the plain 1B step: (label, config overrides of
@@ -482,7 +481,6 @@ def main() -> None:
     attention_bench(notes)
     print("\n".join(notes[1:]), flush=True)
     mod = load_baseline(args.baseline)
-    later: dict[str, Callable[[], None]] = {}
 
     def guarded(label: str, fn: Callable[[], None]) -> None:
         try:
@@ -504,16 +502,11 @@ def main() -> None:
             if time_left("baseline"):
                 guarded(f"{name} baseline", lambda: emit(run_baseline(mod, name, args.steps, peak, device)))
             if time_left("plain"):
-                guarded(f"{name} framework", lambda: later.__setitem__(
-                    name, run_framework(name, args.steps, peak, Path(tmp), emit, time_left, device,
-                                        name in args.doremi_presets.split(","))))
-        if "1b" in later:
-            guarded("1b recompute", later["1b"])
-            later.clear()
-            free()
-            if args.ablations:
-                guarded("1b ablations", lambda: run_ablations("1b", args.steps, peak, emit, time_left))
-        later.clear()
+                guarded(f"{name} framework", lambda: run_framework(
+                    name, args.steps, peak, Path(tmp), emit, time_left, device,
+                    name in args.doremi_presets.split(","), ("selective", "full") if name == "1b" else ()))
+        if args.ablations and "1b" in args.presets.split(","):
+            guarded("1b ablations", lambda: run_ablations("1b", args.steps, peak, emit, time_left))
     counters = torch._dynamo.utils.counters
     notes.append(f"dynamo graph breaks: {dict(counters['graph_break'])}; "
                  f"unique graphs: {counters['stats'].get('unique_graphs', 0)}")
