@@ -157,5 +157,6 @@ class DoReMiHook:
             dist.all_reduce(sums, group=self.pc.dp_group)
         self.excess = domain_excess(sums[0], sums[1], self.excess)
         self.log_alpha, _ = update_weights(self.log_alpha, self.excess, self.cfg.eta, self.cfg.smoothing)
-        self.ref_sums = torch.stack([sums[2], sums[1]])  # not sums[[2, 1]]: a list index is a host-to-device copy
+        # Not sums[[2, 1]]: a list index is a host-to-device copy, a sync inside the step.
+        self.ref_sums = torch.stack([sums[2], sums[1]])
         self._updated_this_step = True
