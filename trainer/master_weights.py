@@ -17,7 +17,7 @@ one group without it), within an owner matrices then vectors (the weight-decay g
 `trainer.optim`), each view 64-element aligned, so each owner's parameters are one contiguous
 span. The fp32 master copy and the AdamW moments exist for this rank's span only. Per step:
 - `reduce_gradients`: the main grads summed over dp in fp32, in place, span by span: to the
-  owner under ZeRO-1 (`reduce_grads_to_owners`), to every rank without (`all_reduce_grads`);
+  owner under ZeRO-1, to every rank without (`trainer.parallel.data.reduce_grads`);
 - `clip_grad_norm`: the global L2 norm over the main grads (`trainer.parallel.clip`, each
   parameter counted on its owner) and the clip coefficient, both on device;
 - `step(lr)`: one fused elementwise kernel (torch.compile on CUDA) over this rank's span that
@@ -48,8 +48,8 @@ from trainer.config import TrainConfig
 from trainer.optim import decay_first
 from trainer.parallel.clip import clip_coefficient, global_grad_norm
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, all_reduce_grads, attach_main_grad, broadcast_from_owners,
-                                   main_grad_dtype, partition_params, reduce_grads_to_owners, reset_main_grads, set_dp_owner)
+from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, attach_main_grad, broadcast_from_owners, main_grad_dtype,
+                                   partition_params, reduce_grads, reset_main_grads, set_dp_owner)
 
 
 #: Each parameter's view starts at a multiple of this many elements (128 bytes in bf16): compiled
@@ -189,10 +189,7 @@ class MasterWeightAdamW:
         a step; call after the tp/tied syncs."""
         if self._reduced:
             return
-        if self.zero1:
-            reduce_grads_to_owners(self.params, self.owners, self.pc, self.bucket_numel)
-        else:
-            all_reduce_grads(self.params, self.pc, self.bucket_numel)
+        reduce_grads(self.params, self.owners, self.pc, self.zero1, self.bucket_numel)
         self._reduced = True
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -39,8 +39,8 @@ from torch.nn import Parameter
 from trainer.config import TrainConfig
 from trainer.parallel.clip import clip_grad_norm
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, all_reduce_grads, broadcast_from_owners,
-                                   partition_params, reduce_grads_to_owners, set_dp_owner)
+from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, broadcast_from_owners, partition_params, reduce_grads,
+                                   set_dp_owner)
 
 
 class OptimizerStateError(ValueError):
@@ -119,10 +119,7 @@ class ShardedOptimizer:
         """Sum gradients over dp (to the owners under ZeRO-1). Idempotent within a step."""
         if self._reduced:
             return
-        if self.zero1:
-            reduce_grads_to_owners(self.params, self.owners, self.pc, self.bucket_numel)
-        else:
-            all_reduce_grads(self.params, self.pc, self.bucket_numel)
+        reduce_grads(self.params, self.owners, self.pc, self.zero1, self.bucket_numel)
         self._reduced = True
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -28,7 +28,6 @@ Usage (on a GPU, from the repository root):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import importlib.util
 import json

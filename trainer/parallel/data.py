@@ -217,6 +217,15 @@ def _by_owner(params: Sequence[torch.Tensor], owners: Sequence[int], dp: int) ->
     return [[p for p, o in zip(params, owners) if o == r] for r in range(dp)]
 
 
+def reduce_grads(params: Sequence[torch.Tensor], owners: Sequence[int], pc: ParallelContext, zero1: bool,
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+    """An optimizer's dp reduction: to each gradient's owner under ZeRO-1, to every rank without."""
+    if zero1:
+        reduce_grads_to_owners(params, owners, pc, bucket_numel)
+    else:
+        all_reduce_grads(params, pc, bucket_numel)
+
+
 def reduce_grads_to_owners(params: Sequence[torch.Tensor], owners: Sequence[int], pc: ParallelContext,
                            bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
     """Sum each gradient over dp onto its owner; non-owners drop their (partial) `.grad`s (a
