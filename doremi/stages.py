@@ -74,7 +74,12 @@ def _require_reference(cfg: ExperimentConfig) -> Path:
 
 
 def train_proxy(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The DoReMi proxy: Group DRO over domains against the frozen reference.
+    """The DoReMi proxy: Group DRO over domains against the frozen reference."""
+    return proxy_trainer(cfg).fit()
+
+
+def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
+    """The proxy's trainer, its DoReMi hook and reference in place.
 
     The exact update needs every forward of the step before any backward, so the proxy runs
     the all-forward-all-backward schedule (and the stage split counts its in-flight batches)."""
@@ -91,7 +96,7 @@ def train_proxy(cfg: ExperimentConfig) -> dict[str, Any]:
         ref_cfg = reference_config(cfg, ck)
         ref = OnlineReference(load_frozen(ref_cfg, ck, trainer.pc), ref_cfg, trainer.pc)
     trainer.hook = DoReMiHook(cfg.doremi, trainer.feed.domains, trainer.pc, trainer.run_dir, sampling, ref)
-    return trainer.fit()
+    return trainer
 
 
 def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:

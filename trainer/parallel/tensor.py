@@ -394,7 +394,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = tp.rank * local
         n_valid = max(0, min(local, vocab_size - start))
         if n_valid < local:
-            z[:, n_valid:] = float("-inf")
+            z[:, n_valid:].fill_(float("-inf"))
         zmax = z.max(dim=-1).values
         if tp.size > 1:
             dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=tp.group)

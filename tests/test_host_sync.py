@@ -1,0 +1,125 @@
+"""No host-device synchronisation inside a training step, checked on the CPU.
+
+On a GPU a step must not wait for the device (DESIGN.md section 7): reading a device value on
+the host (`.item()`, `float(t)`, `bool(t)`), building a tensor from host data (`torch.tensor`,
+a Python-list index such as `t[[2, 1]]`, which the H200 bench caught in the DoReMi update), or
+an op whose output shape depends on the data (`nonzero`, boolean-mask indexing) all block the
+host. They dispatch as the aten ops below, which a TorchDispatchMode sees on any device, so the
+CPU suite can hold every phase of the step to zero of them: the reference forward, forward
+and backward, the gradient syncs and the optimizer. (What does not dispatch, such as
+`.tolist()` and `.cpu()`, the GPU bench counts with `torch.cuda.set_sync_debug_mode`; the
+step's host reads for logging come after it, in `after_step`.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from doremi import stages
+from tests.runs import config
+from trainer import loop
+from trainer.loop import Trainer
+from trainer.master_weights import MasterWeightAdamW
+
+#: aten ops that make the host wait for the device (or, for lift_fresh, copy host data to it).
+HOST_SYNC_OPS = {"aten._local_scalar_dense", "aten.lift_fresh", "aten.lift_fresh_copy", "aten.nonzero",
+                 "aten.masked_select", "aten._unique2", "aten.unique_consecutive"}
+COMMON = ["train.decay=constant", "train.warmup_steps=0", "checkpoint.every=0"]
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records the host-syncing ops run under it, with the phase they ran in."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = ""
+        self.seen: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket._qualified_op_name.replace("::", ".")
+        boolean_index = (name == "aten.index" and len(args) > 1
+                         and any(i is not None and i.dtype == torch.bool for i in args[1]))
+        if name in HOST_SYNC_OPS or boolean_index:
+            self.seen.append((self.phase, name + (" (boolean index)" if boolean_index else "")))
+        return func(*args, **kwargs)
+
+
+def instrument(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> HostSyncs:
+    """Run the step's phases under one HostSyncs mode; the rest of the step (sampling the
+    batches on the host, logging after it) outside. torch.optim's own update is left out for
+    fp32 parameters: on the CPU it is the foreach AdamW, which reads its step count on the host;
+    on CUDA the trainer uses the fused kernel, which does not (the bench counts it there)."""
+    mode = HostSyncs()
+
+    def watched(phase: str, fn):
+        def run(*args, **kwargs):
+            if mode.phase:  # a phase called from another: keep the outer name
+                return fn(*args, **kwargs)
+            mode.phase = phase
+            try:
+                with mode:
+                    return fn(*args, **kwargs)
+            finally:
+                mode.phase = ""
+        return run
+
+    monkeypatch.setattr(loop, "forward_backward", watched("forward_backward", loop.forward_backward))
+    monkeypatch.setattr(loop, "domain_token_counts", watched("domain_token_counts", loop.domain_token_counts))
+    monkeypatch.setattr(trainer.hook, "prepare_batches", watched("reference", trainer.hook.prepare_batches))
+    phases = ["reduce_gradients", "clip_grad_norm", "zero_grad"]
+    if isinstance(trainer.optimizer, MasterWeightAdamW):
+        phases.append("step")
+    for name in phases:
+        monkeypatch.setattr(trainer.optimizer, name, watched(f"optimizer.{name}", getattr(trainer.optimizer, name)))
+    return mode
+
+
+def test_the_detector_sees_the_syncs_it_is_for():
+    mode = HostSyncs()
+    x = torch.arange(6.0).view(3, 2)
+    with mode:
+        x[[2, 1]], x.sum().item(), bool((x > 2).any()), x[x > 2], x.nonzero(), torch.stack([x[2], x[1]])
+    assert [n for _, n in mode.seen] == ["aten.lift_fresh", "aten._local_scalar_dense", "aten._local_scalar_dense",
+                                         "aten.index (boolean index)", "aten.nonzero"]
+
+
+PLAIN = {"fp32 params": [], "bf16 params": ["train.precision=bf16", "train.param_dtype=bf16"],
+         "2 micro-batches, clip": ["train.micro_batches=2", "train.grad_clip=0.5"]}
+
+
+@pytest.mark.parametrize("sets", PLAIN.values(), ids=PLAIN.keys())
+def test_plain_step(stores, tmp_path, monkeypatch, sets):
+    trainer = Trainer(config(stores, tmp_path / "run", *COMMON, *sets))
+    trainer.train_step()
+    mode = instrument(trainer, monkeypatch)
+    trainer.train_step()
+    assert mode.seen == []
+
+
+@pytest.fixture(scope="module")
+def reference(stores, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("sync") / "reference"
+    stages.train_reference(config(stores, run, *COMMON))
+    return run
+
+
+PROXY = {"exact": [], "lagged": ["doremi.update=lagged"], "exact, 2 micro-batches": ["train.micro_batches=2"],
+         "resample": ["doremi.mode=resample"], "bf16 params": ["train.precision=bf16", "train.param_dtype=bf16"]}
+
+
+@pytest.mark.parametrize("sets", PROXY.values(), ids=PROXY.keys())
+def test_doremi_proxy_step(stores, reference, tmp_path, monkeypatch, sets):
+    trainer = stages.proxy_trainer(config(stores, tmp_path / "proxy", *COMMON, f"doremi.reference={reference}",
+                                          *sets))
+    try:
+        trainer.train_step()
+        mode = instrument(trainer, monkeypatch)
+        trainer.train_step()
+    finally:
+        trainer.hook.close()
+    assert mode.seen == []
