@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.build import autocast, build_model
+from trainer.build import autocast, build_model, param_dtype
 from data.batch import to_device
 from doremi.errors import DoReMiError
 from trainer.checkpoint import load_checkpoint, resolve_checkpoint
@@ -29,9 +29,15 @@ def run_dir_of(checkpoint: Path) -> Path:
 
 
 def load_frozen(cfg: TrainerConfig, checkpoint: Path, pc: ParallelContext) -> torch.nn.Module:
-    """The reference model in `cfg`'s layout, loaded from any layout, frozen in eval mode."""
+    """The reference model in `cfg`'s layout, loaded from any layout, frozen in eval mode, its
+    parameters in the dtype a run of `cfg` trains them in (`trainer.build.param_dtype`), so that
+    it computes as the run did: bf16 parameters without autocast, fp32 ones under it
+    (`trainer.build.autocast`)."""
     model = build_model(cfg, pc)
     load_checkpoint(checkpoint, model, None, pc)
+    dtype = param_dtype(cfg, pc.device)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -286,3 +286,28 @@ def test_fp32_bf16_cross_loads(runs, stores, tmp_path):
     assert any(not torch.equal(frozen[n], want[n]) for n in want)
     # The fp32 run continued with bf16 parameters stays within bf16 tolerance of the fp32 run.
     assert_params_close(masters(stores, runs / "resume-bf16"), final_params(stores, runs / "fp32"), atol=BF16_ATOL)
+
+
+@pytest.mark.parametrize("sets,dtype,autocasts", [(BF16, torch.bfloat16, False), (FP32_PARAMS, torch.float32, True)])
+def test_frozen_reference_computes_as_its_run_trains(runs, stores, tmp_path, sets, dtype, autocasts):
+    """`load_frozen` (the DoReMi reference, `doremi score`, `doremi eval`) gives the model the
+    parameter dtype the config trains in, and `autocast` the matching context: bf16 parameters
+    without autocast, fp32 ones under it. Its losses equal those of the run's model loaded the
+    same way (weights as saved, no optimizer)."""
+    from doremi.reference import load_frozen
+    from trainer.parallel.pipeline import forward_only
+
+    cfg = config(stores, tmp_path / "run", *COMMON, *sets)
+    pc = ParallelContext.single()
+    ck = latest_checkpoint(runs / "ckpt-single")
+    frozen = load_frozen(cfg, ck, pc)
+    assert {p.dtype for p in frozen.parameters()} == {dtype}
+    assert isinstance(autocast(cfg, pc.device), torch.autocast) == autocasts
+    trainer = Trainer(cfg)
+    load_checkpoint(ck, trainer.model, None, pc)
+    batches = trainer.feed.step_batches(1, trainer.hook.sampling_weights(1))
+    with torch.inference_mode(), autocast(cfg, pc.device):
+        got = forward_only(frozen, batches, pc)
+        want = forward_only(trainer.model, batches, pc)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

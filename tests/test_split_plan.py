@@ -178,3 +178,29 @@ def test_plan_rejects_wrong_gpu_count():
         plan_memory(cfg, 8, 96)
     with pytest.raises(ValueError, match="--gpu-memory: expected a positive number of GiB, got 0"):
         plan_memory(cfg, 16, 0)
+
+
+PLANNED_LAYOUTS = [
+    ("pile_280m.yaml", ["model.preset=doremi-760m", "train.optimizer=adamw", "parallelism.pp=8", "parallelism.dp=8",
+                        "train.micro_batches=8", "train.global_batch_size=256"]),
+    ("pile_280m.yaml", ["train.optimizer=adamw", "parallelism.pp=4", "parallelism.dp=2", "train.micro_batches=4",
+                        "train.global_batch_size=64", "parallelism.pp_schedule=1f1b"]),
+    ("pile_280m.yaml", ["train.optimizer=adamw", "parallelism.pp=4", "train.micro_batches=8",
+                        "parallelism.pp_schedule=afab", "parallelism.recompute=full"]),
+    ("pile_280m.yaml", ["parallelism.pp=2", "train.optimizer=adafactor"]),
+    ("llama3_70b.yaml", ["parallelism.dp=2", "train.global_batch_size=128"]),
+]
+
+
+@pytest.mark.parametrize("name,sets", PLANNED_LAYOUTS)
+def test_doremi_plan_predicts_the_split_the_trainer_builds(name, sets):
+    """`doremi plan` plans the GPU run's split: the same cost model, the same micro-batches in
+    flight and the parameter precision the trainer resolves on CUDA."""
+    import torch
+    from doremi.config import ExperimentConfig
+    from trainer.build import stage_layers
+    from trainer.plan import gpu_param_precision
+
+    cfg = load_config(ROOT / "experiments" / name, sets, cls=ExperimentConfig)
+    plan = plan_memory(cfg, cfg.parallelism.world_size, 80.0, param_precision=gpu_param_precision(cfg))
+    assert [s.layers for s in plan.stages] == stage_layers(cfg, torch.device("cuda"))

@@ -44,8 +44,10 @@ def micro_batch_size(cfg: TrainerConfig) -> int:
     return t.global_batch_size // (cfg.parallelism.dp * t.micro_batches)
 
 
-def stage_layers(cfg: TrainerConfig) -> list[range]:
-    """Layers per pipeline stage: the explicit list, or the compute-and-memory cost model."""
+def stage_layers(cfg: TrainerConfig, device: torch.device) -> list[range]:
+    """Layers per pipeline stage: the explicit list, or the compute-and-memory cost model for
+    the parameter precision the run resolves to on `device`, the same split `doremi plan`
+    (`trainer.plan.plan_memory`) predicts."""
     p = cfg.parallelism
     if p.pp_layers:
         starts = np.cumsum([0, *p.pp_layers])
@@ -54,15 +56,15 @@ def stage_layers(cfg: TrainerConfig) -> list[range]:
         return [range(cfg.model.n_layers)]
     from trainer.parallel.split import split_layers
 
-    in_flight = cfg.train.micro_batches if p.pp_schedule == "afab" else None
-    return split_layers(cfg.model, p, micro_batch_size(cfg), cfg.data.seq_len, micro_batches=in_flight)
+    return split_layers(cfg.model, p, micro_batch_size(cfg), cfg.data.seq_len, micro_batches=cfg.train.micro_batches,
+                        param_precision=param_precision(cfg, device))
 
 
 def build_model(cfg: TrainerConfig, pc: ParallelContext, seed: int | None = None) -> torch.nn.Module:
     """This rank's pipeline stage of the Llama model, tp-sharded, on pc.device."""
     from trainer.model.llama import build_stage
 
-    layers = stage_layers(cfg)[pc.pp_rank]
+    layers = stage_layers(cfg, pc.device)[pc.pp_rank]
     stage = build_stage(cfg.model, cfg.parallelism, pc, layers, seed=cfg.train.seed if seed is None else seed)
     return stage.to(pc.device)
 
@@ -81,6 +83,11 @@ def param_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
     if t.param_dtype == "auto":
         return torch.bfloat16 if use_bf16(cfg, device) and t.optimizer == "adamw" else torch.float32
     return torch.bfloat16 if t.param_dtype == "bf16" else torch.float32
+
+
+def param_precision(cfg: TrainerConfig, device: torch.device) -> str:
+    """`param_dtype` by the name the memory model uses (`trainer.parallel.split.BytesPerParam`)."""
+    return "bf16" if param_dtype(cfg, device) == torch.bfloat16 else "fp32"
 
 
 def autocast(cfg: TrainerConfig, device: torch.device) -> contextlib.AbstractContextManager:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.build import param_dtype
+from trainer.build import param_precision
 from trainer.configtools import ConfigError
 from trainer.config import TrainerConfig
 from trainer.parallel.split import CostModel, StageMemory, explicit_split, ranges_from_counts, split_counts
@@ -70,7 +70,7 @@ class Plan:
 def gpu_param_precision(cfg: TrainerConfig) -> str:
     """`plan_memory`'s param_precision for `cfg` run on GPUs: train.param_dtype as the trainer
     resolves it on CUDA (`trainer.build.param_dtype`), so `doremi plan` plans what will run."""
-    return "bf16" if param_dtype(cfg, torch.device("cuda")) == torch.bfloat16 else "fp32"
+    return param_precision(cfg, torch.device("cuda"))
 
 
 def plan_memory(cfg: TrainerConfig, gpus: int, gpu_memory_gb: float, *, split: str | None = None,
