@@ -28,19 +28,23 @@ def run_dir_of(checkpoint: Path) -> Path:
     return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
 
 
-def load_frozen(cfg: TrainerConfig, checkpoint: Path, pc: ParallelContext) -> torch.nn.Module:
-    """The reference model in `cfg`'s layout, loaded from any layout, frozen in eval mode, its
-    parameters in the dtype a run of `cfg` trains them in (`trainer.build.param_dtype`), so that
-    it computes as the run did: bf16 parameters without autocast, fp32 ones under it
-    (`trainer.build.autocast`)."""
-    model = build_model(cfg, pc)
-    load_checkpoint(checkpoint, model, None, pc)
+def freeze(model: torch.nn.Module, cfg: TrainerConfig, pc: ParallelContext) -> torch.nn.Module:
+    """`model` frozen in eval mode, its parameters in the dtype a run of `cfg` trains them in
+    (`trainer.build.param_dtype`), so that it computes as the run did: bf16 parameters without
+    autocast, fp32 ones under it (`trainer.build.autocast`)."""
     dtype = param_dtype(cfg, pc.device)
     for p in model.parameters():
         p.data = p.data.to(dtype)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def load_frozen(cfg: TrainerConfig, checkpoint: Path, pc: ParallelContext) -> torch.nn.Module:
+    """The reference model in `cfg`'s layout, loaded from any layout, `freeze`d."""
+    model = build_model(cfg, pc)
+    load_checkpoint(checkpoint, model, None, pc)
+    return freeze(model, cfg, pc)
 
 
 class OnlineReference:

@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from doremi.config import DoReMiConfig  # noqa: E402
 from doremi.objective import DoReMiHook  # noqa: E402
-from doremi.reference import CachedReference, OnlineReference  # noqa: E402
+from doremi.reference import CachedReference, OnlineReference, freeze  # noqa: E402
 from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
 from data.config import DataConfig  # noqa: E402
 from trainer.build import autocast, param_dtype  # noqa: E402
@@ -362,7 +362,7 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
         emit(measure(name, "doremi cached ref", step, steps, 2, fpt, peak, base, None))
 
     if doremi and time_left("doremi-online"):
-        ref_model = Llama(cfg.model, cfg.parallelism, pc, seed=1).to(torch.bfloat16).eval().requires_grad_(False)
+        ref_model = freeze(Llama(cfg.model, cfg.parallelism, pc, seed=1), cfg, pc)
         ref = OnlineReference(ref_model, cfg, pc)
         step = FrameworkStep(cfg, model, opt, pc, batch, make_hook(tmp / f"online-{name}", pc, ref))
         row = measure(name, "doremi online ref", step, steps, 3, fpt + ref_fpt, peak, base, None)
