@@ -62,12 +62,17 @@ def get_dp_owner(param: torch.Tensor) -> int | None:
     return getattr(param, _OWNER_ATTR, None)
 
 
+def sums_gradients(micro_batches: int, world_size: int) -> bool:
+    """Whether a step sums gradients: over micro-batches, or over ranks (dp reduction, tp
+    sequence-parallel norms, tied embeddings across stages)."""
+    return micro_batches > 1 or world_size > 1
+
+
 def main_grad_dtype(param_dtype: torch.dtype, micro_batches: int, world_size: int) -> torch.dtype:
-    """fp32 when gradients are summed (over micro-batches, or over ranks: dp reduction, tp
-    sequence-parallel norms, tied embeddings across stages); otherwise the parameter dtype, which
+    """fp32 when the step sums gradients (`sums_gradients`); otherwise the parameter dtype, which
     is lossless since each gradient is then exactly the one autograd produced, and saves 2 bytes
     per parameter of memory and 4 of traffic per step (the copy in and the optimizer's read)."""
-    return torch.float32 if micro_batches > 1 or world_size > 1 else param_dtype
+    return torch.float32 if sums_gradients(micro_batches, world_size) else param_dtype
 
 
 def attach_main_grad(param: torch.Tensor, main_grad: torch.Tensor) -> None:

@@ -31,10 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from trainer.config import ModelConfig, ParallelismConfig
-from trainer.parallel.data import main_grad_dtype
+from trainer.parallel.data import sums_gradients
 
 ACT_BYTES = 2
 POLICIES = ("memory", "compute")
@@ -50,7 +48,7 @@ class BytesPerParam:
     and kept for backward (one copy per step when the schedule runs inside one autocast
     region). bf16 (Megatron's distributed optimizer, Korthikanti et al. / Rajbhandari et al.):
     2 bf16 weight + 4 fp32 main grad (2: bf16 when nothing sums gradients, see
-    `trainer.parallel.data.main_grad_dtype`) + 12 (fp32 master, m, v) sharded over dp."""
+    `trainer.parallel.data.sums_gradients`) + 12 (fp32 master, m, v) sharded over dp."""
 
     weight: float
     grad: float
@@ -256,8 +254,8 @@ class CostModel:
 
     def stage_memory(self, stage: int, n_blocks: int) -> StageMemory:
         params = self.stage_params(stage, n_blocks)
-        main_grad = main_grad_dtype(torch.bfloat16, self.micro_batches, self.tp * self.pp * self.dp)
-        per = bytes_per_param(self.param_precision, self.dp, self.zero1, summed_grads=main_grad == torch.float32)
+        summed = sums_gradients(self.micro_batches, self.tp * self.pp * self.dp)
+        per = bytes_per_param(self.param_precision, self.dp, self.zero1, summed_grads=summed)
         acts = n_blocks * self.layer_activation_bytes()
         transient = 0.0
         if stage == self.pp - 1:
