@@ -26,12 +26,12 @@ from trainer.configtools import ConfigError
 from trainer.model.init import init_parameters
 from trainer.model.layers import (
     RMSNorm,
-    apply_rope,
     causal_attention,
     per_token_cross_entropy,
     resolve_attention,
     rope_tables,
 )
+from trainer.model.rope import rope_qkv
 from trainer.model.swiglu import swiglu
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import (
@@ -69,12 +69,8 @@ class Attention(nn.Module):
 
     def core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE and causal attention: [s, b, (h + 2 kv) hd / tp] -> [s, b, h hd / tp]."""
-        s, b, _ = qkv.shape
-        hd, h, kv = self.head_dim, self.local_heads, self.local_kv_heads
-        q, k, v = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
-        q = apply_rope(q.view(s, b, h, hd), cos, sin)
-        k = apply_rope(k.view(s, b, kv, hd), cos, sin)
-        return causal_attention(q, k, v.view(s, b, kv, hd), self.impl)
+        q, k, v = rope_qkv(qkv, cos, sin, self.local_heads, self.local_kv_heads)
+        return causal_attention(q, k, v, self.impl)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)

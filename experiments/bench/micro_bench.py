@@ -1,0 +1,170 @@
+"""Candidate changes for the 1B step, each timed alone on the GPU before it goes into the model.
+
+Sections (`--sections`, comma-separated):
+- `attention`: one layer's attention core (RoPE, causal SDPA, the layout change back), forward
+  and backward, compiled: inductor's `apply_rope` against the `doremi::rope_qkv` op; CUDA time
+  per call, the top kernels, and the largest differences of the outputs and gradients.
+- `norm`: the gradient norm over the 1B model's gradient views (`_foreach_norm`) against one
+  `vector_norm` over the flat buffer they live in.
+- `boundary`: a block's last residual add and the next block's RMSNorm, as two compiled
+  graphs against one.
+
+Usage (GPU, repository root): python experiments/bench/micro_bench.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from trainer.model.layers import apply_rope, causal_attention, rope_tables  # noqa: E402
+from trainer.model.rope import rope_qkv  # noqa: E402
+
+S, B, H, KV, HD, D, FFN, LAYERS, VOCAB = 2048, 8, 32, 8, 64, 2048, 8192, 16, 32000
+
+
+def cuda_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def top_kernels(fn, n: int = 8) -> list[tuple[str, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    return [(k[:110], round(t, 4)) for k, t in rows[:n]]
+
+
+def inductor_core(qkv, cos, sin):
+    s, b, _ = qkv.shape
+    q, k, v = qkv.split([H * HD, KV * HD, KV * HD], dim=-1)
+    q = apply_rope(q.view(s, b, H, HD), cos, sin)
+    k = apply_rope(k.view(s, b, KV, HD), cos, sin)
+    return causal_attention(q, k, v.view(s, b, KV, HD), "sdpa")
+
+
+def op_core(qkv, cos, sin):
+    q, k, v = rope_qkv(qkv, cos, sin, H, KV)
+    return causal_attention(q, k, v, "sdpa")
+
+
+def attention(report: dict) -> None:
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    cos, sin = rope_tables(S, HD, 500000.0, device=dev)
+    qkv = torch.randn(S, B, (H + 2 * KV) * HD, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(S, B, H * HD, device=dev, dtype=torch.bfloat16)
+    results = {}
+    for name, core in (("inductor apply_rope", inductor_core), ("rope_qkv op", op_core)):
+        fn = torch.compile(core, dynamic=False)
+
+        def step(fn=fn):
+            qkv.grad = None
+            out = fn(qkv, cos, sin)
+            out.backward(grad)
+            return out
+
+        out = step()
+        results[name] = (out.detach().clone(), qkv.grad.clone())
+        fwd = torch.compile(core, dynamic=False)
+        with torch.no_grad():
+            fwd_ms = cuda_ms(lambda: fwd(qkv, cos, sin))
+        ms = cuda_ms(step)
+        report[f"attention {name}"] = {"fwd_bwd_ms": ms, "fwd_ms": fwd_ms, "kernels": top_kernels(step)}
+        print(f"attention {name}: fwd+bwd {ms:.3f} ms, fwd {fwd_ms:.3f} ms", flush=True)
+        for k, t in report[f"attention {name}"]["kernels"]:
+            print(f"    {t:8.4f}  {k}", flush=True)
+    (o0, g0), (o1, g1) = results.values()
+    report["attention diff"] = {"out": (o0 - o1).abs().max().item(), "grad": (g0 - g1).abs().max().item(),
+                                "out_scale": o0.abs().max().item(), "grad_scale": g0.abs().max().item()}
+    print("attention diff", report["attention diff"], flush=True)
+
+
+def norm(report: dict) -> None:
+    dev = torch.device("cuda")
+    shapes = [(VOCAB, D)] + [(3072, D), (D, D), (2 * FFN, D), (D, FFN), (D,), (D,)] * LAYERS + [(D,), (VOCAB, D)]
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    flat = torch.randn(sum(numels), device=dev, dtype=torch.bfloat16)
+    views, at = [], 0
+    for s, n in zip(shapes, numels):
+        views.append(flat[at:at + n].view(s))
+        at += n
+    a = cuda_ms(lambda: torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square().sum())
+    b = cuda_ms(lambda: torch.linalg.vector_norm(flat, dtype=torch.float32))
+    grads = [torch.randn_like(v) for v in views]
+    c = cuda_ms(lambda: [v.copy_(g) for v, g in zip(views, grads)])
+    report["norm"] = {"foreach_ms": a, "flat_ms": b, "copy_ms": c, "numel": flat.numel()}
+    print(f"norm: foreach over {len(views)} views {a:.3f} ms, flat vector_norm {b:.3f} ms, "
+          f"copy of the grads {c:.3f} ms", flush=True)
+
+
+def boundary(report: dict) -> None:
+    dev = torch.device("cuda")
+    a = torch.randn(S, B, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(S, B, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g1, g2 = torch.randn_like(a), torch.randn_like(a)
+    add = torch.compile(lambda x, y: x + y, dynamic=False)
+    nrm = torch.compile(lambda x, w: F.rms_norm(x, (D,), w, 1e-5), dynamic=False)
+    both = torch.compile(lambda x, y, w: ((z := x + y), F.rms_norm(z, (D,), w, 1e-5)), dynamic=False)
+
+    def two():
+        z = add(a, r)
+        n = nrm(z, w)
+        torch.autograd.backward([z, n], [g1, g2])
+
+    def one():
+        z, n = both(a, r, w)
+        torch.autograd.backward([z, n], [g1, g2])
+
+    report["boundary"] = {"two_graphs_ms": cuda_ms(two), "one_graph_ms": cuda_ms(one)}
+    print("boundary (fwd+bwd, one layer)", report["boundary"], flush=True)
+
+
+SECTIONS = {"attention": attention, "norm": norm, "boundary": boundary}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    report: dict = {}
+    for name in args.sections.split(","):
+        try:
+            SECTIONS[name](report)
+        except Exception:
+            traceback.print_exc()
+            report[name] = {"error": traceback.format_exc(limit=3)}
+    Path(args.out, "micro.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
