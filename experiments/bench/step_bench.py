@@ -54,7 +54,7 @@ from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerC
 from data.config import DataConfig  # noqa: E402
 from trainer.build import autocast, param_dtype  # noqa: E402
 from trainer.optim import Optimizer, build_optimizer  # noqa: E402
-from trainer.model import layers  # noqa: E402
+from trainer.model import layers, llama, rope  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.model.presets import PRESETS  # noqa: E402
@@ -384,11 +384,15 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
 
 
 #: Each ablation undoes one optimisation of the plain 1B step: (label, config overrides of
-#: TrainConfig, the SDPA backend order to use). Measured on a fresh model, after the main rows.
+#: TrainConfig, module attributes to replace while it runs). Measured on a fresh model, after the
+#: main rows.
 ABLATIONS = [
-    ("ablation: fp32 params + torch AdamW (no master weights)", {"param_dtype": "fp32"}, None),
-    ("ablation: flash attention first (not cuDNN)", {}, ("FLASH_ATTENTION", "CUDNN_ATTENTION",
-                                                        "EFFICIENT_ATTENTION", "MATH")),
+    ("ablation: fp32 params + torch AdamW (no master weights)", {"param_dtype": "fp32"}, {}),
+    ("ablation: flash attention first (not cuDNN)", {},
+     {(layers, "CUDA_SDPA_PRIORITY"): (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                       SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)}),
+    ("ablation: RoPE as torch ops fused by inductor (not doremi::rope_qkv)", {},
+     {(llama, "rope_qkv"): rope.rope_qkv_torch}),
 ]
 
 
@@ -396,16 +400,16 @@ def run_ablations(name: str, steps: int, peak: float, emit: Callable[[Row], None
                   time_left: Callable[[str], bool]) -> None:
     preset, mb = SHAPES[name]
     pc = ParallelContext.single(torch.device("cuda"))
-    saved = layers.CUDA_SDPA_PRIORITY
-    for label, train_overrides, sdpa in ABLATIONS:
+    for label, train_overrides, patches in ABLATIONS:
         if not time_left("ablation"):
             continue
         cfg = trainer_config(preset, mb, "none")
         cfg = replace(cfg, train=replace(cfg.train, **train_overrides))
         fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+        saved = {key: getattr(*key) for key in patches}
         try:
-            if sdpa is not None:
-                layers.CUDA_SDPA_PRIORITY = tuple(getattr(SDPBackend, b) for b in sdpa)
+            for (obj, attr), value in patches.items():
+                setattr(obj, attr, value)
             base = free()
             model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
             opt = framework_optimizer(model, cfg, pc)
@@ -413,7 +417,8 @@ def run_ablations(name: str, steps: int, peak: float, emit: Callable[[Row], None
             emit(measure(name, label, step, steps, 3, fpt, peak, base, None))
             del model, opt, step
         finally:
-            layers.CUDA_SDPA_PRIORITY = saved
+            for (obj, attr), value in saved.items():
+                setattr(obj, attr, value)
             free()
 
 
