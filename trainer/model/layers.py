@@ -1,6 +1,6 @@
-"""Llama building blocks that know nothing of parallelism: RMSNorm, RoPE (with the Llama-3
-frequency scaling), the per-token cross entropy and the attention core (the fused SwiGLU is
-`trainer.model.swiglu`). Activations are [s, b, ...]."""
+"""Llama building blocks that know nothing of parallelism: RMSNorm, the RoPE tables (with the
+Llama-3 frequency scaling), the per-token cross entropy and the attention core (the rotation is
+`trainer.model.rope`, the fused SwiGLU `trainer.model.swiglu`). Activations are [s, b, ...]."""
 
 from __future__ import annotations
 
@@ -57,14 +57,6 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, scaling=None,
                                              scaling.high_freq_factor, scaling.original_max_position)
     freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     return freqs.cos(), freqs.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [s, b, heads, head_dim]; cos, sin [s, head_dim / 2] (Su et al. 2021, rotate-half)."""
-    cos = cos[:, None, None, :].to(x.dtype)
-    sin = sin[:, None, None, :].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def per_token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
