@@ -2,8 +2,8 @@
 
 Sections (`--sections`, comma-separated):
 - `attention`: one layer's attention core (RoPE, causal SDPA, the layout change back), forward
-  and backward, compiled: inductor's fusion of the torch ops against the `doremi::rope_qkv`
-  op; CUDA time per call, the top kernels, and the largest differences of the outputs and gradients.
+  and backward, compiled: the RoPE form before `trainer.model.rope` against `rope_qkv`; CUDA
+  time per call, the top kernels, and the largest differences of the outputs and gradients.
 - `norm`: the gradient norm over the 1B model's gradient views (`_foreach_norm`) against one
   `vector_norm` over the flat buffer they live in.
 - `boundary`: a block's last residual add and the next block's RMSNorm, as two compiled
@@ -25,9 +25,11 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import step_bench as sb  # noqa: E402
 from trainer.model.layers import causal_attention, rope_tables  # noqa: E402
-from trainer.model.rope import rope_qkv, rope_qkv_torch  # noqa: E402
+from trainer.model.rope import rope_qkv  # noqa: E402
 
 S, B, H, KV, HD, D, FFN, LAYERS, VOCAB = 2048, 8, 32, 8, 64, 2048, 8192, 16, 32000
 
@@ -61,9 +63,8 @@ def top_kernels(fn, n: int = 8) -> list[tuple[str, float]]:
     return [(k[:110], round(t, 4)) for k, t in rows[:n]]
 
 
-def inductor_core(qkv, cos, sin):
-    q, k, v = rope_qkv_torch(qkv, cos, sin, H, KV)
-    return causal_attention(q, k, v, "sdpa")
+def earlier_core(qkv, cos, sin):
+    return causal_attention(*sb.earlier_rope_qkv(qkv, cos, sin, H, KV), "sdpa")
 
 
 def op_core(qkv, cos, sin):
@@ -78,7 +79,7 @@ def attention(report: dict) -> None:
     qkv = torch.randn(S, B, (H + 2 * KV) * HD, device=dev, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(S, B, H * HD, device=dev, dtype=torch.bfloat16)
     results = {}
-    for name, core in (("inductor (torch ops)", inductor_core), ("rope_qkv op", op_core)):
+    for name, core in (("earlier rope", earlier_core), ("rope_qkv", op_core)):
         fn = torch.compile(core, dynamic=False)
 
         def step(fn=fn):

@@ -54,7 +54,7 @@ from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerC
 from data.config import DataConfig  # noqa: E402
 from trainer.build import autocast, param_dtype  # noqa: E402
 from trainer.optim import Optimizer, build_optimizer  # noqa: E402
-from trainer.model import layers, llama, rope  # noqa: E402
+from trainer.model import layers, llama  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.model.presets import PRESETS  # noqa: E402
@@ -383,6 +383,22 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
         emit(row)
 
 
+def earlier_rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                     kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`trainer.model.rope.rope_qkv` in the form before it (2026-12-03): the rotation's products
+    in the activation dtype, v a view of qkv."""
+    s, b, width = qkv.shape
+    hd = width // (heads + 2 * kv_heads)
+    q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    c, sn = cos[:s, None, None, :].to(qkv.dtype), sin[:s, None, None, :].to(qkv.dtype)
+
+    def rot(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn], dim=-1)
+
+    return rot(q.view(s, b, heads, hd)), rot(k.view(s, b, kv_heads, hd)), v.view(s, b, kv_heads, hd)
+
+
 #: Each ablation undoes one optimisation of the plain 1B step: (label, config overrides of
 #: TrainConfig, module attributes to replace while it runs). Measured on a fresh model, after the
 #: main rows.
@@ -391,8 +407,8 @@ ABLATIONS = [
     ("ablation: flash attention first (not cuDNN)", {},
      {(layers, "CUDA_SDPA_PRIORITY"): (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                                        SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)}),
-    ("ablation: RoPE as torch ops fused by inductor (not doremi::rope_qkv)", {},
-     {(llama, "rope_qkv"): rope.rope_qkv_torch}),
+    ("ablation: RoPE in the earlier form (bf16 products, v a view of qkv)", {},
+     {(llama, "rope_qkv"): earlier_rope_qkv}),
 ]
 
 
@@ -452,6 +468,10 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_bench: needs a CUDA device")
+    # One process compiles every configuration's blocks (two shapes, training and inference,
+    # recompute modes, ablations): more variants of one function than dynamo's default of 8,
+    # past which it would silently run the rest eagerly.
+    torch._dynamo.config.recompile_limit = 64
     if not args.baseline.is_file():
         sys.exit(f"--baseline: {args.baseline} not found (the shared plain_llama.py)")
     torch._dynamo.config.recompile_limit = 64
