@@ -20,7 +20,8 @@ coefficient inside its own update (`trainer.master_weights`) instead of scaling 
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,13 +53,30 @@ def global_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], pc: Paral
     counted = [g for n, p in named_params if (g := grad_of(p)) is not None and counts_here(n, p, pc)]
     sq = torch.zeros((), dtype=torch.float32, device=pc.device)
     if counted:
-        # Accumulated in fp32 by the kernel: no fp32 copy of bf16 gradients (4 bytes a parameter
-        # at once, at the step's end, where full recompute has its peak).
-        norms = torch._foreach_norm(counted, 2, dtype=torch.float32)
-        sq = sq + torch.stack(norms).square().sum().to(pc.device)
+        sq = sq + sum_of_squares(counted).to(pc.device)
     if pc.world_size > 1:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM)
     return sq.sqrt()
+
+
+def _per_tensor_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([t.float().square().sum() for t in tensors]).sum()
+
+
+@functools.cache
+def _compiled_squares() -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    return torch.compile(_per_tensor_squares, fullgraph=True, dynamic=False)
+
+
+def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of the squares of all elements, in fp32: per tensor, then over the tensors in order,
+    so the result depends only on each tensor, not on where it lives in a buffer. Never an fp32
+    copy of a bf16 gradient (4 bytes a parameter at once, at the step's end, where full recompute
+    has its peak). On CUDA one compiled graph of fused reductions, which read the gradient at
+    near copy bandwidth where `_foreach_norm` does not (experiments/PERFORMANCE.md)."""
+    if tensors[0].device.type == "cuda":
+        return _compiled_squares()(list(tensors))
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 
 
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
