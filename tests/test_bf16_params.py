@@ -71,7 +71,7 @@ def grad_norms(run: Path) -> list[float]:
 def assert_params_close(got: dict, want: dict, atol: float, rtol: float = 0.0) -> None:
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=name)
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 # -- single process ---------------------------------------------------------------------------
@@ -227,7 +227,7 @@ def test_zero1_on_off_bit_identical_and_dp2_matches_one_process(runs, stores):
     assert grad_norms(runs / "dp2-zero1") == grad_norms(runs / "dp2-nozero")
     assert_params_close(zero, single, atol=1e-7, rtol=1e-6)
     assert losses(runs / "dp2-zero1") == pytest.approx(losses(runs / "single"), rel=1e-6)
-    assert grad_norms(runs / "dp2-zero1") == pytest.approx(grad_norms(runs / "single"), rel=1e-6)
+    assert grad_norms(runs / "dp2-zero1") == grad_norms(runs / "single")  # the norm is dp-invariant, bitwise
     saved = final_params(stores, runs / "dp2-zero1")  # without an optimizer: the bf16 weights
     for name in single:
         assert torch.equal(saved[name], zero[name].bfloat16().float()), name

@@ -1,4 +1,4 @@
-"""`trainer.parallel.clip.sum_of_squares`: both of its paths (the CPU `_foreach_norm` one and the
+"""`trainer.parallel.clip.squares`: both of its paths (the CPU `_foreach_norm` one and the
 per-tensor graph that CUDA compiles, here compiled for the CPU) against float64, on bf16 views of
 one flat buffer like the optimizer's main grads."""
 
@@ -13,9 +13,9 @@ def test_both_paths_match_float64_on_bf16_views():
     g = torch.Generator().manual_seed(0)
     flat = (torch.randn(3 * 64 + 40 + 7, generator=g) * 3).bfloat16()
     views = [flat[0:192].view(12, 16), flat[192:232], flat[232:239].view(7, 1)]
-    want = sum(float((v.double() ** 2).sum()) for v in views)
-    eager = clip.sum_of_squares(views)
+    want = torch.tensor([float((v.double() ** 2).sum()) for v in views], dtype=torch.float64)
+    eager = clip.squares(views)
     compiled = torch.compile(clip._per_tensor_squares, fullgraph=True, dynamic=False)(views)
     for got in (eager, clip._per_tensor_squares(views), compiled):
-        assert got.dtype == torch.float32 and got.dim() == 0
-        assert abs(float(got) - want) <= 1e-6 * want
+        assert got.dtype == torch.float32 and got.shape == (3,)
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)

@@ -48,19 +48,33 @@ def counts_here(name: str, param: torch.Tensor, pc: ParallelContext) -> bool:
 
 
 def global_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], pc: ParallelContext) -> torch.Tensor:
-    """L2 norm of the whole model's gradient (fp32 0-dim on the device), summed in the order of
-    `named_params`. Collective over the world."""
-    counted = [g for n, p in named_params if (g := grad_of(p)) is not None and counts_here(n, p, pc)]
-    sq = torch.zeros((), dtype=torch.float32, device=pc.device)
-    if counted:
-        sq = sq + sum_of_squares(counted).to(pc.device)
-    if pc.world_size > 1:
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
-    return sq.sqrt()
+    """L2 norm of the whole model's gradient (fp32 0-dim on the device). Collective.
+
+    Each parameter's sum of squares is computed alone, on the rank that counts it; the vector of
+    them (one entry per parameter of this stage, zero where another dp rank counts it) is summed
+    over dp, which is exact, and then in the order of `named_params`. So the norm, and with it
+    the clip coefficient, is bitwise the same for any dp size and with or without ZeRO-1: with
+    bf16 parameters a last-bit difference there flips roundings and the runs drift apart."""
+    grads = [grad_of(p) if counts_here(n, p, pc) else None for n, p in named_params]
+    present = [g for g in grads if g is not None]
+    if present:
+        zero = torch.zeros((), dtype=torch.float32, device=pc.device)
+        found = iter(squares(present).to(pc.device).unbind())
+        per_param = torch.stack([next(found) if g is not None else zero for g in grads])
+    else:
+        per_param = torch.zeros(max(1, len(grads)), dtype=torch.float32, device=pc.device)
+    if pc.dp > 1:
+        dist.all_reduce(per_param, op=dist.ReduceOp.SUM, group=pc.dp_group)
+    total = per_param.sum()
+    if pc.world_size > pc.dp:
+        if pc.dp_rank != 0:
+            total = torch.zeros_like(total)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.sqrt()
 
 
 def _per_tensor_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([t.float().square().sum() for t in tensors]).sum()
+    return torch.stack([t.float().square().sum() for t in tensors])
 
 
 @functools.cache
@@ -68,15 +82,14 @@ def _compiled_squares() -> Callable[[list[torch.Tensor]], torch.Tensor]:
     return torch.compile(_per_tensor_squares, fullgraph=True, dynamic=False)
 
 
-def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of the squares of all elements, in fp32: per tensor, then over the tensors in order,
-    so the result depends only on each tensor, not on where it lives in a buffer. Never an fp32
-    copy of a bf16 gradient (4 bytes a parameter at once, at the step's end, where full recompute
-    has its peak). On CUDA one compiled graph of fused reductions, which read the gradient at
-    near copy bandwidth where `_foreach_norm` does not (experiments/PERFORMANCE.md)."""
+def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's sum of squares, in fp32: [len(tensors)]. Never an fp32 copy of a bf16
+    gradient (4 bytes a parameter at once, at the step's end, where full recompute has its
+    peak). On CUDA one compiled graph of fused reductions, which read the gradient at near copy
+    bandwidth where `_foreach_norm` does not (experiments/PERFORMANCE.md)."""
     if tensors[0].device.type == "cuda":
         return _compiled_squares()(list(tensors))
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
 
 
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
