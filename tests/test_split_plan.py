@@ -36,8 +36,8 @@ def test_compiled_block_and_fused_head_by_hand():
     model = ModelConfig(**{**PRESETS["tiny"], "compile": True})
     cm = CostModel.from_config(model, ParallelismConfig(), micro_batch_size=2, seq_len=16)
     assert cm.compiled and cm.fused_loss
-    # h 64, g d 32, f 128, 4 heads: none 2(7*64 + 3*32 + 3*128) + 16 + 8, selective 2(5*64 + 2*32 + 3*128) + 8
-    assert cm.layer_activation_bytes("none") == (1856 + 24) * 32
+    # h 64, g d 32, f 128, 4 heads: none 2(6*64 + 2*32 + 3*128) + 16 + 8, selective 2(5*64 + 2*32 + 3*128) + 8
+    assert cm.layer_activation_bytes("none") == (1664 + 24) * 32
     assert cm.layer_activation_bytes("selective") == 1544 * 32
     assert cm.layer_activation_bytes("full") == 128 * 32
     # head: bf16 final-norm input and logits, rstd, log-sum-exp and the loss in fp32

@@ -205,10 +205,10 @@ class CostModel:
 
         Compiled blocks at t = 1 (`compiled`): inductor's partitioner picks what to keep, read
         from the allocator on an H200 (experiments/PERFORMANCE.md, `profile_step.py`):
-          none:      B (7 h + 3 g d + 3 f) + 4 a + 8   the eager set less one normalised input
+          none:      B (6 h + 2 g d + 3 f) + 4 a + 8   the eager set less one normalised input
                                                      (recomputed from its block input), plus the
-                                                     pre-RoPE qkv and the attention output in
-                                                     SDPA's layout besides the out-proj input
+                                                     attention output in SDPA's layout besides
+                                                     the out-proj input
           selective: B (5 h + 2 g d + 3 f) + 8       qkv and the core's output; q, k and the
                                                      SDPA output are rebuilt in backward
           full:      B h                             as eager
@@ -220,7 +220,7 @@ class CostModel:
         if recompute == "full":
             per_token = b * h / self._sp
         elif self.compiled and t == 1:
-            per_token = (b * (7 * h + 3 * kv + 3 * f) + 4 * heads + 8 if recompute == "none"
+            per_token = (b * (6 * h + 2 * kv + 3 * f) + 4 * heads + 8 if recompute == "none"
                          else b * (5 * h + 2 * kv + 3 * f) + 8)
         else:
             per_token = (2 * (b * h + 4) / self._sp + 2 * b * h / self._gathered + b * (h + 2 * kv) / t
