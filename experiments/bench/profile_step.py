@@ -7,6 +7,8 @@ Measurements, each guarded so that one failure keeps the others:
   plus the top kernels by total time. The difference between the two columns is where the
   framework gains or loses against the baseline.
 - `swiglu`: the SwiGLU backward alone, inductor's kernel against the Triton op.
+- `timeline`: whether the step is GPU-bound, without the profiler: per phase the host's issue
+  time against the GPU's time (CUDA events), and the host's lead at each step start.
 - `activations`: bytes each block (and the head + loss) keeps alive from its forward to its
   backward, per recompute mode, read from the allocator (`torch.cuda.memory_allocated` after each
   block's forward, so what the compiled graph really saves), against
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import traceback
 from collections import defaultdict
 from pathlib import Path
@@ -147,6 +150,56 @@ def kernels_section(args, out: list[str]) -> None:
             out.append(f"{ms:8.2f} {n:5d}  {kernel_class(name)[:12]:12s} {name[:150]}")
 
 
+def timeline_section(args, out: list[str]) -> None:
+    """Is the framework's step GPU-bound? Without the profiler (whose per-launch cost can make the
+    host look slow), over 12 steps: for each phase, the host time spent issuing it and the GPU
+    time it took (CUDA events between phases), and at each step start the host's lead, i.e. how
+    much earlier the host issued the step than the GPU began it. A lead near zero or below means
+    the GPU waited for the host at that point."""
+    preset, mb = sb.SHAPES[args.preset]
+    pc = ParallelContext.single(torch.device("cuda"))
+    cfg = sb.trainer_config(preset, mb, "none")
+    model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
+    step = sb.FrameworkStep(cfg, model, sb.framework_optimizer(model, cfg, pc), pc, sb.make_batch(cfg, mb, 1, pc.device))
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    phases = step.phases()
+    origin = torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    origin.record()
+    marks: list[tuple[str, float, torch.cuda.Event]] = []
+    for _ in range(12):
+        for name, fn in phases:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append((name, time.perf_counter() - t0, ev))
+            fn()
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    host_end = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    gpu = [origin.elapsed_time(ev) / 1e3 for _, _, ev in marks] + [origin.elapsed_time(end) / 1e3]
+    host = [h for _, h, _ in marks] + [host_end]
+    by_phase: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for i, (name, _, _) in enumerate(marks):
+        by_phase[name].append((host[i + 1] - host[i], gpu[i + 1] - gpu[i]))
+    starts = [i for i, (name, _, _) in enumerate(marks) if name == phases[0][0]]
+    leads = [(gpu[i] - host[i]) * 1e3 for i in starts]
+    out.append(f"\n## timeline, {preset}, 12 steps without the profiler (ms)")
+    out.append(f"{'phase':12s} {'host issue':>10s} {'GPU':>8s}   (median over steps)")
+    for name, vals in by_phase.items():
+        hs, gs = sorted(v[0] for v in vals), sorted(v[1] for v in vals)
+        out.append(f"{name:12s} {hs[len(hs) // 2] * 1e3:10.2f} {gs[len(gs) // 2] * 1e3:8.2f}")
+    per_step = [(gpu[b] - gpu[a]) * 1e3 for a, b in zip(starts, starts[1:])]
+    out.append(f"GPU ms per step: {' '.join(f'{x:.1f}' for x in per_step)}")
+    out.append(f"wall ms per step (host end to end / 12): {(host_end) * 1e3 / 12:.1f}; "
+               f"GPU end to end / 12: {gpu[-1] * 1e3 / 12:.1f}")
+    out.append(f"host lead at each step start: {' '.join(f'{x:.1f}' for x in leads)}")
+    del model, step
+    sb.free()
+
+
 def activations_section(args, out: list[str]) -> None:
     preset, mb = sb.SHAPES[args.preset]
     pc = ParallelContext.single(torch.device("cuda"))
@@ -228,7 +281,8 @@ def main() -> None:
     for name in args.sections.split(","):
         printed = len(out)
         try:
-            {"kernels": kernels_section, "activations": activations_section, "swiglu": swiglu_section}[name](args, out)
+            {"kernels": kernels_section, "activations": activations_section, "swiglu": swiglu_section,
+             "timeline": timeline_section}[name](args, out)
         except Exception:  # noqa: BLE001 - keep the other sections
             out.append(f"{name} failed:\n{traceback.format_exc()}")
         print("\n".join(out[printed:]), flush=True)
