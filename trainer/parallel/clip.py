@@ -51,9 +51,10 @@ def global_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], pc: Paral
 
     Each parameter's sum of squares is computed alone, on the rank that counts it; the vector of
     them (one entry per parameter of this stage, zero where another dp rank counts it) is summed
-    over dp, which is exact, and then in the order of `named_params`. So the norm, and with it
-    the clip coefficient, is bitwise the same for any dp size and with or without ZeRO-1: with
-    bf16 parameters a last-bit difference there flips roundings and the runs drift apart."""
+    over dp, which is exact, and then in the order of `named_params`. So the norm adds no layout
+    dependence of its own: given the same gradients, it and the clip coefficient are bitwise the
+    same for any dp size, with or without ZeRO-1. With bf16 parameters a last-bit difference in
+    the coefficient flips roundings, and runs that should agree drift apart."""
     grads = [grad_of(p) if counts_here(n, p, pc) else None for n, p in named_params]
     present = [g for g in grads if g is not None]
     if present:
