@@ -77,15 +77,16 @@ def test_bytes_per_param():
 
 
 @pytest.mark.parametrize("micro_batches,dp,grad_bytes", [(1, 1, 2), (2, 1, 4), (1, 2, 4)])
-def test_bf16_grads_are_fp32_only_when_summed(micro_batches, dp, grad_bytes):
-    """The plan counts what the optimizer keeps: fp32 main grads when a step sums gradients,
-    autograd's bf16 `.grad` otherwise (`trainer.parallel.data.sums_gradients`)."""
-    from trainer.parallel.data import sums_gradients
+def test_bf16_main_grads_are_fp32_only_when_summed(micro_batches, dp, grad_bytes):
+    """What `trainer.parallel.data.main_grad_dtype` gives the optimizer, the plan counts."""
+    import torch
+    from trainer.parallel.data import main_grad_dtype
 
     cm = CostModel(model=TINY, dp=dp, micro_batches=micro_batches, param_precision="bf16")
     mem = cm.stage_memory(0, 2)
     assert mem.grads == mem.params * grad_bytes
-    assert sums_gradients(micro_batches, dp) == (grad_bytes == 4)
+    want = torch.bfloat16 if grad_bytes == 2 else torch.float32
+    assert main_grad_dtype(torch.bfloat16, micro_batches, dp) == want
     with pytest.raises(ValueError, match="param_precision: expected one of fp32, bf16, got 'fp8'"):
         bytes_per_param("fp8", 1, True)
 

@@ -9,11 +9,10 @@ of memory traffic per parameter per step with clipping. Pure bf16 parameters upd
 (the plain baseline) are cheaper (14 bytes) but round every update to 8 mantissa bits, so small
 updates vanish. Here the model runs on bf16 parameters and the optimizer owns the fp32 truth.
 
-Layout: the trainable parameters become views into one flat bf16 buffer. When a step sums
-gradients (`trainer.parallel.data.sums_gradients`: micro-batches or ranks), each parameter gets
-an fp32 main grad, a view into one flat fp32 buffer in the same order (`attach_main_grad`:
-after each micro-batch's backward the bf16 `.grad` is copied or added into it and dropped, so
-accumulation over micro-batches is in fp32). The order is by dp owner (ZeRO-1;
+Layout: the trainable parameters become views into one flat bf16 buffer, and each gets an fp32
+main grad, a view into one flat fp32 buffer in the same order (`trainer.parallel.data.
+attach_main_grad`: after each micro-batch's backward the bf16 `.grad` is copied or added into it
+and dropped, so accumulation over micro-batches is in fp32). The order is by dp owner (ZeRO-1;
 one group without it), within an owner matrices then vectors (the weight-decay groups of
 `trainer.optim`), each view 64-element aligned, so each owner's parameters are one contiguous
 span. The fp32 master copy and the AdamW moments exist for this rank's span only. Per step:
@@ -21,8 +20,7 @@ span. The fp32 master copy and the AdamW moments exist for this rank's span only
   owner under ZeRO-1, to every rank without (`trainer.parallel.data.reduce_grads`);
 - `clip_grad_norm`: the global L2 norm over the main grads (`trainer.parallel.clip`, each
   parameter counted on its owner) and the clip coefficient, both on device;
-- `step(lr)`: one fused elementwise kernel (torch.compile on CUDA) over this rank's span (or
-  over each parameter, without main grads) that
+- `step(lr)`: one fused elementwise kernel (torch.compile on CUDA) over this rank's span that
   scales the gradient by the clip coefficient, applies torch.optim.AdamW's update (decoupled
   weight decay on matrices only, bias corrections) to the fp32 master and writes its bf16
   rounding into the parameters; under ZeRO-1 the owners then broadcast their spans of bf16
@@ -30,9 +28,8 @@ span. The fp32 master copy and the AdamW moments exist for this rank's span only
 Traffic with fp32 main grads: 6 (bf16 `.grad` into the fp32 main grad) + 4 (norm) + 30
 (update: master, moments, fp32 grad, bf16 param) = 40 bytes per parameter; each further
 micro-batch adds 10 (the add). They buy exact fp32 accumulation and an fp32 dp reduction. When
-nothing is summed (one micro-batch, one rank) there is no main grad: the update runs once per
-parameter, reading autograd's bf16 `.grad` itself (exact): 2 (norm) + 28 = 30 bytes, and the
-gradients live only from their backward to `zero_grad`. lr, the step count and the clip
+nothing is summed (one micro-batch, one rank) the main grads are bf16 (`main_grad_dtype`,
+lossless): 4 + 2 + 28 = 34 bytes. lr, the step count and the clip
 coefficient live on the device, so a step has no host synchronisation.
 
 State by name, as `trainer.optim`: torch AdamW's keys plus "master" for the parameters this
@@ -51,8 +48,8 @@ from trainer.config import TrainConfig
 from trainer.optim import decay_first
 from trainer.parallel.clip import clip_coefficient, global_grad_norm
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, attach_main_grad, broadcast_from_owners, partition_params,
-                                   reduce_grads, reset_main_grads, set_dp_owner, sums_gradients)
+from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, attach_main_grad, broadcast_from_owners, main_grad_dtype,
+                                   partition_params, reduce_grads, reset_main_grads, set_dp_owner)
 
 
 #: Each parameter's view starts at a multiple of this many elements (128 bytes in bf16): compiled
@@ -134,16 +131,12 @@ class MasterWeightAdamW:
         for (_, p), view in zip(self.local, self._local_views(self.master)):
             view.copy_(p.detach())
         self.flat_params = torch.zeros(self.offsets[-1] + self.numels[-1], dtype=param_dtype, device=device)
-        for p, w in zip(self.params, self._views(self.flat_params)):
+        self.main_grad = torch.zeros_like(self.flat_params,
+                                          dtype=main_grad_dtype(param_dtype, cfg.micro_batches, pc.world_size))
+        for p, w, g in zip(self.params, self._views(self.flat_params), self._views(self.main_grad)):
             w.copy_(p.detach())
             p.data = w
-        # Summed gradients accumulate in an fp32 buffer; otherwise the update reads autograd's
-        # own `.grad` of each parameter (exact, and no copy: 4 bytes a parameter of traffic).
-        self.main_grad: torch.Tensor | None = None
-        if sums_gradients(cfg.micro_batches, pc.world_size):
-            self.main_grad = torch.zeros_like(self.flat_params, dtype=torch.float32)
-            for p, g in zip(self.params, self._views(self.main_grad)):
-                attach_main_grad(p, g)
+            attach_main_grad(p, g)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self._lr = torch.tensor(cfg.lr, dtype=torch.float64, device=device)
@@ -151,8 +144,7 @@ class MasterWeightAdamW:
         self._grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self._reduced = False
         use_compile = device.type == "cuda" if compile is None else compile
-        # dynamic: one graph for the whole span and for every parameter's span alike.
-        self._update: Callable[..., None] = (torch.compile(adamw_update, fullgraph=True, dynamic=True)
+        self._update: Callable[..., None] = (torch.compile(adamw_update, fullgraph=True, dynamic=False)
                                              if use_compile else adamw_update)
 
     # -- layout -----------------------------------------------------------------------------
@@ -219,29 +211,14 @@ class MasterWeightAdamW:
             self.set_lr(lr)
         self._step += 1
         c = self.cfg
-        for master, grad, exp_avg, exp_avg_sq, param, n_decay in self._update_spans():
-            self._update(master, grad, exp_avg, exp_avg_sq, param, self._lr, self._step, self._grad_scale, n_decay,
+        if self.local:
+            self._update(self.master, self._local(self.main_grad), self.exp_avg, self.exp_avg_sq,
+                         self._local(self.flat_params), self._lr, self._step, self._grad_scale, self.n_decay,
                          c.beta1, c.beta2, c.eps, c.weight_decay)
         if self.zero1:
             broadcast_from_owners(self.params, self.owners, self.pc, self.bucket_numel)
         self._grad_scale = torch.ones_like(self._grad_scale)
         self._reduced = False
-
-    def _update_spans(self):
-        """(master, grad, exp_avg, exp_avg_sq, param, n_decay) for each call of the fused update:
-        the whole local span with a main-grad buffer, else one per local parameter, with its
-        autograd gradient (zero where backward gave none)."""
-        if not self.local:
-            return []
-        if self.main_grad is not None:
-            return [(self.master, self._local(self.main_grad), self.exp_avg, self.exp_avg_sq,
-                     self._local(self.flat_params), self.n_decay)]
-        local = range(self._first, self._first + len(self.local))
-        params = [self.params[i] for i in local]
-        views = [self._local_views(buf) for buf in (self.master, self.exp_avg, self.exp_avg_sq)]
-        return [(m.view(-1), (torch.zeros_like(p) if p.grad is None else p.grad).view(-1), v1.view(-1), v2.view(-1),
-                 p.detach().view(-1), p.numel() if p.ndim >= 2 else 0)
-                for p, m, v1, v2 in zip(params, *views)]
 
     def zero_grad(self) -> None:
         reset_main_grads(self.params)
