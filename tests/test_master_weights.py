@@ -56,11 +56,16 @@ def _master(opt: MasterWeightAdamW) -> dict[str, torch.Tensor]:
     return dict(zip(opt.owned_names(), opt._views(opt.master)))
 
 
-def test_matches_torch_adamw_on_fp32_master_and_params_are_its_bf16_rounding():
+@pytest.mark.parametrize("micro_batches,compile", [(1, False), (2, False), (1, True)])
+def test_matches_torch_adamw_on_fp32_master_and_params_are_its_bf16_rounding(micro_batches, compile):
+    """Main grads in bf16 (one micro-batch: nothing sums) or fp32 (two); the update compiled
+    (as on CUDA) or eager."""
     named = _named()
     expected = _reference(named, 3, [1e-2, 5e-3, 2e-3])
-    opt = MasterWeightAdamW(named, CFG, ParallelContext.single())
+    cfg = TrainConfig(**{**CFG.__dict__, "micro_batches": micro_batches})
+    opt = MasterWeightAdamW(named, cfg, ParallelContext.single(), compile=compile)
     assert all(p.dtype == torch.bfloat16 for _, p in named)
+    assert opt.main_grad.dtype == (torch.bfloat16 if micro_batches == 1 else torch.float32)
     _run(opt, named, range(3), [1e-2, 5e-3, 2e-3])
     master = _master(opt)
     for n, p in named:
