@@ -5,11 +5,10 @@ and v, [s, b, heads, hd] each and contiguous, with q and k rotated; attention ta
 views of them.
 
 Numerics: cos and sin are rounded to the activation dtype, then the rotation runs in fp32 and
-is rounded once. In a compiled block inductor turns this into one pointwise kernel per direction
-near copy bandwidth; the earlier form (the products in the activation dtype, v left a view of
-qkv) compiled to a kernel at about 1 TB/s and kept the pre-RoPE qkv alive for backward: the
-change bought about 1% of the 1B step and 1.3 GiB (experiments/PERFORMANCE.md). A hand-written
-Triton op for the same rotation measured no faster than inductor's kernel for this form.
+is rounded once. Against the earlier form (the products in the activation dtype, v left a view
+of qkv), the compiled block no longer keeps the pre-RoPE qkv for backward: 1.3 GiB less at 1B,
+the step time unchanged (experiments/PERFORMANCE.md). A hand-written Triton op for the same
+rotation measured no faster than inductor's kernels for this form.
 """
 
 from __future__ import annotations
