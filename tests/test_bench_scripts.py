@@ -30,3 +30,16 @@ def test_ablations_patch_existing_attributes(bench_modules):
             current = getattr(obj, attr)
             assert type(current) is type(value) or callable(current) and callable(value), (label, attr)
 
+
+
+def test_paired_windows_alternate_abba_and_rows_compare_within_their_group(bench_modules, monkeypatch):
+    sb = bench_modules["step_bench"]
+    monkeypatch.setattr(sb.torch.cuda, "synchronize", lambda: None)
+    calls: list[str] = []
+    seen = sb.paired_windows({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, iters=2, rounds=2)
+    assert "".join(calls) == "aabbbbaaaabbbbaa"
+    assert [len(v) for v in seen.values()] == [4, 4]
+    rows = [sb.Row("1b", "baseline --compile", 100.0), sb.Row("1b", "plain", 104.0),
+            sb.Row("1b", "baseline --compile", 100.0, group="paired"), sb.Row("1b", "plain", 106.0, group="paired")]
+    table = sb.format_table(rows).splitlines()
+    assert "1.040" in table[2] and "plain (paired)" in table[4] and "1.060" in table[4]

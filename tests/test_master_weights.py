@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +16,7 @@ from trainer.config import TrainConfig
 from trainer.master_weights import MasterWeightAdamW, MasterWeightStateError
 from trainer.parallel.context import ParallelContext
 
+REPO = Path(__file__).resolve().parents[1]
 CFG = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
 
 
@@ -56,16 +64,19 @@ def _master(opt: MasterWeightAdamW) -> dict[str, torch.Tensor]:
     return dict(zip(opt.owned_names(), opt._views(opt.master)))
 
 
-@pytest.mark.parametrize("micro_batches,compile", [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize("micro_batches,compile", [(1, False), (2, False), (2, True)])
 def test_matches_torch_adamw_on_fp32_master_and_params_are_its_bf16_rounding(micro_batches, compile):
-    """Main grads in bf16 (one micro-batch: nothing sums) or fp32 (two); the update compiled
-    (as on CUDA) or eager."""
+    """One micro-batch (nothing sums): no main grads, the update reads `.grad` (per parameter
+    here, on the CPU); two: fp32 main grads and the flat update, compiled (as on CUDA) or eager."""
     named = _named()
     expected = _reference(named, 3, [1e-2, 5e-3, 2e-3])
     cfg = TrainConfig(**{**CFG.__dict__, "micro_batches": micro_batches})
     opt = MasterWeightAdamW(named, cfg, ParallelContext.single(), compile=compile)
     assert all(p.dtype == torch.bfloat16 for _, p in named)
-    assert opt.main_grad.dtype == (torch.bfloat16 if micro_batches == 1 else torch.float32)
+    if micro_batches == 1:
+        assert opt.main_grad is None and opt._blocks is None
+    else:
+        assert opt.main_grad.dtype == torch.float32
     _run(opt, named, range(3), [1e-2, 5e-3, 2e-3])
     master = _master(opt)
     for n, p in named:
@@ -73,6 +84,61 @@ def test_matches_torch_adamw_on_fp32_master_and_params_are_its_bf16_rounding(mic
         assert torch.equal(p.detach(), master[n].to(torch.bfloat16))
     assert opt.offsets == [0, 64, 128]  # a.weight, b.weight, norm.weight: 64-element aligned
     assert not opt.master[12:64].any() and not opt.exp_avg_sq[12:64].any()
+
+
+TRITON_CASE = textwrap.dedent("""
+    import torch
+    from trainer import adamw_update as au
+    from trainer.config import TrainConfig
+    from trainer.master_weights import MasterWeightAdamW
+    from trainer.parallel.context import ParallelContext
+
+    assert au.uses_triton(torch.device("cpu")), "triton is not importable"
+    cfg = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, micro_batches=1)
+    g = torch.Generator().manual_seed(0)
+    # Tensors of more than one block and less, one that never gets a gradient (zero, as torch
+    # is given below), matrices (decayed) around a vector (not).
+    shapes = {"w1": (au.BLOCK + 37, 3), "norm": (5,), "w2": (2, 6), "unused": (7, 2)}
+    named = [(n, torch.nn.Parameter(torch.randn(s, generator=g))) for n, s in shapes.items()]
+    ref = {n: torch.nn.Parameter(p.detach().clone()) for n, p in named}
+    ref_opt = torch.optim.AdamW([{"params": [p for p in ref.values() if p.ndim >= 2], "weight_decay": 0.1},
+                                 {"params": [p for p in ref.values() if p.ndim < 2], "weight_decay": 0.0}],
+                                lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    opt = MasterWeightAdamW(named, cfg, ParallelContext.single())
+    assert opt.main_grad is None and opt._blocks is not None
+    assert opt._blocks.block_tensor.tolist() == [0, 0, 0, 0, 1, 2, 3]  # w1, w2, unused, norm
+    for t in range(3):
+        grads = {n: torch.randn(p.shape, generator=g).bfloat16() for n, p in named if n != "unused"}
+        for n, p in named:
+            p.grad = grads[n].clone() if n in grads else None
+            ref[n].grad = grads[n].float() if n in grads else torch.zeros_like(ref[n])
+        norm = opt.clip_grad_norm(0.5)
+        want = torch.nn.utils.clip_grad_norm_(list(ref.values()), 0.5)
+        assert want > 0.5  # clipping is active
+        opt.step(1e-2 / (t + 1))
+        opt.zero_grad()
+        for group in ref_opt.param_groups:
+            group["lr"] = 1e-2 / (t + 1)
+        ref_opt.step()
+        torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
+    master = dict(zip(opt.owned_names(), opt._local_views(opt.master)))
+    for n, p in named:
+        torch.testing.assert_close(master[n], ref[n].detach(), rtol=1e-6, atol=1e-7, msg=n)
+        # The interpreter truncates fp32 to bf16 where the GPU rounds to nearest: either is one.
+        truncated = (master[n].view(torch.int32) & -65536).view(torch.float32).bfloat16()
+        bf = p.detach()
+        assert ((bf == master[n].bfloat16()) | (bf == truncated)).all(), n
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
+                    reason="Triton wheels exist for Linux x86-64 only")
+def test_triton_update_on_autograd_grads_matches_torch_adamw_in_the_interpreter():
+    """The one-launch update over `.grad` tensors (the CUDA path), run by Triton's interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-c", TRITON_CASE], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
 
 
 def test_clipping_scales_the_gradient_and_reports_the_unclipped_norm():

@@ -73,20 +73,28 @@ def test_bytes_per_param():
     assert (fp32.weight, fp32.grad, fp32.optimizer, fp32.cast) == (4, 4, 2, 2)
     assert bytes_per_param("bf16", dp=4, zero1=True).total == 2 + 4 + 3
     assert bytes_per_param("bf16", dp=4, zero1=False).total == 18
-    assert bytes_per_param("bf16", dp=1, zero1=True, summed_grads=False).total == 2 + 2 + 12
+    assert bytes_per_param("bf16", dp=1, zero1=True, summed_grads=False).total == 2 + 0 + 12
 
 
-@pytest.mark.parametrize("micro_batches,dp,grad_bytes", [(1, 1, 2), (2, 1, 4), (1, 2, 4)])
-def test_bf16_main_grads_are_fp32_only_when_summed(micro_batches, dp, grad_bytes):
-    """What `trainer.parallel.data.main_grad_dtype` gives the optimizer, the plan counts."""
+@pytest.mark.parametrize("micro_batches,dp,grad_bytes", [(1, 1, 0), (2, 1, 4), (1, 2, 4)])
+def test_bf16_grads_are_persistent_fp32_main_grads_only_when_summed(micro_batches, dp, grad_bytes):
+    """What the optimizer allocates, the plan counts: fp32 main grads when the step sums
+    gradients; otherwise none, and the head's bf16 `.grad` in the last stage's transient."""
     import torch
-    from trainer.parallel.data import main_grad_dtype
+    from trainer.config import TrainConfig
+    from trainer.master_weights import MasterWeightAdamW
+    from trainer.parallel.context import ParallelContext
 
     cm = CostModel(model=TINY, dp=dp, micro_batches=micro_batches, param_precision="bf16")
     mem = cm.stage_memory(0, 2)
     assert mem.grads == mem.params * grad_bytes
-    want = torch.bfloat16 if grad_bytes == 2 else torch.float32
-    assert main_grad_dtype(torch.bfloat16, micro_batches, dp) == want
+    head_grad = 2 * cm.local_vocab * TINY.d_model
+    assert mem.transient == cm.head_transient_bytes() + (head_grad if grad_bytes == 0 else 0)
+    if dp == 1:
+        named = [("w", torch.nn.Parameter(torch.randn(3, 4)))]
+        opt = MasterWeightAdamW(named, TrainConfig(micro_batches=micro_batches), ParallelContext.single())
+        assert (opt.main_grad is None) == (grad_bytes == 0)
+        assert grad_bytes == 0 or opt.main_grad.dtype == torch.float32
     with pytest.raises(ValueError, match="param_precision: expected one of fp32, bf16, got 'fp8'"):
         bytes_per_param("fp8", 1, True)
 

@@ -1,4 +1,4 @@
-"""Mixed-precision AdamW: bf16 model parameters, fp32 main grads, fp32 master weights and moments
+"""Mixed-precision AdamW: bf16 model parameters, fp32 master weights and moments, fp32 main grads
 (Micikevicius et al. 2018, "Mixed Precision Training", with bf16 so no loss scaling; the layout of
 Megatron-LM's distributed optimizer, with ZeRO-1 at parameter granularity as `trainer.optim`).
 The trainer's path for bf16 compute with AdamW (train.param_dtype, `trainer.optim.build_optimizer`).
@@ -9,18 +9,21 @@ of memory traffic per parameter per step with clipping. Pure bf16 parameters upd
 (the plain baseline) are cheaper (14 bytes) but round every update to 8 mantissa bits, so small
 updates vanish. Here the model runs on bf16 parameters and the optimizer owns the fp32 truth.
 
-Layout: the trainable parameters become views into one flat bf16 buffer, and each gets an fp32
-main grad, a view into one flat fp32 buffer in the same order (`trainer.parallel.data.
+Layout: the trainable parameters become views into one flat bf16 buffer. When the step sums
+gradients (over micro-batches or ranks, `trainer.parallel.data.sums_gradients`) each also gets
+an fp32 main grad, a view into one flat fp32 buffer in the same order (`trainer.parallel.data.
 attach_main_grad`: after each micro-batch's backward the bf16 `.grad` is copied or added into it
-and dropped, so accumulation over micro-batches is in fp32). The order is by dp owner (ZeRO-1;
-one group without it), within an owner matrices then vectors (the weight-decay groups of
-`trainer.optim`), each view 64-element aligned, so each owner's parameters are one contiguous
-span. The fp32 master copy and the AdamW moments exist for this rank's span only. Per step:
+and dropped, so accumulation over micro-batches is in fp32); otherwise the update reads
+autograd's `.grad` where it lies (`trainer.adamw_update.adamw_update_tensors`). The order is by
+dp owner (ZeRO-1; one group without it), within an owner matrices then vectors (the
+weight-decay groups of `trainer.optim`), each view 64-element aligned, so each owner's
+parameters are one contiguous span. The fp32 master copy and the AdamW moments exist for this
+rank's span only. Per step:
 - `reduce_gradients`: the main grads summed over dp in fp32, in place, span by span: to the
   owner under ZeRO-1, to every rank without (`trainer.parallel.data.reduce_grads`);
-- `clip_grad_norm`: the global L2 norm over the main grads (`trainer.parallel.clip`, each
+- `clip_grad_norm`: the global L2 norm over the gradients (`trainer.parallel.clip`, each
   parameter counted on its owner) and the clip coefficient, both on device;
-- `step(lr)`: one fused elementwise kernel (torch.compile on CUDA) over this rank's span that
+- `step(lr)`: one fused elementwise kernel over this rank's span (`trainer.adamw_update`) that
   scales the gradient by the clip coefficient, applies torch.optim.AdamW's update (decoupled
   weight decay on matrices only, bias corrections) to the fp32 master and writes its bf16
   rounding into the parameters; under ZeRO-1 the owners then broadcast their spans of bf16
@@ -28,8 +31,8 @@ span. The fp32 master copy and the AdamW moments exist for this rank's span only
 Traffic with fp32 main grads: 6 (bf16 `.grad` into the fp32 main grad) + 4 (norm) + 30
 (update: master, moments, fp32 grad, bf16 param) = 40 bytes per parameter; each further
 micro-batch adds 10 (the add). They buy exact fp32 accumulation and an fp32 dp reduction. When
-nothing is summed (one micro-batch, one rank) the main grads are bf16 (`main_grad_dtype`,
-lossless): 4 + 2 + 28 = 34 bytes. lr, the step count and the clip
+nothing is summed (one micro-batch, one rank): 2 (norm) + 28 = 30 bytes, and the gradients
+take memory only from their backward to the step. lr, the step count and the clip
 coefficient live on the device, so a step has no host synchronisation.
 
 State by name, as `trainer.optim`: torch AdamW's keys plus "master" for the parameters this
@@ -44,12 +47,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.nn import Parameter
 
+from trainer.adamw_update import TensorBlocks, adamw_update, adamw_update_tensors, stacked_coefficients, uses_triton
 from trainer.config import TrainConfig
 from trainer.optim import decay_first
 from trainer.parallel.clip import clip_coefficient, global_grad_norm
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, attach_main_grad, broadcast_from_owners, main_grad_dtype,
-                                   partition_params, reduce_grads, reset_main_grads, set_dp_owner)
+from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, attach_main_grad, broadcast_from_owners, partition_params,
+                                   reduce_grads, reset_main_grads, set_dp_owner, sums_gradients)
 
 
 #: Each parameter's view starts at a multiple of this many elements (128 bytes in bf16): compiled
@@ -59,25 +63,6 @@ ALIGN_ELEMENTS = 64
 
 class MasterWeightStateError(ValueError):
     """An optimizer state that does not fit this optimizer: one line naming the parameter."""
-
-
-def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 param: torch.Tensor, lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor,
-                 n_decay: int, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """In place on flat buffers: AdamW (Loshchilov & Hutter 2019) as torch.optim.AdamW computes it,
-    on the fp32 `master` with gradient `grad * grad_scale`; weight decay on the first `n_decay`
-    elements only; then `param` (bf16) = master rounded. `step` is the step number after this
-    update (1 on the first); lr and step are 0-dim float64 tensors."""
-    g = grad.float() * grad_scale
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    step_size = (lr / (1.0 - beta1 ** step)).float()
-    bias_correction2_sqrt = (1.0 - beta2 ** step).sqrt().float()
-    decayed = torch.arange(master.numel(), device=master.device) < n_decay
-    keep = torch.where(decayed, (1.0 - lr * weight_decay).float(), 1.0)
-    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-    master.mul_(keep).sub_(step_size * exp_avg / denom)
-    param.copy_(master)
 
 
 def _aligned_offsets(numels: Sequence[int], multiple: int = ALIGN_ELEMENTS) -> list[int]:
@@ -131,12 +116,15 @@ class MasterWeightAdamW:
         for (_, p), view in zip(self.local, self._local_views(self.master)):
             view.copy_(p.detach())
         self.flat_params = torch.zeros(self.offsets[-1] + self.numels[-1], dtype=param_dtype, device=device)
-        self.main_grad = torch.zeros_like(self.flat_params,
-                                          dtype=main_grad_dtype(param_dtype, cfg.micro_batches, pc.world_size))
-        for p, w, g in zip(self.params, self._views(self.flat_params), self._views(self.main_grad)):
+        for p, w in zip(self.params, self._views(self.flat_params)):
             w.copy_(p.detach())
             p.data = w
-            attach_main_grad(p, g)
+        # Main grads only where the step sums gradients; otherwise the update reads autograd's.
+        self.main_grad: torch.Tensor | None = None
+        if sums_gradients(cfg.micro_batches, pc.world_size):
+            self.main_grad = torch.zeros_like(self.flat_params, dtype=torch.float32)
+            for p, g in zip(self.params, self._views(self.main_grad)):
+                attach_main_grad(p, g)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self._lr = torch.tensor(cfg.lr, dtype=torch.float64, device=device)
@@ -146,6 +134,14 @@ class MasterWeightAdamW:
         use_compile = device.type == "cuda" if compile is None else compile
         self._update: Callable[..., None] = (torch.compile(adamw_update, fullgraph=True, dynamic=False)
                                              if use_compile else adamw_update)
+        self._blocks: TensorBlocks | None = None
+        if self.main_grad is None and uses_triton(device):
+            a = self._span[0]
+            local = range(self._first, self._first + len(self.local))
+            self._blocks = TensorBlocks.build([self.offsets[i] - a for i in local], [self.numels[i] for i in local],
+                                              device)
+            self._coefficients = (torch.compile(stacked_coefficients, fullgraph=True, dynamic=False)
+                                  if use_compile else stacked_coefficients)
 
     # -- layout -----------------------------------------------------------------------------
     def _groups(self, named: list[tuple[str, Parameter]],
@@ -210,15 +206,43 @@ class MasterWeightAdamW:
         if lr is not None:
             self.set_lr(lr)
         self._step += 1
-        c = self.cfg
         if self.local:
-            self._update(self.master, self._local(self.main_grad), self.exp_avg, self.exp_avg_sq,
-                         self._local(self.flat_params), self._lr, self._step, self._grad_scale, self.n_decay,
-                         c.beta1, c.beta2, c.eps, c.weight_decay)
+            if self.main_grad is not None:
+                self._update_flat()
+            else:
+                self._update_from_autograd()
         if self.zero1:
             broadcast_from_owners(self.params, self.owners, self.pc, self.bucket_numel)
         self._grad_scale = torch.ones_like(self._grad_scale)
         self._reduced = False
+
+    def _update_flat(self) -> None:
+        c = self.cfg
+        self._update(self.master, self._local(self.main_grad), self.exp_avg, self.exp_avg_sq,
+                     self._local(self.flat_params), self._lr, self._step, self._grad_scale, self.n_decay,
+                     c.beta1, c.beta2, c.eps, c.weight_decay)
+
+    def _update_from_autograd(self) -> None:
+        """The update on the local parameters' `.grad` (zero where a parameter got none): one
+        Triton launch where `uses_triton`, else the flat update per parameter, eagerly (the CPU)."""
+        c = self.cfg
+        for _, p in self.local:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for _, p in self.local]
+        if self._blocks is not None:
+            coefficients = self._coefficients(self._lr, self._step, self._grad_scale, c.beta1, c.beta2,
+                                              c.weight_decay)
+            adamw_update_tensors(self.master, grads, self.exp_avg, self.exp_avg_sq, self._local(self.flat_params),
+                                 self._blocks, coefficients, self.n_decay, c.beta1, c.beta2, c.eps)
+            return
+        a = self._span[0]
+        views = zip(self._local_views(self.master), self._local_views(self.exp_avg),
+                    self._local_views(self.exp_avg_sq), self._local_views(self._local(self.flat_params)))
+        for i, g, (w, m, v, p) in zip(range(self._first, self._first + len(self.local)), grads, views):
+            decayed = p.numel() if self.offsets[i] - a < self.n_decay else 0
+            adamw_update(w.view(-1), g.view(-1), m.view(-1), v.view(-1), p.view(-1), self._lr, self._step,
+                         self._grad_scale, decayed, c.beta1, c.beta2, c.eps, c.weight_decay)
 
     def zero_grad(self) -> None:
         reset_main_grads(self.params)

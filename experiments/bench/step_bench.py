@@ -10,7 +10,9 @@ micro-batch) it times, in this order:
   losses from `doremi.reference.CachedReference` (a cache written for the bench);
 - doremi-online: the same with `OnlineReference`: a bf16 reference model forwarded under
   inference mode before the proxy step;
-- at 1B, plain again with recompute selective and full (peak memory against the plan).
+- at 1B, plain again with recompute selective and full (peak memory against the plan);
+- paired (`--paired`, default 1B): the baseline and plain steps both alive, timed in alternating
+  windows, so that neither gets the cooler GPU of running first.
 Each line: tokens/s, model TFLOP/s, MFU against 989 TFLOP/s and against the bf16 matmul peak
 measured at the start of the run, peak memory (max allocated during the timed steps minus what
 was allocated before the configuration was built), `doremi plan`'s prediction
@@ -72,7 +74,7 @@ SHAPES = {"1b": ("bench-1b", 8), "280m": ("bench-280m", 32)}
 WINDOWS = 3
 #: rough seconds of compile + timing per configuration, to stay inside --deadline
 COST = {"baseline": 45, "plain": 35, "doremi-cached": 5, "doremi-online": 20, "selective": 20, "full": 10,
-        "ablation": 40}
+        "ablation": 40, "paired": 50}
 
 
 @dataclass
@@ -88,6 +90,8 @@ class Row:
     syncs: str = ""
     note: str = ""
     windows: str = ""
+    #: rows of one group are compared with that group's baseline and plain rows
+    group: str = ""
 
 
 def sm_clock_mhz() -> int | None:
@@ -195,9 +199,9 @@ def load_baseline(path: Path):
     return mod
 
 
-def run_baseline(mod, name: str, steps: int, peak: float, device: torch.device, compile: bool = True) -> Row:
+def baseline_step(mod, name: str, device: torch.device, compile: bool = True) -> tuple[Callable[[], None], int, int]:
+    """The baseline's training step on its preset `name`: (step, FLOPs per token, tokens per step)."""
     vocab, d, n_layers, heads, kv_heads, d_ff, seq, mb = mod.PRESETS[name]
-    base = free()
     torch.manual_seed(0)
     model = mod.Llama(vocab, d, n_layers, heads, kv_heads, d_ff, seq).to(device, torch.bfloat16)
     n_matmul = sum(p.numel() for p in model.parameters()) - model.emb.weight.numel()
@@ -212,15 +216,61 @@ def run_baseline(mod, name: str, steps: int, peak: float, device: torch.device, 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step, fpt, mb * seq
+
+
+def run_baseline(mod, name: str, steps: int, peak: float, device: torch.device) -> Row:
+    base = free()
+    step, fpt, tokens = baseline_step(mod, name, device)
     timed(step, 0, 3)
     torch.cuda.reset_peak_memory_stats()
     log: list[str] = []
     dt = timed(step, steps, 0, WINDOWS, log)
-    row = _row(name, "baseline --compile", mb * seq / dt, fpt, peak, own_peak(base))
+    row = _row(name, "baseline --compile", tokens / dt, fpt, peak, own_peak(base))
     row.windows = " ".join(log)
     row.syncs = count_syncs([("step", step)])
-    del model, opt, fwd, step
+    del step
     return row
+
+
+def paired_windows(steps: dict[str, Callable[[], None]], iters: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each step over `2 * rounds` windows of `iters` calls, the steps taking
+    turns in the order A B B A A B ... so that a slow drift of the clock (the GPU warming up,
+    power) falls on each equally; synchronised at the window ends only."""
+    names = list(steps)
+    seen: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(2 * rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                steps[name]()
+            torch.cuda.synchronize()
+            seen[name].append((time.perf_counter() - t0) / iters)
+    return seen
+
+
+def run_paired(mod, name: str, steps: int, peak: float, device: torch.device, emit: Callable[[Row], None]) -> None:
+    """The baseline and the plain framework step both alive, timed in alternating windows
+    (`paired_windows`): their ratio without the order of the main rows (the baseline always
+    first, on a cooler GPU). Peak memory is not reported (both models share the GPU)."""
+    preset, mb = SHAPES[name]
+    pc = ParallelContext.single(device)
+    cfg = trainer_config(preset, mb, "none")
+    model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
+    ours = FrameworkStep(cfg, model, framework_optimizer(model, cfg, pc), pc, make_batch(cfg, mb, seed=1, device=device))
+    theirs, base_fpt, tokens = baseline_step(mod, name, device)
+    for fn in (theirs, ours):
+        timed(fn, 0, 3)
+    seen = paired_windows({"baseline": theirs, "plain": ours}, steps, WINDOWS + 1)
+    for key, variant, fpt in (("baseline", "baseline --compile", base_fpt),
+                              ("plain", "plain", flops_per_token(cfg.model, cfg.data.seq_len))):
+        row = _row(name, variant, tokens / float(np.median(seen[key])), fpt, peak, 0.0)
+        row.group = "paired"
+        row.windows = " ".join(f"{t * 1e3:.1f}ms" for t in seen[key])
+        row.note = "alternating windows, both alive"
+        emit(row)
+    del ours, model, theirs
 
 
 def _row(preset: str, variant: str, tps: float, fpt: float, peak: float, peak_gib: float) -> Row:
@@ -442,13 +492,15 @@ def format_table(rows: list[Row]) -> str:
     head = ["preset", "variant", "tokens/s", "TFLOP/s", "MFU(989)", "MFU(meas)", "peak GiB", "plan GiB",
             "vs base", "vs plain", "syncs"]
     lines = []
-    base = {r.preset: r.tokens_per_s for r in rows if r.variant.startswith("baseline")}
-    plain = {r.preset: r.tokens_per_s for r in rows if r.variant == "plain"}
+    base = {(r.preset, r.group): r.tokens_per_s for r in rows if r.variant.startswith("baseline")}
+    plain = {(r.preset, r.group): r.tokens_per_s for r in rows if r.variant == "plain"}
     for r in rows:
-        vb = f"{r.tokens_per_s / base[r.preset]:.3f}" if r.preset in base and r.tokens_per_s else "-"
-        vp = f"{r.tokens_per_s / plain[r.preset]:.3f}" if r.preset in plain and r.tokens_per_s else "-"
-        lines.append([r.preset, r.variant, f"{r.tokens_per_s:,.0f}", f"{r.tflops:.0f}", f"{r.mfu_datasheet:.1%}",
-                      f"{r.mfu_measured:.1%}", f"{r.peak_gib:.1f}",
+        key = (r.preset, r.group)
+        vb = f"{r.tokens_per_s / base[key]:.3f}" if key in base and r.tokens_per_s else "-"
+        vp = f"{r.tokens_per_s / plain[key]:.3f}" if key in plain and r.tokens_per_s else "-"
+        variant = f"{r.variant} ({r.group})" if r.group else r.variant
+        lines.append([r.preset, variant, f"{r.tokens_per_s:,.0f}", f"{r.tflops:.0f}", f"{r.mfu_datasheet:.1%}",
+                      f"{r.mfu_measured:.1%}", "-" if r.group == "paired" else f"{r.peak_gib:.1f}",
                       "-" if r.plan_gib is None else f"{r.plan_gib:.1f}", vb, vp, r.syncs or r.note])
     widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
@@ -463,6 +515,8 @@ def main() -> None:
     p.add_argument("--baseline", type=Path, default=REPO.parent / "shared" / "bench" / "plain_llama.py")
     p.add_argument("--deadline", type=float, default=1e9, help="seconds: skip configurations that would end later")
     p.add_argument("--out", type=Path, default=None, help="directory for bench.json")
+    p.add_argument("--paired", default="1b",
+                   help="presets whose baseline and plain steps are also timed in alternating windows ('' for none)")
     p.add_argument("--no-ablations", dest="ablations", action="store_false",
                    help="skip the 1B ablation rows (each undoes one optimisation)")
     args = p.parse_args()
@@ -471,7 +525,6 @@ def main() -> None:
     # One process compiles every configuration's blocks (two shapes, training and inference,
     # recompute modes, ablations): more variants of one function than dynamo's default of 8,
     # past which it would silently run the rest eagerly.
-    torch._dynamo.config.recompile_limit = 64
     if not args.baseline.is_file():
         sys.exit(f"--baseline: {args.baseline} not found (the shared plain_llama.py)")
     torch._dynamo.config.recompile_limit = 64
@@ -482,7 +535,8 @@ def main() -> None:
 
     def emit(row: Row) -> None:
         rows.append(row)
-        print(f"{row.preset} {row.variant}: {row.tokens_per_s:,.0f} tok/s, {row.tflops:.0f} TFLOP/s, "
+        variant = f"{row.variant} ({row.group})" if row.group else row.variant
+        print(f"{row.preset} {variant}: {row.tokens_per_s:,.0f} tok/s, {row.tflops:.0f} TFLOP/s, "
               f"MFU {row.mfu_datasheet:.1%} (989) {row.mfu_measured:.1%} (measured), peak {row.peak_gib:.1f} GiB, "
               f"plan {row.plan_gib}, syncs [{row.syncs}] windows [{row.windows}] {row.note}  "
               f"(t={time.perf_counter() - t0:.0f}s)", flush=True)
@@ -529,6 +583,9 @@ def main() -> None:
                 guarded(f"{name} framework", lambda: run_framework(
                     name, args.steps, peak, Path(tmp), emit, time_left, device,
                     name in args.doremi_presets.split(","), ("selective", "full") if name == "1b" else ()))
+        for name in args.paired.split(",") if args.paired else ():
+            if time_left("paired"):
+                guarded(f"{name} paired", lambda: run_paired(mod, name, args.steps, peak, device, emit))
         if args.ablations and "1b" in args.presets.split(","):
             guarded("1b ablations", lambda: run_ablations("1b", args.steps, peak, emit, time_left))
     counters = torch._dynamo.utils.counters

@@ -13,8 +13,8 @@ make the optimizer state in a checkpoint per parameter, so it reshards by name.
 
 Main grads (Megatron-LM's `main_grad`): with bf16 parameters, summing micro-batch gradients in
 bf16 `.grad` rounds every partial sum to 8 mantissa bits. `attach_main_grad` gives a parameter
-a buffer (fp32 when the step sums gradients, `main_grad_dtype`) that a post-accumulate-grad
-hook fills after each backward (the first write of a step copies, later ones add) before
+an fp32 buffer (`trainer.master_weights` does, when the step sums gradients) that a
+post-accumulate-grad hook fills after each backward (the first write of a step copies, later ones add) before
 dropping `.grad`. `grad_of` is the one accessor that every
 gradient consumer (these reductions, the tp/tied syncs, clipping) reads: the main grad where one
 is attached, `.grad` otherwise.
@@ -69,15 +69,8 @@ def sums_gradients(micro_batches: int, world_size: int) -> bool:
     return micro_batches > 1 or world_size > 1
 
 
-def main_grad_dtype(param_dtype: torch.dtype, micro_batches: int, world_size: int) -> torch.dtype:
-    """fp32 when the step sums gradients (`sums_gradients`); otherwise the parameter dtype, which
-    is lossless since each gradient is then exactly the one autograd produced, and saves 2 bytes
-    per parameter of memory and 4 of traffic per step (the copy in and the optimizer's read)."""
-    return torch.float32 if sums_gradients(micro_batches, world_size) else param_dtype
-
-
 def attach_main_grad(param: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """Accumulate `param`'s gradients into `main_grad` (same shape, `main_grad_dtype`) from now
+    """Accumulate `param`'s gradients into `main_grad` (same shape, fp32) from now
     on, exposed as `param.main_grad`; `.grad` is dropped after each backward."""
     old = getattr(param, _HOOK_ATTR, None)
     if old is not None:

@@ -47,8 +47,11 @@ class BytesPerParam:
     (m, v) sharded over dp by ZeRO-1, plus a 2-byte bf16 copy made by autocast's weight cache
     and kept for backward (one copy per step when the schedule runs inside one autocast
     region). bf16 (Megatron's distributed optimizer, Korthikanti et al. / Rajbhandari et al.):
-    2 bf16 weight + 4 fp32 main grad (2: bf16 when nothing sums gradients, see
-    `trainer.parallel.data.sums_gradients`) + 12 (fp32 master, m, v) sharded over dp."""
+    2 bf16 weight + 4 fp32 main grad + 12 (fp32 master, m, v) sharded over dp. When nothing
+    sums gradients (`trainer.parallel.data.sums_gradients`) there is no main grad: the update
+    reads autograd's bf16 `.grad`, which exists only from its backward to the step, so at the
+    peak (backward's start) only the head's is alive: `CostModel.stage_memory` counts it in the
+    transient and the persistent grad bytes are 0."""
 
     weight: float
     grad: float
@@ -61,12 +64,12 @@ class BytesPerParam:
 
 
 def bytes_per_param(param_precision: str, dp: int, zero1: bool, summed_grads: bool = True) -> BytesPerParam:
-    """`summed_grads`: gradients are summed over micro-batches or ranks (fp32 main grads)."""
+    """`summed_grads`: gradients are summed over micro-batches or ranks (bf16: fp32 main grads)."""
     shards = dp if zero1 else 1
     if param_precision == "fp32":
         return BytesPerParam(4.0, 4.0, 8.0 / shards, 2.0)
     if param_precision == "bf16":
-        return BytesPerParam(2.0, 4.0 if summed_grads else 2.0, 12.0 / shards, 0.0)
+        return BytesPerParam(2.0, 4.0 if summed_grads else 0.0, 12.0 / shards, 0.0)
     raise ValueError(f"param_precision: expected one of {', '.join(PRECISIONS)}, got {param_precision!r}")
 
 
@@ -261,6 +264,8 @@ class CostModel:
         if stage == self.pp - 1:
             acts += self.head_activation_bytes()
             transient = self.head_transient_bytes()
+            if self.param_precision == "bf16" and not summed:
+                transient += 2.0 * self.local_vocab * self.model.d_model  # the head's .grad, made first
         if stage == 0:
             transient = max(transient, 4.0 * self.tokens * self.model.d_model)  # fp32 embedding output
         if self.recompute == "full" and n_blocks:

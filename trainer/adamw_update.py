@@ -1,0 +1,163 @@
+"""The AdamW update of `trainer.master_weights`: fp32 master and moments in flat buffers, the
+bf16 parameters their rounding. Two forms of one update, by where the gradients are:
+
+- `adamw_update`: the gradients in one flat buffer (the main grads, when the step sums them
+  over micro-batches or ranks). torch ops; `torch.compile` makes it one kernel on CUDA.
+- `adamw_update_tensors`: the gradients where autograd left them, one `.grad` tensor per
+  parameter (when nothing sums gradients, so a main-grad buffer would only be a copy: 4 bytes
+  per parameter of traffic, 1.2 ms of a 1B step on an H200, and 2 bytes of memory). On CUDA one
+  Triton launch covers every parameter: each program updates one block of one tensor, finding
+  its gradient through a device table of the `.grad` addresses (rebuilt each step, copied from
+  pinned memory, so no synchronisation). Elsewhere, or without Triton, the flat form per
+  parameter. One launch matters: 99 launches of a compiled update (one per tensor of the 1B
+  model) measured slower than the copy they saved (experiments/PERFORMANCE.md, run 8).
+
+Both compute torch.optim.AdamW's update (Loshchilov & Hutter 2019: decoupled weight decay,
+bias corrections) on `master` with gradient `grad * grad_scale`, weight decay on the first
+`n_decay` elements only (the matrices come first in the buffers), then write the master's
+bf16 rounding into the parameters. `lr` and `step` are 0-dim float64 device tensors (`step`
+counts this update: 1 on the first), so nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+#: Elements per Triton program (one tensor's block).
+BLOCK = 1024
+
+
+def adamw_coefficients(lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float,
+                       weight_decay: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 (step size, sqrt of the second bias correction, decay factor, gradient scale),
+    computed in float64 as torch.optim.AdamW does on the host."""
+    step_size = (lr / (1.0 - beta1 ** step)).float()
+    bias_correction2_sqrt = (1.0 - beta2 ** step).sqrt().float()
+    keep = (1.0 - lr * weight_decay).float()
+    return step_size, bias_correction2_sqrt, keep, grad_scale.float()
+
+
+def stacked_coefficients(lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float,
+                         weight_decay: float) -> torch.Tensor:
+    """`adamw_coefficients` as one fp32 [4] tensor, what the Triton kernel reads."""
+    return torch.stack(adamw_coefficients(lr, step, grad_scale, beta1, beta2, weight_decay))
+
+
+def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 param: torch.Tensor, lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor,
+                 n_decay: int, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """In place on flat buffers of one length (see the module docstring)."""
+    step_size, bias_correction2_sqrt, keep, scale = adamw_coefficients(lr, step, grad_scale, beta1, beta2,
+                                                                      weight_decay)
+    g = grad.float() * scale
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    decayed = torch.arange(master.numel(), device=master.device) < n_decay
+    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    master.mul_(torch.where(decayed, keep, 1.0)).sub_(step_size * exp_avg / denom)
+    param.copy_(master)
+
+
+@dataclass(frozen=True)
+class TensorBlocks:
+    """Where each tensor lies in the flat buffers and which (tensor, first element) each Triton
+    program updates: built once, since the parameters' shapes do not change."""
+
+    offsets: torch.Tensor  # int64 [tensors]: first element in the flat buffers
+    numels: torch.Tensor  # int64 [tensors]
+    block_tensor: torch.Tensor  # int32 [blocks]
+    block_start: torch.Tensor  # int64 [blocks]: first element within its tensor
+
+    @classmethod
+    def build(cls, offsets: Sequence[int], numels: Sequence[int], device: torch.device,
+              block: int = BLOCK) -> "TensorBlocks":
+        tensor, start = [], []
+        for i, n in enumerate(numels):
+            for s in range(0, n, block):
+                tensor.append(i)
+                start.append(s)
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(torch.tensor(list(offsets), **i64), torch.tensor(list(numels), **i64),
+                   torch.tensor(tensor, dtype=torch.int32, device=device), torch.tensor(start, **i64))
+
+
+@functools.cache
+def triton_kernel():
+    """The Triton kernel, or None without Triton. Built on first use, so that importing this
+    module never needs Triton and TRITON_INTERPRET=1 (the tests' CPU mode) is read then."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw_tensors_kernel(grad_ptrs, block_tensor, block_start, offsets, numels, master, exp_avg, exp_avg_sq,
+                             param, coefficients, n_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+                             BLOCK_SIZE: tl.constexpr):
+        pid = tl.program_id(0)
+        t = tl.load(block_tensor + pid)
+        idx = tl.load(block_start + pid) + tl.arange(0, BLOCK_SIZE)
+        mask = idx < tl.load(numels + t)
+        flat = tl.load(offsets + t) + idx
+        grad = tl.load(grad_ptrs + t).to(tl.pointer_type(param.dtype.element_ty))
+        step_size = tl.load(coefficients)
+        bias_correction2_sqrt = tl.load(coefficients + 1)
+        keep = tl.load(coefficients + 2)
+        g = tl.load(grad + idx, mask=mask, other=0.0).to(tl.float32) * tl.load(coefficients + 3)
+        m = tl.load(exp_avg + flat, mask=mask, other=0.0)
+        v = tl.load(exp_avg_sq + flat, mask=mask, other=0.0)
+        w = tl.load(master + flat, mask=mask, other=0.0)
+        m = m + one_minus_beta1 * (g - m)
+        v = v * beta2 + one_minus_beta2 * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        w = w * tl.where(flat < n_decay, keep, 1.0) - tl.div_rn(step_size * m, denom)
+        tl.store(exp_avg + flat, m, mask=mask)
+        tl.store(exp_avg_sq + flat, v, mask=mask)
+        tl.store(master + flat, w, mask=mask)
+        tl.store(param + flat, w.to(param.dtype.element_ty), mask=mask)
+
+    return adamw_tensors_kernel
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether `adamw_update_tensors` runs the Triton kernel for buffers on `device`: on CUDA
+    when Triton is installed, and on the CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
+    import os
+
+    if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return triton_kernel() is not None
+    return False
+
+
+def grad_pointers(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """int64 [tensors] of the gradients' addresses on `device`: from pinned memory without
+    blocking on CUDA (the caching host allocator keeps the pinned block until the copy ran)."""
+    for g in grads:
+        if not g.is_contiguous():
+            raise ValueError(f"adamw_update_tensors: gradient of shape {tuple(g.shape)} is not contiguous")
+    ptrs = [g.data_ptr() for g in grads]
+    if device.type != "cuda":
+        return torch.tensor(ptrs, dtype=torch.int64)
+    return torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
+def adamw_update_tensors(master: torch.Tensor, grads: Sequence[torch.Tensor], exp_avg: torch.Tensor,
+                         exp_avg_sq: torch.Tensor, param: torch.Tensor, blocks: TensorBlocks,
+                         coefficients: torch.Tensor, n_decay: int, beta1: float, beta2: float, eps: float) -> None:
+    """The update with one gradient tensor per parameter, in one Triton launch (see the module
+    docstring). `grads[i]` is the gradient of the flat buffers' elements [offsets[i], +numels[i])
+    (`blocks`), in the parameters' dtype; `coefficients` is `adamw_coefficients` stacked (fp32 [4])."""
+    for g in grads:
+        if g.dtype != param.dtype:
+            raise ValueError(f"adamw_update_tensors: gradient dtype {g.dtype}, parameters are {param.dtype}")
+    kernel = triton_kernel()
+    n_blocks = blocks.block_tensor.numel()
+    if n_blocks:
+        kernel[(n_blocks,)](grad_pointers(grads, master.device), blocks.block_tensor, blocks.block_start,
+                            blocks.offsets, blocks.numels, master, exp_avg, exp_avg_sq, param, coefficients,
+                            n_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, BLOCK_SIZE=BLOCK)
