@@ -56,7 +56,7 @@ from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerC
 from data.config import DataConfig  # noqa: E402
 from trainer.build import autocast, param_dtype  # noqa: E402
 from trainer.optim import Optimizer, build_optimizer  # noqa: E402
-from trainer.model import layers, llama  # noqa: E402
+from trainer.model import layers, llama, rope  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.model.presets import PRESETS  # noqa: E402
@@ -449,6 +449,14 @@ def earlier_rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
     return rot(q.view(s, b, heads, hd)), rot(k.view(s, b, kv_heads, hd)), v.view(s, b, kv_heads, hd)
 
 
+def cat_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`trainer.model.rope.rotate` in the form before it (2026-12-04): the halves joined by `cat`."""
+    c = cos[:, None, None, :].to(x.dtype).float()
+    s = sin[:, None, None, :].to(x.dtype).float()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
 #: Each ablation undoes one optimisation of the plain 1B step: (label, config overrides of
 #: TrainConfig, module attributes to replace while it runs). Measured on a fresh model, after the
 #: main rows.
@@ -459,15 +467,16 @@ ABLATIONS = [
                                        SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)}),
     ("ablation: RoPE in the earlier form (bf16 products, v a view of qkv)", {},
      {(llama, "rope_qkv"): earlier_rope_qkv}),
+    ("ablation: RoPE halves joined by cat (not roll)", {}, {(rope, "rotate"): cat_rotate}),
 ]
 
 
 def run_ablations(name: str, steps: int, peak: float, emit: Callable[[Row], None],
-                  time_left: Callable[[str], bool]) -> None:
+                  time_left: Callable[[str], bool], matching: str = "") -> None:
     preset, mb = SHAPES[name]
     pc = ParallelContext.single(torch.device("cuda"))
     for label, train_overrides, patches in ABLATIONS:
-        if not time_left("ablation"):
+        if matching not in label or not time_left("ablation"):
             continue
         cfg = trainer_config(preset, mb, "none")
         cfg = replace(cfg, train=replace(cfg.train, **train_overrides))
@@ -519,6 +528,7 @@ def main() -> None:
                    help="presets whose baseline and plain steps are also timed in alternating windows ('' for none)")
     p.add_argument("--no-ablations", dest="ablations", action="store_false",
                    help="skip the 1B ablation rows (each undoes one optimisation)")
+    p.add_argument("--ablations-matching", default="", help="only the ablations whose label contains this")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_bench: needs a CUDA device")
@@ -587,7 +597,8 @@ def main() -> None:
             if time_left("paired"):
                 guarded(f"{name} paired", lambda: run_paired(mod, name, args.steps, peak, device, emit))
         if args.ablations and "1b" in args.presets.split(","):
-            guarded("1b ablations", lambda: run_ablations("1b", args.steps, peak, emit, time_left))
+            guarded("1b ablations", lambda: run_ablations("1b", args.steps, peak, emit, time_left,
+                                                                args.ablations_matching))
     counters = torch._dynamo.utils.counters
     notes.append(f"dynamo graph breaks: {dict(counters['graph_break'])}; "
                  f"unique graphs: {counters['stats'].get('unique_graphs', 0)}")

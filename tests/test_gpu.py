@@ -1,0 +1,55 @@
+"""GPU-only paths against their CPU-tested references (skipped without CUDA; on the device
+machine, without pytest: `python tests/test_gpu.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.adamw_update import TensorBlocks, adamw_update, adamw_update_tensors, stacked_coefficients
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_triton_update_on_grad_tensors_equals_the_compiled_flat_update():
+    """Tensors of odd sizes, decay on the first ones, clipping scale != 1, several steps: the
+    one-launch update over `.grad` tensors and the compiled flat update agree to fp32 rounding,
+    and the bf16 parameters are each one's rounding of its master."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    numels = [3 * 1024 + 37, 4096, 5, 1, 2048 * 3]
+    offsets = [0]
+    for n in numels[:-1]:
+        offsets.append(offsets[-1] + -(-n // 64) * 64)
+    total = offsets[-1] + numels[-1]
+    n_decay = offsets[2]
+    master = torch.zeros(total, device=dev)  # the gaps between tensors stay zero, as in the optimizer
+    for o, n in zip(offsets, numels):
+        master[o:o + n] = torch.randn(n, device=dev, generator=g)
+    states = {k: (master.clone(), torch.zeros_like(master), torch.zeros_like(master), master.bfloat16())
+              for k in ("flat", "tensors")}
+    flat_update = torch.compile(adamw_update, fullgraph=True, dynamic=False)
+    blocks = TensorBlocks.build(offsets, numels, dev)
+    lr = torch.tensor(3e-3, dtype=torch.float64, device=dev)
+    scale = torch.tensor(0.7, device=dev)
+    for t in range(1, 4):
+        step = torch.tensor(float(t), dtype=torch.float64, device=dev)
+        grads = [torch.randn(n, device=dev, generator=g).bfloat16() for n in numels]
+        flat_grad = torch.zeros(total, dtype=torch.bfloat16, device=dev)
+        for o, n, gr in zip(offsets, numels, grads):
+            flat_grad[o:o + n] = gr
+        w, m, v, p = states["flat"]
+        flat_update(w, flat_grad, m, v, p, lr, step, scale, n_decay, 0.9, 0.95, 1e-8, 0.1)
+        w, m, v, p = states["tensors"]
+        coefficients = stacked_coefficients(lr, step, scale, 0.9, 0.95, 0.1)
+        adamw_update_tensors(w, grads, m, v, p, blocks, coefficients, n_decay, 0.9, 0.95, 1e-8)
+    for a, b in zip(states["flat"], states["tensors"]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-6, atol=1e-7)
+    for w, _, _, p in states.values():
+        assert torch.equal(p, w.bfloat16())
+
+
+if __name__ == "__main__":
+    test_triton_update_on_grad_tensors_equals_the_compiled_flat_update()
+    print("ok")
