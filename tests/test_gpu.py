@@ -50,6 +50,28 @@ def test_triton_update_on_grad_tensors_equals_the_compiled_flat_update():
         assert torch.equal(p, w.bfloat16())
 
 
+@cuda
+def test_triton_cross_entropy_matches_the_torch_op_at_the_bench_vocabulary():
+    from trainer.model import cross_entropy as ce
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    n, vocab, padded = 4096, 32000, 32064
+    logits = (4 * torch.randn(n, padded, device=dev, generator=g)).bfloat16()
+    target = torch.randint(0, vocab, (n,), device=dev, generator=g)
+    target[::7] = -100
+    grad = torch.randn(n, device=dev, generator=g)
+    loss, lse = ce.cross_entropy_triton(logits, target, vocab, -100)
+    want_loss, want_lse = ce.cross_entropy_torch(logits.double(), target, vocab, -100)
+    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-5)
+    d = ce.cross_entropy_backward_triton(grad, logits, target, lse, vocab, -100)
+    want = ce.cross_entropy_backward_torch(grad, logits, target, lse, vocab, -100)
+    assert not d[:, vocab:].any()
+    assert ((d.float() - want.float()).abs() <= 2.0 ** -8 * want.float().abs() + 1e-9).all()
+
+
 if __name__ == "__main__":
     test_triton_update_on_grad_tensors_equals_the_compiled_flat_update()
+    test_triton_cross_entropy_matches_the_torch_op_at_the_bench_vocabulary()
     print("ok")

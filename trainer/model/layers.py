@@ -59,15 +59,6 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, scaling=None,
     return freqs.cos(), freqs.sin()
 
 
-def per_token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                            ignore_index: int) -> torch.Tensor:
-    """Unsharded per-token cross entropy in fp32 over the first `vocab_size` columns: the form
-    torch.compile fuses with the head (eager, the vocabulary-parallel one keeps less memory)."""
-    z = logits[..., :vocab_size].float()
-    return F.cross_entropy(z.reshape(-1, z.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
-                           reduction="none").view(target.shape)
-
-
 # -- attention core -----------------------------------------------------------------------------
 
 #: SDPA backends on CUDA, fastest first: on Hopper cuDNN's fused attention runs the forward and

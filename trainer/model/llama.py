@@ -23,11 +23,11 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.configtools import ConfigError
+from trainer.model.cross_entropy import cross_entropy
 from trainer.model.init import init_parameters
 from trainer.model.layers import (
     RMSNorm,
     causal_attention,
-    per_token_cross_entropy,
     resolve_attention,
     rope_tables,
 )
@@ -195,7 +195,7 @@ class LlamaStage(nn.Module):
         """Final norm, head and per-token cross entropy: [s(/tp), b, d], [b, s] -> [b, s] fp32."""
         logits, target = self._local_logits(x), labels.t()
         if self._fused_loss:
-            losses = per_token_cross_entropy(logits, target, self.cfg.vocab_size, IGNORE_INDEX)
+            losses = cross_entropy(logits, target, self.cfg.vocab_size, IGNORE_INDEX)
         else:
             losses = vocab_parallel_cross_entropy(logits, target, self.tp, self.cfg.vocab_size, IGNORE_INDEX)
         return losses.t().contiguous()

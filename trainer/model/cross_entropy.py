@@ -1,0 +1,186 @@
+"""Per-token cross entropy over unsharded logits, `doremi::cross_entropy`: the loss of the
+compiled head at tp = 1 (`trainer.model.llama`; eager and tp > 1 use the vocabulary-parallel
+one, which keeps less memory).
+
+loss = logsumexp(z[:vocab_size]) - z[target] in fp32 from logits in their own dtype (bf16),
+0 where target == ignore_index; the columns past vocab_size (padding) are not part of the
+softmax and get zero gradient. One custom op pair, so that `torch.compile` keeps each as one
+call:
+- forward, on CUDA a Triton kernel: one program per token reads its row of logits once,
+  keeping a running max and sum of exponentials per lane (online softmax, Milakov & Gimelshein
+  2018), and saves the fp32 logsumexp (4 bytes per token). What inductor made of
+  `F.cross_entropy(z.float())` read the 1B bench's 1 GiB of bf16 logits at 1.2 TB/s (0.87 ms
+  a step; experiments/PERFORMANCE.md);
+- backward: dz = g (softmax(z) - onehot(target)) from the logits and the saved logsumexp, one
+  read and one write of the logits;
+- elsewhere (CPU, or no Triton), the same math in torch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+#: Columns per loop iteration (forward) or per program (backward).
+BLOCK = 2048
+
+
+def _accumulation(x: torch.Tensor) -> torch.Tensor:
+    """fp32, or x's dtype where wider (float64 references)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def cross_entropy_torch(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                        ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, V >= vocab_size], target [n] -> (loss [n] fp32, logsumexp [n] fp32), torch ops."""
+    z = _accumulation(logits[:, :vocab_size])
+    lse = torch.logsumexp(z, dim=-1)
+    loss = F.cross_entropy(z, target, ignore_index=ignore_index, reduction="none")
+    return loss, lse
+
+
+def cross_entropy_backward_torch(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
+                                 lse: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    g = torch.where(target == ignore_index, 0.0, _accumulation(grad))
+    p = torch.exp(_accumulation(logits[:, :vocab_size]) - lse[:, None])
+    p.scatter_add_(1, torch.where(target == ignore_index, 0, target)[:, None], -torch.ones_like(g)[:, None])
+    out = torch.zeros_like(logits)
+    out[:, :vocab_size] = (p * g[:, None]).to(logits.dtype)
+    return out
+
+
+@functools.cache
+def triton_kernels():
+    """(forward, backward) Triton kernels, or None without Triton; built on first use (see
+    `trainer.model.swiglu.triton_kernel`)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cross_entropy_forward_kernel(logits, target, loss, lse_out, vocab_size, row_stride, ignore_index,
+                                     BLOCK_SIZE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = logits + row * row_stride
+        m = tl.full([BLOCK_SIZE], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_SIZE], tl.float32)
+        for start in range(0, vocab_size, BLOCK_SIZE):
+            cols = start + tl.arange(0, BLOCK_SIZE)
+            z = tl.load(base + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, z)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - shift) + tl.exp(z - shift)
+            m = m_new
+        m_row = tl.max(m, axis=0)
+        lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
+        t = tl.load(target + row)
+        inside = (t >= 0) & (t < vocab_size)
+        z_t = tl.load(base + t, mask=inside, other=float("nan")).to(tl.float32)
+        tl.store(loss + row, tl.where(t == ignore_index, 0.0, lse - z_t))
+        tl.store(lse_out + row, lse)
+
+    @triton.jit
+    def cross_entropy_backward_kernel(grad, logits, target, lse, out, vocab_size, n_cols, row_stride, out_row_stride,
+                                      ignore_index, BLOCK_SIZE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        t = tl.load(target + row)
+        g = tl.where(t == ignore_index, 0.0, tl.load(grad + row).to(tl.float32))
+        z = tl.load(logits + row * row_stride + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+        p = tl.exp(z - tl.load(lse + row))
+        d = g * (p - tl.where(cols == t, 1.0, 0.0))
+        tl.store(out + row * out_row_stride + cols, d.to(out.dtype.element_ty), mask=cols < n_cols)
+
+    return cross_entropy_forward_kernel, cross_entropy_backward_kernel
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def cross_entropy_triton(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                         ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    forward, _ = triton_kernels()
+    logits, target = _rows(logits), target.contiguous()
+    n = logits.shape[0]
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n:
+        forward[(n,)](logits, target, loss, lse, vocab_size, logits.stride(0), ignore_index, BLOCK_SIZE=BLOCK,
+                      num_warps=8)
+    return loss, lse
+
+
+def cross_entropy_backward_triton(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
+                                  lse: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    _, backward = triton_kernels()
+    logits, target, grad = _rows(logits), target.contiguous(), grad.contiguous()
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    n, cols = logits.shape
+    if out.numel():
+        backward[(n, -(-cols // BLOCK))](grad, logits, target, lse, out, vocab_size, cols, logits.stride(0),
+                                        out.stride(0), ignore_index, BLOCK_SIZE=BLOCK, num_warps=8)
+    return out
+
+
+@torch.library.custom_op("doremi::cross_entropy", mutates_args=())
+def cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                     ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return cross_entropy_torch(logits, target, vocab_size, ignore_index)
+
+
+@cross_entropy_op.register_kernel("cuda")
+def _cross_entropy_cuda(logits, target, vocab_size, ignore_index):
+    if triton_kernels() is None:
+        return cross_entropy_torch(logits, target, vocab_size, ignore_index)
+    return cross_entropy_triton(logits, target, vocab_size, ignore_index)
+
+
+@cross_entropy_op.register_fake
+def _cross_entropy_fake(logits, target, vocab_size, ignore_index):
+    n = logits.shape[0]
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("doremi::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward_op(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                              vocab_size: int, ignore_index: int) -> torch.Tensor:
+    return cross_entropy_backward_torch(grad, logits, target, lse, vocab_size, ignore_index)
+
+
+@cross_entropy_backward_op.register_kernel("cuda")
+def _cross_entropy_backward_cuda(grad, logits, target, lse, vocab_size, ignore_index):
+    if triton_kernels() is None:
+        return cross_entropy_backward_torch(grad, logits, target, lse, vocab_size, ignore_index)
+    return cross_entropy_backward_triton(grad, logits, target, lse, vocab_size, ignore_index)
+
+
+@cross_entropy_backward_op.register_fake
+def _cross_entropy_backward_fake(grad, logits, target, lse, vocab_size, ignore_index):
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    logits, target, vocab_size, ignore_index = inputs
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.vocab_size, ctx.ignore_index = vocab_size, ignore_index
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    logits, target, lse = ctx.saved_tensors
+    return cross_entropy_backward_op(grad_loss, logits, target, lse, ctx.vocab_size, ctx.ignore_index), None, None, None
+
+
+cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """logits [..., V >= vocab_size], target [...] -> per-token loss [...] fp32 (see the module
+    docstring). The logsumexp output is for backward only (its gradient is not supported)."""
+    loss, _ = cross_entropy_op(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), vocab_size, ignore_index)
+    return loss.view(target.shape)
