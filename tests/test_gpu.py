@@ -68,7 +68,7 @@ def test_triton_cross_entropy_matches_the_torch_op_at_the_bench_vocabulary():
     d = ce.cross_entropy_backward_triton(grad, logits, target, lse, vocab, -100)
     want = ce.cross_entropy_backward_torch(grad, logits, target, lse, vocab, -100)
     assert not d[:, vocab:].any()
-    assert ((d.float() - want.float()).abs() <= 2.0 ** -8 * want.float().abs() + 1e-9).all()
+    assert ((d.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-9).all()  # one bf16 ulp
 
 
 if __name__ == "__main__":

@@ -457,6 +457,15 @@ def cat_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
+def inductor_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                           ignore_index: int) -> torch.Tensor:
+    """`trainer.model.cross_entropy.cross_entropy` in the form before it (2026-12-04): torch ops
+    that inductor compiles with the head."""
+    z = logits[..., :vocab_size].float()
+    return torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), target.reshape(-1),
+                                             ignore_index=ignore_index, reduction="none").view(target.shape)
+
+
 #: Each ablation undoes one optimisation of the plain 1B step: (label, config overrides of
 #: TrainConfig, module attributes to replace while it runs). Measured on a fresh model, after the
 #: main rows.
@@ -468,6 +477,7 @@ ABLATIONS = [
     ("ablation: RoPE in the earlier form (bf16 products, v a view of qkv)", {},
      {(llama, "rope_qkv"): earlier_rope_qkv}),
     ("ablation: RoPE halves joined by cat (not roll)", {}, {(rope, "rotate"): cat_rotate}),
+    ("ablation: cross entropy by inductor (not the Triton op)", {}, {(llama, "cross_entropy"): inductor_cross_entropy}),
 ]
 
 
