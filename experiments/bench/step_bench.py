@@ -30,6 +30,7 @@ Usage (on a GPU, from the repository root):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -481,12 +482,34 @@ ABLATIONS = [
 ]
 
 
+@contextlib.contextmanager
+def tunable_gemms():
+    """PyTorch's TunableOp: each GEMM shape's first call times cuBLAS(Lt)'s candidate algorithms
+    and keeps the fastest (the warm-up steps pay for it)."""
+    tunable = torch.cuda.tunable
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    tunable.set_max_tuning_duration(30)
+    tunable.set_filename(str(Path(tempfile.gettempdir()) / "tunableop_results.csv"))
+    try:
+        yield
+    finally:
+        tunable.tuning_enable(False)
+        tunable.enable(False)
+
+
+#: Candidate changes not (yet) in the framework, timed like the ablations: (label, context).
+TRIALS = [("trial: GEMM algorithms tuned per shape (TunableOp)", tunable_gemms)]
+
+
 def run_ablations(name: str, steps: int, peak: float, emit: Callable[[Row], None],
                   time_left: Callable[[str], bool], matching: str = "") -> None:
     preset, mb = SHAPES[name]
     pc = ParallelContext.single(torch.device("cuda"))
-    for label, train_overrides, patches in ABLATIONS:
-        if matching not in label or not time_left("ablation"):
+    runs = [(label, overrides, patches, contextlib.nullcontext) for label, overrides, patches in ABLATIONS]
+    runs += [(label, {}, {}, context) for label, context in TRIALS]
+    for label, train_overrides, patches, context in runs:
+        if matching and not any(m in label for m in matching.split(",")) or not time_left("ablation"):
             continue
         cfg = trainer_config(preset, mb, "none")
         cfg = replace(cfg, train=replace(cfg.train, **train_overrides))
@@ -495,12 +518,13 @@ def run_ablations(name: str, steps: int, peak: float, emit: Callable[[Row], None
         try:
             for (obj, attr), value in patches.items():
                 setattr(obj, attr, value)
-            base = free()
-            model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-            opt = framework_optimizer(model, cfg, pc)
-            step = FrameworkStep(cfg, model, opt, pc, make_batch(cfg, mb, seed=1, device=pc.device))
-            emit(measure(name, label, step, steps, 3, fpt, peak, base, None))
-            del model, opt, step
+            with context():
+                base = free()
+                model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
+                opt = framework_optimizer(model, cfg, pc)
+                step = FrameworkStep(cfg, model, opt, pc, make_batch(cfg, mb, seed=1, device=pc.device))
+                emit(measure(name, label, step, steps, 3, fpt, peak, base, None))
+                del model, opt, step
         finally:
             for (obj, attr), value in saved.items():
                 setattr(obj, attr, value)
@@ -538,7 +562,7 @@ def main() -> None:
                    help="presets whose baseline and plain steps are also timed in alternating windows ('' for none)")
     p.add_argument("--no-ablations", dest="ablations", action="store_false",
                    help="skip the 1B ablation rows (each undoes one optimisation)")
-    p.add_argument("--ablations-matching", default="", help="only the ablations whose label contains this")
+    p.add_argument("--ablations-matching", default="", help="only the ablations and trials whose label contains one of these (comma-separated)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_bench: needs a CUDA device")
