@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from trainer.multi_tensor import TensorBlocks, tensor_pointers, triton_runs_on
 
 #: Elements per Triton program (one tensor's block).
 BLOCK = 1024
@@ -61,29 +62,6 @@ def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
     master.mul_(torch.where(decayed, keep, 1.0)).sub_(step_size * exp_avg / denom)
     param.copy_(master)
-
-
-@dataclass(frozen=True)
-class TensorBlocks:
-    """Where each tensor lies in the flat buffers and which (tensor, first element) each Triton
-    program updates: built once, since the parameters' shapes do not change."""
-
-    offsets: torch.Tensor  # int64 [tensors]: first element in the flat buffers
-    numels: torch.Tensor  # int64 [tensors]
-    block_tensor: torch.Tensor  # int32 [blocks]
-    block_start: torch.Tensor  # int64 [blocks]: first element within its tensor
-
-    @classmethod
-    def build(cls, offsets: Sequence[int], numels: Sequence[int], device: torch.device,
-              block: int = BLOCK) -> "TensorBlocks":
-        tensor, start = [], []
-        for i, n in enumerate(numels):
-            for s in range(0, n, block):
-                tensor.append(i)
-                start.append(s)
-        i64 = dict(dtype=torch.int64, device=device)
-        return cls(torch.tensor(list(offsets), **i64), torch.tensor(list(numels), **i64),
-                   torch.tensor(tensor, dtype=torch.int32, device=device), torch.tensor(start, **i64))
 
 
 @functools.cache
@@ -125,25 +103,8 @@ def triton_kernel():
 
 
 def uses_triton(device: torch.device) -> bool:
-    """Whether `adamw_update_tensors` runs the Triton kernel for buffers on `device`: on CUDA
-    when Triton is installed, and on the CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
-    import os
-
-    if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
-        return triton_kernel() is not None
-    return False
-
-
-def grad_pointers(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """int64 [tensors] of the gradients' addresses on `device`: from pinned memory without
-    blocking on CUDA (the caching host allocator keeps the pinned block until the copy ran)."""
-    for g in grads:
-        if not g.is_contiguous():
-            raise ValueError(f"adamw_update_tensors: gradient of shape {tuple(g.shape)} is not contiguous")
-    ptrs = [g.data_ptr() for g in grads]
-    if device.type != "cuda":
-        return torch.tensor(ptrs, dtype=torch.int64)
-    return torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    """Whether `adamw_update_tensors` runs the Triton kernel for buffers on `device`."""
+    return triton_runs_on(device) and triton_kernel() is not None
 
 
 def adamw_update_tensors(master: torch.Tensor, grads: Sequence[torch.Tensor], exp_avg: torch.Tensor,
@@ -153,11 +114,12 @@ def adamw_update_tensors(master: torch.Tensor, grads: Sequence[torch.Tensor], ex
     docstring). `grads[i]` is the gradient of the flat buffers' elements [offsets[i], +numels[i])
     (`blocks`), in the parameters' dtype; `coefficients` is `adamw_coefficients` stacked (fp32 [4])."""
     for g in grads:
-        if g.dtype != param.dtype:
-            raise ValueError(f"adamw_update_tensors: gradient dtype {g.dtype}, parameters are {param.dtype}")
+        if g.dtype != param.dtype or not g.is_contiguous():
+            raise ValueError(f"adamw_update_tensors: gradients must be contiguous {param.dtype}, "
+                             f"got {g.dtype} of strides {g.stride()}")
     kernel = triton_kernel()
     n_blocks = blocks.block_tensor.numel()
     if n_blocks:
-        kernel[(n_blocks,)](grad_pointers(grads, master.device), blocks.block_tensor, blocks.block_start,
+        kernel[(n_blocks,)](tensor_pointers(grads, master.device), blocks.block_tensor, blocks.block_start,
                             blocks.offsets, blocks.numels, master, exp_avg, exp_avg_sq, param, coefficients,
                             n_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, BLOCK_SIZE=BLOCK)

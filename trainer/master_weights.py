@@ -47,8 +47,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.nn import Parameter
 
-from trainer.adamw_update import TensorBlocks, adamw_update, adamw_update_tensors, stacked_coefficients, uses_triton
+from trainer.adamw_update import BLOCK, adamw_update, adamw_update_tensors, stacked_coefficients, uses_triton
 from trainer.config import TrainConfig
+from trainer.multi_tensor import TensorBlocks
 from trainer.optim import decay_first
 from trainer.parallel.clip import clip_coefficient, global_grad_norm
 from trainer.parallel.context import ParallelContext
@@ -139,7 +140,7 @@ class MasterWeightAdamW:
             a = self._span[0]
             local = range(self._first, self._first + len(self.local))
             self._blocks = TensorBlocks.build([self.offsets[i] - a for i in local], [self.numels[i] for i in local],
-                                              device)
+                                              device, BLOCK)
             self._coefficients = (torch.compile(stacked_coefficients, fullgraph=True, dynamic=False)
                                   if use_compile else stacked_coefficients)
 
