@@ -72,22 +72,7 @@ def test_triton_cross_entropy_matches_the_torch_op_at_the_bench_vocabulary():
     assert ((d.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-9).all()  # one bf16 ulp
 
 
-@cuda
-def test_triton_sums_of_squares_match_foreach_norm_on_bf16_gradients():
-    from trainer.multi_tensor import sums_of_squares, uses_triton_squares
-
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    ts = [torch.randn(n, device=dev, generator=g).bfloat16() for n in (32000 * 2048, 3072 * 2048, 2048, 1, 8192 + 3)]
-    assert uses_triton_squares(ts)
-    got = sums_of_squares(ts)
-    want = torch.stack([(t.double() ** 2).sum() for t in ts])
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
-    assert torch.equal(got, sums_of_squares(ts))
-
-
 if __name__ == "__main__":
     test_triton_update_on_grad_tensors_equals_the_compiled_flat_update()
     test_triton_cross_entropy_matches_the_torch_op_at_the_bench_vocabulary()
-    test_triton_sums_of_squares_match_foreach_norm_on_bf16_gradients()
     print("ok")

@@ -50,24 +50,3 @@ def test_bf16_is_rounded_once_from_fp32():
     for t, w in zip(got, want):
         assert t.dtype == torch.bfloat16
         assert bool(((t.double() - w).abs() <= 2.0 ** -8 * w.abs() + 1e-6).all())
-
-
-def test_roll_form_is_bitwise_the_textbook_rotate_half():
-    """`rotate` (x [c, c] + roll(x) [-s, s]) against [x1 c - x2 s, x2 c + x1 s]: equal outputs and
-    input gradients, fp32 and bf16."""
-    from trainer.model.rope import rotate
-
-    def textbook(x, cos, sin):
-        c = cos[:, None, None, :].to(x.dtype).float()
-        s = sin[:, None, None, :].to(x.dtype).float()
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-    g = torch.Generator().manual_seed(0)
-    cos, sin = rope_tables(12, 16, 10000.0, device=torch.device("cpu"))
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(12, 2, 3, 16, generator=g).to(dtype).requires_grad_()
-        grad = torch.randn(12, 2, 3, 16, generator=g).to(dtype)
-        outs = [f(x, cos, sin) for f in (rotate, textbook)]
-        grads = [torch.autograd.grad(o, x, grad)[0] for o in outs]
-        assert torch.equal(*outs) and torch.equal(*grads), dtype

@@ -73,13 +73,14 @@ def op_core(qkv, cos, sin):
     return causal_attention(q, k, v, "sdpa")
 
 
-def cat_core(qkv, cos, sin):
-    """`op_core` with the halves of the rotation joined by `cat` (`step_bench.cat_rotate`)."""
+def roll_core(qkv, cos, sin):
+    """`op_core` with the rotation written pointwise (`step_bench.roll_rotate`)."""
     s, b, _ = qkv.shape
     q, k, v = qkv.split([H * HD, KV * HD, KV * HD], dim=-1)
     cos, sin = cos[:s], sin[:s]
-    return causal_attention(sb.cat_rotate(q.view(s, b, H, HD), cos, sin), sb.cat_rotate(k.view(s, b, KV, HD), cos, sin),
-                            v.reshape(s, b, KV, HD).contiguous(), "sdpa")
+    return causal_attention(sb.roll_rotate(q.view(s, b, H, HD), cos, sin),
+                            sb.roll_rotate(k.view(s, b, KV, HD), cos, sin), v.reshape(s, b, KV, HD).contiguous(),
+                            "sdpa")
 
 
 def attention(report: dict) -> None:
@@ -89,7 +90,7 @@ def attention(report: dict) -> None:
     qkv = torch.randn(S, B, (H + 2 * KV) * HD, device=dev, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(S, B, H * HD, device=dev, dtype=torch.bfloat16)
     results = {}
-    for name, core in (("earlier rope", earlier_core), ("rope_qkv cat halves", cat_core), ("rope_qkv", op_core)):
+    for name, core in (("earlier rope", earlier_core), ("rope_qkv", op_core), ("rope_qkv with roll", roll_core)):
         fn = torch.compile(core, dynamic=False)
 
         def step(fn=fn):
@@ -108,7 +109,7 @@ def attention(report: dict) -> None:
         print(f"attention {name}: fwd+bwd {ms:.3f} ms, fwd {fwd_ms:.3f} ms", flush=True)
         for k, t in report[f"attention {name}"]["kernels"]:
             print(f"    {t:8.4f}  {k}", flush=True)
-    (o0, g0), _, (o1, g1) = results.values()
+    (o0, g0), (o1, g1), _ = results.values()
     report["attention diff"] = {"out": (o0 - o1).abs().max().item(), "grad": (g0 - g1).abs().max().item(),
                                 "out_scale": o0.abs().max().item(), "grad_scale": g0.abs().max().item()}
     print("attention diff", report["attention diff"], flush=True)

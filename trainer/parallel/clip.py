@@ -25,7 +25,6 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from trainer.multi_tensor import sums_of_squares, uses_triton_squares
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.data import get_dp_owner, grad_of
 from trainer.parallel.shard import get_shard_spec
@@ -75,14 +74,11 @@ def global_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], pc: Paral
 
 
 def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's sum of squares, in fp32: [len(tensors)], accumulated in fp32 without an fp32
-    copy of a bf16 gradient (4 bytes a parameter at once, at the step's end, where full
-    recompute has its peak). On CUDA `trainer.multi_tensor.sums_of_squares` (two Triton
-    launches, deterministic); elsewhere `_foreach_norm`, which read the 1B model's bf16
-    gradients at 2.3 TB/s on an H200 (experiments/PERFORMANCE.md). A compiled graph of
-    per-tensor reductions cost 2.4 ms of host time per call and was dropped."""
-    if uses_triton_squares(tensors):
-        return sums_of_squares(tensors)
+    """Each tensor's sum of squares, in fp32: [len(tensors)]. `_foreach_norm` accumulates in
+    fp32 itself: no fp32 copy of a bf16 gradient (4 bytes a parameter at once, at the step's
+    end, where full recompute has its peak). Two faster-looking forms did not change the 1B
+    step time on an H200 and are not used: a compiled graph of per-tensor reductions, and two
+    Triton launches over a table of the gradients' addresses (experiments/PERFORMANCE.md)."""
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
 
 
