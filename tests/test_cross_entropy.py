@@ -3,20 +3,15 @@ Triton kernels (run by Triton's interpreter)."""
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.interpreter import needs_triton, run_interpreted
 from trainer.model.cross_entropy import cross_entropy, cross_entropy_op
 
-REPO = Path(__file__).resolve().parents[1]
 IGNORE = -100
 
 
@@ -49,7 +44,6 @@ def test_torch_op_matches_float64_reference_with_ignored_tokens_and_padded_vocab
     torch.testing.assert_close(x.grad.double(), want_grad, rtol=tol, atol=tol)
     torch.library.opcheck(cross_entropy_op, (logits, target, 50, IGNORE))
 
-
 TRITON_CASE = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
@@ -78,9 +72,6 @@ TRITON_CASE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
-                    reason="Triton wheels exist for Linux x86-64 only")
+@needs_triton
 def test_triton_kernels_match_the_torch_op_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    res = subprocess.run([sys.executable, "-c", TRITON_CASE], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+    run_interpreted(TRITON_CASE)

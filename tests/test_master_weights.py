@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.interpreter import needs_triton, run_interpreted
 from trainer.config import TrainConfig
 from trainer.master_weights import MasterWeightAdamW, MasterWeightStateError
 from trainer.parallel.context import ParallelContext
 
-REPO = Path(__file__).resolve().parents[1]
 CFG = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
 
 
@@ -85,7 +80,6 @@ def test_matches_torch_adamw_on_fp32_master_and_params_are_its_bf16_rounding(mic
     assert opt.offsets == [0, 64, 128]  # a.weight, b.weight, norm.weight: 64-element aligned
     assert not opt.master[12:64].any() and not opt.exp_avg_sq[12:64].any()
 
-
 TRITON_CASE = textwrap.dedent("""
     import torch
     from trainer import adamw_update as au
@@ -132,13 +126,10 @@ TRITON_CASE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
-                    reason="Triton wheels exist for Linux x86-64 only")
+@needs_triton
 def test_triton_update_on_autograd_grads_matches_torch_adamw_in_the_interpreter():
     """The one-launch update over `.grad` tensors (the CUDA path), run by Triton's interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    res = subprocess.run([sys.executable, "-c", TRITON_CASE], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+    run_interpreted(TRITON_CASE)
 
 
 def test_clipping_scales_the_gradient_and_reports_the_unclipped_norm():

@@ -4,20 +4,14 @@ registration (schema, fake tensor) through torch.library.opcheck."""
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.interpreter import needs_triton, run_interpreted
 from trainer.model.swiglu import swiglu, swiglu_backward, swiglu_backward_torch
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _reference_grad(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -44,8 +38,7 @@ def test_custom_op_registration_and_module_gradient():
     torch.testing.assert_close(gate_up.grad.double(), _reference_grad(grad, gate_up), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
-                    reason="Triton wheels exist for Linux x86-64 only")
+@needs_triton
 def test_triton_kernel_matches_float64_reference_in_the_interpreter():
     """Row blocks that do not divide f, a single column, a strided (sliced) input, fp32 and bf16."""
     script = textwrap.dedent("""
@@ -71,6 +64,4 @@ def test_triton_kernel_matches_float64_reference_in_the_interpreter():
         assert ((out.double() - ref).abs().max()).item() < 1e-6
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+    run_interpreted(script)
