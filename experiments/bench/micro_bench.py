@@ -9,6 +9,8 @@ Sections (`--sections`, comma-separated):
   reductions (timed per call, host included).
 - `boundary`: a block's last residual add and the next block's RMSNorm, as two compiled
   graphs against one.
+- `update`: the AdamW update at the 1B sizes, inductor's flat kernel against the Triton kernel
+  over per-parameter gradients for several block sizes and warps.
 
 Usage (GPU, repository root): python experiments/bench/micro_bench.py --out $OUT
 """
@@ -160,7 +162,45 @@ def boundary(report: dict) -> None:
     print("boundary (fwd+bwd, one layer)", report["boundary"], flush=True)
 
 
-SECTIONS = {"attention": attention, "norm": norm, "boundary": boundary}
+def update(report: dict) -> None:
+    """The AdamW update at the 1B model's tensor sizes: inductor's flat kernel against the Triton
+    kernel over per-parameter gradients, for block sizes and warps."""
+    from trainer.adamw_update import adamw_update, stacked_coefficients, triton_kernel
+    from trainer.multi_tensor import TensorBlocks, tensor_pointers
+
+    dev = torch.device("cuda")
+    shapes = [(VOCAB, D)] + [(3072, D), (D, D), (2 * FFN, D), (D, FFN), (D,), (D,)] * LAYERS + [(D,), (VOCAB, D)]
+    numels = [int(torch.Size(x).numel()) for x in shapes]
+    offsets, at = [], 0
+    for n in numels:
+        offsets.append(at)
+        at += -(-n // 64) * 64
+    master, m, v = (torch.zeros(at, device=dev) for _ in range(3))
+    param = torch.zeros(at, device=dev, dtype=torch.bfloat16)
+    grads = [torch.randn(n, device=dev, dtype=torch.bfloat16) for n in numels]
+    flat_grad = torch.zeros(at, device=dev, dtype=torch.bfloat16)
+    lr = torch.tensor(1e-4, dtype=torch.float64, device=dev)
+    step = torch.tensor(3.0, dtype=torch.float64, device=dev)
+    scale = torch.ones((), device=dev)
+    flat = torch.compile(adamw_update, fullgraph=True, dynamic=False)
+    res = {"flat_compiled_ms": cuda_ms(lambda: flat(master, flat_grad, m, v, param, lr, step, scale, at // 2,
+                                                     0.9, 0.95, 1e-8, 0.1))}
+    coefficients = stacked_coefficients(lr, step, scale, 0.9, 0.95, 0.1)
+    kernel = triton_kernel()
+    for block in (1024, 2048, 4096):
+        blocks = TensorBlocks.build(offsets, numels, dev, block)
+        for warps in (4, 8):
+            def run(blocks=blocks, block=block, warps=warps):
+                kernel[(blocks.block_tensor.numel(),)](
+                    tensor_pointers(grads, dev), blocks.block_tensor, blocks.block_start, blocks.offsets,
+                    blocks.numels, master, m, v, param, coefficients, at // 2, 0.9, 0.1, 0.95, 0.05, 1e-8,
+                    BLOCK_SIZE=block, num_warps=warps)
+            res[f"triton_block{block}_warps{warps}_ms"] = cuda_ms(run)
+    report["update"] = res
+    print("update (1B sizes, ms)", res, flush=True)
+
+
+SECTIONS = {"attention": attention, "norm": norm, "boundary": boundary, "update": update}
 
 
 def main() -> None:
