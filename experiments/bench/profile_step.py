@@ -110,21 +110,9 @@ def profile(fn, steps: int = 2) -> tuple[dict[str, float], list[tuple[str, float
 
 
 def kernels_section(args, out: list[str]) -> None:
-    mod = sb.load_baseline(args.baseline)
-    vocab, d, n_layers, heads, kv_heads, d_ff, seq, mb = mod.PRESETS[args.preset]
-    torch.manual_seed(0)
-    model = mod.Llama(vocab, d, n_layers, heads, kv_heads, d_ff, seq).to("cuda", torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    fwd = torch.compile(model)
-    idx = torch.randint(0, vocab, (mb, seq), device="cuda")
-
-    def base_step():
-        fwd(idx, idx).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    base_step, _, _ = sb.baseline_step(sb.load_baseline(args.baseline), args.preset, torch.device("cuda"))
     base_cls, base_k = profile(base_step)
-    del model, opt, fwd
+    del base_step
     sb.free()
 
     preset, mb = sb.SHAPES[args.preset]
