@@ -43,21 +43,3 @@ def test_paired_windows_alternate_abba_and_rows_compare_within_their_group(bench
             sb.Row("1b", "baseline --compile", 100.0, group="paired"), sb.Row("1b", "plain", 106.0, group="paired")]
     table = sb.format_table(rows).splitlines()
     assert "1.040" in table[2] and "plain (paired)" in table[4] and "1.060" in table[4]
-
-
-def test_roll_trial_is_bitwise_the_model_rotation(bench_modules):
-    """The RoPE trial times the same numbers in another form: outputs and gradients equal."""
-    import torch
-
-    from trainer.model.layers import rope_tables
-    from trainer.model.rope import rotate
-
-    sb = bench_modules["step_bench"]
-    g = torch.Generator().manual_seed(0)
-    cos, sin = rope_tables(12, 16, 10000.0, device=torch.device("cpu"))
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(12, 2, 3, 16, generator=g).to(dtype).requires_grad_()
-        grad = torch.randn(12, 2, 3, 16, generator=g).to(dtype)
-        outs = [f(x, cos, sin) for f in (rotate, sb.roll_rotate)]
-        grads = [torch.autograd.grad(o, x, grad)[0] for o in outs]
-        assert torch.equal(*outs) and torch.equal(*grads), dtype

@@ -72,7 +72,37 @@ def test_triton_cross_entropy_matches_the_torch_op_at_the_bench_vocabulary():
     assert ((d.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-9).all()  # one bf16 ulp
 
 
+@cuda
+def test_triton_rope_matches_the_compiled_torch_ops_at_the_bench_shape():
+    """The 1B layer's shape, bf16: q, k, v within one bf16 rounding of the torch ops' (fp32
+    contraction may differ); attention's output and the projection's gradient, compiled as in a
+    block, within bf16 noise of the torch ops' (relative norm of the difference)."""
+    from trainer.model import rope
+    from trainer.model.layers import causal_attention, rope_tables
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    s, b, h, kv, hd = 2048, 8, 32, 8, 64
+    cos, sin = rope_tables(s, hd, 500000.0, device=dev)
+    qkv = torch.randn(s, b, (h + 2 * kv) * hd, device=dev, generator=g).bfloat16().requires_grad_()
+    grad = torch.randn(s, b, h * hd, device=dev, generator=g).bfloat16()
+    results = []
+    for fn in (rope.rope_qkv, rope.rope_qkv_torch):
+        core = torch.compile(lambda x, fn=fn: causal_attention(*fn(x, cos, sin, h, kv), "sdpa"), dynamic=False)
+        qkv.grad = None
+        parts = fn(qkv, cos, sin, h, kv)
+        out = core(qkv)
+        out.backward(grad)
+        results.append(([p.detach() for p in parts], out.detach(), qkv.grad.clone()))
+    (p0, o0, g0), (p1, o1, g1) = results
+    for a, w in zip(p0, p1):
+        assert ((a.float() - w.float()).abs() <= 2.0 ** -8 * w.float().abs() + 1e-6).all()
+    for a, w in ((o0, o1), (g0, g1)):  # bf16 attention of inputs one rounding apart
+        assert ((a.float() - w.float()).norm() / w.float().norm()).item() < 4e-3
+
+
 if __name__ == "__main__":
     test_triton_update_on_grad_tensors_equals_the_compiled_flat_update()
     test_triton_cross_entropy_matches_the_torch_op_at_the_bench_vocabulary()
+    test_triton_rope_matches_the_compiled_torch_ops_at_the_bench_shape()
     print("ok")

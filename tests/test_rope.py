@@ -1,5 +1,6 @@
 """RoPE on the fused QKV projection (`trainer.model.rope`) against a float64 rotate-half reference,
-forward and gradient."""
+forward and gradient: the custom ops' torch path, their registration, and the Triton kernels
+(Triton's CPU interpreter) against the torch path."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from trainer.model.layers import rope_tables
-from trainer.model.rope import rope_qkv
+from tests.interpreter import needs_triton, run_interpreted
+from trainer.model.rope import rope_qkv, rope_qkv_backward_op, rope_qkv_op, rope_qkv_torch
 
 
 def _reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv: int):
@@ -50,3 +52,49 @@ def test_bf16_is_rounded_once_from_fp32():
     for t, w in zip(got, want):
         assert t.dtype == torch.bfloat16
         assert bool(((t.double() - w).abs() <= 2.0 ** -8 * w.abs() + 1e-6).all())
+
+
+def test_custom_ops_registration():
+    g = torch.Generator().manual_seed(3)
+    cos, sin = rope_tables(6, 8, 10000.0)
+    qkv = torch.randn(6, 2, (4 + 2 * 2) * 8, generator=g)
+    torch.library.opcheck(rope_qkv_op, (qkv, cos, sin, 4, 2))
+    q, k, v = rope_qkv_torch(qkv, cos, sin, 4, 2)
+    dq, dk, dv = (torch.randn(t.shape, generator=g) for t in (q, k, v))
+    torch.library.opcheck(rope_qkv_backward_op, (dq, dk, dv, cos, sin))
+
+
+@needs_triton
+def test_triton_kernels_match_the_torch_path_in_the_interpreter():
+    """Head counts and head dims that are not powers of two, a qkv with a row stride wider than
+    its rows, incoming gradients in SDPA's permuted layout, fp32 (to rounding) and bf16."""
+    run_interpreted("""
+import torch
+from trainer.model import rope as r
+from trainer.model.layers import rope_tables
+assert r.triton_kernels() is not None, "triton is not importable"
+def close(got, want, tol):
+    return bool(((got.double() - want.double()).abs() <= tol * (want.double().abs() + 1.0)).all())
+g = torch.Generator().manual_seed(0)
+for s, b, heads, kv, hd in [(5, 3, 4, 2, 8), (7, 2, 6, 3, 6), (3, 1, 2, 2, 16), (4, 2, 3, 1, 10)]:
+    cos, sin = rope_tables(s, hd, 10000.0)
+    width = (heads + 2 * kv) * hd
+    # bf16: the interpreter truncates fp32 -> bf16 (the GPU rounds) for cos, sin and the result,
+    # so up to a few bf16 steps (2^-7 relative each) apart.
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2.0 ** -5)):
+        wide = torch.randn(s, b, width + 6, generator=g).to(dtype)
+        qkv = wide[..., 2:-4]
+        out = r.rope_qkv_triton(qkv, cos, sin, heads, kv)
+        ref = r.rope_qkv_torch(qkv, cos, sin, heads, kv)
+        for got, want in zip(out, ref):
+            assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+            assert close(got, want, tol), (s, hd, dtype)
+        dq = torch.randn(b, heads, s, hd, generator=g).to(dtype).permute(2, 0, 1, 3)
+        dk = torch.randn(s, b, kv, hd, generator=g).to(dtype)
+        dv = torch.randn(b, kv, s, hd, generator=g).to(dtype).permute(2, 0, 1, 3)
+        got = r.rope_qkv_backward_triton(dq, dk, dv, cos, sin)
+        want = r.rope_qkv_backward_torch(dq, dk, dv, cos, sin)
+        assert got.shape == (s, b, width) and got.dtype == dtype
+        assert close(got, want, tol), ("backward", s, hd, dtype)
+print("ok")
+""")

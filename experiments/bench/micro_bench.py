@@ -2,11 +2,10 @@
 
 Sections (`--sections`, comma-separated):
 - `attention`: one layer's attention core (RoPE, causal SDPA, the layout change back), forward
-  and backward, compiled: the RoPE form before `trainer.model.rope` against `rope_qkv`; CUDA
-  time per call, the top kernels, and the largest differences of the outputs and gradients.
-- `norm`: the gradient norm over the 1B model's gradient views: `_foreach_norm`, one
-  `vector_norm` over the flat buffer they live in, and one compiled graph of per-view
-  reductions (timed per call, host included).
+  and backward, compiled: the RoPE form before `trainer.model.rope`, its torch ops and its
+  Triton op; wall and kernel time per call, the top kernels, the largest differences.
+- `norm`: the gradient's sums of squares over the 1B model's 99 gradient tensors:
+  `_foreach_norm` against a two-launch Triton candidate over the pointer table.
 - `boundary`: a block's last residual add and the next block's RMSNorm, as two compiled
   graphs against one.
 - `update`: the AdamW update at the 1B sizes, inductor's flat kernel against the Triton kernel
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import step_bench as sb  # noqa: E402
 from trainer.model.layers import causal_attention, rope_tables  # noqa: E402
-from trainer.model.rope import rope_qkv  # noqa: E402
+from trainer.model.rope import rope_qkv, rope_qkv_torch  # noqa: E402
 
 S, B, H, KV, HD, D, FFN, LAYERS, VOCAB = 2048, 8, 32, 8, 64, 2048, 8192, 16, 32000
 
@@ -70,29 +69,26 @@ def earlier_core(qkv, cos, sin):
     return causal_attention(*sb.earlier_rope_qkv(qkv, cos, sin, H, KV), "sdpa")
 
 
+def torch_core(qkv, cos, sin):
+    return causal_attention(*rope_qkv_torch(qkv, cos, sin, H, KV), "sdpa")
+
+
 def op_core(qkv, cos, sin):
-    q, k, v = rope_qkv(qkv, cos, sin, H, KV)
-    return causal_attention(q, k, v, "sdpa")
-
-
-def roll_core(qkv, cos, sin):
-    """`op_core` with the rotation written pointwise (`step_bench.roll_rotate`)."""
-    s, b, _ = qkv.shape
-    q, k, v = qkv.split([H * HD, KV * HD, KV * HD], dim=-1)
-    cos, sin = cos[:s], sin[:s]
-    return causal_attention(sb.roll_rotate(q.view(s, b, H, HD), cos, sin),
-                            sb.roll_rotate(k.view(s, b, KV, HD), cos, sin), v.reshape(s, b, KV, HD).contiguous(),
-                            "sdpa")
+    return causal_attention(*rope_qkv(qkv, cos, sin, H, KV), "sdpa")
 
 
 def attention(report: dict) -> None:
+    """Wall time per call (host included: one layer is short enough for launch latency to show)
+    and the kernels' own time (the profiler's CUDA total), which is what a step that the host
+    runs ahead of pays."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
     cos, sin = rope_tables(S, HD, 500000.0, device=dev)
     qkv = torch.randn(S, B, (H + 2 * KV) * HD, device=dev, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(S, B, H * HD, device=dev, dtype=torch.bfloat16)
     results = {}
-    for name, core in (("earlier rope", earlier_core), ("rope_qkv", op_core), ("rope_qkv with roll", roll_core)):
+    for name, core in (("earlier rope", earlier_core), ("rope_qkv torch ops", torch_core),
+                       ("rope_qkv op", op_core)):
         fn = torch.compile(core, dynamic=False)
 
         def step(fn=fn):
@@ -107,36 +103,78 @@ def attention(report: dict) -> None:
         with torch.no_grad():
             fwd_ms = cuda_ms(lambda: fwd(qkv, cos, sin))
         ms = cuda_ms(step)
-        report[f"attention {name}"] = {"fwd_bwd_ms": ms, "fwd_ms": fwd_ms, "kernels": top_kernels(step)}
-        print(f"attention {name}: fwd+bwd {ms:.3f} ms, fwd {fwd_ms:.3f} ms", flush=True)
-        for k, t in report[f"attention {name}"]["kernels"]:
+        kernels = top_kernels(step, n=100)
+        rope_ms = sum(t for k, t in kernels if "cudnn" not in k and "Memset" not in k)
+        report[f"attention {name}"] = {"fwd_bwd_ms": ms, "fwd_ms": fwd_ms, "kernel_ms": sum(t for _, t in kernels),
+                                       "non_attention_kernel_ms": rope_ms, "kernels": kernels[:10]}
+        print(f"attention {name}: fwd+bwd wall {ms:.3f} ms, fwd wall {fwd_ms:.3f} ms, kernels "
+              f"{sum(t for _, t in kernels):.4f} ms of which not cuDNN {rope_ms:.4f} ms", flush=True)
+        for k, t in kernels[:10]:
             print(f"    {t:8.4f}  {k}", flush=True)
-    (o0, g0), (o1, g1), _ = results.values()
-    report["attention diff"] = {"out": (o0 - o1).abs().max().item(), "grad": (g0 - g1).abs().max().item(),
-                                "out_scale": o0.abs().max().item(), "grad_scale": g0.abs().max().item()}
-    print("attention diff", report["attention diff"], flush=True)
+    (o0, g0), (o1, g1), (o2, g2) = results.values()
+    report["attention diff"] = {"out": (o2 - o1).abs().max().item(), "grad": (g2 - g1).abs().max().item(),
+                                "out_scale": o1.abs().max().item(), "grad_scale": g1.abs().max().item()}
+    print("attention diff (op against torch ops)", report["attention diff"], flush=True)
+
+
+def squares_kernels():
+    """A candidate for the gradient norm: per-block partial sums of squares over the pointer
+    table (`trainer.multi_tensor`), then per tensor over its blocks in order (no atomics)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_squares(ptrs, block_tensor, block_start, numels, partials, BLOCK_SIZE: tl.constexpr):
+        pid = tl.program_id(0)
+        t = tl.load(block_tensor + pid)
+        idx = tl.load(block_start + pid) + tl.arange(0, BLOCK_SIZE)
+        x = tl.load(tl.load(ptrs + t).to(tl.pointer_type(tl.bfloat16)) + idx, mask=idx < tl.load(numels + t),
+                    other=0.0).to(tl.float32)
+        tl.store(partials + pid, tl.sum(x * x, axis=0))
+
+    @triton.jit
+    def tensor_sums(partials, first_block, out, CHUNK: tl.constexpr):
+        t = tl.program_id(0)
+        lo = tl.load(first_block + t)
+        hi = tl.load(first_block + t + 1)
+        acc = tl.zeros([CHUNK], tl.float32)
+        for at in range(lo, hi, CHUNK):
+            i = at + tl.arange(0, CHUNK)
+            acc += tl.load(partials + i, mask=i < hi, other=0.0)
+        tl.store(out + t, tl.sum(acc, axis=0))
+
+    return block_squares, tensor_sums
 
 
 def norm(report: dict) -> None:
+    """The gradient's per-tensor sums of squares over 99 separate bf16 tensors at the 1B sizes
+    (as autograd leaves them): `_foreach_norm` (what `trainer.parallel.clip` runs) against the
+    two-launch Triton candidate for block sizes and warps; kernel time per call."""
+    from trainer.multi_tensor import TensorBlocks, tensor_pointers
+
     dev = torch.device("cuda")
     shapes = [(VOCAB, D)] + [(3072, D), (D, D), (2 * FFN, D), (D, FFN), (D,), (D,)] * LAYERS + [(D,), (VOCAB, D)]
-    numels = [int(torch.Size(s).numel()) for s in shapes]
-    flat = torch.randn(sum(numels), device=dev, dtype=torch.bfloat16)
-    views, at = [], 0
-    for s, n in zip(shapes, numels):
-        views.append(flat[at:at + n].view(s))
-        at += n
-    a = cuda_ms(lambda: torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square().sum())
-    b = cuda_ms(lambda: torch.linalg.vector_norm(flat, dtype=torch.float32))
-    per_tensor = torch.compile(lambda ts: torch.stack([t.float().square().sum() for t in ts]),
-                               fullgraph=True, dynamic=False)
-    compiled = cuda_ms(lambda: per_tensor(views))
-    grads = [torch.randn_like(v) for v in views]
-    c = cuda_ms(lambda: [v.copy_(g) for v, g in zip(views, grads)])
-    report["norm"] = {"foreach_ms": a, "flat_ms": b, "compiled_ms": compiled, "copy_ms": c, "numel": flat.numel()}
-    print(f"norm: foreach over {len(views)} views {a:.3f} ms, flat vector_norm {b:.3f} ms, "
-          f"compiled per-view reductions {compiled:.3f} ms, "
-          f"copy of the grads {c:.3f} ms", flush=True)
+    grads = [torch.randn(x, device=dev, dtype=torch.bfloat16) for x in shapes]
+    numels = [g.numel() for g in grads]
+    res = {"foreach_ms": cuda_ms(lambda: torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square())}
+    want = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
+    block_squares, tensor_sums = squares_kernels()
+    for block in (4096, 8192, 16384):
+        blocks = TensorBlocks.build([0] * len(numels), numels, dev, block)
+        first = torch.tensor([0] + list(torch.tensor([-(-n // block) for n in numels]).cumsum(0)), device=dev)
+        partials = torch.empty(blocks.block_tensor.numel(), device=dev)
+        out = torch.empty(len(numels), device=dev)
+        for warps in (4, 8, 16):
+            def run(blocks=blocks, block=block, warps=warps, first=first, partials=partials, out=out):
+                block_squares[(blocks.block_tensor.numel(),)](tensor_pointers(grads, dev), blocks.block_tensor,
+                                                             blocks.block_start, blocks.numels, partials,
+                                                             BLOCK_SIZE=block, num_warps=warps)
+                tensor_sums[(len(numels),)](partials, first, out, CHUNK=1024)
+                return out
+            res[f"triton_block{block}_warps{warps}_ms"] = cuda_ms(run)
+            res[f"triton_block{block}_warps{warps}_rel_err"] = ((run() - want).abs() / want).max().item()
+    report["norm"] = res
+    print("norm (99 bf16 tensors, 1B sizes, ms)", res, flush=True)
 
 
 def boundary(report: dict) -> None:
@@ -187,9 +225,10 @@ def update(report: dict) -> None:
                                                      0.9, 0.95, 1e-8, 0.1))}
     coefficients = stacked_coefficients(lr, step, scale, 0.9, 0.95, 0.1)
     kernel = triton_kernel()
-    for block in (1024, 2048, 4096):
+    res["copy_fp32_ms"] = cuda_ms(lambda: m.copy_(v))  # 8 bytes an element: the attainable bandwidth
+    for block in (512, 1024, 2048, 4096):
         blocks = TensorBlocks.build(offsets, numels, dev, block)
-        for warps in (4, 8):
+        for warps in (2, 4, 8):
             def run(blocks=blocks, block=block, warps=warps):
                 kernel[(blocks.block_tensor.numel(),)](
                     tensor_pointers(grads, dev), blocks.block_tensor, blocks.block_start, blocks.offsets,

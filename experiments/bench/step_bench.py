@@ -450,16 +450,6 @@ def earlier_rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
     return rot(q.view(s, b, heads, hd)), rot(k.view(s, b, kv_heads, hd)), v.view(s, b, kv_heads, hd)
 
 
-def roll_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`trainer.model.rope.rotate` written pointwise, x [c, c] + roll(x, hd / 2) [-s, s]
-    (bitwise equal), a candidate measured slower (run 10)."""
-    c = cos[:, None, None, :].to(x.dtype).float()
-    s = sin[:, None, None, :].to(x.dtype).float()
-    xf = x.float()
-    return (xf * torch.cat([c, c], dim=-1) + torch.roll(xf, x.shape[-1] // 2, dims=-1) * torch.cat([-s, s], dim=-1)
-            ).to(x.dtype)
-
-
 def inductor_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
                            ignore_index: int) -> torch.Tensor:
     """`trainer.model.cross_entropy.cross_entropy` in the form before it (2026-12-04): torch ops
@@ -479,6 +469,8 @@ ABLATIONS = [
                                        SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)}),
     ("ablation: RoPE in the earlier form (bf16 products, v a view of qkv)", {},
      {(llama, "rope_qkv"): earlier_rope_qkv}),
+    ("ablation: RoPE by inductor (the same math in torch ops, not the Triton op)", {},
+     {(llama, "rope_qkv"): rope.rope_qkv_torch}),
     ("ablation: cross entropy by inductor (not the Triton op)", {}, {(llama, "cross_entropy"): inductor_cross_entropy}),
 ]
 
@@ -499,20 +491,9 @@ def tunable_gemms():
         tunable.enable(False)
 
 
-@contextlib.contextmanager
-def patched(obj, attr: str, value):
-    saved = getattr(obj, attr)
-    setattr(obj, attr, value)
-    try:
-        yield
-    finally:
-        setattr(obj, attr, saved)
-
-
-#: Candidate changes not in the framework (each measured no faster, run 10), timed like the
+#: Candidate changes not in the framework (measured no faster, runs 10-11), timed like the
 #: ablations: (label, context).
-TRIALS = [("trial: GEMM algorithms tuned per shape (TunableOp)", tunable_gemms),
-          ("trial: RoPE written pointwise with roll", lambda: patched(rope, "rotate", roll_rotate))]
+TRIALS = [("trial: GEMM algorithms tuned per shape (TunableOp)", tunable_gemms)]
 
 
 def run_ablations(name: str, steps: int, peak: float, emit: Callable[[Row], None],

@@ -1,41 +1,231 @@
-"""RoPE on the fused QKV projection (rotate-half, Su et al. 2021).
+"""RoPE on the fused QKV projection (rotate-half, Su et al. 2021), as a pair of custom ops.
 
 `rope_qkv(qkv, cos, sin, heads, kv_heads)` splits the projection [s, b, (h + 2 kv) hd] into q, k
 and v, [s, b, heads, hd] each and contiguous, with q and k rotated; attention takes permuted
-views of them.
+views of them. The backward applies the inverse rotation to dq and dk (in whatever layout
+attention returns them) and writes the gradient of the whole projection, dv included, at once.
+
+Why custom ops: inductor splits the same torch ops into five kernels per layer (the rotation of
+q, of k, the copy of v, and in backward the inverse rotations and the `cat` that assembles the
+projection's gradient), 2.78 ms of a 1B step on an H200; one Triton program per token that reads
+its row once and writes it once takes 1.57 ms (experiments/PERFORMANCE.md). The first timing of
+these ops against inductor's (a single layer, wall time) was bound by host launch latency and
+looked slower; in the step the host runs ahead and only the kernels count. On the CPU, or
+without Triton, the ops run `rope_qkv_torch`.
 
 Numerics: cos and sin are rounded to the activation dtype, then the rotation runs in fp32 and
-is rounded once. Against the earlier form (the products in the activation dtype, v left a view
-of qkv), the compiled block no longer keeps the pre-RoPE qkv for backward: 1.3 GiB less at 1B,
-the step time unchanged (experiments/PERFORMANCE.md). A hand-written Triton op for the same
-rotation measured no faster than inductor's kernels for this form.
+is rounded once (inductor's result for the torch ops, up to fp32 contraction). Against the
+earlier form (the products in the activation dtype, v a view of qkv), the compiled block keeps
+no pre-RoPE qkv for backward: 1.3 GiB less at 1B.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [s, b, heads, hd]; cos, sin [s, hd / 2] (fp32) -> x rotated, in x's dtype.
-
-    The halves joined by `cat`. The same products written pointwise, x [c, c] + roll(x, hd / 2)
-    [-s, s] (bitwise equal), meant to let inductor fuse the backward into the QKV-gradient
-    `cat`, measured slower: one layer's RoPE + attention 2.35 vs 1.96 ms forward and backward,
-    the 1B step 1.3% slower (experiments/PERFORMANCE.md, run 10)."""
+    """x [s, b, heads, hd]; cos, sin [s, hd / 2] (fp32) -> x rotated, in x's dtype. (The inverse
+    rotation is `rotate(x, cos, -sin)`.)"""
     c = cos[:, None, None, :].to(x.dtype).float()
     s = sin[:, None, None, :].to(x.dtype).float()
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-             kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[s, b, (heads + 2 kv_heads) hd] -> q [s, b, heads, hd], k and v [s, b, kv_heads, hd], with
-    RoPE (cos, sin [>= s, hd / 2], fp32) applied to q and k."""
+def rope_qkv_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                   kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rope_qkv` in torch ops (autograd differentiates it)."""
     s, b, width = qkv.shape
     hd = width // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     cos, sin = cos[:s], sin[:s]
     return (rotate(q.view(s, b, heads, hd), cos, sin), rotate(k.view(s, b, kv_heads, hd), cos, sin),
             v.reshape(s, b, kv_heads, hd).contiguous())
+
+
+def rope_qkv_backward_torch(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor) -> torch.Tensor:
+    """The projection's gradient [s, b, (h + 2 kv) hd] from dq, dk, dv [s, b, heads, hd]."""
+    s, b = dq.shape[:2]
+    parts = (rotate(dq, cos, -sin), rotate(dk, cos, -sin), dv)
+    return torch.cat([p.reshape(s, b, -1) for p in parts], dim=-1)
+
+
+@functools.cache
+def triton_kernels():
+    """(forward, backward) Triton kernels, or None without Triton; built on first use so that
+    importing this module never needs Triton and TRITON_INTERPRET=1 (the tests' CPU mode) is
+    read when they are made."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rope_forward_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, batch, heads, kv_heads, half,
+                            qkv_row, HEADS: tl.constexpr, HALF: tl.constexpr):
+        """One program per token (s, b): q and k heads rotated, v copied, all [s, b, heads, hd]."""
+        row = tl.program_id(0).to(tl.int64)
+        pos = row // batch
+        hd = 2 * half
+        rows = tl.arange(0, HEADS)[:, None]
+        cols = tl.arange(0, HALF)[None, :]
+        src = qkv_ptr + row * qkv_row
+        # Rows < heads are q heads, the next kv_heads rows k heads (adjacent in qkv).
+        rotated = heads + kv_heads
+        mask = (rows < rotated) & (cols < half)
+        x1 = tl.load(src + rows * hd + cols, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + rows * hd + half + cols, mask=mask, other=0.0).to(tl.float32)
+        half_cols = tl.arange(0, HALF)
+        c = tl.load(cos_ptr + pos * half + half_cols, mask=half_cols < half, other=0.0)
+        sn = tl.load(sin_ptr + pos * half + half_cols, mask=half_cols < half, other=0.0)
+        c = c.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
+        sn = sn.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
+        y1 = x1 * c - x2 * sn
+        y2 = x2 * c + x1 * sn
+        dst = tl.where(rows < heads, q_ptr + row * heads * hd + rows * hd,
+                       k_ptr + row * kv_heads * hd + (rows - heads) * hd)
+        tl.store(dst + cols, y1.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half + cols, y2.to(q_ptr.dtype.element_ty), mask=mask)
+        vcols = tl.arange(0, 2 * HALF)[None, :]
+        vmask = (rows < kv_heads) & (vcols < hd)
+        v = tl.load(src + rotated * hd + rows * hd + vcols, mask=vmask, other=0.0)
+        tl.store(v_ptr + row * kv_heads * hd + rows * hd + vcols, v, mask=vmask)
+
+    @triton.jit
+    def rope_backward_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, batch, heads, kv_heads, half,
+                             dq_s, dq_b, dq_h, dk_s, dk_b, dk_h, dv_s, dv_b, dv_h,
+                             HEADS: tl.constexpr, HALF: tl.constexpr):
+        """One program per token: the inverse rotation of dq and dk, and dv, into one row of the
+        projection's gradient. The incoming gradients may have any strides (last dim dense)."""
+        row = tl.program_id(0).to(tl.int64)
+        pos = row // batch
+        bi = row % batch
+        hd = 2 * half
+        rows = tl.arange(0, HEADS)[:, None]
+        cols = tl.arange(0, HALF)[None, :]
+        rotated = heads + kv_heads
+        mask = (rows < rotated) & (cols < half)
+        src = tl.where(rows < heads, dq_ptr + pos * dq_s + bi * dq_b + rows * dq_h,
+                       dk_ptr + pos * dk_s + bi * dk_b + (rows - heads) * dk_h)
+        g1 = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+        g2 = tl.load(src + half + cols, mask=mask, other=0.0).to(tl.float32)
+        half_cols = tl.arange(0, HALF)
+        c = tl.load(cos_ptr + pos * half + half_cols, mask=half_cols < half, other=0.0)
+        sn = tl.load(sin_ptr + pos * half + half_cols, mask=half_cols < half, other=0.0)
+        c = c.to(out_ptr.dtype.element_ty).to(tl.float32)[None, :]
+        sn = sn.to(out_ptr.dtype.element_ty).to(tl.float32)[None, :]
+        y1 = g1 * c + g2 * sn
+        y2 = g2 * c - g1 * sn
+        dst = out_ptr + row * (rotated + kv_heads) * hd + rows * hd
+        tl.store(dst + cols, y1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half + cols, y2.to(out_ptr.dtype.element_ty), mask=mask)
+        vcols = tl.arange(0, 2 * HALF)[None, :]
+        vmask = (rows < kv_heads) & (vcols < hd)
+        dv = tl.load(dv_ptr + pos * dv_s + bi * dv_b + rows * dv_h + vcols, mask=vmask, other=0.0)
+        tl.store(out_ptr + row * (rotated + kv_heads) * hd + (rotated + rows) * hd + vcols, dv, mask=vmask)
+
+    return rope_forward_kernel, rope_backward_kernel
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _dense_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rope_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                    kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel; qkv [s, b, width] with dense rows (any row stride)."""
+    forward, _ = triton_kernels()
+    s, b, width = qkv.shape
+    hd = width // (heads + 2 * kv_heads)
+    if not (qkv.stride(2) == 1 and qkv.stride(0) == b * qkv.stride(1)):
+        qkv = qkv.contiguous()
+    q = qkv.new_empty(s, b, heads, hd)
+    k = qkv.new_empty(s, b, kv_heads, hd)
+    v = qkv.new_empty(s, b, kv_heads, hd)
+    if q.numel():
+        forward[(s * b,)](qkv, cos.contiguous(), sin.contiguous(), q, k, v, b, heads, kv_heads, hd // 2,
+                          qkv.stride(1), HEADS=_pow2(heads + kv_heads), HALF=_pow2(hd // 2))
+    return q, k, v
+
+
+def rope_qkv_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor) -> torch.Tensor:
+    """The backward kernel; dq, dk, dv [s, b, heads, hd] of any strides."""
+    _, backward = triton_kernels()
+    s, b, heads, hd = dq.shape
+    kv_heads = dk.shape[2]
+    dq, dk, dv = _dense_last(dq), _dense_last(dk), _dense_last(dv)
+    out = dq.new_empty(s, b, (heads + 2 * kv_heads) * hd)
+    if out.numel():
+        backward[(s * b,)](dq, dk, dv, cos.contiguous(), sin.contiguous(), out, b, heads, kv_heads, hd // 2,
+                           *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+                           HEADS=_pow2(heads + kv_heads), HALF=_pow2(hd // 2))
+    return out
+
+
+@torch.library.custom_op("doremi::rope_qkv", mutates_args=())
+def rope_qkv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return rope_qkv_torch(qkv, cos, sin, heads, kv_heads)
+
+
+@rope_qkv_op.register_kernel("cuda")
+def _rope_qkv_cuda(qkv, cos, sin, heads, kv_heads):
+    if triton_kernels() is None:
+        return rope_qkv_torch(qkv, cos, sin, heads, kv_heads)
+    return rope_qkv_triton(qkv, cos, sin, heads, kv_heads)
+
+
+@rope_qkv_op.register_fake
+def _rope_qkv_fake(qkv, cos, sin, heads, kv_heads):
+    s, b, width = qkv.shape
+    hd = width // (heads + 2 * kv_heads)
+    return qkv.new_empty(s, b, heads, hd), qkv.new_empty(s, b, kv_heads, hd), qkv.new_empty(s, b, kv_heads, hd)
+
+
+@torch.library.custom_op("doremi::rope_qkv_backward", mutates_args=())
+def rope_qkv_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> torch.Tensor:
+    return rope_qkv_backward_torch(dq, dk, dv, cos, sin)
+
+
+@rope_qkv_backward_op.register_kernel("cuda")
+def _rope_qkv_backward_cuda(dq, dk, dv, cos, sin):
+    if triton_kernels() is None:
+        return rope_qkv_backward_torch(dq, dk, dv, cos, sin)
+    return rope_qkv_backward_triton(dq, dk, dv, cos, sin)
+
+
+@rope_qkv_backward_op.register_fake
+def _rope_qkv_backward_fake(dq, dk, dv, cos, sin):
+    s, b, heads, hd = dq.shape
+    return dq.new_empty(s, b, (heads + 2 * dk.shape[2]) * hd)
+
+
+class _RopeQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, heads, kv_heads):
+        ctx.save_for_backward(cos, sin)
+        return rope_qkv_op(qkv, cos, sin, heads, kv_heads)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        return rope_qkv_backward_op(dq, dk, dv, cos, sin), None, None, None, None
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+             kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[s, b, (heads + 2 kv_heads) hd] -> q [s, b, heads, hd], k and v [s, b, kv_heads, hd], with
+    RoPE (cos, sin [>= s, hd / 2], fp32) applied to q and k."""
+    s = qkv.shape[0]
+    return _RopeQKV.apply(qkv, cos[:s], sin[:s], heads, kv_heads)
