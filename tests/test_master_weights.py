@@ -100,7 +100,9 @@ TRITON_CASE = textwrap.dedent("""
                                 lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     opt = MasterWeightAdamW(named, cfg, ParallelContext.single())
     assert opt.main_grad is None and opt._blocks is not None
-    assert opt._blocks.block_tensor.tolist() == [0, 0, 0, 0, 1, 2, 3]  # w1, w2, unused, norm
+    blocks = opt._blocks  # w1, w2, unused, norm: w1's three whole blocks, then every tensor's partial one
+    assert blocks.whole.tensor.tolist() == [0, 0, 0] and blocks.tails.tensor.tolist() == [0, 1, 2, 3]
+    assert blocks.tails.start.tolist() == [3 * au.BLOCK, 0, 0, 0] and blocks.align == 64
     for t in range(3):
         grads = {n: torch.randn(p.shape, generator=g).bfloat16() for n, p in named if n != "unused"}
         for n, p in named:
@@ -128,7 +130,8 @@ TRITON_CASE = textwrap.dedent("""
 
 @needs_triton
 def test_triton_update_on_autograd_grads_matches_torch_adamw_in_the_interpreter():
-    """The one-launch update over `.grad` tensors (the CUDA path), run by Triton's interpreter."""
+    """The Triton update over `.grad` tensors and the Triton gradient norm (the CUDA path), run by
+    Triton's interpreter."""
     run_interpreted(TRITON_CASE)
 
 

@@ -6,11 +6,12 @@ bf16 parameters their rounding. Two forms of one update, by where the gradients 
 - `adamw_update_tensors`: the gradients where autograd left them, one `.grad` tensor per
   parameter (when nothing sums gradients, so a main-grad buffer would only be a copy: 4 bytes
   per parameter of traffic, 1.2 ms of a 1B step on an H200, and 2 bytes of memory). On CUDA one
-  Triton launch covers every parameter: each program updates one block of one tensor, finding
-  its gradient through a device table of the `.grad` addresses (rebuilt each step, copied from
-  pinned memory, so no synchronisation). Elsewhere, or without Triton, the flat form per
-  parameter. One launch matters: 99 launches of a compiled update (one per tensor of the 1B
-  model) measured slower than the copy they saved (experiments/PERFORMANCE.md, run 8).
+  Triton kernel covers every parameter (`trainer.multi_tensor`: whole blocks, then the partial
+  last blocks): each program updates one block of one tensor, finding its gradient through a
+  device table of the `.grad` addresses (rebuilt each step, copied from pinned memory, so no
+  synchronisation). Elsewhere, or without Triton, the flat form per parameter. Few launches
+  matter: 99 launches of a compiled update (one per tensor of the 1B model) measured slower
+  than the copy they saved (experiments/PERFORMANCE.md, run 8).
 
 Both compute torch.optim.AdamW's update (Loshchilov & Hutter 2019: decoupled weight decay,
 bias corrections) on `master` with gradient `grad * grad_scale`, weight decay on the first
@@ -22,12 +23,12 @@ counts this update: 1 on the first), so nothing is read back to the host.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Sequence
 
 import torch
 
-from trainer.multi_tensor import TensorBlocks, tensor_pointers, triton_runs_on
+from trainer.multi_tensor import (ADDRESS_ALIGN, TensorBlocks, aligned, launch, tensor_pointers, triton_available,
+                                  triton_runs_on)
 
 #: Elements per Triton program (one tensor's block).
 BLOCK = 1024
@@ -68,21 +69,21 @@ def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 def triton_kernel():
     """The Triton kernel, or None without Triton. Built on first use, so that importing this
     module never needs Triton and TRITON_INTERPRET=1 (the tests' CPU mode) is read then."""
-    if importlib.util.find_spec("triton") is None:
+    if not triton_available():
         return None
     import triton
     import triton.language as tl
 
     @triton.jit
-    def adamw_tensors_kernel(grad_ptrs, block_tensor, block_start, offsets, numels, master, exp_avg, exp_avg_sq,
+    def adamw_tensors_kernel(block_tensor, block_start, grad_ptrs, offsets, numels, master, exp_avg, exp_avg_sq,
                              param, coefficients, n_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                             BLOCK_SIZE: tl.constexpr):
-        pid = tl.program_id(0)
-        t = tl.load(block_tensor + pid)
-        idx = tl.load(block_start + pid) + tl.arange(0, BLOCK_SIZE)
-        mask = idx < tl.load(numels + t)
-        flat = tl.load(offsets + t) + idx
-        grad = tl.load(grad_ptrs + t).to(tl.pointer_type(param.dtype.element_ty))
+                             ALIGN: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+        t = tl.load(block_tensor + tl.program_id(0))
+        start = tl.multiple_of(tl.load(block_start + tl.program_id(0)), BLOCK_SIZE)
+        idx = start + tl.arange(0, BLOCK_SIZE)
+        mask = idx < tl.load(numels + t) if MASKED else idx < start + BLOCK_SIZE  # see multi_tensor.launch
+        flat = tl.multiple_of(tl.load(offsets + t), ALIGN) + idx
+        grad = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(param.dtype.element_ty)), 16)
         step_size = tl.load(coefficients)
         bias_correction2_sqrt = tl.load(coefficients + 1)
         keep = tl.load(coefficients + 2)
@@ -110,16 +111,15 @@ def uses_triton(device: torch.device) -> bool:
 def adamw_update_tensors(master: torch.Tensor, grads: Sequence[torch.Tensor], exp_avg: torch.Tensor,
                          exp_avg_sq: torch.Tensor, param: torch.Tensor, blocks: TensorBlocks,
                          coefficients: torch.Tensor, n_decay: int, beta1: float, beta2: float, eps: float) -> None:
-    """The update with one gradient tensor per parameter, in one Triton launch (see the module
+    """The update with one gradient tensor per parameter, in one Triton kernel (see the module
     docstring). `grads[i]` is the gradient of the flat buffers' elements [offsets[i], +numels[i])
     (`blocks`), in the parameters' dtype; `coefficients` is `adamw_coefficients` stacked (fp32 [4])."""
     for g in grads:
         if g.dtype != param.dtype or not g.is_contiguous():
             raise ValueError(f"adamw_update_tensors: gradients must be contiguous {param.dtype}, "
                              f"got {g.dtype} of strides {g.stride()}")
-    kernel = triton_kernel()
-    n_blocks = blocks.block_tensor.numel()
-    if n_blocks:
-        kernel[(n_blocks,)](tensor_pointers(grads, master.device), blocks.block_tensor, blocks.block_start,
-                            blocks.offsets, blocks.numels, master, exp_avg, exp_avg_sq, param, coefficients,
-                            n_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, BLOCK_SIZE=BLOCK)
+    if not aligned(grads):
+        raise ValueError(f"adamw_update_tensors: gradient addresses must be {ADDRESS_ALIGN}-byte aligned")
+    launch(triton_kernel(), blocks, tensor_pointers(grads, master.device), blocks.offsets, blocks.numels, master,
+           exp_avg, exp_avg_sq, param, coefficients, n_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
+           ALIGN=blocks.align)

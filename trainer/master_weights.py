@@ -49,7 +49,7 @@ from torch.nn import Parameter
 
 from trainer.adamw_update import BLOCK, adamw_update, adamw_update_tensors, stacked_coefficients, uses_triton
 from trainer.config import TrainConfig
-from trainer.multi_tensor import TensorBlocks
+from trainer.multi_tensor import TensorBlocks, aligned
 from trainer.optim import decay_first
 from trainer.parallel.clip import clip_coefficient, global_grad_norm
 from trainer.parallel.context import ParallelContext
@@ -225,13 +225,14 @@ class MasterWeightAdamW:
 
     def _update_from_autograd(self) -> None:
         """The update on the local parameters' `.grad` (zero where a parameter got none): one
-        Triton launch where `uses_triton`, else the flat update per parameter, eagerly (the CPU)."""
+        Triton kernel where `uses_triton` (and the gradients are aligned, as autograd's are),
+        else the flat update per parameter, eagerly (the CPU)."""
         c = self.cfg
         for _, p in self.local:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for _, p in self.local]
-        if self._blocks is not None:
+        if self._blocks is not None and aligned(grads):
             coefficients = self._coefficients(self._lr, self._step, self._grad_scale, c.beta1, c.beta2,
                                               c.weight_decay)
             adamw_update_tensors(self.master, grads, self.exp_avg, self.exp_avg_sq, self._local(self.flat_params),

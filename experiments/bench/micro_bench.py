@@ -117,59 +117,31 @@ def attention(report: dict) -> None:
     print("attention diff (op against torch ops)", report["attention diff"], flush=True)
 
 
-def squares_kernels():
-    """A candidate for the gradient norm: per-block partial sums of squares over the pointer
-    table (`trainer.multi_tensor`), then per tensor over its blocks in order (no atomics)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def block_squares(ptrs, block_tensor, block_start, numels, partials, BLOCK_SIZE: tl.constexpr):
-        pid = tl.program_id(0)
-        t = tl.load(block_tensor + pid)
-        idx = tl.load(block_start + pid) + tl.arange(0, BLOCK_SIZE)
-        x = tl.load(tl.load(ptrs + t).to(tl.pointer_type(tl.bfloat16)) + idx, mask=idx < tl.load(numels + t),
-                    other=0.0).to(tl.float32)
-        tl.store(partials + pid, tl.sum(x * x, axis=0))
-
-    @triton.jit
-    def tensor_sums(partials, first_block, out, CHUNK: tl.constexpr):
-        t = tl.program_id(0)
-        lo = tl.load(first_block + t)
-        hi = tl.load(first_block + t + 1)
-        acc = tl.zeros([CHUNK], tl.float32)
-        for at in range(lo, hi, CHUNK):
-            i = at + tl.arange(0, CHUNK)
-            acc += tl.load(partials + i, mask=i < hi, other=0.0)
-        tl.store(out + t, tl.sum(acc, axis=0))
-
-    return block_squares, tensor_sums
-
-
 def norm(report: dict) -> None:
     """The gradient's per-tensor sums of squares over 99 separate bf16 tensors at the 1B sizes
-    (as autograd leaves them): `_foreach_norm` (what `trainer.parallel.clip` runs) against the
-    two-launch Triton candidate for block sizes and warps; kernel time per call."""
-    from trainer.multi_tensor import TensorBlocks, tensor_pointers
+    (as autograd leaves them): `_foreach_norm` against `trainer.multi_tensor.sums_of_squares`'s
+    kernels for block sizes and warps; time per call."""
+    import triton.language as tl
+
+    from trainer import multi_tensor as mt
 
     dev = torch.device("cuda")
     shapes = [(VOCAB, D)] + [(3072, D), (D, D), (2 * FFN, D), (D, FFN), (D,), (D,)] * LAYERS + [(D,), (VOCAB, D)]
     grads = [torch.randn(x, device=dev, dtype=torch.bfloat16) for x in shapes]
     numels = [g.numel() for g in grads]
-    res = {"foreach_ms": cuda_ms(lambda: torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square())}
     want = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
-    block_squares, tensor_sums = squares_kernels()
+    res = {"foreach_ms": cuda_ms(lambda: torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()),
+           "sums_of_squares_ms": cuda_ms(lambda: mt.sums_of_squares(grads))}
+    block_squares, tensor_sums = mt.squares_kernels()
     for block in (4096, 8192, 16384):
-        blocks = TensorBlocks.build([0] * len(numels), numels, dev, block)
-        first = torch.tensor([0] + list(torch.tensor([-(-n // block) for n in numels]).cumsum(0)), device=dev)
-        partials = torch.empty(blocks.block_tensor.numel(), device=dev)
+        blocks = mt.TensorBlocks.build([0] * len(numels), numels, dev, block)
+        partials = torch.empty(blocks.n_blocks, device=dev)
         out = torch.empty(len(numels), device=dev)
-        for warps in (4, 8, 16):
-            def run(blocks=blocks, block=block, warps=warps, first=first, partials=partials, out=out):
-                block_squares[(blocks.block_tensor.numel(),)](tensor_pointers(grads, dev), blocks.block_tensor,
-                                                             blocks.block_start, blocks.numels, partials,
-                                                             BLOCK_SIZE=block, num_warps=warps)
-                tensor_sums[(len(numels),)](partials, first, out, CHUNK=1024)
+        for warps in (4, 8):
+            def run(blocks=blocks, warps=warps, partials=partials, out=out):
+                mt.launch(block_squares, blocks, mt.tensor_pointers(grads, dev), blocks.numels, blocks.first_block,
+                          partials, DTYPE=tl.bfloat16, num_warps=warps)
+                tensor_sums[(len(numels),)](partials, blocks.first_block, out, CHUNK=1024)
                 return out
             res[f"triton_block{block}_warps{warps}_ms"] = cuda_ms(run)
             res[f"triton_block{block}_warps{warps}_rel_err"] = ((run() - want).abs() / want).max().item()
@@ -202,9 +174,10 @@ def boundary(report: dict) -> None:
 
 def update(report: dict) -> None:
     """The AdamW update at the 1B model's tensor sizes: inductor's flat kernel against the Triton
-    kernel over per-parameter gradients, for block sizes and warps."""
+    kernel over per-parameter gradients for block sizes and warps (and an fp32 copy: the
+    attainable bandwidth)."""
     from trainer.adamw_update import adamw_update, stacked_coefficients, triton_kernel
-    from trainer.multi_tensor import TensorBlocks, tensor_pointers
+    from trainer.multi_tensor import TensorBlocks, launch, tensor_pointers
 
     dev = torch.device("cuda")
     shapes = [(VOCAB, D)] + [(3072, D), (D, D), (2 * FFN, D), (D, FFN), (D,), (D,)] * LAYERS + [(D,), (VOCAB, D)]
@@ -222,19 +195,17 @@ def update(report: dict) -> None:
     scale = torch.ones((), device=dev)
     flat = torch.compile(adamw_update, fullgraph=True, dynamic=False)
     res = {"flat_compiled_ms": cuda_ms(lambda: flat(master, flat_grad, m, v, param, lr, step, scale, at // 2,
-                                                     0.9, 0.95, 1e-8, 0.1))}
+                                                     0.9, 0.95, 1e-8, 0.1)),
+           "copy_fp32_ms": cuda_ms(lambda: m.copy_(v)), "bytes": at * 28}
     coefficients = stacked_coefficients(lr, step, scale, 0.9, 0.95, 0.1)
     kernel = triton_kernel()
-    res["copy_fp32_ms"] = cuda_ms(lambda: m.copy_(v))  # 8 bytes an element: the attainable bandwidth
-    for block in (512, 1024, 2048, 4096):
+    for block, warps in ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16)):
         blocks = TensorBlocks.build(offsets, numels, dev, block)
-        for warps in (2, 4, 8):
-            def run(blocks=blocks, block=block, warps=warps):
-                kernel[(blocks.block_tensor.numel(),)](
-                    tensor_pointers(grads, dev), blocks.block_tensor, blocks.block_start, blocks.offsets,
-                    blocks.numels, master, m, v, param, coefficients, at // 2, 0.9, 0.1, 0.95, 0.05, 1e-8,
-                    BLOCK_SIZE=block, num_warps=warps)
-            res[f"triton_block{block}_warps{warps}_ms"] = cuda_ms(run)
+
+        def run(blocks=blocks, warps=warps):
+            launch(kernel, blocks, tensor_pointers(grads, dev), blocks.offsets, blocks.numels, master, m, v, param,
+                   coefficients, at // 2, 0.9, 0.1, 0.95, 0.05, 1e-8, ALIGN=blocks.align, num_warps=warps)
+        res[f"triton_block{block}_warps{warps}_ms"] = cuda_ms(run)
     report["update"] = res
     print("update (1B sizes, ms)", res, flush=True)
 

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from trainer.multi_tensor import sums_of_squares, uses_triton_squares
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.data import get_dp_owner, grad_of
 from trainer.parallel.shard import get_shard_spec
@@ -74,11 +75,13 @@ def global_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], pc: Paral
 
 
 def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's sum of squares, in fp32: [len(tensors)]. `_foreach_norm` accumulates in
-    fp32 itself: no fp32 copy of a bf16 gradient (4 bytes a parameter at once, at the step's
-    end, where full recompute has its peak). Two faster-looking forms did not change the 1B
-    step time on an H200 and are not used: a compiled graph of per-tensor reductions, and two
-    Triton launches over a table of the gradients' addresses (experiments/PERFORMANCE.md)."""
+    """Each tensor's sum of squares, in fp32: [len(tensors)], accumulated in fp32 without an fp32
+    copy of a bf16 gradient (4 bytes a parameter at once, at the step's end, where full
+    recompute has its peak). On CUDA `trainer.multi_tensor.sums_of_squares` (deterministic, at
+    copy bandwidth); elsewhere `_foreach_norm`, which read the 1B model's bf16 gradients at
+    about 2.3 TB/s on an H200 (experiments/PERFORMANCE.md)."""
+    if uses_triton_squares(tensors):
+        return sums_of_squares(tensors)
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
 
 
