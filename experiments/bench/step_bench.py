@@ -61,6 +61,7 @@ from trainer.model import layers, llama, rope  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.model.presets import PRESETS  # noqa: E402
+from trainer.parallel import clip  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
 from trainer.plan import gpu_param_precision, plan_memory  # noqa: E402
 from trainer.step import domain_token_counts, forward_backward  # noqa: E402
@@ -472,6 +473,8 @@ ABLATIONS = [
     ("ablation: RoPE by inductor (the same math in torch ops, not the Triton op)", {},
      {(llama, "rope_qkv"): rope.rope_qkv_torch}),
     ("ablation: cross entropy by inductor (not the Triton op)", {}, {(llama, "cross_entropy"): inductor_cross_entropy}),
+    ("ablation: gradient norm by _foreach_norm (not the Triton sums of squares)", {},
+     {(clip, "uses_triton_squares"): lambda tensors: False}),
 ]
 
 
