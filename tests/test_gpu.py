@@ -89,7 +89,7 @@ def test_triton_rope_matches_the_compiled_torch_ops_at_the_bench_shape():
     results = []
     for fn, dtype in ((rope.rope_qkv, torch.bfloat16), (rope.rope_qkv_torch, torch.bfloat16),
                       (rope.rope_qkv_torch, torch.float32)):
-        qkv = x.to(dtype).requires_grad_()
+        qkv = x.detach().clone().to(dtype).requires_grad_()
         core = torch.compile(lambda t, fn=fn: causal_attention(*fn(t, cos, sin, h, kv), "sdpa"), dynamic=False)
         parts = fn(qkv, cos, sin, h, kv)
         out = core(qkv)

@@ -30,8 +30,11 @@ import torch
 from trainer.multi_tensor import (ADDRESS_ALIGN, TensorBlocks, aligned, launch, tensor_pointers, triton_available,
                                   triton_runs_on)
 
-#: Elements per Triton program (one tensor's block).
+#: Elements per Triton program (one tensor's block) and warps per program: the fastest of
+#: 512-4096 elements and 2-16 warps at the 1B sizes on an H200 (7.56 ms for 30.9 GB;
+#: `micro_bench.py --sections update`, experiments/PERFORMANCE.md).
 BLOCK = 1024
+NUM_WARPS = 8
 
 
 def adamw_coefficients(lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float,
@@ -122,4 +125,4 @@ def adamw_update_tensors(master: torch.Tensor, grads: Sequence[torch.Tensor], ex
         raise ValueError(f"adamw_update_tensors: gradient addresses must be {ADDRESS_ALIGN}-byte aligned")
     launch(triton_kernel(), blocks, tensor_pointers(grads, master.device), blocks.offsets, blocks.numels, master,
            exp_avg, exp_avg_sq, param, coefficients, n_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
-           ALIGN=blocks.align)
+           ALIGN=blocks.align, num_warps=NUM_WARPS)
