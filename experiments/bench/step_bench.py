@@ -3,8 +3,8 @@
 For each preset (the baseline's `1b` and `280m` = our `bench-1b` and `bench-280m`, same shapes and
 micro-batch) it times, in this order:
 - baseline: ../shared/bench/plain_llama.py's model (bf16 weights, fused AdamW on bf16), compiled;
-- plain: our Llama (per-block torch.compile, compiled head + cross entropy), bf16 parameters with
-  fp32 master weights (`trainer.master_weights`), `trainer.step.forward_backward` with the
+- plain: our Llama (compiled: at tp = 1 the whole model with its head and cross entropy is one
+  graph), bf16 parameters with fp32 master weights (`trainer.master_weights`), `trainer.step.forward_backward` with the
   mean-token weighting, clipping at 1.0, AdamW;
 - doremi-cached: the DoReMi proxy step (exact mode, `doremi.objective.DoReMiHook`) with reference
   losses from `doremi.reference.CachedReference` (a cache written for the bench);

@@ -137,18 +137,21 @@ class LlamaStage(nn.Module):
         self.tie_embeddings = cfg.tie_embeddings
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, tp.size)
         impl = resolve_attention(cfg.attention, device)
-        compile_blocks = bool(cfg.compile) and device.type == "cuda"
+        compiled = bool(cfg.compile) and device.type == "cuda"
+        # Compiled at tp = 1: the whole stage is one graph, so that inductor fuses across block
+        # boundaries (a block's last residual add into the next block's RMSNorm, forward and
+        # backward) and the head's matmul with the plain cross entropy. At tp > 1, per block,
+        # between the collectives.
+        self._whole_graph = compiled and tp.size == 1
         if is_first or (is_last and cfg.tie_embeddings):
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, tp, device=device)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, impl, recompute, compile_blocks, device=device)
-                                     for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, impl, recompute, compiled and not self._whole_graph,
+                                                   device=device) for i in layers})
         if is_last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, tp.sequence_parallel, device=device)
             if not cfg.tie_embeddings:
                 self.head = ColumnParallelLinear(cfg.d_model, (self.padded_vocab,), tp, device=device)
-        # tp = 1 and compiled: the head and a plain cross entropy fuse into one graph.
-        self._fused_loss = compile_blocks and tp.size == 1
-        self._losses = torch.compile(self.head_losses, dynamic=False) if self._fused_loss else self.head_losses
+        self._run_compiled = torch.compile(self._run, dynamic=False) if self._whole_graph else self._run
         cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -173,8 +176,11 @@ class LlamaStage(nn.Module):
 
     def hidden(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         """This stage's blocks applied to its input: [s(/tp), b, d]."""
+        return self._blocks(hidden, batch.get("input_ids") if self.is_first else None)
+
+    def _blocks(self, hidden: torch.Tensor | None, input_ids: torch.Tensor | None) -> torch.Tensor:
         if self.is_first:
-            x = self.embed(batch["input_ids"])
+            x = self.embed(input_ids)
         elif hidden is None:
             raise ValueError("LlamaStage.forward: a stage after the first needs the previous stage's hidden states")
         else:
@@ -183,6 +189,11 @@ class LlamaStage(nn.Module):
         for block in self.layers.values():
             x = block(x, cos, sin)
         return x
+
+    def _run(self, hidden: torch.Tensor | None, input_ids: torch.Tensor | None,
+             labels: torch.Tensor | None) -> torch.Tensor:
+        x = self._blocks(hidden, input_ids)
+        return self.head_losses(x, labels) if self.is_last else x
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.tie_embeddings else self.head.weight
@@ -194,7 +205,7 @@ class LlamaStage(nn.Module):
     def head_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Final norm, head and per-token cross entropy: [s(/tp), b, d], [b, s] -> [b, s] fp32."""
         logits, target = self._local_logits(x), labels.t()
-        if self._fused_loss:
+        if self._whole_graph:
             losses = cross_entropy(logits, target, self.cfg.vocab_size, IGNORE_INDEX)
         else:
             losses = vocab_parallel_cross_entropy(logits, target, self.tp, self.cfg.vocab_size, IGNORE_INDEX)
@@ -203,8 +214,8 @@ class LlamaStage(nn.Module):
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         """Hidden states for the next stage, or on the last stage per-token losses [b, s] (fp32,
         0 where labels == -100), identical on every tp rank."""
-        x = self.hidden(hidden, batch)
-        return self._losses(x, batch["labels"]) if self.is_last else x
+        return self._run_compiled(hidden, batch["input_ids"] if self.is_first else None,
+                                  batch["labels"] if self.is_last else None)
 
     def logits(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         """Last stage: logits [b, s, vocab_size], gathered over tp (for eval and tests)."""
