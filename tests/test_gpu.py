@@ -123,7 +123,7 @@ def test_triton_sums_of_squares_match_float64_on_bf16_gradients():
 
 @cuda
 def test_whole_stage_graph_matches_eager_for_every_recompute_mode():
-    """The compiled stage (one graph at tp = 1: blocks, head and the Triton cross entropy) against
+    """The compiled stage (one graph at tp = 1, per block under full recompute) against
     the same model in eager mode, fp32 so that the comparison is tight: per-token losses and
     every parameter's gradient, recompute none, selective and full."""
     from trainer.config import ModelConfig, ParallelismConfig
@@ -142,7 +142,7 @@ def test_whole_stage_graph_matches_eager_for_every_recompute_mode():
         for compiled in (True, False):
             cfg = ModelConfig(**{**PRESETS["tiny"], "n_layers": 3}, compile=compiled)
             model = Llama(cfg, ParallelismConfig(recompute=mode), pc, seed=0)
-            assert model._whole_graph == compiled
+            assert model._whole_graph == (compiled and mode != "full")
             losses = model(None, {"input_ids": ids, "labels": labels})
             losses.sum().backward()
             results.append((losses.detach(), {n: p.grad for n, p in model.named_parameters()}))

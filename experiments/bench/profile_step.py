@@ -201,8 +201,7 @@ def activations_section(args, out: list[str]) -> None:
             model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
             opt = sb.framework_optimizer(model, cfg, pc)
             batch = sb.make_batch(cfg, mb, 1, pc.device)
-        for block in model.layers.values():
-            block.recompute = mode
+        model.set_recompute(mode)
         step = sb.FrameworkStep(cfg, model, opt, pc, batch)
         sb.timed(step, 0, 3)
         marks: list[int] = []

@@ -428,8 +428,7 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
     for mode in recompute:
         if not time_left(mode):
             continue
-        for block in model.layers.values():
-            block.recompute = mode
+        model.set_recompute(mode)
         row = measure(name, f"plain recompute={mode}", FrameworkStep(cfg, model, opt, pc, batch), steps, 3, fpt,
                       peak, base, predicted_gib(trainer_config(preset, mb, mode)))
         emit(row)

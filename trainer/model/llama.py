@@ -101,7 +101,11 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp, device=device)
         self.mlp = MLP(cfg, tp, device=device)
         self.recompute = recompute
-        self._compiled = torch.compile(self.body, dynamic=False) if compile else None
+        self.compile_body(compile)
+
+    def compile_body(self, enabled: bool) -> None:
+        """Run `body` compiled (its own graph) or eagerly (alone, or inside a compiled stage)."""
+        self._compiled = torch.compile(self.body, dynamic=False) if enabled else None
 
     @property
     def recompute(self) -> str:
@@ -137,24 +141,38 @@ class LlamaStage(nn.Module):
         self.tie_embeddings = cfg.tie_embeddings
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, tp.size)
         impl = resolve_attention(cfg.attention, device)
-        compiled = bool(cfg.compile) and device.type == "cuda"
-        # Compiled at tp = 1: the whole stage is one graph, so that inductor fuses across block
-        # boundaries (a block's last residual add into the next block's RMSNorm, forward and
-        # backward) and the head's matmul with the plain cross entropy. At tp > 1, per block,
-        # between the collectives.
-        self._whole_graph = compiled and tp.size == 1
+        self._compiled = bool(cfg.compile) and device.type == "cuda"
+        # tp = 1 and compiled: the head's matmul and a plain cross entropy in one graph.
+        self._fused_loss = self._compiled and tp.size == 1
         if is_first or (is_last and cfg.tie_embeddings):
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, tp, device=device)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, impl, recompute, compiled and not self._whole_graph,
-                                                   device=device) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, impl, recompute, device=device) for i in layers})
         if is_last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, tp.sequence_parallel, device=device)
             if not cfg.tie_embeddings:
                 self.head = ColumnParallelLinear(cfg.d_model, (self.padded_vocab,), tp, device=device)
-        self._run_compiled = torch.compile(self._run, dynamic=False) if self._whole_graph else self._run
+        self.set_recompute(recompute)
         cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def set_recompute(self, mode: str) -> None:
+        """Every block's recompute mode, and what is compiled (when `model.compile` on a GPU):
+        - at tp = 1, unless full recompute, the whole stage as one graph, so that inductor fuses
+          across block boundaries (a block's last residual add into the next block's RMSNorm,
+          forward and backward) and the head's matmul with the cross entropy;
+        - otherwise each block's body, and at tp = 1 the head with the cross entropy. Full
+          recompute checkpoints each compiled block eagerly: inside one graph inductor kept
+          4.9 GiB more than the block inputs at 1B (experiments/PERFORMANCE.md).
+        At tp > 1 the blocks hold collectives, between which each block is its own graph."""
+        for block in self.layers.values():
+            block.recompute = mode
+        self._whole_graph = self._fused_loss and mode != "full"
+        for block in self.layers.values():
+            block.compile_body(self._compiled and not self._whole_graph)
+        fused_head = self._fused_loss and not self._whole_graph
+        self._losses = torch.compile(self.head_losses, dynamic=False) if fused_head else self.head_losses
+        self._run_compiled = torch.compile(self._run, dynamic=False) if self._whole_graph else self._run
 
     # -- the inter-stage tensor ------------------------------------------------------------
     def activation_shape(self, batch_size: int, seq_len: int) -> tuple[int, ...]:
@@ -193,7 +211,7 @@ class LlamaStage(nn.Module):
     def _run(self, hidden: torch.Tensor | None, input_ids: torch.Tensor | None,
              labels: torch.Tensor | None) -> torch.Tensor:
         x = self._blocks(hidden, input_ids)
-        return self.head_losses(x, labels) if self.is_last else x
+        return self._losses(x, labels) if self.is_last else x
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.tie_embeddings else self.head.weight
@@ -205,7 +223,7 @@ class LlamaStage(nn.Module):
     def head_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Final norm, head and per-token cross entropy: [s(/tp), b, d], [b, s] -> [b, s] fp32."""
         logits, target = self._local_logits(x), labels.t()
-        if self._whole_graph:
+        if self._fused_loss:
             losses = cross_entropy(logits, target, self.cfg.vocab_size, IGNORE_INDEX)
         else:
             losses = vocab_parallel_cross_entropy(logits, target, self.tp, self.cfg.vocab_size, IGNORE_INDEX)

@@ -126,7 +126,7 @@ class CostModel:
 
     @property
     def fused_loss(self) -> bool:
-        """The compiled head + cross entropy (`LlamaStage._whole_graph`): tp = 1 and compiled."""
+        """The compiled head + cross entropy (`LlamaStage._fused_loss`): tp = 1 and compiled."""
         return self.compiled and self.tp == 1
 
     # --- shapes ---------------------------------------------------------------------------
