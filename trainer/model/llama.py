@@ -194,7 +194,7 @@ class LlamaStage(nn.Module):
 
     def hidden(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         """This stage's blocks applied to its input: [s(/tp), b, d]."""
-        return self._blocks(hidden, batch.get("input_ids") if self.is_first else None)
+        return self._blocks(hidden, batch["input_ids"] if self.is_first else None)
 
     def _blocks(self, hidden: torch.Tensor | None, input_ids: torch.Tensor | None) -> torch.Tensor:
         if self.is_first:
