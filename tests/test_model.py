@@ -15,7 +15,7 @@ from trainer.model.flops import flops_per_token, non_embedding_params, param_cou
 from trainer.model.init import init_std
 from trainer.model.layers import llama3_scaled_frequencies
 from trainer.model.swiglu import swiglu
-from trainer.model.llama import Llama, build_stage
+from trainer.model.llama import Llama, build_stage, compile_scope
 from trainer.model.presets import PRESETS
 from trainer.parallel.context import ParallelContext
 
@@ -261,3 +261,17 @@ def test_fused_loss_path_equals_vocab_parallel_one():
         results.append((losses.detach(), model.embed.weight.grad))
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-6, rtol=0)
     torch.testing.assert_close(results[1][1], results[0][1], atol=1e-6, rtol=0)
+
+
+def test_compile_scope_and_set_recompute():
+    """The whole stage is one graph at tp = 1 unless full recompute; per block otherwise; nothing
+    without compile (or on the CPU). set_recompute sets every block and re-arranges."""
+    assert compile_scope(True, 1, "none") == "stage" and compile_scope(True, 1, "selective") == "stage"
+    assert compile_scope(True, 1, "full") == "blocks" and compile_scope(True, 2, "none") == "blocks"
+    assert compile_scope(False, 1, "none") == "none"
+    model = Llama(_cfg(), seed=0)
+    assert not model._whole_graph and all(b._compiled is None for b in model.layers.values())
+    model.set_recompute("full")
+    assert {b.recompute for b in model.layers.values()} == {"full"}
+    with pytest.raises(ValueError, match="parallelism.recompute"):
+        model.set_recompute("most")

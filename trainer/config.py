@@ -44,7 +44,7 @@ class ModelConfig:
     # Scale output projections (attention out, FFN down) by 1/sqrt(2 * n_layers) (GPT-2 style).
     depth_scaled_init: bool = True
     attention: Literal["auto", "sdpa", "flash"] = "auto"
-    # torch.compile (GPU only; ignored on CPU): see trainer.model.llama.LlamaStage.set_recompute.
+    # torch.compile (GPU only; ignored on CPU): see trainer.model.llama.compile_scope.
     compile: bool = False
 
     @property

@@ -88,6 +88,22 @@ class MLP(nn.Module):
         return self.down(swiglu(self.gate_up(x)))
 
 
+def compile_scope(compiled: bool, tp: int, recompute: str) -> str:
+    """What `torch.compile` covers (`model.compile` on a GPU): "stage", "blocks" or "none".
+    - "stage" at tp = 1 unless full recompute: the whole stage as one graph, so that inductor
+      fuses across block boundaries (a block's last residual add into the next block's
+      RMSNorm, forward and backward) and sees the head with the blocks (1.063x -> 1.07x the
+      baseline at 1B on an H200, experiments/PERFORMANCE.md);
+    - "blocks" otherwise: each block's body its own graph, and at tp = 1 the head with the
+      cross entropy. At tp > 1 the blocks hold collectives, between which each block is a
+      graph; full recompute checkpoints each compiled block eagerly, because inside one graph
+      inductor did not recompute all of a checkpointed block (4.9 GiB more than the plan's
+      block inputs at 1B)."""
+    if not compiled:
+        return "none"
+    return "stage" if tp == 1 and recompute != "full" else "blocks"
+
+
 class Block(nn.Module):
     """Pre-norm attention + SwiGLU. `recompute` (per block): `none`; `selective` recomputes the
     attention core (RoPE + attention) in backward; `full` keeps only the block input."""
@@ -157,19 +173,13 @@ class LlamaStage(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def set_recompute(self, mode: str) -> None:
-        """Every block's recompute mode, and what is compiled (when `model.compile` on a GPU):
-        - at tp = 1, unless full recompute, the whole stage as one graph, so that inductor fuses
-          across block boundaries (a block's last residual add into the next block's RMSNorm,
-          forward and backward) and the head's matmul with the cross entropy;
-        - otherwise each block's body, and at tp = 1 the head with the cross entropy. Full
-          recompute checkpoints each compiled block eagerly: inside one graph inductor kept
-          4.9 GiB more than the block inputs at 1B (experiments/PERFORMANCE.md).
-        At tp > 1 the blocks hold collectives, between which each block is its own graph."""
+        """Every block's recompute mode, and what is compiled for it (`compile_scope`)."""
         for block in self.layers.values():
             block.recompute = mode
-        self._whole_graph = self._fused_loss and mode != "full"
+        scope = compile_scope(self._compiled, self.tp.size, mode)
+        self._whole_graph = scope == "stage"
         for block in self.layers.values():
-            block.compile_body(self._compiled and not self._whole_graph)
+            block.compile_body(scope == "blocks")
         fused_head = self._fused_loss and not self._whole_graph
         self._losses = torch.compile(self.head_losses, dynamic=False) if fused_head else self.head_losses
         self._run_compiled = torch.compile(self._run, dynamic=False) if self._whole_graph else self._run
