@@ -62,6 +62,8 @@ def test_custom_ops_registration():
     q, k, v = rope_qkv_torch(qkv, cos, sin, 4, 2)
     dq, dk, dv = (torch.randn(t.shape, generator=g) for t in (q, k, v))
     torch.library.opcheck(rope_qkv_backward_op, (dq, dk, dv, cos, sin))
+    one = torch.randn(1, 1, (4 + 2 * 2) * 8, generator=g)  # one token: v must still be a new tensor
+    torch.library.opcheck(rope_qkv_op, (one, cos[:1], sin[:1], 4, 2))
 
 
 @needs_triton
@@ -83,12 +85,15 @@ for s, b, heads, kv, hd in [(5, 3, 4, 2, 8), (7, 2, 6, 3, 6), (3, 1, 2, 2, 16), 
     # so up to a few bf16 steps (2^-7 relative each) apart.
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2.0 ** -5)):
         wide = torch.randn(s, b, width + 6, generator=g).to(dtype)
-        qkv = wide[..., 2:-4]
-        out = r.rope_qkv_triton(qkv, cos, sin, heads, kv)
-        ref = r.rope_qkv_torch(qkv, cos, sin, heads, kv)
-        for got, want in zip(out, ref):
-            assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
-            assert close(got, want, tol), (s, hd, dtype)
+        # Rows wider than the projection, and the batch-major layout (batch 1 included, whose
+        # stride torch's contiguity ignores).
+        for qkv in (wide[..., 2:-4], torch.randn(b, s, width, generator=g).to(dtype).transpose(0, 1),
+                    torch.randn(1, s, width, generator=g).to(dtype).transpose(0, 1)):
+            out = r.rope_qkv_triton(qkv, cos, sin, heads, kv)
+            ref = r.rope_qkv_torch(qkv, cos, sin, heads, kv)
+            for got, want in zip(out, ref):
+                assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+                assert close(got, want, tol), (s, hd, dtype, qkv.stride())
         dq = torch.randn(b, heads, s, hd, generator=g).to(dtype).permute(2, 0, 1, 3)
         dk = torch.randn(s, b, kv, hd, generator=g).to(dtype)
         dv = torch.randn(b, kv, s, hd, generator=g).to(dtype).permute(2, 0, 1, 3)

@@ -44,7 +44,7 @@ def rope_qkv_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     cos, sin = cos[:s], sin[:s]
     return (rotate(q.view(s, b, heads, hd), cos, sin), rotate(k.view(s, b, kv_heads, hd), cos, sin),
-            v.reshape(s, b, kv_heads, hd).contiguous())
+            v.reshape(s, b, kv_heads, hd).clone(memory_format=torch.contiguous_format))
 
 
 def rope_qkv_backward_torch(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
@@ -67,14 +67,14 @@ def triton_kernels():
 
     @triton.jit
     def rope_forward_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, batch, heads, kv_heads, half,
-                            qkv_row, HEADS: tl.constexpr, HALF: tl.constexpr):
+                            qkv_s, qkv_b, HEADS: tl.constexpr, HALF: tl.constexpr):
         """One program per token (s, b): q and k heads rotated, v copied, all [s, b, heads, hd]."""
         row = tl.program_id(0).to(tl.int64)
         pos = row // batch
         hd = 2 * half
         rows = tl.arange(0, HEADS)[:, None]
         cols = tl.arange(0, HALF)[None, :]
-        src = qkv_ptr + row * qkv_row
+        src = qkv_ptr + pos * qkv_s + (row % batch) * qkv_b
         # Rows < heads are q heads, the next kv_heads rows k heads (adjacent in qkv).
         rotated = heads + kv_heads
         mask = (rows < rotated) & (cols < half)
@@ -142,18 +142,17 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
 
 def rope_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                     kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward kernel; qkv [s, b, width] with dense rows (any row stride)."""
+    """The forward kernel; qkv [s, b, width] of any strides with dense rows."""
     forward, _ = triton_kernels()
     s, b, width = qkv.shape
     hd = width // (heads + 2 * kv_heads)
-    if not (qkv.stride(2) == 1 and qkv.stride(0) == b * qkv.stride(1)):
-        qkv = qkv.contiguous()
+    qkv = _dense_last(qkv)
     q = qkv.new_empty(s, b, heads, hd)
     k = qkv.new_empty(s, b, kv_heads, hd)
     v = qkv.new_empty(s, b, kv_heads, hd)
     if q.numel():
         forward[(s * b,)](qkv, cos.contiguous(), sin.contiguous(), q, k, v, b, heads, kv_heads, hd // 2,
-                          qkv.stride(1), HEADS=_pow2(heads + kv_heads), HALF=_pow2(hd // 2))
+                          qkv.stride(0), qkv.stride(1), HEADS=_pow2(heads + kv_heads), HALF=_pow2(hd // 2))
     return q, k, v
 
 
