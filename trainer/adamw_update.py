@@ -23,12 +23,12 @@ counts this update: 1 on the first), so nothing is read back to the host.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Sequence
 
 import torch
 
-from trainer.multi_tensor import (ADDRESS_ALIGN, TensorBlocks, aligned, launch, tensor_pointers, triton_available,
-                                  triton_runs_on)
+from trainer.multi_tensor import ADDRESS_ALIGN, TensorBlocks, aligned, launch, tensor_pointers, triton_runs_on
 
 #: Elements per Triton program (one tensor's block) and warps per program: the fastest of
 #: 512-4096 elements and 2-16 warps at the 1B sizes on an H200 (7.56 ms for 30.9 GB;
@@ -72,7 +72,7 @@ def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 def triton_kernel():
     """The Triton kernel, or None without Triton. Built on first use, so that importing this
     module never needs Triton and TRITON_INTERPRET=1 (the tests' CPU mode) is read then."""
-    if not triton_available():
+    if importlib.util.find_spec("triton") is None:
         return None
     import triton
     import triton.language as tl

@@ -36,10 +36,6 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 @dataclass(frozen=True)
 class Programs:
     """Which tensor, and which of its elements first, each program of one launch covers."""
@@ -122,7 +118,7 @@ def launch(kernel: Any, blocks: TensorBlocks, *args: Any, **meta: Any) -> None:
 @functools.cache
 def squares_kernels():
     """(per-block, per-tensor) Triton kernels of `sums_of_squares`, or None without Triton."""
-    if not triton_available():
+    if importlib.util.find_spec("triton") is None:
         return None
     import triton
     import triton.language as tl
