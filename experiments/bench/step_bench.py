@@ -96,13 +96,14 @@ class Row:
     group: str = ""
 
 
-def sm_clock_mhz() -> int | None:
-    """The SM clock over NVML's last sample period (None without pynvml): a sustained step that
-    runs slower than a short profile of it is usually a lower clock (power), not idle time."""
+def gpu_state() -> str:
+    """The SM clock and the board power over NVML's last sample period ('' without pynvml): a
+    sustained step that runs slower than a short profile of it, at the power limit, is running
+    at a lower clock, not idling."""
     try:
-        return torch.cuda.clock_rate()
+        return f"@{torch.cuda.clock_rate()}MHz/{torch.cuda.power_draw() / 1000:.0f}W"
     except Exception:  # noqa: BLE001 - pynvml missing or NVML refused: report nothing
-        return None
+        return ""
 
 
 def timed(fn: Callable[[], None], iters: int, warmup: int, windows: int = 1,
@@ -123,7 +124,7 @@ def timed(fn: Callable[[], None], iters: int, warmup: int, windows: int = 1,
         torch.cuda.synchronize()
         means.append((time.perf_counter() - t0) / iters)
         if log is not None:
-            log.append(f"{means[-1] * 1e3:.1f}ms@{sm_clock_mhz()}MHz")
+            log.append(f"{means[-1] * 1e3:.1f}ms{gpu_state()}")
     return float(np.median(means))
 
 
@@ -235,7 +236,8 @@ def run_baseline(mod, name: str, steps: int, peak: float, device: torch.device) 
     return row
 
 
-def paired_windows(steps: dict[str, Callable[[], None]], iters: int, rounds: int) -> dict[str, list[float]]:
+def paired_windows(steps: dict[str, Callable[[], None]], iters: int, rounds: int,
+                   log: dict[str, list[str]] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each step over `2 * rounds` windows of `iters` calls, the steps taking
     turns in the order A B B A A B ... so that a slow drift of the clock (the GPU warming up,
     power) falls on each equally; synchronised at the window ends only."""
@@ -249,6 +251,8 @@ def paired_windows(steps: dict[str, Callable[[], None]], iters: int, rounds: int
                 steps[name]()
             torch.cuda.synchronize()
             seen[name].append((time.perf_counter() - t0) / iters)
+            if log is not None:
+                log[name].append(f"{seen[name][-1] * 1e3:.1f}ms{gpu_state()}")
     return seen
 
 
@@ -264,12 +268,13 @@ def run_paired(mod, name: str, steps: int, peak: float, device: torch.device, em
     theirs, base_fpt, tokens = baseline_step(mod, name, device)
     for fn in (theirs, ours):
         timed(fn, 0, 3)
-    seen = paired_windows({"baseline": theirs, "plain": ours}, steps, WINDOWS + 1)
+    log: dict[str, list[str]] = {"baseline": [], "plain": []}
+    seen = paired_windows({"baseline": theirs, "plain": ours}, steps, WINDOWS + 1, log)
     for key, variant, fpt in (("baseline", "baseline --compile", base_fpt),
                               ("plain", "plain", flops_per_token(cfg.model, cfg.data.seq_len))):
         row = _row(name, variant, tokens / float(np.median(seen[key])), fpt, peak, 0.0)
         row.group = "paired"
-        row.windows = " ".join(f"{t * 1e3:.1f}ms" for t in seen[key])
+        row.windows = " ".join(log[key])
         row.note = "alternating windows, both alive"
         emit(row)
     del ours, model, theirs
