@@ -106,6 +106,10 @@ def gpu_state() -> str:
         return ""
 
 
+def window_log(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}ms{gpu_state()}"
+
+
 def timed(fn: Callable[[], None], iters: int, warmup: int, windows: int = 1,
           log: list[str] | None = None) -> float:
     """Seconds per call: the median over `windows` back-to-back windows of `iters` calls each
@@ -124,7 +128,7 @@ def timed(fn: Callable[[], None], iters: int, warmup: int, windows: int = 1,
         torch.cuda.synchronize()
         means.append((time.perf_counter() - t0) / iters)
         if log is not None:
-            log.append(f"{means[-1] * 1e3:.1f}ms{gpu_state()}")
+            log.append(window_log(means[-1]))
     return float(np.median(means))
 
 
@@ -252,7 +256,7 @@ def paired_windows(steps: dict[str, Callable[[], None]], iters: int, rounds: int
             torch.cuda.synchronize()
             seen[name].append((time.perf_counter() - t0) / iters)
             if log is not None:
-                log[name].append(f"{seen[name][-1] * 1e3:.1f}ms{gpu_state()}")
+                log[name].append(window_log(seen[name][-1]))
     return seen
 
 
