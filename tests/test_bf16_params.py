@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from doremi import stages
+from tests.bf16 import rounded_half_away
 from tests.distributed import spawn
 from tests.runs import config, final_params, losses, run_stage
 from trainer.build import autocast, build_model, param_dtype
@@ -104,10 +105,6 @@ def test_param_dtype_resolution_and_config_errors(stores, tmp_path):
         assert str(e.value).startswith(want) and "\n" not in str(e.value)
 
 
-def live_masters(opt: MasterWeightAdamW) -> dict[str, torch.Tensor]:
-    return dict(zip(opt.owned_names(), opt._local_views(opt.master)))
-
-
 def test_trainer_matches_torch_adamw_on_fp32_copies(stores, tmp_path):
     """Three steps (clipping active) of the bf16 trainer: its fp32 master equals torch AdamW run
     on fp32 copies of the initial parameters with the trainer's gradients; the bf16 parameters
@@ -119,7 +116,7 @@ def test_trainer_matches_torch_adamw_on_fp32_copies(stores, tmp_path):
     # One micro-batch, one process: nothing sums gradients, so the update reads autograd's `.grad`.
     assert cfg.train.micro_batches == 1 and opt.main_grad is None
     params = dict(trainer.named_params)
-    ref = {n: torch.nn.Parameter(m.clone()) for n, m in live_masters(opt).items()}
+    ref = {n: torch.nn.Parameter(m.clone()) for n, m in opt.master_weights().items()}
     ref_opt = torch.optim.AdamW(
         [{"params": [p for p in ref.values() if p.ndim >= 2], "weight_decay": cfg.train.weight_decay},
          {"params": [p for p in ref.values() if p.ndim < 2], "weight_decay": 0.0}],
@@ -142,10 +139,10 @@ def test_trainer_matches_torch_adamw_on_fp32_copies(stores, tmp_path):
             g["lr"] = lr_at(step, cfg.train)
         ref_opt.step()
         assert float(stats.grad_norm) == pytest.approx(norms[-1], rel=1e-6)
-        master = live_masters(opt)
+        master = opt.master_weights()
         for n, p in params.items():
             torch.testing.assert_close(master[n], ref[n].detach(), rtol=1e-6, atol=1e-7, msg=n)
-            assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), master[n].bfloat16()), n
+            assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), rounded_half_away(master[n])), n
     assert min(norms) > 0.5  # clipping was active
     assert all(p.grad is None for p in params.values())
 
@@ -231,7 +228,7 @@ def test_zero1_on_off_bit_identical_and_dp2_matches_one_process(runs, stores):
     assert grad_norms(runs / "dp2-zero1") == grad_norms(runs / "single")  # the norm is dp-invariant, bitwise
     saved = final_params(stores, runs / "dp2-zero1")  # without an optimizer: the bf16 weights
     for name in single:
-        assert torch.equal(saved[name], zero[name].bfloat16().float()), name
+        assert torch.equal(saved[name], rounded_half_away(zero[name]).float()), name
 
 
 @pytest.mark.parametrize("name,reference", [("tp2-sp", "single"), ("pp2-tied", "single-tied"),
@@ -271,7 +268,7 @@ def test_fp32_bf16_cross_loads(runs, stores, tmp_path):
     state, fp32_state = bf16.optimizer.state_dict()["state"], fp32.optimizer.state_dict()["state"]
     for name, p in bf16.model.named_parameters():
         assert torch.equal(state[name]["master"], saved_fp32[name]), name
-        assert torch.equal(p.detach(), saved_fp32[name].bfloat16()), name
+        assert torch.equal(p.detach(), rounded_half_away(saved_fp32[name])), name
         for k in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(state[name][k], fp32_state[name][k]), (name, k)
 
@@ -282,7 +279,7 @@ def test_fp32_bf16_cross_loads(runs, stores, tmp_path):
     raw = torch.load(bf16_ck / "optim_pp0_tp0_dp0.pt", weights_only=True)["state"]
     for name, p in again.model.named_parameters():
         assert torch.equal(p.detach(), raw[name]["master"]) and torch.equal(want[name], raw[name]["master"]), name
-        assert torch.equal(frozen[name], raw[name]["master"].bfloat16().float()), name
+        assert torch.equal(frozen[name], rounded_half_away(raw[name]["master"]).float()), name
         assert set(again.optimizer.state_dict()["state"][name]) == {"step", "exp_avg", "exp_avg_sq"}
     assert any(not torch.equal(frozen[n], want[n]) for n in want)
     # The fp32 run continued with bf16 parameters stays within bf16 tolerance of the fp32 run.

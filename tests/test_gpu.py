@@ -16,7 +16,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_triton_update_on_grad_tensors_equals_the_compiled_flat_update():
     """Tensors of odd sizes, decay on the first ones, clipping scale != 1, several steps: the
     one-launch update over `.grad` tensors and the compiled flat update agree to fp32 rounding,
-    and the bf16 parameters are each one's rounding of its master."""
+    each one's masters equal torch AdamW's on fp32 copies, and the bf16 parameters are each
+    one's rounding of its master."""
+    from tests.bf16 import rounded_half_away
+    from trainer.adamw_update import join_fp32, split_fp32
+
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     numels = [3 * 1024 + 37, 4096, 5, 1, 2048 * 3]
@@ -28,8 +32,15 @@ def test_triton_update_on_grad_tensors_equals_the_compiled_flat_update():
     master = torch.zeros(total, device=dev)  # the gaps between tensors stay zero, as in the optimizer
     for o, n in zip(offsets, numels):
         master[o:o + n] = torch.randn(n, device=dev, generator=g)
-    states = {k: (master.clone(), torch.zeros_like(master), torch.zeros_like(master), master.bfloat16())
-              for k in ("flat", "tensors")}
+    ref = [torch.nn.Parameter(master[o:o + n].clone()) for o, n in zip(offsets, numels)]
+    ref_opt = torch.optim.AdamW([{"params": ref[:2], "weight_decay": 0.1}, {"params": ref[2:], "weight_decay": 0.0}],
+                                lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    states = {}
+    for k in ("flat", "tensors"):
+        remainder, param = torch.empty(total, dtype=torch.int16, device=dev), torch.empty(total, dtype=torch.bfloat16,
+                                                                                           device=dev)
+        split_fp32(master, param, remainder)
+        states[k] = (remainder, torch.zeros_like(master), torch.zeros_like(master), param)
     flat_update = torch.compile(adamw_update, fullgraph=True, dynamic=False)
     blocks = TensorBlocks.build(offsets, numels, dev, BLOCK)
     lr = torch.tensor(3e-3, dtype=torch.float64, device=dev)
@@ -40,15 +51,22 @@ def test_triton_update_on_grad_tensors_equals_the_compiled_flat_update():
         flat_grad = torch.zeros(total, dtype=torch.bfloat16, device=dev)
         for o, n, gr in zip(offsets, numels, grads):
             flat_grad[o:o + n] = gr
-        w, m, v, p = states["flat"]
-        flat_update(w, flat_grad, m, v, p, lr, step, scale, n_decay, 0.9, 0.95, 1e-8, 0.1)
-        w, m, v, p = states["tensors"]
+        r, m, v, p = states["flat"]
+        flat_update(r, flat_grad, m, v, p, lr, step, scale, n_decay, 0.9, 0.95, 1e-8, 0.1)
+        r, m, v, p = states["tensors"]
         coefficients = stacked_coefficients(lr, step, scale, 0.9, 0.95, 0.1)
-        adamw_update_tensors(w, grads, m, v, p, blocks, coefficients, n_decay, 0.9, 0.95, 1e-8)
-    for a, b in zip(states["flat"], states["tensors"]):
-        torch.testing.assert_close(a.float(), b.float(), rtol=1e-6, atol=1e-7)
-    for w, _, _, p in states.values():
-        assert torch.equal(p, w.bfloat16())
+        adamw_update_tensors(r, grads, m, v, p, blocks, coefficients, n_decay, 0.9, 0.95, 1e-8)
+        for w, gr in zip(ref, grads):
+            w.grad = gr.float() * 0.7
+        ref_opt.step()
+    masters = {k: join_fp32(p, r) for k, (r, _, _, p) in states.items()}
+    torch.testing.assert_close(masters["flat"], masters["tensors"], rtol=1e-6, atol=1e-7)
+    for a, b in zip(states["flat"][1:3], states["tensors"][1:3]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for k, (_, _, _, p) in states.items():
+        assert torch.equal(p, rounded_half_away(masters[k])), k
+        for o, n, w in zip(offsets, numels, ref):
+            torch.testing.assert_close(masters[k][o:o + n], w.detach(), rtol=1e-6, atol=1e-7)
 
 
 @cuda

@@ -13,7 +13,7 @@ from trainer.config import ModelConfig, ParallelismConfig, load_config
 from trainer.model.presets import PRESETS
 from trainer.parallel.split import (CostModel, bytes_per_param, min_max_split, split_counts,
                                     split_layers)
-from trainer.plan import GIB, format_plan, plan_memory
+from trainer.plan import GIB, format_plan, gpu_param_precision, plan_memory
 
 TINY = ModelConfig(**PRESETS["tiny"])  # h 64, f 128, 4 heads, 2 kv heads, d 16, vocab 256, 2 layers
 LLAMA70 = ModelConfig(**{k: v for k, v in PRESETS["llama3-70b"].items() if k != "rope_scaling"})
@@ -71,9 +71,10 @@ def test_params_and_flops_by_hand():
 def test_bytes_per_param():
     fp32 = bytes_per_param("fp32", dp=4, zero1=True)
     assert (fp32.weight, fp32.grad, fp32.optimizer, fp32.cast) == (4, 4, 2, 2)
-    assert bytes_per_param("bf16", dp=4, zero1=True).total == 2 + 4 + 3
-    assert bytes_per_param("bf16", dp=4, zero1=False).total == 18
-    assert bytes_per_param("bf16", dp=1, zero1=True, summed_grads=False).total == 2 + 0 + 12
+    # bf16: the fp32 master is the parameter plus a 2-byte remainder; fp32 moments.
+    assert bytes_per_param("bf16", dp=4, zero1=True).total == 2 + 4 + 10 / 4
+    assert bytes_per_param("bf16", dp=4, zero1=False).total == 16
+    assert bytes_per_param("bf16", dp=1, zero1=True, summed_grads=False).total == 2 + 0 + 10
 
 
 @pytest.mark.parametrize("micro_batches,dp,grad_bytes", [(1, 1, 0), (2, 1, 4), (1, 2, 4)])
@@ -95,6 +96,9 @@ def test_bf16_grads_are_persistent_fp32_main_grads_only_when_summed(micro_batche
         opt = MasterWeightAdamW(named, TrainConfig(micro_batches=micro_batches), ParallelContext.single())
         assert (opt.main_grad is None) == (grad_bytes == 0)
         assert grad_bytes == 0 or opt.main_grad.dtype == torch.float32
+        state = (opt.remainder, opt.exp_avg, opt.exp_avg_sq)
+        assert sum(t.element_size() for t in state) == mem.optimizer / mem.params
+        assert opt.flat_params.element_size() == mem.weights / mem.params
     with pytest.raises(ValueError, match="param_precision: expected one of fp32, bf16, got 'fp8'"):
         bytes_per_param("fp8", 1, True)
 
@@ -154,22 +158,25 @@ def _llama70b_config(dp: int = 1):
                        [f"parallelism.dp={dp}", f"train.global_batch_size={64 * dp}"])
 
 
-def test_llama70b_plan_tp4_pp4_on_16_gpus_of_96gb():
-    """The numbers of experiments/PLAN_70B.md."""
+@pytest.mark.parametrize("precision,memory_peak,compute_peak", [("bf16", 99.2, 109.8), ("fp32", 106.9, 118.3)])
+def test_llama70b_plan_tp4_pp4_on_16_gpus_of_96gb(precision, memory_peak, compute_peak):
+    """The numbers of experiments/PLAN_70B.md: bf16 parameters are what `doremi plan` plans on
+    GPUs by default (`gpu_param_precision`)."""
     cfg = _llama70b_config()
-    memory = plan_memory(cfg, 16, 96)
-    compute = plan_memory(cfg, 16, 96, split="compute")
+    assert gpu_param_precision(cfg) == "bf16"
+    memory = plan_memory(cfg, 16, 96, param_precision=precision)
+    compute = plan_memory(cfg, 16, 96, split="compute", param_precision=precision)
     first_mem, first_cmp = memory.stages[0].memory, compute.stages[0].memory
     assert first_mem.total < first_cmp.total
     assert memory.peak_bytes < compute.peak_bytes
-    assert first_mem.total / GIB == pytest.approx(106.9, abs=0.05)
-    assert first_cmp.total / GIB == pytest.approx(118.3, abs=0.05)
+    assert first_mem.total / GIB == pytest.approx(memory_peak, abs=0.05)
+    assert first_cmp.total / GIB == pytest.approx(compute_peak, abs=0.05)
     assert [s.memory.in_flight for s in memory.stages] == [4, 3, 2, 1]
     assert first_mem.params == 18 * 213_925_888 + 32_064 * 8192
     assert memory.layer_activation_bytes / 2**20 == pytest.approx(536.0, abs=0.1)
-    assert not memory.fits and memory.peak_stage == 0  # 16 B/param + 2 B cast at dp = 1 is too much
+    assert not memory.fits and memory.peak_stage == 0  # 16 B/param (18 with fp32 params) at dp = 1 is too much
     table = format_plan(memory)
-    assert "  0   0-17 (18)" in table and "106.9" in table and "does NOT fit" in table
+    assert "  0   0-17 (18)" in table and f"{memory_peak}" in table and "does NOT fit" in table
 
 
 def test_memory_split_fits_where_compute_split_ooms_at_dp2():

@@ -1,5 +1,6 @@
-"""The AdamW update of `trainer.master_weights`: fp32 master and moments in flat buffers, the
-bf16 parameters their rounding. Two forms of one update, by where the gradients are:
+"""The AdamW update of `trainer.master_weights`: fp32 master weights and moments in flat
+buffers, the bf16 parameters the master's top half. Two forms of one update, by where the
+gradients are:
 
 - `adamw_update`: the gradients in one flat buffer (the main grads, when the step sums them
   over micro-batches or ranks). torch ops; `torch.compile` makes it one kernel on CUDA.
@@ -14,10 +15,18 @@ bf16 parameters their rounding. Two forms of one update, by where the gradients 
   than the copy they saved (experiments/PERFORMANCE.md, run 8).
 
 Both compute torch.optim.AdamW's update (Loshchilov & Hutter 2019: decoupled weight decay,
-bias corrections) on `master` with gradient `grad * grad_scale`, weight decay on the first
-`n_decay` elements only (the matrices come first in the buffers), then write the master's
-bf16 rounding into the parameters. `lr` and `step` are 0-dim float64 device tensors (`step`
-counts this update: 1 on the first), so nothing is read back to the host.
+bias corrections) on the master with gradient `grad * grad_scale`, weight decay on the first
+`n_decay` elements only (the matrices come first in the buffers). `lr` and `step` are 0-dim
+float64 device tensors (`step` counts this update: 1 on the first), so nothing is read back to
+the host.
+
+The master is not stored as fp32: it is the bf16 parameter plus a 16-bit remainder
+(`split_fp32`, `join_fp32`), which together hold its 32 bits exactly. The update moves 8 bytes
+of master per parameter (parameter and remainder, in and out) instead of 10 (the fp32 master in
+and out, its bf16 rounding out), and the optimizer keeps 2 bytes of master instead of 4. The
+price: the parameter is the master rounded half away from zero, not half to even. Only exact
+ties differ (a low half of exactly 2^15); under round half to even 2^16 + 1 fp32 values round
+to each even bf16 and 2^16 - 1 to each odd one, so no 16 bits could tell them apart.
 """
 
 from __future__ import annotations
@@ -53,19 +62,38 @@ def stacked_coefficients(lr: torch.Tensor, step: torch.Tensor, grad_scale: torch
     return torch.stack(adamw_coefficients(lr, step, grad_scale, beta1, beta2, weight_decay))
 
 
-def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+def split_fp32(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
+    """Write fp32 `master` into bf16 `param` (its rounding, half away from zero) and int16
+    `remainder` (its low 16 bits), so that `join_fp32(param, remainder)` is `master` exactly
+    (every bit, NaN payloads aside). Integer ops on the bits: the carry of the low half into the
+    high one is the rounding."""
+    bits = master.view(torch.int32)
+    low = bits & 0xFFFF
+    remainder.copy_((low ^ 0x8000) - 0x8000)
+    param.copy_(((bits >> 16) + (low >> 15)).to(torch.int16).view(torch.bfloat16))
+
+
+def join_fp32(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master held by bf16 `param` and int16 `remainder` (`split_fp32`'s inverse): a
+    negative remainder (low half >= 2^15) says the rounding carried into the parameter."""
+    high = param.view(torch.int16).to(torch.int32) - (remainder < 0).to(torch.int32)
+    return ((high << 16) | (remainder.to(torch.int32) & 0xFFFF)).view(torch.float32)
+
+
+def adamw_update(remainder: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  param: torch.Tensor, lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor,
                  n_decay: int, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """In place on flat buffers of one length (see the module docstring)."""
+    """In place on flat buffers of one length (see the module docstring): the master is
+    `join_fp32(param, remainder)` before and after."""
     step_size, bias_correction2_sqrt, keep, scale = adamw_coefficients(lr, step, grad_scale, beta1, beta2,
                                                                       weight_decay)
     g = grad.float() * scale
     exp_avg.lerp_(g, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    decayed = torch.arange(master.numel(), device=master.device) < n_decay
+    decayed = torch.arange(param.numel(), device=param.device) < n_decay
     denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-    master.mul_(torch.where(decayed, keep, 1.0)).sub_(step_size * exp_avg / denom)
-    param.copy_(master)
+    master = join_fp32(param, remainder) * torch.where(decayed, keep, 1.0) - step_size * exp_avg / denom
+    split_fp32(master, param, remainder)
 
 
 @functools.cache
@@ -78,7 +106,7 @@ def triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def adamw_tensors_kernel(block_tensor, block_start, grad_ptrs, offsets, numels, master, exp_avg, exp_avg_sq,
+    def adamw_tensors_kernel(block_tensor, block_start, grad_ptrs, offsets, numels, remainder, exp_avg, exp_avg_sq,
                              param, coefficients, n_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
                              ALIGN: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
         t = tl.load(block_tensor + tl.program_id(0))
@@ -93,15 +121,19 @@ def triton_kernel():
         g = tl.load(grad + idx, mask=mask, other=0.0).to(tl.float32) * tl.load(coefficients + 3)
         m = tl.load(exp_avg + flat, mask=mask, other=0.0)
         v = tl.load(exp_avg_sq + flat, mask=mask, other=0.0)
-        w = tl.load(master + flat, mask=mask, other=0.0)
+        low = tl.load(remainder + flat, mask=mask, other=0)
+        high = tl.load(param + flat, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) - (low < 0)
+        w = ((high << 16) | (low.to(tl.int32) & 0xFFFF)).to(tl.float32, bitcast=True)  # join_fp32
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * g * g
         denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
         w = w * tl.where(flat < n_decay, keep, 1.0) - tl.div_rn(step_size * m, denom)
         tl.store(exp_avg + flat, m, mask=mask)
         tl.store(exp_avg_sq + flat, v, mask=mask)
-        tl.store(master + flat, w, mask=mask)
-        tl.store(param + flat, w.to(param.dtype.element_ty), mask=mask)
+        bits = w.to(tl.int32, bitcast=True)  # split_fp32
+        low = bits & 0xFFFF
+        tl.store(remainder + flat, ((low ^ 0x8000) - 0x8000).to(tl.int16), mask=mask)
+        tl.store(param + flat, ((bits >> 16) + (low >> 15)).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
 
     return adamw_tensors_kernel
 
@@ -111,7 +143,7 @@ def uses_triton(device: torch.device) -> bool:
     return triton_runs_on(device) and triton_kernel() is not None
 
 
-def adamw_update_tensors(master: torch.Tensor, grads: Sequence[torch.Tensor], exp_avg: torch.Tensor,
+def adamw_update_tensors(remainder: torch.Tensor, grads: Sequence[torch.Tensor], exp_avg: torch.Tensor,
                          exp_avg_sq: torch.Tensor, param: torch.Tensor, blocks: TensorBlocks,
                          coefficients: torch.Tensor, n_decay: int, beta1: float, beta2: float, eps: float) -> None:
     """The update with one gradient tensor per parameter, in one Triton kernel (see the module
@@ -123,6 +155,6 @@ def adamw_update_tensors(master: torch.Tensor, grads: Sequence[torch.Tensor], ex
                              f"got {g.dtype} of strides {g.stride()}")
     if not aligned(grads):
         raise ValueError(f"adamw_update_tensors: gradient addresses must be {ADDRESS_ALIGN}-byte aligned")
-    launch(triton_kernel(), blocks, tensor_pointers(grads, master.device), blocks.offsets, blocks.numels, master,
+    launch(triton_kernel(), blocks, tensor_pointers(grads, param.device), blocks.offsets, blocks.numels, remainder,
            exp_avg, exp_avg_sq, param, coefficients, n_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
            ALIGN=blocks.align, num_warps=NUM_WARPS)

@@ -7,7 +7,9 @@ Why: fp32 parameters under bf16 autocast cast every weight to bf16 in each forwa
 bf16 weight gradient into fp32 in backward and run AdamW over fp32 parameters: about 52 bytes
 of memory traffic per parameter per step with clipping. Pure bf16 parameters updated in bf16
 (the plain baseline) are cheaper (14 bytes) but round every update to 8 mantissa bits, so small
-updates vanish. Here the model runs on bf16 parameters and the optimizer owns the fp32 truth.
+updates vanish. Here the model runs on bf16 parameters and the optimizer owns the fp32 truth:
+the low halves of the masters, an int16 remainder per parameter whose high half is the bf16
+parameter (`trainer.adamw_update.split_fp32`), so that a master costs 2 bytes instead of 4.
 
 Layout: the trainable parameters become views into one flat bf16 buffer. When the step sums
 gradients (over micro-batches or ranks, `trainer.parallel.data.sums_gradients`) each also gets
@@ -17,27 +19,27 @@ and dropped, so accumulation over micro-batches is in fp32); otherwise the updat
 autograd's `.grad` where it lies (`trainer.adamw_update.adamw_update_tensors`). The order is by
 dp owner (ZeRO-1; one group without it), within an owner matrices then vectors (the
 weight-decay groups of `trainer.optim`), each view 64-element aligned, so each owner's
-parameters are one contiguous span. The fp32 master copy and the AdamW moments exist for this
-rank's span only. Per step:
+parameters are one contiguous span. The remainders and the AdamW moments exist for this rank's
+span only. Per step:
 - `reduce_gradients`: the main grads summed over dp in fp32, in place, span by span: to the
   owner under ZeRO-1, to every rank without (`trainer.parallel.data.reduce_grads`);
 - `clip_grad_norm`: the global L2 norm over the gradients (`trainer.parallel.clip`, each
   parameter counted on its owner) and the clip coefficient, both on device;
 - `step(lr)`: one fused elementwise kernel over this rank's span (`trainer.adamw_update`) that
   scales the gradient by the clip coefficient, applies torch.optim.AdamW's update (decoupled
-  weight decay on matrices only, bias corrections) to the fp32 master and writes its bf16
-  rounding into the parameters; under ZeRO-1 the owners then broadcast their spans of bf16
-  parameters (`broadcast_from_owners`, in place).
-Traffic with fp32 main grads: 6 (bf16 `.grad` into the fp32 main grad) + 4 (norm) + 30
-(update: master, moments, fp32 grad, bf16 param) = 40 bytes per parameter; each further
+  weight decay on matrices only, bias corrections) to the fp32 master it joins from parameter
+  and remainder, and splits the result back into both; under ZeRO-1 the owners then broadcast
+  their spans of bf16 parameters (`broadcast_from_owners`, in place).
+Traffic with fp32 main grads: 6 (bf16 `.grad` into the fp32 main grad) + 4 (norm) + 28
+(update: parameter and remainder, moments, fp32 grad) = 38 bytes per parameter; each further
 micro-batch adds 10 (the add). They buy exact fp32 accumulation and an fp32 dp reduction. When
-nothing is summed (one micro-batch, one rank): 2 (norm) + 28 = 30 bytes, and the gradients
+nothing is summed (one micro-batch, one rank): 2 (norm) + 26 = 28 bytes, and the gradients
 take memory only from their backward to the step. lr, the step count and the clip
 coefficient live on the device, so a step has no host synchronisation.
 
-State by name, as `trainer.optim`: torch AdamW's keys plus "master" for the parameters this
-rank owns, so checkpoints reshard it like any state shaped as its parameter, and fp32-parameter
-checkpoints load here (master from the saved fp32 parameters) and back.
+State by name, as `trainer.optim`: torch AdamW's keys plus the fp32 "master" (joined) for the
+parameters this rank owns, so checkpoints reshard it like any state shaped as its parameter,
+and fp32-parameter checkpoints load here (master from the saved fp32 parameters) and back.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.nn import Parameter
 
-from trainer.adamw_update import BLOCK, adamw_update, adamw_update_tensors, stacked_coefficients, uses_triton
+from trainer.adamw_update import (BLOCK, adamw_update, adamw_update_tensors, join_fp32, split_fp32,
+                                  stacked_coefficients, uses_triton)
 from trainer.config import TrainConfig
 from trainer.multi_tensor import TensorBlocks, aligned
 from trainer.optim import decay_first
@@ -75,16 +78,16 @@ def _aligned_offsets(numels: Sequence[int], multiple: int = ALIGN_ELEMENTS) -> l
 
 
 class MasterWeightAdamW:
-    """See the module docstring. Built from the model's fp32 parameters, which it turns into bf16
-    views of its flat buffer (cast the module's other floating tensors yourself if you want them
-    in bf16). The `trainer.optim.Optimizer` interface; `zero1` shards the state over dp."""
+    """See the module docstring. Built from the model's fp32 parameters (their values are the
+    masters), which it turns into bf16 views of its flat buffer (cast the module's other
+    floating tensors yourself if you want them in bf16). The `trainer.optim.Optimizer`
+    interface; `zero1` shards the state over dp."""
 
     kind = "adamw"
     keeps_master = True
 
     def __init__(self, named_params: Sequence[tuple[str, Parameter]], cfg: TrainConfig, pc: ParallelContext,
-                 zero1: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-                 param_dtype: torch.dtype = torch.bfloat16, compile: bool | None = None):
+                 zero1: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL, compile: bool | None = None):
         if cfg.optimizer != "adamw":
             raise ValueError(f"train.optimizer: mixed-precision master weights support adamw, got {cfg.optimizer!r}")
         named = [(n, p) for n, p in named_params if p.requires_grad]
@@ -113,12 +116,13 @@ class MasterWeightAdamW:
         self._span = self._local_span()
         self.n_decay = self._decay_elements()
         device = self.params[0].device
-        self.master = torch.zeros(self._span[1] - self._span[0], dtype=torch.float32, device=device)
-        for (_, p), view in zip(self.local, self._local_views(self.master)):
-            view.copy_(p.detach())
-        self.flat_params = torch.zeros(self.offsets[-1] + self.numels[-1], dtype=param_dtype, device=device)
-        for p, w in zip(self.params, self._views(self.flat_params)):
-            w.copy_(p.detach())
+        self.remainder = torch.zeros(self._span[1] - self._span[0], dtype=torch.int16, device=device)
+        self.flat_params = torch.zeros(self.offsets[-1] + self.numels[-1], dtype=torch.bfloat16, device=device)
+        # Every rank rounds every parameter as the update will (half away from zero), so that the
+        # replicas agree before the owners' first broadcast.
+        remainders = dict(zip(range(self._first, self._first + len(self.local)), self._local_views(self.remainder)))
+        for i, (p, w) in enumerate(zip(self.params, self._views(self.flat_params))):
+            split_fp32(p.detach().float(), w, remainders.get(i, torch.empty(p.shape, dtype=torch.int16, device=device)))
             p.data = w
         # Main grads only where the step sums gradients; otherwise the update reads autograd's.
         self.main_grad: torch.Tensor | None = None
@@ -126,8 +130,8 @@ class MasterWeightAdamW:
             self.main_grad = torch.zeros_like(self.flat_params, dtype=torch.float32)
             for p, g in zip(self.params, self._views(self.main_grad)):
                 attach_main_grad(p, g)
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.exp_avg = torch.zeros(self._span[1] - self._span[0], dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self._lr = torch.tensor(cfg.lr, dtype=torch.float64, device=device)
         self._step = torch.zeros((), dtype=torch.float64, device=device)
         self._grad_scale = torch.ones((), dtype=torch.float32, device=device)
@@ -172,7 +176,7 @@ class MasterWeightAdamW:
         return [flat[o:o + n].view(p.shape) for p, o, n in zip(self.params, self.offsets, self.numels)]
 
     def _local_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """Per local parameter, its view of a buffer of the local span (master, moments)."""
+        """Per local parameter, its view of a buffer of the local span (remainder, moments)."""
         a = self._span[0]
         idx = range(self._first, self._first + len(self.local))
         return [buf[self.offsets[i] - a:self.offsets[i] - a + self.numels[i]].view(self.params[i].shape) for i in idx]
@@ -219,7 +223,7 @@ class MasterWeightAdamW:
 
     def _update_flat(self) -> None:
         c = self.cfg
-        self._update(self.master, self._local(self.main_grad), self.exp_avg, self.exp_avg_sq,
+        self._update(self.remainder, self._local(self.main_grad), self.exp_avg, self.exp_avg_sq,
                      self._local(self.flat_params), self._lr, self._step, self._grad_scale, self.n_decay,
                      c.beta1, c.beta2, c.eps, c.weight_decay)
 
@@ -235,15 +239,15 @@ class MasterWeightAdamW:
         if self._blocks is not None and aligned(grads):
             coefficients = self._coefficients(self._lr, self._step, self._grad_scale, c.beta1, c.beta2,
                                               c.weight_decay)
-            adamw_update_tensors(self.master, grads, self.exp_avg, self.exp_avg_sq, self._local(self.flat_params),
+            adamw_update_tensors(self.remainder, grads, self.exp_avg, self.exp_avg_sq, self._local(self.flat_params),
                                  self._blocks, coefficients, self.n_decay, c.beta1, c.beta2, c.eps)
             return
         a = self._span[0]
-        views = zip(self._local_views(self.master), self._local_views(self.exp_avg),
+        views = zip(self._local_views(self.remainder), self._local_views(self.exp_avg),
                     self._local_views(self.exp_avg_sq), self._local_views(self._local(self.flat_params)))
-        for i, g, (w, m, v, p) in zip(range(self._first, self._first + len(self.local)), grads, views):
+        for i, g, (r, m, v, p) in zip(range(self._first, self._first + len(self.local)), grads, views):
             decayed = p.numel() if self.offsets[i] - a < self.n_decay else 0
-            adamw_update(w.view(-1), g.view(-1), m.view(-1), v.view(-1), p.view(-1), self._lr, self._step,
+            adamw_update(r.view(-1), g.view(-1), m.view(-1), v.view(-1), p.view(-1), self._lr, self._step,
                          self._grad_scale, decayed, c.beta1, c.beta2, c.eps, c.weight_decay)
 
     def zero_grad(self) -> None:
@@ -254,9 +258,15 @@ class MasterWeightAdamW:
 
     @torch.no_grad()
     def refresh_master(self) -> None:
-        """Master = the current bf16 parameters: call after loading model weights without an
-        optimizer state (a fresh run initialised from a checkpoint)."""
-        self.master.copy_(self._local(self.flat_params))
+        """Master = the current bf16 parameters (remainders zero): call after loading model
+        weights without an optimizer state (a fresh run initialised from a checkpoint)."""
+        self.remainder.zero_()
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters' fp32 masters by name (new tensors, joined from parameter and
+        remainder)."""
+        views = zip(self.local, self._local_views(self._local(self.flat_params)), self._local_views(self.remainder))
+        return {name: join_fp32(p, r) for (name, _), p, r in views}
 
     def owned_names(self) -> list[str]:
         """Names of the parameters whose master and moments live on this rank."""
@@ -265,13 +275,14 @@ class MasterWeightAdamW:
     # -- state by name ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """{"kind": "adamw", "state": {name: {"step", "exp_avg", "exp_avg_sq", "master"}}}: torch
-        AdamW's per-parameter keys plus the fp32 master, views of the live buffers, for this
-        rank's parameters (empty before the first step, as torch's)."""
+        AdamW's per-parameter keys plus the fp32 master, for this rank's parameters (empty before
+        the first step, as torch's). The moments are views of the live buffers; the masters are
+        joined into new tensors."""
         state: dict[str, dict[str, torch.Tensor]] = {}
         if float(self._step) > 0:
             step = self._step.float().cpu()
-            for (name, _), m, v, w in zip(self.local, self._local_views(self.exp_avg),
-                                          self._local_views(self.exp_avg_sq), self._local_views(self.master)):
+            for (name, w), m, v in zip(self.master_weights().items(), self._local_views(self.exp_avg),
+                                       self._local_views(self.exp_avg_sq)):
                 state[name] = {"step": step, "exp_avg": m, "exp_avg_sq": v, "master": w}
         return {"kind": "adamw", "state": state}
 
@@ -293,16 +304,22 @@ class MasterWeightAdamW:
         steps = {float(state[n]["step"]) for n, _ in self.local}
         if len(steps) > 1:
             raise MasterWeightStateError(f"optimizer state: parameters are at different steps {sorted(steps)}")
-        for (name, p), m, v, w in zip(self.local, self._local_views(self.exp_avg), self._local_views(self.exp_avg_sq),
-                                      self._local_views(self.master)):
+        loaded = []
+        for name, p in self.local:
             entry = state[name]
-            for key, dst in (("exp_avg", m), ("exp_avg_sq", v), ("master", w)):
-                src = entry.get(key, p.detach() if key == "master" else None)
+            keys = ("exp_avg", "exp_avg_sq", "master")
+            srcs = [entry.get(key, p.detach() if key == "master" else None) for key in keys]
+            for key, src in zip(keys, srcs):
                 if src is None or tuple(src.shape) != tuple(p.shape):
                     got = None if src is None else tuple(src.shape)
                     raise MasterWeightStateError(f"optimizer state {key!r} of parameter {name!r} has shape {got}, "
                                                  f"the parameter is {tuple(p.shape)}")
-                dst.copy_(src)
+            loaded.append(srcs)
+        views = zip(self._local_views(self.exp_avg), self._local_views(self.exp_avg_sq),
+                    self._local_views(self._local(self.flat_params)), self._local_views(self.remainder))
+        for (exp_avg, exp_avg_sq, master), (m, v, p, r) in zip(loaded, views):
+            m.copy_(exp_avg)
+            v.copy_(exp_avg_sq)
+            split_fp32(master.float().contiguous(), p, r)
         if steps:
             self._step.fill_(steps.pop())
-        self._local(self.flat_params).copy_(self.master)

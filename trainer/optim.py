@@ -202,7 +202,9 @@ def build_optimizer(named_params: Sequence[tuple[str, Parameter]], cfg: TrainCon
     trainable = [(n, p) for n, p in named_params if p.requires_grad]
     if param_dtype == torch.float32:
         return ShardedOptimizer(trainable, cfg, pc, zero1, bucket_numel)
+    if param_dtype != torch.bfloat16:
+        raise ValueError(f"build_optimizer: parameters are trained in fp32 or bf16, got {param_dtype}")
     # Imported here: trainer.master_weights builds on this module's helpers.
     from trainer.master_weights import MasterWeightAdamW
 
-    return MasterWeightAdamW(trainable, cfg, pc, zero1=zero1, bucket_numel=bucket_numel, param_dtype=param_dtype)
+    return MasterWeightAdamW(trainable, cfg, pc, zero1=zero1, bucket_numel=bucket_numel)

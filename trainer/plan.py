@@ -119,7 +119,7 @@ def format_plan(plan: Plan) -> str:
     """A table, one row per pipeline stage (= per rank of that stage), sizes in GiB."""
     p = plan
     params = {"fp32": "fp32 params + bf16 autocast copy, fp32 grads, fp32 AdamW",
-              "bf16": "bf16 params, fp32 main grads, fp32 master + AdamW"}[p.param_precision]
+              "bf16": "bf16 params, fp32 main grads, fp32 master (as a 16-bit remainder) + AdamW"}[p.param_precision]
     head = [
         f"model {p.model}: tp{p.tp} x pp{p.pp} x dp{p.dp} = {p.gpus} GPUs of {p.gpu_memory_gb:g} GiB",
         f"micro-batch {p.micro_batch_size} x {p.seq_len} tokens, {p.micro_batches} micro-batches per dp rank, "

@@ -47,7 +47,8 @@ class BytesPerParam:
     (m, v) sharded over dp by ZeRO-1, plus a 2-byte bf16 copy made by autocast's weight cache
     and kept for backward (one copy per step when the schedule runs inside one autocast
     region). bf16 (Megatron's distributed optimizer, Korthikanti et al. / Rajbhandari et al.):
-    2 bf16 weight + 4 fp32 main grad + 12 (fp32 master, m, v) sharded over dp. When nothing
+    2 bf16 weight + 4 fp32 main grad + 10 (the fp32 master's 2-byte low half,
+    `trainer.adamw_update.split_fp32`; fp32 m and v) sharded over dp. When nothing
     sums gradients (`trainer.parallel.data.sums_gradients`) there is no main grad: the update
     reads autograd's bf16 `.grad`, which exists only from its backward to the step, so at the
     peak (backward's start) only the head's is alive: `CostModel.stage_memory` counts it in the
@@ -69,7 +70,7 @@ def bytes_per_param(param_precision: str, dp: int, zero1: bool, summed_grads: bo
     if param_precision == "fp32":
         return BytesPerParam(4.0, 4.0, 8.0 / shards, 2.0)
     if param_precision == "bf16":
-        return BytesPerParam(2.0, 4.0 if summed_grads else 0.0, 12.0 / shards, 0.0)
+        return BytesPerParam(2.0, 4.0 if summed_grads else 0.0, 10.0 / shards, 0.0)
     raise ValueError(f"param_precision: expected one of {', '.join(PRECISIONS)}, got {param_precision!r}")
 
 
