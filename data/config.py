@@ -64,8 +64,13 @@ class TokenizerConfig:
     # The end-of-document token of a `file`/`hf` tokenizer; None: the first known one it has
     # (<|endoftext|>, <|end_of_text|>, </s>, <eos>, [SEP]).
     eos_token: str | None = None
-    # `bpe`: train on at most this many characters of the train split (documents in order).
-    train_max_chars: int = 200_000_000
+    # `bpe`: train on at most this many UTF-8 bytes of the train split, shared among the text
+    # domains by `train_shares` (documents of each domain in order).
+    train_max_bytes: int = 200_000_000
+    # `equal`: each text domain an equal share of the bytes (a domain with less gives all it
+    # has); or a mapping domain -> relative share. Taking the first bytes in domain order would
+    # leave the later domains out of the vocabulary.
+    train_shares: str | dict[str, float] = "equal"
 
 
 @dataclass
@@ -87,6 +92,9 @@ class DataConfig:
     # values in domain order / a mapping from domain name to value.
     domain_weights: str | list[float] | dict[str, float] = "uniform"
     seed: int = 0
+    # Training sequences per domain held back from every run (chosen by split_seed), on which
+    # evaluations measure memorisation (loss on held-back vs on trained-on sequences); 0: off.
+    holdout_sequences: int = 0
 
     def validate(self, path: str = "data") -> None:
         names = [d.name for d in self.domains]
@@ -118,5 +126,19 @@ class DataConfig:
             raise DataError(f"{path}.validation_fraction: expected a value in [0, 1), got {self.validation_fraction}")
         if self.seq_len < 2:
             raise DataError(f"{path}.seq_len: expected >= 2, got {self.seq_len}")
+        if self.holdout_sequences < 0:
+            raise DataError(f"{path}.holdout_sequences: expected >= 0, got {self.holdout_sequences}")
+        if tok.train_max_bytes < 1:
+            raise DataError(f"{path}.tokenizer.train_max_bytes: expected >= 1, got {tok.train_max_bytes}")
+        if isinstance(tok.train_shares, str) and tok.train_shares != "equal":
+            raise DataError(f"{path}.tokenizer.train_shares: expected 'equal' or a mapping domain -> share, "
+                            f"got {tok.train_shares!r}")
+        if isinstance(tok.train_shares, dict):
+            unknown = sorted(set(tok.train_shares) - set(names))
+            bad = [f"{d}={v}" for d, v in tok.train_shares.items()
+                   if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0]
+            if unknown or bad or not sum(v for v in tok.train_shares.values() if not bad) > 0:
+                raise DataError(f"{path}.tokenizer.train_shares: expected shares >= 0 (not all 0) for known "
+                                f"domains; unknown: {', '.join(unknown) or '-'}; bad: {', '.join(bad) or '-'}")
         if self.num_proc < 1:
             raise DataError(f"{path}.num_proc: expected >= 1, got {self.num_proc}")

@@ -12,6 +12,7 @@ rebuilds.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -44,7 +45,7 @@ def tokenizer_fingerprint(cfg: TokenizerConfig) -> Any:
     if cfg.kind == "byte":
         return "byte"
     if cfg.kind == "bpe":
-        return ["bpe", cfg.vocab_size, cfg.train_max_chars]
+        return ["bpe", cfg.vocab_size, cfg.train_max_bytes, cfg.train_shares]
     path = Path(cfg.path or "").expanduser()
     if path.is_dir():
         path = path / TOKENIZER_FILE
@@ -142,10 +143,29 @@ def _split_batches(source: TextSource, mask: np.ndarray, field: str) -> Iterator
         yield train, val
 
 
-def _training_texts(sources: list[tuple[DomainPlan, TextSource, np.ndarray]]) -> Iterator[str]:
-    for plan, source, mask in sources:
+def byte_budgets(names: list[str], total: int, shares: str | dict[str, float]) -> list[int]:
+    """Bytes of each text domain's training split that the BPE trains on: `total` shared
+    equally, or in proportion to a mapping domain -> share (unlisted domains: 0)."""
+    raw = [1.0] * len(names) if shares == "equal" else [float(shares.get(n, 0.0)) for n in names]
+    s = sum(raw)
+    return [int(total * r / s) for r in raw]
+
+
+def tokenizer_training_texts(sources: list[tuple[DomainPlan, TextSource, np.ndarray]], total: int,
+                             shares: str | dict[str, float]) -> Iterator[str]:
+    """Each text domain's training documents in order, until its byte budget is spent (the
+    document that crosses it included)."""
+    budgets = byte_budgets([p.name for p, _, _ in sources], total, shares)
+    for (plan, source, mask), budget in zip(sources, budgets):
+        seen = 0
         for train, _ in _split_batches(source, mask, plan.text_field):
-            yield from train
+            for text in train:
+                if seen >= budget:
+                    break
+                yield text
+                seen += len(text.encode("utf-8"))
+            if seen >= budget:
+                break
 
 
 def _build(cfg: DataConfig, plans: list[DomainPlan], fp: str, staging: Path, progress: bool) -> Manifest:
@@ -166,7 +186,9 @@ def _build(cfg: DataConfig, plans: list[DomainPlan], fp: str, staging: Path, pro
             texts.append((p, source, validation_mask(source.num_rows, cfg.validation_fraction, cfg.split_seed, p.name)))
     if cfg.tokenizer.kind == "bpe" and not texts:
         raise DataError("data.tokenizer: kind 'bpe' is trained on the text domains, but there are none")
-    tok = build_tokenizer(cfg.tokenizer, _training_texts(texts) if cfg.tokenizer.kind == "bpe" else None)
+    tok = build_tokenizer(cfg.tokenizer, tokenizer_training_texts(texts, cfg.tokenizer.train_max_bytes,
+                                                                  cfg.tokenizer.train_shares)
+                          if cfg.tokenizer.kind == "bpe" else None)
     dtype = token_dtype(tok.vocab_size, cfg.token_dtype)
     for p in plans:
         if p.synthetic is not None:
@@ -182,9 +204,19 @@ def _build(cfg: DataConfig, plans: list[DomainPlan], fp: str, staging: Path, pro
                     split={"validation_fraction": cfg.validation_fraction, "seed": cfg.split_seed})
 
 
+def _counting_bytes(batches: Iterator[tuple[list[str], list[str]]], nbytes: list[int]
+                    ) -> Iterator[tuple[list[str], list[str]]]:
+    """The batches unchanged, adding each split's UTF-8 bytes to `nbytes` (train, validation)."""
+    for train, val in batches:
+        nbytes[0] += sum(len(t.encode("utf-8")) for t in train)
+        nbytes[1] += sum(len(t.encode("utf-8")) for t in val)
+        yield train, val
+
+
 def _write_domain(p: DomainPlan, text: tuple[TextSource, np.ndarray] | None, tok: Any, dtype: str,
                   encoder: Encoder, cfg: DataConfig, staging: Path) -> DomainEntry:
     writers = [SplitWriter(*split_paths(staging, p.name, split), dtype) for split in ("train", "validation")]
+    nbytes = [0, 0]
     if p.synthetic is not None:
         docs = generate_documents(p.synthetic)
         mask = validation_mask(len(docs), cfg.validation_fraction, cfg.split_seed, p.name)
@@ -194,10 +226,12 @@ def _write_domain(p: DomainPlan, text: tuple[TextSource, np.ndarray] | None, tok
     else:
         assert text is not None
         source, mask = text
-        for encoded in encoder.map(_split_batches(source, mask, p.text_field)):
+        for encoded in encoder.map(_counting_bytes(_split_batches(source, mask, p.text_field), nbytes)):
             for writer, (flat, lengths) in zip(writers, encoded):
                 writer.append(flat, lengths)
     train, val = (w.close() for w in writers)
+    if p.synthetic is None:
+        train, val = (dataclasses.replace(c, bytes=n) for c, n in zip((train, val), nbytes))
     if train.documents + val.documents == 0:
         raise DataError(f"domain {p.name!r}: empty domain ({p.description} has only empty documents)")
     return DomainEntry(name=p.name, source=p.description, train=train, validation=val,

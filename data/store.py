@@ -50,6 +50,8 @@ def token_dtype(vocab_size: int, requested: str = "auto") -> str:
 class SplitCounts:
     tokens: int
     documents: int
+    # UTF-8 bytes of the split's text (for bits per byte); None for synthetic domains.
+    bytes: int | None = None
 
 
 @dataclass

@@ -140,18 +140,11 @@ def _find_eos(tok: Any, wanted: str | None, where: str) -> int:
                     f"set data.tokenizer.eos_token")
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, max_chars: int) -> HFTokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     """Byte-level BPE (GPT-2 pre-tokenization, all 256 bytes in the alphabet so that any text
-    round-trips), EOS `<|endoftext|>` = id 0, trained on at most `max_chars` characters."""
+    round-trips), EOS `<|endoftext|>` = id 0, trained on `texts` (the caller chooses and caps
+    them: `data.preprocess.tokenizer_training_texts`)."""
     from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers, trainers
-
-    def capped() -> Iterable[str]:
-        seen = 0
-        for t in texts:
-            if seen >= max_chars:
-                return
-            yield t
-            seen += len(t)
 
     tok = RawTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -159,7 +152,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, max_chars: int) -> HFTokeni
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TEXT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(capped(), trainer)
+    tok.train_from_iterator(texts, trainer)
     return HFTokenizer(tok, f"bpe-{vocab_size}", tok.token_to_id(EOS_TEXT))
 
 
@@ -193,7 +186,7 @@ def build_tokenizer(cfg: TokenizerConfig, texts_for_training: Iterable[str] | No
     if cfg.kind == "bpe":
         if texts_for_training is None:
             raise DataError("data.tokenizer: kind 'bpe' needs texts to train on (no real text domain?)")
-        return train_bpe(texts_for_training, cfg.vocab_size, cfg.train_max_chars)
+        return train_bpe(texts_for_training, cfg.vocab_size)
     if not cfg.path:
         raise DataError(f"data.tokenizer.path: required for kind {cfg.kind!r}")
     local = _local_tokenizer_file(cfg.path, cfg.kind)

@@ -6,7 +6,9 @@ import pytest
 
 from data.config import DataConfig, DomainSource, SyntheticSpec, TokenizerConfig
 from data.errors import DataError
-from data.preprocess import preprocess
+from data.preprocess import byte_budgets, preprocess, tokenizer_training_texts
+from data.sources import SourceReader, plan_domains
+from data.split import validation_mask
 from data.store import MANIFEST_FILE, open_stores, token_dtype
 from data.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -63,8 +65,32 @@ def test_round_trip_counts_and_split(tmp_path):
             assert counts.tokens == len(tokens) == idx[-1]
             assert os.path.getsize(stores.store_dir / name / f"{split}.bin") == counts.tokens * 2
             assert counts.tokens == sum(len(d.encode()) + 1 for d in got[split])
+            assert counts.bytes == sum(len(d.encode()) for d in got[split])
             assert np.all(tokens[idx[1:] - 1] == 256)  # EOS closes every document
         assert entry.entropy is None
+
+
+def test_bpe_trains_on_an_equal_share_of_bytes_per_domain(tmp_path):
+    """The first N bytes in domain order would leave the later domains out of the vocabulary."""
+    assert byte_budgets(["a", "b", "c"], 90, "equal") == [30, 30, 30]
+    assert byte_budgets(["a", "b", "c"], 90, {"a": 2, "c": 1}) == [60, 0, 30]
+    cfg = config(tmp_path, jsonl_domains(tmp_path))
+    reader = SourceReader(cfg, None)
+    sources = []
+    for p in plan_domains(cfg):
+        src = reader.open(p)
+        sources.append((p, src, validation_mask(src.num_rows, cfg.validation_fraction, cfg.split_seed, p.name)))
+    budget = 600
+    texts = list(tokenizer_training_texts(sources, budget, "equal"))
+    alpha = [t for t in texts if t.startswith("document")]
+    beta = [t for t in texts if t.startswith("def")]
+    assert len(alpha) + len(beta) == len(texts)
+    for part in (alpha, beta):
+        n = sum(len(t.encode()) for t in part)
+        assert budget / 2 <= n < budget / 2 + max(len(t.encode()) for t in part)
+    with pytest.raises(DataError, match="train_shares: expected shares >= 0 .* unknown: gamma"):
+        config(tmp_path, jsonl_domains(tmp_path),
+               tokenizer=TokenizerConfig(kind="bpe", vocab_size=300, train_shares={"gamma": 1.0})).validate()
 
 
 def test_rerun_does_no_work_and_changes_rebuild(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ import torch
 
 from data.atomic import atomic_write_text
 from data.preprocess import preprocess
-from data.sampler import largest_remainder
+from data.apportion import apportion
 from doremi import stages
 from doremi.config import ExperimentConfig
 from doremi.history import read_history
@@ -253,16 +253,18 @@ def test_lagged_update_is_recorded_and_layout_independent(stores, root, referenc
 
 
 def test_resample_draws_the_batch_from_the_previous_alpha(stores, root, reference):
-    """Step t's global batch holds largest_remainder(alpha_{t-1}, B) sequences of each domain
-    (alpha_0 uniform); eta = 5 moves alpha enough within 5 steps to change the draw."""
+    """Step t's global batch holds apportion(deficits, alpha_{t-1}, B) sequences of each domain
+    (alpha_0 uniform; deficits carried from step to step); eta = 5 moves alpha enough within 5
+    steps to change the draw."""
     cfg = proxy_config(stores, root / "resample", reference, *VARIANTS["resample"])
     stages.train_proxy(cfg)
     history = read_history(root / "resample")
     assert len(history) == PROXY_STEPS
     previous = [1 / 3] * 3
-    drawn = []
+    drawn, deficits = [], [0.0] * 3
     for r in history:
-        sequences = largest_remainder(previous, cfg.train.global_batch_size)
+        sequences, deficits = apportion(deficits, np.asarray(previous) / np.sum(previous),
+                                        cfg.train.global_batch_size)
         assert r["tokens"] == [n * cfg.data.seq_len for n in sequences], r["step"]
         drawn.append(sequences)
         previous = r["weights"]

@@ -49,6 +49,28 @@ def test_metrics_rows(stores, tmp_path):
     assert (run / "config.yaml").is_file()
 
 
+def test_realised_mixture_and_memorisation_rows(stores, tmp_path):
+    """The logged realised mixture is what was drawn (sequences, tokens), beside the nominal
+    sum of B x w_t; with held-back sequences the eval rows carry seen and held-back losses."""
+    run = tmp_path / "realised"
+    stages.train(config(stores, run, "train.steps=7", "train.eval_every=7", "data.holdout_sequences=4",
+                        "data.domain_weights=[0.6, 0.3, 0.1]"))
+    rows = read_jsonl(run / "metrics.jsonl")
+    last = [r for r in rows if "loss" in r][-1]
+    realised = last["realised"]
+    seqs = [realised["sequences"][d] for d in ("noise", "easy", "markov")]
+    assert sum(seqs) == 7 * 8
+    nominal = [realised["nominal_sequences"][d] for d in ("noise", "easy", "markov")]
+    assert nominal == pytest.approx([7 * 8 * 0.6, 7 * 8 * 0.3, 7 * 8 * 0.1])
+    assert max(abs(a - b) for a, b in zip(seqs, nominal)) <= 1.0
+    assert [realised["tokens"][d] for d in ("noise", "easy", "markov")] == [n * 32 for n in seqs]
+    val = [r for r in rows if "val_loss" in r][-1]
+    assert set(val["seen_loss"]) == set(val["heldout_loss"]) == {"noise", "easy", "markov"}
+    # `easy` repeats one pattern: trained-on and held-back sequences alike are nearly free;
+    # `noise` is uniform noise: neither can be learnt, so both sit near ln 64.
+    assert abs(val["seen_loss"]["noise"] - val["heldout_loss"]["noise"]) < 0.05
+
+
 def _doremi(*args, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "doremi", *args], capture_output=True, text=True, env=env,

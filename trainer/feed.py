@@ -11,6 +11,7 @@ from data.batch import collate
 from data.config import DataConfig
 from data.dataset import PackedDomains
 from data.errors import DataError
+from data.holdout import holdout_split
 from data.sampler import DomainBatchSampler
 from data.store import open_stores
 from data.validation import validation_items
@@ -27,10 +28,14 @@ class DataFeed:
         self.manifest = self.stores.manifest
         self.domains: list[str] = list(self.stores.domains)
         self.train = PackedDomains(self.stores, "train", data.seq_len)
-        self.sampler = DomainBatchSampler([self.train.num_sequences(i) for i in range(len(self.domains))],
-                                          global_batch_size, seed)
+        counts = [self.train.num_sequences(i) for i in range(len(self.domains))]
+        splits = [holdout_split(n, data.holdout_sequences, data.split_seed, name)
+                  for n, name in zip(counts, self.domains)]
+        self.heldout = [held for _, held in splits]
+        self.sampler = DomainBatchSampler(counts, global_batch_size, seed, pools=[pool for pool, _ in splits])
         self._val = PackedDomains(self.stores, "validation", data.seq_len)
         self._val_cache: dict[tuple[int, int], list[list[dict]]] = {}
+        self._heldout_cache: dict[int, list[list[dict]]] = {}
 
     def check_vocab(self, model_vocab: int) -> None:
         vocab = int(self.manifest.tokenizer["vocab_size"])
@@ -63,6 +68,29 @@ class DataFeed:
                                    for items in validation_items(n, d, batch_size)])
             self._val_cache[key] = per_domain
         return self._val_cache[key]
+
+    @property
+    def holdout(self) -> int:
+        """Training sequences held back per domain (data.holdout_sequences)."""
+        return len(self.heldout[0]) if self.heldout else 0
+
+    def heldout_batches(self, batch_size: int) -> list[list[dict]]:
+        """Per domain, its held-back training sequences (never drawn by any run)."""
+        if batch_size not in self._heldout_cache:
+            self._heldout_cache[batch_size] = [
+                [collate(self.train, [(d, int(i)) for i in held[j:j + batch_size]], device=self.pc.device)
+                 for j in range(0, len(held), batch_size)] for d, held in enumerate(self.heldout)]
+        return self._heldout_cache[batch_size]
+
+    def seen_batches(self, batch_size: int) -> list[list[dict]]:
+        """Per domain, as many sequences as are held back, from the start of the domain's stream:
+        sequences this run has trained on (fewer while the run has drawn fewer)."""
+        out = []
+        for d in range(self.k):
+            seen = self.sampler.stream(d, 0, min(self.holdout, self.sampler.cursors[d]))
+            out.append([collate(self.train, [(d, i) for i in seen[j:j + batch_size]], device=self.pc.device)
+                        for j in range(0, len(seen), batch_size)])
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()

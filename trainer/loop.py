@@ -14,7 +14,7 @@ from data.weights import resolve_weights
 from trainer.build import autocast, build_model, init_parallel, micro_batch_size, param_dtype, seed_everything
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
-from trainer.configtools import dump_yaml
+from trainer.configtools import ConfigError, dump_yaml
 from trainer.evaluate import evaluate_domains
 from trainer.feed import DataFeed
 from trainer.hooks import FixedMixture, MixingHook
@@ -47,6 +47,8 @@ class Trainer:
                                          param_dtype=param_dtype(cfg, self.pc.device))
         self.hook: MixingHook = FixedMixture(resolve_weights(cfg.data.domain_weights, self.feed.manifest))
         self.step = 0
+        # Non-masked label tokens drawn per domain since step 1 (on the device: no host sync per step).
+        self.realised_tokens = torch.zeros(self.feed.k, dtype=torch.float64, device=self.pc.device)
         self.autocast = autocast(cfg, self.pc.device)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         if cfg.train.eval_every:
@@ -54,7 +56,8 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
-        return {"step": self.step, "data": self.feed.state_dict(), "hook": self.hook.state_dict()}
+        return {"step": self.step, "data": self.feed.state_dict(), "hook": self.hook.state_dict(),
+                "realised_tokens": self.realised_tokens.tolist()}
 
     def save(self) -> None:
         save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.pc, self.extra_state(),
@@ -70,6 +73,10 @@ class Trainer:
         extra = load_checkpoint(path, self.model, self.optimizer, self.pc)
         self.step = int(extra["step"])
         self.feed.load_state_dict(extra["data"])
+        if len(extra.get("realised_tokens", [])) != self.feed.k:
+            raise ConfigError(f"checkpoint {path}: no realised token counts for {self.feed.k} domains "
+                              f"(written by an older version); start the run again")
+        self.realised_tokens = torch.tensor(extra["realised_tokens"], dtype=torch.float64, device=self.pc.device)
         self.hook.load_state_dict(extra.get("hook", {}))
         return True
 
@@ -80,6 +87,7 @@ class Trainer:
         batches = self.feed.step_batches(step, hook.sampling_weights(step))
         hook.prepare_batches(step, batches)
         domain_tokens = domain_token_counts(batches, self.feed.k, pc)
+        self.realised_tokens += domain_tokens
         weighting = hook.weighting(step, batches, domain_tokens)
         schedule = "afab" if weighting.needs_forward_losses else self.cfg.parallelism.pp_schedule
         with self.autocast:
@@ -96,6 +104,15 @@ class Trainer:
         t = self.cfg.train
         batches = self.feed.validation(micro_batch_size(self.cfg), t.eval_sequences)
         return evaluate_domains(self.model, batches, self.pc, self.autocast).cpu().numpy()
+
+    def evaluate_memorisation(self) -> tuple[np.ndarray, np.ndarray]:
+        """(loss on sequences this run trained on, loss on held-back training sequences) per
+        domain, as many of each as `data.holdout_sequences`: the gap is memorisation, not a
+        shift between the train and validation splits."""
+        mb = micro_batch_size(self.cfg)
+        seen = evaluate_domains(self.model, self.feed.seen_batches(mb), self.pc, self.autocast)
+        held = evaluate_domains(self.model, self.feed.heldout_batches(mb), self.pc, self.autocast)
+        return seen.cpu().numpy(), held.cpu().numpy()
 
     # -- the loop ------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -129,6 +146,10 @@ class Trainer:
                 if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or is_last):
                     val = self.evaluate()
                     vrow = self._val_row(step, val)
+                    if self.feed.holdout:
+                        seen, held = self.evaluate_memorisation()
+                        vrow["seen_loss"] = self._by_domain(seen)
+                        vrow["heldout_loss"] = self._by_domain(held)
                     log.log(vrow)
                     last = {**last, **vrow}
                     tokens_since, t0 = 0.0, time.perf_counter()
@@ -150,6 +171,9 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "domain_loss": dict(zip(self.feed.domains, stats.domain_loss.tolist())),
             "epochs": dict(zip(self.feed.domains, self.feed.sampler.epochs())),
+            "realised": {"sequences": dict(zip(self.feed.domains, self.feed.sampler.drawn())),
+                         "tokens": dict(zip(self.feed.domains, (int(x) for x in self.realised_tokens.tolist()))),
+                         "nominal_sequences": dict(zip(self.feed.domains, self.feed.sampler.nominal))},
         }
         if self.pc.device.type == "cuda":
             achieved = tokens_per_s * self.flops_per_token / self.pc.world_size
@@ -157,6 +181,9 @@ class Trainer:
             row["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.pc.device) / 2**30
         row.update(extra)
         return row
+
+    def _by_domain(self, values: np.ndarray) -> dict[str, float | None]:
+        return {d: None if np.isnan(v) else float(v) for d, v in zip(self.feed.domains, values)}
 
     def _val_row(self, step: int, val: np.ndarray) -> dict[str, Any]:
         return {"step": step, "val_loss": dict(zip(self.feed.domains, val.tolist())),
