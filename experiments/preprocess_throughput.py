@@ -107,7 +107,7 @@ def main() -> None:
             for num_proc in args.num_proc:
                 # `file`: the BPE just trained on this corpus, loaded from its tokenizer.json, so
                 # the row measures reading + encoding + writing without the BPE training.
-                tok = TokenizerConfig(kind=kind, vocab_size=args.bpe_vocab, train_max_chars=20_000_000,
+                tok = TokenizerConfig(kind=kind, vocab_size=args.bpe_vocab, train_max_bytes=20_000_000,
                                       path=str(trained) if kind == "file" else None)
                 cfg = DataConfig(domains=domains, num_proc=num_proc, store_dir=str(work / "stores"), tokenizer=tok)
                 rows.append(measure(corpus, cfg, repeats))
