@@ -109,10 +109,13 @@ def _up_to_date(store: Path, fp: str) -> Manifest | None:
 
 @contextlib.contextmanager
 def _datasets_progress(enabled: bool) -> Iterator[None]:
-    if enabled:
+    try:
+        import datasets
+    except ImportError:  # JSON lines and the embedded corpus are read without it
+        datasets = None
+    if enabled or datasets is None:
         yield
         return
-    import datasets
     was = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:

@@ -9,10 +9,12 @@ batches); errors name the domain, the file and the field.
 
 from __future__ import annotations
 
+import bz2
 import glob
 import gzip
 import hashlib
 import json
+import lzma
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -67,6 +69,47 @@ def expand_paths(paths: list[str], where: str) -> list[str]:
                 raise DataError(f"{where}: {m} is not a file")
         out.extend(matches)
     return out
+
+
+#: Openers of JSON-lines files read without `datasets` (which a GPU machine may lack).
+JSONL_OPENERS: dict[str, Callable[..., Any]] = {".jsonl": open, ".jsonl.gz": gzip.open, ".jsonl.xz": lzma.open,
+                                                ".jsonl.bz2": bz2.open}
+
+
+def jsonl_opener(path: str) -> Callable[..., Any] | None:
+    name = path.lower()
+    return next((o for suffix, o in JSONL_OPENERS.items() if name.endswith(suffix)), None)
+
+
+def read_jsonl_rows(files: list[str], text_field: str, where: str) -> list[Any]:
+    """`text_field` of every line of JSON-lines files, in order (None where a line lacks it, as
+    `datasets` gives); an error naming the file when no line has the field or a line is not JSON."""
+    texts: list[Any] = []
+    fields: dict[str, None] = {}
+    found = False
+    for path in files:
+        opener = jsonl_opener(path)
+        assert opener is not None
+        try:
+            with opener(path, "rt", encoding="utf-8") as f:
+                for n, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    row = json.loads(line)
+                    if not isinstance(row, dict):
+                        raise ValueError(f"line {n} is not a JSON object")
+                    if text_field in row:
+                        found = True
+                    elif not found:
+                        fields.update(dict.fromkeys(row))
+                    texts.append(row.get(text_field))
+        except (ValueError, OSError, EOFError) as e:
+            raise DataError(f"{where}: could not read {path} as JSON lines ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if texts and not found:
+        raise DataError(f"{where}: {', '.join(files)} have no field {text_field!r} (fields: "
+                        f"{', '.join(fields)}); set text_field")
+    return texts
 
 
 def file_digest(path: str) -> str:
@@ -236,6 +279,11 @@ class SourceReader:
         if plan.kind == "embedded":
             texts: list[Any] = read_embedded(src.embedded or "")
             return self._limit(TextSource(plan.name, len(texts), _list_batches(texts)), src.max_documents)
+        if plan.kind == "files" and all(jsonl_opener(f) for f in plan.files):
+            rows = read_jsonl_rows(plan.files, plan.text_field, where)
+            if not rows:
+                raise DataError(f"{where}: empty domain ({', '.join(plan.files)}: empty file)")
+            return self._limit(TextSource(plan.name, len(rows), _list_batches(rows)), src.max_documents)
         if plan.kind == "files":
             fmt = file_format(plan.files[0])
             ds = self._load(fmt, plan.files, where, src.sample_by)

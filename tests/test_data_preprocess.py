@@ -302,3 +302,30 @@ def test_unknown_file_type_and_mixed_sources(tmp_path):
     with pytest.raises(DataError, match=r"expected one source, got paths and embedded"):
         preprocess(config(tmp_path, [DomainSource(name="x", paths=["a.jsonl"], embedded="code")]), progress=False)
     assert_nothing_written(tmp_path)
+
+
+def test_jsonl_compressed_reads_without_datasets(tmp_path, monkeypatch):
+    """JSON lines (plain, .gz, .xz, .bz2) are read natively: GPU machines may lack `datasets`."""
+    import bz2
+    import gzip
+    import lzma
+    import sys
+    monkeypatch.setitem(sys.modules, "datasets", None)  # importing it now raises ImportError
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in DOCS["alpha"])
+    paths = []
+    for suffix, opener in (("jsonl", open), ("jsonl.gz", gzip.open), ("jsonl.xz", lzma.open), ("jsonl.bz2", bz2.open)):
+        path = tmp_path / f"a.{suffix}"
+        with opener(path, "wt", encoding="utf-8") as f:
+            f.write(lines)
+        paths.append(str(path))
+    cfg = config(tmp_path, [DomainSource(name=f"d{i}", paths=[p]) for i, p in enumerate(paths)])
+    manifest = preprocess(cfg, progress=False)
+    totals = {(d.train.tokens + d.validation.tokens, d.train.documents + d.validation.documents,
+               d.train.bytes + d.validation.bytes) for d in manifest.domains}  # splits differ by domain name
+    nbytes = sum(len(t.encode()) for t in DOCS["alpha"])
+    assert totals == {(nbytes + len(DOCS["alpha"]), len(DOCS["alpha"]), nbytes)}  # byte tokens + one EOS each
+    bad = tmp_path / "bad.jsonl.xz"
+    with lzma.open(bad, "wt") as f:
+        f.write('{"text": "a"}\nnot json\n')
+    with pytest.raises(DataError, match=r"domain 'bad': could not read .*bad.jsonl.xz as JSON lines"):
+        preprocess(config(tmp_path / "b", [DomainSource(name="bad", paths=[str(bad)])]), progress=False)
