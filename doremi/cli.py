@@ -48,22 +48,36 @@ def cmd_preprocess(args):
     print(f"stores in {cfg.data.store_dir}: {len(manifest.domains)} domains")
 
 
+def _guard(cfg, kind: str, command: str) -> None:
+    """A finished stage's guardrail findings, one line each on stderr (rank 0)."""
+    from doremi.guardrails import check_run, print_findings
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_findings(check_run(cfg.train.run_dir, kind, cfg.pipeline.guardrails), prefix=f"doremi {command}")
+
+
 def cmd_train(args):
     from doremi import stages
 
-    stages.train(_config(args))
+    cfg = _config(args)
+    stages.train(cfg)
+    _guard(cfg, "main", "train")
 
 
 def cmd_train_reference(args):
     from doremi import stages
 
-    stages.train_reference(_config(args))
+    cfg = _config(args)
+    stages.train_reference(cfg)
+    _guard(cfg, "reference", "train-reference")
 
 
 def cmd_train_proxy(args):
     from doremi import stages
 
-    stages.train_proxy(_config(args))
+    cfg = _config(args)
+    stages.train_proxy(cfg)
+    _guard(cfg, "proxy", "train-proxy")
 
 
 def cmd_score(args):
@@ -102,6 +116,12 @@ def cmd_pipeline(args):
     run_pipeline(args.config, args.set)
 
 
+def cmd_compare(args):
+    from doremi.compare import compare_roots
+
+    print(compare_roots(args.roots, args.out, args.baseline))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="doremi", description="DoReMi data mixing on a 3D-parallel Llama trainer")
     p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
@@ -133,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", help="weights JSON path (default RUN_DIR/weights.json)")
     sp.set_defaults(fn=cmd_average)
 
+    sp = sub.add_parser("compare", help="paired multi-seed comparison of pipeline runs' mixtures")
+    sp.add_argument("roots", nargs="+", metavar="ROOT", help="pipeline run directories, one per seed")
+    sp.add_argument("--out", required=True, help="directory for compare.md and compare.png")
+    sp.add_argument("--baseline", default="uniform", help="the main run every other is compared with")
+    sp.set_defaults(fn=cmd_compare)
+
     sp = sub.add_parser("eval", help="per-domain validation loss of a checkpoint")
     sp.add_argument("checkpoint", help="run directory or checkpoint directory")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -147,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as e:
         if args.debug:
             raise
-        print(f"doremi {args.command}: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines() or [""]:
+            print(f"doremi {args.command}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

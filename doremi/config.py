@@ -51,6 +51,39 @@ class DoReMiConfig:
 
 
 @dataclass
+class GuardrailConfig:
+    """Thresholds of the per-domain checks of doremi/guardrails.py (DESIGN.md section 4b).
+
+    A run outside them still finishes; its verdict is then about its regime (memorised tiny
+    domains, a sampler that skipped a domain, a proxy far behind its reference), not about the
+    mixture, so the report says so (or `pipeline.strict` stops before the main runs)."""
+
+    # Epochs of a domain's train split read by one run.
+    max_epochs: float = 2.0
+    # |realised - nominal| share of the sequences drawn; None: 1 / train.global_batch_size.
+    mixture_tolerance: float | None = None
+    # Reference: heldout_loss - seen_loss (nats/token) at its final evaluation.
+    memorisation_gap: float = 0.1
+    # Proxy: its final validation loss minus the reference's (nats/token).
+    proxy_lag: float = 0.1
+    # Proxy: spread of the domains' mean lambda over the per-step noise of lambda.
+    lambda_snr: float = 1.0
+    # Proxy: share of steps where one domain's weight is above 0.5.
+    concentration: float = 0.5
+    # Main runs: final minus best validation loss (nats/token).
+    overfit: float = 0.02
+
+    def validate(self, path: str = "pipeline.guardrails") -> None:
+        for name in ("max_epochs", "mixture_tolerance", "memorisation_gap", "proxy_lag", "lambda_snr",
+                     "overfit"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v < float("inf"):
+                raise ConfigError(f"{path}.{name}: expected a finite value >= 0, got {v}")
+        if not 0 <= self.concentration <= 1:
+            raise ConfigError(f"{path}.concentration: expected a value in [0, 1], got {self.concentration}")
+
+
+@dataclass
 class PipelineConfig:
     """`doremi pipeline`: where the stages write, and what the main runs change."""
 
@@ -63,6 +96,9 @@ class PipelineConfig:
     baselines: list[str] = field(default_factory=lambda: ["uniform", "tokens"])
     # Skip the main runs (only tune the weights).
     skip_main: bool = False
+    guardrails: GuardrailConfig = field(default_factory=GuardrailConfig)
+    # Stop with status 2 before the main runs when a guardrail warns about the reference or proxy.
+    strict: bool = False
 
     def validate(self, path: str = "pipeline") -> None:
         for i, b in enumerate(self.baselines):

@@ -63,7 +63,7 @@ def fingerprint(cfg: ExperimentConfig) -> str:
 
 
 #: `data` keys that change how batches are drawn from the stores, not the stores' bytes.
-SAMPLING_KEYS = ("seed", "domain_weights", "seq_len", "num_proc")
+SAMPLING_KEYS = ("seed", "domain_weights", "seq_len", "num_proc", "holdout_sequences")
 
 
 def store_fingerprint(cfg: ExperimentConfig) -> str:
@@ -164,9 +164,28 @@ class Pipeline:
                         lambda: (preprocess(cfg.data), None)[1], fp=data_fp, clean=False, main_only=True)
         weights_path = self.tune_weights()
         results: dict[str, Any] = {"weights": str(weights_path)}
+        results["guardrails"] = self.guard(main=False)
         if not self.p.skip_main:
             results["main"] = self.main_runs(weights_path)
+            results["guardrails"] += self.guard(main=True)
         return results
+
+    def guard(self, main: bool) -> list[Any]:
+        """Check the reference and proxy runs (`main` false) or the main runs (`main` true);
+        print each warning on stderr. Under `pipeline.strict`, warnings about the reference or
+        proxy stop the pipeline (GuardrailError, exit status 2) before any main run starts."""
+        from doremi.guardrails import (GuardrailError, findings, measure_pipeline, print_findings,
+                                       warnings)
+
+        measures = [m for m in measure_pipeline(self.root, main=main) if (m.kind == "main") == main]
+        found = [f for m in measures for f in findings(m, self.p.guardrails)]
+        if self.p.strict and not main and warnings(found):
+            raise GuardrailError(warnings(found))
+        if is_main_rank():
+            self.say(f"[{self._elapsed()}] guardrails ({'main runs' if main else 'reference and proxy'}): "
+                     f"{len(warnings(found))} warnings")
+            print_findings(found, prefix="doremi pipeline")
+        return found
 
     def tune_weights(self) -> Path:
         ref_weights: Any = self.cfg.doremi.reference_weights

@@ -41,15 +41,23 @@ def _worst(xs: list[float]) -> float | None:
     return max(xs) if xs else None
 
 
+def bits_per_byte(loss: float, tokens_per_byte: float | None) -> float | None:
+    """Nats per token to bits per byte of text: loss * tokens / bytes / ln 2 (None without
+    bytes, e.g. synthetic domains). Unlike nats per token, it compares across tokenizers."""
+    return None if tokens_per_byte is None else float(loss) * tokens_per_byte / math.log(2)
+
+
 def format_table(domains: Sequence[str], mixtures: Mapping[str, Vector],
                  losses: Mapping[str, Vector],
-                 entropy: Sequence[float | None] | None = None) -> str:
+                 entropy: Sequence[float | None] | None = None,
+                 tokens_per_byte: Sequence[float | None] | None = None) -> str:
     """A markdown table with one row per domain, then `average` and `worst case` rows.
 
     Columns: the domain's known entropy H (when any domain has one), each mixture's weight,
-    each run's validation loss, and each run's loss - H (for domains with known entropy).
-    Average and worst case (max) are taken over domains; for loss - H, over the domains with
-    known entropy. Weight columns are left empty in the summary rows.
+    each run's validation loss, each run's loss - H (for domains with known entropy), and each
+    run's bits per byte (for domains whose validation bytes are known: `tokens_per_byte`).
+    Average and worst case (max) are taken over domains; for loss - H and bits per byte, over
+    the domains that have them. Weight columns are left empty in the summary rows.
     """
     k = len(domains)
     for name, w in mixtures.items():
@@ -58,11 +66,15 @@ def format_table(domains: Sequence[str], mixtures: Mapping[str, Vector],
         _check_len(f"losses[{name!r}]", l, k)
     ent = list(entropy) if entropy is not None else [None] * k
     _check_len("entropy", ent, k)
+    tpb = list(tokens_per_byte) if tokens_per_byte is not None else [None] * k
+    _check_len("tokens_per_byte", tpb, k)
     known = [i for i in range(k) if ent[i] is not None]
+    with_bytes = [i for i in range(k) if tpb[i] is not None]
 
     header = ["domain"] + (["H"] if known else [])
     header += [f"weight: {m}" for m in mixtures] + [f"loss: {r}" for r in losses]
     header += [f"loss - H: {r}" for r in losses] if known else []
+    header += [f"bits/byte: {r}" for r in losses] if with_bytes else []
 
     rows = []
     for i, d in enumerate(domains):
@@ -72,14 +84,76 @@ def format_table(domains: Sequence[str], mixtures: Mapping[str, Vector],
         if known:
             row += [fmt(float(l[i]) - ent[i]) if ent[i] is not None else ""
                     for l in losses.values()]
+        if with_bytes:
+            row += [fmt(bits_per_byte(l[i], tpb[i])) for l in losses.values()]
         rows.append(row)
     for label, agg in (("average", _mean), ("worst case", _worst)):
         row = [f"**{label}**"] + ([""] if known else []) + [""] * len(mixtures)
         row += [fmt(agg([float(x) for x in l])) for l in losses.values()]
         if known:
             row += [fmt(agg([float(l[i]) - ent[i] for i in known])) for l in losses.values()]
+        if with_bytes:
+            row += [fmt(agg([bits_per_byte(l[i], tpb[i]) for i in with_bytes])) for l in losses.values()]
         rows.append(row)
 
+    return markdown_table(header, rows)
+
+
+def domains_better(losses: Vector, baseline: Vector) -> int:
+    """The number of domains where `losses` is strictly below `baseline`."""
+    _check_len("baseline", baseline, len(losses))
+    return sum(float(a) < float(b) for a, b in zip(losses, baseline))
+
+
+def steps_to_target(curve: Sequence[tuple[int, float]], target: float) -> int | None:
+    """The first evaluation step whose mean validation loss is at or below `target` (None:
+    never reached). `curve`: (step, mean validation loss) in step order."""
+    return next((step for step, loss in curve if float(loss) <= target), None)
+
+
+def speedup(baseline_steps: int, step: int | None) -> float | None:
+    """How many times fewer steps a run needed to reach the baseline's final loss."""
+    return None if step is None or step <= 0 else baseline_steps / step
+
+
+def mean_curve(points: Sequence[tuple[int, Vector]]) -> list[tuple[int, float]]:
+    """(step, per-domain losses) to (step, mean over domains)."""
+    return [(step, sum(map(float, l)) / len(l)) for step, l in points]
+
+
+def fmt_speedup(baseline_steps: int, step: int | None) -> str:
+    s = speedup(baseline_steps, step)
+    return "not reached" if s is None else f"{s:.2f}x (step {step})"
+
+
+def format_vs_baselines(domains: Sequence[str], final_losses: Mapping[str, Vector],
+                        main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
+                        baselines: Sequence[str]) -> str:
+    """Each run against each baseline: the domains where its final loss is lower (of k), the
+    change of the mean loss, and steps-to-target: the first evaluation where its mean loss
+    reaches the baseline's final mean, as a speed-up (baseline steps / that step)."""
+    k = len(domains)
+    header = ["run"]
+    for b in baselines:
+        header += [f"domains better than {b} (of {k})", f"mean loss - {b}", f"speed-up to {b}'s final loss"]
+    rows = []
+    for name, losses in final_losses.items():
+        if name in baselines and len(baselines) == 1:
+            continue
+        row = [name]
+        for b in baselines:
+            if b == name or b not in final_losses:
+                row += ["", "", ""]
+                continue
+            base = final_losses[b]
+            row += [str(domains_better(losses, base)),
+                    fmt(sum(map(float, losses)) / k - sum(map(float, base)) / k)]
+            base_curve, curve = mean_curve(main_runs.get(b, [])), mean_curve(main_runs.get(name, []))
+            if base_curve and curve:
+                row.append(fmt_speedup(base_curve[-1][0], steps_to_target(curve, base_curve[-1][1])))
+            else:
+                row.append("")
+        rows.append(row)
     return markdown_table(header, rows)
 
 
@@ -192,7 +266,11 @@ def write_report(out_dir: str | os.PathLike, domains: Sequence[str],
                  main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
                  final_losses: Mapping[str, Vector], mixtures: Mapping[str, Vector],
                  entropy: Sequence[float | None] | None = None,
-                 title: str = "DoReMi report") -> Path:
+                 title: str = "DoReMi report",
+                 tokens_per_byte: Sequence[float | None] | None = None,
+                 baselines: Sequence[str] = (),
+                 warnings: Sequence[str] | None = None,
+                 guardrail_table: str | None = None) -> Path:
     """Write `out_dir/report.md` and its PNGs; return the report's path.
 
     Args:
@@ -202,6 +280,11 @@ def write_report(out_dir: str | os.PathLike, domains: Sequence[str],
         final_losses: run name -> final per-domain validation loss (the table's loss columns).
         mixtures: mixture name -> domain weights (e.g. reference, doremi).
         entropy: per-domain known entropy in nats, None where unknown (real domains).
+        tokens_per_byte: per-domain validation tokens / UTF-8 bytes, None where unknown (adds
+            bits-per-byte columns).
+        baselines: run names the others are compared with (domains better, speed-up).
+        warnings: guardrail warnings, one line each (None: no guardrails were run).
+        guardrail_table: the per-domain guardrail measures, a markdown table.
     """
     out = Path(out_dir)
     k = len(domains)
@@ -213,11 +296,21 @@ def write_report(out_dir: str | os.PathLike, domains: Sequence[str],
         for step, l in points:
             _check_len(f"main_runs[{name!r}] at step {step}", l, k)
     main_runs = {name: points for name, points in main_runs.items() if points}
-    table = format_table(domains, mixtures, final_losses, ent)
+    table = format_table(domains, mixtures, final_losses, ent, tokens_per_byte)
+    baselines = [b for b in baselines if b in final_losses]
+    vs = format_vs_baselines(domains, final_losses, main_runs, baselines) if baselines else None
 
     out.mkdir(parents=True, exist_ok=True)
-    parts = [f"# {title}", "", "## Mixtures and final validation loss", "", table,
-             "Average and worst case are over domains (validation loss, nats per token)."]
+    parts = [f"# {title}", ""]
+    if warnings is not None:
+        parts += ["## Warnings", ""]
+        parts += [f"- {w}" for w in warnings] if warnings else ["None: every guardrail passed."]
+        parts += [""]
+    parts += ["## Mixtures and final validation loss", "", table,
+              "Average and worst case are over domains (validation loss, nats per token)."]
+    if tokens_per_byte is not None and any(t is not None for t in tokens_per_byte):
+        parts.append("Bits per byte = loss x validation tokens / validation UTF-8 bytes / ln 2 "
+                     "(comparable across tokenizers).")
     if any(e is not None for e in ent):
         parts.append("H is the domain's known entropy (synthetic domains): loss - H is the "
                      "part a model could still learn.")
@@ -226,6 +319,18 @@ def write_report(out_dir: str | os.PathLike, domains: Sequence[str],
         worst = {r: max(map(float, l)) for r, l in final_losses.items()}
         parts += ["", f"Best average loss: **{min(avg, key=avg.get)}**; "
                       f"best worst-case loss: **{min(worst, key=worst.get)}**."]
+    if vs:
+        parts += ["", "## Against the baselines", "", vs,
+                  "Domains better: final validation loss strictly lower. Speed-up: the baseline's "
+                  "steps over the first evaluation step where the run's mean validation loss reaches "
+                  "the baseline's final mean."]
+    if guardrail_table:
+        parts += ["", "## Guardrails", "", guardrail_table,
+                  "epochs: epochs of the domain's train split read; realised - nominal: share of "
+                  "sequences drawn minus the weights' share; memorisation gap: held-out minus seen "
+                  "training loss of the reference; shift: validation minus held-out loss; proxy lag: "
+                  "proxy minus reference final validation loss; final - best: main run's final minus "
+                  "lowest validation loss (nats per token)."]
     if weight_history:
         plot_weight_history(out / WEIGHTS_PNG, domains, weight_history)
         parts += ["", "## Domain weights during the proxy run", "",

@@ -11,6 +11,8 @@ import numpy as np
 
 from data.store import Manifest, open_stores
 from data.weights import resolve_weights
+from doremi.config import GuardrailConfig
+from doremi.guardrails import findings, format_guardrail_table, measure_pipeline, warnings
 from doremi.history import HistoryError, read_history
 from doremi.pipeline import mixtures as mixture_specs
 from doremi.report import format_table, write_report
@@ -22,13 +24,26 @@ if TYPE_CHECKING:
 
 def collect(pipe: "Pipeline") -> dict[str, Any]:
     """Everything the table and the report show, read back from disk."""
-    return collect_run(pipe.root, open_stores(pipe.cfg.data.store_dir).manifest, pipe.p.baselines)
+    return collect_run(pipe.root, open_stores(pipe.cfg.data.store_dir).manifest, pipe.p.baselines,
+                       pipe.p.guardrails)
 
 
-def collect_run(root: Path, manifest: Manifest, baselines: list[str]) -> dict[str, Any]:
+def tokens_per_byte(manifest: Manifest) -> list[float | None]:
+    """Validation tokens per UTF-8 byte of each domain; None where the manifest has no bytes
+    (synthetic domains, stores built before bytes were counted)."""
+    out: list[float | None] = []
+    for d in manifest.domains:
+        nbytes = getattr(d.validation, "bytes", None)
+        out.append(d.validation.tokens / nbytes if nbytes else None)
+    return out
+
+
+def collect_run(root: Path, manifest: Manifest, baselines: list[str],
+                guardrails: GuardrailConfig | None = None) -> dict[str, Any]:
     """The same from a pipeline's run directory alone (e.g. one copied off the machine that ran
     it) and the manifest of its stores: domains, mixture weights, final and per-eval validation
-    losses of the main runs, the last round's alpha_t history, the domains' entropies."""
+    losses of the main runs, the last round's alpha_t history, the domains' entropies and tokens
+    per byte, and the guardrails' measures and findings over every run."""
     root = Path(root)
     domains = manifest.domain_names
     mixtures: dict[str, np.ndarray] = {}
@@ -49,13 +64,21 @@ def collect_run(root: Path, manifest: Manifest, baselines: list[str]) -> dict[st
     except HistoryError:
         history = []
     entropy = manifest.entropies
+    measures = measure_pipeline(root)
+    cfg = guardrails or GuardrailConfig()
+    found = [f for m in measures for f in findings(m, cfg)]
     return {"domains": domains, "mixtures": mixtures, "final": final, "curves": curves,
-            "history": [h["weights"] for h in history], "entropy": entropy}
+            "history": [h["weights"] for h in history], "entropy": entropy,
+            "tokens_per_byte": tokens_per_byte(manifest), "measures": measures, "findings": found,
+            "baselines": [n for n in mixtures if n != "doremi"]}
 
 
 def summarize(pipe: "Pipeline") -> str:
     c = collect(pipe)
     report = write_report(pipe.root, c["domains"], c["history"], c["curves"], c["final"], c["mixtures"],
-                          c["entropy"])
-    table = format_table(c["domains"], c["mixtures"], c["final"], c["entropy"])
-    return f"{table}\n\nreport: {report}"
+                          c["entropy"], tokens_per_byte=c["tokens_per_byte"], baselines=c["baselines"],
+                          warnings=[f.message for f in warnings(c["findings"])],
+                          guardrail_table=format_guardrail_table(c["domains"], c["measures"]))
+    table = format_table(c["domains"], c["mixtures"], c["final"], c["entropy"], c["tokens_per_byte"])
+    n = len(warnings(c["findings"]))
+    return f"{table}\n\nguardrail warnings: {n}\nreport: {report}"

@@ -90,3 +90,61 @@ def test_final_loss_plot_on_a_log_axis_needs_positive_values(tmp_path):
     with pytest.raises(ValueError, match=r"a log axis needs values > 0, got uniform: 0.0"):
         plot_final_loss(tmp_path / "bad.png", DOMAINS, {"uniform": [1.0, 0.0, 2.0]}, [None] * 3, log=True)
     assert not (tmp_path / "bad.png").exists()
+
+
+# -- bits per byte, domains better, steps-to-target --------------------------------------------
+
+def test_bits_per_byte():
+    from doremi.report import bits_per_byte
+
+    # 2 nats/token, 1000 tokens for 4000 bytes: 2 * 0.25 / ln 2
+    assert bits_per_byte(2.0, 1000 / 4000) == pytest.approx(0.72134752, abs=1e-8)
+    assert bits_per_byte(2.0, None) is None
+
+
+def test_table_with_bits_per_byte_columns():
+    rows = _cells(format_table(DOMAINS, {}, LOSSES, None, tokens_per_byte=[0.25, None, 0.5]))
+    assert rows[0] == ["domain", "loss: uniform", "loss: doremi", "bits/byte: uniform", "bits/byte: doremi"]
+    # 4.5 * 0.25 / ln 2, 4.25 * 0.25 / ln 2; web: 3.0 * 0.5 / ln 2, 2.5 * 0.5 / ln 2
+    assert rows[2] == ["noise", "4.5000", "4.2500", "1.6230", "1.5329"]
+    assert rows[3] == ["easy", "0.2500", "0.5000", "", ""]
+    assert rows[4] == ["web", "3.0000", "2.5000", "2.1640", "1.8034"]
+    assert rows[5] == ["**average**", "2.5833", "2.4167", "1.8935", "1.6681"]
+    assert rows[6] == ["**worst case**", "4.5000", "4.2500", "2.1640", "1.8034"]
+
+
+def test_domains_better_and_steps_to_target():
+    from doremi.report import domains_better, fmt_speedup, speedup, steps_to_target
+
+    assert domains_better(LOSSES["doremi"], LOSSES["uniform"]) == 2
+    assert domains_better([1.0, 2.0], [1.0, 2.5]) == 1  # a tie is not better
+    curve = [(10, 3.0), (20, 2.5), (30, 2.0)]
+    assert steps_to_target(curve, 2.5) == 20  # reaching the target exactly counts
+    assert steps_to_target(curve, 1.9) is None
+    assert speedup(30, 20) == 1.5 and speedup(30, None) is None
+    assert fmt_speedup(30, 20) == "1.50x (step 20)" and fmt_speedup(30, None) == "not reached"
+
+
+def test_vs_baselines_table():
+    from doremi.report import format_vs_baselines
+
+    runs = {"uniform": [(50, [5.0, 1.0, 4.0]), (100, LOSSES["uniform"])],
+            "doremi": [(50, [4.5, 0.5, 2.5]), (100, LOSSES["doremi"])]}
+    rows = _cells(format_vs_baselines(DOMAINS, LOSSES, runs, ["uniform"]))
+    assert rows[0] == ["run", "domains better than uniform (of 3)", "mean loss - uniform",
+                       "speed-up to uniform's final loss"]
+    # doremi's mean at step 50 is 2.5 <= uniform's final mean 2.5833: 100 / 50 steps
+    assert rows[2:] == [["doremi", "2", "-0.1667", "2.00x (step 50)"]]
+
+
+def test_report_with_warnings_and_guardrail_sections(tmp_path):
+    report = write_report(tmp_path, DOMAINS, [], {}, LOSSES, MIXTURES, None, baselines=["uniform"],
+                          warnings=["round1/reference: easy: epochs read 40 > max_epochs 2"],
+                          guardrail_table="| domain | epochs: round1/reference |\n")
+    text = report.read_text()
+    assert "## Warnings\n\n- round1/reference: easy: epochs read 40 > max_epochs 2\n" in text
+    assert "## Against the baselines" in text and "| doremi | 2 | -0.1667 |  |" in text
+    assert "## Guardrails\n\n| domain | epochs: round1/reference |\n" in text
+    clean = write_report(tmp_path / "clean", DOMAINS, [], {}, LOSSES, MIXTURES, None, warnings=[]).read_text()
+    assert "## Warnings\n\nNone: every guardrail passed.\n" in clean
+    assert "## Warnings" not in write_report(tmp_path / "none", DOMAINS, [], {}, LOSSES, MIXTURES).read_text()

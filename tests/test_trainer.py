@@ -53,7 +53,7 @@ def test_realised_mixture_and_memorisation_rows(stores, tmp_path):
     """The logged realised mixture is what was drawn (sequences, tokens), beside the nominal
     sum of B x w_t; with held-back sequences the eval rows carry seen and held-back losses."""
     run = tmp_path / "realised"
-    stages.train(config(stores, run, "train.steps=7", "train.eval_every=7", "data.holdout_sequences=4",
+    stages.train(config(stores, run, "train.steps=7", "train.eval_every=7", "data.holdout_sequences=16",
                         "data.domain_weights=[0.6, 0.3, 0.1]"))
     rows = read_jsonl(run / "metrics.jsonl")
     last = [r for r in rows if "loss" in r][-1]
@@ -66,9 +66,9 @@ def test_realised_mixture_and_memorisation_rows(stores, tmp_path):
     assert [realised["tokens"][d] for d in ("noise", "easy", "markov")] == [n * 32 for n in seqs]
     val = [r for r in rows if "val_loss" in r][-1]
     assert set(val["seen_loss"]) == set(val["heldout_loss"]) == {"noise", "easy", "markov"}
-    # `easy` repeats one pattern: trained-on and held-back sequences alike are nearly free;
-    # `noise` is uniform noise: neither can be learnt, so both sit near ln 64.
-    assert abs(val["seen_loss"]["noise"] - val["heldout_loss"]["noise"]) < 0.05
+    # `noise` is uniform noise over 64 symbols: nothing to memorise, so seen and held-back
+    # losses differ by sampling noise only (16 x 32 tokens each: a few hundredths).
+    assert abs(val["seen_loss"]["noise"] - val["heldout_loss"]["noise"]) < 0.15
 
 
 def _doremi(*args, **kw) -> subprocess.CompletedProcess:

@@ -83,11 +83,15 @@ class DataFeed:
         return self._heldout_cache[batch_size]
 
     def seen_batches(self, batch_size: int) -> list[list[dict]]:
-        """Per domain, as many sequences as are held back, from the start of the domain's stream:
-        sequences this run has trained on (fewer while the run has drawn fewer)."""
+        """Per domain, as many sequences as are held back, at evenly spaced positions of the
+        stream this run has drawn so far (early and recent draws alike; all of them while the
+        run has drawn fewer)."""
         out = []
         for d in range(self.k):
-            seen = self.sampler.stream(d, 0, min(self.holdout, self.sampler.cursors[d]))
+            drawn = self.sampler.cursors[d]
+            m = min(self.holdout, drawn)
+            positions = [drawn * j // m for j in range(m)]
+            seen = [self.sampler.stream(d, pos, 1)[0] for pos in positions]
             out.append([collate(self.train, [(d, i) for i in seen[j:j + batch_size]], device=self.pc.device)
                         for j in range(0, len(seen), batch_size)])
         return out

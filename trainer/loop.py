@@ -146,7 +146,7 @@ class Trainer:
                 if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or is_last):
                     val = self.evaluate()
                     vrow = self._val_row(step, val)
-                    if self.feed.holdout:
+                    if self.feed.holdout and is_last:
                         seen, held = self.evaluate_memorisation()
                         vrow["seen_loss"] = self._by_domain(seen)
                         vrow["heldout_loss"] = self._by_domain(held)

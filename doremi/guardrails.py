@@ -1,0 +1,367 @@
+"""Guardrails: per-domain checks that a run's regime supports a verdict (DESIGN.md section 4b).
+
+A mixture comparison is meaningless when the reference memorised its tiny domains (its excess
+loss then measures the proxy's memory gap, not learnability), when the sampler did not draw what
+the weights said, when the proxy is so far behind its reference that lambda measures its lag, or
+when the main runs overfit. None of this makes a run fail; each check turns it into a `Finding`.
+
+Two layers: `measure_*` functions (pure, over parsed rows) give per-domain numbers, which the
+report's guardrail table shows; `findings` compares them with `GuardrailConfig`'s thresholds.
+`check_run` reads a run directory and does both.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Iterable, Literal, Mapping, Sequence
+
+import numpy as np
+
+from doremi.config import GuardrailConfig
+from doremi.errors import DoReMiError
+
+Kind = Literal["reference", "proxy", "main"]
+KINDS: tuple[str, ...] = ("reference", "proxy", "main")
+#: A weight above this is "concentrated": one domain gets most of the proxy's loss.
+CONCENTRATED = 0.5
+
+Rows = Sequence[Mapping[str, Any]]
+PerDomain = dict[str, float]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check's verdict on one domain (or on the whole run when `domain` is None)."""
+
+    run: str
+    check: str
+    domain: str | None
+    value: float | None
+    threshold: float | None
+    message: str
+    level: Literal["warning", "info"] = "warning"
+
+    @property
+    def is_warning(self) -> bool:
+        return self.level == "warning"
+
+
+class GuardrailError(DoReMiError):
+    """Warnings under `pipeline.strict`: one line per finding."""
+
+    def __init__(self, findings: Sequence[Finding]):
+        self.findings = list(findings)
+        super().__init__("\n".join(f.message for f in self.findings))
+
+
+# -- measures: pure functions over parsed rows ---------------------------------------------
+
+def eval_rows(rows: Rows) -> list[Mapping[str, Any]]:
+    return [r for r in rows if isinstance(r.get("val_loss"), dict)]
+
+
+def epochs_read(rows: Rows) -> PerDomain:
+    """Epochs of each domain's train split read by the run (its last row that says)."""
+    last = [r["epochs"] for r in rows if isinstance(r.get("epochs"), dict)]
+    return {d: float(v) for d, v in last[-1].items()} if last else {}
+
+
+def mixture_deviation(rows: Rows, global_batch_size: int) -> PerDomain:
+    """Realised minus nominal share of the sequences drawn since step 1, per domain:
+    (realised_sequences - nominal_sequences) / (steps * B), from the last row with `realised`."""
+    last = [r for r in rows if isinstance(r.get("realised"), dict)]
+    if not last:
+        return {}
+    row = last[-1]
+    total = float(row["step"] * global_batch_size)
+    drawn, nominal = row["realised"]["sequences"], row["realised"]["nominal_sequences"]
+    return {d: (float(drawn[d]) - float(nominal[d])) / total for d in nominal}
+
+
+def memorisation(row: Mapping[str, Any]) -> tuple[PerDomain, PerDomain] | None:
+    """(memorisation gap heldout - seen, train/validation shift val - heldout) per domain at an
+    evaluation; None when the run held nothing out (`data.holdout_sequences` = 0). A domain
+    whose loss is missing (null: no sequence to evaluate yet) is left out."""
+    seen, held = row.get("seen_loss"), row.get("heldout_loss")
+    if not isinstance(seen, dict) or not isinstance(held, dict):
+        return None
+    val = row["val_loss"]
+    known = [d for d in held if held[d] is not None]
+    gap = {d: float(held[d]) - float(seen[d]) for d in known if seen.get(d) is not None}
+    shift = {d: float(val[d]) - float(held[d]) for d in known if val.get(d) is not None}
+    return gap, shift
+
+
+def difference(a: Mapping[str, float], b: Mapping[str, float]) -> PerDomain:
+    """a - b over the domains both have (e.g. proxy minus reference final validation loss)."""
+    return {d: float(a[d]) - float(b[d]) for d in a if d in b}
+
+
+def final_minus_best(rows: Rows) -> PerDomain:
+    """Final minus lowest validation loss over the run's evaluations, per domain."""
+    evals = eval_rows(rows)
+    if not evals:
+        return {}
+    final = evals[-1]["val_loss"]
+    return {d: float(final[d]) - min(float(r["val_loss"][d]) for r in evals if d in r["val_loss"])
+            for d in final}
+
+
+def reference_on_batches(history: Rows) -> PerDomain:
+    """The reference's mean loss per token on the proxy's batches (token-weighted over steps).
+
+    Those are training sequences the reference has read too, so their loss far below its
+    validation loss is memorisation, measurable without a holdout."""
+    if not history:
+        return {}
+    domains = history[0]["domains"]
+    out = {}
+    for i, d in enumerate(domains):
+        tokens = sum(int(h["tokens"][i]) for h in history)
+        if tokens:
+            out[d] = sum(float(h["ref_loss"][i]) * int(h["tokens"][i]) for h in history) / tokens
+    return out
+
+
+def lambda_snr(excess: Sequence[Sequence[float]]) -> float | None:
+    """Signal-to-noise of lambda: std across domains of each domain's mean lambda over the
+    run, over the mean of the domains' per-step noise.
+
+    A domain's noise is sqrt(mean((lambda_t - lambda_{t-1})^2) / 2), the standard deviation of
+    one step's lambda estimated from successive differences, so that lambda's slow drift while
+    the proxy learns does not count as noise. Below 1, alpha_t follows the noise of single
+    batches more than the differences between domains. None with < 2 steps or < 2 domains, or
+    when lambda neither moves nor differs."""
+    x = np.asarray(excess, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] < 2 or x.shape[1] < 2:
+        return None
+    noise = float(np.sqrt((np.diff(x, axis=0) ** 2).mean(axis=0) / 2).mean())
+    spread = float(x.mean(axis=0).std())
+    if noise == 0:
+        return math.inf if spread > 0 else None
+    return spread / noise
+
+
+def concentration(weights: Sequence[Sequence[float]], domains: Sequence[str]) -> tuple[float, str | None]:
+    """(share of steps where some weight > 0.5, the domain above 0.5 most often)."""
+    if not weights:
+        return 0.0, None
+    over = np.asarray(weights, dtype=np.float64) > CONCENTRATED
+    counts = over.sum(axis=0)
+    share = float(over.any(axis=1).mean())
+    return share, (domains[int(counts.argmax())] if counts.max() > 0 else None)
+
+
+# -- the measures of one run, and the findings they give ----------------------------------
+
+@dataclass
+class RunMeasures:
+    """Everything the checks and the guardrail table need from one run."""
+
+    run: str
+    kind: str
+    global_batch_size: int | None = None
+    epochs: PerDomain = field(default_factory=dict)
+    mixture: PerDomain = field(default_factory=dict)
+    gap: PerDomain = field(default_factory=dict)
+    shift: PerDomain = field(default_factory=dict)
+    lag: PerDomain = field(default_factory=dict)
+    ref_batches_gap: PerDomain = field(default_factory=dict)
+    final_minus_best: PerDomain = field(default_factory=dict)
+    snr: float | None = None
+    concentration: float | None = None
+    concentrated_domain: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def measure(run: str, kind: str, rows: Rows, global_batch_size: int | None = None,
+            history: Rows | None = None, reference_rows: Rows | None = None) -> RunMeasures:
+    """The measures of a run of `kind` from its parsed metrics rows (and, for a proxy, its
+    domain_weights.jsonl records and its reference's metrics rows)."""
+    if kind not in KINDS:
+        raise DoReMiError(f"guardrails: run kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    m = RunMeasures(run, kind, global_batch_size, epochs=epochs_read(rows))
+    if not m.epochs:
+        m.notes.append(f"{run}: no epochs logged; epochs check skipped")
+    if global_batch_size and any(isinstance(r.get("realised"), dict) for r in rows):
+        m.mixture = mixture_deviation(rows, global_batch_size)
+    else:
+        m.notes.append(f"{run}: no realised mixture logged; realised-vs-nominal check skipped")
+    evals = eval_rows(rows)
+    if kind == "reference":
+        mem = memorisation(evals[-1]) if evals else None
+        if mem is None:
+            m.notes.append(f"{run}: no held-out evaluation (data.holdout_sequences = 0); "
+                           f"memorisation check skipped")
+        else:
+            m.gap, m.shift = mem
+    if kind == "proxy":
+        ref_evals = eval_rows(reference_rows or [])
+        if evals and ref_evals:
+            m.lag = difference(evals[-1]["val_loss"], ref_evals[-1]["val_loss"])
+            m.ref_batches_gap = difference(ref_evals[-1]["val_loss"], reference_on_batches(history or []))
+        else:
+            m.notes.append(f"{run}: no validation loss of the proxy or of its reference; "
+                           f"proxy-lag check skipped")
+        if history:
+            m.snr = lambda_snr([h["excess"] for h in history])
+            m.concentration, m.concentrated_domain = concentration([h["weights"] for h in history],
+                                                                   history[0]["domains"])
+        else:
+            m.notes.append(f"{run}: no domain_weights.jsonl; lambda and concentration checks skipped")
+    if kind == "main":
+        m.final_minus_best = final_minus_best(rows)
+    return m
+
+
+def _over(m: RunMeasures, check: str, values: PerDomain, threshold: float, what: str, key: str,
+          unit: str = "", absolute: bool = False) -> list[Finding]:
+    """A warning per domain whose value (or its magnitude) is above `threshold`."""
+    out = []
+    for d, v in values.items():
+        shown = abs(v) if absolute else v
+        if shown > threshold:
+            out.append(Finding(m.run, check, d, v, threshold,
+                               f"{m.run}: {d}: {what} {shown:.4g}{unit} > {key} {threshold:.4g}{unit}"))
+    return out
+
+
+def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
+    """The warnings (thresholds crossed) and infos (checks skipped, train/validation shift) of a
+    run's measures. Keys in the messages are those of `pipeline.guardrails`."""
+    out: list[Finding] = [Finding(m.run, "skipped", None, None, None, note, "info") for note in m.notes]
+    out += _over(m, "epochs", m.epochs, cfg.max_epochs, "epochs read", "max_epochs")
+    if m.mixture and m.global_batch_size:
+        tol = cfg.mixture_tolerance if cfg.mixture_tolerance is not None else 1 / m.global_batch_size
+        out += _over(m, "mixture", m.mixture, tol, "|realised - nominal| share of sequences",
+                     "mixture_tolerance", absolute=True)
+    out += _over(m, "memorisation", m.gap, cfg.memorisation_gap, "memorisation gap (heldout - seen loss)",
+                 "memorisation_gap", " nats")
+    out += [Finding(m.run, "shift", d, v, None,
+                    f"{m.run}: {d}: train/validation shift (val - heldout loss) {v:.4g} nats", "info")
+            for d, v in m.shift.items()]
+    out += _over(m, "memorisation", m.ref_batches_gap, cfg.memorisation_gap,
+                 "reference validation loss minus its loss on the proxy's batches", "memorisation_gap", " nats")
+    out += _over(m, "proxy_lag", m.lag, cfg.proxy_lag, "proxy minus reference final validation loss",
+                 "proxy_lag", " nats")
+    if m.snr is not None and m.snr < cfg.lambda_snr:
+        out.append(Finding(m.run, "lambda_snr", None, m.snr, cfg.lambda_snr,
+                           f"{m.run}: lambda signal-to-noise {m.snr:.4g} < lambda_snr {cfg.lambda_snr:.4g} "
+                           f"(alpha follows batch noise)"))
+    if m.concentration is not None and m.concentration > cfg.concentration:
+        out.append(Finding(m.run, "concentration", m.concentrated_domain, m.concentration, cfg.concentration,
+                           f"{m.run}: {m.concentrated_domain}: share of steps with a weight above "
+                           f"{CONCENTRATED} {m.concentration:.4g} > concentration {cfg.concentration:.4g}"))
+    out += _over(m, "overfit", m.final_minus_best, cfg.overfit, "final minus best validation loss", "overfit",
+                 " nats")
+    return out
+
+
+def warnings(found: Iterable[Finding]) -> list[Finding]:
+    return [f for f in found if f.is_warning]
+
+
+def print_findings(found: Iterable[Finding], file: IO[str] | None = None, prefix: str = "doremi") -> None:
+    """One line per warning and per run-level info (the per-domain shift infos go to the
+    report's table only)."""
+    file = file or sys.stderr
+    for f in found:
+        if f.is_warning or f.domain is None:
+            print(f"{prefix}: {f.level}: {f.message}", file=file, flush=True)
+
+
+# -- reading run directories ---------------------------------------------------------------
+
+def run_dir_of(path: str | Path) -> Path:
+    """The run directory of a run or checkpoint directory (doremi.reference takes either)."""
+    p = Path(path)
+    if (p / "metrics.jsonl").is_file() or (p / "config.yaml").is_file():
+        return p
+    return p.parent.parent if p.parent.name == "checkpoints" else p.parent
+
+
+def measure_run(run_dir: str | Path, kind: str, name: str | None = None,
+                reference: str | Path | None = None) -> RunMeasures:
+    """Read a run directory (metrics.jsonl, config.yaml, and for a proxy domain_weights.jsonl
+    and its reference's metrics.jsonl) and measure it. `reference`: the proxy's reference run
+    (default: its config's doremi.reference)."""
+    from doremi.history import HistoryError, read_history
+    from trainer.configtools import read_yaml
+    from trainer.metrics import read_jsonl
+
+    run = Path(run_dir)
+    if not (run / "metrics.jsonl").is_file():
+        raise DoReMiError(f"{run}/metrics.jsonl: not found (expected a run directory)")
+    rows = read_jsonl(run / "metrics.jsonl")
+    cfg = read_yaml(run / "config.yaml") if (run / "config.yaml").is_file() else {}
+    batch = cfg.get("train", {}).get("global_batch_size")
+    history: list[dict] | None = None
+    ref_rows: list[dict] | None = None
+    if kind == "proxy":
+        try:
+            history = read_history(run)
+        except HistoryError:
+            history = None
+        ref = reference or cfg.get("doremi", {}).get("reference")
+        if ref:
+            ref_rows = read_jsonl(run_dir_of(ref) / "metrics.jsonl")
+    return measure(name or str(run), kind, rows, batch, history, ref_rows)
+
+
+def check_run(run_dir: str | Path, kind: str, cfg: GuardrailConfig | None = None, name: str | None = None,
+              reference: str | Path | None = None) -> list[Finding]:
+    """The findings of one run directory of `kind` (reference, proxy, main)."""
+    return findings(measure_run(run_dir, kind, name, reference), cfg or GuardrailConfig())
+
+
+def pipeline_runs(root: str | Path, main: bool = True) -> list[tuple[str, str, Path]]:
+    """(name, kind, directory) of a pipeline's runs that exist: every round's reference and
+    proxy, then (with `main`) the main runs."""
+    root = Path(root)
+    runs: list[tuple[str, str, Path]] = []
+    rounds = sorted((p for p in root.glob("round*") if p.is_dir() and p.name[5:].isdigit()),
+                    key=lambda p: int(p.name[5:]))
+    for r in rounds:
+        for kind in ("reference", "proxy"):
+            if (r / kind / "metrics.jsonl").is_file():
+                runs.append((f"{r.name}/{kind}", kind, r / kind))
+    if main and (root / "main").is_dir():
+        for d in sorted(p for p in (root / "main").iterdir() if (p / "metrics.jsonl").is_file()):
+            runs.append((f"main/{d.name}", "main", d))
+    return runs
+
+
+def measure_pipeline(root: str | Path, main: bool = True) -> list[RunMeasures]:
+    """The measures of every run of a pipeline root; a proxy is compared with its own round's
+    reference."""
+    return [measure_run(path, kind, name, path.parent / "reference" if kind == "proxy" else None)
+            for name, kind, path in pipeline_runs(root, main)]
+
+
+# -- the report's guardrail table ------------------------------------------------------------
+
+#: (RunMeasures attribute, row label) in the order the table shows them.
+COLUMNS = (("epochs", "epochs"), ("mixture", "realised - nominal"), ("gap", "memorisation gap"),
+           ("shift", "shift"), ("ref_batches_gap", "ref val - ref on proxy batches"),
+           ("lag", "proxy lag"), ("final_minus_best", "final - best"))
+
+
+def format_guardrail_table(domains: Sequence[str], measures: Sequence[RunMeasures]) -> str:
+    """A column per domain, a row per (measure, run) that has values; then one line per proxy
+    with its lambda signal-to-noise and weight concentration. (Rows are checks, not domains, so
+    that the report's only rows named by a domain are those of its loss table.)"""
+    from doremi.report import fmt, markdown_table
+
+    rows = [[f"{label}: {m.run}"] + [fmt(getattr(m, attr).get(d)) for d in domains]
+            for attr, label in COLUMNS for m in measures if getattr(m, attr)]
+    text = markdown_table(["check: run", *domains], rows) if rows else ""
+    for m in measures:
+        if m.kind == "proxy" and (m.snr is not None or m.concentration is not None):
+            snr = "n/a" if m.snr is None else f"{m.snr:.4g}"
+            conc = "n/a" if m.concentration is None else f"{m.concentration:.4g}"
+            text += (f"\n{m.run}: lambda signal-to-noise {snr}; share of steps with a weight above "
+                     f"{CONCENTRATED}: {conc}\n")
+    return text
