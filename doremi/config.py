@@ -66,8 +66,9 @@ class GuardrailConfig:
     memorisation_gap: float = 0.1
     # Proxy: its final validation loss minus the reference's (nats/token).
     proxy_lag: float = 0.1
-    # Proxy: spread of the domains' mean lambda over the per-step noise of lambda.
-    lambda_snr: float = 1.0
+    # Proxy: spread of the domains' mean lambda over the per-step noise of lambda, times
+    # sqrt(steps) (the noise of the sum that alpha follows; guardrails.run_level_snr).
+    lambda_snr: float = 2.0
     # Proxy: share of steps where one domain's weight is above 0.5.
     concentration: float = 0.5
     # Main runs: final minus best validation loss (nats/token).

@@ -145,6 +145,15 @@ def lambda_snr(excess: Sequence[Sequence[float]]) -> float | None:
     return spread / noise
 
 
+def run_level_snr(per_step: float | None, steps: int) -> float | None:
+    """The per-step signal-to-noise times sqrt(steps). alpha_T is exp(eta x the sum of lambda_t):
+    the domains' differences add up linearly in the steps, the batch noise as its square root,
+    so a per-step ratio well below 1 still gives weights set by the signal over a long run."""
+    if per_step is None or steps < 1:
+        return None
+    return per_step * math.sqrt(steps)
+
+
 def concentration(weights: Sequence[Sequence[float]], domains: Sequence[str]) -> tuple[float, str | None]:
     """(share of steps where some weight > 0.5, the domain above 0.5 most often)."""
     if not weights:
@@ -170,8 +179,12 @@ class RunMeasures:
     shift: PerDomain = field(default_factory=dict)
     lag: PerDomain = field(default_factory=dict)
     ref_batches_gap: PerDomain = field(default_factory=dict)
+    # True: ref_batches_gap is held-out minus proxy-batch loss (memorisation alone); False:
+    # validation minus proxy-batch loss (memorisation plus any train/validation shift).
+    ref_batches_heldout: bool = False
     final_minus_best: PerDomain = field(default_factory=dict)
     snr: float | None = None
+    steps: int = 0
     concentration: float | None = None
     concentrated_domain: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -202,12 +215,16 @@ def measure(run: str, kind: str, rows: Rows, global_batch_size: int | None = Non
         ref_evals = eval_rows(reference_rows or [])
         if evals and ref_evals:
             m.lag = difference(evals[-1]["val_loss"], ref_evals[-1]["val_loss"])
-            m.ref_batches_gap = difference(ref_evals[-1]["val_loss"], reference_on_batches(history or []))
+            held = ref_evals[-1].get("heldout_loss")
+            m.ref_batches_heldout = isinstance(held, dict)
+            base = {d: v for d, v in held.items() if v is not None} if m.ref_batches_heldout else ref_evals[-1]["val_loss"]
+            m.ref_batches_gap = difference(base, reference_on_batches(history or []))
         else:
             m.notes.append(f"{run}: no validation loss of the proxy or of its reference; "
                            f"proxy-lag check skipped")
         if history:
             m.snr = lambda_snr([h["excess"] for h in history])
+            m.steps = len(history)
             m.concentration, m.concentrated_domain = concentration([h["weights"] for h in history],
                                                                    history[0]["domains"])
         else:
@@ -244,13 +261,16 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
                     f"{m.run}: {d}: train/validation shift (val - heldout loss) {v:.4g} nats", "info")
             for d, v in m.shift.items()]
     out += _over(m, "memorisation", m.ref_batches_gap, cfg.memorisation_gap,
-                 "reference validation loss minus its loss on the proxy's batches", "memorisation_gap", " nats")
+                 "reference held-out loss minus its loss on the proxy's batches" if m.ref_batches_heldout else
+                 "reference validation loss minus its loss on the proxy's batches (includes any train/validation "
+                 "shift: no held-out sequences)", "memorisation_gap", " nats")
     out += _over(m, "proxy_lag", m.lag, cfg.proxy_lag, "proxy minus reference final validation loss",
                  "proxy_lag", " nats")
-    if m.snr is not None and m.snr < cfg.lambda_snr:
-        out.append(Finding(m.run, "lambda_snr", None, m.snr, cfg.lambda_snr,
-                           f"{m.run}: lambda signal-to-noise {m.snr:.4g} < lambda_snr {cfg.lambda_snr:.4g} "
-                           f"(alpha follows batch noise)"))
+    run_snr = run_level_snr(m.snr, m.steps)
+    if run_snr is not None and run_snr < cfg.lambda_snr:
+        out.append(Finding(m.run, "lambda_snr", None, run_snr, cfg.lambda_snr,
+                           f"{m.run}: lambda signal-to-noise over the run {run_snr:.4g} (per step {m.snr:.4g}, "
+                           f"{m.steps} steps) < lambda_snr {cfg.lambda_snr:.4g} (alpha follows batch noise)"))
     if m.concentration is not None and m.concentration > cfg.concentration:
         out.append(Finding(m.run, "concentration", m.concentrated_domain, m.concentration, cfg.concentration,
                            f"{m.run}: {m.concentrated_domain}: share of steps with a weight above "
@@ -360,7 +380,8 @@ def format_guardrail_table(domains: Sequence[str], measures: Sequence[RunMeasure
     text = markdown_table(["check: run", *domains], rows) if rows else ""
     for m in measures:
         if m.kind == "proxy" and (m.snr is not None or m.concentration is not None):
-            snr = "n/a" if m.snr is None else f"{m.snr:.4g}"
+            run_snr = run_level_snr(m.snr, m.steps)
+            snr = "n/a" if m.snr is None or run_snr is None else f"{m.snr:.4g} per step, {run_snr:.4g} over {m.steps} steps"
             conc = "n/a" if m.concentration is None else f"{m.concentration:.4g}"
             text += (f"\n{m.run}: lambda signal-to-noise {snr}; share of steps with a weight above "
                      f"{CONCENTRATED}: {conc}\n")

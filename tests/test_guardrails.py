@@ -139,11 +139,19 @@ def test_proxy_findings():
                           ("lambda_snr", None, "warning"), ("concentration", "a", "warning")}
     assert found[("proxy_lag", "a", "warning")].message == \
         "round1/proxy: a: proxy minus reference final validation loss 0.25 nats > proxy_lag 0.1 nats"
-    assert found[("lambda_snr", None, "warning")].value == pytest.approx(0.35355339, abs=1e-8)
+    assert found[("lambda_snr", None, "warning")].value == pytest.approx(0.35355339 * 2, abs=1e-8)  # x sqrt(4)
     assert found[("concentration", "a", "warning")].message == \
         "round1/proxy: a: share of steps with a weight above 0.5 0.75 > concentration 0.5"
-    relaxed = GuardrailConfig(proxy_lag=0.3, memorisation_gap=0.3, lambda_snr=0.3, concentration=0.75)
+    relaxed = GuardrailConfig(proxy_lag=0.3, memorisation_gap=0.3, lambda_snr=0.7, concentration=0.75)
     assert warnings(findings(m, relaxed)) == []
+    # With held-out sequences in the reference's final eval, the proxy-batch check compares with
+    # them (memorisation alone, no train/validation shift).
+    held = [{**ref[0], "seen_loss": {"a": 2.0, "b": 5.0}, "heldout_loss": {"a": 3.5, "b": 6.0}}]
+    mh = measure("round1/proxy", "proxy", proxy, 8, history, held)
+    assert mh.ref_batches_heldout and mh.ref_batches_gap == {"a": 0.5, "b": 0.0}
+    msg = [f.message for f in warnings(findings(mh, CFG)) if f.check == "memorisation"]
+    assert msg == ["round1/proxy: a: reference held-out loss minus its loss on the proxy's batches 0.5 nats "
+                   "> memorisation_gap 0.1 nats"]
 
 
 def test_runs_without_holdout_or_history_say_what_was_skipped():
@@ -171,7 +179,7 @@ def test_print_findings_prints_warnings_and_run_level_infos(capsys):
 
 def test_guardrail_table():
     ref = measure("round1/reference", "reference", ROWS, 8)
-    proxy = RunMeasures("round1/proxy", "proxy", lag={"a": 0.25}, snr=0.5, concentration=0.25)
+    proxy = RunMeasures("round1/proxy", "proxy", lag={"a": 0.25}, snr=0.5, steps=16, concentration=0.25)
     text = format_guardrail_table(["a", "b"], [ref, proxy])
     lines = text.splitlines()
     assert lines[:7] == ["| check: run | a | b |", "|---|---:|---:|",
@@ -180,7 +188,8 @@ def test_guardrail_table():
                          "| memorisation gap: round1/reference | 2.7500 | 0.0625 |",
                          "| shift: round1/reference | 0.5000 | 0.4375 |",
                          "| proxy lag: round1/proxy | 0.2500 |  |"]
-    assert lines[-1] == "round1/proxy: lambda signal-to-noise 0.5; share of steps with a weight above 0.5: 0.25"
+    assert lines[-1] == ("round1/proxy: lambda signal-to-noise 0.5 per step, 2 over 16 steps; share of steps "
+                         "with a weight above 0.5: 0.25")
 
 
 # -- config ----------------------------------------------------------------------------------
@@ -190,7 +199,7 @@ def test_config_defaults_and_validation():
 
     p = from_dict(PipelineConfig, {}, "pipeline")
     assert p.strict is False
-    assert p.guardrails == GuardrailConfig(2.0, None, 0.1, 0.1, 1.0, 0.5, 0.02)
+    assert p.guardrails == GuardrailConfig(2.0, None, 0.1, 0.1, 2.0, 0.5, 0.02)
     with pytest.raises(ConfigError, match=r"^pipeline\.guardrails\.max_epochs: expected a finite value >= 0, got -1\.0$"):
         from_dict(PipelineConfig, {"guardrails": {"max_epochs": -1}}, "pipeline")
     with pytest.raises(ConfigError, match=r"^pipeline\.guardrails\.concentration: expected a value in \[0, 1\], got 1\.5$"):

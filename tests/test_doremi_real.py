@@ -1,0 +1,56 @@
+"""The real-data study's scripts: the arms' commands, natural weights, bad input, the verdict rule."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments" / "doremi_real"))
+
+import run_study  # noqa: E402
+import summarize  # noqa: E402
+
+
+def test_natural_weights_follow_uncapped_bytes(tmp_path):
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"outputs": {"a": {"uncapped_bytes": 300}, "b": {"uncapped_bytes": 100}}}))
+    got = json.loads(run_study.natural_weights(manifest, tmp_path / "natural.json").read_text())
+    assert got["domains"] == ["a", "b"] and got["weights"] == [0.75, 0.25]
+
+
+def test_arm_commands_carry_seed_baselines_and_ablation():
+    natural = Path("/w/natural.json")
+    cmd = run_study.arm_command("natref-s2", run_study.ARMS["natref-s2"], Path("/w"), natural, ["train.steps=3"])
+    sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+    assert sets == ["pipeline.run_dir=/w/natref-s2", "data.store_dir=/w/stores", "train.seed=2", "data.seed=2",
+                    "pipeline.baselines=[]", "doremi.reference_weights=/w/natural.json", "train.steps=3"]
+    one = run_study.arm_command("doremi-s1", run_study.ARMS["doremi-s1"], Path("/w"), natural, [])
+    assert "pipeline.baselines=[uniform, /w/natural.json]" in one
+    domains = json.loads(run_study.corpus_sets(Path("/c"))[0].split("=", 1)[1])
+    assert len(domains) == 12 and domains[0] == {"name": "c", "paths": ["/c/c.jsonl.xz"]}
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--arms", "nosuch"], "--arms: unknown arm(s) nosuch"),
+    (["--corpus", "/nonexistent"], "/nonexistent: no corpus manifest"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, expect):
+    with pytest.raises(SystemExit) as e:
+        run_study.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expect in err[0]
+    assert not (tmp_path / "work").exists()
+
+
+def test_verdict_rule():
+    works, conds = summarize.verdict([-0.05, -0.06, -0.04, -0.05], [0.0, 0.01, -0.02, 0.0], 9, 0.75, 12)
+    assert works == "works" and all(ok for _, ok in conds)
+    # One seed worse and the mean within 2 standard errors: inconclusive.
+    assert summarize.verdict([-0.1, 0.05, -0.2, 0.06], [0.1] * 4, 7, None, 12)[0] == "inconclusive"
+    # Clearly worse: fails.
+    assert summarize.verdict([0.1, 0.11, 0.09, 0.1], [0.0] * 4, 2, None, 12)[0] == "fails"
+    # Better everywhere but too slow to reach uniform's final loss: not "works", and beyond 2 SE: fails.
+    assert summarize.verdict([-0.05, -0.06, -0.04, -0.05], [0.0] * 4, 9, 0.9, 12)[0] == "fails"
