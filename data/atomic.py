@@ -27,6 +27,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, p)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.filename is None:  # a failed write or fsync (no space left) names no file: name it
+            raise type(e)(e.errno, e.strerror or str(e), str(p)) from e
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -4,9 +4,16 @@ tokenized and stored, and how training batches are drawn from the domains."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from data.errors import DataError
+
+#: A domain weight: an int or a float, never a bool or a string (the "number" tag is
+#: trainer.configtools.NUMBER; `[true, false, true]` must not train on weights 1, 0, 1).
+Weight = Annotated[float, "number"]
+#: The forms of a mixture: `uniform`, `tokens`, a weights JSON path, a list in domain order, or
+#: a mapping domain -> weight (data.weights.resolve_weights).
+Weights = str | list[Weight] | dict[str, Weight]
 
 
 @dataclass
@@ -90,7 +97,7 @@ class DataConfig:
     seq_len: int = 256
     # `uniform`, `tokens` (proportional to train tokens), a weights JSON path, or a list of
     # values in domain order / a mapping from domain name to value.
-    domain_weights: str | list[float] | dict[str, float] = "uniform"
+    domain_weights: Weights = "uniform"
     seed: int = 0
     # Training sequences per domain held back from every run (chosen by split_seed), on which
     # a run's final evaluation measures memorisation (loss on held-back vs on as many trained-on

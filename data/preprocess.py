@@ -134,13 +134,15 @@ def _check_text(value: Any, domain: str, field: str) -> str:
 
 
 def _split_batches(source: TextSource, mask: np.ndarray, field: str) -> Iterator[tuple[list[str], list[str]]]:
-    """(train texts, validation texts) per read batch; empty documents are dropped."""
+    """(train texts, validation texts) per read batch; empty and whitespace-only documents are
+    dropped (they hold no text to learn, and a domain of nothing else must be refused as empty,
+    not trained on as a stream of separators)."""
     row = 0
     for batch in source.batches(READ_ROWS):
         train, val = [], []
         for value in batch:
             text = _check_text(value, source.name, field)
-            if text:
+            if text.strip():
                 (val if mask[row] else train).append(text)
             row += 1
         yield train, val
@@ -236,7 +238,8 @@ def _write_domain(p: DomainPlan, text: tuple[TextSource, np.ndarray] | None, tok
     if p.synthetic is None:
         train, val = (dataclasses.replace(c, bytes=n) for c, n in zip((train, val), nbytes))
     if train.documents + val.documents == 0:
-        raise DataError(f"domain {p.name!r}: empty domain ({p.description} has only empty documents)")
+        raise DataError(f"domain {p.name!r}: empty domain ({p.description} has only empty or whitespace-only "
+                        f"documents)")
     return DomainEntry(name=p.name, source=p.description, train=train, validation=val,
                        entropy=entropy(p.synthetic) if p.synthetic else None,
                        synthetic=dict(vars(p.synthetic), eos_id=tok.eos_id) if p.synthetic else None)

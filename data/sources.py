@@ -189,6 +189,18 @@ def needs_column_plans(cfg: DataConfig, plans: list[DomainPlan]) -> bool:
     return bool(cfg.dataset) and not any(p.kind == "column" for p in plans)
 
 
+def known_domains(cfg: DataConfig) -> list[str] | None:
+    """The domain names, before any work: the config's when it lists them all, else (one
+    dataset split by a column) the built stores', else None (known only once it is read)."""
+    if not cfg.dataset or any(not (d.paths or d.hub or d.embedded or d.synthetic) for d in cfg.domains):
+        return [d.name for d in cfg.domains]
+    from data.store import MANIFEST_FILE, read_manifest
+
+    if (Path(cfg.store_dir) / MANIFEST_FILE).is_file():
+        return read_manifest(cfg.store_dir).domain_names
+    return None
+
+
 def column_plans(cfg: DataConfig, reader: "SourceReader", plans: list[DomainPlan]) -> list[DomainPlan]:
     """One domain per value of `data.domain_column` (sorted), after the listed domains."""
     shared = shared_dataset_digest(cfg)

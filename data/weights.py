@@ -1,9 +1,15 @@
-"""Domain weights from the `data.domain_weights` forms, checked and normalised to sum 1."""
+"""Domain weights from the `data.domain_weights` forms, checked and normalised to sum 1.
+
+The same forms are read by `doremi.reference_weights` and `doremi.proxy_sampling`; every error
+names the key (or file) it came from. A weight is a number: `true` or `"0.5"` is refused, not
+read as 1 or 0.5, since a mixture typed wrongly must not train silently on something else.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +21,33 @@ from data.store import Manifest
 WHERE = "data.domain_weights"
 
 
+def is_number(value: Any) -> bool:
+    """An int or a float (numpy's too), not a bool and not a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def check_numbers(values: Any, where: str, keys: list[str] | None = None) -> None:
+    """Every item of a list (or value of a mapping) is a number; the error names the first that
+    is not by its index (`where[1]`) or its domain (`where.web`)."""
+    if isinstance(values, dict):
+        items = [(f"{where}.{k}", v) for k, v in values.items()]
+    elif isinstance(values, (list, tuple)):
+        items = [(f"{where}[{keys[i] if keys else i}]", v) for i, v in enumerate(values)]
+    else:
+        return
+    for at, v in items:
+        if not is_number(v):
+            raise DataError(f"{at}: expected a number (int or float), got {v!r} ({type(v).__name__})")
+
+
 def check_weights(values: Any, domains: list[str], where: str = WHERE) -> np.ndarray:
-    """One finite, non-negative value per domain, not all zero -> normalised float64 array."""
+    """One finite, non-negative number per domain, not all zero -> normalised float64 array."""
+    check_numbers(values, where)
     try:
-        w = np.asarray(values, dtype=np.float64)
+        w = np.asarray(values)
+        if w.dtype.kind not in "iuf":
+            raise TypeError
+        w = w.astype(np.float64)
     except (TypeError, ValueError):
         raise DataError(f"{where}: expected numbers, got {values!r}") from None
     if w.ndim != 1 or len(w) != len(domains):
@@ -42,11 +71,13 @@ def _by_name(mapping: dict[str, Any], domains: list[str], where: str) -> list[An
     return [mapping[d] for d in domains]
 
 
-def read_weights_file(path: str | Path, domains: list[str]) -> np.ndarray:
-    """A weights JSON `{"domains": [...], "weights": [...], ...}`, matched to `domains` by name."""
+def parse_weights_file(path: str | Path, where: str = WHERE) -> dict[str, float]:
+    """A weights JSON `{"domains": [...], "weights": [...], ...}` -> domain -> weight, checked
+    for form (names unique strings, weights finite numbers >= 0, not all zero) but not yet
+    against the stores' domains."""
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"{WHERE}: weights file {p} not found")
+        raise DataError(f"{where}: weights file {p} not found")
     try:
         raw = json.loads(p.read_text())
         names, values = raw["domains"], raw["weights"]
@@ -54,21 +85,57 @@ def read_weights_file(path: str | Path, domains: list[str]) -> np.ndarray:
         raise DataError(f"{p}: expected JSON with 'domains' and 'weights' lists ({type(e).__name__}: {e})") from None
     if not isinstance(names, list) or not isinstance(values, list) or len(names) != len(values):
         raise DataError(f"{p}: 'domains' and 'weights' must be lists of equal length")
+    if not all(isinstance(n, str) for n in names):
+        raise DataError(f"{p}: domains: expected names (strings), got {names!r}")
     if len(set(names)) != len(names):
         raise DataError(f"{p}: a domain is named twice in 'domains'")
-    return check_weights(_by_name(dict(zip(names, values)), domains, str(p)), domains, str(p))
+    check_numbers(values, f"{p}: weights", names)
+    check_weights(values, names, str(p))
+    return dict(zip(names, values))
 
 
-def resolve_weights(spec: str | list[float] | dict[str, float], manifest: Manifest) -> np.ndarray:
+def read_weights_file(path: str | Path, domains: list[str], where: str = WHERE) -> np.ndarray:
+    """A weights JSON `{"domains": [...], "weights": [...], ...}`, matched to `domains` by name."""
+    p = Path(path)
+    return check_weights(_by_name(parse_weights_file(p, where), domains, str(p)), domains, str(p))
+
+
+def check_spec(spec: Any, domains: list[str] | None, where: str = WHERE) -> None:
+    """Check a weights value before any work: its form always, its domains when known (from
+    the config, or the stores). `tokens` needs the stores' counts, so only its name is checked."""
+    if isinstance(spec, str):
+        if spec in ("uniform", "tokens"):
+            return
+        if domains is None:
+            parse_weights_file(spec, where)
+        else:
+            read_weights_file(spec, domains, where)
+    elif isinstance(spec, dict):
+        check_numbers(spec, where)
+        if domains is None:
+            check_weights(list(spec.values()), list(spec), where)
+        else:
+            check_weights(_by_name(spec, domains, where), domains, where)
+    else:
+        check_numbers(spec, where)
+        if domains is not None:
+            check_weights(spec, domains, where)
+        elif isinstance(spec, (list, tuple)):
+            check_weights(spec, [str(i) for i in range(len(spec))], where)
+
+
+def resolve_weights(spec: str | list[float] | dict[str, float], manifest: Manifest,
+                    where: str = WHERE) -> np.ndarray:
     """`uniform`, `tokens` (proportional to train tokens), a weights-JSON path, a list in domain
-    order, or a mapping name -> value; normalised to sum 1."""
+    order, or a mapping name -> value; normalised to sum 1. `where`: the key it was read from."""
     domains = manifest.domain_names
     if isinstance(spec, str):
         if spec == "uniform":
-            return check_weights(np.ones(len(domains)), domains)
+            return check_weights(np.ones(len(domains)), domains, where)
         if spec == "tokens":
-            return check_weights([d.train.tokens for d in manifest.domains], domains)
-        return read_weights_file(spec, domains)
+            return check_weights([d.train.tokens for d in manifest.domains], domains, where)
+        return read_weights_file(spec, domains, where)
     if isinstance(spec, dict):
-        return check_weights(_by_name(spec, domains, WHERE), domains)
-    return check_weights(spec, domains)
+        check_numbers(spec, where)
+        return check_weights(_by_name(spec, domains, where), domains, where)
+    return check_weights(spec, domains, where)

@@ -1,6 +1,9 @@
 """`doremi <stage> CONFIG.yaml [--set a.b=value ...]`, the same under torchrun.
 
-Errors in the input are one line on stderr and exit status 2 (`--debug` shows the traceback)."""
+Errors in the input, and operating-system errors (permission denied, no space left, a path
+under a file, a read-only file system), are one line on stderr naming the key, path or device
+and the cause, with exit status 2 (`--debug` shows the traceback). Under torchrun only rank 0
+prints it; the other ranks exit with the same status, quietly."""
 
 from __future__ import annotations
 
@@ -20,6 +23,22 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from trainer.optim import OptimizerStateError
 
     return (ConfigError, DataError, DoReMiError, HistoryError, CheckpointError, OptimizerStateError)
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line: the path(s) and the cause (`runs/x/config.yaml: Read-only file system`)."""
+    cause = e.strerror or str(e) or type(e).__name__
+    if isinstance(e, FileExistsError) and e.filename is not None and Path(e.filename).is_file():
+        cause += " (a file where a directory is expected)"  # mkdir(exist_ok=True) on a file
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    return f"{' -> '.join(paths)}: {cause}" if paths else cause
+
+
+def _report(command: str, message: str) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # one copy of the error, from rank 0; the others' exit status says they stopped
+    for line in message.splitlines() or [""]:
+        print(f"doremi {command}: error: {line}", file=sys.stderr)
 
 
 def _config(args: argparse.Namespace):
@@ -149,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("average", help="average a proxy's per-step domain weights")
     sp.add_argument("run_dir")
-    sp.add_argument("--from-step", type=int, default=1)
+    sp.add_argument("--from-step", type=int, default=None,
+                    help="first step averaged (default: the run's doremi.average_from_step)")
     sp.add_argument("--out", help="weights JSON path (default RUN_DIR/weights.json)")
     sp.set_defaults(fn=cmd_average)
 
@@ -173,8 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as e:
         if args.debug:
             raise
-        for line in str(e).splitlines() or [""]:
-            print(f"doremi {args.command}: error: {line}", file=sys.stderr)
+        _report(args.command, str(e))
+        return 2
+    except OSError as e:
+        if args.debug:
+            raise
+        _report(args.command, describe_os_error(e))
         return 2
     except KeyboardInterrupt:
         return 130

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from data.config import Weights
 from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError
 
@@ -18,9 +19,9 @@ class DoReMiConfig:
     # Reference run directory (or a checkpoint directory) for `train-proxy` and `score`.
     reference: str | None = None
     # Weights the reference trains on: `uniform`, `tokens`, a weights JSON, or values.
-    reference_weights: str | list[float] | dict[str, float] = "uniform"
+    reference_weights: Weights = "uniform"
     # The proxy's fixed sampling distribution (Algorithm 1: uniform over domains).
-    proxy_sampling: str | list[float] | dict[str, float] = "uniform"
+    proxy_sampling: Weights = "uniform"
     # `reweight`: the loss is reweighted by alpha_t (the paper). `resample`: data drawn from alpha_t.
     mode: Literal["reweight", "resample"] = "reweight"
     # `exact`: alpha_t from this step's losses before any gradient (all-forward-all-backward).

@@ -177,7 +177,7 @@ def average_weights(history: Sequence[Mapping[str, Any]], from_step: int = 1) ->
 
 
 def _check_distribution(path: Path, w: Sequence[Any]) -> None:
-    ok = all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in w)
+    ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in w)
     if not ok or abs(sum(w) - 1.0) > 1e-6:
         raise HistoryError(f"{path}: weights: expected finite non-negative numbers summing to 1, "
                            f"got {list(w)}")

@@ -1,18 +1,20 @@
 """`doremi pipeline EXPERIMENT.yaml`: preprocess -> reference -> proxy -> average (x rounds) ->
 main runs (DoReMi weights and baselines) -> per-domain eval -> report.
 
-Each stage writes `stage.json` (its config fingerprint) when it completes; a stage whose output
-exists for an unchanged config is skipped, one whose config changed is redone from scratch,
-and one interrupted mid-way resumes from its last checkpoint.
+Each stage writes `stage.started.json` (its config fingerprint) when it starts and `stage.json`
+when it completes; a stage whose output exists for an unchanged config is skipped, one whose
+config changed is redone from scratch (finished or not), and one interrupted mid-way under the
+same config resumes from its last checkpoint. The pipeline holds its run directory's lock
+(trainer/run_dir.py) for its life, and each training stage's directory while it runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +25,9 @@ import yaml
 from data.atomic import atomic_write_text
 from doremi import stages
 from doremi.config import ExperimentConfig
-from trainer.configtools import apply_overrides, from_dict, read_yaml, to_dict
+from doremi.validate import validate_pipeline
+from trainer import run_dir as rundir
+from trainer.configtools import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
 from trainer.config import apply_preset
 from trainer.metrics import read_jsonl
 
@@ -92,6 +96,37 @@ def barrier() -> None:
         dist.barrier()
 
 
+def on_main_rank(fn: Callable[[], Any]) -> None:
+    """Run `fn` on rank 0; a ConfigError it raises is raised on every rank (the others would
+    otherwise wait at the next barrier for ever)."""
+    import torch.distributed as dist
+
+    error = None
+    if is_main_rank():
+        try:
+            fn()
+        except ConfigError as e:
+            error = str(e)
+    if dist.is_available() and dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ConfigError(error)
+
+
+def started_marker(marker: Path) -> Path:
+    """`stage.json` -> `stage.started.json`, `eval.json.stage.json` -> `eval.json.stage.started.json`."""
+    return marker.with_name(marker.name.removesuffix(".json") + ".started.json")
+
+
+def remove_marker_temps(root: Path) -> None:
+    """Temp files of stage markers whose atomic write a kill cut short."""
+    if root.is_dir():
+        for tmp in root.rglob(".*stage*.json.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
 class Pipeline:
     def __init__(self, path: str | os.PathLike, overrides: list[str] | None = None,
                  say: Callable[[str], None] | None = None):
@@ -99,6 +134,7 @@ class Pipeline:
         self.cfg = self._load(self.raw)
         self.p = self.cfg.pipeline
         self.root = Path(self.p.run_dir)
+        validate_pipeline(self)  # every stage's config, weights file and baseline, before any work
         self.say = say or (lambda msg: print(msg, flush=True) if is_main_rank() else None)
         self._t0 = time.perf_counter()
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -126,25 +162,36 @@ class Pipeline:
         config's). `clean`: remove a stale output before redoing it. `main_only`: `fn` only
         touches files, so rank 0 runs it while the other ranks wait."""
         marker = out / "stage.json" if out.suffix == "" else out.with_name(out.name + ".stage.json")
+        started = started_marker(marker)
         fp = fp or fingerprint(cfg)
+        stale = False
         if marker.is_file():
             done = json.loads(marker.read_text())
             if done.get("fingerprint") == fp:
                 self.say(f"[{self._elapsed()}] {name}: done already ({out}), skipped")
                 return done.get("result")
             self.say(f"[{self._elapsed()}] {name}: config changed, redoing")
-            if is_main_rank():
+            stale = True
+        elif started.is_file() and json.loads(started.read_text()).get("fingerprint") != fp:
+            self.say(f"[{self._elapsed()}] {name}: interrupted under another config, redoing from scratch")
+            stale = True
+        with contextlib.ExitStack() as stack:
+            if clean and out.suffix == "":
+                on_main_rank(lambda: stack.enter_context(rundir.locked(out)))
+            if stale and is_main_rank():
                 marker.unlink(missing_ok=True)  # another pipeline sharing the stage may have gone first
                 if clean and out.is_dir():
-                    shutil.rmtree(out)
-        barrier()
-        self.say(f"[{self._elapsed()}] {name} ...")
-        result = fn() if is_main_rank() or not main_only else None
-        barrier()
-        if is_main_rank():
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(marker, json.dumps({"stage": name, "fingerprint": fp, "result": result}))
-        barrier()
+                    rundir.clear(out)
+            barrier()
+            if is_main_rank():
+                atomic_write_text(started, json.dumps({"stage": name, "fingerprint": fp}))
+            self.say(f"[{self._elapsed()}] {name} ...")
+            result = fn() if is_main_rank() or not main_only else None
+            barrier()
+            if is_main_rank():
+                atomic_write_text(marker, json.dumps({"stage": name, "fingerprint": fp, "result": result}))
+                started.unlink(missing_ok=True)
+            barrier()
         return result
 
     def _elapsed(self) -> str:
@@ -153,6 +200,14 @@ class Pipeline:
 
     # -- the stages ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        with contextlib.ExitStack() as stack:
+            on_main_rank(lambda: stack.enter_context(rundir.locked(self.root)))
+            if is_main_rank():
+                remove_marker_temps(self.root)
+            barrier()
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         from data.preprocess import preprocess
 
         cfg = self.cfg

@@ -16,12 +16,12 @@ import torch
 from trainer.build import autocast, build_model, param_dtype
 from data.batch import to_device
 from doremi.errors import DoReMiError
-from trainer.checkpoint import load_checkpoint, resolve_checkpoint
+from trainer.checkpoint import checkpoint_fingerprint, load_checkpoint, resolve_checkpoint
 from trainer.config import TrainerConfig
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline import forward_only
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def run_dir_of(checkpoint: Path) -> Path:
@@ -61,6 +61,16 @@ class OnlineReference:
             b["ref_loss"] = loss.float().clone()
 
 
+def check_fingerprint(meta_path: Path, meta: dict, checkpoint: Path) -> None:
+    """The cache was scored with this reference's weights, wherever either lies now: a
+    reference trained again to the same path would give wrong losses."""
+    want = checkpoint_fingerprint(checkpoint)
+    if meta.get("reference_fingerprint") != want:
+        raise DoReMiError(f"{meta_path}: cache was scored with reference {meta.get('reference')} (fingerprint "
+                          f"{meta.get('reference_fingerprint')}), the run's reference {checkpoint} has fingerprint "
+                          f"{want} (run `doremi score` again)")
+
+
 class CachedReference:
     """Look the reference losses up by (domain, sequence index)."""
 
@@ -74,6 +84,9 @@ class CachedReference:
         if not meta_path.is_file():
             raise DoReMiError(f"{meta_path}: reference cache not found (run `doremi score` first)")
         meta = json.loads(meta_path.read_text())
+        if meta.get("version") != CACHE_VERSION:
+            raise DoReMiError(f"{meta_path}: reference cache version {meta.get('version')}, this code reads "
+                              f"version {CACHE_VERSION} (run `doremi score` again)")
         if meta.get("domains") != domains or meta.get("seq_len") != seq_len:
             raise DoReMiError(f"{meta_path}: cache was built for domains {meta.get('domains')} and seq_len "
                               f"{meta.get('seq_len')}, the run has {domains} and {seq_len}")
@@ -87,9 +100,8 @@ class CachedReference:
         if meta.get("steps", 0) < steps:
             raise DoReMiError(f"{meta_path}: cache covers {meta.get('steps')} steps, fewer steps than the run's "
                               f"train.steps={steps}")
-        if reference is not None and Path(resolve_checkpoint(reference)) != Path(meta.get("reference", "")):
-            raise DoReMiError(f"{meta_path}: cache was scored with reference {meta.get('reference')}, the run "
-                              f"names {resolve_checkpoint(reference)}")
+        if reference is not None:
+            check_fingerprint(meta_path, meta, resolve_checkpoint(reference))
         self.arrays = [np.load(self.dir / f"{d}.npy", mmap_mode="r") for d in domains]
         self.domains = domains
         self.device = device

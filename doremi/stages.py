@@ -22,8 +22,9 @@ from doremi.config import ExperimentConfig
 from doremi.history import average_weights, read_history, write_weights_json
 from doremi.objective import DoReMiHook
 from doremi.errors import DoReMiError
+from doremi.validate import check_stage
 from doremi.reference import CACHE_VERSION, CachedReference, OnlineReference, load_frozen, run_dir_of
-from trainer.checkpoint import resolve_checkpoint
+from trainer.checkpoint import checkpoint_fingerprint, resolve_checkpoint
 from trainer.build import autocast, init_parallel, micro_batch_size
 from trainer.config import load_config
 from trainer.configtools import ConfigError, read_yaml
@@ -38,11 +39,13 @@ def with_weights(cfg: ExperimentConfig, weights: Any) -> ExperimentConfig:
 
 
 def train(cfg: ExperimentConfig, desc: str = "train") -> dict[str, Any]:
-    """Plain training on `data.domain_weights` (the large run with tuned weights)."""
-    return Trainer(cfg, desc=desc).fit()
+    """Plain training on `data.domain_weights` (the large run with tuned weights). The
+    `doremi` section does not enter its results, so changing it does not stop a resume."""
+    return Trainer(cfg, desc=desc, result_ignore=("doremi",)).fit()
 
 
 def train_reference(cfg: ExperimentConfig) -> dict[str, Any]:
+    check_stage(cfg, "train-reference")  # refuses a data.domain_weights it would ignore
     return train(with_weights(cfg, cfg.doremi.reference_weights), desc="reference")
 
 
@@ -75,6 +78,7 @@ def _require_reference(cfg: ExperimentConfig) -> Path:
 
 def train_proxy(cfg: ExperimentConfig) -> dict[str, Any]:
     """The DoReMi proxy: Group DRO over domains against the frozen reference."""
+    check_stage(cfg, "train-proxy")  # refuses a data.domain_weights it would ignore
     return proxy_trainer(cfg).fit()
 
 
@@ -86,7 +90,7 @@ def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
     if cfg.doremi.update == "exact" and cfg.doremi.mode == "reweight":
         cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, pp_schedule="afab"))
     trainer = Trainer(cfg, desc="proxy")
-    sampling = resolve_weights(cfg.doremi.proxy_sampling, trainer.feed.manifest)
+    sampling = resolve_weights(cfg.doremi.proxy_sampling, trainer.feed.manifest, "doremi.proxy_sampling")
     if cfg.doremi.reference_cache:
         ref = CachedReference(cfg.doremi.reference_cache, trainer.feed.domains, cfg.data.seq_len, trainer.pc.device,
                               steps=cfg.train.steps, global_batch_size=cfg.train.global_batch_size,
@@ -103,7 +107,9 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     """Cache per-token reference losses for every sequence the proxy's data stream visits.
 
     The proxy samples from a fixed distribution, so its stream for steps 1..T is known in
-    advance; each visited sequence is scored once, whatever the layout."""
+    advance; each visited sequence is scored once, whatever the layout. The cache records the
+    reference checkpoint's fingerprint (`checkpoint_fingerprint`): a reference trained again
+    to the same path does not pass for the one scored."""
     if cfg.doremi.mode == "resample":
         raise ConfigError("doremi.mode: a reference cache needs a fixed proxy data stream; got 'resample'")
     out = Path(out_dir)
@@ -116,6 +122,7 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     for step in range(1, cfg.train.steps + 1):
         for d, i in feed.sampler.global_batch(step - 1, weights):
             visited[d].add(int(i))
+    fingerprint = checkpoint_fingerprint(ck)
     model = load_frozen(ref_cfg, ck, pc)
     ctx = autocast(ref_cfg, pc.device)
     tmp = out.with_name(out.name + ".tmp")
@@ -149,7 +156,7 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     pc.barrier()
     if pc.is_main:
         meta = {"version": CACHE_VERSION, "domains": feed.domains, "seq_len": seq_len,
-                "reference": str(ck), "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
+                "reference": str(ck), "reference_fingerprint": fingerprint, "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
                 "seed": cfg.data.seed, "sampling": weights.tolist(), "sequences": [len(v) for v in visited]}
         atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
         if out.exists():
@@ -161,17 +168,25 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     return out
 
 
-def average(run_dir: str | Path, out: str | Path | None = None, from_step: int = 1) -> Path:
-    """Mean of alpha_t over the proxy's steps t >= from_step, written as the weights JSON."""
+def average(run_dir: str | Path, out: str | Path | None = None, from_step: int | None = None) -> Path:
+    """Mean of alpha_t over the proxy's steps t >= from_step, written as the weights JSON.
+
+    `from_step` None: the run's own `doremi.average_from_step` (its config.yaml), so that
+    `doremi average RUN` averages what the experiment asked for, not silently from step 1."""
     run = Path(run_dir)
     history = read_history(run)
     if not history:
         raise DoReMiError(f"{run}/domain_weights.jsonl: no DoReMi weight history (is this a proxy run?)")
+    cfg_path = run / "config.yaml"
+    doremi_cfg = read_yaml(cfg_path).get("doremi") if cfg_path.is_file() else None
+    doremi_cfg = doremi_cfg if isinstance(doremi_cfg, dict) else {}
+    if from_step is None:
+        from_step = doremi_cfg.get("average_from_step", 1)
+        if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 1:
+            raise DoReMiError(f"{cfg_path}: doremi.average_from_step: expected an int >= 1, got {from_step!r}")
     weights = average_weights(history, from_step=from_step)
     out_path = Path(out) if out else run / "weights.json"
     steps = [h["step"] for h in history if h["step"] >= from_step]
-    cfg_path = run / "config.yaml"
-    doremi_cfg = read_yaml(cfg_path).get("doremi", {}) if cfg_path.is_file() else {}
     write_weights_json(out_path, history[0]["domains"], weights, {
         "source": str(run), "from_step": from_step, "steps_averaged": len(steps),
         "last_step": steps[-1] if steps else None, "eta": doremi_cfg.get("eta"),

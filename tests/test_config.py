@@ -138,3 +138,21 @@ def test_resolved_config_round_trips(tmp_path):
 ])
 def test_values_that_would_fail_mid_run_fail_at_load(tmp_path, sets, expect):
     assert expect in error(tmp_path, "", *sets)
+
+
+def test_yaml_exponent_without_a_dot_is_a_number(tmp_path):
+    """PyYAML's YAML 1.1 reads `1e-3` as a string; weights must be numbers, so the loader reads
+    YAML 1.2 floats, in files and in --set alike."""
+    cfg = load(tmp_path, "data: {domain_weights: [1e-3, 1]}\ntrain: {lr: 3e-4}\n", "doremi.proxy_sampling=[2E+0, 1]")
+    assert cfg.data.domain_weights == [0.001, 1.0] and cfg.train.lr == 3e-4
+    assert cfg.doremi.proxy_sampling == [2.0, 1.0]
+
+
+@pytest.mark.parametrize("sets, expect", [
+    (["data.domain_weights=[1, true]"], "data.domain_weights[1]: expected a number (int or float), got True (bool)"),
+    (["doremi.reference_weights={a: '0.5'}"], "doremi.reference_weights.a: expected a number (int or float), got '0.5' (str)"),
+    (["doremi.proxy_sampling=3"], "doremi.proxy_sampling: expected str or list of number or mapping of str to number, got 3 (int)"),
+    (["data.domains=[{name: a, paths: [a.txt]}, 3]"], "data.domains[1]: expected a mapping, got 3 (int)"),
+])
+def test_weights_are_numbers_and_errors_name_the_item(tmp_path, sets, expect):
+    assert error(tmp_path, "", *sets) == expect

@@ -23,8 +23,31 @@ def check_world_size(cfg: TrainerConfig) -> None:
                           f"{p.tp} x {p.pp} x {p.dp} = {p.world_size}")
 
 
+def check_device(cfg: TrainerConfig) -> None:
+    """A CUDA device asked for (train.device, or parallelism.backend nccl) that this process
+    cannot have is a ConfigError before any work, not torch's traceback from set_device.
+    Every local rank checks every local rank's device, so rank 0 reports a missing one."""
+    device, backend = cfg.train.device, cfg.parallelism.backend
+    if device != "cuda" and backend != "nccl":
+        return
+    if device == "cpu":
+        raise ConfigError("parallelism.backend: 'nccl' runs on CUDA devices, got train.device='cpu' "
+                          "(use backend gloo or auto)")
+    key = "train.device" if device == "cuda" else "parallelism.backend"
+    asked = f"{key}={device!r}" if device == "cuda" else f"{key}='nccl'"
+    if not torch.backends.cuda.is_built():
+        fix = "train.device cpu or auto" if device == "cuda" else "parallelism.backend gloo or auto"
+        raise ConfigError(f"{asked}: this PyTorch build has no CUDA (torch {torch.__version__}); use {fix}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    visible = torch.cuda.device_count()
+    if visible < local:
+        raise ConfigError(f"{asked}: {local} process(es) on this node need {local} CUDA device(s), "
+                          f"{visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+
+
 def init_parallel(cfg: TrainerConfig) -> ParallelContext:
     check_world_size(cfg)
+    check_device(cfg)
     p = cfg.parallelism
     return ParallelContext.initialize(p.tp, p.pp, p.dp, backend=p.backend, device=cfg.train.device)
 

@@ -7,14 +7,23 @@ Layout of `RUN/checkpoints/step_0000042/`:
   that holds optimizer state of its own: every owner under ZeRO-1, dp rank 0 otherwise.
 - `rng_rank{r}.pt`: each rank's torch (CPU and CUDA), numpy and python RNG states.
 - `extra.pt`: the caller's state (JSON-able values and tensors), from rank 0.
-- `meta.json`: format version, step, layout, optimizer kind, per parameter its full shape,
-  ShardSpec, dtype and file per saved tp rank, per parameter the optimizer file per tp rank, and
-  every file's size (a truncated file is reported as such).
+- `meta.json`: format version, step, layout, optimizer kind, the model config (`model`, when
+  the model carries one), per parameter its full shape, ShardSpec, dtype and file per saved tp
+  rank, per parameter the optimizer file per tp rank, and every file's size and XXH3-64 hash.
+
+Integrity: each file's XXH3-64 hash (xxhash; about 10x the speed of zlib's CRC-32, which cost a
+quarter of the load time: experiments/CHECKPOINTS.md) is computed over its bytes as they are
+written (torch's own per-record zip CRC, which a memory-mapped load never checks, is turned off
+for these writes) and checked when a rank first reads the file. Loading checks
+the model config's architecture keys (`ARCH_KEYS`) and the parameter set both ways (names the
+model lacks, names the checkpoint lacks) before any tensor is copied, so a checkpoint of
+another model never loads into the parameters they happen to share.
 
 Atomicity: every rank writes into `step_XXXXXXX.tmp/`; after all have written, rank 0 writes
 `meta.json` and renames the directory. Only directories with `meta.json` and no `.tmp` suffix
-are checkpoints; rank 0 removes leftover `.tmp` directories before saving. All ranks must see
-one filesystem (shared storage across nodes).
+are checkpoints. What killed writes leave (`.tmp` directories, step directories without
+`meta.json`) is removed by `remove_leftovers`, at every save and at every resume (a load with
+optimizer state). All ranks must see one filesystem (shared storage across nodes).
 
 Resharding: every tensor is looked up by parameter name. When the saved tp equals the current
 tp a rank reads its own shard; otherwise it reads every saved tp shard, `unshard`s and `shard`s
@@ -34,17 +43,22 @@ the parameters as saved: the weights the model computed with.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import json
+import mmap
 import os
 import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
 from data.atomic import atomic_path, atomic_write_text
 from trainer.optim import Optimizer
@@ -52,9 +66,15 @@ from trainer.parallel.clip import is_tied_duplicate
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.shard import ShardSpec, get_shard_spec, shard, unshard
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META = "meta.json"
 _STEP_DIR = re.compile(r"step_(\d{7,})")
+_OLD = ".old.tmp"
+
+#: The `model` config keys that decide which function the parameters compute. Others (init,
+#: attention kernel, compile, max_seq_len: the RoPE table's length) may change on resume.
+ARCH_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings",
+             "rope_theta", "rope_scaling", "norm_eps")
 
 
 class CheckpointError(ValueError):
@@ -78,6 +98,24 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint of a run directory (partial `.tmp` ones are ignored)."""
     found = _complete(Path(run_dir) / "checkpoints")
     return found[-1] if found else None
+
+
+def remove_leftovers(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove what killed writes left under `RUN/checkpoints`: `.tmp` directories and step
+    directories without `meta.json`. Never a complete checkpoint: an overwrite killed between
+    its two renames gets its previous checkpoint back. Returns what was removed."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    for old in root.glob(f"step_*{_OLD}"):
+        final = old.with_name(old.name.removesuffix(_OLD))
+        if not final.exists() and (old / META).is_file():
+            old.rename(final)
+    removed = [d for d in sorted(root.iterdir()) if d.is_dir() and d.name.startswith("step_")
+               and (d.name.endswith(".tmp") or not (d / META).is_file())]
+    for d in removed:
+        shutil.rmtree(d, ignore_errors=True)
+    return removed
 
 
 def resolve_checkpoint(path_or_run_dir: str | os.PathLike) -> Path:
@@ -116,9 +154,44 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _save(path: Path, obj: Any) -> None:
+#: The per-file hash in meta.json's `files`.
+HASH_KEY = "xxh3_64"
+
+
+class _ChecksumWriter:
+    """A binary file that keeps the XXH3-64 hash and length of the bytes written through it."""
+
+    def __init__(self, f: Any):
+        self.f, self.hash, self.size = f, xxhash.xxh3_64(), 0
+
+    def write(self, data: Any) -> int:
+        self.hash.update(data)
+        self.size += memoryview(data).nbytes
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+@contextlib.contextmanager
+def _without_zip_crc() -> Iterator[None]:
+    """torch.save computes a CRC-32 per zip record, which a memory-mapped torch.load never
+    checks; ours covers the whole file instead."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def _save(path: Path, obj: Any) -> dict[str, Any]:
+    """Write `obj` atomically; returns the file's size and XXH3-64 hash as written."""
     with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
+        with open(tmp, "wb") as f, _without_zip_crc():
+            out = _ChecksumWriter(f)
+            torch.save(obj, out)
+    return {"bytes": out.size, HASH_KEY: out.hash.hexdigest()}
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -172,11 +245,12 @@ def _gather_to_main(entry: dict[str, Any], pc: ParallelContext) -> list[dict[str
 def _write_rank_files(tmp: Path, model: torch.nn.Module, optimizer: Optimizer | None,
                       pc: ParallelContext, extra: dict[str, Any]) -> dict[str, Any]:
     pp, tp, dp = pc.pp_rank, pc.tp_rank, pc.dp_rank
-    entry: dict[str, Any] = {"pp": pp, "tp": tp, "params": {}, "optim": None}
+    entry: dict[str, Any] = {"pp": pp, "tp": tp, "params": {}, "optim": None, "files": {}}
+    files = entry["files"]
     if dp == 0:
         file = f"model_pp{pp}_tp{tp}.pt"
         named = [(n, p) for n, p in model.named_parameters() if not is_tied_duplicate(n, pc)]
-        _save(tmp / file, {n: _own_storage(p) for n, p in named})
+        files[file] = _save(tmp / file, {n: _own_storage(p) for n, p in named})
         entry["params"] = {n: {"shape": full_shape(p, pc.tp), "spec": _spec_json(get_shard_spec(p)),
                                "dtype": str(p.dtype).removeprefix("torch."), "stage": pp, "file": file}
                            for n, p in named}
@@ -185,17 +259,25 @@ def _write_rank_files(tmp: Path, model: torch.nn.Module, optimizer: Optimizer | 
         sd = optimizer.state_dict()
         state = {n: {k: _own_storage(v) for k, v in s.items()}
                  for n, s in sd["state"].items() if not is_tied_duplicate(n, pc)}
-        _save(tmp / file, {"kind": sd["kind"], "state": state})
+        files[file] = _save(tmp / file, {"kind": sd["kind"], "state": state})
         entry["optim"] = {"file": file, "kind": sd["kind"], "names": sorted(state),
                           "master": any("master" in s for s in state.values())}
-    _save(tmp / f"rng_rank{pc.rank}.pt", _rng_state(pc.device))
+    files[f"rng_rank{pc.rank}.pt"] = _save(tmp / f"rng_rank{pc.rank}.pt", _rng_state(pc.device))
     if pc.is_main:
-        _save(tmp / "extra.pt", extra)
+        files["extra.pt"] = _save(tmp / "extra.pt", extra)
     return entry
 
 
+def model_config(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The model's config (`model.cfg`, a dataclass) as JSON values; None for a model without."""
+    cfg = getattr(model, "cfg", None)
+    if not dataclasses.is_dataclass(cfg):
+        return None
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
 def _metadata(step: int, entries: list[dict[str, Any]], pc: ParallelContext, zero1: bool,
-              tmp: Path) -> dict[str, Any]:
+              model_cfg: dict[str, Any] | None) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for e in entries:
         for name, info in e["params"].items():
@@ -215,16 +297,21 @@ def _metadata(step: int, entries: list[dict[str, Any]], pc: ParallelContext, zer
         "zero1": zero1,
         "optimizer": kinds.pop() if kinds else None,
         "master_weights": any(e["optim"]["master"] for e in entries if e["optim"]),
+        "model": model_cfg,
         "params": dict(sorted(params.items())),
         "optim_files": dict(sorted(optim_files.items())),
-        "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()},
+        "files": dict(sorted((name, f) for e in entries for name, f in e["files"].items())),
     }
 
 
 def _prune(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` checkpoints; each is renamed out of view first, so a
+    kill halfway leaves a `.tmp` leftover, not a checkpoint with files missing."""
     if keep > 0:
         for old in _complete(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            gone = old.with_name(old.name + ".pruned.tmp")
+            old.rename(gone)
+            shutil.rmtree(gone, ignore_errors=True)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module,
@@ -237,18 +324,17 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     root, tmp = final.parent, final.with_name(final.name + ".tmp")
     if pc.is_main:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("step_*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_leftovers(run_dir)
         tmp.mkdir()
     pc.barrier()
     entry = _write_rank_files(tmp, model, optimizer, pc, extra)
     entries = _gather_to_main(entry, pc)
     if pc.is_main:
         zero1 = bool(optimizer is not None and optimizer.zero1)
-        meta = _metadata(step, entries, pc, zero1, tmp)
+        meta = _metadata(step, entries, pc, zero1, model_config(model))
         atomic_write_text(tmp / META, json.dumps(meta, indent=1))
         if final.exists():
-            old = final.with_name(final.name + ".old.tmp")
+            old = final.with_name(final.name + _OLD)
             final.rename(old)
             tmp.rename(final)
             shutil.rmtree(old)
@@ -261,21 +347,42 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
 # -- loading ----------------------------------------------------------------------------------
 
+def file_hash(path: Path) -> str:
+    """The XXH3-64 hash of a file's bytes, read through a memory map (no copy)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_64(b"").hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return xxhash.xxh3_64(m).hexdigest()
+
+
 class _Reader:
-    """Opens each checkpoint file at most once (memory-mapped), checking its size first."""
+    """Opens each checkpoint file at most once (memory-mapped), after checking its size and
+    its hash: a corrupted file is refused before any of its tensors is used. Only the files
+    this rank reads are checked."""
 
     def __init__(self, ck: Path, meta: dict[str, Any]):
-        self.ck, self.sizes, self.cache = ck, meta["files"], {}
+        self.ck, self.files, self.cache = ck, meta["files"], {}
+
+    def _check(self, name: str) -> None:
+        path, want = self.ck / name, self.files.get(name)
+        if not path.is_file():
+            raise CheckpointError(f"{path}: checkpoint file missing")
+        if want is None:
+            raise CheckpointError(f"{path}: not listed in {META} (its checksum unknown)")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path}: truncated or corrupted checkpoint file "
+                                  f"(expected {want['bytes']} bytes, found {size})")
+        got = file_hash(path)
+        if got != want[HASH_KEY]:
+            raise CheckpointError(f"{path}: corrupted checkpoint file (XXH3-64 {got}, {META} "
+                                  f"records {want[HASH_KEY]})")
 
     def __call__(self, name: str) -> Any:
         if name not in self.cache:
             path = self.ck / name
-            if not path.is_file():
-                raise CheckpointError(f"{path}: checkpoint file missing")
-            size = path.stat().st_size
-            if name in self.sizes and size != self.sizes[name]:
-                raise CheckpointError(f"{path}: truncated or corrupted checkpoint file "
-                                      f"(expected {self.sizes[name]} bytes, found {size})")
+            self._check(name)
             try:
                 self.cache[name] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             except Exception as e:
@@ -332,9 +439,50 @@ def _shard_state(full: torch.Tensor, spec: ShardSpec | None, shape: list[int], p
     return shard(full, spec, pc.tp_rank, pc.tp)
 
 
-def _check_param(name: str, param: torch.Tensor, info: dict[str, Any] | None, ck: Path, pc: ParallelContext) -> None:
-    if info is None:
-        raise CheckpointError(f"{ck}: checkpoint has no parameter {name!r}")
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _check_model_config(ck: Path, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> None:
+    """Refuse a checkpoint of another architecture, even one whose tensors have the same shapes
+    (head counts, a vocabulary within the same padding)."""
+    if saved is None or current is None:
+        return
+    diff = [f"model.{k} is {_show(saved.get(k))} in the checkpoint but {_show(current.get(k))} now"
+            for k in ARCH_KEYS if saved.get(k) != current.get(k)]
+    if diff:
+        raise CheckpointError(f"checkpoint {ck}: {'; '.join(diff)}")
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _model_names(params: dict[str, torch.Tensor], pc: ParallelContext) -> set[str]:
+    """The names of the whole model's parameters, over every pipeline stage (collective)."""
+    names = sorted(params)
+    if pc.world_size == 1:
+        return set(names)
+    out: list[Any] = [None] * pc.world_size
+    dist.all_gather_object(out, names)
+    return {n for rank_names in out for n in rank_names}
+
+
+def _check_param_set(ck: Path, saved: dict[str, Any], params: dict[str, torch.Tensor], pc: ParallelContext) -> None:
+    """The checkpoint holds exactly the model's parameters: none missing, and none that the
+    model lacks (extra layers, an untied head) silently left behind."""
+    names = _model_names(params, pc)
+    missing, unexpected = sorted(names - set(saved)), sorted(set(saved) - names)
+    if missing:
+        raise CheckpointError(f"checkpoint {ck}: has no parameter {_names(missing)} of the model "
+                              f"(a checkpoint of another model?)")
+    if unexpected:
+        raise CheckpointError(f"checkpoint {ck}: holds parameter {_names(unexpected)} that the model lacks "
+                              f"(a checkpoint of another model?)")
+
+
+def _check_param(name: str, param: torch.Tensor, info: dict[str, Any], ck: Path, pc: ParallelContext) -> None:
     want = full_shape(param, pc.tp)
     if list(info["shape"]) != want:
         raise CheckpointError(f"{ck}: parameter {name!r} has shape {tuple(info['shape'])} in the checkpoint, "
@@ -393,19 +541,40 @@ def _param_value(name: str, param: torch.Tensor, meta: dict[str, Any], read: _Re
     return _load_param(name, param, meta["params"][name], meta["layout"]["tp"], read, pc)
 
 
+def _clean_before_resume(path: Path, pc: ParallelContext) -> None:
+    """`remove_leftovers` of the run directory that `path` is or holds the checkpoint of, by
+    rank 0, before any rank looks for the newest checkpoint."""
+    run_dir = path if (path / "checkpoints").is_dir() else path.parent.parent
+    if pc.is_main and (run_dir == path or path.parent.name == "checkpoints"):
+        remove_leftovers(run_dir)
+    pc.barrier()
+
+
 def load_checkpoint(path_or_run_dir: str | os.PathLike, model: torch.nn.Module,
                     optimizer: Optimizer | None, pc: ParallelContext) -> dict[str, Any]:
     """Load parameters (and the optimizer state unless None) into this rank's stage under its
     current layout and parameter precision; restore RNG states when the layout is unchanged.
-    Returns the saved `extra`."""
+    Collective (the parameter set is checked over all stages). A load with optimizer state is a
+    resume: it first removes the leftovers of killed writes in the checkpoint's run directory.
+    The model config and parameter set are checked before any tensor is copied, and each
+    file's size and hash before it is read. Returns the saved `extra`."""
+    if optimizer is not None:
+        _clean_before_resume(Path(path_or_run_dir), pc)
     ck = resolve_checkpoint(path_or_run_dir)
     meta = _read_meta(ck)
-    read = _Reader(ck, meta)
     params = dict(model.named_parameters())
+    _check_model_config(ck, meta.get("model"), model_config(model))
+    _check_param_set(ck, meta["params"], params, pc)
+    for name, param in params.items():
+        _check_param(name, param, meta["params"][name], ck, pc)
+    return _load_tensors(ck, meta, _Reader(ck, meta), params, optimizer, pc)
+
+
+def _load_tensors(ck: Path, meta: dict[str, Any], read: _Reader, params: dict[str, torch.Tensor],
+                  optimizer: Optimizer | None, pc: ParallelContext) -> dict[str, Any]:
     from_master = optimizer is not None and not optimizer.keeps_master and meta.get("master_weights", False)
     with torch.no_grad():
         for name, param in params.items():
-            _check_param(name, param, meta["params"].get(name), ck, pc)
             param.copy_(_param_value(name, param, meta, read, ck, pc, from_master))
     if optimizer is not None:
         _load_optimizer(optimizer, params, meta, read, ck, pc)
@@ -413,3 +582,14 @@ def load_checkpoint(path_or_run_dir: str | os.PathLike, model: torch.nn.Module,
     if optimizer is not None and meta["layout"] == {"tp": pc.tp, "pp": pc.pp, "dp": pc.dp}:
         _set_rng_state(read(f"rng_rank{pc.rank}.pt"), pc.device)
     return read("extra.pt")
+
+
+def checkpoint_fingerprint(path_or_run_dir: str | os.PathLike) -> str:
+    """What a checkpoint's model computes with, for results derived from it (a reference loss
+    cache): a digest of its step and its model files' hashes. Another training run to the same
+    path gives another fingerprint; a byte-identical one the same."""
+    ck = resolve_checkpoint(path_or_run_dir)
+    meta = _read_meta(ck)
+    model_files = {n: f[HASH_KEY] for n, f in meta["files"].items() if n.startswith("model_")}
+    text = json.dumps({"step": meta["step"], "model_files": model_files}, sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()

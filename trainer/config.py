@@ -156,6 +156,12 @@ class CheckpointConfig:
     # Resume from the latest checkpoint in the run directory when one exists.
     resume: bool = True
     load: str | None = None
+    # Resume even when a key that determines results (trainer.run_dir.result_keys) differs
+    # from the checkpoint's; off: such a resume stops with the keys that differ.
+    resume_changed: bool = False
+    # Move what the run directory holds to RUN.old-<time> and start from step 0; off: a run
+    # with resume false refuses a directory that holds checkpoints.
+    start_over: bool = False
 
     def validate(self, path: str = "checkpoint") -> None:
         if self.every < 0:

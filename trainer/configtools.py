@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -27,12 +28,35 @@ class ConfigError(ValueError):
     """A configuration problem, reported as one line naming the key path."""
 
 
+#: The tag of a strict number: `Annotated[float, NUMBER]` takes an int or a float and refuses a
+#: bool or a string (plain `float` fields take "3e-4"; a weight typed `true` must not become 1).
+NUMBER = "number"
+
+
+class Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2's floats: `1e-3` (no dot) is a float, not the string PyYAML's 1.1
+    rules make it, so that a number typed as a number is one wherever it appears."""
+
+
+Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=Loader)
+
+
 def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        base, *tags = typing.get_args(tp)
+        return "number" if NUMBER in tags else _type_name(base)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is typing.Literal:
@@ -55,10 +79,21 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
+    if origin is typing.Annotated:
+        base, *tags = typing.get_args(tp)
+        if NUMBER in tags and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{path}: expected a number (int or float), got {_describe(value)}")
+        return _coerce(value, base, path)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        # A list or a mapping can only be the union's one list or mapping member: its own
+        # error names the item at fault (`x[2]: expected a number`), not the whole union.
+        kind = list if isinstance(value, (list, tuple)) else dict if isinstance(value, dict) else None
+        same = [a for a in args if kind and typing.get_origin(a) in ((list, tuple) if kind is list else (dict,))]
+        if len(same) == 1:
+            return _coerce(value, same[0], path)
         errors = []
         # Try exact-type members first so that "1" stays a str in `int | str`.
         ordered = sorted(args, key=lambda a: 0 if isinstance(a, type) and type(value) is a else 1)
@@ -125,7 +160,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 def from_dict(cls: type[T], raw: dict[str, Any], path: str = "") -> T:
     """Build dataclass `cls` from a mapping, rejecting unknown keys with a suggestion."""
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in raw.items():
@@ -170,7 +205,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -197,7 +232,7 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found")
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = load_yaml(p.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

@@ -3,18 +3,23 @@ update -> metrics, eval and checkpoints. Knows nothing of data mixing beyond `Mi
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from data.atomic import atomic_write_text
 from data.weights import resolve_weights
 from trainer.build import autocast, build_model, init_parallel, micro_batch_size, param_dtype, seed_everything
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
-from trainer.configtools import ConfigError, dump_yaml
+from trainer.configtools import ConfigError, dump_yaml, to_dict
 from trainer.evaluate import evaluate_domains
 from trainer.feed import DataFeed
 from trainer.hooks import FixedMixture, MixingHook
@@ -24,6 +29,7 @@ from trainer.model.flops import flops_per_token
 from trainer.optim import build_optimizer
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import sync_sequence_parallel_grads, sync_tied_grads
+from trainer import run_dir as rundir
 from trainer.step import StepStats, domain_token_counts, forward_backward
 
 #: bf16 dense peak of an H100/H200 from the datasheet, for MFU.
@@ -32,10 +38,14 @@ DATASHEET_PEAK_FLOPS = 989e12
 
 class Trainer:
     def __init__(self, cfg: TrainerConfig, pc: ParallelContext | None = None, run_dir: str | None = None,
-                 desc: str = "train"):
+                 desc: str = "train", result_ignore: tuple[str, ...] = ()):
+        """`result_ignore`: config sections or keys this run does not read (`doremi` for a plain
+        training run), left out of the fingerprint that a resume must match."""
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.train.run_dir)
         self.desc = desc
+        self.result_ignore = result_ignore
+        self.record: dict[str, Any] = {}
         self.pc = pc or init_parallel(cfg)
         seed_everything(cfg.train.seed)
         self.feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, self.pc,
@@ -57,7 +67,8 @@ class Trainer:
     # -- state ---------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
         return {"step": self.step, "data": self.feed.state_dict(), "hook": self.hook.state_dict(),
-                "realised_tokens": self.realised_tokens.tolist()}
+                "realised_tokens": self.realised_tokens.tolist(), "run": self.record,
+                "config": to_dict(self.cfg)}
 
     def save(self) -> None:
         save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.pc, self.extra_state(),
@@ -66,11 +77,14 @@ class Trainer:
     def maybe_resume(self) -> bool:
         ck = self.cfg.checkpoint
         path = latest_checkpoint(self.run_dir) if ck.resume else None
+        own = path is not None
         if path is None and ck.load:
             path = Path(ck.load)
         if path is None:
             return False
         extra = load_checkpoint(path, self.model, self.optimizer, self.pc)
+        rundir.check_resume(self.run_dir if own else path, extra.get("run") if own else None, self.record,
+                            int(extra["step"]), self.cfg.train.steps, ck.resume_changed)
         self.step = int(extra["step"])
         self.feed.load_state_dict(extra["data"])
         if len(extra.get("realised_tokens", [])) != self.feed.k:
@@ -115,12 +129,53 @@ class Trainer:
         return seen.cpu().numpy(), held.cpu().numpy()
 
     # -- the loop ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def owning_run_dir(self) -> Iterator[None]:
+        """Rank 0 holds the run directory's lock for the job's life and applies the policy for
+        what is already there; every rank gets its verdict, so that all stop or none."""
+        with contextlib.ExitStack() as stack:
+            error = None
+            if self.pc.is_main:
+                try:
+                    stack.enter_context(rundir.locked(self.run_dir))
+                    self._prepare_run_dir()
+                except ConfigError as e:
+                    error = str(e)
+            if self.pc.world_size > 1 and dist.is_initialized():
+                box = [error]
+                dist.broadcast_object_list(box, src=0)
+                error = box[0]
+            if error is not None:
+                raise ConfigError(error)
+            yield
+
+    def _prepare_run_dir(self) -> None:
+        ck = self.cfg.checkpoint
+        for stale in self.run_dir.glob(".*.tmp"):  # atomic writes cut short by a kill
+            if stale.is_file():
+                stale.unlink()
+        if ck.start_over:
+            moved = rundir.move_aside(self.run_dir)
+            if moved is not None:
+                print(f"{self.run_dir}: checkpoint.start_over: the previous run was moved to {moved}",
+                      file=sys.stderr, flush=True)
+            return
+        latest = latest_checkpoint(self.run_dir)
+        rundir.check_fresh_start(self.run_dir, None if latest is None else int(latest.name.removeprefix("step_")),
+                                 ck.resume, ck.start_over)
+
     def fit(self) -> dict[str, Any]:
+        with self.owning_run_dir():
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         cfg, pc = self.cfg, self.pc
+        self.record = rundir.record(cfg, self.result_ignore)
         resumed = self.maybe_resume()
         if pc.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.run_dir / "config.yaml")
+            atomic_write_text(self.run_dir / rundir.RECORD_FILE, json.dumps(self.record, indent=1, default=str))
         log = MetricsLogger(self.run_dir, pc.is_main, cfg.train.steps, self.step, cfg.logging.progress,
                             cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.run_name,
                             resume=resumed, desc=self.desc)

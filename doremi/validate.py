@@ -1,0 +1,138 @@
+"""Checks that refuse, before any work, an input that would otherwise be read late or not at all.
+
+`validate_pipeline`: the whole `doremi pipeline` config at start-up, so that an unknown key in
+`pipeline.main` or a bad baseline file stops the pipeline before hours of reference and proxy
+training, not after: every stage's config as the pipeline builds it (a deep merge of
+`pipeline.proxy` / `pipeline.main` over the top level), every weights value it will read, and
+every key it would silently override.
+
+`check_stage`: the keys a single stage does not read. `train-reference` trains on
+`doremi.reference_weights` and `train-proxy` samples `doremi.proxy_sampling`; a
+`data.domain_weights` given to them would be saved in their config.yaml yet never used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from data.errors import DataError
+from data.sources import known_domains
+from data.weights import check_spec
+from doremi.config import ExperimentConfig
+from trainer.configtools import ConfigError
+
+#: Stage -> (the key it takes its mixture from, what it does with it).
+STAGE_WEIGHTS = {"train-reference": ("doremi.reference_weights", "trains on"),
+                 "train-proxy": ("doremi.proxy_sampling", "samples its data from")}
+
+#: Keys of `pipeline.proxy` / `pipeline.main` that the pipeline sets itself, and why.
+PIPELINE_SETS = {
+    "pipeline.proxy": {
+        "train.run_dir": "each run's directory is under pipeline.run_dir",
+        "doremi.reference": "the proxy reads the reference the pipeline just trained",
+        "doremi.reference_weights": "round 1's reference trains on the top-level doremi.reference_weights, "
+                                    "later rounds on the previous round's weights",
+        "data.domain_weights": "the reference trains on doremi.reference_weights, the proxy samples "
+                               "doremi.proxy_sampling",
+    },
+    "pipeline.main": {
+        "train.run_dir": "each run's directory is under pipeline.run_dir",
+        "data.domain_weights": "the main runs train on DoReMi's weights and on pipeline.baselines",
+    },
+}
+
+DOMAIN_WEIGHTS_IN_PIPELINE = ("the reference trains on doremi.reference_weights, the proxy samples "
+                              "doremi.proxy_sampling, the main runs train on DoReMi's weights and on "
+                              "pipeline.baselines")
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_stage(cfg: ExperimentConfig, stage: str) -> None:
+    """Refuse `data.domain_weights` in a stage that does not read it (unless it equals the key
+    the stage does read, as in a reference's own saved config.yaml), and check that key's
+    weights against the domains."""
+    key, verb = STAGE_WEIGHTS[stage]
+    used, given = _get(cfg, key), cfg.data.domain_weights
+    if given != "uniform" and given != used:
+        raise ConfigError(f"data.domain_weights: doremi {stage} does not read this key, it {verb} {key}; "
+                          f"got {given!r} (set {key} instead)")
+    check_spec(used, known_domains(cfg.data), key)
+
+
+def _has(raw: Any, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(raw, dict) or part not in raw:
+            return False
+        raw = raw[part]
+    return True
+
+
+def _refuse_overridden(raw: dict[str, Any]) -> None:
+    """Keys of the pipeline sections that the pipeline replaces, and store-building `data` keys
+    there (the pipeline builds one set of stores, from the top-level `data`)."""
+    from doremi.pipeline import SAMPLING_KEYS
+
+    pipeline = raw.get("pipeline") if isinstance(raw.get("pipeline"), dict) else {}
+    for section, sets in PIPELINE_SETS.items():
+        name = section.split(".")[1]
+        over = pipeline.get(name)
+        if not isinstance(over, dict):
+            continue
+        if "pipeline" in over:
+            raise ConfigError(f"{section}.pipeline: the pipeline section applies to the whole pipeline; "
+                              f"set it at the top level")
+        for key, why in sets.items():
+            if _has(over, key):
+                raise ConfigError(f"{section}.{key}: set by the pipeline ({why}), so this value would be "
+                                  f"ignored; remove it")
+        data = over.get("data")
+        for key in data if isinstance(data, dict) else ():
+            if key not in SAMPLING_KEYS:
+                raise ConfigError(f"{section}.data.{key}: the pipeline builds one set of stores, from the "
+                                  f"top-level data section, so this value would not reach them; set data.{key}")
+
+
+def _stage(pipe: Any, section: str, **sets: Any) -> ExperimentConfig:
+    """The config the pipeline builds for a stage (its own function), errors prefixed by the
+    section whose merge caused them: the top level alone already loaded."""
+    try:
+        return pipe.stage_config(_get(pipe.p, section.split(".")[1]), **sets)
+    except (ConfigError, DataError) as e:
+        raise type(e)(f"{section}: {e}") from None
+
+
+def validate_pipeline(pipe: Any) -> None:
+    """Everything `doremi pipeline` will read, checked before its first stage (see module doc).
+    `pipe` is a `doremi.pipeline.Pipeline` with its raw and top-level configs loaded."""
+    cfg, p = pipe.cfg, pipe.p
+    _refuse_overridden(pipe.raw)
+    if cfg.data.domain_weights != "uniform":
+        raise ConfigError(f"data.domain_weights: doremi pipeline does not read this key "
+                          f"({DOMAIN_WEIGHTS_IN_PIPELINE}); got {cfg.data.domain_weights!r}: remove it")
+    rdir = pipe.root / "round1"
+    _stage(pipe, "pipeline.proxy", train__run_dir=str(rdir / "reference"),
+           doremi__reference_weights=cfg.doremi.reference_weights)
+    proxy = _stage(pipe, "pipeline.proxy", train__run_dir=str(rdir / "proxy"),
+                   doremi__reference=str(rdir / "reference"), doremi__reference_weights=cfg.doremi.reference_weights)
+    _stage(pipe, "pipeline.main", train__run_dir=str(pipe.root / "main" / "uniform"), data__domain_weights="uniform")
+    domains = known_domains(cfg.data)
+    check_spec(cfg.doremi.reference_weights, domains, "doremi.reference_weights")
+    in_proxy = _has(p.proxy, "doremi.proxy_sampling")
+    check_spec(proxy.doremi.proxy_sampling, domains,
+               "pipeline.proxy.doremi.proxy_sampling" if in_proxy else "doremi.proxy_sampling")
+    names: dict[str, int] = {}
+    for i, b in enumerate(p.baselines):
+        where = f"pipeline.baselines[{i}]"
+        name = b if b in ("uniform", "tokens") else Path(b).stem  # as pipeline.mixtures names it
+        if name == "doremi" or name in names:
+            taken = "DoReMi's own run" if name == "doremi" else f"pipeline.baselines[{names[name]}]"
+            raise ConfigError(f"{where}: main run name {name!r} (the file's stem) is taken by {taken}; "
+                              f"got {b!r} (rename the file)")
+        names[name] = i
+        check_spec(b, domains, where)

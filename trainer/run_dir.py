@@ -1,0 +1,229 @@
+"""A run directory's identity and ownership.
+
+- Identity: the config keys that determine a run's results (model, data, mixture, method,
+  optimizer, schedule, seeds), flattened to `section.key` paths, and their fingerprint. Each
+  checkpoint records them, so that a resume under a changed config is caught before it trains
+  on from weights that the new config would never have produced.
+- Resume policy: what a job may do with a directory that already holds checkpoints.
+- Ownership: an advisory `fcntl.flock` on `LOCK_FILE`, held for the job's life. The OS releases
+  it when the holder dies, so a killed job leaves no stale lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from trainer.configtools import ConfigError, to_dict
+
+LOCK_FILE = ".lock"
+RECORD_FILE = "run.json"
+
+#: Keys (or whole sections) that change how a run computes, not what: logging, checkpoint
+#: cadence, eval, where things are written, the parallel layout and precision (checkpoints load
+#: into another layout and precision by design), and accumulation (the same global batch).
+NOT_RESULT_KEYS = (
+    "logging", "pipeline", "parallelism", "checkpoint.every", "checkpoint.keep", "checkpoint.resume",
+    "checkpoint.resume_changed", "checkpoint.start_over", "train.run_dir", "train.eval_every",
+    "train.eval_sequences", "train.device", "train.precision", "train.param_dtype", "train.micro_batches",
+    "model.attention", "model.compile", "data.store_dir", "data.num_proc", "doremi.rounds",
+    "doremi.rounds_tolerance", "doremi.average_from_step",
+)
+
+#: Keys whose value may name a file or run directory: its content is part of the identity.
+PATH_KEYS = ("data.domain_weights", "doremi.reference", "doremi.reference_weights", "doremi.proxy_sampling",
+             "doremi.reference_cache")
+
+
+def _flatten(raw: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(raw, dict) and raw:
+        out: dict[str, Any] = {}
+        for k, v in raw.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: raw}
+
+
+def _excluded(key: str, ignore: Iterable[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in (*NOT_RESULT_KEYS, *ignore))
+
+
+def schedule_depends_on_steps(train: Any) -> bool:
+    """Whether `train.steps` changes the learning rate of earlier steps (decay or warmup
+    fraction): only then is a resume with more steps a different run."""
+    warmup_scales = train.warmup_steps is None and train.warmup_fraction > 0
+    return train.decay != "constant" or warmup_scales
+
+
+def _digest(text: str | bytes) -> str:
+    return hashlib.sha256(text if isinstance(text, bytes) else text.encode()).hexdigest()[:16]
+
+
+def content_id(value: Any) -> str | None:
+    """What a path-valued key points at: a file's content, a run directory's recorded
+    fingerprint and newest checkpoint, a cache's metadata. None when it names nothing."""
+    if not isinstance(value, str):
+        return None
+    p = Path(value)
+    if p.is_file():
+        return _digest(p.read_bytes())
+    if (p / RECORD_FILE).is_file():
+        from trainer.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(p)
+        record = json.loads((p / RECORD_FILE).read_text()).get("fingerprint")
+        return f"{record}@{latest.name if latest else None}"
+    if (p / "meta.json").is_file():
+        return _digest((p / "meta.json").read_bytes())
+    return None
+
+
+def result_keys(cfg: Any, ignore: Iterable[str] = ()) -> dict[str, Any]:
+    """The flattened config keys that determine the run's results (`ignore`: sections or keys
+    the caller does not use, e.g. `doremi` for a plain training run), with `KEY (content)`
+    entries for what path-valued keys point at."""
+    ignore = tuple(ignore)
+    keys = {k: v for k, v in _flatten(to_dict(cfg)).items() if not _excluded(k, ignore)}
+    train = getattr(cfg, "train", None)
+    if train is not None and not schedule_depends_on_steps(train):
+        keys.pop("train.steps", None)
+    for k in PATH_KEYS:
+        if k in keys:
+            cid = content_id(keys[k])
+            if cid is not None:
+                keys[f"{k} (content)"] = cid
+    return keys
+
+
+def fingerprint(keys: dict[str, Any]) -> str:
+    return _digest(json.dumps(keys, sort_keys=True, default=str))
+
+
+def record(cfg: Any, ignore: Iterable[str] = ()) -> dict[str, Any]:
+    """What a run directory and each of its checkpoints remember of the config."""
+    keys = result_keys(cfg, ignore)
+    return {"fingerprint": fingerprint(keys), "keys": keys}
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any], limit: int = 4) -> str:
+    """`a.b 1.0 -> 3.0, c.d x -> y` for the keys that differ ('(unset)' for a missing one)."""
+    diff = [k for k in sorted(set(old) | set(new)) if old.get(k, "(unset)") != new.get(k, "(unset)")]
+    parts = [f"{k} {_short(old.get(k, '(unset)'))} -> {_short(new.get(k, '(unset)'))}" for k in diff[:limit]]
+    if len(diff) > limit:
+        parts.append(f"and {len(diff) - limit} more")
+    return ", ".join(parts)
+
+
+# -- resume policy (pure) ------------------------------------------------------------------
+
+def check_resume(run_dir: str | os.PathLike, saved: dict[str, Any] | None, current: dict[str, Any],
+                 saved_step: int, steps: int, allow_changed: bool) -> None:
+    """Refuse a resume that would train under another config than the checkpoint's, or that
+    has nothing left to do because `train.steps` is below the checkpoint's step. `saved` is
+    None for a checkpoint written before fingerprints were recorded."""
+    if saved_step > steps:
+        raise ConfigError(f"{run_dir}: train.steps={steps} is below the step of the checkpoint to resume "
+                          f"({saved_step}); set train.steps >= {saved_step}, or start a new run directory")
+    if saved is None or allow_changed or saved.get("fingerprint") == current["fingerprint"]:
+        return
+    raise ConfigError(f"{run_dir}: resuming under a changed config: "
+                      f"{changed_keys(saved.get('keys', {}), current['keys'])}; start a new run directory, "
+                      f"or set checkpoint.resume_changed: true to continue anyway")
+
+
+def check_fresh_start(run_dir: str | os.PathLike, latest_step: int | None, resume: bool, start_over: bool) -> None:
+    """`checkpoint.resume: false` into a directory with checkpoints would have the new run's
+    checkpoints pruned in favour of the old, higher steps: refuse unless told to start over."""
+    if latest_step is not None and not resume and not start_over:
+        raise ConfigError(f"{run_dir}: checkpoint.resume is false but the run directory holds checkpoints "
+                          f"up to step {latest_step}; set checkpoint.start_over: true to move them aside and "
+                          f"start again, or use another run directory")
+
+
+def aside_path(run_dir: str | os.PathLike, now: float) -> Path:
+    """`RUN.old-YYYYmmdd-HHMMSS` (with `-N` when taken): where `start_over` moves a run."""
+    p = Path(run_dir)
+    base = p.with_name(f"{p.name}.old-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}")
+    out, n = base, 1
+    while out.exists():
+        out, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return out
+
+
+def move_aside(run_dir: str | os.PathLike, now: float | None = None) -> Path | None:
+    """Move everything of a run directory but its lock file to `aside_path` (the lock stays
+    held by this job). None when there is nothing to move."""
+    p = Path(run_dir)
+    entries = [e for e in p.iterdir() if e.name != LOCK_FILE] if p.is_dir() else []
+    if not entries:
+        return None
+    dest = aside_path(p, time.time() if now is None else now)
+    dest.mkdir(parents=True)
+    for e in entries:
+        e.rename(dest / e.name)
+    return dest
+
+
+def clear(run_dir: str | os.PathLike) -> None:
+    """Remove a run directory's content but its lock file (held by this job)."""
+    import shutil
+
+    p = Path(run_dir)
+    if not p.is_dir():
+        return
+    for e in p.iterdir():
+        if e.name == LOCK_FILE:
+            continue
+        if e.is_dir() and not e.is_symlink():
+            shutil.rmtree(e)
+        else:
+            e.unlink()
+
+
+# -- the lock ------------------------------------------------------------------------------
+
+_held: dict[Path, list[int]] = {}  # path -> [fd, depth]: one job may take its own lock again
+
+
+@contextlib.contextmanager
+def locked(run_dir: str | os.PathLike) -> Iterator[None]:
+    """Hold `RUN/.lock` for the block; a second job gets a one-line ConfigError naming the
+    directory and the pid written in the lock file. Re-entrant within one process (the
+    pipeline holds a stage's directory while its trainer takes it again)."""
+    path = (Path(run_dir) / LOCK_FILE).resolve()
+    if path in _held:
+        _held[path][1] += 1
+        try:
+            yield
+        finally:
+            _held[path][1] -= 1
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(f"{run_dir}: run directory in use by another job (pid {holder}, {path}); "
+                          f"wait for it to finish or use another run directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[path] = [fd, 1]
+    try:
+        yield
+    finally:
+        del _held[path]
+        os.ftruncate(fd, 0)
+        os.close(fd)  # releases the lock
