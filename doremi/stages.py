@@ -117,7 +117,7 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     ref_cfg = reference_config(cfg, ck)
     pc = init_parallel(cfg)
     feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
-    weights = resolve_weights(cfg.doremi.proxy_sampling, feed.manifest)
+    weights = resolve_weights(cfg.doremi.proxy_sampling, feed.manifest, "doremi.proxy_sampling")
     visited: list[set[int]] = [set() for _ in feed.domains]
     for step in range(1, cfg.train.steps + 1):
         for d, i in feed.sampler.global_batch(step - 1, weights):
