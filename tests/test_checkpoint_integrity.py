@@ -168,3 +168,37 @@ def test_leftovers_are_removed_at_save(tmp_path):
     save_checkpoint(tmp_path, 5, model, None, PC, {"step": 5})
     assert sorted(d.name for d in root.iterdir()) == ["step_0000001", "step_0000002", "step_0000005"]
     assert remove_leftovers(tmp_path) == []
+
+
+def test_full_disk_during_a_checkpoint_write_is_one_line_naming_the_file(stores, tmp_path, capsys, monkeypatch):
+    """torch.save writing into a full disk: the OSError names the checkpoint file, and the CLI
+    prints it as one line with exit status 2 (it was a 30-line traceback)."""
+    import errno
+
+    from doremi.cli import main
+    from tests.runs import config_path
+    from trainer import checkpoint
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(checkpoint, "open", lambda p, mode="r": Full(open(p, mode)), raising=False)
+    cfg = config_path(stores, tmp_path / "run")
+    assert main(["train", str(cfg), "--set", "train.steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("doremi train: error: ")
+    assert "checkpoints/step_0000001" in err[0] and err[0].endswith(".pt: No space left on device")
+    assert not list((tmp_path / "run" / "checkpoints").glob("step_0000001"))

@@ -161,13 +161,16 @@ HASH_KEY = "xxh3_64"
 class _ChecksumWriter:
     """A binary file that keeps the XXH3-64 hash and length of the bytes written through it."""
 
-    def __init__(self, f: Any):
-        self.f, self.hash, self.size = f, xxhash.xxh3_64(), 0
+    def __init__(self, f: Any, path: Path):
+        self.f, self.path, self.hash, self.size = f, path, xxhash.xxh3_64(), 0
 
     def write(self, data: Any) -> int:
         self.hash.update(data)
         self.size += memoryview(data).nbytes
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:  # a full disk: name the file (the CLI prints one line)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def flush(self) -> None:
         self.f.flush()
@@ -189,7 +192,7 @@ def _save(path: Path, obj: Any) -> dict[str, Any]:
     """Write `obj` atomically; returns the file's size and XXH3-64 hash as written."""
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f, _without_zip_crc():
-            out = _ChecksumWriter(f)
+            out = _ChecksumWriter(f, path)
             torch.save(obj, out)
     return {"bytes": out.size, HASH_KEY: out.hash.hexdigest()}
 
