@@ -362,12 +362,13 @@ def file_hash(path: Path) -> str:
 class _Reader:
     """Opens each checkpoint file at most once (memory-mapped), after checking its size and
     its hash: a corrupted file is refused before any of its tensors is used. Only the files
-    this rank reads are checked."""
+    this rank reads are checked. (Hashing on a worker thread during the load was slower: the
+    two passes compete for memory bandwidth; experiments/CHECKPOINTS.md.)"""
 
     def __init__(self, ck: Path, meta: dict[str, Any]):
         self.ck, self.files, self.cache = ck, meta["files"], {}
 
-    def _check(self, name: str) -> None:
+    def _check_size(self, name: str) -> None:
         path, want = self.ck / name, self.files.get(name)
         if not path.is_file():
             raise CheckpointError(f"{path}: checkpoint file missing")
@@ -377,15 +378,18 @@ class _Reader:
         if size != want["bytes"]:
             raise CheckpointError(f"{path}: truncated or corrupted checkpoint file "
                                   f"(expected {want['bytes']} bytes, found {size})")
-        got = file_hash(path)
-        if got != want[HASH_KEY]:
-            raise CheckpointError(f"{path}: corrupted checkpoint file (XXH3-64 {got}, {META} "
-                                  f"records {want[HASH_KEY]})")
+
+    def _check_hash(self, name: str) -> None:
+        got, want = file_hash(self.ck / name), self.files[name][HASH_KEY]
+        if got != want:
+            raise CheckpointError(f"{self.ck / name}: corrupted checkpoint file (XXH3-64 {got}, {META} "
+                                  f"records {want})")
 
     def __call__(self, name: str) -> Any:
         if name not in self.cache:
             path = self.ck / name
-            self._check(name)
+            self._check_size(name)
+            self._check_hash(name)
             try:
                 self.cache[name] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             except Exception as e:
