@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Iterable, Literal, Mapping, Sequence
 
@@ -93,6 +93,16 @@ def memorisation(row: Mapping[str, Any]) -> tuple[PerDomain, PerDomain] | None:
     gap = {d: float(held[d]) - float(seen[d]) for d in known if seen.get(d) is not None}
     shift = {d: float(val[d]) - float(held[d]) for d in known if val.get(d) is not None}
     return gap, shift
+
+
+def memorisation_se(row: Mapping[str, Any]) -> PerDomain:
+    """Standard error of the memorisation gap per domain: sqrt(se_seen^2 + se_heldout^2), from
+    the eval row's `seen_loss_se` and `heldout_loss_se` (empty when it has none)."""
+    seen, held = row.get("seen_loss_se"), row.get("heldout_loss_se")
+    if not isinstance(seen, dict) or not isinstance(held, dict):
+        return {}
+    return {d: math.hypot(float(seen[d]), float(held[d])) for d in held
+            if held[d] is not None and seen.get(d) is not None}
 
 
 def difference(a: Mapping[str, float], b: Mapping[str, float]) -> PerDomain:
@@ -176,6 +186,8 @@ class RunMeasures:
     epochs: PerDomain = field(default_factory=dict)
     mixture: PerDomain = field(default_factory=dict)
     gap: PerDomain = field(default_factory=dict)
+    # Standard error of each gap (the two means' errors in quadrature), when the run logged them.
+    gap_se: PerDomain = field(default_factory=dict)
     shift: PerDomain = field(default_factory=dict)
     lag: PerDomain = field(default_factory=dict)
     ref_batches_gap: PerDomain = field(default_factory=dict)
@@ -211,6 +223,7 @@ def measure(run: str, kind: str, rows: Rows, global_batch_size: int | None = Non
                            f"memorisation check skipped")
         else:
             m.gap, m.shift = mem
+            m.gap_se = memorisation_se(evals[-1])
     if kind == "proxy":
         ref_evals = eval_rows(reference_rows or [])
         if evals and ref_evals:
@@ -255,8 +268,11 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
         tol = cfg.mixture_tolerance if cfg.mixture_tolerance is not None else 1 / m.global_batch_size
         out += _over(m, "mixture", m.mixture, tol, "|realised - nominal| share of sequences",
                      "mixture_tolerance", absolute=True)
-    out += _over(m, "memorisation", m.gap, cfg.memorisation_gap, "memorisation gap (heldout - seen loss)",
-                 "memorisation_gap", " nats")
+    for f in _over(m, "memorisation", m.gap, cfg.memorisation_gap, "memorisation gap (heldout - seen loss)",
+                   "memorisation_gap", " nats"):
+        se = m.gap_se.get(f.domain or "")
+        out.append(f if se is None else replace(
+            f, message=f.message.replace(" nats >", f" ± {se:.2g} nats (standard error) >", 1)))
     out += [Finding(m.run, "shift", d, v, None,
                     f"{m.run}: {d}: train/validation shift (val - heldout loss) {v:.4g} nats", "info")
             for d, v in m.shift.items()]
@@ -365,6 +381,7 @@ def measure_pipeline(root: str | Path, main: bool = True) -> list[RunMeasures]:
 
 #: (RunMeasures attribute, row label) in the order the table shows them.
 COLUMNS = (("epochs", "epochs"), ("mixture", "realised - nominal"), ("gap", "memorisation gap"),
+           ("gap_se", "memorisation gap, standard error"),
            ("shift", "shift"), ("ref_batches_gap", "ref val - ref on proxy batches"),
            ("lag", "proxy lag"), ("final_minus_best", "final - best"))
 

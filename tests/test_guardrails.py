@@ -11,7 +11,7 @@ import pytest
 
 from doremi.config import GuardrailConfig
 from doremi.guardrails import (RunMeasures, check_run, concentration, epochs_read, final_minus_best,
-                               findings, format_guardrail_table, lambda_snr, measure, memorisation,
+                               findings, format_guardrail_table, lambda_snr, measure, memorisation, memorisation_se,
                                mixture_deviation, pipeline_runs, print_findings, reference_on_batches, warnings)
 from trainer.configtools import ConfigError, from_dict
 
@@ -56,6 +56,16 @@ def test_memorisation_gap_and_shift():
     assert gap == {"a": 2.75, "b": 0.0625}
     assert shift == {"a": 0.5, "b": 0.4375}
     assert memorisation(ROWS[1]) is None
+
+
+def test_memorisation_gap_carries_its_standard_error():
+    row = {**ROWS[-1], "seen_loss_se": {"a": 0.03, "b": 0.05}, "heldout_loss_se": {"a": 0.04, "b": None}}
+    assert memorisation_se(row) == pytest.approx({"a": 0.05})
+    assert memorisation_se(ROWS[-1]) == {}
+    m = measure("round1/reference", "reference", [*ROWS[:-1], row], 8)
+    msg = [f.message for f in warnings(findings(m, CFG)) if f.check == "memorisation"]
+    assert msg == ["round1/reference: a: memorisation gap (heldout - seen loss) 2.75 ± 0.05 nats (standard error) "
+                   "> memorisation_gap 0.1 nats"]
 
 
 def test_final_minus_best():

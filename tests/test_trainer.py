@@ -66,6 +66,7 @@ def test_realised_mixture_and_memorisation_rows(stores, tmp_path):
     assert [realised["tokens"][d] for d in ("noise", "easy", "markov")] == [n * 32 for n in seqs]
     val = [r for r in rows if "val_loss" in r][-1]
     assert set(val["seen_loss"]) == set(val["heldout_loss"]) == {"noise", "easy", "markov"}
+    assert all(0 < val[k][d] < 1 for k in ("seen_loss_se", "heldout_loss_se") for d in ("noise", "markov"))
     # `noise` is uniform noise over 64 symbols: nothing to memorise, so seen and held-back
     # losses differ by sampling noise only (16 x 32 tokens each: a few hundredths).
     assert abs(val["seen_loss"]["noise"] - val["heldout_loss"]["noise"]) < 0.15

@@ -20,7 +20,7 @@ from trainer.build import autocast, build_model, init_parallel, micro_batch_size
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError, dump_yaml, to_dict
-from trainer.evaluate import evaluate_domains
+from trainer.evaluate import evaluate_domains, evaluate_domains_with_error
 from trainer.feed import DataFeed
 from trainer.hooks import FixedMixture, MixingHook
 from trainer.lr_schedule import lr_at
@@ -119,14 +119,15 @@ class Trainer:
         batches = self.feed.validation(micro_batch_size(self.cfg), t.eval_sequences)
         return evaluate_domains(self.model, batches, self.pc, self.autocast).cpu().numpy()
 
-    def evaluate_memorisation(self) -> tuple[np.ndarray, np.ndarray]:
-        """(loss on sequences this run trained on, loss on held-back training sequences) per
-        domain, as many of each as `data.holdout_sequences`: the gap is memorisation, not a
-        shift between the train and validation splits."""
+    def evaluate_memorisation(self) -> tuple[np.ndarray, ...]:
+        """(loss on sequences this run trained on, its standard error, loss on held-back
+        training sequences, its standard error) per domain, as many sequences of each as
+        `data.holdout_sequences`: the gap is memorisation, not a shift between the train and
+        validation splits, measured to within the two standard errors."""
         mb = micro_batch_size(self.cfg)
-        seen = evaluate_domains(self.model, self.feed.seen_batches(mb), self.pc, self.autocast)
-        held = evaluate_domains(self.model, self.feed.heldout_batches(mb), self.pc, self.autocast)
-        return seen.cpu().numpy(), held.cpu().numpy()
+        seen = evaluate_domains_with_error(self.model, self.feed.seen_batches(mb), self.pc, self.autocast)
+        held = evaluate_domains_with_error(self.model, self.feed.heldout_batches(mb), self.pc, self.autocast)
+        return tuple(t.cpu().numpy() for t in (*seen, *held))
 
     # -- the loop ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -202,9 +203,11 @@ class Trainer:
                     val = self.evaluate()
                     vrow = self._val_row(step, val)
                     if self.feed.holdout and is_last:
-                        seen, held = self.evaluate_memorisation()
+                        seen, seen_se, held, held_se = self.evaluate_memorisation()
                         vrow["seen_loss"] = self._by_domain(seen)
                         vrow["heldout_loss"] = self._by_domain(held)
+                        vrow["seen_loss_se"] = self._by_domain(seen_se)
+                        vrow["heldout_loss_se"] = self._by_domain(held_se)
                     log.log(vrow)
                     last = {**last, **vrow}
                     tokens_since, t0 = 0.0, time.perf_counter()

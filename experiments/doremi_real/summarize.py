@@ -68,7 +68,7 @@ def pm(values: Sequence[float]) -> str:
 
 def guardrail_values(root: Path, domains: list[str]) -> dict[str, dict[str, float]]:
     """Per rule guardrail, per domain, the worst value over the pipeline's runs."""
-    out: dict[str, dict[str, float]] = {k: {} for k in ("epochs", "gap", "mixture", "final_minus_best",
+    out: dict[str, dict[str, float]] = {k: {} for k in ("epochs", "gap", "gap_se", "mixture", "final_minus_best",
                                                           "lag", "ref_batches_gap")}
     for m in measure_pipeline(root, main=True):
         batch_steps = None
@@ -77,7 +77,8 @@ def guardrail_values(root: Path, domains: list[str]) -> dict[str, dict[str, floa
             last = [r for r in rows if isinstance(r.get("realised"), dict)][-1]
             batch_steps = last["step"] * m.global_batch_size
         for d in domains:
-            for key, values in (("epochs", m.epochs), ("gap", m.gap), ("final_minus_best", m.final_minus_best),
+            for key, values in (("epochs", m.epochs), ("gap", m.gap), ("gap_se", m.gap_se),
+                                ("final_minus_best", m.final_minus_best),
                                 ("lag", m.lag), ("ref_batches_gap", m.ref_batches_gap)):
                 if d in values:
                     out[key][d] = max(out[key].get(d, -math.inf), values[d])
@@ -283,11 +284,14 @@ def main(argv: list[str] | None = None) -> int:
             rule_rows.append([label, r.name, fmt(worst), str(limit), "yes" if ok else "**no**"])
     rule_table = markdown_table(["guardrail", "arm", "worst domain value", "limit", "holds"], rule_rows)
     detail_rows = []
-    for key, label in (("gap", "memorisation gap"), ("epochs", "epochs (worst run)"),
+    for key, label in (("gap", "memorisation gap"), ("gap_se", "memorisation gap, standard error"),
+                       ("epochs", "epochs (worst run)"),
                        ("lag", "proxy lag (proxy - reference val loss)"),
                        ("ref_batches_gap", "reference held-out - its loss on the proxy's batches")):
         for r in roots:
             vals = guard[r.name][key]
+            if not vals:
+                continue
             detail_rows.append([f"{label}: {r.name}"] + [fmt(vals.get(d)) for d in domains])
     detail_table = markdown_table(["check: arm", *domains], detail_rows)
     snr_rows = []
