@@ -18,7 +18,7 @@ from typing import Sequence
 
 from data.atomic import atomic_write_text
 from doremi.errors import DoReMiError
-from doremi.report import (_save, domains_better, fmt, markdown_table, speedup, steps_to_target)
+from doremi.report import _save, domains_better, markdown_table, speedup, steps_to_target
 from trainer.metrics import read_jsonl
 
 COMPARE_MD = "compare.md"

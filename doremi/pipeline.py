@@ -20,16 +20,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import yaml
 
 from data.atomic import atomic_write_text
 from doremi import stages
 from doremi.config import ExperimentConfig
 from doremi.validate import validate_pipeline
 from trainer import run_dir as rundir
-from trainer.configtools import ConfigError, apply_overrides, from_dict, read_yaml, to_dict
+from trainer.configtools import apply_overrides, from_dict, read_yaml, to_dict
 from trainer.config import apply_preset
-from trainer.metrics import read_jsonl
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -96,25 +94,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def on_main_rank(fn: Callable[[], Any]) -> None:
-    """Run `fn` on rank 0; a ConfigError it raises is raised on every rank (the others would
-    otherwise wait at the next barrier for ever)."""
-    import torch.distributed as dist
-
-    error = None
-    if is_main_rank():
-        try:
-            fn()
-        except ConfigError as e:
-            error = str(e)
-    if dist.is_available() and dist.is_initialized():
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise ConfigError(error)
-
-
 def started_marker(marker: Path) -> Path:
     """`stage.json` -> `stage.started.json`, `eval.json.stage.json` -> `eval.json.stage.started.json`."""
     return marker.with_name(marker.name.removesuffix(".json") + ".started.json")
@@ -177,7 +156,7 @@ class Pipeline:
             stale = True
         with contextlib.ExitStack() as stack:
             if clean and out.suffix == "":
-                on_main_rank(lambda: stack.enter_context(rundir.locked(out)))
+                rundir.on_rank0(lambda: stack.enter_context(rundir.locked(out)), is_main_rank())
             if stale and is_main_rank():
                 marker.unlink(missing_ok=True)  # another pipeline sharing the stage may have gone first
                 if clean and out.is_dir():
@@ -201,7 +180,7 @@ class Pipeline:
     # -- the stages ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
-            on_main_rank(lambda: stack.enter_context(rundir.locked(self.root)))
+            rundir.on_rank0(lambda: stack.enter_context(rundir.locked(self.root)), is_main_rank())
             if is_main_rank():
                 remove_marker_temps(self.root)
             barrier()
@@ -263,7 +242,7 @@ class Pipeline:
                             lambda: str(stages.average(rdir / "proxy", avg_path, proxy_cfg.doremi.average_from_step)),
                             main_only=True)
             weights = np.array(json.loads(avg_path.read_text())["weights"])
-            self.say(f"           weights: " + ", ".join(
+            self.say("           weights: " + ", ".join(
                 f"{d}={w:.3f}" for d, w in zip(json.loads(avg_path.read_text())["domains"], weights)))
             if is_main_rank():
                 atomic_write_text(weights_path, avg_path.read_text())

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from doremi import stages
 from doremi.config import ExperimentConfig
@@ -27,12 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["train.decay=constant", "train.warmup_steps=0", "train.eps=1e-4", "checkpoint.every=1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def exp(**sections) -> ExperimentConfig:

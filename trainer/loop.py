@@ -12,7 +12,6 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from data.atomic import atomic_write_text
 from data.weights import resolve_weights
@@ -135,19 +134,11 @@ class Trainer:
         """Rank 0 holds the run directory's lock for the job's life and applies the policy for
         what is already there; every rank gets its verdict, so that all stop or none."""
         with contextlib.ExitStack() as stack:
-            error = None
-            if self.pc.is_main:
-                try:
-                    stack.enter_context(rundir.locked(self.run_dir))
-                    self._prepare_run_dir()
-                except ConfigError as e:
-                    error = str(e)
-            if self.pc.world_size > 1 and dist.is_initialized():
-                box = [error]
-                dist.broadcast_object_list(box, src=0)
-                error = box[0]
-            if error is not None:
-                raise ConfigError(error)
+            def own() -> None:
+                stack.enter_context(rundir.locked(self.run_dir))
+                self._prepare_run_dir()
+
+            rundir.on_rank0(own, self.pc.is_main)
             yield
 
     def _prepare_run_dir(self) -> None:

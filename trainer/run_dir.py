@@ -18,7 +18,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from trainer.configtools import ConfigError, to_dict
 
@@ -227,3 +227,22 @@ def locked(run_dir: str | os.PathLike) -> Iterator[None]:
         del _held[path]
         os.ftruncate(fd, 0)
         os.close(fd)  # releases the lock
+
+
+def on_rank0(fn: Callable[[], Any], is_main: bool) -> None:
+    """Run `fn` on rank 0 only; a ConfigError it raises is raised on every rank, so that all
+    ranks stop or none (the others would otherwise wait at the next collective for ever)."""
+    import torch.distributed as dist
+
+    error = None
+    if is_main:
+        try:
+            fn()
+        except ConfigError as e:
+            error = str(e)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ConfigError(error)

@@ -227,11 +227,19 @@ def setup_table(root: Path) -> str:
 
         params = param_count(from_dict(ModelConfig, m, "model"))
         tokens = t["steps"] * t["global_batch_size"] * d["seq_len"]
+        trained = realised(run)
         rows.append([label, f"{params / 1e6:.1f}M",
                      f"d {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, ffn {m['ffn_dim']}",
-                     str(t["steps"]), f"{t['global_batch_size']} x {d['seq_len']}", f"{tokens / 1e6:.1f}M",
+                     str(t["steps"]), f"{t['global_batch_size']} x {d['seq_len']}",
+                     f"{sum(trained['tokens'].values()) / 1e6:.1f}M", f"{tokens / 1e6:.1f}M",
                      f"{t['lr']} -> {t['min_lr']} ({t['decay']})"])
-    return markdown_table(["stage", "parameters", "shape", "steps", "batch (seq x len)", "tokens", "lr"], rows)
+    return markdown_table(["stage", "parameters", "shape", "steps", "batch (seq x len)",
+                           "tokens trained (measured: non-masked labels)", "tokens (nominal)", "lr"], rows)
+
+
+def realised(run: Path) -> dict[str, dict[str, float]]:
+    """The run's last logged realised mixture: cumulative sequences, tokens, nominal sequences."""
+    return [r["realised"] for r in read_jsonl(run / "metrics.jsonl") if isinstance(r.get("realised"), dict)][-1]
 
 
 def corpus_table(manifest: dict[str, Any], natural: list[float] | None) -> str:
@@ -324,13 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     seed_table = markdown_table(["seed", "DoReMi mean", "uniform mean", "difference", "DoReMi worst",
                                  "uniform worst", "difference", "domains better", "steps to uniform's final / its steps"],
                                 seed_rows)
+    drawn = [realised(r / "main" / "doremi") for r in roots]
     dom_rows = []
     for i, d in enumerate(domains):
         w = [weights[r.name][i] for r in roots]
-        dom_rows.append([d, pm(w).replace("+", ""), fmt(natural[i]) if natural else "",
+        share = [x["sequences"][d] / sum(x["sequences"].values()) for x in drawn]
+        dom_rows.append([d, pm(w).replace("+", ""), pm(share).replace("+", ""), fmt(natural[i]) if natural else "",
                          fmt(sum(x.final[i] for x in dore) / len(dore)), fmt(sum(x.final[i] for x in base) / len(base)),
                          pm([s[i] for s in per_domain])])
-    dom_table = markdown_table(["domain", "DoReMi weight (mean ± SE)", "natural weight", "DoReMi loss",
+    dom_table = markdown_table(["domain", "DoReMi weight (mean ± SE)",
+                                "share drawn by the DoReMi main runs (measured)", "natural weight", "DoReMi loss",
                                 "uniform loss", "DoReMi - uniform (mean ± SE)"], dom_rows)
 
     nat_rows = []
