@@ -54,3 +54,26 @@ def test_verdict_rule():
     assert summarize.verdict([0.1, 0.11, 0.09, 0.1], [0.0] * 4, 2, None, 12)[0] == "fails"
     # Better everywhere but too slow to reach uniform's final loss: not "works", and beyond 2 SE: fails.
     assert summarize.verdict([-0.05, -0.06, -0.04, -0.05], [0.0] * 4, 9, 0.9, 12)[0] == "fails"
+
+
+def test_rule_checks_take_the_worst_domain_against_each_limit():
+    values = {"gap": {"c": 0.01, "go": 0.051}, "epochs": {"c": 1.9}, "mixture": {},
+              "final_minus_best": {"c": 0.0, "go": 0.01}}
+    checks = summarize.rule_checks(values)
+    by_key = {key: checks[label] for key, (label, _) in summarize.RULE_GUARDRAILS.items()}
+    assert by_key["gap"] == (0.051, False)
+    assert by_key["epochs"] == (1.9, True)
+    assert by_key["mixture"] == (None, False)  # not measured is not a pass
+    assert by_key["final_minus_best"] == (0.01, True)
+
+
+def test_excess_phases_average_the_first_and_last_steps(tmp_path):
+    for name, offset in (("a", 0.0), ("b", 1.0)):
+        proxy = tmp_path / name / "round1" / "proxy"
+        proxy.mkdir(parents=True)
+        rows = [{"step": s, "excess": [offset + s, offset + s + 2]} for s in range(1, 51)]
+        (proxy / "domain_weights.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    early, late = summarize.excess_phases([tmp_path / "a", tmp_path / "b"])
+    n = summarize.PHASE
+    assert early == pytest.approx(0.5 + (1 + n) / 2 + 1)
+    assert late == pytest.approx(0.5 + (51 - n + 50) / 2 + 1)

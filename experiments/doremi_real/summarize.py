@@ -87,6 +87,24 @@ def guardrail_values(root: Path, domains: list[str]) -> dict[str, dict[str, floa
     return out
 
 
+#: Rule guardrail key in guardrail_values -> (label, limit).
+RULE_GUARDRAILS: dict[str, tuple[str, float]] = {
+    "gap": ("memorisation gap of the reference (held-out - seen, nats)", RULE.memorisation_gap),
+    "epochs": ("epochs read, worst run", RULE.max_epochs),
+    "mixture": ("|realised - nominal| sequences, worst run", RULE.mixture_sequences),
+    "final_minus_best": ("final - best validation loss, worst main run", RULE.final_minus_best),
+}
+
+
+def rule_checks(values: dict[str, dict[str, float]]) -> dict[str, tuple[float | None, bool]]:
+    """Label -> (worst domain value, whether it is within the rule's limit), for one arm."""
+    out = {}
+    for key, (label, limit) in RULE_GUARDRAILS.items():
+        worst = max(values[key].values()) if values[key] else None
+        out[label] = (worst, worst is not None and worst <= limit)
+    return out
+
+
 def proxy_snr(root: Path) -> tuple[float | None, float | None, float | None]:
     for m in measure_pipeline(root, main=False):
         if m.kind == "proxy":
@@ -192,6 +210,129 @@ def plot_alpha(path: Path, root: Path) -> None:
     fig.savefig(path, format="png", dpi=110)
 
 
+def plot_ablation_weights(path: Path, domains: list[str], variants: dict[str, list[float]]) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 3.8), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(variants)
+    for j, (name, w) in enumerate(variants.items()):
+        ax.bar([i + (j - (len(variants) - 1) / 2) * width for i in range(len(domains))], w, width, label=name)
+    ax.axhline(1 / len(domains), color="k", lw=0.8, ls="--", label="uniform")
+    ax.set_xticks(range(len(domains)), domains, rotation=30)
+    ax.set(ylabel="domain weight", title="Averaged weights: DoReMi and its ablations (mean over seeds)")
+    ax.legend(fontsize=8)
+    fig.savefig(path, format="png", dpi=110)
+
+
+# -- the ablations -------------------------------------------------------------------------
+
+#: Ablation arm prefix -> what it changes from DoReMi as the paper (run_study.py's ARMS).
+ABLATIONS: dict[str, str] = {
+    "eta0.1": "eta 0.1, the paper's 1",
+    "natref": "reference trained on natural weights, the paper's on uniform",
+}
+
+
+def seed_of(arm: Path) -> str:
+    return arm.name.rsplit("-s", 1)[1]
+
+
+PHASE = 20
+
+
+def excess_phases(roots: Sequence[Path]) -> tuple[float, float]:
+    """Mean excess loss over domains and roots in the proxies' first and last PHASE steps."""
+    first, last = [], []
+    for r in roots:
+        hist = read_jsonl(r / "round1" / "proxy" / "domain_weights.jsonl")
+        first += [sum(h["excess"]) / len(h["excess"]) for h in hist[:PHASE]]
+        last += [sum(h["excess"]) / len(h["excess"]) for h in hist[-PHASE:]]
+    return sum(first) / len(first), sum(last) / len(last)
+
+
+def ablation_section(runs: Path, mains: dict[str, dict[str, MainRun]], weights: dict[str, list[float]],
+                     domains: list[str], natural: list[float] | None, out: Path, doc_dir: Path) -> str:
+    """Each ablation arm against the uniform and DoReMi main runs of the DoReMi arm with its seed
+    (paired by seed: same data order, same main-run initialisation), its weights beside DoReMi's,
+    and its own rule guardrails. Empty when no ablation arm ran."""
+    k = len(domains)
+    rows, variants = [], {"DoReMi (eta 1, uniform reference)": [
+        sum(w[i] for w in weights.values()) / len(weights) for i in range(k)]}
+    pre, abl_roots = [], []
+    for prefix, what in ABLATIONS.items():
+        abl = arms(runs, prefix + "-s")
+        if not abl:
+            continue
+        abl_roots += abl
+        abl_weights = [json.loads((a / "weights.json").read_text())["weights"] for a in abl]
+        variants[f"{prefix}: {what}"] = [sum(w[i] for w in abl_weights) / len(abl) for i in range(k)]
+        diffs_u, diffs_d = [], []
+        for a, w in zip(abl, abl_weights):
+            core = f"doremi-s{seed_of(a)}"
+            run = read_root(a)["doremi"]
+            mean = sum(run.final) / k
+            uni = mains[core]["uniform"] if core in mains else None
+            dor = mains[core]["doremi"] if core in mains else None
+            du = None if uni is None else mean - sum(uni.final) / k
+            dd = None if dor is None else mean - sum(dor.final) / k
+            diffs_u += [] if du is None else [du]
+            diffs_d += [] if dd is None else [dd]
+            values = guardrail_values(a, domains)
+            failed = [f"{label.split(' (')[0]} {fmt(v)}" for label, (v, ok) in rule_checks(values).items() if not ok]
+            over = [f"{d} {fmt(g)} ± {fmt(values['gap_se'].get(d))}" for d, g in values["gap"].items()
+                    if g > RULE.memorisation_gap]
+            failed += [f"gap on {', '.join(over)}"] if over else []
+            lag = max(values["lag"].values(), default=None)
+            rows.append([a.name, what, fmt(mean), "" if du is None else f"{du:+.4f}", "" if dd is None else f"{dd:+.4f}",
+                         "" if uni is None else f"{max(run.final) - max(uni.final):+.4f}",
+                         "" if uni is None else f"{sum(x < y for x, y in zip(run.final, uni.final))}/{k}",
+                         f"{max(w):.3f} ({domains[max(range(k), key=lambda i: w[i])]})", fmt(lag),
+                         "yes" if not failed else "no: " + "; ".join(failed)])
+        moved = max(abs(x - y) for x, y in zip(variants[f"{prefix}: {what}"], variants[next(iter(variants))]))
+        pre.append(f"- **{prefix}** ({what}), {len(abl)} seeds: minus uniform {pm(diffs_u)}, "
+                   f"minus DoReMi {pm(diffs_d)} nats (mean validation loss, paired by seed); its averaged "
+                   f"weights differ from DoReMi's by at most {moved:.3f} on a domain.")
+    if not rows:
+        return ""
+    early, late = excess_phases([runs / name for name in weights])
+    pre.append(f"- The DoReMi proxies' excess loss (mean over domains and seeds) is {early:.2f} nats over their "
+               f"first {PHASE} steps and {late:.2f} over their last {PHASE}: the proxy starts from scratch, and "
+               f"early on the excess mostly measures how far an untrained proxy is behind; a likely reason "
+               f"(not tested) why eta moves the averaged weights so little here.")
+    gaps = [(g, values["gap_se"][d]) for a in abl_roots for values in [guardrail_values(a, domains)]
+            for d, g in values["gap"].items() if d in values["gap_se"]]
+    if gaps:
+        over = [(g, se) for g, se in gaps if g > RULE.memorisation_gap]
+        pre.append(f"- These arms log the memorisation gap's standard error (the DoReMi arms predate it): "
+                   f"{len(over)} of {len(gaps)} (domain, arm) gaps are above {RULE.memorisation_gap}, "
+                   f"{sum(g < 2 * se for g, se in over)} of them within 2 standard errors of 0; the median "
+                   f"standard error is {statistics.median(se for _, se in gaps):.4f} nats.")
+    table = markdown_table(["arm", "change", "mean loss", "minus uniform (same seed)", "minus DoReMi (same seed)",
+                            "worst case minus uniform", "domains better than uniform", "largest weight",
+                            "largest proxy lag (nats)", "rule guardrails hold"], rows)
+    if natural:
+        variants["natural"] = natural
+    wrows = [[d] + [fmt(v[i]) for v in variants.values()] for i, d in enumerate(domains)]
+    wtable = markdown_table(["domain", *variants], wrows)
+    plot_ablation_weights(out / "weights_ablations.png", domains, variants)
+    rel = (out / "weights_ablations.png").relative_to(doc_dir)
+    return f"""## Ablations, 2 seeds each
+
+Each ablation arm has its own reference and proxy and one main run on its weights, paired with
+the uniform and DoReMi main runs of the DoReMi arm with the same seed. Reported, not part of the
+verdict.
+
+{chr(10).join(pre)}
+
+{table}
+Averaged weights (mean over seeds):
+
+{wtable}
+![ablation weights]({rel})
+"""
+
+
 # -- the archive ---------------------------------------------------------------------------
 
 RAW_SUFFIXES = (".jsonl", ".json", ".yaml", ".log")
@@ -280,14 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     # Guardrails of the rule.
     guard = {r.name: guardrail_values(r, domains) for r in roots}
     rule_rows, holds = [], True
-    for key, label, limit in (("gap", "memorisation gap of the reference (held-out - seen, nats)", RULE.memorisation_gap),
-                              ("epochs", "epochs read, worst run", RULE.max_epochs),
-                              ("mixture", "|realised - nominal| sequences, worst run", RULE.mixture_sequences),
-                              ("final_minus_best", "final - best validation loss, worst main run", RULE.final_minus_best)):
+    for label, limit in RULE_GUARDRAILS.values():
         for r in roots:
-            vals = guard[r.name][key]
-            worst = max(vals.values()) if vals else None
-            ok = worst is not None and worst <= limit
+            worst, ok = rule_checks(guard[r.name])[label]
             holds &= ok
             rule_rows.append([label, r.name, fmt(worst), str(limit), "yes" if ok else "**no**"])
     rule_table = markdown_table(["guardrail", "arm", "worst domain value", "limit", "holds"], rule_rows)
@@ -354,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     nat_table = markdown_table(["seed", "natural mean", "uniform mean", "difference", "worst-case difference",
                                 "domains better"], nat_rows) if nat_rows else "(no natural runs)\n"
 
+    ablations = ablation_section(args.runs, mains, weights, domains, natural, args.out, args.doc.parent)
     plot_weights(args.out / "weights.png", domains, weights, natural)
     curves = {"DoReMi": dcurve, "uniform": ucurve}
     nat_runs = [mains[r.name]["natural"] for r in roots if "natural" in mains[r.name]]
@@ -444,6 +581,11 @@ Device: one NVIDIA H200 (torch 2.11), all arms side by side; commit 02e4861. Com
     {info['command'].replace('/root/out', '$OUT')}
     # (three calls of the same command, each resuming the last: --deadline 540, 560, 580)
 
+The ablation arms ran later, at commit e34dfe0 (which adds checks and logs, not changes to what
+is trained), on the same corpus, in two calls of:
+
+    python3 experiments/doremi_real/run_study.py --out $OUT --work runs/doremi_real --arms eta0.1-s1,eta0.1-s2,natref-s1,natref-s2 --deadline 560
+
 ### Corpus (train/validation split of the stores)
 
 {corpus_table(manifest, natural)}
@@ -472,7 +614,8 @@ Reported, not part of the rule: the signal-to-noise of lambda and the concentrat
 
 ## Natural (proportional to each source's uncapped size), 2 seeds
 
-{nat_table}"""
+{nat_table}
+{ablations}"""
     args.doc.write_text(doc)
     print(f"verdict: {result}; {args.doc}")
     return 0
