@@ -262,3 +262,23 @@ def test_whitespace_only_domain_is_refused_by_name(tmp_path):
                                         r"whitespace-only documents\)$"):
         preprocess(cfg, progress=False)
     assert not (tmp_path / "stores" / "manifest.json").exists()
+
+
+def test_full_disk_during_a_metrics_append_names_the_file(tmp_path):
+    """metrics.jsonl is appended every step; a full disk there names the file like any other write."""
+    from trainer.metrics import JsonlWriter
+
+    writer = JsonlWriter(tmp_path / "metrics.jsonl")
+
+    class Full:
+        def write(self, _):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            pass
+
+    writer._f.close()
+    writer._f = Full()
+    with pytest.raises(OSError) as e:
+        writer.write({"step": 1})
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "metrics.jsonl"))

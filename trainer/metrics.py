@@ -51,8 +51,11 @@ class JsonlWriter:
         self._f = open(self.path, "a")
 
     def write(self, row: dict[str, Any]) -> None:
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(row) + "\n")
+            self._f.flush()
+        except OSError as e:  # a full disk: name the file (the CLI prints one line)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def close(self) -> None:
         self._f.close()
