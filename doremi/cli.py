@@ -20,7 +20,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from doremi.history import HistoryError
     from trainer.checkpoint import CheckpointError
     from trainer.configtools import ConfigError
-    from trainer.optim import OptimizerStateError
+    from trainer.optim.interface import OptimizerStateError
 
     return (ConfigError, DataError, DoReMiError, HistoryError, CheckpointError, OptimizerStateError)
 

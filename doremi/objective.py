@@ -26,7 +26,7 @@ from doremi.history import WeightHistory
 from doremi.update import domain_excess, domain_excess_sums, uniform_log_weights, update_weights
 from trainer.domains import domain_sums
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.pipeline import broadcast_from_last_stage
+from trainer.parallel.pipeline_schedule import broadcast_from_last_stage
 from trainer.step import StepStats
 from trainer.weighting import IGNORE_INDEX, LossWeighting, MeanTokenLoss
 

@@ -19,7 +19,7 @@ from doremi.errors import DoReMiError
 from trainer.checkpoint import checkpoint_fingerprint, load_checkpoint, resolve_checkpoint
 from trainer.config import TrainerConfig
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.pipeline import forward_only
+from trainer.parallel.pipeline_schedule import forward_only
 
 CACHE_VERSION = 2
 

@@ -31,7 +31,7 @@ from trainer.configtools import ConfigError, read_yaml
 from trainer.evaluate import evaluate_domains
 from trainer.feed import DataFeed
 from trainer.loop import Trainer
-from trainer.parallel.pipeline import forward_only
+from trainer.parallel.pipeline_schedule import forward_only
 
 
 def with_weights(cfg: ExperimentConfig, weights: Any) -> ExperimentConfig:

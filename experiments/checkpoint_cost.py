@@ -25,7 +25,7 @@ from doremi.config import ExperimentConfig
 from trainer import checkpoint
 from trainer.build import build_model, param_dtype
 from trainer.config import load_config
-from trainer.optim import build_optimizer
+from trainer.optim.build import build_optimizer
 from trainer.parallel.context import ParallelContext
 
 

@@ -1,4 +1,4 @@
-"""The bf16 parameter that `trainer.adamw_update.split_fp32` makes of an fp32 master, computed
+"""The bf16 parameter that `trainer.optim.adamw_update.split_fp32` makes of an fp32 master, computed
 another way: round to nearest, ties away from zero (torch's `.bfloat16()` breaks ties to even)."""
 
 from __future__ import annotations

@@ -35,12 +35,13 @@ from trainer.build import autocast, build_model, param_dtype
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.configtools import ConfigError
 from trainer.loop import Trainer
-from trainer.lr_schedule import lr_at
-from trainer.master_weights import MasterWeightAdamW
-from trainer.optim import ShardedOptimizer, build_optimizer
+from trainer.optim.lr_schedule import lr_at
+from trainer.optim.master_weights import MasterWeightAdamW
+from trainer.optim.sharded import ShardedOptimizer
+from trainer.optim.build import build_optimizer
 from trainer.metrics import read_jsonl
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data import grad_of
+from trainer.parallel.data_parallel import grad_of
 from trainer.plan import gpu_param_precision
 from trainer.weighting import IGNORE_INDEX
 
@@ -293,7 +294,7 @@ def test_frozen_reference_computes_as_its_run_trains(runs, stores, tmp_path, set
     without autocast, fp32 ones under it. Its losses equal those of the run's model loaded the
     same way (weights as saved, no optimizer)."""
     from doremi.reference import load_frozen
-    from trainer.parallel.pipeline import forward_only
+    from trainer.parallel.pipeline_schedule import forward_only
 
     cfg = config(stores, tmp_path / "run", *COMMON, *sets)
     pc = ParallelContext.single()

@@ -20,7 +20,7 @@ from tests.distributed import spawn
 from tests.test_zero_optim import (CPU, MAX_NORM, build_stage, dp_step, full_grads, full_tensors,
                                    stage_names, toy_specs, train_cfg)
 from trainer.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.optim import build_optimizer
+from trainer.optim.build import build_optimizer
 from trainer.parallel.clip import clip_grad_norm
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.shard import shard, unshard

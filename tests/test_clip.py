@@ -21,12 +21,12 @@ def test_squares_match_float64_on_bf16_views():
 
 @needs_triton
 def test_triton_sums_of_squares_match_float64_in_the_interpreter():
-    """`trainer.multi_tensor.sums_of_squares` (the CUDA path): tensors of several whole blocks and
+    """`trainer.optim.multi_tensor.sums_of_squares` (the CUDA path): tensors of several whole blocks and
     a partial one, exactly one block, less than one, bf16 and fp32; deterministic; a tensor at
     an unaligned address takes the foreach path."""
     run_interpreted("""
 import torch
-from trainer import multi_tensor as mt
+from trainer.optim import multi_tensor as mt
 from trainer.parallel import clip
 g = torch.Generator().manual_seed(0)
 B = mt.SQUARES_BLOCK

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.adamw_update import BLOCK, adamw_update, adamw_update_tensors, stacked_coefficients
-from trainer.multi_tensor import TensorBlocks
+from trainer.optim.adamw_update import BLOCK, adamw_update, adamw_update_tensors, stacked_coefficients
+from trainer.optim.multi_tensor import TensorBlocks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -19,7 +19,7 @@ def test_triton_update_on_grad_tensors_equals_the_compiled_flat_update():
     each one's masters equal torch AdamW's on fp32 copies, and the bf16 parameters are each
     one's rounding of its master."""
     from tests.bf16 import rounded_half_away
-    from trainer.adamw_update import join_fp32, split_fp32
+    from trainer.optim.adamw_update import join_fp32, split_fp32
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -126,7 +126,7 @@ def test_triton_rope_matches_the_compiled_torch_ops_at_the_bench_shape():
 
 @cuda
 def test_triton_sums_of_squares_match_float64_on_bf16_gradients():
-    from trainer.multi_tensor import SQUARES_BLOCK, sums_of_squares, uses_triton_squares
+    from trainer.optim.multi_tensor import SQUARES_BLOCK, sums_of_squares, uses_triton_squares
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -23,7 +23,7 @@ from doremi import stages
 from tests.runs import config
 from trainer import loop
 from trainer.loop import Trainer
-from trainer.master_weights import MasterWeightAdamW
+from trainer.optim.master_weights import MasterWeightAdamW
 
 #: aten ops that make the host wait for the device (or, for lift_fresh, copy host data to it).
 HOST_SYNC_OPS = {"aten._local_scalar_dense", "aten.lift_fresh", "aten.lift_fresh_copy", "aten.nonzero",

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from trainer.config import TrainConfig
-from trainer.lr_schedule import lr_at, warmup_steps
+from trainer.optim.lr_schedule import lr_at, warmup_steps
 
 # 100 steps, 6% warmup -> W = 6; the decay runs over steps 7..100, progress (s - 6) / 94.
 BASE = dict(steps=100, lr=1e-3, min_lr=1e-4, warmup_fraction=0.06)

@@ -1,4 +1,4 @@
-"""Mixed-precision AdamW (trainer.master_weights) against torch.optim.AdamW on fp32 copies."""
+"""Mixed-precision AdamW (trainer.optim.master_weights) against torch.optim.AdamW on fp32 copies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from tests.bf16 import rounded_half_away
 from tests.interpreter import needs_triton, run_interpreted
 from trainer.config import TrainConfig
-from trainer.master_weights import MasterWeightAdamW, MasterWeightStateError
+from trainer.optim.master_weights import MasterWeightAdamW, MasterWeightStateError
 from trainer.parallel.context import ParallelContext
 
 CFG = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
@@ -62,7 +62,7 @@ def test_split_and_join_hold_every_fp32_bit_and_round_half_away_from_zero():
     negatives): `join_fp32` gives back every bit `split_fp32` was given; the parameter is the
     round to nearest of the master, ties away from zero, so it differs from `.bfloat16()`
     (ties to even) exactly at the ties that round an even bf16 away."""
-    from trainer.adamw_update import join_fp32, split_fp32
+    from trainer.optim.adamw_update import join_fp32, split_fp32
 
     highs = torch.tensor([0x0000, 0x0001, 0x3F80, 0x3F81, 0x7F7F, 0x7F80], dtype=torch.int32)
     highs = torch.cat([highs, highs | -0x10000])  # the same with the sign bit set
@@ -108,9 +108,9 @@ def test_matches_torch_adamw_on_fp32_master_and_params_are_its_bf16_rounding(mic
 TRITON_CASE = textwrap.dedent("""
     import torch
     from tests.bf16 import rounded_half_away
-    from trainer import adamw_update as au
+    from trainer.optim import adamw_update as au
     from trainer.config import TrainConfig
-    from trainer.master_weights import MasterWeightAdamW
+    from trainer.optim.master_weights import MasterWeightAdamW
     from trainer.parallel.context import ParallelContext
 
     assert au.uses_triton(torch.device("cpu")), "triton is not importable"

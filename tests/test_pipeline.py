@@ -17,7 +17,7 @@ from torch import nn
 
 from tests.distributed import spawn
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.pipeline import (broadcast_from_last_stage, check_schedule, forward_only,
+from trainer.parallel.pipeline_schedule import (broadcast_from_last_stage, check_schedule, forward_only,
                                        train_schedule)
 from trainer.weighting import IGNORE_INDEX, MeanTokenLoss
 
@@ -203,7 +203,7 @@ def test_pp1_afab_with_forward_losses():
 
 def test_released_outputs_keep_backward_exact():
     """A stage output that its own last op saved (tanh) survives the release of its storage."""
-    from trainer.parallel.pipeline import _backward_released, _release
+    from trainer.parallel.pipeline_schedule import _backward_released, _release
     x = torch.randn(3, 4, requires_grad=True)
     out = torch.tanh(x * 2)
     want = torch.autograd.grad(torch.tanh(x * 2), x, torch.ones(3, 4))[0]

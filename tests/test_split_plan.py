@@ -11,8 +11,8 @@ import pytest
 
 from trainer.config import ModelConfig, ParallelismConfig, load_config
 from trainer.model.presets import PRESETS
-from trainer.parallel.split import (CostModel, bytes_per_param, min_max_split, split_counts,
-                                    split_layers)
+from trainer.parallel.cost_model import CostModel, bytes_per_param
+from trainer.parallel.stage_split import min_max_split, split_counts, split_layers
 from trainer.plan import GIB, format_plan, gpu_param_precision, plan_memory
 
 TINY = ModelConfig(**PRESETS["tiny"])  # h 64, f 128, 4 heads, 2 kv heads, d 16, vocab 256, 2 layers
@@ -83,7 +83,7 @@ def test_bf16_grads_are_persistent_fp32_main_grads_only_when_summed(micro_batche
     gradients; otherwise none, and the head's bf16 `.grad` in the last stage's transient."""
     import torch
     from trainer.config import TrainConfig
-    from trainer.master_weights import MasterWeightAdamW
+    from trainer.optim.master_weights import MasterWeightAdamW
     from trainer.parallel.context import ParallelContext
 
     cm = CostModel(model=TINY, dp=dp, micro_batches=micro_batches, param_precision="bf16")

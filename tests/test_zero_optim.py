@@ -21,10 +21,11 @@ from torch import nn
 
 from tests.distributed import spawn
 from trainer.config import TrainConfig
-from trainer.optim import OptimizerStateError, build_optimizer
+from trainer.optim.interface import OptimizerStateError
+from trainer.optim.build import build_optimizer
 from trainer.parallel.clip import clip_grad_norm
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data import partition_params
+from trainer.parallel.data_parallel import partition_params
 from trainer.parallel.shard import ShardSpec, set_shard_spec, shard
 
 D, V, LAYERS = 16, 32, 4

@@ -77,7 +77,7 @@ def stage_layers(cfg: TrainerConfig, device: torch.device) -> list[range]:
         return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
     if p.pp == 1:
         return [range(cfg.model.n_layers)]
-    from trainer.parallel.split import split_layers
+    from trainer.parallel.stage_split import split_layers
 
     return split_layers(cfg.model, p, micro_batch_size(cfg), cfg.data.seq_len, micro_batches=cfg.train.micro_batches,
                         param_precision=param_precision(cfg, device))
@@ -109,7 +109,7 @@ def param_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
 
 
 def param_precision(cfg: TrainerConfig, device: torch.device) -> str:
-    """`param_dtype` by the name the memory model uses (`trainer.parallel.split.BytesPerParam`)."""
+    """`param_dtype` by the name the memory model uses (`trainer.parallel.cost_model.BytesPerParam`)."""
     return "bf16" if param_dtype(cfg, device) == torch.bfloat16 else "fp32"
 
 

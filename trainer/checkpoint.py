@@ -61,7 +61,7 @@ import torch.distributed as dist
 import xxhash
 
 from data.atomic import atomic_path, atomic_write_text
-from trainer.optim import Optimizer
+from trainer.optim.interface import Optimizer
 from trainer.parallel.clip import is_tied_duplicate
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.shard import ShardSpec, get_shard_spec, shard, unshard

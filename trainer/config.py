@@ -86,7 +86,7 @@ class TrainConfig:
     # `auto`: bf16 autocast on CUDA (or with param_dtype bf16), fp32 on CPU.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # Parameter storage. bf16: bf16 parameters, fp32 main grads, fp32 master weights and AdamW
-    # moments (trainer.master_weights). `auto`: bf16 when the compute precision resolves to bf16
+    # moments (trainer.optim.master_weights). `auto`: bf16 when the compute precision resolves to bf16
     # and the optimizer is adamw, fp32 otherwise (trainer.build.param_dtype).
     param_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.pipeline import broadcast_from_last_stage, forward_only
+from trainer.parallel.pipeline_schedule import broadcast_from_last_stage, forward_only
 from trainer.weighting import IGNORE_INDEX
 
 

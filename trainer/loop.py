@@ -22,10 +22,10 @@ from trainer.configtools import ConfigError, dump_yaml, to_dict
 from trainer.evaluate import evaluate_domains, evaluate_domains_with_error
 from trainer.feed import DataFeed
 from trainer.hooks import FixedMixture, MixingHook
-from trainer.lr_schedule import lr_at
+from trainer.optim.lr_schedule import lr_at
 from trainer.metrics import MetricsLogger
 from trainer.model.flops import flops_per_token
-from trainer.optim import build_optimizer
+from trainer.optim.build import build_optimizer
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import sync_sequence_parallel_grads, sync_tied_grads
 from trainer import run_dir as rundir

@@ -1,7 +1,7 @@
 """Predicted memory per rank and pipeline stage before a run (`doremi plan`), and whether it fits.
 
 Every tp x dp rank of one stage holds the same amounts (ZeRO-1 shards differ by rounding only),
-so a stage's row is also its per-rank number. The formulas are `trainer.parallel.split`'s:
+so a stage's row is also its per-rank number. The formulas are `trainer.parallel.stage_split`'s:
 parameters by `BytesPerParam`, activations per block by `CostModel.layer_activation_bytes`,
 micro-batches in flight by the schedule. Not counted, and covered by `headroom`: the CUDA
 context, NCCL buffers, allocator fragmentation and the backward pass's gradient workspace.
@@ -16,7 +16,8 @@ import torch
 from trainer.build import param_precision
 from trainer.configtools import ConfigError
 from trainer.config import TrainerConfig
-from trainer.parallel.split import CostModel, StageMemory, explicit_split, ranges_from_counts, split_counts
+from trainer.parallel.cost_model import CostModel, StageMemory
+from trainer.parallel.stage_split import explicit_split, ranges_from_counts, split_counts
 
 GIB = 2 ** 30
 
@@ -82,7 +83,7 @@ def plan_memory(cfg: TrainerConfig, gpus: int, gpu_memory_gb: float, *, split: s
     "memory" by default, or "compute"). Micro-batch size = global_batch_size / (dp x
     micro_batches); sequence length = data.seq_len. `param_precision`: "fp32" (fp32 params
     under bf16 autocast) or "bf16" (bf16 params, fp32 main grads and master weights, the GPU
-    path by default: `gpu_param_precision`); see `trainer.parallel.split.BytesPerParam`."""
+    path by default: `gpu_param_precision`); see `trainer.parallel.cost_model.BytesPerParam`."""
     par, train = cfg.parallelism, cfg.train
     if gpus != par.world_size:
         raise ConfigError(f"--gpus: expected tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {par.world_size} "

@@ -1,6 +1,6 @@
 """One optimizer step over a global batch, under any (tp, pp, dp) layout.
 
-The order is fixed: micro-batch schedule (forwards/backwards, `trainer.parallel.pipeline`) ->
+The order is fixed: micro-batch schedule (forwards/backwards, `trainer.parallel.pipeline_schedule`) ->
 tp/tied gradient sync -> dp reduction (inside the optimizer, once per step) -> clipping over all
 groups -> update. The statistics returned are over the global batch and identical on every rank.
 """
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from trainer.domains import domain_sums
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.pipeline import broadcast_from_last_stage, train_schedule
+from trainer.parallel.pipeline_schedule import broadcast_from_last_stage, train_schedule
 from trainer.weighting import IGNORE_INDEX, LossWeighting
 
 

@@ -119,7 +119,7 @@ def attention(report: dict) -> None:
 
 def norm(report: dict) -> None:
     """The gradient's per-tensor sums of squares over 99 separate bf16 tensors at the 1B sizes
-    (as autograd leaves them): `_foreach_norm` against `trainer.multi_tensor.sums_of_squares`'s
+    (as autograd leaves them): `_foreach_norm` against `trainer.optim.multi_tensor.sums_of_squares`'s
     kernels for block sizes and warps; time per call."""
     import triton.language as tl
 
@@ -176,8 +176,8 @@ def update(report: dict) -> None:
     """The AdamW update at the 1B model's tensor sizes: inductor's flat kernel against the Triton
     kernel over per-parameter gradients for block sizes and warps (and an fp32 copy: the
     attainable bandwidth)."""
-    from trainer.adamw_update import adamw_update, stacked_coefficients, triton_kernel
-    from trainer.multi_tensor import TensorBlocks, launch, tensor_pointers
+    from trainer.optim.adamw_update import adamw_update, stacked_coefficients, triton_kernel
+    from trainer.optim.multi_tensor import TensorBlocks, launch, tensor_pointers
 
     dev = torch.device("cuda")
     shapes = [(VOCAB, D)] + [(3072, D), (D, D), (2 * FFN, D), (D, FFN), (D,), (D,)] * LAYERS + [(D,), (VOCAB, D)]

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_bench as sb  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
-from trainer.parallel.split import CostModel  # noqa: E402
+from trainer.parallel.cost_model import CostModel  # noqa: E402
 
 MIB = 2 ** 20
 

@@ -4,7 +4,7 @@ For each preset (the baseline's `1b` and `280m` = our `bench-1b` and `bench-280m
 micro-batch) it times, in this order:
 - baseline: ../shared/bench/plain_llama.py's model (bf16 weights, fused AdamW on bf16), compiled;
 - plain: our Llama (compiled: at tp = 1 the whole model with its head and cross entropy is one
-  graph), bf16 parameters with fp32 master weights (`trainer.master_weights`), `trainer.step.forward_backward` with the
+  graph), bf16 parameters with fp32 master weights (`trainer.optim.master_weights`), `trainer.step.forward_backward` with the
   mean-token weighting, clipping at 1.0, AdamW;
 - doremi-cached: the DoReMi proxy step (exact mode, `doremi.objective.DoReMiHook`) with reference
   losses from `doremi.reference.CachedReference` (a cache written for the bench);
@@ -56,7 +56,8 @@ from doremi.reference import CachedReference, OnlineReference, freeze  # noqa: E
 from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
 from data.config import DataConfig  # noqa: E402
 from trainer.build import autocast, param_dtype  # noqa: E402
-from trainer.optim import Optimizer, build_optimizer  # noqa: E402
+from trainer.optim.interface import Optimizer  # noqa: E402
+from trainer.optim.build import build_optimizer  # noqa: E402
 from trainer.model import layers, llama, rope  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402

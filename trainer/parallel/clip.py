@@ -7,15 +7,15 @@ all-reduce sums them over the world. A rank is responsible for a parameter when
   when pp > 1: its gradient was summed with the first stage's, which counts it),
 - it is tp-sharded (each tp rank holds a distinct slice), or replicated over tp and this is tp
   rank 0,
-- this is its dp owner (`trainer.parallel.data.get_dp_owner`, set by the optimizer; with ZeRO-1
+- this is its dp owner (`trainer.parallel.data_parallel.get_dp_owner`, set by the optimizer; with ZeRO-1
   only the owner holds the reduced gradient), or dp rank 0 when the parameter has no owner.
 The scale factor is applied to every gradient present on the rank, duplicates included, so
 what the optimizer uses is clipped. Semantics follow `torch.nn.utils.clip_grad_norm_`:
 coefficient min(1, max_norm / (norm + 1e-6)). Gradients are read through
-`trainer.parallel.data.grad_of` (the fp32 main grad where one exists). No host synchronisation.
+`trainer.parallel.data_parallel.grad_of` (the fp32 main grad where one exists). No host synchronisation.
 
 `global_grad_norm` and `clip_coefficient` are the two halves for an optimizer that applies the
-coefficient inside its own update (`trainer.master_weights`) instead of scaling in place.
+coefficient inside its own update (`trainer.optim.master_weights`) instead of scaling in place.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from trainer.multi_tensor import sums_of_squares, uses_triton_squares
+from trainer.optim.multi_tensor import sums_of_squares, uses_triton_squares
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data import get_dp_owner, grad_of
+from trainer.parallel.data_parallel import get_dp_owner, grad_of
 from trainer.parallel.shard import get_shard_spec
 
 TIED_EMBEDDING = "embed.weight"
@@ -77,7 +77,7 @@ def global_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], pc: Paral
 def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Each tensor's sum of squares, in fp32: [len(tensors)], accumulated in fp32 without an fp32
     copy of a bf16 gradient (4 bytes a parameter at once, at the step's end, where full
-    recompute has its peak). On CUDA `trainer.multi_tensor.sums_of_squares` (deterministic, at
+    recompute has its peak). On CUDA `trainer.optim.multi_tensor.sums_of_squares` (deterministic, at
     copy bandwidth); elsewhere `_foreach_norm`, which read the 1B model's bf16 gradients at
     about 2.3 TB/s on an H200 (experiments/PERFORMANCE.md)."""
     if uses_triton_squares(tensors):

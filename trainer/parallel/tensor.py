@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from trainer.parallel.buffer import GatherBuffer
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data import grad_of
+from trainer.parallel.data_parallel import grad_of
 from trainer.parallel.shard import ShardSpec, set_shard_spec
 from trainer.weighting import IGNORE_INDEX
 

@@ -1,83 +1,24 @@
-"""The optimizer of one rank: AdamW or Adafactor, plain data parallel or ZeRO-1, state by name.
-
-Two implementations behind one interface (`Optimizer`), chosen by `build_optimizer` from the
-resolved parameter dtype (`trainer.build.param_dtype`, train.param_dtype in the config):
-- fp32 parameters: `ShardedOptimizer` (here), a torch AdamW or Adafactor;
-- bf16 parameters: `trainer.master_weights.MasterWeightAdamW`, fp32 main grads, fp32 master
-  weights and moments, one fused update (AdamW only).
-Both shard their state over dp with ZeRO-1 by the same owner partition
-(`trainer.parallel.data.partition_params`), which is also what clipping counts by.
-
-Per step: `reduce_gradients()` (dp sum, once, after every micro-batch's backward and the tp/tied
-syncs; `step` calls it if the caller did not), `clip_grad_norm(max_norm)` (the global norm as a
-device tensor, `trainer.parallel.clip`), `step(lr)` (the update, then under ZeRO-1 the owners
-broadcast the updated parameters), `zero_grad()`.
-
-`ShardedOptimizer` wraps a torch optimizer over the parameters whose update this rank computes:
-all of them without ZeRO-1, the ones it owns with ZeRO-1 (`trainer.parallel.data`).
-
-Weight decay applies to matrices only, not to norms or biases (1-D parameters). AdamW is fused
-when the parameters are on CUDA, foreach otherwise. Adafactor is `torch.optim.Adafactor`
-(Shazeer & Stern 2018 as implemented in torch >= 2.5: relative step min(lr, 1/sqrt(t)) scaled by
-max(eps2, RMS(param)), factored second moment for >= 2-D parameters, no first moment); under
-tp > 1 its factored statistics and parameter RMS are those of the tp-local shard.
-
-`state_dict()` is keyed by parameter name, holding only this rank's state (the owned parameters
-under ZeRO-1), so a checkpoint can regroup it under any other layout. The AdamW keys ("step",
-"exp_avg", "exp_avg_sq") are torch's in both implementations; the bf16 one adds "master", so
-either loads the other's state (`trainer.checkpoint` moves the master into fp32 parameters,
-and fp32 parameters into the master).
-"""
+"""`ShardedOptimizer`: a torch AdamW or Adafactor over the parameters whose update this rank
+computes (all of them, or its ZeRO-1 share); the fp32-parameter optimizer of `trainer.optim`."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.nn import Parameter
 
 from trainer.config import TrainConfig
+from trainer.optim.interface import OptimizerStateError
+from trainer.optim.param_groups import decay_first, param_groups
 from trainer.parallel.clip import clip_grad_norm
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, broadcast_from_owners, partition_params, reduce_grads,
+from trainer.parallel.data_parallel import (DEFAULT_BUCKET_NUMEL, broadcast_from_owners, partition_params, reduce_grads,
                                    set_dp_owner)
 
 
-class OptimizerStateError(ValueError):
-    """An optimizer state that does not fit this optimizer: one line naming the parameter."""
-
-
-class Optimizer(Protocol):
-    """What the training loop and the checkpoints use of an optimizer."""
-
-    kind: str  # "adamw" | "adafactor": the state's format
-    zero1: bool  # the state is sharded over dp (each rank writes its own)
-    keeps_master: bool  # the state holds an fp32 "master" of each (lower-precision) parameter
-
-    def reduce_gradients(self) -> Any: ...
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor: ...
-    def step(self, lr: float | None = None) -> None: ...
-    def zero_grad(self) -> None: ...
-    def owned_names(self) -> list[str]: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, sd: dict[str, Any]) -> None: ...
-
-
-def _param_groups(named: Sequence[tuple[str, Parameter]], weight_decay: float) -> list[dict[str, Any]]:
-    decay = [p for _, p in named if p.ndim >= 2]
-    no_decay = [p for _, p in named if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
-def decay_first(named: Sequence[tuple[str, Parameter]]) -> list[tuple[str, Parameter]]:
-    """Matrices (weight decay) then vectors (none): the order of `_param_groups`, which is that
-    of the indices of torch's state_dict, and the two contiguous decay regions of a flat buffer."""
-    return [x for x in named if x[1].ndim >= 2] + [x for x in named if x[1].ndim < 2]
-
-
 def _torch_optimizer(named: Sequence[tuple[str, Parameter]], cfg: TrainConfig) -> torch.optim.Optimizer:
-    groups = _param_groups(named, cfg.weight_decay)
+    groups = param_groups(named, cfg.weight_decay)
     on_cuda = all(p.device.type == "cuda" for _, p in named)
     if cfg.optimizer == "adamw":
         accel = {"fused": True} if on_cuda else {"foreach": True}
@@ -191,20 +132,3 @@ class ShardedOptimizer:
         torch_sd = self.inner.state_dict()
         torch_sd["state"] = {i: dict(state[name]) for i, (name, _) in enumerate(self.local)}
         self.inner.load_state_dict(torch_sd)
-
-
-def build_optimizer(named_params: Sequence[tuple[str, Parameter]], cfg: TrainConfig, pc: ParallelContext,
-                    zero1: bool, param_dtype: torch.dtype = torch.float32,
-                    bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> Optimizer:
-    """The optimizer for this rank's trainable parameters (global names, tp-local tensors).
-    `param_dtype` bf16 turns the (fp32) parameters into bf16 views of the master-weight
-    optimizer's flat buffer; build it before anything else captures the parameters' storage."""
-    trainable = [(n, p) for n, p in named_params if p.requires_grad]
-    if param_dtype == torch.float32:
-        return ShardedOptimizer(trainable, cfg, pc, zero1, bucket_numel)
-    if param_dtype != torch.bfloat16:
-        raise ValueError(f"build_optimizer: parameters are trained in fp32 or bf16, got {param_dtype}")
-    # Imported here: trainer.master_weights builds on this module's helpers.
-    from trainer.master_weights import MasterWeightAdamW
-
-    return MasterWeightAdamW(trainable, cfg, pc, zero1=zero1, bucket_numel=bucket_numel)

@@ -13,14 +13,14 @@ make the optimizer state in a checkpoint per parameter, so it reshards by name.
 
 Main grads (Megatron-LM's `main_grad`): with bf16 parameters, summing micro-batch gradients in
 bf16 `.grad` rounds every partial sum to 8 mantissa bits. `attach_main_grad` gives a parameter
-an fp32 buffer (`trainer.master_weights` does, when the step sums gradients) that a
+an fp32 buffer (`trainer.optim.master_weights` does, when the step sums gradients) that a
 post-accumulate-grad hook fills after each backward (the first write of a step copies, later ones add) before
 dropping `.grad`. `grad_of` is the one accessor that every
 gradient consumer (these reductions, the tp/tied syncs, clipping) reads: the main grad where one
 is attached, `.grad` otherwise.
 
 Tensors that are consecutive views of one storage (the flat buffers of
-`trainer.master_weights`) are reduced and broadcast in place as one span of that storage, gaps
+`trainer.optim.master_weights`) are reduced and broadcast in place as one span of that storage, gaps
 included (there they are zero padding), instead of through a flattened copy.
 """
 

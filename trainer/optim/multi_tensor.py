@@ -1,7 +1,7 @@
 """One Triton kernel over a list of tensors (the gradients autograd left, one per parameter):
 each program covers one block of one tensor, found through a device table of the tensors'
 addresses. What torch's `_foreach` kernels do for their own ops (multi-tensor apply), for
-ours: the AdamW update (`trainer.adamw_update`) and the gradient's sums of squares
+ours: the AdamW update (`trainer.optim.adamw_update`) and the gradient's sums of squares
 (`sums_of_squares`, for `trainer.parallel.clip`).
 
 A kernel runs as two launches (`launch`): the blocks that lie wholly inside their tensor, whose

@@ -1,4 +1,4 @@
-"""The AdamW update of `trainer.master_weights`: fp32 master weights and moments in flat
+"""The AdamW update of `trainer.optim.master_weights`: fp32 master weights and moments in flat
 buffers, the bf16 parameters the master's top half. Two forms of one update, by where the
 gradients are:
 
@@ -7,7 +7,7 @@ gradients are:
 - `adamw_update_tensors`: the gradients where autograd left them, one `.grad` tensor per
   parameter (when nothing sums gradients, so a main-grad buffer would only be a copy: 4 bytes
   per parameter of traffic, 1.2 ms of a 1B step on an H200, and 2 bytes of memory). On CUDA one
-  Triton kernel covers every parameter (`trainer.multi_tensor`: whole blocks, then the partial
+  Triton kernel covers every parameter (`trainer.optim.multi_tensor`: whole blocks, then the partial
   last blocks): each program updates one block of one tensor, finding its gradient through a
   device table of the `.grad` addresses (rebuilt each step, copied from pinned memory, so no
   synchronisation). Elsewhere, or without Triton, the flat form per parameter. Few launches
@@ -37,7 +37,7 @@ from typing import Sequence
 
 import torch
 
-from trainer.multi_tensor import ADDRESS_ALIGN, TensorBlocks, aligned, launch, tensor_pointers, triton_runs_on
+from trainer.optim.multi_tensor import ADDRESS_ALIGN, TensorBlocks, aligned, launch, tensor_pointers, triton_runs_on
 
 #: Elements per Triton program (one tensor's block) and warps per program: the fastest of
 #: 512-4096 elements and 2-16 warps at the 1B sizes on an H200 (7.56 ms for 30.9 GB;

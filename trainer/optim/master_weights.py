@@ -1,7 +1,7 @@
 """Mixed-precision AdamW: bf16 model parameters, fp32 master weights and moments, fp32 main grads
 (Micikevicius et al. 2018, "Mixed Precision Training", with bf16 so no loss scaling; the layout of
 Megatron-LM's distributed optimizer, with ZeRO-1 at parameter granularity as `trainer.optim`).
-The trainer's path for bf16 compute with AdamW (train.param_dtype, `trainer.optim.build_optimizer`).
+The trainer's path for bf16 compute with AdamW (train.param_dtype, `trainer.optim.build.build_optimizer`).
 
 Why: fp32 parameters under bf16 autocast cast every weight to bf16 in each forward, turn every
 bf16 weight gradient into fp32 in backward and run AdamW over fp32 parameters: about 52 bytes
@@ -9,23 +9,23 @@ of memory traffic per parameter per step with clipping. Pure bf16 parameters upd
 (the plain baseline) are cheaper (14 bytes) but round every update to 8 mantissa bits, so small
 updates vanish. Here the model runs on bf16 parameters and the optimizer owns the fp32 truth:
 the low halves of the masters, an int16 remainder per parameter whose high half is the bf16
-parameter (`trainer.adamw_update.split_fp32`), so that a master costs 2 bytes instead of 4.
+parameter (`trainer.optim.adamw_update.split_fp32`), so that a master costs 2 bytes instead of 4.
 
 Layout: the trainable parameters become views into one flat bf16 buffer. When the step sums
-gradients (over micro-batches or ranks, `trainer.parallel.data.sums_gradients`) each also gets
-an fp32 main grad, a view into one flat fp32 buffer in the same order (`trainer.parallel.data.
+gradients (over micro-batches or ranks, `trainer.parallel.data_parallel.sums_gradients`) each also gets
+an fp32 main grad, a view into one flat fp32 buffer in the same order (`trainer.parallel.data_parallel.
 attach_main_grad`: after each micro-batch's backward the bf16 `.grad` is copied or added into it
 and dropped, so accumulation over micro-batches is in fp32); otherwise the update reads
-autograd's `.grad` where it lies (`trainer.adamw_update.adamw_update_tensors`). The order is by
+autograd's `.grad` where it lies (`trainer.optim.adamw_update.adamw_update_tensors`). The order is by
 dp owner (ZeRO-1; one group without it), within an owner matrices then vectors (the
 weight-decay groups of `trainer.optim`), each view 64-element aligned, so each owner's
 parameters are one contiguous span. The remainders and the AdamW moments exist for this rank's
 span only. Per step:
 - `reduce_gradients`: the main grads summed over dp in fp32, in place, span by span: to the
-  owner under ZeRO-1, to every rank without (`trainer.parallel.data.reduce_grads`);
+  owner under ZeRO-1, to every rank without (`trainer.parallel.data_parallel.reduce_grads`);
 - `clip_grad_norm`: the global L2 norm over the gradients (`trainer.parallel.clip`, each
   parameter counted on its owner) and the clip coefficient, both on device;
-- `step(lr)`: one fused elementwise kernel over this rank's span (`trainer.adamw_update`) that
+- `step(lr)`: one fused elementwise kernel over this rank's span (`trainer.optim.adamw_update`) that
   scales the gradient by the clip coefficient, applies torch.optim.AdamW's update (decoupled
   weight decay on matrices only, bias corrections) to the fp32 master it joins from parameter
   and remainder, and splits the result back into both; under ZeRO-1 the owners then broadcast
@@ -49,14 +49,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.nn import Parameter
 
-from trainer.adamw_update import (BLOCK, adamw_update, adamw_update_tensors, join_fp32, split_fp32,
+from trainer.optim.adamw_update import (BLOCK, adamw_update, adamw_update_tensors, join_fp32, split_fp32,
                                   stacked_coefficients, uses_triton)
 from trainer.config import TrainConfig
-from trainer.multi_tensor import TensorBlocks, aligned
-from trainer.optim import decay_first
+from trainer.optim.multi_tensor import TensorBlocks, aligned
+from trainer.optim.param_groups import decay_first
 from trainer.parallel.clip import clip_coefficient, global_grad_norm
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data import (DEFAULT_BUCKET_NUMEL, attach_main_grad, broadcast_from_owners, partition_params,
+from trainer.parallel.data_parallel import (DEFAULT_BUCKET_NUMEL, attach_main_grad, broadcast_from_owners, partition_params,
                                    reduce_grads, reset_main_grads, set_dp_owner, sums_gradients)
 
 
@@ -80,7 +80,7 @@ def _aligned_offsets(numels: Sequence[int], multiple: int = ALIGN_ELEMENTS) -> l
 class MasterWeightAdamW:
     """See the module docstring. Built from the model's fp32 parameters (their values are the
     masters), which it turns into bf16 views of its flat buffer (cast the module's other
-    floating tensors yourself if you want them in bf16). The `trainer.optim.Optimizer`
+    floating tensors yourself if you want them in bf16). The `trainer.optim.interface.Optimizer`
     interface; `zero1` shards the state over dp."""
 
     kind = "adamw"

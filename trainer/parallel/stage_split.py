@@ -1,0 +1,94 @@
+"""Which transformer blocks each pipeline stage owns: the one place that decides the split
+(`trainer.build.stage_layers` for runs, `trainer.plan` for plans), from the explicit
+`parallelism.pp_layers` or from the cost model (`trainer.parallel.cost_model`).
+
+`split_layers` picks contiguous blocks per stage minimising the largest per-stage cost, by
+dynamic programming over (stage, blocks used) - exact for that objective:
+- `compute`: cost = compute time (the usual balance, as nanotron's block compute costs);
+- `memory` (default): cost = (1 - w) C_p / C_ref + w M_p / M_ref, C and M the stage's
+  compute and peak memory, normalised by the mean stage of the compute-balanced split, so
+  both terms read 1.0 at that split. The first 1F1B stage holds pp micro-batches in flight
+  plus the embedding, so it gets fewer blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from trainer.config import ModelConfig, ParallelismConfig
+from trainer.parallel.cost_model import CostModel
+
+POLICIES = ("memory", "compute")
+
+
+def ranges_from_counts(counts: list[int]) -> list[range]:
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [range(s, s + n) for s, n in zip(starts, counts)]
+
+
+def min_max_split(n_blocks: int, stages: int, cost: Callable[[int, int], float]) -> list[int]:
+    """Blocks per stage (each >= 1, summing to n_blocks) minimising max_p cost(p, n_p); ties
+    broken by the smaller sum of squared costs. Dynamic programming, O(stages x n_blocks^2)."""
+    if not 1 <= stages <= n_blocks:
+        raise ValueError(f"parallelism.pp: expected 1 <= pp <= n_layers={n_blocks}, got {stages}")
+    table = [[cost(p, n) for n in range(n_blocks + 1)] for p in range(stages)]
+    # best[used] = (rounded max, sum of squares, counts) over the stages placed so far
+    best: dict[int, tuple[float, float, tuple[int, ...]]] = {0: (0.0, 0.0, ())}
+    for p in range(stages):
+        left_after = stages - p - 1
+        nxt: dict[int, tuple[float, float, tuple[int, ...]]] = {}
+        for used, (worst, squares, counts) in best.items():
+            for n in range(1, n_blocks - used - left_after + 1):
+                c = table[p][n]
+                cand = (_rounded(max(worst, c)), squares + c * c, counts + (n,))
+                key = used + n
+                if key not in nxt or cand[:2] < nxt[key][:2]:
+                    nxt[key] = cand
+        best = nxt
+    return list(best[n_blocks][2])
+
+
+def _rounded(x: float) -> float:
+    return float(f"{x:.12g}")
+
+
+def explicit_split(pp_layers: list[int], n_layers: int, pp: int) -> list[range]:
+    if len(pp_layers) != pp:
+        raise ValueError(f"parallelism.pp_layers: expected {pp} entries (one per stage), got {len(pp_layers)}")
+    if sum(pp_layers) != n_layers or min(pp_layers) < 1:
+        raise ValueError(f"parallelism.pp_layers: expected positive entries summing to model.n_layers="
+                         f"{n_layers}, got {pp_layers}")
+    return ranges_from_counts(list(pp_layers))
+
+
+def split_layers(model_cfg: ModelConfig, par_cfg: ParallelismConfig, micro_batch_size: int, seq_len: int,
+                 *, micro_batches: int | None = None, policy: str = "memory", memory_weight: float = 0.5,
+                 param_precision: str = "fp32") -> list[range]:
+    """Global block indices of each pipeline stage: `par_cfg.pp_layers` when given, else the
+    split minimising the largest per-stage cost under `policy` (see the module docstring).
+
+    `micro_batches` (per dp rank and step) bounds the micro-batches in flight; default pp."""
+    if par_cfg.pp_layers:
+        return explicit_split(par_cfg.pp_layers, model_cfg.n_layers, par_cfg.pp)
+    return ranges_from_counts(split_counts(
+        CostModel.from_config(model_cfg, par_cfg, micro_batch_size, seq_len, micro_batches, param_precision),
+        policy, memory_weight))
+
+
+def split_counts(cm: CostModel, policy: str = "memory", memory_weight: float = 0.5) -> list[int]:
+    if policy not in POLICIES:
+        raise ValueError(f"split policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+    if not 0.0 <= memory_weight <= 1.0:
+        raise ValueError(f"split memory_weight: expected a value in [0, 1], got {memory_weight}")
+    n, pp = cm.model.n_layers, cm.pp
+    balanced = min_max_split(n, pp, cm.stage_flops)
+    if policy == "compute" or memory_weight == 0.0:
+        return balanced
+    c_ref = sum(cm.stage_flops(p, k) for p, k in enumerate(balanced)) / pp
+    m_ref = sum(cm.stage_memory(p, k).total for p, k in enumerate(balanced)) / pp
+
+    def cost(p: int, k: int) -> float:
+        return ((1 - memory_weight) * cm.stage_flops(p, k) / c_ref
+                + memory_weight * cm.stage_memory(p, k).total / m_ref)
+
+    return min_max_split(n, pp, cost)
