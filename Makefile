@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 quickstart: install
-	$(VENV)/bin/doremi pipeline experiments/quickstart.yaml
+	$(VENV)/bin/doremi pipeline experiments/configs/quickstart.yaml
 
 test: install
 	$(PY) -m pytest -q -x --timeout=900 tests

@@ -57,7 +57,7 @@ class Encoder:
 
     def __enter__(self) -> "Encoder":
         # Byte encoding is a memcpy: shipping texts to workers costs more than it saves
-        # (experiments/PREPROCESS.md), so bytes always encode in this process.
+        # (experiments/notes/PREPROCESS.md), so bytes always encode in this process.
         if self.num_proc > 1 and self.tok.kind != "byte":
             # fork where the platform has it: no re-import of the caller's __main__ (scripts and
             # notebooks work without a main guard) and no start-up cost; children only tokenize.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "experiments" / "bench"
+BENCH = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "bench"
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def test_torchrun_data_parallel(stores, tmp_path):
 
 
 def test_plan_70b():
-    out = doremi("plan", "experiments/llama3_70b.yaml", "--gpus", "16", "--gpu-memory", "96")
+    out = doremi("plan", "experiments/configs/llama3_70b.yaml", "--gpus", "16", "--gpu-memory", "96")
     assert "tp4 x pp4 x dp1" in out
     assert "bf16 params, fp32 main grads" in out  # train.param_dtype auto, resolved for GPUs
     stage_rows = [l for l in out.splitlines() if l.strip()[:1].isdigit()]
@@ -73,7 +73,7 @@ def test_pipeline_under_torchrun(tmp_path):
             "--set", "pipeline.main.train.steps=4", "--set", "pipeline.baselines=[uniform]",
             "--set", "logging.progress=false", "--set", "checkpoint.every=0"]
     torchrun = [BIN / "torchrun", "--standalone", "--nproc_per_node=2", "-m", "doremi", "pipeline",
-                "experiments/quickstart.yaml", *args]
+                "experiments/configs/quickstart.yaml", *args]
     out = sh(*torchrun)
     assert "| **worst case**" in out and (run / "report.md").is_file()
     assert [len(alphas(run / "round1" / "proxy"))] == [6]

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments" / "doremi_real"))
+sys.path[:0] = [str(ROOT / "experiments" / "launch"), str(ROOT / "experiments" / "tools")]
 
-import run_study  # noqa: E402
-import summarize  # noqa: E402
+import doremi_real as run_study  # noqa: E402
+import doremi_real_summary as summarize  # noqa: E402
 
 
 def test_natural_weights_follow_uncapped_bytes(tmp_path):

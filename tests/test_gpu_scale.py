@@ -1,5 +1,5 @@
 """The GPU-scale experiment (issue 7): its config's model sizes and overrides, and the real
-`experiments/gpu_scale.sh` -> `experiments/gpu_scale_summary.py` path end to end at a tiny size
+`experiments/launch/gpu_scale.sh` -> `experiments/tools/gpu_scale_summary.py` path end to end at a tiny size
 on CPU (both seeds at once, a deadline stop and its resume), with the write-up's numbers checked
 against the runs' own files."""
 
@@ -20,9 +20,9 @@ from trainer.metrics import read_jsonl
 from trainer.model.flops import param_count
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "experiments" / "gpu_scale.yaml"
-SCRIPT = ROOT / "experiments" / "gpu_scale.sh"
-SUMMARY = ROOT / "experiments" / "gpu_scale_summary.py"
+CONFIG = ROOT / "experiments" / "configs" / "gpu_scale.yaml"
+SCRIPT = ROOT / "experiments" / "launch" / "gpu_scale.sh"
+SUMMARY = ROOT / "experiments" / "tools" / "gpu_scale_summary.py"
 MIXTURES = ("doremi", "uniform", "tokens")
 TINY = ["train.steps=6", "pipeline.main.train.steps=4", "train.eval_every=2", "train.eval_sequences=4",
         "logging.every=2", "data.seq_len=32", "data.num_proc=1",

@@ -1,6 +1,6 @@
 """A tiny model on the quickstart stores learns more than token frequencies: its validation loss
 on the real domains goes clearly below their unigram entropy (issue 3; the 2-minute figures are
-in experiments/FOUNDATION.md)."""
+in experiments/notes/FOUNDATION.md)."""
 
 from pathlib import Path
 
@@ -11,7 +11,7 @@ from doremi import stages
 from doremi.config import ExperimentConfig
 from trainer.config import load_config
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.yaml"
 
 
 def test_tiny_model_goes_below_unigram_entropy(tmp_path):

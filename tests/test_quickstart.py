@@ -12,7 +12,7 @@ from doremi.pipeline import Pipeline, run_pipeline
 from trainer.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+QUICKSTART = ROOT / "experiments" / "configs" / "quickstart.yaml"
 SMALL = ["train.steps=12", "train.eval_every=6", "train.eval_sequences=32", "logging.progress=false",
          "checkpoint.every=0", "pipeline.main.train.steps=8",
          "model.d_model=32", "model.n_layers=2", "model.ffn_dim=64",

@@ -1,4 +1,4 @@
-"""Tests of experiments/real_corpus/build.py against fixture packages built here (no network).
+"""Tests of experiments/tools/real_corpus.py against fixture packages built here (no network).
 
 A fake .deb (built with `dpkg-deb --build`, holding a nested .tar.xz like linux-source) and a
 fake npm .tgz are put in the download cache, so no package client is called; the recipe is
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-BUILD_PY = Path(__file__).resolve().parents[1] / "experiments" / "real_corpus" / "build.py"
+BUILD_PY = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "real_corpus.py"
 
 pytestmark = pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb")
 

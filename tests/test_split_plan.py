@@ -1,5 +1,5 @@
 """The stage-split cost model and the memory planner: hand-computed formulas, the exactness of
-the split search, and the Llama-3-70B plan at tp4 pp4 (experiments/PLAN_70B.md)."""
+the split search, and the Llama-3-70B plan at tp4 pp4 (experiments/notes/PLAN_70B.md)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_layer_activation_bytes_by_hand():
 
 
 def test_compiled_block_and_fused_head_by_hand():
-    """Compiled at tp = 1 (the terms measured on an H200 for bench-1b, experiments/PERFORMANCE.md)."""
+    """Compiled at tp = 1 (the terms measured on an H200 for bench-1b, experiments/notes/PERFORMANCE.md)."""
     model = ModelConfig(**{**PRESETS["tiny"], "compile": True})
     cm = CostModel.from_config(model, ParallelismConfig(), micro_batch_size=2, seq_len=16)
     assert cm.compiled and cm.fused_loss
@@ -152,15 +152,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _llama70b_config(dp: int = 1):
-    """experiments/llama3_70b.yaml (tp4 pp4, seq 8192, micro-batch 1, 64 micro-batches per dp
+    """experiments/configs/llama3_70b.yaml (tp4 pp4, seq 8192, micro-batch 1, 64 micro-batches per dp
     rank, selective recompute, sequence parallel), optionally with more data-parallel ranks."""
-    return load_config(ROOT / "experiments" / "llama3_70b.yaml",
+    return load_config(ROOT / "experiments" / "configs" / "llama3_70b.yaml",
                        [f"parallelism.dp={dp}", f"train.global_batch_size={64 * dp}"])
 
 
 @pytest.mark.parametrize("precision,memory_peak,compute_peak", [("bf16", 99.2, 109.8), ("fp32", 106.9, 118.3)])
 def test_llama70b_plan_tp4_pp4_on_16_gpus_of_96gb(precision, memory_peak, compute_peak):
-    """The numbers of experiments/PLAN_70B.md: bf16 parameters are what `doremi plan` plans on
+    """The numbers of experiments/notes/PLAN_70B.md: bf16 parameters are what `doremi plan` plans on
     GPUs by default (`gpu_param_precision`)."""
     cfg = _llama70b_config()
     assert gpu_param_precision(cfg) == "bf16"
@@ -216,6 +216,6 @@ def test_doremi_plan_predicts_the_split_the_trainer_builds(name, sets):
     from trainer.build import stage_layers
     from trainer.plan import gpu_param_precision
 
-    cfg = load_config(ROOT / "experiments" / name, sets, cls=ExperimentConfig)
+    cfg = load_config(ROOT / "experiments" / "configs" / name, sets, cls=ExperimentConfig)
     plan = plan_memory(cfg, cfg.parallelism.world_size, 80.0, param_precision=gpu_param_precision(cfg))
     assert [s.layers for s in plan.stages] == stage_layers(cfg, torch.device("cuda"))

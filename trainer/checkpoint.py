@@ -12,7 +12,7 @@ Layout of `RUN/checkpoints/step_0000042/`:
   rank, per parameter the optimizer file per tp rank, and every file's size and XXH3-64 hash.
 
 Integrity: each file's XXH3-64 hash (xxhash; about 10x the speed of zlib's CRC-32, which cost a
-quarter of the load time: experiments/CHECKPOINTS.md) is computed over its bytes as they are
+quarter of the load time: experiments/notes/CHECKPOINTS.md) is computed over its bytes as they are
 written (torch's own per-record zip CRC, which a memory-mapped load never checks, is turned off
 for these writes) and checked when a rank first reads the file. Loading checks
 the model config's architecture keys (`ARCH_KEYS`) and the parameter set both ways (names the
@@ -363,7 +363,7 @@ class _Reader:
     """Opens each checkpoint file at most once (memory-mapped), after checking its size and
     its hash: a corrupted file is refused before any of its tensors is used. Only the files
     this rank reads are checked. (Hashing on a worker thread during the load was slower: the
-    two passes compete for memory bandwidth; experiments/CHECKPOINTS.md.)"""
+    two passes compete for memory bandwidth; experiments/notes/CHECKPOINTS.md.)"""
 
     def __init__(self, ck: Path, meta: dict[str, Any]):
         self.ck, self.files, self.cache = ck, meta["files"], {}

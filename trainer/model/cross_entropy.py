@@ -10,7 +10,7 @@ call:
   keeping a running max and sum of exponentials per lane (online softmax, Milakov & Gimelshein
   2018), and saves the fp32 logsumexp (4 bytes per token). What inductor made of
   `F.cross_entropy(z.float())` read the 1B bench's 1 GiB of bf16 logits at 1.2 TB/s (0.87 ms
-  a step; experiments/PERFORMANCE.md);
+  a step; experiments/notes/PERFORMANCE.md);
 - backward: dz = g (softmax(z) - onehot(target)) from the logits and the saved logsumexp, one
   read and one write of the logits;
 - elsewhere (CPU, or no Triton), the same math in torch ops.

@@ -64,7 +64,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, scaling=None,
 #: SDPA backends on CUDA, fastest first: on Hopper cuDNN's fused attention runs the forward and
 #: backward faster than the FlashAttention-2 kernels torch ships; SDPA falls through the list to
 #: the first backend that supports the inputs (dtype, head dim, GQA), so correctness never depends
-#: on cuDNN. Measured in experiments/PERFORMANCE.md.
+#: on cuDNN. Measured in experiments/notes/PERFORMANCE.md.
 CUDA_SDPA_PRIORITY = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                       SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 

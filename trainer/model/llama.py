@@ -93,7 +93,7 @@ def compile_scope(compiled: bool, tp: int, recompute: str) -> str:
     - "stage" at tp = 1 unless full recompute: the whole stage as one graph, so that inductor
       fuses across block boundaries (a block's last residual add into the next block's
       RMSNorm, forward and backward) and sees the head with the blocks (1.063x -> 1.07x the
-      baseline at 1B on an H200, experiments/PERFORMANCE.md);
+      baseline at 1B on an H200, experiments/notes/PERFORMANCE.md);
     - "blocks" otherwise: each block's body its own graph, and at tp = 1 the head with the
       cross entropy. At tp > 1 the blocks hold collectives, between which each block is a
       graph; full recompute checkpoints each compiled block eagerly, because inside one graph

@@ -8,7 +8,7 @@ attention returns them) and writes the gradient of the whole projection, dv incl
 Why custom ops: inductor splits the same torch ops into five kernels per layer (the rotation of
 q, of k, the copy of v, and in backward the inverse rotations and the `cat` that assembles the
 projection's gradient), 2.78 ms of a 1B step on an H200; one Triton program per token that reads
-its row once and writes it once takes 1.57 ms (experiments/PERFORMANCE.md). The first timing of
+its row once and writes it once takes 1.57 ms (experiments/notes/PERFORMANCE.md). The first timing of
 these ops against inductor's (a single layer, wall time) was bound by host launch latency and
 looked slower; in the step the host runs ahead and only the kernels count. On the CPU, or
 without Triton, the ops run `rope_qkv_torch`.

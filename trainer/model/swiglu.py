@@ -6,7 +6,7 @@ is one custom op, `doremi::swiglu_backward`, so that `torch.compile` keeps it as
   gradient once and writes both halves of the input gradient, all in fp32 registers. That is
   the floor of 3 reads + 2 writes of f elements per token. What inductor makes of the same
   expression (a pointwise `cat` over the 2f output columns, each half masked) ran at 2.1 TB/s on
-  an H200, half the copy bandwidth: 10.2 ms of a 1B step (experiments/PERFORMANCE.md);
+  an H200, half the copy bandwidth: 10.2 ms of a 1B step (experiments/notes/PERFORMANCE.md);
 - elsewhere (CPU, or no Triton), the same math in torch ops.
 """
 

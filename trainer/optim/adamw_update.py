@@ -12,7 +12,7 @@ gradients are:
   device table of the `.grad` addresses (rebuilt each step, copied from pinned memory, so no
   synchronisation). Elsewhere, or without Triton, the flat form per parameter. Few launches
   matter: 99 launches of a compiled update (one per tensor of the 1B model) measured slower
-  than the copy they saved (experiments/PERFORMANCE.md, run 8).
+  than the copy they saved (experiments/notes/PERFORMANCE.md, run 8).
 
 Both compute torch.optim.AdamW's update (Loshchilov & Hutter 2019: decoupled weight decay,
 bias corrections) on the master with gradient `grad * grad_scale`, weight decay on the first
@@ -41,7 +41,7 @@ from trainer.optim.multi_tensor import ADDRESS_ALIGN, TensorBlocks, aligned, lau
 
 #: Elements per Triton program (one tensor's block) and warps per program: the fastest of
 #: 512-4096 elements and 2-16 warps at the 1B sizes on an H200 (7.56 ms for 30.9 GB;
-#: `micro_bench.py --sections update`, experiments/PERFORMANCE.md).
+#: `micro_bench.py --sections update`, experiments/notes/PERFORMANCE.md).
 BLOCK = 1024
 NUM_WARPS = 8
 

@@ -8,7 +8,7 @@ A kernel runs as two launches (`launch`): the blocks that lie wholly inside thei
 loads and stores the compiler can vectorise (it is told that block starts, buffer offsets and
 the tensors' addresses are aligned), and each tensor's partial last block, masked. In one
 launch with a runtime mask every element was its own 2- or 4-byte access: the AdamW update ran
-6% below inductor's kernel for the same bytes (experiments/PERFORMANCE.md).
+6% below inductor's kernel for the same bytes (experiments/notes/PERFORMANCE.md).
 """
 
 from __future__ import annotations

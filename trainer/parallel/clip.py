@@ -79,7 +79,7 @@ def squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     copy of a bf16 gradient (4 bytes a parameter at once, at the step's end, where full
     recompute has its peak). On CUDA `trainer.optim.multi_tensor.sums_of_squares` (deterministic, at
     copy bandwidth); elsewhere `_foreach_norm`, which read the 1B model's bf16 gradients at
-    about 2.3 TB/s on an H200 (experiments/PERFORMANCE.md)."""
+    about 2.3 TB/s on an H200 (experiments/notes/PERFORMANCE.md)."""
     if uses_triton_squares(tensors):
         return sums_of_squares(tensors)
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()

@@ -199,7 +199,7 @@ class CostModel:
         12 h + 4 g d + 6 f per token at t = 1, i.e. 33.5 h for Llama-3-70B.
 
         Compiled blocks at t = 1 (`compiled`): inductor's partitioner picks what to keep, read
-        from the allocator on an H200 (experiments/PERFORMANCE.md, `profile_step.py`):
+        from the allocator on an H200 (experiments/notes/PERFORMANCE.md, `profile_step.py`):
           none:      B (6 h + 2 g d + 3 f) + 4 a + 8   the eager set less one normalised input
                                                      (recomputed from its block input), plus the
                                                      attention output in SDPA's layout besides
