@@ -41,9 +41,6 @@ class PackedDomains:
             return 0
         return -(-n // self.seq_len) if self.pad_last else n // self.seq_len
 
-    def sequence_counts(self) -> list[int]:
-        return [self.num_sequences(d) for d in range(self.num_domains)]
-
     def sequence(self, domain_index: int, i: int) -> np.ndarray:
         """seq_len + 1 tokens as int64 (PAD after the end of a padded last sequence)."""
         count = self.num_sequences(domain_index)

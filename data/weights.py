@@ -7,7 +7,6 @@ read as 1 or 0.5, since a mixture typed wrongly must not train silently on somet
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 from pathlib import Path
@@ -17,8 +16,12 @@ import numpy as np
 
 from data.errors import DataError
 from data.store import Manifest
+from data.weights_file import read_mixture_file
 
 WHERE = "data.domain_weights"
+
+#: The mixtures named by a word rather than given as numbers or a weights file.
+NAMED_MIXTURES = ("uniform", "tokens")
 
 
 def is_number(value: Any) -> bool:
@@ -71,45 +74,32 @@ def _by_name(mapping: dict[str, Any], domains: list[str], where: str) -> list[An
     return [mapping[d] for d in domains]
 
 
-def parse_weights_file(path: str | Path, where: str = WHERE) -> dict[str, float]:
-    """A weights JSON `{"domains": [...], "weights": [...], ...}` -> domain -> weight, checked
-    for form (names unique strings, weights finite numbers >= 0, not all zero) but not yet
-    against the stores' domains."""
+def mixture_from_file(path: str | Path, where: str = WHERE) -> dict[str, float]:
+    """A weights file named as a mixture -> domain -> weight, checked for form and numbers
+    (finite, >= 0, not all zero) but not yet against the stores' domains."""
+    names, values = read_mixture_file(path, where)
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{where}: weights file {p} not found")
-    try:
-        raw = json.loads(p.read_text())
-        names, values = raw["domains"], raw["weights"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{p}: expected JSON with 'domains' and 'weights' lists ({type(e).__name__}: {e})") from None
-    if not isinstance(names, list) or not isinstance(values, list) or len(names) != len(values):
-        raise DataError(f"{p}: 'domains' and 'weights' must be lists of equal length")
-    if not all(isinstance(n, str) for n in names):
-        raise DataError(f"{p}: domains: expected names (strings), got {names!r}")
-    if len(set(names)) != len(names):
-        raise DataError(f"{p}: a domain is named twice in 'domains'")
     check_numbers(values, f"{p}: weights", names)
     check_weights(values, names, str(p))
     return dict(zip(names, values))
 
 
-def read_weights_file(path: str | Path, domains: list[str], where: str = WHERE) -> np.ndarray:
-    """A weights JSON `{"domains": [...], "weights": [...], ...}`, matched to `domains` by name."""
+def weights_from_file(path: str | Path, domains: list[str], where: str = WHERE) -> np.ndarray:
+    """A weights file named as a mixture, matched to `domains` by name."""
     p = Path(path)
-    return check_weights(_by_name(parse_weights_file(p, where), domains, str(p)), domains, str(p))
+    return check_weights(_by_name(mixture_from_file(p, where), domains, str(p)), domains, str(p))
 
 
 def check_spec(spec: Any, domains: list[str] | None, where: str = WHERE) -> None:
     """Check a weights value before any work: its form always, its domains when known (from
     the config, or the stores). `tokens` needs the stores' counts, so only its name is checked."""
     if isinstance(spec, str):
-        if spec in ("uniform", "tokens"):
+        if spec in NAMED_MIXTURES:
             return
         if domains is None:
-            parse_weights_file(spec, where)
+            mixture_from_file(spec, where)
         else:
-            read_weights_file(spec, domains, where)
+            weights_from_file(spec, domains, where)
     elif isinstance(spec, dict):
         check_numbers(spec, where)
         if domains is None:
@@ -134,7 +124,7 @@ def resolve_weights(spec: str | list[float] | dict[str, float], manifest: Manife
             return check_weights(np.ones(len(domains)), domains, where)
         if spec == "tokens":
             return check_weights([d.train.tokens for d in manifest.domains], domains, where)
-        return read_weights_file(spec, domains, where)
+        return weights_from_file(spec, domains, where)
     if isinstance(spec, dict):
         check_numbers(spec, where)
         return check_weights(_by_name(spec, domains, where), domains, where)

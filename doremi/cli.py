@@ -1,28 +1,19 @@
 """`doremi <stage> CONFIG.yaml [--set a.b=value ...]`, the same under torchrun.
 
-Errors in the input, and operating-system errors (permission denied, no space left, a path
-under a file, a read-only file system), are one line on stderr naming the key, path or device
-and the cause, with exit status 2 (`--debug` shows the traceback). Under torchrun only rank 0
-prints it; the other ranks exit with the same status, quietly."""
+Errors in the input (`data.errors.UserError`, whichever layer raised it), and operating-system
+errors (permission denied, no space left, a path under a file, a read-only file system), are one
+line on stderr naming the key, path or device and the cause, with exit status 2 (`--debug` shows
+the traceback). Under torchrun only rank 0 prints it; the other ranks exit with the same status,
+quietly."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from data.errors import DataError
-    from doremi.errors import DoReMiError
-    from doremi.history import HistoryError
-    from trainer.checkpoint import CheckpointError
-    from trainer.configtools import ConfigError
-    from trainer.optim.interface import OptimizerStateError
-
-    return (ConfigError, DataError, DoReMiError, HistoryError, CheckpointError, OptimizerStateError)
+from data.errors import UserError
+from trainer.parallel.launch_env import is_launch_main
 
 
 def describe_os_error(e: OSError) -> str:
@@ -35,7 +26,7 @@ def describe_os_error(e: OSError) -> str:
 
 
 def _report(command: str, message: str) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not is_launch_main():
         return  # one copy of the error, from rank 0; the others' exit status says they stopped
     for line in message.splitlines() or [""]:
         print(f"doremi {command}: error: {line}", file=sys.stderr)
@@ -61,7 +52,7 @@ def cmd_preprocess(args):
     from data.preprocess import preprocess
 
     cfg = _config(args)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not is_launch_main():
         return  # under torchrun, one process builds the stores
     manifest = preprocess(cfg.data, force=args.force)
     print(f"stores in {cfg.data.store_dir}: {len(manifest.domains)} domains")
@@ -71,7 +62,7 @@ def _guard(cfg, kind: str, command: str) -> None:
     """A finished stage's guardrail findings, one line each on stderr (rank 0)."""
     from doremi.guardrails import check_run, print_findings
 
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_launch_main():
         print_findings(check_run(cfg.train.run_dir, kind, cfg.pipeline.guardrails), prefix=f"doremi {command}")
 
 
@@ -117,7 +108,7 @@ def cmd_eval(args):
     from doremi import stages
 
     domains, losses = stages.evaluate(args.checkpoint, args.set)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_launch_main():
         _print_losses(domains, losses)
 
 
@@ -190,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except _user_errors() as e:
+    except UserError as e:
         if args.debug:
             raise
         _report(args.command, str(e))

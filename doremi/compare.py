@@ -9,7 +9,6 @@ says how much the mean would move with other seeds.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Sequence
 from data.atomic import atomic_write_text
 from doremi.errors import DoReMiError
 from doremi.report import _save, domains_better, markdown_table, speedup, steps_to_target
+from doremi.stage_markers import eval_result
 from trainer.metrics import read_jsonl
 
 COMPARE_MD = "compare.md"
@@ -99,9 +99,8 @@ def read_main_run(run: Path) -> MainRun | None:
     curve from its validation rows. None when it has neither."""
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if isinstance(r.get("val_loss"), dict)]
     curve = [(int(r["step"]), sum(r["val_loss"].values()) / len(r["val_loss"])) for r in rows]
-    marker = run / "eval.json.stage.json"
-    if marker.is_file():
-        result = json.loads(marker.read_text())["result"]
+    result = eval_result(run)
+    if result is not None:
         return MainRun(list(result["domains"]), [float(x) for x in result["val_loss"]], curve)
     if rows:
         return MainRun(list(rows[-1]["val_loss"]), [float(x) for x in rows[-1]["val_loss"].values()], curve)

@@ -12,7 +12,7 @@ from trainer.configtools import ConfigError
 
 @dataclass
 class DoReMiConfig:
-    """DoReMi (Xie et al. 2023, Algorithm 1). DESIGN.md section 4 states every choice."""
+    """DoReMi (Xie et al. 2023, Algorithm 1). docs/design.md section 4 states every choice."""
 
     eta: float = 1.0
     smoothing: float = 1e-3
@@ -53,7 +53,7 @@ class DoReMiConfig:
 
 @dataclass
 class GuardrailConfig:
-    """Thresholds of the per-domain checks of doremi/guardrails.py (DESIGN.md section 4b).
+    """Thresholds of the per-domain checks of doremi/guardrails.py (docs/design.md section 4b).
 
     A run outside them still finishes; its verdict is then about its regime (memorised tiny
     domains, a sampler that skipped a domain, a proxy far behind its reference), not about the

@@ -1,4 +1,4 @@
-"""Guardrails: per-domain checks that a run's regime supports a verdict (DESIGN.md section 4b).
+"""Guardrails: per-domain checks that a run's regime supports a verdict (docs/design.md section 4b).
 
 A mixture comparison is meaningless when the reference memorised its tiny domains (its excess
 loss then measures the proxy's memory gap, not learnability), when the sampler did not draw what

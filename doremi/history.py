@@ -1,4 +1,4 @@
-"""The proxy's per-step domain-weight log (`domain_weights.jsonl`) and the tuned weights file.
+"""The proxy's per-step domain-weight log (`domain_weights.jsonl`) and its average.
 
 One JSON object per step: `step`, `domains`, `weights` (alpha_t), `excess` (lambda_t),
 `proxy_loss`, `ref_loss` (per-domain mean losses) and `tokens` (per-domain token counts of the
@@ -6,15 +6,13 @@ global batch). Lines are flushed as written, so a crash loses at most the line b
 a torn last line (no newline) is ignored on read and dropped on resume.
 
 The tuned weights are the mean of alpha_t over t = 1..T (Xie et al. 2023, Algorithm 1, output
-step), written with their provenance as `{"domains": [...], "weights": [...], ...}`.
+step); `data.weights_file` writes them with their provenance.
 Only one process (global rank 0) should own a `WeightHistory`.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import math
 import operator
 import os
 from pathlib import Path
@@ -23,12 +21,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from data.atomic import atomic_write_text
+from data.errors import DataError, UserError
+from data.weights_file import read_weights_file, write_weights_file
 
 HISTORY_FILE = "domain_weights.jsonl"
 PER_DOMAIN_FIELDS = ("weights", "excess", "proxy_loss", "ref_loss", "tokens")
 
 
-class HistoryError(ValueError):
+class HistoryError(UserError, ValueError):
     """A malformed or inconsistent weight history or weights file (one line: file, what, got)."""
 
 
@@ -176,48 +176,19 @@ def average_weights(history: Sequence[Mapping[str, Any]], from_step: int = 1) ->
     return mean / mean.sum()
 
 
-def _check_distribution(path: Path, w: Sequence[Any]) -> None:
-    ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in w)
-    if not ok or abs(sum(w) - 1.0) > 1e-6:
-        raise HistoryError(f"{path}: weights: expected finite non-negative numbers summing to 1, "
-                           f"got {list(w)}")
-
-
 def write_weights_json(path: str | os.PathLike, domains: Sequence[str], weights: Any,
                        provenance: Mapping[str, Any]) -> Path:
-    """Write `{"domains": [...], "weights": [...], **provenance}` atomically.
-
-    `provenance` records where the weights come from (e.g. `source`, `steps`, `eta`,
-    `smoothing`); `created` (UTC, ISO 8601) is added when absent.
-    """
-    path = Path(path)
-    domains = list(domains)
-    w = _as_list("weights", weights, len(domains))
-    _check_distribution(path, w)
-    clash = {"domains", "weights"} & set(provenance)
-    if clash:
-        raise HistoryError(f"{path}: provenance must not set {sorted(clash)}")
-    doc: dict[str, Any] = {"domains": domains, "weights": w, **provenance}
-    doc.setdefault("created", datetime.datetime.now(datetime.timezone.utc)
-                   .isoformat(timespec="seconds"))
-    atomic_write_text(path, json.dumps(doc, indent=2) + "\n")
-    return path
+    """`data.weights_file.write_weights_file` under the name, and with the error class
+    (HistoryError), that the package's API has always given it."""
+    try:
+        return write_weights_file(path, domains, weights, provenance)
+    except DataError as e:
+        raise HistoryError(str(e)) from None
 
 
 def read_weights_json(path: str | os.PathLike) -> dict[str, Any]:
-    """The document written by `write_weights_json`, with its domains and weights checked."""
-    path = Path(path)
+    """`data.weights_file.read_weights_file` under the package API's name and error class."""
     try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise HistoryError(f"{path}: weights file not found") from None
-    except json.JSONDecodeError as e:
-        raise HistoryError(f"{path}: expected a JSON object, got invalid JSON ({e.msg})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("domains"), list) \
-            or not isinstance(doc.get("weights"), list):
-        raise HistoryError(f"{path}: expected an object with lists 'domains' and 'weights'")
-    if len(doc["domains"]) != len(doc["weights"]):
-        raise HistoryError(f"{path}: weights: expected {len(doc['domains'])} values (one per "
-                           f"domain), got {len(doc['weights'])}")
-    _check_distribution(path, doc["weights"])
-    return doc
+        return read_weights_file(path)
+    except DataError as e:
+        raise HistoryError(str(e)) from None

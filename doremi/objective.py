@@ -1,5 +1,5 @@
 """DoReMi as a trainer hook: Group DRO over domains on the excess loss over a reference
-(Xie et al. 2023, Algorithm 1; DESIGN.md section 4).
+(Xie et al. 2023, Algorithm 1; docs/design.md section 4).
 
 Each step t, over the global batch (all dp ranks and micro-batches):
   lambda_t[i] = sum_{tokens of domain i} max(l_proxy - l_ref, 0) / n_i
@@ -28,7 +28,8 @@ from trainer.domains import domain_sums
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import broadcast_from_last_stage
 from trainer.step import StepStats
-from trainer.weighting import IGNORE_INDEX, LossWeighting, MeanTokenLoss
+from data.batch import IGNORE_INDEX
+from trainer.weighting import LossWeighting, MeanTokenLoss
 
 
 class _ExactWeighting:

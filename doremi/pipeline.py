@@ -2,17 +2,17 @@
 main runs (DoReMi weights and baselines) -> per-domain eval -> report.
 
 Each stage writes `stage.started.json` (its config fingerprint) when it starts and `stage.json`
-when it completes; a stage whose output exists for an unchanged config is skipped, one whose
-config changed is redone from scratch (finished or not), and one interrupted mid-way under the
-same config resumes from its last checkpoint. The pipeline holds its run directory's lock
-(trainer/run_dir.py) for its life, and each training stage's directory while it runs.
+when it completes (`doremi.stage_markers`); a stage whose output exists for an unchanged config
+is skipped, one whose config changed is redone from scratch (finished or not), and one
+interrupted mid-way under the same config resumes from its last checkpoint. The pipeline holds
+its run directory's lock (trainer/run_dir.py) for its life, and each training stage's directory
+while it runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import os
 import time
@@ -21,13 +21,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from data.atomic import atomic_write_text
+from data.weights_file import WEIGHTS_FILE, copy_weights_file, read_weights_file
 from doremi import stages
 from doremi.config import ExperimentConfig
+from doremi.fingerprint import fingerprint, store_fingerprint
+from doremi.main_runs import mixtures
+from doremi.stage_markers import (EVAL_OUTPUT, done_marker, read_marker, remove_marker_temps, started_marker,
+                                  write_done, write_started)
+from doremi.summary import summarize
 from doremi.validate import validate_pipeline
 from trainer import run_dir as rundir
-from trainer.configtools import apply_overrides, from_dict, read_yaml, to_dict
+from trainer.configtools import apply_overrides, from_dict, read_yaml
 from trainer.config import apply_preset
+from trainer.parallel.launch_env import is_launch_main, launch_world_size
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -40,70 +46,11 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _dependency(value: Any) -> str | None:
-    """The content a config value points at (a weights file, a finished stage), so that a stage
-    is redone when what it reads changed even though its config did not."""
-    if not isinstance(value, str):
-        return None
-    p = Path(value)
-    if p.is_file():
-        return p.read_text()
-    if (p / "stage.json").is_file():
-        return (p / "stage.json").read_text()
-    return None
-
-
-def fingerprint(cfg: ExperimentConfig) -> str:
-    raw = to_dict(cfg)
-    raw.pop("logging", None)
-    raw.pop("pipeline", None)
-    for key in ("rounds", "rounds_tolerance"):  # how many rounds run does not change any one round
-        raw["doremi"].pop(key, None)
-    deps = [_dependency(v) for v in (cfg.data.domain_weights, cfg.doremi.reference_weights, cfg.doremi.reference)]
-    blob = json.dumps([raw, deps], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-#: `data` keys that change how batches are drawn from the stores, not the stores' bytes.
-SAMPLING_KEYS = ("seed", "domain_weights", "seq_len", "num_proc", "holdout_sequences")
-
-
-def store_fingerprint(cfg: ExperimentConfig) -> str:
-    """The preprocess stage's fingerprint: the data section without SAMPLING_KEYS."""
-    raw = {k: v for k, v in to_dict(cfg.data).items() if k not in SAMPLING_KEYS}
-    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def mixtures(weights_path: str | os.PathLike, baselines: list[str]) -> dict[str, str]:
-    """Main-run name -> `data.domain_weights` value: DoReMi's weights file, then the baselines
-    (`uniform`, `tokens`, or a weights JSON named by its file stem)."""
-    mix = {"doremi": str(weights_path)}
-    for b in baselines:
-        mix[Path(b).stem if b not in ("uniform", "tokens") else b] = b
-    return mix
-
-
-def is_main_rank() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def barrier() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def started_marker(marker: Path) -> Path:
-    """`stage.json` -> `stage.started.json`, `eval.json.stage.json` -> `eval.json.stage.started.json`."""
-    return marker.with_name(marker.name.removesuffix(".json") + ".started.json")
-
-
-def remove_marker_temps(root: Path) -> None:
-    """Temp files of stage markers whose atomic write a kill cut short."""
-    if root.is_dir():
-        for tmp in root.rglob(".*stage*.json.*.tmp"):
-            tmp.unlink(missing_ok=True)
 
 
 class Pipeline:
@@ -114,9 +61,9 @@ class Pipeline:
         self.p = self.cfg.pipeline
         self.root = Path(self.p.run_dir)
         validate_pipeline(self)  # every stage's config, weights file and baseline, before any work
-        self.say = say or (lambda msg: print(msg, flush=True) if is_main_rank() else None)
+        self.say = say or (lambda msg: print(msg, flush=True) if is_launch_main() else None)
         self._t0 = time.perf_counter()
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if launch_world_size() > 1:
             # Under torchrun: one process group for the whole pipeline, so that the stages'
             # file-system work is done by rank 0 alone and the others wait for it.
             from trainer.build import init_parallel
@@ -140,36 +87,35 @@ class Pipeline:
         """Run `fn` unless `out` holds its result for fingerprint `fp` (default: the whole
         config's). `clean`: remove a stale output before redoing it. `main_only`: `fn` only
         touches files, so rank 0 runs it while the other ranks wait."""
-        marker = out / "stage.json" if out.suffix == "" else out.with_name(out.name + ".stage.json")
+        marker = done_marker(out)
         started = started_marker(marker)
         fp = fp or fingerprint(cfg)
         stale = False
         if marker.is_file():
-            done = json.loads(marker.read_text())
+            done = read_marker(marker)
             if done.get("fingerprint") == fp:
                 self.say(f"[{self._elapsed()}] {name}: done already ({out}), skipped")
                 return done.get("result")
             self.say(f"[{self._elapsed()}] {name}: config changed, redoing")
             stale = True
-        elif started.is_file() and json.loads(started.read_text()).get("fingerprint") != fp:
+        elif started.is_file() and read_marker(started).get("fingerprint") != fp:
             self.say(f"[{self._elapsed()}] {name}: interrupted under another config, redoing from scratch")
             stale = True
         with contextlib.ExitStack() as stack:
             if clean and out.suffix == "":
-                rundir.on_rank0(lambda: stack.enter_context(rundir.locked(out)), is_main_rank())
-            if stale and is_main_rank():
+                rundir.on_rank0(lambda: stack.enter_context(rundir.locked(out)), is_launch_main())
+            if stale and is_launch_main():
                 marker.unlink(missing_ok=True)  # another pipeline sharing the stage may have gone first
                 if clean and out.is_dir():
                     rundir.clear(out)
             barrier()
-            if is_main_rank():
-                atomic_write_text(started, json.dumps({"stage": name, "fingerprint": fp}))
+            if is_launch_main():
+                write_started(marker, name, fp)
             self.say(f"[{self._elapsed()}] {name} ...")
-            result = fn() if is_main_rank() or not main_only else None
+            result = fn() if is_launch_main() or not main_only else None
             barrier()
-            if is_main_rank():
-                atomic_write_text(marker, json.dumps({"stage": name, "fingerprint": fp, "result": result}))
-                started.unlink(missing_ok=True)
+            if is_launch_main():
+                write_done(marker, name, fp, result)
             barrier()
         return result
 
@@ -180,8 +126,8 @@ class Pipeline:
     # -- the stages ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
-            rundir.on_rank0(lambda: stack.enter_context(rundir.locked(self.root)), is_main_rank())
-            if is_main_rank():
+            rundir.on_rank0(lambda: stack.enter_context(rundir.locked(self.root)), is_launch_main())
+            if is_launch_main():
                 remove_marker_temps(self.root)
             barrier()
             return self._run()
@@ -215,7 +161,7 @@ class Pipeline:
         found = [f for m in measures for f in findings(m, self.p.guardrails)]
         if self.p.strict and not main and warnings(found):
             raise GuardrailError(warnings(found))
-        if is_main_rank():
+        if is_launch_main():
             self.say(f"[{self._elapsed()}] guardrails ({'main runs' if main else 'reference and proxy'}): "
                      f"{len(warnings(found))} warnings")
             print_findings(found, prefix="doremi pipeline")
@@ -224,7 +170,7 @@ class Pipeline:
     def tune_weights(self) -> Path:
         ref_weights: Any = self.cfg.doremi.reference_weights
         previous: np.ndarray | None = None
-        weights_path = self.root / "weights.json"
+        weights_path = self.root / WEIGHTS_FILE
         dcfg = self.cfg.doremi
         for r in range(1, dcfg.rounds + 1):
             rdir = self.root / f"round{r}"
@@ -237,15 +183,15 @@ class Pipeline:
                                           doremi__reference_weights=ref_weights)
             self._run_stage(f"round {r}: proxy", rdir / "proxy", proxy_cfg,
                             lambda: (stages.train_proxy(proxy_cfg), None)[1])
-            avg_path = rdir / "weights.json"
+            avg_path = rdir / WEIGHTS_FILE
             self._run_stage(f"round {r}: average", avg_path, proxy_cfg,
                             lambda: str(stages.average(rdir / "proxy", avg_path, proxy_cfg.doremi.average_from_step)),
                             main_only=True)
-            weights = np.array(json.loads(avg_path.read_text())["weights"])
-            self.say("           weights: " + ", ".join(
-                f"{d}={w:.3f}" for d, w in zip(json.loads(avg_path.read_text())["domains"], weights)))
-            if is_main_rank():
-                atomic_write_text(weights_path, avg_path.read_text())
+            tuned = read_weights_file(avg_path)
+            weights = np.array(tuned["weights"])
+            self.say("           weights: " + ", ".join(f"{d}={w:.3f}" for d, w in zip(tuned["domains"], weights)))
+            if is_launch_main():
+                copy_weights_file(avg_path, weights_path)
             barrier()
             ref_weights = str(avg_path)
             if previous is not None and np.abs(weights - previous).max() < dcfg.rounds_tolerance:
@@ -263,7 +209,7 @@ class Pipeline:
             run_dir = self.root / "main" / name
             cfg = self.stage_config(self.p.main, train__run_dir=str(run_dir), data__domain_weights=weights)
             self._run_stage(f"main run: {name}", run_dir, cfg, lambda: (stages.train(cfg, desc=f"main:{name}"), None)[1])
-            result = self._run_stage(f"eval: {name}", run_dir / "eval.json", cfg,
+            result = self._run_stage(f"eval: {name}", run_dir / EVAL_OUTPUT, cfg,
                                      lambda: self._eval(run_dir))
             out[name] = result
         return out
@@ -276,8 +222,6 @@ class Pipeline:
 def run_pipeline(path: str | os.PathLike, overrides: list[str] | None = None) -> dict[str, Any]:
     pipe = Pipeline(path, overrides)
     results = pipe.run()
-    if is_main_rank() and "main" in results:
-        from doremi.summary import summarize
-
-        print(summarize(pipe), flush=True)
+    if is_launch_main() and "main" in results:
+        print(summarize(pipe.root, pipe.cfg.data.store_dir, pipe.p.baselines, pipe.p.guardrails), flush=True)
     return results

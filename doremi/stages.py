@@ -1,4 +1,4 @@
-"""The stage commands of DESIGN.md section 1, as functions of a config.
+"""The stage commands of docs/design.md section 1, as functions of a config.
 
 `doremi <stage> CONFIG` calls these; `doremi pipeline` chains them. Each returns the path it
 produced so that the pipeline can pass it on.
@@ -7,25 +7,25 @@ produced so that the pipeline can pass it on.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from data.atomic import atomic_write_text
 from data.batch import collate
 from data.store import read_manifest
 from data.weights import resolve_weights
+from data.weights_file import WEIGHTS_FILE, write_weights_file
 from doremi.config import ExperimentConfig
-from doremi.history import average_weights, read_history, write_weights_json
+from doremi.history import average_weights, read_history
 from doremi.objective import DoReMiHook
 from doremi.errors import DoReMiError
 from doremi.validate import check_stage
-from doremi.reference import CACHE_VERSION, CachedReference, OnlineReference, load_frozen, run_dir_of
-from trainer.checkpoint import checkpoint_fingerprint, resolve_checkpoint
-from trainer.build import autocast, init_parallel, micro_batch_size
+from doremi.reference import CachedReference, OnlineReference, load_frozen, run_dir_of
+from doremi.reference_cache import create_arrays, open_for_scoring, publish, reference_stamp, staging_dir
+from trainer.checkpoint import resolve_checkpoint
+from trainer.build import RunFacts, init_parallel
 from trainer.config import load_config
 from trainer.configtools import ConfigError, read_yaml
 from trainer.evaluate import evaluate_domains
@@ -98,7 +98,8 @@ def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
     else:
         ck = _require_reference(cfg)
         ref_cfg = reference_config(cfg, ck)
-        ref = OnlineReference(load_frozen(ref_cfg, ck, trainer.pc), ref_cfg, trainer.pc)
+        ref_facts = RunFacts.resolve(ref_cfg, trainer.pc)
+        ref = OnlineReference(load_frozen(ref_cfg, ck, trainer.pc, ref_facts), ref_facts, trainer.pc)
     trainer.hook = DoReMiHook(cfg.doremi, trainer.feed.domains, trainer.pc, trainer.run_dir, sampling, ref)
     return trainer
 
@@ -108,8 +109,8 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
 
     The proxy samples from a fixed distribution, so its stream for steps 1..T is known in
     advance; each visited sequence is scored once, whatever the layout. The cache records the
-    reference checkpoint's fingerprint (`checkpoint_fingerprint`): a reference trained again
-    to the same path does not pass for the one scored."""
+    reference checkpoint's fingerprint (`doremi.reference_cache.reference_stamp`): a reference
+    trained again to the same path does not pass for the one scored."""
     if cfg.doremi.mode == "resample":
         raise ConfigError("doremi.mode: a reference cache needs a fixed proxy data stream; got 'resample'")
     out = Path(out_dir)
@@ -122,28 +123,23 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     for step in range(1, cfg.train.steps + 1):
         for d, i in feed.sampler.global_batch(step - 1, weights):
             visited[d].add(int(i))
-    fingerprint = checkpoint_fingerprint(ck)
-    model = load_frozen(ref_cfg, ck, pc)
-    ctx = autocast(ref_cfg, pc.device)
-    tmp = out.with_name(out.name + ".tmp")
+    stamp = reference_stamp(ck)
+    facts = RunFacts.resolve(ref_cfg, pc)  # cfg's train and parallelism: its micro-batch size
+    model = load_frozen(ref_cfg, ck, pc, facts)
+    ctx = facts.autocast()
+    tmp = staging_dir(out)
     seq_len = cfg.data.seq_len
     if pc.is_main:
-        tmp.mkdir(parents=True, exist_ok=True)
-        for d, name in enumerate(feed.domains):
-            arr = np.lib.format.open_memmap(tmp / f"{name}.npy", mode="w+", dtype=np.float32,
-                                            shape=(feed.train.num_sequences(d), seq_len))
-            arr[:] = np.nan
-            arr.flush()
-            del arr
+        create_arrays(tmp, feed.domains, [feed.train.num_sequences(d) for d in range(len(feed.domains))], seq_len)
     pc.barrier()
-    mbs = micro_batch_size(cfg)
+    mbs = facts.micro_batch_size
     for d, name in enumerate(feed.domains):
         idx = sorted(visited[d])
         chunks = [idx[j:j + mbs] for j in range(0, len(idx), mbs)]
         mine = chunks[pc.dp_rank::pc.dp]
         # dp ranks may run different numbers of forwards: the collectives are inside tp/pp groups
         writer = pc.is_last_stage and pc.tp_rank == 0
-        arr = np.load(tmp / f"{name}.npy", mmap_mode="r+") if writer else None
+        arr = open_for_scoring(tmp, name) if writer else None
         for chunk in mine:
             batch = collate(feed.train, [(d, i) for i in chunk], device=pc.device)
             with torch.inference_mode(), ctx:
@@ -155,15 +151,8 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
             del arr
     pc.barrier()
     if pc.is_main:
-        meta = {"version": CACHE_VERSION, "domains": feed.domains, "seq_len": seq_len,
-                "reference": str(ck), "reference_fingerprint": fingerprint, "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
-                "seed": cfg.data.seed, "sampling": weights.tolist(), "sequences": [len(v) for v in visited]}
-        atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
-        if out.exists():
-            import shutil
-
-            shutil.rmtree(out)
-        tmp.rename(out)
+        publish(tmp, out, feed.domains, seq_len, stamp, cfg.train.steps, cfg.train.global_batch_size,
+                cfg.data.seed, weights.tolist(), [len(v) for v in visited])
     pc.barrier()
     return out
 
@@ -185,9 +174,9 @@ def average(run_dir: str | Path, out: str | Path | None = None, from_step: int |
         if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 1:
             raise DoReMiError(f"{cfg_path}: doremi.average_from_step: expected an int >= 1, got {from_step!r}")
     weights = average_weights(history, from_step=from_step)
-    out_path = Path(out) if out else run / "weights.json"
+    out_path = Path(out) if out else run / WEIGHTS_FILE
     steps = [h["step"] for h in history if h["step"] >= from_step]
-    write_weights_json(out_path, history[0]["domains"], weights, {
+    write_weights_file(out_path, history[0]["domains"], weights, {
         "source": str(run), "from_step": from_step, "steps_averaged": len(steps),
         "last_step": steps[-1] if steps else None, "eta": doremi_cfg.get("eta"),
         "smoothing": doremi_cfg.get("smoothing"), "update": doremi_cfg.get("update"),
@@ -205,8 +194,8 @@ def evaluate(checkpoint: str | Path, overrides: list[str] | None = None) -> tupl
     cfg = load_config(saved, raw_overrides, cls=ExperimentConfig)
     pc = init_parallel(cfg)
     feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
-    model = load_frozen(cfg, ck, pc)
-    mbs = micro_batch_size(cfg)
-    losses = evaluate_domains(model, feed.validation(mbs, cfg.train.eval_sequences), pc,
-                              autocast(cfg, pc.device))
+    facts = RunFacts.resolve(cfg, pc)
+    model = load_frozen(cfg, ck, pc, facts)
+    losses = evaluate_domains(model, feed.validation(facts.micro_batch_size, cfg.train.eval_sequences), pc,
+                              facts.autocast())
     return feed.domains, losses.cpu().numpy()

@@ -3,29 +3,21 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from data.store import Manifest, open_stores
 from data.weights import resolve_weights
+from data.weights_file import WEIGHTS_FILE
 from doremi.config import GuardrailConfig
 from doremi.guardrails import findings, format_guardrail_table, measure_pipeline, warnings
 from doremi.history import HistoryError, read_history
-from doremi.pipeline import mixtures as mixture_specs
+from doremi.main_runs import DOREMI_RUN, mixtures as mixture_specs
 from doremi.report import format_table, write_report
+from doremi.stage_markers import eval_result
 from trainer.metrics import read_jsonl
-
-if TYPE_CHECKING:
-    from doremi.pipeline import Pipeline
-
-
-def collect(pipe: "Pipeline") -> dict[str, Any]:
-    """Everything the table and the report show, read back from disk."""
-    return collect_run(pipe.root, open_stores(pipe.cfg.data.store_dir).manifest, pipe.p.baselines,
-                       pipe.p.guardrails)
 
 
 def tokens_per_byte(manifest: Manifest) -> list[float | None]:
@@ -47,15 +39,15 @@ def collect_run(root: Path, manifest: Manifest, baselines: list[str],
     root = Path(root)
     domains = manifest.domain_names
     mixtures: dict[str, np.ndarray] = {}
-    for name, spec in mixture_specs(root / "weights.json", baselines).items():
+    for name, spec in mixture_specs(root / WEIGHTS_FILE, baselines).items():
         mixtures[name] = resolve_weights(spec, manifest)
     final: dict[str, list[float]] = {}
     curves: dict[str, list[tuple[int, list[float]]]] = {}
     for name in mixtures:
         run = root / "main" / name
-        marker = run / "eval.json.stage.json"
-        if marker.is_file():
-            final[name] = json.loads(marker.read_text())["result"]["val_loss"]
+        result = eval_result(run)
+        if result is not None:
+            final[name] = result["val_loss"]
         curves[name] = [(r["step"], [r["val_loss"][d] for d in domains])
                         for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
     rounds = sorted(root.glob("round*/proxy"), key=lambda p: int(p.parent.name.removeprefix("round")))
@@ -70,12 +62,15 @@ def collect_run(root: Path, manifest: Manifest, baselines: list[str],
     return {"domains": domains, "mixtures": mixtures, "final": final, "curves": curves,
             "history": [h["weights"] for h in history], "entropy": entropy,
             "tokens_per_byte": tokens_per_byte(manifest), "measures": measures, "findings": found,
-            "baselines": [n for n in mixtures if n != "doremi"]}
+            "baselines": [n for n in mixtures if n != DOREMI_RUN]}
 
 
-def summarize(pipe: "Pipeline") -> str:
-    c = collect(pipe)
-    report = write_report(pipe.root, c["domains"], c["history"], c["curves"], c["final"], c["mixtures"],
+def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: GuardrailConfig) -> str:
+    """Write a finished pipeline's `report.md` (and plots) into `root` and return the closing
+    table for the terminal. Takes the pipeline's paths and keys, not the pipeline, so that this
+    module does not import the pipeline back."""
+    c = collect_run(root, open_stores(store_dir).manifest, baselines, guardrails)
+    report = write_report(root, c["domains"], c["history"], c["curves"], c["final"], c["mixtures"],
                           c["entropy"], tokens_per_byte=c["tokens_per_byte"], baselines=c["baselines"],
                           warnings=[f.message for f in warnings(c["findings"])],
                           guardrail_table=format_guardrail_table(c["domains"], c["measures"]))

@@ -13,13 +13,14 @@ every key it would silently override.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from data.errors import DataError
 from data.sources import known_domains
 from data.weights import check_spec
 from doremi.config import ExperimentConfig
+from doremi.fingerprint import SAMPLING_KEYS
+from doremi.main_runs import DOREMI_RUN, main_run_name
 from trainer.configtools import ConfigError
 
 #: Stage -> (the key it takes its mixture from, what it does with it).
@@ -76,8 +77,6 @@ def _has(raw: Any, dotted: str) -> bool:
 def _refuse_overridden(raw: dict[str, Any]) -> None:
     """Keys of the pipeline sections that the pipeline replaces, and store-building `data` keys
     there (the pipeline builds one set of stores, from the top-level `data`)."""
-    from doremi.pipeline import SAMPLING_KEYS
-
     pipeline = raw.get("pipeline") if isinstance(raw.get("pipeline"), dict) else {}
     for section, sets in PIPELINE_SETS.items():
         name = section.split(".")[1]
@@ -129,9 +128,9 @@ def validate_pipeline(pipe: Any) -> None:
     names: dict[str, int] = {}
     for i, b in enumerate(p.baselines):
         where = f"pipeline.baselines[{i}]"
-        name = b if b in ("uniform", "tokens") else Path(b).stem  # as pipeline.mixtures names it
-        if name == "doremi" or name in names:
-            taken = "DoReMi's own run" if name == "doremi" else f"pipeline.baselines[{names[name]}]"
+        name = main_run_name(b)
+        if name == DOREMI_RUN or name in names:
+            taken = "DoReMi's own run" if name == DOREMI_RUN else f"pipeline.baselines[{names[name]}]"
             raise ConfigError(f"{where}: main run name {name!r} (the file's stem) is taken by {taken}; "
                               f"got {b!r} (rename the file)")
         names[name] = i

@@ -1,5 +1,7 @@
-"""The GPU bench scripts import on a CPU machine, and every ablation names attributes that exist
-(a rename in the model would otherwise only show on the GPU)."""
+"""The GPU bench scripts import on a CPU machine; each ablation reaches the code path it names
+(a rename in the model would otherwise only show on the GPU, as a row equal to the plain step):
+the model's `Kernels` switches change what it calls, their defaults are what it called before
+they existed, and the one ablation outside the model checks its own patch."""
 
 from __future__ import annotations
 
@@ -8,6 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from trainer.config import ModelConfig
+from trainer.model import cross_entropy as ce
+from trainer.model import layers, llama, rope
+from trainer.model.kernels import Kernels
+from trainer.model.llama import Llama
+from trainer.parallel import clip
 
 BENCH = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "bench"
 
@@ -21,17 +31,6 @@ def bench_modules():
         sys.path.remove(str(BENCH))
 
 
-def test_ablations_patch_existing_attributes(bench_modules):
-    ablations = bench_modules["step_bench"].ABLATIONS
-    labels = [label for label, _, _ in ablations]
-    assert len(set(labels)) == len(labels)
-    for label, overrides, patches in ablations:
-        for (obj, attr), value in patches.items():
-            current = getattr(obj, attr)
-            assert type(current) is type(value) or callable(current) and callable(value), (label, attr)
-
-
-
 def test_paired_windows_alternate_abba_and_rows_compare_within_their_group(bench_modules, monkeypatch):
     sb = bench_modules["step_bench"]
     monkeypatch.setattr(sb.torch.cuda, "synchronize", lambda: None)
@@ -43,3 +42,113 @@ def test_paired_windows_alternate_abba_and_rows_compare_within_their_group(bench
             sb.Row("1b", "baseline --compile", 100.0, group="paired"), sb.Row("1b", "plain", 106.0, group="paired")]
     table = sb.format_table(rows).splitlines()
     assert "1.040" in table[2] and "plain (paired)" in table[4] and "1.060" in table[4]
+
+
+CFG = ModelConfig(vocab_size=250, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=16)
+
+
+def _batch(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, 250, (2, 16), generator=g),
+            "labels": torch.randint(0, 250, (2, 16), generator=g)}
+
+
+def counting(fn, calls: list):
+    def wrapper(*args, **kwargs):
+        calls.append(fn)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def test_kernel_defaults_are_the_implementations_the_model_called_before():
+    k = Kernels()
+    assert k.rope_qkv is rope.rope_qkv
+    assert k.cross_entropy is ce.cross_entropy
+    assert k.sdpa_priority == layers.CUDA_SDPA_PRIORITY
+    assert k.sdpa_priority[0] == layers.SDPBackend.CUDNN_ATTENTION
+    model = Llama(CFG)
+    assert model.kernels == k and all(b.attn.kernels is model.kernels for b in model.layers.values())
+
+
+def test_rope_switch_changes_the_function_called_and_not_the_numbers():
+    calls: list = []
+    switched = Llama(CFG, seed=1, kernels=Kernels(rope_qkv=counting(rope.rope_qkv_torch, calls)))
+    batch = _batch()
+    losses = switched(None, batch)
+    assert calls == [rope.rope_qkv_torch] * CFG.n_layers
+    torch.testing.assert_close(losses, Llama(CFG, seed=1)(None, batch), atol=1e-6, rtol=1e-6)
+
+
+def test_sdpa_priority_switch_reaches_causal_attention(monkeypatch):
+    seen: list = []
+    real = llama.causal_attention
+    monkeypatch.setattr(llama, "causal_attention", lambda q, k, v, impl, priority: seen.append(priority) or
+                        real(q, k, v, impl, priority))
+    batch = _batch()
+    Llama(CFG)(None, batch)
+    assert seen == [layers.CUDA_SDPA_PRIORITY] * CFG.n_layers
+    seen.clear()
+    flash_first = tuple(reversed(layers.CUDA_SDPA_PRIORITY))
+    Llama(CFG, kernels=Kernels(sdpa_priority=flash_first))(None, batch)
+    assert seen == [flash_first] * CFG.n_layers
+
+
+def test_cross_entropy_switch_is_the_fused_heads_loss():
+    """The switch only matters where the head fuses its loss (compiled, CUDA, tp = 1); here that
+    path is forced on the CPU, against the eager vocabulary-parallel loss."""
+    calls: list = []
+    batch = _batch()
+    model = Llama(CFG, seed=2, kernels=Kernels(cross_entropy=counting(ce.cross_entropy, calls)))
+    eager = model(None, batch)
+    assert calls == []
+    model._fused_loss = True
+    torch.testing.assert_close(model(None, batch), eager, atol=1e-5, rtol=1e-5)
+    assert calls == [ce.cross_entropy]
+
+
+def test_ablations_set_existing_switches_to_other_values(bench_modules):
+    sb = bench_modules["step_bench"]
+    labels = [a.label for a in sb.ABLATIONS]
+    assert len(set(labels)) == len(labels)
+    assert all(a.label.startswith(("ablation: ", "trial: ")) for a in sb.ABLATIONS)
+    default = Kernels()
+    for a in sb.ABLATIONS:
+        changed = a.model_kernels(default)
+        assert all(getattr(changed, f) is v and getattr(default, f) != v for f, v in a.kernels.items()), a.label
+        assert a.kernels or a.train or a.context is not sb.contextlib.nullcontext, a.label
+    with pytest.raises(TypeError):
+        sb.Ablation("ablation: unknown", kernels={"rope": rope.rope_qkv_torch}).model_kernels(default)
+
+
+@pytest.mark.parametrize("label", ["earlier form", "RoPE by inductor", "cross entropy by inductor"])
+def test_ablation_kernels_run_in_the_model(bench_modules, label):
+    """Each replacement runs in the model on the CPU (the fused loss forced) and agrees with it."""
+    sb = bench_modules["step_bench"]
+    ablation = next(a for a in sb.ABLATIONS if label in a.label)
+    calls: list = []
+    kernels = Kernels(**{f: counting(fn, calls) for f, fn in ablation.kernels.items()})
+    batch = _batch()
+    model = Llama(CFG, seed=3, kernels=kernels)
+    model._fused_loss = True
+    torch.testing.assert_close(model(None, batch), Llama(CFG, seed=3)(None, batch), atol=1e-5, rtol=1e-5)
+    assert set(calls) == set(ablation.kernels.values()) and calls
+
+
+def test_foreach_grad_norm_patches_the_name_clip_consults_and_refuses_a_silent_rename(bench_modules, monkeypatch):
+    sb = bench_modules["step_bench"]
+    original = clip.uses_triton_squares
+    grads = [torch.ones(3), torch.full((2, 2), 2.0)]
+    with sb.foreach_grad_norm():
+        assert clip.uses_triton_squares is not original and clip.uses_triton_squares(grads) is False
+        torch.testing.assert_close(clip.squares(grads), torch.tensor([3.0, 16.0]))
+    assert clip.uses_triton_squares is original
+    monkeypatch.setattr(clip, "squares", lambda tensors: torch.zeros(len(tensors)))
+    with pytest.raises(RuntimeError, match="no longer consults"):
+        with sb.foreach_grad_norm():
+            pass
+    assert clip.uses_triton_squares is original
+
+
+def test_bench_shapes_come_from_the_baseline_presets(bench_modules):
+    sb = bench_modules["step_bench"]
+    assert sb.SHAPES == {"1b": ("bench-1b", 8), "280m": ("bench-280m", 32)}

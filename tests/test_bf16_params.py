@@ -41,9 +41,9 @@ from trainer.optim.sharded import ShardedOptimizer
 from trainer.optim.build import build_optimizer
 from trainer.metrics import read_jsonl
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data_parallel import grad_of
+from trainer.parallel.main_grad import grad_of
 from trainer.plan import gpu_param_precision
-from trainer.weighting import IGNORE_INDEX
+from data.batch import IGNORE_INDEX
 
 BF16 = ["train.precision=bf16", "train.param_dtype=bf16"]
 FP32_PARAMS = ["train.precision=bf16", "train.param_dtype=fp32"]

@@ -1,4 +1,4 @@
-"""The DoReMi stages end to end on CPU (DESIGN.md sections 4 and 8): resume reproduces the
+"""The DoReMi stages end to end on CPU (docs/design.md sections 4 and 8): resume reproduces the
 uninterrupted run, the tuned weights order domains of known entropy as the paper predicts, the
 update variants (eta = 0, lagged, resample) do what they say, and a cached reference gives the
 online run's weights.

@@ -1,6 +1,6 @@
 """No host-device synchronisation inside a training step, checked on the CPU.
 
-On a GPU a step must not wait for the device (DESIGN.md section 7): reading a device value on
+On a GPU a step must not wait for the device (docs/design.md section 7): reading a device value on
 the host (`.item()`, `float(t)`, `bool(t)`), building a tensor from host data (`torch.tensor`,
 a Python-list index such as `t[[2, 1]]`, which the H200 bench caught in the DoReMi update), or
 an op whose output shape depends on the data (`nonzero`, boolean-mask indexing) all block the

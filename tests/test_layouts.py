@@ -1,4 +1,4 @@
-"""The whole trainer under (tp, pp, dp) layouts equals one process (DESIGN.md sections 4, 5, 8).
+"""The whole trainer under (tp, pp, dp) layouts equals one process (docs/design.md sections 4, 5, 8).
 
 Every layout trains the same tiny Llama on the same global batch for three steps; per-step
 losses and the parameters after the last step (read back from the sharded checkpoint into one

@@ -1,4 +1,4 @@
-"""The Llama model against a plain reference (shared/bench/plain_llama.py written as a loop),
+"""The Llama model against a plain reference (experiments/tools/bench/plain_llama.py as a loop),
 its layers, initialisation, parameter and FLOP counts. Single process, fp32."""
 
 from __future__ import annotations

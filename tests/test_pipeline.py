@@ -19,7 +19,8 @@ from tests.distributed import spawn
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import (broadcast_from_last_stage, check_schedule, forward_only,
                                        train_schedule)
-from trainer.weighting import IGNORE_INDEX, MeanTokenLoss
+from data.batch import IGNORE_INDEX
+from trainer.weighting import MeanTokenLoss
 
 VOCAB, WIDTH, LAYERS, BATCH, SEQ = 32, 16, 4, 2, 6
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -254,6 +255,7 @@ def _run_llama_tp2_pp2(rank: int, world: int, sequence_parallel: bool) -> None:
     from trainer.config import ParallelismConfig
     from trainer.model.llama import build_stage
     from trainer.parallel import tensor as tp_ops
+    from trainer.parallel.tied import sync_tied_grads
     from trainer.parallel.shard import get_shard_spec, unshard
 
     cfg = _llama_cfg()
@@ -271,7 +273,7 @@ def _run_llama_tp2_pp2(rank: int, world: int, sequence_parallel: bool) -> None:
         stage = build_stage(cfg, par, pc, layers, seed=5)
         losses = train_schedule(stage, batches, pc, schedule, MeanTokenLoss(n_tokens))
         tp_ops.sync_sequence_parallel_grads(stage, pc)
-        tp_ops.sync_tied_grads(stage, pc)
+        sync_tied_grads(stage, pc)
         if pc.is_last_stage:
             for got, want in zip(losses, ref_losses):
                 torch.testing.assert_close(got, want.detach(), **TOL)

@@ -22,8 +22,8 @@ from trainer.parallel.tensor import (
     gather_last_dim,
     reduce_scatter_to_sequence,
     sync_sequence_parallel_grads,
-    sync_tied_grads,
 )
+from trainer.parallel.tied import sync_tied_grads
 
 SEED, B, S = 3, 2, 16
 TOL = dict(atol=1e-5, rtol=1e-5)

@@ -1,11 +1,17 @@
-"""Turning a config into the objects a run holds: the process grid, the model stage, the
-precision context. Shared by training, the frozen DoReMi reference, scoring and eval."""
+"""Turning a config into the objects a run holds: the process grid, the run's resolved facts
+(`RunFacts`), the model stage. Shared by training, the frozen DoReMi reference, scoring and eval.
+
+The rules (`use_bf16`, `param_dtype`, `autocast`, `micro_batch_size`, `stage_layers`) are
+functions of the config and the device. A run resolves them once per config, into `RunFacts`,
+and hands that on: the loop, the reference and the stage commands read the facts instead of
+asking the config again."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,11 +19,13 @@ import torch
 from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError
 from trainer.parallel.context import ParallelContext
+from trainer.parallel.launch_env import launch_world_size, local_world_size
+from trainer.parallel.stage_split import split_layers
 
 
 def check_world_size(cfg: TrainerConfig) -> None:
     p = cfg.parallelism
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch_world_size()
     if world != p.world_size:
         raise ConfigError(f"parallelism: world size {world} (torchrun) != tp x pp x dp = "
                           f"{p.tp} x {p.pp} x {p.dp} = {p.world_size}")
@@ -38,7 +46,7 @@ def check_device(cfg: TrainerConfig) -> None:
     if not torch.backends.cuda.is_built():
         fix = "train.device cpu or auto" if device == "cuda" else "parallelism.backend gloo or auto"
         raise ConfigError(f"{asked}: this PyTorch build has no CUDA (torch {torch.__version__}); use {fix}")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = local_world_size()
     visible = torch.cuda.device_count()
     if visible < local:
         raise ConfigError(f"{asked}: {local} process(es) on this node need {local} CUDA device(s), "
@@ -62,34 +70,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# -- the rules -------------------------------------------------------------------------------
+
 def micro_batch_size(cfg: TrainerConfig) -> int:
     t = cfg.train
     return t.global_batch_size // (cfg.parallelism.dp * t.micro_batches)
-
-
-def stage_layers(cfg: TrainerConfig, device: torch.device) -> list[range]:
-    """Layers per pipeline stage: the explicit list, or the compute-and-memory cost model for
-    the parameter precision the run resolves to on `device`, the same split `doremi plan`
-    (`trainer.plan.plan_memory`) predicts."""
-    p = cfg.parallelism
-    if p.pp_layers:
-        starts = np.cumsum([0, *p.pp_layers])
-        return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
-    if p.pp == 1:
-        return [range(cfg.model.n_layers)]
-    from trainer.parallel.stage_split import split_layers
-
-    return split_layers(cfg.model, p, micro_batch_size(cfg), cfg.data.seq_len, micro_batches=cfg.train.micro_batches,
-                        param_precision=param_precision(cfg, device))
-
-
-def build_model(cfg: TrainerConfig, pc: ParallelContext, seed: int | None = None) -> torch.nn.Module:
-    """This rank's pipeline stage of the Llama model, tp-sharded, on pc.device."""
-    from trainer.model.llama import build_stage
-
-    layers = stage_layers(cfg, pc.device)[pc.pp_rank]
-    stage = build_stage(cfg.model, cfg.parallelism, pc, layers, seed=cfg.train.seed if seed is None else seed)
-    return stage.to(pc.device)
 
 
 def use_bf16(cfg: TrainerConfig, device: torch.device) -> bool:
@@ -110,13 +95,70 @@ def param_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
 
 def param_precision(cfg: TrainerConfig, device: torch.device) -> str:
     """`param_dtype` by the name the memory model uses (`trainer.parallel.cost_model.BytesPerParam`)."""
-    return "bf16" if param_dtype(cfg, device) == torch.bfloat16 else "fp32"
+    return _precision_name(param_dtype(cfg, device))
+
+
+def _precision_name(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
 def autocast(cfg: TrainerConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """The context a run of `cfg` computes under on `device` (see `_autocast`)."""
+    return _autocast(device, use_bf16(cfg, device), param_dtype(cfg, device))
+
+
+def _autocast(device: torch.device, bf16: bool, dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """bf16 autocast for fp32 parameters computing in bf16. bf16 parameters run without it: they
     already compute in bf16, and autocast would only add casts to fp32 (RMSNorm is on its fp32
     list), which compiled blocks then keep for backward as fp32 copies of the hidden state."""
-    if use_bf16(cfg, device) and param_dtype(cfg, device) == torch.float32:
+    if bf16 and dtype == torch.float32:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def stage_layers(cfg: TrainerConfig, device: torch.device) -> list[range]:
+    """Layers per pipeline stage (`trainer.parallel.stage_split.split_layers`) for the parameter
+    precision the run resolves to on `device`: the split `doremi plan` (`trainer.plan`) predicts."""
+    return split_layers(cfg.model, cfg.parallelism, micro_batch_size(cfg), cfg.data.seq_len,
+                        micro_batches=cfg.train.micro_batches, param_precision=param_precision(cfg, device))
+
+
+# -- resolved once per run -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a run of one config on one rank's device resolves to, computed once
+    (`RunFacts.resolve`) and passed on."""
+
+    device: torch.device
+    bf16: bool  # computes in bf16
+    param_dtype: torch.dtype
+    micro_batch_size: int
+    stage_layers: tuple[range, ...]  # per pipeline stage
+    is_main: bool  # global rank 0
+
+    @classmethod
+    def resolve(cls, cfg: TrainerConfig, pc: ParallelContext) -> "RunFacts":
+        device = pc.device
+        return cls(device=device, bf16=use_bf16(cfg, device), param_dtype=param_dtype(cfg, device),
+                   micro_batch_size=micro_batch_size(cfg), stage_layers=tuple(stage_layers(cfg, device)),
+                   is_main=pc.is_main)
+
+    @property
+    def param_precision(self) -> str:
+        """`param_dtype` by the memory model's name (`trainer.parallel.cost_model.BytesPerParam`)."""
+        return _precision_name(self.param_dtype)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """A fresh context to compute under (bf16 autocast for fp32 parameters computing in bf16)."""
+        return _autocast(self.device, self.bf16, self.param_dtype)
+
+
+def build_model(cfg: TrainerConfig, pc: ParallelContext, facts: RunFacts | None = None) -> torch.nn.Module:
+    """This rank's pipeline stage of the Llama model, tp-sharded, on pc.device, its blocks
+    `facts.stage_layers` (the run's facts; resolved from `cfg` when not given)."""
+    from trainer.model.llama import build_stage
+
+    facts = facts or RunFacts.resolve(cfg, pc)
+    stage = build_stage(cfg.model, cfg.parallelism, pc, facts.stage_layers[pc.pp_rank], seed=cfg.train.seed)
+    return stage.to(pc.device)

@@ -2,7 +2,8 @@
 
 Layout of `RUN/checkpoints/step_0000042/`:
 - `model_pp{p}_tp{t}.pt`: {name: tensor}, the tp-local parameters of stage p, written once per
-  (tp, pp) position (by dp rank 0). The tied embedding's duplicate on the last stage is skipped.
+  (tp, pp) position (by dp rank 0). The tied embedding's duplicate on the last stage
+  (`trainer.parallel.tied.is_tied_duplicate`) is skipped; loading fills it by name.
 - `optim_pp{p}_tp{t}_dp{d}.pt`: {"kind", "state": {name: {key: tensor}}}, written by each rank
   that holds optimizer state of its own: every owner under ZeRO-1, dp rank 0 otherwise.
 - `rng_rank{r}.pt`: each rank's torch (CPU and CUDA), numpy and python RNG states.
@@ -61,10 +62,11 @@ import torch.distributed as dist
 import xxhash
 
 from data.atomic import atomic_path, atomic_write_text
+from data.errors import UserError
 from trainer.optim.interface import Optimizer
-from trainer.parallel.clip import is_tied_duplicate
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.shard import ShardSpec, get_shard_spec, shard, unshard
+from trainer.parallel.shard import ShardSpec, full_shape, get_shard_spec, shard, unshard
+from trainer.parallel.tied import is_tied_duplicate
 
 FORMAT_VERSION = 2
 META = "meta.json"
@@ -77,7 +79,7 @@ ARCH_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_
              "rope_theta", "rope_scaling", "norm_eps")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A missing, incompatible or damaged checkpoint: one line naming the file or parameter."""
 
 
@@ -228,15 +230,6 @@ def _spec_from_json(js: dict[str, Any] | None) -> ShardSpec | None:
     return None if js is None else ShardSpec(js["dim"], tuple(js["parts"]))
 
 
-def full_shape(param: torch.Tensor, tp: int) -> list[int]:
-    """The single-process shape of a tp-local parameter."""
-    shape = list(param.shape)
-    spec = get_shard_spec(param)
-    if spec is not None and tp > 1:
-        shape[spec.dim] = sum(spec.parts)
-    return shape
-
-
 def _gather_to_main(entry: dict[str, Any], pc: ParallelContext) -> list[dict[str, Any]]:
     if pc.world_size == 1:
         return [entry]
@@ -254,7 +247,7 @@ def _write_rank_files(tmp: Path, model: torch.nn.Module, optimizer: Optimizer | 
         file = f"model_pp{pp}_tp{tp}.pt"
         named = [(n, p) for n, p in model.named_parameters() if not is_tied_duplicate(n, pc)]
         files[file] = _save(tmp / file, {n: _own_storage(p) for n, p in named})
-        entry["params"] = {n: {"shape": full_shape(p, pc.tp), "spec": _spec_json(get_shard_spec(p)),
+        entry["params"] = {n: {"shape": list(full_shape(p)), "spec": _spec_json(get_shard_spec(p)),
                                "dtype": str(p.dtype).removeprefix("torch."), "stage": pp, "file": file}
                            for n, p in named}
     if optimizer is not None and (optimizer.zero1 or dp == 0):
@@ -490,7 +483,7 @@ def _check_param_set(ck: Path, saved: dict[str, Any], params: dict[str, torch.Te
 
 
 def _check_param(name: str, param: torch.Tensor, info: dict[str, Any], ck: Path, pc: ParallelContext) -> None:
-    want = full_shape(param, pc.tp)
+    want = list(full_shape(param))
     if list(info["shape"]) != want:
         raise CheckpointError(f"{ck}: parameter {name!r} has shape {tuple(info['shape'])} in the checkpoint, "
                               f"the model expects {tuple(want)}")

@@ -6,7 +6,6 @@ Sections: `model`, `data` (owned by `data.config`), `train`, `parallelism`, `che
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -233,7 +232,3 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     apply_overrides(raw, overrides or [])
     apply_preset(raw)
     return from_dict(cls, raw)
-
-
-def replace(cfg: C, **sections: Any) -> C:
-    return dataclasses.replace(cfg, **sections)

@@ -20,11 +20,12 @@ from typing import Any, TypeVar
 import yaml
 
 from data.atomic import atomic_write_text
+from data.errors import UserError
 
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem, reported as one line naming the key path."""
 
 
@@ -94,7 +95,6 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         same = [a for a in args if kind and typing.get_origin(a) in ((list, tuple) if kind is list else (dict,))]
         if len(same) == 1:
             return _coerce(value, same[0], path)
-        errors = []
         # Try exact-type members first so that "1" stays a str in `int | str`.
         ordered = sorted(args, key=lambda a: 0 if isinstance(a, type) and type(value) is a else 1)
         for arg in ordered:
@@ -102,8 +102,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 continue
             try:
                 return _coerce(value, arg, path)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                continue
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
     if origin is typing.Literal:
         choices = typing.get_args(tp)

@@ -7,9 +7,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from data.batch import IGNORE_INDEX
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import broadcast_from_last_stage, forward_only
-from trainer.weighting import IGNORE_INDEX
 
 
 def _domain_sums(stage: torch.nn.Module, batches_per_domain: list[list[dict]], pc: ParallelContext,

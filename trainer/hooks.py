@@ -1,4 +1,4 @@
-"""What a data-mixing method plugs into the trainer (DESIGN.md section 2).
+"""What a data-mixing method plugs into the trainer (docs/design.md section 2).
 
 The loop asks the hook, each step: which domain weights the sampler draws with; whether to
 attach anything to the micro-batches (e.g. reference losses); which `LossWeighting` turns

@@ -15,7 +15,7 @@ import torch
 
 from data.atomic import atomic_write_text
 from data.weights import resolve_weights
-from trainer.build import autocast, build_model, init_parallel, micro_batch_size, param_dtype, seed_everything
+from trainer.build import RunFacts, build_model, init_parallel, seed_everything
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError, dump_yaml, to_dict
@@ -27,7 +27,8 @@ from trainer.metrics import MetricsLogger
 from trainer.model.flops import flops_per_token
 from trainer.optim.build import build_optimizer
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.tensor import sync_sequence_parallel_grads, sync_tied_grads
+from trainer.parallel.tensor import sync_sequence_parallel_grads
+from trainer.parallel.tied import sync_tied_grads
 from trainer import run_dir as rundir
 from trainer.step import StepStats, domain_token_counts, forward_backward
 
@@ -50,18 +51,19 @@ class Trainer:
         self.feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, self.pc,
                              seed=cfg.data.seed)
         self.feed.check_vocab(cfg.model.vocab_size)
-        self.model = build_model(cfg, self.pc)
+        self.facts = RunFacts.resolve(cfg, self.pc)
+        self.model = build_model(cfg, self.pc, self.facts)
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.named_params, cfg.train, self.pc, cfg.parallelism.zero1,
-                                         param_dtype=param_dtype(cfg, self.pc.device))
+                                         param_dtype=self.facts.param_dtype)
         self.hook: MixingHook = FixedMixture(resolve_weights(cfg.data.domain_weights, self.feed.manifest))
         self.step = 0
         # Non-masked label tokens drawn per domain since step 1 (on the device: no host sync per step).
         self.realised_tokens = torch.zeros(self.feed.k, dtype=torch.float64, device=self.pc.device)
-        self.autocast = autocast(cfg, self.pc.device)
+        self.autocast = self.facts.autocast()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         if cfg.train.eval_every:
-            self.feed.validation(micro_batch_size(cfg), cfg.train.eval_sequences)  # fail before any step
+            self.feed.validation(self.facts.micro_batch_size, cfg.train.eval_sequences)  # fail before any step
 
     # -- state ---------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
@@ -115,7 +117,7 @@ class Trainer:
 
     def evaluate(self) -> np.ndarray:
         t = self.cfg.train
-        batches = self.feed.validation(micro_batch_size(self.cfg), t.eval_sequences)
+        batches = self.feed.validation(self.facts.micro_batch_size, t.eval_sequences)
         return evaluate_domains(self.model, batches, self.pc, self.autocast).cpu().numpy()
 
     def evaluate_memorisation(self) -> tuple[np.ndarray, ...]:
@@ -123,7 +125,7 @@ class Trainer:
         training sequences, its standard error) per domain, as many sequences of each as
         `data.holdout_sequences`: the gap is memorisation, not a shift between the train and
         validation splits, measured to within the two standard errors."""
-        mb = micro_batch_size(self.cfg)
+        mb = self.facts.micro_batch_size
         seen = evaluate_domains_with_error(self.model, self.feed.seen_batches(mb), self.pc, self.autocast)
         held = evaluate_domains_with_error(self.model, self.feed.heldout_batches(mb), self.pc, self.autocast)
         return tuple(t.cpu().numpy() for t in (*seen, *held))
@@ -138,7 +140,7 @@ class Trainer:
                 stack.enter_context(rundir.locked(self.run_dir))
                 self._prepare_run_dir()
 
-            rundir.on_rank0(own, self.pc.is_main)
+            rundir.on_rank0(own, self.facts.is_main)
             yield
 
     def _prepare_run_dir(self) -> None:
@@ -164,11 +166,11 @@ class Trainer:
         cfg, pc = self.cfg, self.pc
         self.record = rundir.record(cfg, self.result_ignore)
         resumed = self.maybe_resume()
-        if pc.is_main:
+        if self.facts.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.run_dir / "config.yaml")
             atomic_write_text(self.run_dir / rundir.RECORD_FILE, json.dumps(self.record, indent=1, default=str))
-        log = MetricsLogger(self.run_dir, pc.is_main, cfg.train.steps, self.step, cfg.logging.progress,
+        log = MetricsLogger(self.run_dir, self.facts.is_main, cfg.train.steps, self.step, cfg.logging.progress,
                             cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.run_name,
                             resume=resumed, desc=self.desc)
         if pc.device.type == "cuda":

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.build import param_precision
+from trainer.build import micro_batch_size, param_precision
 from trainer.configtools import ConfigError
 from trainer.config import TrainerConfig
 from trainer.parallel.cost_model import CostModel, StageMemory
-from trainer.parallel.stage_split import explicit_split, ranges_from_counts, split_counts
+from trainer.parallel.stage_split import split_layers, split_policy
 
 GIB = 2 ** 30
 
@@ -79,8 +79,9 @@ def plan_memory(cfg: TrainerConfig, gpus: int, gpu_memory_gb: float, *, split: s
                 memory_weight: float = 0.5) -> Plan:
     """Memory of every pipeline stage for `cfg` on `gpus` GPUs of `gpu_memory_gb` GiB each.
 
-    The layer split is `parallelism.pp_layers` when set, else the cost model's (`split`:
-    "memory" by default, or "compute"). Micro-batch size = global_batch_size / (dp x
+    The layer split is the trainer's (`trainer.parallel.stage_split.split_layers`):
+    `parallelism.pp_layers` when set and `split` is None, else the cost model's under `split`
+    ("memory" by default, or "compute"). Micro-batch size = global_batch_size / (dp x
     micro_batches); sequence length = data.seq_len. `param_precision`: "fp32" (fp32 params
     under bf16 autocast) or "bf16" (bf16 params, fp32 main grads and master weights, the GPU
     path by default: `gpu_param_precision`); see `trainer.parallel.cost_model.BytesPerParam`."""
@@ -96,13 +97,11 @@ def plan_memory(cfg: TrainerConfig, gpus: int, gpu_memory_gb: float, *, split: s
     if train.global_batch_size % per_rank:
         raise ConfigError(f"train.global_batch_size: expected a multiple of parallelism.dp x train.micro_batches "
                          f"= {per_rank}, got {train.global_batch_size}")
-    cm = CostModel.from_config(cfg.model, par, train.global_batch_size // per_rank, cfg.data.seq_len,
-                               train.micro_batches, param_precision)
-    if par.pp_layers and split is None:
-        layers, how = explicit_split(par.pp_layers, cfg.model.n_layers, par.pp), "explicit"
-    else:
-        how = split or "memory"
-        layers = ranges_from_counts(split_counts(cm, how, memory_weight))
+    mbs = micro_batch_size(cfg)
+    cm = CostModel.from_config(cfg.model, par, mbs, cfg.data.seq_len, train.micro_batches, param_precision)
+    layers = split_layers(cfg.model, par, mbs, cfg.data.seq_len, micro_batches=train.micro_batches, policy=split,
+                          memory_weight=memory_weight, param_precision=param_precision)
+    how = split_policy(par.pp_layers, split)
     stages = [StagePlan(p, r, cm.stage_memory(p, len(r)), cm.stage_flops(p, len(r))) for p, r in enumerate(layers)]
     return Plan(model=cfg.model.preset or "custom", gpus=gpus, gpu_memory_gb=gpu_memory_gb, headroom=headroom,
                 tp=par.tp, pp=par.pp, dp=par.dp, micro_batch_size=cm.micro_batch_size, seq_len=cm.seq_len,

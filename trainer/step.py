@@ -1,8 +1,9 @@
-"""One optimizer step over a global batch, under any (tp, pp, dp) layout.
+"""The forwards and backwards of one optimizer step, under any (tp, pp, dp) layout, and the
+step's statistics over the global batch, identical on every rank.
 
-The order is fixed: micro-batch schedule (forwards/backwards, `trainer.parallel.pipeline_schedule`) ->
-tp/tied gradient sync -> dp reduction (inside the optimizer, once per step) -> clipping over all
-groups -> update. The statistics returned are over the global batch and identical on every rank.
+`forward_backward` runs the micro-batch schedule (`trainer.parallel.pipeline_schedule`). The rest
+of a step is `trainer.loop.Trainer.train_step`'s, in a fixed order: tp and tied gradient syncs ->
+dp reduction (inside the optimizer, once per step) -> clipping over all groups -> update.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from data.batch import IGNORE_INDEX
 from trainer.domains import domain_sums
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import broadcast_from_last_stage, train_schedule
-from trainer.weighting import IGNORE_INDEX, LossWeighting
+from trainer.weighting import LossWeighting
 
 
 @dataclass

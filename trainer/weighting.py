@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-IGNORE_INDEX = -100
+from data.batch import IGNORE_INDEX
 
 
 class LossWeighting(Protocol):

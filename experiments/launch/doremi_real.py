@@ -29,6 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CONFIG = ROOT / "experiments" / "configs" / "doremi_real.yaml"
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
 CORPUS = "runs/real_corpus"
 NATURAL = "natural.json"
 
@@ -63,14 +64,15 @@ def die(msg: str) -> None:
 def natural_weights(corpus_manifest: Path, out: Path) -> Path:
     """Weights proportional to each source's uncapped size in bytes (the corpus manifest's
     `uncapped_bytes`), as a weights JSON."""
+    from data.weights_file import write_weights_file
+
     raw = json.loads(corpus_manifest.read_text())
     outputs = raw["outputs"]
     domains = list(outputs)
     sizes = [float(outputs[d]["uncapped_bytes"]) for d in domains]
     total = sum(sizes)
-    out.write_text(json.dumps({"domains": domains, "weights": [s / total for s in sizes],
-                               "source": f"uncapped bytes per domain, {corpus_manifest}"}, indent=1) + "\n")
-    return out
+    return write_weights_file(out, domains, [s / total for s in sizes],
+                              {"source": f"uncapped bytes per domain, {corpus_manifest}"})
 
 
 def corpus_sets(corpus: Path) -> list[str]:

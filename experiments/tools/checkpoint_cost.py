@@ -23,7 +23,7 @@ import torch
 from data.atomic import atomic_path
 from doremi.config import ExperimentConfig
 from trainer import checkpoint
-from trainer.build import build_model, param_dtype
+from trainer.build import RunFacts, build_model
 from trainer.config import load_config
 from trainer.optim.build import build_optimizer
 from trainer.parallel.context import ParallelContext
@@ -59,9 +59,10 @@ def without_checksums() -> Iterator[None]:
 
 
 def trained_state(cfg, pc):
-    model = build_model(cfg, pc)
+    facts = RunFacts.resolve(cfg, pc)
+    model = build_model(cfg, pc, facts)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    opt = build_optimizer(named, cfg.train, pc, False, param_dtype=param_dtype(cfg, pc.device))
+    opt = build_optimizer(named, cfg.train, pc, False, param_dtype=facts.param_dtype)
     for _, p in named:
         p.grad = torch.randn_like(p) * 1e-3
     opt.step(1e-3)

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from data.weights_file import WEIGHTS_FILE, read_weights_file  # noqa: E402
 from doremi.compare import MainRun, mean_se, read_root  # noqa: E402
 from doremi.guardrails import measure_pipeline, run_level_snr  # noqa: E402
 from doremi.report import markdown_table, steps_to_target  # noqa: E402
@@ -265,7 +266,7 @@ def ablation_section(runs: Path, mains: dict[str, dict[str, MainRun]], weights: 
         if not abl:
             continue
         abl_roots += abl
-        abl_weights = [json.loads((a / "weights.json").read_text())["weights"] for a in abl]
+        abl_weights = [read_weights_file(a / WEIGHTS_FILE)["weights"] for a in abl]
         variants[f"{prefix}: {what}"] = [sum(w[i] for w in abl_weights) / len(abl) for i in range(k)]
         diffs_u, diffs_d = [], []
         for a, w in zip(abl, abl_weights):
@@ -409,13 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     domains = [d["name"] for d in manifest["domains"]]
     k = len(domains)
     mains = {r.name: read_root(r) for r in roots}
-    weights = {r.name: json.loads((r / "weights.json").read_text())["weights"] for r in roots}
+    weights = {r.name: read_weights_file(r / WEIGHTS_FILE)["weights"] for r in roots}
     natural = None
     if args.corpus is not None and (args.corpus / "manifest.json").is_file():
         sys.path.insert(0, str(ROOT / "experiments" / "launch"))
         from doremi_real import natural_weights
 
-        nat = json.loads(natural_weights(args.corpus / "manifest.json", args.out / "natural.json").read_text())
+        nat = read_weights_file(natural_weights(args.corpus / "manifest.json", args.out / "natural.json"))
         natural = [nat["weights"][nat["domains"].index(d)] for d in domains]
 
     # Guardrails of the rule.
@@ -578,7 +579,7 @@ each domain; 512 training sequences per domain held back from every run.
 Device: one NVIDIA H200 (torch 2.11), all arms side by side; commit 02e4861. Command:
 
     python3 experiments/tools/real_corpus.py --out runs/real_corpus --max-bytes 20000000 --cap c=32000000
-    {info['command'].replace('/root/out', '$OUT')}
+    {info['command'].replace('/root/out', '$OUT').replace('experiments/doremi_real/run_study.py', 'experiments/launch/doremi_real.py')}
     # (three calls of the same command, each resuming the last: --deadline 540, 560, 580)
 
 The ablation arms ran later, at commit e34dfe0 (which adds checks and logs, not changes to what

@@ -1,4 +1,4 @@
-"""Per-token cross entropy over unsharded logits, `doremi::cross_entropy`: the loss of the
+"""Per-token cross entropy over unsharded logits, `trainer::cross_entropy`: the loss of the
 compiled head at tp = 1 (`trainer.model.llama`; eager and tp > 1 use the vocabulary-parallel
 one, which keeps less memory).
 
@@ -127,7 +127,7 @@ def cross_entropy_backward_triton(grad: torch.Tensor, logits: torch.Tensor, targ
     return out
 
 
-@torch.library.custom_op("doremi::cross_entropy", mutates_args=())
+@torch.library.custom_op("trainer::cross_entropy", mutates_args=())
 def cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
                      ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cross_entropy_torch(logits, target, vocab_size, ignore_index)
@@ -146,7 +146,7 @@ def _cross_entropy_fake(logits, target, vocab_size, ignore_index):
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
 
-@torch.library.custom_op("doremi::cross_entropy_backward", mutates_args=())
+@torch.library.custom_op("trainer::cross_entropy_backward", mutates_args=())
 def cross_entropy_backward_op(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
                               vocab_size: int, ignore_index: int) -> torch.Tensor:
     return cross_entropy_backward_torch(grad, logits, target, lse, vocab_size, ignore_index)

@@ -1,6 +1,6 @@
 """Parameter and FLOP counts of the Llama model, by formula (no model needed).
 
-Convention (the same as shared/bench/plain_llama.py, so MFU compares like for like):
+Convention (that of experiments/tools/bench/plain_llama.py, so MFU compares like for like):
 FLOPs per token = 6 * N + 6 * L * d * s, where N is every parameter except the input embedding
 (the LM head's V x d counted even when tied, since its matmul runs; norm weights included) and
 6 * L * d * s is attention's QK^T and AV (2 matmuls x 2 FLOPs x d x s per token, x3 for forward

@@ -3,8 +3,8 @@
 Every parameter is drawn as its full single-process tensor from a generator seeded by
 (seed, parameter name), then cut to this rank's tensor-parallel slice. A tp=2 / pp=2 model thus
 holds exactly the slices of the single-process model with the same seed (on the same device
-type: CPU and CUDA generators differ), and the tied `embed.weight` copies on the first and last
-pipeline stages start equal.
+type: CPU and CUDA generators differ), and the copies of the tied `embed.weight` on the first
+and last pipeline stages (`trainer.parallel.tied`) start equal.
 
 Scheme: normal(0, init_std) for every matrix; the output projections (attention out, FFN down)
 scaled by 1/sqrt(2 n_layers) when `depth_scaled_init` (GPT-2, Radford et al. 2019: one residual
@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn as nn
 
-from trainer.parallel.shard import get_shard_spec, shard
+from trainer.parallel.shard import full_shape, get_shard_spec, shard
 
 _OUTPUT_PROJECTIONS = ("attn.out.weight", "mlp.down.weight")
 _VOCAB_MATRICES = ("embed.weight", "head.weight")
@@ -38,14 +38,6 @@ def init_std(name: str, cfg) -> float | None:
     if name.endswith(_OUTPUT_PROJECTIONS) and cfg.depth_scaled_init:
         return cfg.init_std / math.sqrt(2 * cfg.n_layers)
     return cfg.init_std
-
-
-def full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    spec = get_shard_spec(param)
-    shape = list(param.shape)
-    if spec is not None:
-        shape[spec.dim] = sum(spec.parts)
-    return tuple(shape)
 
 
 def full_tensor(name: str, shape: tuple[int, ...], cfg, seed: int, device: torch.device) -> torch.Tensor:

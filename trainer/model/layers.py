@@ -1,11 +1,13 @@
-"""Llama building blocks that know nothing of parallelism: RMSNorm, the RoPE tables (with the
-Llama-3 frequency scaling), the per-token cross entropy and the attention core (the rotation is
-`trainer.model.rope`, the fused SwiGLU `trainer.model.swiglu`). Activations are [s, b, ...]."""
+"""Llama building blocks that hold no process group: RMSNorm, the RoPE tables (with the Llama-3
+frequency scaling) and the attention core. The rotation is `trainer.model.rope`, the fused SwiGLU
+`trainer.model.swiglu`, the per-token cross entropy `trainer.model.cross_entropy`. Activations
+are [s, b, ...]; under sequence parallel RMSNorm marks its weight for the tp gradient sum."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -85,8 +87,10 @@ def resolve_attention(requested: str, device: torch.device) -> str:
     return "flash" if available else "sdpa"
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
-    """q [s, b, h, hd], k and v [s, b, kv, hd] (grouped-query when kv < h) -> [s, b, h * hd]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str,
+                     priority: Sequence[SDPBackend] = CUDA_SDPA_PRIORITY) -> torch.Tensor:
+    """q [s, b, h, hd], k and v [s, b, kv, hd] (grouped-query when kv < h) -> [s, b, h * hd].
+    `priority`: the SDPA backends tried on CUDA, in order (`trainer.model.kernels.Kernels`)."""
     s, b, h, hd = q.shape
     if impl == "flash" and q.dtype in (torch.float16, torch.bfloat16):
         from flash_attn import flash_attn_func
@@ -95,7 +99,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
         return out.transpose(0, 1).reshape(s, b, h * hd)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     if q.device.type == "cuda":
-        with sdpa_kernel(list(CUDA_SDPA_PRIORITY), set_priority=True):
+        with sdpa_kernel(list(priority), set_priority=True):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != h)
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != h)

@@ -1,6 +1,6 @@
 """The Llama model as pipeline stages, tensor-parallel inside.
 
-Architecture (numerically the same as shared/bench/plain_llama.py): token embedding, blocks of
+Architecture (numerically that of experiments/tools/bench/plain_llama.py): token embedding, blocks of
 pre-norm attention (RMSNorm, fused QKV [q | k | v] with grouped-query attention, rotate-half
 RoPE with configurable theta and Llama-3 frequency scaling, causal SDPA or flash-attn, output
 projection) and pre-norm SwiGLU (fused [gate | up] projection, silu(gate) * up, down
@@ -12,8 +12,9 @@ as [b, s] in fp32.
 
 Parameter names are the single-process ones whatever the layout: `embed.weight`,
 `layers.<global index>.{attn_norm,attn.qkv,attn.out,mlp_norm,mlp.gate_up,mlp.down}.weight`,
-`norm.weight`, `head.weight`. With tied embeddings the head is `embed.weight` (a duplicate on
-the last stage when pp > 1, kept equal by `sync_tied_grads`).
+`norm.weight`, `head.weight`. With tied embeddings the head is `embed.weight` (a copy on the
+last stage when pp > 1: `trainer.parallel.tied`). Every weight's tensor-parallel layout is
+`trainer.model.tp_plan.TP_PLAN`, which builds the modules.
 """
 
 from __future__ import annotations
@@ -22,29 +23,26 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from data.batch import IGNORE_INDEX
 from trainer.configtools import ConfigError
-from trainer.model.cross_entropy import cross_entropy
 from trainer.model.init import init_parameters
+from trainer.model.kernels import Kernels
 from trainer.model.layers import (
-    RMSNorm,
     causal_attention,
     resolve_attention,
     rope_tables,
 )
-from trainer.model.rope import rope_qkv
 from trainer.model.swiglu import swiglu
+from trainer.model.tp_plan import tp_module
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import (
-    IGNORE_INDEX,
-    ColumnParallelLinear,
-    RowParallelLinear,
     TensorParallel,
-    VocabParallelEmbedding,
     column_parallel_linear,
     gather_last_dim,
     padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
+from trainer.parallel.tied import head_weight, holds_embedding, holds_head
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -55,22 +53,23 @@ def _checkpoint(fn, *args):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, tp: TensorParallel, impl: str, device=None):
+    def __init__(self, cfg, tp: TensorParallel, impl: str, device=None, kernels: Kernels | None = None):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
+        self.kernels = kernels or Kernels()
         self.local_heads = cfg.n_heads // tp.size
         self.local_kv_heads = cfg.n_kv_heads // tp.size
         self.impl = impl
         self.recompute_core = False
-        self.qkv = ColumnParallelLinear(cfg.d_model, (cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd),
-                                        tp, device=device)
-        self.out = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, tp, device=device)
+        self.qkv = tp_module("attn.qkv", tp, (cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd),
+                             cfg.d_model, device=device)
+        self.out = tp_module("attn.out", tp, (cfg.d_model,), cfg.n_heads * hd, device=device)
 
     def core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE and causal attention: [s, b, (h + 2 kv) hd / tp] -> [s, b, h hd / tp]."""
-        q, k, v = rope_qkv(qkv, cos, sin, self.local_heads, self.local_kv_heads)
-        return causal_attention(q, k, v, self.impl)
+        q, k, v = self.kernels.rope_qkv(qkv, cos, sin, self.local_heads, self.local_kv_heads)
+        return causal_attention(q, k, v, self.impl, self.kernels.sdpa_priority)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -81,8 +80,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg, tp: TensorParallel, device=None):
         super().__init__()
-        self.gate_up = ColumnParallelLinear(cfg.d_model, (cfg.ffn_dim, cfg.ffn_dim), tp, device=device)
-        self.down = RowParallelLinear(cfg.ffn_dim, cfg.d_model, tp, device=device)
+        self.gate_up = tp_module("mlp.gate_up", tp, (cfg.ffn_dim, cfg.ffn_dim), cfg.d_model, device=device)
+        self.down = tp_module("mlp.down", tp, (cfg.d_model,), cfg.ffn_dim, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(swiglu(self.gate_up(x)))
@@ -109,12 +108,11 @@ class Block(nn.Module):
     attention core (RoPE + attention) in backward; `full` keeps only the block input."""
 
     def __init__(self, cfg, tp: TensorParallel, impl: str, recompute: str = "none", compile: bool = False,
-                 device=None):
+                 device=None, kernels: Kernels | None = None):
         super().__init__()
-        sp = tp.sequence_parallel
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp, device=device)
-        self.attn = Attention(cfg, tp, impl, device=device)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp, device=device)
+        self.attn_norm = tp_module("attn_norm", tp, (cfg.d_model,), eps=cfg.norm_eps, device=device)
+        self.attn = Attention(cfg, tp, impl, device=device, kernels=kernels)
+        self.mlp_norm = tp_module("mlp_norm", tp, (cfg.d_model,), eps=cfg.norm_eps, device=device)
         self.mlp = MLP(cfg, tp, device=device)
         self.recompute = recompute
         self.compile_body(compile)
@@ -148,10 +146,11 @@ class LlamaStage(nn.Module):
     first stage and the final norm, head and loss on the last. See the module docstring."""
 
     def __init__(self, cfg, tp: TensorParallel, layers: range, is_first: bool, is_last: bool,
-                 recompute: str = "none", device: torch.device | str | None = None):
+                 recompute: str = "none", device: torch.device | str | None = None, kernels: Kernels | None = None):
         super().__init__()
         device = torch.device(device or "cpu")
         self.cfg = cfg
+        self.kernels = kernels or Kernels()
         self.tp = tp
         self.is_first, self.is_last = is_first, is_last
         self.tie_embeddings = cfg.tie_embeddings
@@ -160,13 +159,14 @@ class LlamaStage(nn.Module):
         self._compiled = bool(cfg.compile) and device.type == "cuda"
         # tp = 1 and compiled: the head's matmul and a plain cross entropy in one graph.
         self._fused_loss = self._compiled and tp.size == 1
-        if is_first or (is_last and cfg.tie_embeddings):
-            self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, tp, device=device)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, impl, recompute, device=device) for i in layers})
+        if holds_embedding(cfg.tie_embeddings, is_first, is_last):
+            self.embed = tp_module("embed", tp, (self.padded_vocab,), cfg.d_model, device=device)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, impl, recompute, device=device, kernels=self.kernels)
+                                     for i in layers})
         if is_last:
-            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, tp.sequence_parallel, device=device)
-            if not cfg.tie_embeddings:
-                self.head = ColumnParallelLinear(cfg.d_model, (self.padded_vocab,), tp, device=device)
+            self.norm = tp_module("norm", tp, (cfg.d_model,), eps=cfg.norm_eps, device=device)
+            if holds_head(cfg.tie_embeddings, is_last):
+                self.head = tp_module("head", tp, (self.padded_vocab,), cfg.d_model, device=device)
         self.set_recompute(recompute)
         cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -223,18 +223,15 @@ class LlamaStage(nn.Module):
         x = self._blocks(hidden, input_ids)
         return self._losses(x, labels) if self.is_last else x
 
-    def _head_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.tie_embeddings else self.head.weight
-
     def _local_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, padded_vocab / tp]: this rank's vocabulary slice over the full sequence."""
-        return column_parallel_linear(self.norm(x), self._head_weight(), self.tp)
+        return column_parallel_linear(self.norm(x), head_weight(self), self.tp)
 
     def head_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Final norm, head and per-token cross entropy: [s(/tp), b, d], [b, s] -> [b, s] fp32."""
         logits, target = self._local_logits(x), labels.t()
         if self._fused_loss:
-            losses = cross_entropy(logits, target, self.cfg.vocab_size, IGNORE_INDEX)
+            losses = self.kernels.cross_entropy(logits, target, self.cfg.vocab_size, IGNORE_INDEX)
         else:
             losses = vocab_parallel_cross_entropy(logits, target, self.tp, self.cfg.vocab_size, IGNORE_INDEX)
         return losses.t().contiguous()
@@ -273,9 +270,12 @@ def build_stage(cfg, par, pc: ParallelContext, layers: range, seed: int = 0) -> 
 
 
 class Llama(LlamaStage):
-    """The whole model as one stage (pp = 1): `Llama(cfg)(None, batch)` gives per-token losses."""
+    """The whole model as one stage (pp = 1): `Llama(cfg)(None, batch)` gives per-token losses.
+    `kernels`: the implementations of RoPE, the fused loss and the SDPA backend order (default:
+    the model's own; the GPU bench's ablations pass others)."""
 
-    def __init__(self, cfg, par=None, pc: ParallelContext | None = None, seed: int = 0):
+    def __init__(self, cfg, par=None, pc: ParallelContext | None = None, seed: int = 0,
+                 kernels: Kernels | None = None):
         from trainer.config import ParallelismConfig
 
         pc = pc or ParallelContext.single()
@@ -284,5 +284,5 @@ class Llama(LlamaStage):
             raise ConfigError(f"Llama: the whole model needs parallelism.pp=1, got {pc.pp}; use build_stage")
         _check_layout(cfg, pc.tp, range(cfg.n_layers))
         tp = TensorParallel.from_config(par, pc)
-        super().__init__(cfg, tp, range(cfg.n_layers), True, True, par.recompute, pc.device)
+        super().__init__(cfg, tp, range(cfg.n_layers), True, True, par.recompute, pc.device, kernels)
         init_parameters(self, cfg, seed, tp.rank, tp.size)

@@ -24,7 +24,7 @@ PRESETS: dict[str, dict] = {
                         ffn_dim=8192, max_seq_len=1024, tie_embeddings=True),
     "doremi-1b": dict(vocab_size=256000, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=32,
                       ffn_dim=8192, max_seq_len=1024, tie_embeddings=True),
-    # The baseline's 1B shape in ../shared/bench/plain_llama.py.
+    # The bench baseline's shapes (experiments/tools/bench/plain_llama.py `1b`, `280m`).
     "bench-1b": dict(vocab_size=32000, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                      ffn_dim=8192, max_seq_len=2048),
     "bench-280m": dict(vocab_size=32000, d_model=1024, n_layers=18, n_heads=16, n_kv_heads=16,

@@ -171,7 +171,7 @@ def rope_qkv_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tenso
     return out
 
 
-@torch.library.custom_op("doremi::rope_qkv", mutates_args=())
+@torch.library.custom_op("trainer::rope_qkv", mutates_args=())
 def rope_qkv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                 kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return rope_qkv_torch(qkv, cos, sin, heads, kv_heads)
@@ -191,7 +191,7 @@ def _rope_qkv_fake(qkv, cos, sin, heads, kv_heads):
     return qkv.new_empty(s, b, heads, hd), qkv.new_empty(s, b, kv_heads, hd), qkv.new_empty(s, b, kv_heads, hd)
 
 
-@torch.library.custom_op("doremi::rope_qkv_backward", mutates_args=())
+@torch.library.custom_op("trainer::rope_qkv_backward", mutates_args=())
 def rope_qkv_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor) -> torch.Tensor:
     return rope_qkv_backward_torch(dq, dk, dv, cos, sin)

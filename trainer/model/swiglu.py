@@ -1,7 +1,7 @@
 """The fused SwiGLU, silu(gate) * up, from the fused projection [..., 2f] = [gate | up].
 
 Forward saves only its input (the activation silu(gate) is recomputed in backward). The backward
-is one custom op, `doremi::swiglu_backward`, so that `torch.compile` keeps it as one call:
+is one custom op, `trainer::swiglu_backward`, so that `torch.compile` keeps it as one call:
 - on CUDA, a Triton kernel: each program reads one row block of gate, up and the incoming
   gradient once and writes both halves of the input gradient, all in fp32 registers. That is
   the floor of 3 reads + 2 writes of f elements per token. What inductor makes of the same
@@ -76,7 +76,7 @@ def swiglu_backward_triton(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tens
     return out.view(gate_up.shape)
 
 
-@torch.library.custom_op("doremi::swiglu_backward", mutates_args=())
+@torch.library.custom_op("trainer::swiglu_backward", mutates_args=())
 def swiglu_backward(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return swiglu_backward_torch(g, gate_up)
 

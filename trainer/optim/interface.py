@@ -6,7 +6,10 @@ from typing import Any, Protocol
 
 import torch
 
-class OptimizerStateError(ValueError):
+from data.errors import UserError
+
+
+class OptimizerStateError(UserError, ValueError):
     """An optimizer state that does not fit this optimizer: one line naming the parameter."""
 
 

@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.nn import Parameter
 
+from data.errors import UserError
 from trainer.optim.adamw_update import (BLOCK, adamw_update, adamw_update_tensors, join_fp32, split_fp32,
                                   stacked_coefficients, uses_triton)
 from trainer.config import TrainConfig
@@ -56,8 +57,9 @@ from trainer.optim.multi_tensor import TensorBlocks, aligned
 from trainer.optim.param_groups import decay_first
 from trainer.parallel.clip import clip_coefficient, global_grad_norm
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data_parallel import (DEFAULT_BUCKET_NUMEL, attach_main_grad, broadcast_from_owners, partition_params,
-                                   reduce_grads, reset_main_grads, set_dp_owner, sums_gradients)
+from trainer.parallel.data_parallel import (DEFAULT_BUCKET_NUMEL, broadcast_from_owners, partition_params, reduce_grads,
+                                   set_dp_owner, sums_gradients)
+from trainer.parallel.main_grad import attach_main_grad, reset_main_grads
 
 
 #: Each parameter's view starts at a multiple of this many elements (128 bytes in bf16): compiled
@@ -65,7 +67,7 @@ from trainer.parallel.data_parallel import (DEFAULT_BUCKET_NUMEL, attach_main_gr
 ALIGN_ELEMENTS = 64
 
 
-class MasterWeightStateError(ValueError):
+class MasterWeightStateError(UserError, ValueError):
     """An optimizer state that does not fit this optimizer: one line naming the parameter."""
 
 

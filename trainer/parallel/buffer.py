@@ -2,7 +2,7 @@
 
 With sequence parallel, a column-parallel linear needs the all-gathered (full-sequence) input
 for its matmul in forward and for its weight gradient in backward. Megatron-LM and the
-nanotron activation-memory fix (see shared/seeds) gather into one recycled buffer instead of
+nanotron activation-memory fix (docs/design.md section 9) gather into one recycled buffer instead of
 allocating (and, worse, keeping alive until backward) a fresh tensor per layer. Here the buffer
 is an explicit object, one per pipeline stage, handed to the layers that use it.
 

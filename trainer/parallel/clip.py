@@ -3,8 +3,8 @@
 The total norm is the L2 norm of the full (single-process) model's gradient, each element
 counted once: every rank adds the squares of the gradients it is responsible for, and one
 all-reduce sums them over the world. A rank is responsible for a parameter when
-- it is not the tied duplicate of the embedding (`embed.weight` on a stage other than the first
-  when pp > 1: its gradient was summed with the first stage's, which counts it),
+- it is not the tied duplicate of the embedding (`trainer.parallel.tied.is_tied_duplicate`: its
+  gradient was summed with the first stage's, which counts it),
 - it is tp-sharded (each tp rank holds a distinct slice), or replicated over tp and this is tp
   rank 0,
 - this is its dp owner (`trainer.parallel.data_parallel.get_dp_owner`, set by the optimizer; with ZeRO-1
@@ -12,7 +12,7 @@ all-reduce sums them over the world. A rank is responsible for a parameter when
 The scale factor is applied to every gradient present on the rank, duplicates included, so
 what the optimizer uses is clipped. Semantics follow `torch.nn.utils.clip_grad_norm_`:
 coefficient min(1, max_norm / (norm + 1e-6)). Gradients are read through
-`trainer.parallel.data_parallel.grad_of` (the fp32 main grad where one exists). No host synchronisation.
+`trainer.parallel.main_grad.grad_of` (the fp32 main grad where one exists). No host synchronisation.
 
 `global_grad_norm` and `clip_coefficient` are the two halves for an optimizer that applies the
 coefficient inside its own update (`trainer.optim.master_weights`) instead of scaling in place.
@@ -27,15 +27,10 @@ import torch.distributed as dist
 
 from trainer.optim.multi_tensor import sums_of_squares, uses_triton_squares
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data_parallel import get_dp_owner, grad_of
+from trainer.parallel.data_parallel import get_dp_owner
+from trainer.parallel.main_grad import grad_of
 from trainer.parallel.shard import get_shard_spec
-
-TIED_EMBEDDING = "embed.weight"
-
-
-def is_tied_duplicate(name: str, pc: ParallelContext) -> bool:
-    """The last stage's copy of the tied embedding (pp > 1): a duplicate of the first stage's."""
-    return name == TIED_EMBEDDING and pc.pp > 1 and not pc.is_first_stage
+from trainer.parallel.tied import is_tied_duplicate
 
 
 def counts_here(name: str, param: torch.Tensor, pc: ParallelContext) -> bool:

@@ -4,11 +4,13 @@ a node), then dp, then pp. One object owns the groups and is passed explicitly."
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from trainer.parallel.launch_env import launch_world_size, local_rank
+from trainer.parallel.tied import tied_stages
 
 
 def grid_coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
@@ -30,8 +32,8 @@ class ParallelContext:
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
-    # The first and last pipeline stages of one (dp, tp) position: tied embedding gradients.
-    embed_group: dist.ProcessGroup | None = None
+    # The stages of one (dp, tp) position that hold the tied embedding (`trainer.parallel.tied`).
+    tied_group: dist.ProcessGroup | None = None
 
     @property
     def world_size(self) -> int:
@@ -78,18 +80,15 @@ class ParallelContext:
                    device: str = "auto") -> "ParallelContext":
         """Join (or start) the process group from torchrun's environment and build the grid.
 
-        With no torchrun environment and tp = pp = dp = 1, returns a single-process context.
+        With no torchrun environment and tp = pp = dp = 1, returns a single-process context. The
+        launched world size must be tp x pp x dp: `trainer.build.init_parallel` checks it first.
         """
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != tp * pp * dp:
-            raise ValueError(f"parallelism: world size {world} != tp x pp x dp = {tp} x {pp} x {dp} = {tp * pp * dp}")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        dev = torch.device(device, local_rank) if device == "cuda" else torch.device(device)
+        dev = torch.device(device, local_rank()) if device == "cuda" else torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        if world == 1 and not dist.is_initialized():
+        if launch_world_size() == 1 and not dist.is_initialized():
             return cls.single(dev)
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -122,16 +121,11 @@ class ParallelContext:
                     ctx.pp_group = g
         for d in range(dp):
             for t in range(tp):
-                ranks = sorted({grid_rank(0, d, t, tp, dp), grid_rank(pp - 1, d, t, tp, dp)})
-                g = dist.new_group(ranks)
+                g = dist.new_group([grid_rank(p, d, t, tp, dp) for p in tied_stages(pp)])
                 if (d, t) == (me_dp, me_tp):
-                    ctx.embed_group = g
+                    ctx.tied_group = g
         return ctx
 
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
-
-    def destroy(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from trainer.config import ModelConfig, ParallelismConfig
 from trainer.parallel.data_parallel import sums_gradients
+from trainer.parallel.tied import holds_embedding, holds_head
 
 ACT_BYTES = 2
 PRECISIONS = ("fp32", "bf16")
@@ -152,17 +153,19 @@ class CostModel:
     def block_params(self) -> int:
         return self.block_matmul_params() // self.tp + 2 * self.model.d_model
 
-    def embedding_params(self) -> int:
+    def vocab_matrix_params(self) -> int:
+        """The embedding's or the head's (vocabulary x d_model, this rank's vocabulary slice)."""
         return self.local_vocab * self.model.d_model
 
-    def head_params(self) -> int:
-        """Head and final norm. With tied embeddings and pp == 1 the head is the embedding."""
-        tied_here = self.model.tie_embeddings and self.pp == 1
-        return (0 if tied_here else self.local_vocab * self.model.d_model) + self.model.d_model
-
     def stage_params(self, stage: int, n_blocks: int) -> int:
-        return (n_blocks * self.block_params() + (self.embedding_params() if stage == 0 else 0)
-                + (self.head_params() if stage == self.pp - 1 else 0))
+        """Blocks, the embedding where the stage holds it (the last stage too when tied and pp > 1:
+        `trainer.parallel.tied`), the head where untied, and the final norm on the last stage."""
+        first, last = stage == 0, stage == self.pp - 1
+        tie = self.model.tie_embeddings
+        return (n_blocks * self.block_params()
+                + (self.vocab_matrix_params() if holds_embedding(tie, first, last) else 0)
+                + (self.vocab_matrix_params() if holds_head(tie, last) else 0)
+                + (self.model.d_model if last else 0))
 
     # --- compute ----------------------------------------------------------------------------
 

@@ -11,13 +11,8 @@ gradient is reduced to the owner only (non-owners drop theirs), the owner update
 then broadcasts it. Whole parameters keep Adafactor's factored (row, column) state intact and
 make the optimizer state in a checkpoint per parameter, so it reshards by name.
 
-Main grads (Megatron-LM's `main_grad`): with bf16 parameters, summing micro-batch gradients in
-bf16 `.grad` rounds every partial sum to 8 mantissa bits. `attach_main_grad` gives a parameter
-an fp32 buffer (`trainer.optim.master_weights` does, when the step sums gradients) that a
-post-accumulate-grad hook fills after each backward (the first write of a step copies, later ones add) before
-dropping `.grad`. `grad_of` is the one accessor that every
-gradient consumer (these reductions, the tp/tied syncs, clipping) reads: the main grad where one
-is attached, `.grad` otherwise.
+Gradients are read through `trainer.parallel.main_grad.grad_of` (the fp32 main grad where one
+is attached).
 
 Tensors that are consecutive views of one storage (the flat buffers of
 `trainer.optim.master_weights`) are reduced and broadcast in place as one span of that storage, gaps
@@ -33,13 +28,12 @@ import torch
 import torch.distributed as dist
 
 from trainer.parallel.context import ParallelContext, grid_rank
+from trainer.parallel.main_grad import grad_of
 
 #: Elements per flattened bucket (64 MiB of fp32).
 DEFAULT_BUCKET_NUMEL = 1 << 24
 _MAX_IN_FLIGHT = 2
 _OWNER_ATTR = "_dp_owner"
-_WRITTEN_ATTR = "_main_grad_written"
-_HOOK_ATTR = "_main_grad_hook"
 
 
 def partition_params(sizes: Sequence[int], parts: int) -> list[int]:
@@ -67,49 +61,6 @@ def sums_gradients(micro_batches: int, world_size: int) -> bool:
     """Whether a step sums gradients: over micro-batches, or over ranks (dp reduction, tp
     sequence-parallel norms, tied embeddings across stages)."""
     return micro_batches > 1 or world_size > 1
-
-
-def attach_main_grad(param: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """Accumulate `param`'s gradients into `main_grad` (same shape, fp32) from now
-    on, exposed as `param.main_grad`; `.grad` is dropped after each backward."""
-    old = getattr(param, _HOOK_ATTR, None)
-    if old is not None:
-        old.remove()
-    param.main_grad = main_grad
-    setattr(param, _WRITTEN_ATTR, False)
-    setattr(param, _HOOK_ATTR, param.register_post_accumulate_grad_hook(_accumulate_main_grad))
-
-
-def _accumulate_main_grad(param: torch.Tensor) -> None:
-    if getattr(param, _WRITTEN_ATTR):
-        param.main_grad.add_(param.grad)
-    else:
-        param.main_grad.copy_(param.grad)
-        setattr(param, _WRITTEN_ATTR, True)
-    param.grad = None
-
-
-def reset_main_grads(params: Sequence[torch.Tensor]) -> None:
-    """Start a new step: the next backward overwrites the main grads instead of adding (no
-    memset: a main grad that no backward writes reads as zero, see `grad_of`)."""
-    for p in params:
-        if hasattr(p, _WRITTEN_ATTR):
-            setattr(p, _WRITTEN_ATTR, False)
-
-
-def grad_of(param: torch.Tensor) -> torch.Tensor | None:
-    """The gradient of `param` for this step: its main grad when one is attached (zeroed if no
-    backward wrote it since `reset_main_grads`; a `.grad` set outside autograd is added in
-    first), else `.grad`."""
-    main = getattr(param, "main_grad", None)
-    if main is None:
-        return param.grad
-    if param.grad is not None:
-        _accumulate_main_grad(param)
-    if not getattr(param, _WRITTEN_ATTR):
-        main.zero_()
-        setattr(param, _WRITTEN_ATTR, True)
-    return main
 
 
 def _span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -122,14 +122,26 @@ def train_schedule(stage: torch.nn.Module, micro_batches: list[dict], pc: Parall
 
 
 def _one_forward_one_backward(steps: _Steps) -> None:
+    """1F1B in three phases. Micro-batch i's first backward can only start once its forward has
+    passed every later stage, so stage p runs ahead by the pp - p - 1 forwards that fill the
+    stages after it; from then on it keeps that many in flight, and drains them at the end."""
     pc, n = steps.pc, len(steps.micro_batches)
     warmup = min(pc.pp - pc.pp_rank - 1, n)
+    # (micro-batch index, stage input, released stage output) of forwards awaiting their backward
     in_flight: deque[tuple[int, torch.Tensor | None, torch.Tensor]] = deque()
+
+    # Warm-up: forwards only, one for each later stage, so that the pipeline is full when this
+    # stage's first backward arrives. The last stage (warmup = 0) skips it; stage 0 does the most.
     for i in range(warmup):
         hidden = steps.recv_input(i)
         out = steps.forward(i, hidden)
         p2p.send_forward(out, pc)
         in_flight.append((i, hidden, _release(out, pc)))
+
+    # Steady state: for each remaining micro-batch, one forward then one backward, of the oldest
+    # micro-batch in flight, so this stage never holds more than warmup + 1. Each exchange with
+    # a neighbour posts its send and its receive together (output out and gradient back; input
+    # gradient out and next input in): neighbours that both send first would deadlock (`p2p`).
     hidden = steps.recv_input(warmup) if warmup < n else None
     for i in range(warmup, n):
         out = steps.forward(i, hidden)
@@ -139,9 +151,12 @@ def _one_forward_one_backward(steps: _Steps) -> None:
         j, hidden_j, out_j = in_flight.popleft()
         in_grad = steps.backward(j, hidden_j, out_j, grad)
         if i == n - 1:
-            p2p.send_backward(in_grad, pc)
+            p2p.send_backward(in_grad, pc)  # no next input to receive: the forwards are done
         else:
             hidden = _as_input(p2p.send_backward_recv_forward(in_grad, steps.shape(i + 1), steps.dtype, pc))
+
+    # Cool-down: the warm-up's micro-batches are still in flight; their gradients come back
+    # from the next stage one by one, oldest first, and their backwards drain the pipeline.
     while in_flight:
         j, hidden_j, out_j = in_flight.popleft()
         grad = p2p.recv_backward(steps.shape(j), steps.dtype, pc)

@@ -49,6 +49,15 @@ def unshard(shards: list[torch.Tensor], spec: ShardSpec | None) -> torch.Tensor:
     return torch.cat(parts, dim=spec.dim)
 
 
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The single-process shape of a tp-local parameter."""
+    spec = get_shard_spec(param)
+    shape = list(param.shape)
+    if spec is not None:
+        shape[spec.dim] = sum(spec.parts)
+    return tuple(shape)
+
+
 def set_shard_spec(param: torch.Tensor, spec: ShardSpec | None) -> None:
     setattr(param, _SPEC_ATTR, spec)
 

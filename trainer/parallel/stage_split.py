@@ -1,6 +1,6 @@
-"""Which transformer blocks each pipeline stage owns: the one place that decides the split
-(`trainer.build.stage_layers` for runs, `trainer.plan` for plans), from the explicit
-`parallelism.pp_layers` or from the cost model (`trainer.parallel.cost_model`).
+"""Which transformer blocks each pipeline stage owns: `split_layers` is the one place that
+decides the split, for runs (`trainer.build.stage_layers`) and for plans (`trainer.plan`), from
+the explicit `parallelism.pp_layers` or from the cost model (`trainer.parallel.cost_model`).
 
 `split_layers` picks contiguous blocks per stage minimising the largest per-stage cost, by
 dynamic programming over (stage, blocks used) - exact for that objective:
@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 from trainer.config import ModelConfig, ParallelismConfig
+from trainer.configtools import ConfigError
 from trainer.parallel.cost_model import CostModel
 
 POLICIES = ("memory", "compute")
@@ -54,32 +55,49 @@ def _rounded(x: float) -> float:
 
 def explicit_split(pp_layers: list[int], n_layers: int, pp: int) -> list[range]:
     if len(pp_layers) != pp:
-        raise ValueError(f"parallelism.pp_layers: expected {pp} entries (one per stage), got {len(pp_layers)}")
+        raise ConfigError(f"parallelism.pp_layers: expected {pp} entries (one per stage), got {len(pp_layers)}")
     if sum(pp_layers) != n_layers or min(pp_layers) < 1:
-        raise ValueError(f"parallelism.pp_layers: expected positive entries summing to model.n_layers="
+        raise ConfigError(f"parallelism.pp_layers: expected positive entries summing to model.n_layers="
                          f"{n_layers}, got {pp_layers}")
     return ranges_from_counts(list(pp_layers))
 
 
+def split_policy(pp_layers: list[int], policy: str | None = None) -> str:
+    """How `split_layers` splits: by the cost-model `policy` asked for (`doremi plan --split`);
+    without one, "explicit" (`parallelism.pp_layers`) when given, else "memory"."""
+    if policy is None:
+        return "explicit" if pp_layers else "memory"
+    return policy
+
+
 def split_layers(model_cfg: ModelConfig, par_cfg: ParallelismConfig, micro_batch_size: int, seq_len: int,
-                 *, micro_batches: int | None = None, policy: str = "memory", memory_weight: float = 0.5,
+                 *, micro_batches: int | None = None, policy: str | None = None, memory_weight: float = 0.5,
                  param_precision: str = "fp32") -> list[range]:
-    """Global block indices of each pipeline stage: `par_cfg.pp_layers` when given, else the
-    split minimising the largest per-stage cost under `policy` (see the module docstring).
+    """Global block indices of each pipeline stage, split as `split_policy(par_cfg.pp_layers,
+    policy)` says: `par_cfg.pp_layers`, or the split minimising the largest per-stage cost
+    under the policy (see the module docstring); with pp = 1 the one stage holds every block.
 
     `micro_batches` (per dp rank and step) bounds the micro-batches in flight; default pp."""
-    if par_cfg.pp_layers:
+    how = split_policy(par_cfg.pp_layers, policy)
+    if how == "explicit":
         return explicit_split(par_cfg.pp_layers, model_cfg.n_layers, par_cfg.pp)
+    check_policy(how, memory_weight)
+    if par_cfg.pp == 1:
+        return [range(model_cfg.n_layers)]
     return ranges_from_counts(split_counts(
         CostModel.from_config(model_cfg, par_cfg, micro_batch_size, seq_len, micro_batches, param_precision),
-        policy, memory_weight))
+        how, memory_weight))
 
 
-def split_counts(cm: CostModel, policy: str = "memory", memory_weight: float = 0.5) -> list[int]:
+def check_policy(policy: str, memory_weight: float) -> None:
     if policy not in POLICIES:
         raise ValueError(f"split policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
     if not 0.0 <= memory_weight <= 1.0:
         raise ValueError(f"split memory_weight: expected a value in [0, 1], got {memory_weight}")
+
+
+def split_counts(cm: CostModel, policy: str = "memory", memory_weight: float = 0.5) -> list[int]:
+    check_policy(policy, memory_weight)
     n, pp = cm.model.n_layers, cm.pp
     balanced = min_max_split(n, pp, cm.stage_flops)
     if policy == "compute" or memory_weight == 0.0:

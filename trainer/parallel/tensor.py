@@ -16,6 +16,8 @@ dim 0 (all-gather / reduce-scatter need no copies).
   matmul and the input-gradient reduce-scatter / all-reduce overlaps the weight-gradient matmul.
 - Vocabulary-parallel embedding and cross entropy over a vocabulary padded to a multiple of tp
   (padded rows are masked out of every loss and receive zero gradient).
+
+Which of the model's weights is laid out which way is one table, `trainer.model.tp_plan.TP_PLAN`.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from data.batch import IGNORE_INDEX
 from trainer.parallel.buffer import GatherBuffer
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data_parallel import grad_of
+from trainer.parallel.main_grad import grad_of
 from trainer.parallel.shard import ShardSpec, set_shard_spec
-from trainer.weighting import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from trainer.config import ParallelismConfig
@@ -436,7 +438,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp:
     return loss.view(target.shape)
 
 
-# -- gradient synchronisation after the backwards of a step -----------------------------------
+# -- gradient synchronisation over tp after the backwards of a step ---------------------------
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -456,15 +458,3 @@ def sync_sequence_parallel_grads(stage: nn.Module, pc: ParallelContext) -> None:
     if grads:
         _all_reduce_coalesced(grads, pc.tp_group)
 
-
-def sync_tied_grads(stage: nn.Module, pc: ParallelContext) -> None:
-    """With tied embeddings and pp > 1 the first stage (embedding) and last stage (head) each
-    hold `embed.weight`; both get the sum of the two gradients (`grad_of`)."""
-    if pc.pp == 1 or not getattr(stage, "tie_embeddings", False):
-        return
-    if not (pc.is_first_stage or pc.is_last_stage):
-        return
-    weight = stage.embed.weight
-    if grad_of(weight) is None:
-        weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(grad_of(weight), group=pc.embed_group)

@@ -1,8 +1,8 @@
 """Where a step's time and memory go, on one GPU: the evidence behind experiments/notes/PERFORMANCE.md.
 
 Measurements, each guarded so that one failure keeps the others:
-- `kernels`: torch.profiler over two steps of the baseline (`--compile`) and of the framework's
-  plain step at one shape; the CUDA kernels grouped into classes (matmul, attention forward and
+- `kernels`: torch.profiler over two steps of the baseline (`plain_llama.py`, compiled) and of
+  the framework's plain step at one shape; the CUDA kernels grouped into classes (matmul, attention forward and
   backward, optimizer, elementwise/reduction, copies, communication) with their time per step,
   plus the top kernels by total time. The difference between the two columns is where the
   framework gains or loses against the baseline.
@@ -16,7 +16,7 @@ Measurements, each guarded so that one failure keeps the others:
   allocated before it.
 
 Usage (GPU, repository root):
-    python experiments/tools/bench/profile_step.py --baseline runs/bench_baseline/plain_llama.py --out $OUT
+    python experiments/tools/bench/profile_step.py [--preset 1b] [--sections kernels,activations] --out $OUT
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import step_bench as sb  # noqa: E402
+from trainer.build import RunFacts  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
 from trainer.parallel.cost_model import CostModel  # noqa: E402
@@ -110,7 +111,7 @@ def profile(fn, steps: int = 2) -> tuple[dict[str, float], list[tuple[str, float
 
 
 def kernels_section(args, out: list[str]) -> None:
-    base_step, _, _ = sb.baseline_step(sb.load_baseline(args.baseline), args.preset, torch.device("cuda"))
+    base_step, _, _ = sb.baseline_step(args.preset, torch.device("cuda"))
     base_cls, base_k = profile(base_step)
     del base_step
     sb.free()
@@ -118,8 +119,10 @@ def kernels_section(args, out: list[str]) -> None:
     preset, mb = sb.SHAPES[args.preset]
     pc = ParallelContext.single(torch.device("cuda"))
     cfg = sb.trainer_config(preset, mb, "none")
+    facts = RunFacts.resolve(cfg, pc)
     ours = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-    step = sb.FrameworkStep(cfg, ours, sb.framework_optimizer(ours, cfg, pc), pc, sb.make_batch(cfg, mb, 1, pc.device))
+    step = sb.FrameworkStep(facts, ours, sb.framework_optimizer(ours, cfg, pc, facts), pc,
+                            sb.make_batch(cfg, mb, 1, pc.device))
     our_cls, our_k = profile(step)
     del ours, step
     sb.free()
@@ -147,8 +150,10 @@ def timeline_section(args, out: list[str]) -> None:
     preset, mb = sb.SHAPES[args.preset]
     pc = ParallelContext.single(torch.device("cuda"))
     cfg = sb.trainer_config(preset, mb, "none")
+    facts = RunFacts.resolve(cfg, pc)
     model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-    step = sb.FrameworkStep(cfg, model, sb.framework_optimizer(model, cfg, pc), pc, sb.make_batch(cfg, mb, 1, pc.device))
+    step = sb.FrameworkStep(facts, model, sb.framework_optimizer(model, cfg, pc, facts), pc,
+                            sb.make_batch(cfg, mb, 1, pc.device))
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -198,11 +203,12 @@ def activations_section(args, out: list[str]) -> None:
     for mode in ("none", "selective", "full"):
         cfg = sb.trainer_config(preset, mb, mode)
         if model is None:
+            facts = RunFacts.resolve(cfg, pc)  # the same for every recompute mode
             model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-            opt = sb.framework_optimizer(model, cfg, pc)
+            opt = sb.framework_optimizer(model, cfg, pc, facts)
             batch = sb.make_batch(cfg, mb, 1, pc.device)
         model.set_recompute(mode)
-        step = sb.FrameworkStep(cfg, model, opt, pc, batch)
+        step = sb.FrameworkStep(facts, model, opt, pc, batch)
         sb.timed(step, 0, 3)
         marks: list[int] = []
         hooks = [b.register_forward_hook(lambda *_: marks.append(torch.cuda.memory_allocated()))
@@ -254,7 +260,6 @@ def swiglu_section(args, out: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--baseline", type=Path, required=True)
     p.add_argument("--preset", default="1b", choices=sorted(sb.SHAPES))
     p.add_argument("--sections", default="swiglu,kernels,activations")
     p.add_argument("--top", type=int, default=25)

@@ -2,7 +2,8 @@
 
 For each preset (the baseline's `1b` and `280m` = our `bench-1b` and `bench-280m`, same shapes and
 micro-batch) it times, in this order:
-- baseline: ../shared/bench/plain_llama.py's model (bf16 weights, fused AdamW on bf16), compiled;
+- baseline: `plain_llama.py` in this folder (plain PyTorch, bf16 weights, fused AdamW on bf16),
+  compiled; it reproduces the external baseline that runs up to 2026-12-04 copied in by hand;
 - plain: our Llama (compiled: at tp = 1 the whole model with its head and cross entropy is one
   graph), bf16 parameters with fp32 master weights (`trainer.optim.master_weights`), `trainer.step.forward_backward` with the
   mean-token weighting, clipping at 1.0, AdamW;
@@ -12,7 +13,10 @@ micro-batch) it times, in this order:
   inference mode before the proxy step;
 - at 1B, plain again with recompute selective and full (peak memory against the plan);
 - paired (`--paired`, default 1B): the baseline and plain steps both alive, timed in alternating
-  windows, so that neither gets the cooler GPU of running first.
+  windows, so that neither gets the cooler GPU of running first;
+- at 1B (unless `--no-ablations`), the `ABLATIONS` rows: the plain step with one optimisation
+  undone, chosen through the model's `trainer.model.kernels.Kernels` switches or a TrainConfig
+  field (see `Ablation`), and the trials.
 Each line: tokens/s, model TFLOP/s, MFU against 989 TFLOP/s and against the bf16 matmul peak
 measured at the start of the run, peak memory (max allocated during the timed steps minus what
 was allocated before the configuration was built), `doremi plan`'s prediction
@@ -32,16 +36,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib.util
 import json
 import sys
 import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import numpy as np
 import torch
@@ -49,17 +52,21 @@ from torch.nn.attention import SDPBackend
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import plain_llama  # noqa: E402
 
 from doremi.config import DoReMiConfig  # noqa: E402
 from doremi.objective import DoReMiHook  # noqa: E402
 from doremi.reference import CachedReference, OnlineReference, freeze  # noqa: E402
 from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
 from data.config import DataConfig  # noqa: E402
-from trainer.build import autocast, param_dtype  # noqa: E402
+from trainer.build import RunFacts  # noqa: E402
 from trainer.optim.interface import Optimizer  # noqa: E402
 from trainer.optim.build import build_optimizer  # noqa: E402
-from trainer.model import layers, llama, rope  # noqa: E402
+from trainer.model import rope  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
+from trainer.model.kernels import Kernels  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.model.presets import PRESETS  # noqa: E402
 from trainer.parallel import clip  # noqa: E402
@@ -72,7 +79,7 @@ DATASHEET_TFLOPS = 989.0
 GIB = 2 ** 30
 K_DOMAINS = 4
 #: baseline preset -> (our preset, micro-batch)
-SHAPES = {"1b": ("bench-1b", 8), "280m": ("bench-280m", 32)}
+SHAPES = {name: (f"bench-{name}", shape.micro_batch) for name, shape in plain_llama.PRESETS.items()}
 #: timing windows per configuration (the median is reported)
 WINDOWS = 3
 #: rough seconds of compile + timing per configuration, to stay inside --deadline
@@ -139,8 +146,9 @@ def matmul_peak() -> float:
     return 2 * 8192 ** 3 / timed(lambda: a @ b, 10, 3) / 1e12
 
 
-def attention_bench(out: list[str]) -> None:
-    """fwd+bwd of the 1B shape's attention per SDPA backend (GQA 32/8 heads, hd 64, causal)."""
+def attention_bench(out: list[str], priority: Sequence[SDPBackend]) -> None:
+    """fwd+bwd of the 1B shape's attention per SDPA backend (GQA 32/8 heads, hd 64, causal), and
+    which backend the model's `priority` picks."""
     from torch.nn.attention import sdpa_kernel
 
     b, h, kv, s, hd = 8, 32, 8, 2048, 64
@@ -149,7 +157,7 @@ def attention_bench(out: list[str]) -> None:
     v = torch.randn_like(k, requires_grad=True)
     flops = 3 * 4 * b * h * s * s * hd / 2
     try:
-        with sdpa_kernel(list(layers.CUDA_SDPA_PRIORITY), set_priority=True):
+        with sdpa_kernel(list(priority), set_priority=True):
             choice = torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True)
         out.append(f"attention: the model's SDPA priority picks {SDPBackend(choice).name} for this shape")
     except Exception as e:  # noqa: BLE001 - a private API: report, do not fail the bench
@@ -200,36 +208,15 @@ def count_syncs(phases: list[tuple[str, Callable[[], None]]]) -> str:
 
 # -- the baseline ----------------------------------------------------------------------------
 
-def load_baseline(path: Path):
-    spec = importlib.util.spec_from_file_location("plain_llama", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def baseline_step(name: str, device: torch.device, compile: bool = True) -> tuple[Callable[[], None], int, int]:
+    """The baseline's training step on its preset `name` (`plain_llama.make_step`): (step, FLOPs
+    per token, tokens per step)."""
+    return plain_llama.make_step(name, device, compile)
 
 
-def baseline_step(mod, name: str, device: torch.device, compile: bool = True) -> tuple[Callable[[], None], int, int]:
-    """The baseline's training step on its preset `name`: (step, FLOPs per token, tokens per step)."""
-    vocab, d, n_layers, heads, kv_heads, d_ff, seq, mb = mod.PRESETS[name]
-    torch.manual_seed(0)
-    model = mod.Llama(vocab, d, n_layers, heads, kv_heads, d_ff, seq).to(device, torch.bfloat16)
-    n_matmul = sum(p.numel() for p in model.parameters()) - model.emb.weight.numel()
-    fpt = 6 * n_matmul + 6 * n_layers * d * seq
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    fwd = torch.compile(model) if compile else model
-    idx = torch.randint(0, vocab, (mb, seq), device=device)
-    tgt = torch.randint(0, vocab, (mb, seq), device=device)
-
-    def step():
-        fwd(idx, tgt).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step, fpt, mb * seq
-
-
-def run_baseline(mod, name: str, steps: int, peak: float, device: torch.device) -> Row:
+def run_baseline(name: str, steps: int, peak: float, device: torch.device) -> Row:
     base = free()
-    step, fpt, tokens = baseline_step(mod, name, device)
+    step, fpt, tokens = baseline_step(name, device)
     timed(step, 0, 3)
     torch.cuda.reset_peak_memory_stats()
     log: list[str] = []
@@ -261,16 +248,19 @@ def paired_windows(steps: dict[str, Callable[[], None]], iters: int, rounds: int
     return seen
 
 
-def run_paired(mod, name: str, steps: int, peak: float, device: torch.device, emit: Callable[[Row], None]) -> None:
+def run_paired(name: str, steps: int, peak: float, device: torch.device, emit: Callable[[Row], None],
+               kernels: Kernels) -> None:
     """The baseline and the plain framework step both alive, timed in alternating windows
     (`paired_windows`): their ratio without the order of the main rows (the baseline always
     first, on a cooler GPU). Peak memory is not reported (both models share the GPU)."""
     preset, mb = SHAPES[name]
     pc = ParallelContext.single(device)
     cfg = trainer_config(preset, mb, "none")
-    model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-    ours = FrameworkStep(cfg, model, framework_optimizer(model, cfg, pc), pc, make_batch(cfg, mb, seed=1, device=device))
-    theirs, base_fpt, tokens = baseline_step(mod, name, device)
+    facts = RunFacts.resolve(cfg, pc)
+    model = Llama(cfg.model, cfg.parallelism, pc, seed=0, kernels=kernels)
+    ours = FrameworkStep(facts, model, framework_optimizer(model, cfg, pc, facts), pc,
+                         make_batch(cfg, mb, seed=1, device=device))
+    theirs, base_fpt, tokens = baseline_step(name, device)
     for fn in (theirs, ours):
         timed(fn, 0, 3)
     log: dict[str, list[str]] = {"baseline": [], "plain": []}
@@ -325,20 +315,20 @@ def write_cache(directory: Path, mb: int, seq: int) -> None:
         "sampling": [1.0 / K_DOMAINS] * K_DOMAINS}))
 
 
-def framework_optimizer(model: torch.nn.Module, cfg: TrainerConfig, pc: ParallelContext) -> Optimizer:
-    """The optimizer `trainer.loop.Trainer` builds for this config on this device."""
+def framework_optimizer(model: torch.nn.Module, cfg: TrainerConfig, pc: ParallelContext, facts: RunFacts) -> Optimizer:
+    """The optimizer `trainer.loop.Trainer` builds for this config (its `facts`) on this device."""
     return build_optimizer(list(model.named_parameters()), cfg.train, pc, cfg.parallelism.zero1,
-                           param_dtype=param_dtype(cfg, pc.device))
+                           param_dtype=facts.param_dtype)
 
 
 class FrameworkStep:
     """One optimizer step of the framework, as `trainer.loop.Trainer.train_step` runs it
-    (forward and backward under the trainer's autocast for `cfg`)."""
+    (forward and backward under the trainer's autocast for the config's `facts`)."""
 
-    def __init__(self, cfg: TrainerConfig, model, opt: Optimizer, pc: ParallelContext, batch: dict,
+    def __init__(self, facts: RunFacts, model, opt: Optimizer, pc: ParallelContext, batch: dict,
                  hook: DoReMiHook | None = None):
         self.model, self.opt, self.pc, self.batch, self.hook = model, opt, pc, batch, hook
-        self.amp = autocast(cfg, pc.device)
+        self.amp = facts.autocast()
         self.step_no = 0
         self._stats = None
 
@@ -400,18 +390,19 @@ def measure(preset: str, variant: str, step: FrameworkStep, steps: int, warmup: 
 
 def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[[Row], None],
                   time_left: Callable[[str], bool], device: torch.device, doremi: bool,
-                  recompute: Sequence[str] = ()) -> None:
+                  recompute: Sequence[str] = (), kernels: Kernels = Kernels()) -> None:
     preset, mb = SHAPES[name]
     pc = ParallelContext.single(device)
     cfg = trainer_config(preset, mb, "none")
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     ref_fpt = (2 * non_embedding_params(cfg.model) + 2 * cfg.model.n_layers * cfg.model.d_model * cfg.data.seq_len)
     base = free()
-    model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-    opt = framework_optimizer(model, cfg, pc)
+    facts = RunFacts.resolve(cfg, pc)
+    model = Llama(cfg.model, cfg.parallelism, pc, seed=0, kernels=kernels)
+    opt = framework_optimizer(model, cfg, pc, facts)
     batch = make_batch(cfg, mb, seed=1, device=pc.device)
 
-    plain = FrameworkStep(cfg, model, opt, pc, batch)
+    plain = FrameworkStep(facts, model, opt, pc, batch)
     emit(measure(name, "plain", plain, steps, 3, fpt, peak, base, predicted_gib(cfg)))
 
     if doremi and time_left("doremi-cached"):
@@ -420,13 +411,13 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
         write_cache(cache, mb, cfg.data.seq_len)
         ref = CachedReference(cache, [f"d{i}" for i in range(K_DOMAINS)], cfg.data.seq_len, pc.device,
                               steps=steps, global_batch_size=mb, seed=0, sampling=[1.0 / K_DOMAINS] * K_DOMAINS)
-        step = FrameworkStep(cfg, model, opt, pc, batch, make_hook(tmp / f"cached-{name}", pc, ref))
+        step = FrameworkStep(facts, model, opt, pc, batch, make_hook(tmp / f"cached-{name}", pc, ref))
         emit(measure(name, "doremi cached ref", step, steps, 2, fpt, peak, base, None))
 
     if doremi and time_left("doremi-online"):
-        ref_model = freeze(Llama(cfg.model, cfg.parallelism, pc, seed=1), cfg, pc)
-        ref = OnlineReference(ref_model, cfg, pc)
-        step = FrameworkStep(cfg, model, opt, pc, batch, make_hook(tmp / f"online-{name}", pc, ref))
+        ref_model = freeze(Llama(cfg.model, cfg.parallelism, pc, seed=1, kernels=kernels), facts)
+        ref = OnlineReference(ref_model, facts, pc)
+        step = FrameworkStep(facts, model, opt, pc, batch, make_hook(tmp / f"online-{name}", pc, ref))
         row = measure(name, "doremi online ref", step, steps, 3, fpt + ref_fpt, peak, base, None)
         row.note = "MFU counts the reference forward"
         emit(row)
@@ -439,7 +430,7 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
         if not time_left(mode):
             continue
         model.set_recompute(mode)
-        row = measure(name, f"plain recompute={mode}", FrameworkStep(cfg, model, opt, pc, batch), steps, 3, fpt,
+        row = measure(name, f"plain recompute={mode}", FrameworkStep(facts, model, opt, pc, batch), steps, 3, fpt,
                       peak, base, predicted_gib(trainer_config(preset, mb, mode)))
         emit(row)
 
@@ -469,22 +460,28 @@ def inductor_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_siz
                                              ignore_index=ignore_index, reduction="none").view(target.shape)
 
 
-#: Each ablation undoes one optimisation of the plain 1B step: (label, config overrides of
-#: TrainConfig, module attributes to replace while it runs). Measured on a fresh model, after the
-#: main rows.
-ABLATIONS = [
-    ("ablation: fp32 params + torch AdamW (no master weights)", {"param_dtype": "fp32"}, {}),
-    ("ablation: flash attention first (not cuDNN)", {},
-     {(layers, "CUDA_SDPA_PRIORITY"): (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                                       SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)}),
-    ("ablation: RoPE in the earlier form (bf16 products, v a view of qkv)", {},
-     {(llama, "rope_qkv"): earlier_rope_qkv}),
-    ("ablation: RoPE by inductor (the same math in torch ops, not the Triton op)", {},
-     {(llama, "rope_qkv"): rope.rope_qkv_torch}),
-    ("ablation: cross entropy by inductor (not the Triton op)", {}, {(llama, "cross_entropy"): inductor_cross_entropy}),
-    ("ablation: gradient norm by _foreach_norm (not the Triton sums of squares)", {},
-     {(clip, "uses_triton_squares"): lambda tensors: False}),
-]
+@contextlib.contextmanager
+def foreach_grad_norm():
+    """The gradient norm by `_foreach_norm` instead of the Triton sums of squares. This choice is
+    made in `trainer.parallel.clip`, outside the model, so it is no `Kernels` switch: it replaces
+    `clip.uses_triton_squares` while the row runs, after checking that `clip.squares` does consult
+    that name (a rename would otherwise time the plain step under this label)."""
+    asked: list[int] = []
+
+    def never(tensors: Sequence[torch.Tensor]) -> bool:
+        asked.append(len(tensors))
+        return False
+
+    saved = clip.uses_triton_squares
+    clip.uses_triton_squares = never
+    try:
+        clip.squares([torch.ones(1)])
+        if not asked:
+            raise RuntimeError("foreach_grad_norm: trainer.parallel.clip.squares no longer consults "
+                               "clip.uses_triton_squares; the ablation would time the plain step")
+        yield
+    finally:
+        clip.uses_triton_squares = saved
 
 
 @contextlib.contextmanager
@@ -503,37 +500,59 @@ def tunable_gemms():
         tunable.enable(False)
 
 
-#: Candidate changes not in the framework (measured no faster, runs 10-11), timed like the
-#: ablations: (label, context).
-TRIALS = [("trial: GEMM algorithms tuned per shape (TunableOp)", tunable_gemms)]
+@dataclass
+class Ablation:
+    """One row timed like the plain 1B step on a fresh model, after the main rows: an `ablation:`
+    undoes one optimisation of the framework, a `trial:` tries a candidate it does not have
+    (measured no faster, runs 10-11). The model is built with `Kernels` fields `kernels` changed
+    (an unknown field is an error), the config with TrainConfig fields `train` changed, and the
+    row runs inside `context`."""
+
+    label: str
+    train: dict = field(default_factory=dict)
+    kernels: dict = field(default_factory=dict)
+    context: Callable[[], ContextManager] = contextlib.nullcontext
+
+    def model_kernels(self, base: Kernels) -> Kernels:
+        return replace(base, **self.kernels)
+
+
+FLASH_FIRST = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+               SDPBackend.MATH)
+
+ABLATIONS = [
+    Ablation("ablation: fp32 params + torch AdamW (no master weights)", train={"param_dtype": "fp32"}),
+    Ablation("ablation: flash attention first (not cuDNN)", kernels={"sdpa_priority": FLASH_FIRST}),
+    Ablation("ablation: RoPE in the earlier form (bf16 products, v a view of qkv)",
+             kernels={"rope_qkv": earlier_rope_qkv}),
+    Ablation("ablation: RoPE by inductor (the same math in torch ops, not the Triton op)",
+             kernels={"rope_qkv": rope.rope_qkv_torch}),
+    Ablation("ablation: cross entropy by inductor (not the Triton op)", kernels={"cross_entropy": inductor_cross_entropy}),
+    Ablation("ablation: gradient norm by _foreach_norm (not the Triton sums of squares)", context=foreach_grad_norm),
+    Ablation("trial: GEMM algorithms tuned per shape (TunableOp)", context=tunable_gemms),
+]
 
 
 def run_ablations(name: str, steps: int, peak: float, emit: Callable[[Row], None],
-                  time_left: Callable[[str], bool], matching: str = "") -> None:
+                  time_left: Callable[[str], bool], matching: str = "", kernels: Kernels = Kernels()) -> None:
     preset, mb = SHAPES[name]
     pc = ParallelContext.single(torch.device("cuda"))
-    runs = [(label, overrides, patches, contextlib.nullcontext) for label, overrides, patches in ABLATIONS]
-    runs += [(label, {}, {}, context) for label, context in TRIALS]
-    for label, train_overrides, patches, context in runs:
-        if matching and not any(m in label for m in matching.split(",")) or not time_left("ablation"):
+    for ablation in ABLATIONS:
+        if matching and not any(m in ablation.label for m in matching.split(",")) or not time_left("ablation"):
             continue
         cfg = trainer_config(preset, mb, "none")
-        cfg = replace(cfg, train=replace(cfg.train, **train_overrides))
+        cfg = replace(cfg, train=replace(cfg.train, **ablation.train))
         fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-        saved = {key: getattr(*key) for key in patches}
         try:
-            for (obj, attr), value in patches.items():
-                setattr(obj, attr, value)
-            with context():
+            with ablation.context():
                 base = free()
-                model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-                opt = framework_optimizer(model, cfg, pc)
-                step = FrameworkStep(cfg, model, opt, pc, make_batch(cfg, mb, seed=1, device=pc.device))
-                emit(measure(name, label, step, steps, 3, fpt, peak, base, None))
+                facts = RunFacts.resolve(cfg, pc)
+                model = Llama(cfg.model, cfg.parallelism, pc, seed=0, kernels=ablation.model_kernels(kernels))
+                opt = framework_optimizer(model, cfg, pc, facts)
+                step = FrameworkStep(facts, model, opt, pc, make_batch(cfg, mb, seed=1, device=pc.device))
+                emit(measure(name, ablation.label, step, steps, 3, fpt, peak, base, None))
                 del model, opt, step
         finally:
-            for (obj, attr), value in saved.items():
-                setattr(obj, attr, value)
             free()
 
 
@@ -561,7 +580,6 @@ def main() -> None:
     p.add_argument("--presets", default="1b,280m")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--doremi-presets", default="1b,280m", help="presets that also time the DoReMi proxy steps")
-    p.add_argument("--baseline", type=Path, default=REPO.parent / "shared" / "bench" / "plain_llama.py")
     p.add_argument("--deadline", type=float, default=1e9, help="seconds: skip configurations that would end later")
     p.add_argument("--out", type=Path, default=None, help="directory for bench.json")
     p.add_argument("--paired", default="1b",
@@ -575,8 +593,6 @@ def main() -> None:
     # One process compiles every configuration's blocks (two shapes, training and inference,
     # recompute modes, ablations): more variants of one function than dynamo's default of 8,
     # past which it would silently run the rest eagerly.
-    if not args.baseline.is_file():
-        sys.exit(f"--baseline: {args.baseline} not found (the shared plain_llama.py)")
     torch._dynamo.config.recompile_limit = 64
     device = torch.device("cuda")
     t0 = time.perf_counter()
@@ -606,19 +622,22 @@ def main() -> None:
             f"bf16 matmul peak {peak:.0f} TFLOP/s")
     print(head, flush=True)
     notes.append(head)
-    attention_bench(notes)
+    kernels = Kernels()
+    attention_bench(notes, kernels.sdpa_priority)
     print("\n".join(notes[1:]), flush=True)
-    mod = load_baseline(args.baseline)
 
-    def guarded(label: str, fn: Callable[[], None]) -> None:
+    def guarded(label: str, fn: Callable[[Kernels], None]) -> None:
+        """Run `fn` with the run's kernels; on a cuDNN failure, drop cuDNN attention from them
+        for the rest of the run and try once more."""
+        nonlocal kernels
         try:
-            fn()
+            fn(kernels)
         except Exception:  # noqa: BLE001 - keep the other configurations' numbers
             msg = traceback.format_exc()
             print(msg, flush=True)
             notes.append(f"{label} failed at t={time.perf_counter() - t0:.0f}s: {msg.strip().splitlines()[-1][:300]}")
-            if "cudnn" in msg.lower() and layers.CUDA_SDPA_PRIORITY[0].name == "CUDNN_ATTENTION":
-                layers.CUDA_SDPA_PRIORITY = layers.CUDA_SDPA_PRIORITY[1:]
+            if "cudnn" in msg.lower() and kernels.sdpa_priority[0] == SDPBackend.CUDNN_ATTENTION:
+                kernels = replace(kernels, sdpa_priority=kernels.sdpa_priority[1:])
                 notes.append("cuDNN attention dropped from the SDPA priority for the rest of the run")
                 free()
                 if time_left("plain"):
@@ -628,17 +647,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.presets.split(","):
             if time_left("baseline"):
-                guarded(f"{name} baseline", lambda: emit(run_baseline(mod, name, args.steps, peak, device)))
+                guarded(f"{name} baseline", lambda _: emit(run_baseline(name, args.steps, peak, device)))
             if time_left("plain"):
-                guarded(f"{name} framework", lambda: run_framework(
+                guarded(f"{name} framework", lambda k: run_framework(
                     name, args.steps, peak, Path(tmp), emit, time_left, device,
-                    name in args.doremi_presets.split(","), ("selective", "full") if name == "1b" else ()))
+                    name in args.doremi_presets.split(","), ("selective", "full") if name == "1b" else (), k))
         for name in args.paired.split(",") if args.paired else ():
             if time_left("paired"):
-                guarded(f"{name} paired", lambda: run_paired(mod, name, args.steps, peak, device, emit))
+                guarded(f"{name} paired", lambda k: run_paired(name, args.steps, peak, device, emit, k))
         if args.ablations and "1b" in args.presets.split(","):
-            guarded("1b ablations", lambda: run_ablations("1b", args.steps, peak, emit, time_left,
-                                                                args.ablations_matching))
+            guarded("1b ablations", lambda k: run_ablations("1b", args.steps, peak, emit, time_left,
+                                                              args.ablations_matching, k))
     counters = torch._dynamo.utils.counters
     notes.append(f"dynamo graph breaks: {dict(counters['graph_break'])}; "
                  f"unique graphs: {counters['stats'].get('unique_graphs', 0)}")
