@@ -5,7 +5,7 @@ VENV   ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install quickstart test clean
+.PHONY: install quickstart test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,12 @@ install: $(VENV)/.installed
 quickstart: install
 	$(VENV)/bin/doremi pipeline experiments/configs/quickstart.yaml
 
-test: install
+test: install lint
 	$(PY) -m pytest -q -x --timeout=900 tests
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf $(VENV) runs

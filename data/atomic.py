@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 @contextlib.contextmanager
@@ -45,5 +45,3 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` via a temp file in the same directory and a rename."""
     atomic_write_bytes(path, text.encode())
-
-

@@ -117,8 +117,10 @@ class DataConfig:
             if len(given) > 1:
                 raise DataError(f"{where} ({d.name}): expected one source, got {' and '.join(given)}")
             if not given and not self.dataset:
-                raise DataError(f"{where} ({d.name}): no source (paths, hub, embedded or synthetic) "
-                                f"and no {path}.dataset with a domain column")
+                raise DataError(
+                    f"{where} ({d.name}): no source (paths, hub, embedded or synthetic) "
+                    f"and no {path}.dataset with a domain column"
+                )
             if d.max_documents is not None and d.max_documents < 1:
                 raise DataError(f"{where}.max_documents: expected >= 1, got {d.max_documents}")
         if self.dataset and not self.domain_column:
@@ -127,7 +129,9 @@ class DataConfig:
             raise DataError(f"{path}.domains: expected at least one domain, got none")
         tok = self.tokenizer
         if tok.kind == "bpe" and tok.vocab_size < 258:
-            raise DataError(f"{path}.tokenizer.vocab_size: expected >= 258 for bpe (256 bytes + EOS + merges), got {tok.vocab_size}")
+            raise DataError(
+                f"{path}.tokenizer.vocab_size: expected >= 258 for bpe (256 bytes + EOS + merges), got {tok.vocab_size}"
+            )
         if tok.kind in ("file", "hf") and not tok.path:
             raise DataError(f"{path}.tokenizer.path: required for kind {tok.kind!r}")
         if not 0.0 <= self.validation_fraction < 1.0:
@@ -139,14 +143,21 @@ class DataConfig:
         if tok.train_max_bytes < 1:
             raise DataError(f"{path}.tokenizer.train_max_bytes: expected >= 1, got {tok.train_max_bytes}")
         if isinstance(tok.train_shares, str) and tok.train_shares != "equal":
-            raise DataError(f"{path}.tokenizer.train_shares: expected 'equal' or a mapping domain -> share, "
-                            f"got {tok.train_shares!r}")
+            raise DataError(
+                f"{path}.tokenizer.train_shares: expected 'equal' or a mapping domain -> share, "
+                f"got {tok.train_shares!r}"
+            )
         if isinstance(tok.train_shares, dict):
             unknown = sorted(set(tok.train_shares) - set(names))
-            bad = [f"{d}={v}" for d, v in tok.train_shares.items()
-                   if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0]
+            bad = [
+                f"{d}={v}"
+                for d, v in tok.train_shares.items()
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0
+            ]
             if unknown or bad or not sum(v for v in tok.train_shares.values() if not bad) > 0:
-                raise DataError(f"{path}.tokenizer.train_shares: expected shares >= 0 (not all 0) for known "
-                                f"domains; unknown: {', '.join(unknown) or '-'}; bad: {', '.join(bad) or '-'}")
+                raise DataError(
+                    f"{path}.tokenizer.train_shares: expected shares >= 0 (not all 0) for known "
+                    f"domains; unknown: {', '.join(unknown) or '-'}; bad: {', '.join(bad) or '-'}"
+                )
         if self.num_proc < 1:
             raise DataError(f"{path}.num_proc: expected >= 1, got {self.num_proc}")

@@ -45,10 +45,11 @@ class PackedDomains:
         """seq_len + 1 tokens as int64 (PAD after the end of a padded last sequence)."""
         count = self.num_sequences(domain_index)
         if not 0 <= i < count:
-            raise IndexError(f"sequence {i} of domain {self.domains[domain_index]!r} ({self.split}): "
-                             f"expected 0 <= i < {count}")
+            raise IndexError(
+                f"sequence {i} of domain {self.domains[domain_index]!r} ({self.split}): expected 0 <= i < {count}"
+            )
         start = i * self.seq_len
-        chunk = np.asarray(self._tokens[domain_index][start:start + self.seq_len + 1], dtype=np.int64)
+        chunk = np.asarray(self._tokens[domain_index][start : start + self.seq_len + 1], dtype=np.int64)
         if len(chunk) < self.seq_len + 1:
             chunk = np.concatenate([chunk, np.full(self.seq_len + 1 - len(chunk), PAD, np.int64)])
         return chunk

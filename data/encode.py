@@ -8,7 +8,8 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class Encoder:
         self.num_proc = num_proc
         self._pool: Any = None
 
-    def __enter__(self) -> "Encoder":
+    def __enter__(self) -> Encoder:
         # Byte encoding is a memcpy: shipping texts to workers costs more than it saves
         # (experiments/notes/PREPROCESS.md), so bytes always encode in this process.
         if self.num_proc > 1 and self.tok.kind != "byte":

@@ -18,20 +18,39 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 from data.config import DataConfig, TokenizerConfig
 from data.encode import Encoder
 from data.errors import DataError
-from data.sources import (DomainPlan, SourceReader, TextSource, column_plans, digest, file_digest,
-                          needs_column_plans, plan_domains, shared_dataset_digest)
+from data.sources import (
+    DomainPlan,
+    SourceReader,
+    TextSource,
+    column_plans,
+    digest,
+    file_digest,
+    needs_column_plans,
+    plan_domains,
+    shared_dataset_digest,
+)
 from data.split import validation_mask
-from data.store import (FORMAT_VERSION, MANIFEST_FILE, DomainEntry, Manifest,
-                        SplitWriter, open_stores, read_manifest, split_paths, token_dtype,
-                        write_manifest)
+from data.store import (
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    DomainEntry,
+    Manifest,
+    SplitWriter,
+    open_stores,
+    read_manifest,
+    split_paths,
+    token_dtype,
+    write_manifest,
+)
 from data.synthetic import check_fits, entropy, generate_documents, symbol_ids
 from data.tokenizer import TOKENIZER_FILE, build_tokenizer, save_tokenizer
 
@@ -55,12 +74,16 @@ def tokenizer_fingerprint(cfg: TokenizerConfig) -> Any:
 
 def fingerprint(cfg: DataConfig, plans: list[DomainPlan]) -> str:
     """Everything the stores' bytes depend on: sources, tokenizer, split, dtype, format."""
-    return digest({"version": FORMAT_VERSION,
-                   "domains": [[p.name, p.fingerprint] for p in plans],
-                   "column_domains": shared_dataset_digest(cfg) if needs_column_plans(cfg, plans) else None,
-                   "tokenizer": tokenizer_fingerprint(cfg.tokenizer),
-                   "split": [cfg.validation_fraction, cfg.split_seed],
-                   "token_dtype": cfg.token_dtype})
+    return digest(
+        {
+            "version": FORMAT_VERSION,
+            "domains": [[p.name, p.fingerprint] for p in plans],
+            "column_domains": shared_dataset_digest(cfg) if needs_column_plans(cfg, plans) else None,
+            "tokenizer": tokenizer_fingerprint(cfg.tokenizer),
+            "split": [cfg.validation_fraction, cfg.split_seed],
+            "token_dtype": cfg.token_dtype,
+        }
+    )
 
 
 def preprocess(cfg: DataConfig, force: bool = False, progress: bool = True) -> Manifest:
@@ -156,8 +179,9 @@ def byte_budgets(names: list[str], total: int, shares: str | dict[str, float]) -
     return [int(total * r / s) for r in raw]
 
 
-def tokenizer_training_texts(sources: list[tuple[DomainPlan, TextSource, np.ndarray]], total: int,
-                             shares: str | dict[str, float]) -> Iterator[str]:
+def tokenizer_training_texts(
+    sources: list[tuple[DomainPlan, TextSource, np.ndarray]], total: int, shares: str | dict[str, float]
+) -> Iterator[str]:
     """Each text domain's training documents in order, until its byte budget is spent (the
     document that crosses it included)."""
     budgets = byte_budgets([p.name for p, _, _ in sources], total, shares)
@@ -191,9 +215,12 @@ def _build(cfg: DataConfig, plans: list[DomainPlan], fp: str, staging: Path, pro
             texts.append((p, source, validation_mask(source.num_rows, cfg.validation_fraction, cfg.split_seed, p.name)))
     if cfg.tokenizer.kind == "bpe" and not texts:
         raise DataError("data.tokenizer: kind 'bpe' is trained on the text domains, but there are none")
-    tok = build_tokenizer(cfg.tokenizer, tokenizer_training_texts(texts, cfg.tokenizer.train_max_bytes,
-                                                                  cfg.tokenizer.train_shares)
-                          if cfg.tokenizer.kind == "bpe" else None)
+    tok = build_tokenizer(
+        cfg.tokenizer,
+        tokenizer_training_texts(texts, cfg.tokenizer.train_max_bytes, cfg.tokenizer.train_shares)
+        if cfg.tokenizer.kind == "bpe"
+        else None,
+    )
     dtype = token_dtype(tok.vocab_size, cfg.token_dtype)
     for p in plans:
         if p.synthetic is not None:
@@ -201,16 +228,24 @@ def _build(cfg: DataConfig, plans: list[DomainPlan], fp: str, staging: Path, pro
 
     by_name = {p.name: (source, mask) for p, source, mask in texts}
     with Encoder(tok, dtype, cfg.num_proc if texts else 1) as encoder:
-        entries = [_write_domain(p, by_name.get(p.name), tok, dtype, encoder, cfg, staging)
-                   for p in tqdm(plans, desc="preprocess", unit="domain", disable=not progress)]
+        entries = [
+            _write_domain(p, by_name.get(p.name), tok, dtype, encoder, cfg, staging)
+            for p in tqdm(plans, desc="preprocess", unit="domain", disable=not progress)
+        ]
     save_tokenizer(tok, staging / TOKENIZER_FILE)
-    return Manifest(domains=entries, tokenizer=tok.identity, dtype=dtype, fingerprint=fp,
-                    sources={p.name: p.fingerprint for p in plans},
-                    split={"validation_fraction": cfg.validation_fraction, "seed": cfg.split_seed})
+    return Manifest(
+        domains=entries,
+        tokenizer=tok.identity,
+        dtype=dtype,
+        fingerprint=fp,
+        sources={p.name: p.fingerprint for p in plans},
+        split={"validation_fraction": cfg.validation_fraction, "seed": cfg.split_seed},
+    )
 
 
-def _counting_bytes(batches: Iterator[tuple[list[str], list[str]]], nbytes: list[int]
-                    ) -> Iterator[tuple[list[str], list[str]]]:
+def _counting_bytes(
+    batches: Iterator[tuple[list[str], list[str]]], nbytes: list[int]
+) -> Iterator[tuple[list[str], list[str]]]:
     """The batches unchanged, adding each split's UTF-8 bytes to `nbytes` (train, validation)."""
     for train, val in batches:
         nbytes[0] += sum(len(t.encode("utf-8")) for t in train)
@@ -218,8 +253,15 @@ def _counting_bytes(batches: Iterator[tuple[list[str], list[str]]], nbytes: list
         yield train, val
 
 
-def _write_domain(p: DomainPlan, text: tuple[TextSource, np.ndarray] | None, tok: Any, dtype: str,
-                  encoder: Encoder, cfg: DataConfig, staging: Path) -> DomainEntry:
+def _write_domain(
+    p: DomainPlan,
+    text: tuple[TextSource, np.ndarray] | None,
+    tok: Any,
+    dtype: str,
+    encoder: Encoder,
+    cfg: DataConfig,
+    staging: Path,
+) -> DomainEntry:
     writers = [SplitWriter(*split_paths(staging, p.name, split), dtype) for split in ("train", "validation")]
     nbytes = [0, 0]
     if p.synthetic is not None:
@@ -238,11 +280,17 @@ def _write_domain(p: DomainPlan, text: tuple[TextSource, np.ndarray] | None, tok
     if p.synthetic is None:
         train, val = (dataclasses.replace(c, bytes=n) for c, n in zip((train, val), nbytes))
     if train.documents + val.documents == 0:
-        raise DataError(f"domain {p.name!r}: empty domain ({p.description} has only empty or whitespace-only "
-                        f"documents)")
-    return DomainEntry(name=p.name, source=p.description, train=train, validation=val,
-                       entropy=entropy(p.synthetic) if p.synthetic else None,
-                       synthetic=dict(vars(p.synthetic), eos_id=tok.eos_id) if p.synthetic else None)
+        raise DataError(
+            f"domain {p.name!r}: empty domain ({p.description} has only empty or whitespace-only documents)"
+        )
+    return DomainEntry(
+        name=p.name,
+        source=p.description,
+        train=train,
+        validation=val,
+        entropy=entropy(p.synthetic) if p.synthetic else None,
+        synthetic=dict(vars(p.synthetic), eos_id=tok.eos_id) if p.synthetic else None,
+    )
 
 
 def _commit(store: Path, staging: Path, manifest: Manifest) -> None:

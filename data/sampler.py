@@ -20,7 +20,8 @@ union is the batch.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,16 +37,18 @@ __all__ = ["DomainBatchSampler", "Item", "interleave"]
 class DomainBatchSampler:
     """`pools[d]`: the sequence indices domain d may draw (default: all of `num_sequences[d]`)."""
 
-    def __init__(self, num_sequences: list[int], global_batch_size: int, seed: int,
-                 pools: Sequence[np.ndarray] | None = None):
+    def __init__(
+        self, num_sequences: list[int], global_batch_size: int, seed: int, pools: Sequence[np.ndarray] | None = None
+    ):
         if global_batch_size < 1:
             raise DataError(f"global_batch_size: expected >= 1, got {global_batch_size}")
         if any(n < 0 for n in num_sequences):
             raise DataError(f"num_sequences: expected counts >= 0, got {num_sequences}")
         if pools is None:
             pools = [np.arange(n, dtype=np.int64) for n in num_sequences]
-        if len(pools) != len(num_sequences) or any(len(p) and (p.min() < 0 or p.max() >= n)
-                                                  for p, n in zip(pools, num_sequences)):
+        if len(pools) != len(num_sequences) or any(
+            len(p) and (p.min() < 0 or p.max() >= n) for p, n in zip(pools, num_sequences)
+        ):
             raise DataError("sampler pools: expected one array of sequence indices per domain, within range")
         self.pools = [np.asarray(p, dtype=np.int64) for p in pools]
         self.num_sequences = [len(p) for p in self.pools]
@@ -63,8 +66,9 @@ class DomainBatchSampler:
         w = check_weights(weights, [str(i) for i in range(len(self.num_sequences))], "sampler weights")
         empty = [i for i, x in enumerate(w) if x > 0 and not self.num_sequences[i]]
         if empty:
-            raise DataError(f"sampler weights: domain(s) {empty} have weight > 0 but no sequences "
-                            f"(fewer tokens than seq_len + 1)")
+            raise DataError(
+                f"sampler weights: domain(s) {empty} have weight > 0 but no sequences (fewer tokens than seq_len + 1)"
+            )
         return w
 
     def _permutation(self, domain: int, epoch: int) -> np.ndarray:
@@ -84,7 +88,7 @@ class DomainBatchSampler:
         while pos < start + count:
             epoch, offset = divmod(pos, n)
             take = min(n - offset, start + count - pos)
-            out.extend(int(x) for x in self._permutation(domain, epoch)[offset:offset + take])
+            out.extend(int(x) for x in self._permutation(domain, epoch)[offset : offset + take])
             pos += take
         return out
 
@@ -94,12 +98,15 @@ class DomainBatchSampler:
         w = self.check(weights)
         if self._last is not None and step == self._last[0]:
             if not np.array_equal(w, self._last[1]):
-                raise DataError(f"sampler: step {step} was drawn with weights {self._last[1].tolist()}, "
-                                f"now asked with {w.tolist()}")
+                raise DataError(
+                    f"sampler: step {step} was drawn with weights {self._last[1].tolist()}, now asked with {w.tolist()}"
+                )
             return list(self._last[2])
         if step != self.step:
-            raise DataError(f"sampler: next step is {self.step}, asked for step {step}; restore the "
-                            f"sampler state (load_state_dict) to resume at another step")
+            raise DataError(
+                f"sampler: next step is {self.step}, asked for step {step}; restore the "
+                f"sampler state (load_state_dict) to resume at another step"
+            )
         b = self.global_batch_size
         counts, self.deficits = apportion(self.deficits, w, b)
         draws = {d: iter(self.stream(d, self.cursors[d], c)) for d, c in enumerate(counts) if c}
@@ -111,20 +118,22 @@ class DomainBatchSampler:
         self._last = (step, w, batch)
         return list(batch)
 
-    def local(self, step: int, weights: Sequence[float] | np.ndarray, dp_rank: int, dp: int,
-              micro_batches: int) -> list[list[Item]]:
+    def local(
+        self, step: int, weights: Sequence[float] | np.ndarray, dp_rank: int, dp: int, micro_batches: int
+    ) -> list[list[Item]]:
         """This data-parallel rank's micro-batches of the global batch of `step`."""
         b = self.global_batch_size
         if dp < 1 or micro_batches < 1 or b % (dp * micro_batches):
-            raise DataError(f"sampler: global_batch_size {b} is not a multiple of dp x micro_batches = "
-                            f"{dp} x {micro_batches}")
+            raise DataError(
+                f"sampler: global_batch_size {b} is not a multiple of dp x micro_batches = {dp} x {micro_batches}"
+            )
         if not 0 <= dp_rank < dp:
             raise DataError(f"sampler: dp_rank {dp_rank} outside [0, {dp})")
         batch = self.global_batch(step, weights)
         per_rank = b // dp
-        mine = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        mine = batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         size = per_rank // micro_batches
-        return [mine[m * size:(m + 1) * size] for m in range(micro_batches)]
+        return [mine[m * size : (m + 1) * size] for m in range(micro_batches)]
 
     def epochs(self) -> list[float]:
         """Epochs consumed per domain so far (cursor / pool size; 0 for an empty domain)."""
@@ -135,20 +144,30 @@ class DomainBatchSampler:
         return list(self.cursors)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "cursors": list(self.cursors), "deficits": list(self.deficits),
-                "nominal": list(self.nominal), "seed": self.seed, "num_sequences": list(self.num_sequences),
-                "global_batch_size": self.global_batch_size}
+        return {
+            "step": self.step,
+            "cursors": list(self.cursors),
+            "deficits": list(self.deficits),
+            "nominal": list(self.nominal),
+            "seed": self.seed,
+            "num_sequences": list(self.num_sequences),
+            "global_batch_size": self.global_batch_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("seed", "num_sequences", "global_batch_size"):
             if state.get(key) != getattr(self, key):
-                raise DataError(f"sampler state: {key} is {state.get(key)!r} in the checkpoint but "
-                                f"{getattr(self, key)!r} now; resume with the same data, holdout and batch size")
+                raise DataError(
+                    f"sampler state: {key} is {state.get(key)!r} in the checkpoint but "
+                    f"{getattr(self, key)!r} now; resume with the same data, holdout and batch size"
+                )
         k = len(self.num_sequences)
         for key in ("cursors", "deficits", "nominal"):
             if key not in state:
-                raise DataError(f"sampler state: no {key!r} (a checkpoint of an older sampler, which rounded "
-                                f"each step's mixture afresh); start the run again")
+                raise DataError(
+                    f"sampler state: no {key!r} (a checkpoint of an older sampler, which rounded "
+                    f"each step's mixture afresh); start the run again"
+                )
             if len(state[key]) != k:
                 raise DataError(f"sampler state: {len(state[key])} {key} for {k} domains")
         self.step = int(state["step"])

@@ -15,21 +15,29 @@ import gzip
 import hashlib
 import json
 import lzma
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from data.config import DataConfig, DomainSource, SyntheticSpec
 from data.errors import DataError
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text",
-           ".arrow": "arrow", ".csv": "csv"}
+FORMATS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+    ".arrow": "arrow",
+    ".csv": "csv",
+}
 
 
 def embedded_domains() -> list[str]:
-    return sorted(p.name[:-len(".jsonl.gz")] for p in CORPUS_DIR.glob("*.jsonl.gz"))
+    return sorted(p.name[: -len(".jsonl.gz")] for p in CORPUS_DIR.glob("*.jsonl.gz"))
 
 
 def embedded_path(name: str) -> Path:
@@ -49,11 +57,13 @@ def file_format(path: str) -> str:
     name = path.lower()
     for suffix in COMPRESSION_SUFFIXES:
         if name.endswith(suffix):
-            name = name[:-len(suffix)]
+            name = name[: -len(suffix)]
     ext = Path(name).suffix
     if ext not in FORMATS:
-        raise DataError(f"{path}: unknown file type {ext or '(none)'!r}; expected one of "
-                        f"{', '.join(sorted(FORMATS))} (optionally compressed)")
+        raise DataError(
+            f"{path}: unknown file type {ext or '(none)'!r}; expected one of "
+            f"{', '.join(sorted(FORMATS))} (optionally compressed)"
+        )
     return FORMATS[ext]
 
 
@@ -72,8 +82,12 @@ def expand_paths(paths: list[str], where: str) -> list[str]:
 
 
 #: Openers of JSON-lines files read without `datasets` (which a GPU machine may lack).
-JSONL_OPENERS: dict[str, Callable[..., Any]] = {".jsonl": open, ".jsonl.gz": gzip.open, ".jsonl.xz": lzma.open,
-                                                ".jsonl.bz2": bz2.open}
+JSONL_OPENERS: dict[str, Callable[..., Any]] = {
+    ".jsonl": open,
+    ".jsonl.gz": gzip.open,
+    ".jsonl.xz": lzma.open,
+    ".jsonl.bz2": bz2.open,
+}
 
 
 def jsonl_opener(path: str) -> Callable[..., Any] | None:
@@ -104,11 +118,14 @@ def read_jsonl_rows(files: list[str], text_field: str, where: str) -> list[Any]:
                         fields.update(dict.fromkeys(row))
                     texts.append(row.get(text_field))
         except (ValueError, OSError, EOFError) as e:
-            raise DataError(f"{where}: could not read {path} as JSON lines ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            raise DataError(
+                f"{where}: could not read {path} as JSON lines ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})"
+            ) from None
     if texts and not found:
-        raise DataError(f"{where}: {', '.join(files)} have no field {text_field!r} (fields: "
-                        f"{', '.join(fields)}); set text_field")
+        raise DataError(
+            f"{where}: {', '.join(files)} have no field {text_field!r} (fields: {', '.join(fields)}); set text_field"
+        )
     return texts
 
 
@@ -165,23 +182,63 @@ def plan_domains(cfg: DataConfig) -> list[DomainPlan]:
         text_field = d.text_field or cfg.text_field
         common = {"text_field": text_field, "max_documents": d.max_documents, "sample_by": d.sample_by}
         if d.synthetic is not None:
-            plans.append(DomainPlan(d.name, "synthetic", digest(["synthetic", asdict(d.synthetic)]),
-                                    f"synthetic:{d.synthetic.kind}", synthetic=d.synthetic))
+            plans.append(
+                DomainPlan(
+                    d.name,
+                    "synthetic",
+                    digest(["synthetic", asdict(d.synthetic)]),
+                    f"synthetic:{d.synthetic.kind}",
+                    synthetic=d.synthetic,
+                )
+            )
         elif d.embedded:
             path = embedded_path(d.embedded)
-            plans.append(DomainPlan(d.name, "embedded", digest(["embedded", file_digest(str(path)), d.max_documents]),
-                                    f"embedded:{d.embedded}", source=d, text_field="text"))
+            plans.append(
+                DomainPlan(
+                    d.name,
+                    "embedded",
+                    digest(["embedded", file_digest(str(path)), d.max_documents]),
+                    f"embedded:{d.embedded}",
+                    source=d,
+                    text_field="text",
+                )
+            )
         elif d.paths:
             files, fmt = _file_group(d.paths, where)
             fp = digest(["files", fmt, common] + [file_digest(f) for f in files])
-            plans.append(DomainPlan(d.name, "files", fp, f"files:{','.join(Path(f).name for f in files)}",
-                                    files=files, text_field=text_field, source=d))
+            plans.append(
+                DomainPlan(
+                    d.name,
+                    "files",
+                    fp,
+                    f"files:{','.join(Path(f).name for f in files)}",
+                    files=files,
+                    text_field=text_field,
+                    source=d,
+                )
+            )
         elif d.hub:
-            plans.append(DomainPlan(d.name, "hub", digest(["hub", d.hub, d.hub_split, common]),
-                                    f"hub:{d.hub}[{d.hub_split}]", text_field=text_field, source=d))
+            plans.append(
+                DomainPlan(
+                    d.name,
+                    "hub",
+                    digest(["hub", d.hub, d.hub_split, common]),
+                    f"hub:{d.hub}[{d.hub_split}]",
+                    text_field=text_field,
+                    source=d,
+                )
+            )
         else:
-            plans.append(DomainPlan(d.name, "column", digest(["column", shared, d.name, common]),
-                                    f"column:{cfg.domain_column}={d.name}", text_field=text_field, source=d))
+            plans.append(
+                DomainPlan(
+                    d.name,
+                    "column",
+                    digest(["column", shared, d.name, common]),
+                    f"column:{cfg.domain_column}={d.name}",
+                    text_field=text_field,
+                    source=d,
+                )
+            )
     return plans
 
 
@@ -201,17 +258,26 @@ def known_domains(cfg: DataConfig) -> list[str] | None:
     return None
 
 
-def column_plans(cfg: DataConfig, reader: "SourceReader", plans: list[DomainPlan]) -> list[DomainPlan]:
+def column_plans(cfg: DataConfig, reader: SourceReader, plans: list[DomainPlan]) -> list[DomainPlan]:
     """One domain per value of `data.domain_column` (sorted), after the listed domains."""
     shared = shared_dataset_digest(cfg)
     out = []
     for value in reader.column_values():
         if any(p.name == value for p in plans):
-            raise DataError(f"data.domains: domain {value!r} is named twice (in data.domains and as a "
-                            f"value of column {cfg.domain_column!r})")
-        out.append(DomainPlan(value, "column", digest(["column", shared, value, cfg.text_field]),
-                              f"column:{cfg.domain_column}={value}", text_field=cfg.text_field,
-                              source=DomainSource(name=value)))
+            raise DataError(
+                f"data.domains: domain {value!r} is named twice (in data.domains and as a "
+                f"value of column {cfg.domain_column!r})"
+            )
+        out.append(
+            DomainPlan(
+                value,
+                "column",
+                digest(["column", shared, value, cfg.text_field]),
+                f"column:{cfg.domain_column}={value}",
+                text_field=cfg.text_field,
+                source=DomainSource(name=value),
+            )
+        )
     return out
 
 
@@ -231,7 +297,8 @@ class TextSource:
 def _list_batches(texts: list[Any]) -> Callable[[int], Iterator[list[Any]]]:
     def read(rows: int) -> Iterator[list[Any]]:
         for i in range(0, len(texts), rows):
-            yield texts[i:i + rows]
+            yield texts[i : i + rows]
+
     return read
 
 
@@ -239,6 +306,7 @@ def _dataset_batches(ds: Any, text_field: str) -> Callable[[int], Iterator[list[
     def read(rows: int) -> Iterator[list[Any]]:
         for batch in ds.select_columns([text_field]).iter(batch_size=rows):
             yield batch[text_field]
+
     return read
 
 
@@ -254,14 +322,20 @@ class SourceReader:
 
     def _load(self, fmt: str, files: list[str], where: str, sample_by: str = "document") -> Any:
         import datasets
+
         nonempty = [f for f in files if Path(f).stat().st_size > 0]
         if not nonempty:
             raise DataError(f"{where}: empty domain ({', '.join(files)}: empty file)")
         files = nonempty
         kwargs: dict[str, Any] = {"sample_by": sample_by} if fmt == "text" else {}
         try:
-            return datasets.load_dataset(fmt, data_files=files, split="train",
-                                         cache_dir=str(self.cache_dir) if self.cache_dir else None, **kwargs)
+            return datasets.load_dataset(
+                fmt,
+                data_files=files,
+                split="train",
+                cache_dir=str(self.cache_dir) if self.cache_dir else None,
+                **kwargs,
+            )
         except Exception as e:  # datasets raises many types; report the first line
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"{where}: could not read {', '.join(files)} as {fmt} ({msg})") from None
@@ -272,8 +346,10 @@ class SourceReader:
             ds = self._load(fmt, files, "data.dataset")
             col = self.cfg.domain_column
             if col not in ds.column_names:
-                raise DataError(f"data.domain_column: {', '.join(files)} have no column {col!r} "
-                                f"(columns: {', '.join(ds.column_names)})")
+                raise DataError(
+                    f"data.domain_column: {', '.join(files)} have no column {col!r} "
+                    f"(columns: {', '.join(ds.column_names)})"
+                )
             index: dict[str, list[int]] = {}
             for i, v in enumerate(ds[col]):
                 index.setdefault(str(v), []).append(i)
@@ -302,23 +378,28 @@ class SourceReader:
             files = ", ".join(plan.files)
         elif plan.kind == "hub":
             import datasets
+
             try:
                 ds = datasets.load_dataset(src.hub, split=src.hub_split)
             except Exception as e:
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise DataError(f"{where}: hub dataset {src.hub!r} split {src.hub_split!r} could not be "
-                                f"loaded (offline?): {msg}") from None
+                raise DataError(
+                    f"{where}: hub dataset {src.hub!r} split {src.hub_split!r} could not be loaded (offline?): {msg}"
+                ) from None
             files = f"hub dataset {src.hub}"
         else:
             shared, index = self._shared_dataset()
             if plan.name not in index:
-                raise DataError(f"{where}: empty domain: no row of data.dataset has "
-                                f"{self.cfg.domain_column}={plan.name!r}")
+                raise DataError(
+                    f"{where}: empty domain: no row of data.dataset has {self.cfg.domain_column}={plan.name!r}"
+                )
             ds = shared.select(index[plan.name])
             files = "data.dataset"
         if plan.text_field not in ds.column_names:
-            raise DataError(f"{where}: {files} have no field {plan.text_field!r} (fields: "
-                            f"{', '.join(ds.column_names)}); set text_field")
+            raise DataError(
+                f"{where}: {files} have no field {plan.text_field!r} (fields: "
+                f"{', '.join(ds.column_names)}); set text_field"
+            )
         if src.max_documents is not None and src.max_documents < len(ds):
             ds = ds.select(range(src.max_documents))
         return TextSource(plan.name, len(ds), _dataset_batches(ds, plan.text_field))
@@ -336,4 +417,5 @@ class SourceReader:
                     return
                 yield batch[:left]
                 left -= len(batch)
+
         return TextSource(source.name, max_documents, read)

@@ -41,8 +41,10 @@ def token_dtype(vocab_size: int, requested: str = "auto") -> str:
     if requested not in DTYPES:
         raise DataError(f"data.token_dtype: expected one of auto, uint16, uint32, got {requested!r}")
     if requested == "uint16" and not fits16:
-        raise DataError(f"data.token_dtype: uint16 holds ids < 65536 but the tokenizer's vocabulary "
-                        f"has {vocab_size} ids; use uint32 or auto")
+        raise DataError(
+            f"data.token_dtype: uint16 holds ids < 65536 but the tokenizer's vocabulary "
+            f"has {vocab_size} ids; use uint32 or auto"
+        )
     return requested
 
 
@@ -101,16 +103,29 @@ class Manifest:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, where: str = MANIFEST_FILE) -> "Manifest":
+    def from_json(cls, text: str, where: str = MANIFEST_FILE) -> Manifest:
         try:
             raw = json.loads(text)
-            domains = [DomainEntry(name=d["name"], source=d["source"],
-                                   train=SplitCounts(**d["train"]), validation=SplitCounts(**d["validation"]),
-                                   entropy=d.get("entropy"), synthetic=d.get("synthetic"))
-                       for d in raw["domains"]]
-            return cls(domains=domains, tokenizer=raw["tokenizer"], dtype=raw["dtype"],
-                       fingerprint=raw["fingerprint"], sources=raw.get("sources", {}),
-                       split=raw.get("split", {}), version=raw["version"])
+            domains = [
+                DomainEntry(
+                    name=d["name"],
+                    source=d["source"],
+                    train=SplitCounts(**d["train"]),
+                    validation=SplitCounts(**d["validation"]),
+                    entropy=d.get("entropy"),
+                    synthetic=d.get("synthetic"),
+                )
+                for d in raw["domains"]
+            ]
+            return cls(
+                domains=domains,
+                tokenizer=raw["tokenizer"],
+                dtype=raw["dtype"],
+                fingerprint=raw["fingerprint"],
+                sources=raw.get("sources", {}),
+                split=raw.get("split", {}),
+                version=raw["version"],
+            )
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{where}: not a valid manifest ({type(e).__name__}: {e})") from None
 
@@ -130,8 +145,10 @@ def read_manifest(store_dir: str | os.PathLike) -> Manifest:
         raise DataError(f"{path}: no manifest; build the stores with `doremi preprocess` first")
     manifest = Manifest.from_json(path.read_text(), str(path))
     if manifest.version != FORMAT_VERSION:
-        raise DataError(f"{path}: format version {manifest.version}, this code reads version "
-                        f"{FORMAT_VERSION}; re-run `doremi preprocess`")
+        raise DataError(
+            f"{path}: format version {manifest.version}, this code reads version "
+            f"{FORMAT_VERSION}; re-run `doremi preprocess`"
+        )
     return manifest
 
 
@@ -144,9 +161,11 @@ def check_tokenizer(manifest: Manifest, expect: dict[str, Any], where: str) -> N
     for key, want in expect.items():
         have = manifest.tokenizer.get(key)
         if have != want:
-            raise DataError(f"{where}: stores were built with tokenizer {manifest.tokenizer.get('name')!r} "
-                            f"({key}={have!r}) but the run asks for {expect.get('name', '?')!r} "
-                            f"({key}={want!r}); re-run `doremi preprocess` with this tokenizer")
+            raise DataError(
+                f"{where}: stores were built with tokenizer {manifest.tokenizer.get('name')!r} "
+                f"({key}={have!r}) but the run asks for {expect.get('name', '?')!r} "
+                f"({key}={want!r}); re-run `doremi preprocess` with this tokenizer"
+            )
 
 
 class SplitWriter:
@@ -220,7 +239,7 @@ class TokenStores:
     def document(self, domain: str, split: str, i: int) -> np.ndarray:
         """Tokens of document i without its trailing EOS."""
         idx = self.documents(domain, split)
-        return np.asarray(self.tokens(domain, split)[idx[i]:idx[i + 1] - 1])
+        return np.asarray(self.tokens(domain, split)[idx[i] : idx[i + 1] - 1])
 
     def validate(self) -> None:
         """Every file present with the size the manifest implies, index ends where tokens end."""
@@ -229,19 +248,27 @@ class TokenStores:
             for split in SPLITS:
                 counts = d.split(split)
                 bin_path, idx_path = split_paths(self.store_dir, d.name, split)
-                for path, want, what in ((bin_path, counts.tokens * itemsize, f"{counts.tokens} {self.manifest.dtype} tokens"),
-                                         (idx_path, (counts.documents + 1) * INDEX_DTYPE.itemsize, f"{counts.documents + 1} int64 offsets")):
+                for path, want, what in (
+                    (bin_path, counts.tokens * itemsize, f"{counts.tokens} {self.manifest.dtype} tokens"),
+                    (idx_path, (counts.documents + 1) * INDEX_DTYPE.itemsize, f"{counts.documents + 1} int64 offsets"),
+                ):
                     if not path.is_file():
-                        raise DataError(f"{path}: missing from the stores (the manifest lists domain {d.name!r}); "
-                                        f"re-run `doremi preprocess`")
+                        raise DataError(
+                            f"{path}: missing from the stores (the manifest lists domain {d.name!r}); "
+                            f"re-run `doremi preprocess`"
+                        )
                     have = path.stat().st_size
                     if have != want:
-                        raise DataError(f"{path}: expected {want} bytes ({what} per the manifest), found {have}: "
-                                        f"truncated or from another build; re-run `doremi preprocess --force`")
+                        raise DataError(
+                            f"{path}: expected {want} bytes ({what} per the manifest), found {have}: "
+                            f"truncated or from another build; re-run `doremi preprocess --force`"
+                        )
                 idx = self.documents(d.name, split)
                 if idx[0] != 0 or idx[-1] != counts.tokens:
-                    raise DataError(f"{idx_path}: offsets run from {idx[0]} to {idx[-1]}, expected 0 to "
-                                    f"{counts.tokens}; re-run `doremi preprocess --force`")
+                    raise DataError(
+                        f"{idx_path}: offsets run from {idx[0]} to {idx[-1]}, expected 0 to "
+                        f"{counts.tokens}; re-run `doremi preprocess --force`"
+                    )
 
 
 def open_stores(store_dir: str | os.PathLike, expect_tokenizer: dict[str, Any] | None = None) -> TokenStores:

@@ -47,14 +47,16 @@ def repeat(spec: SyntheticSpec) -> np.ndarray:
 
 def markov_table(spec: SyntheticSpec) -> np.ndarray:
     """[vocab**order, branching] successor symbols of each context (distinct per row)."""
-    contexts = spec.vocab ** spec.order
+    contexts = spec.vocab**spec.order
     if contexts * spec.vocab > MAX_MARKOV_TABLE:
-        raise DataError(f"synthetic markov: vocab**(order+1) = {contexts * spec.vocab}, expected at most "
-                        f"{MAX_MARKOV_TABLE}; lower vocab or order")
+        raise DataError(
+            f"synthetic markov: vocab**(order+1) = {contexts * spec.vocab}, expected at most "
+            f"{MAX_MARKOV_TABLE}; lower vocab or order"
+        )
     rng = np.random.default_rng(spec.seed)
     # The `branching` smallest of per-row random keys: a uniform draw without replacement.
     keys = rng.random((contexts, spec.vocab), dtype=np.float32)
-    return np.argpartition(keys, spec.branching - 1, axis=1)[:, :spec.branching].astype(np.int64)
+    return np.argpartition(keys, spec.branching - 1, axis=1)[:, : spec.branching].astype(np.int64)
 
 
 def markov(spec: SyntheticSpec) -> np.ndarray:
@@ -63,7 +65,7 @@ def markov(spec: SyntheticSpec) -> np.ndarray:
     rng = np.random.default_rng([spec.seed, 1])
     out = np.empty(spec.num_tokens, dtype=np.int64)
     start = rng.integers(0, spec.vocab, min(spec.order, spec.num_tokens))
-    out[:len(start)] = start
+    out[: len(start)] = start
     ctx = 0
     for s in start:
         ctx = (ctx * spec.vocab + int(s)) % contexts
@@ -82,7 +84,7 @@ GENERATORS = {"noise": noise, "repeat": repeat, "markov": markov}
 def generate_documents(spec: SyntheticSpec) -> list[np.ndarray]:
     """The symbol stream cut into documents of `doc_tokens` (the last one may be shorter)."""
     stream = GENERATORS[spec.kind](spec)
-    return [stream[i:i + spec.doc_tokens] for i in range(0, len(stream), spec.doc_tokens)]
+    return [stream[i : i + spec.doc_tokens] for i in range(0, len(stream), spec.doc_tokens)]
 
 
 def symbol_ids(symbols: np.ndarray, eos_id: int) -> np.ndarray:
@@ -93,8 +95,9 @@ def symbol_ids(symbols: np.ndarray, eos_id: int) -> np.ndarray:
 def check_fits(spec: SyntheticSpec, vocab_size: int, eos_id: int, where: str) -> None:
     top = int(symbol_ids(np.array([spec.vocab - 1]), eos_id)[0])
     if top >= vocab_size:
-        raise DataError(f"{where}: synthetic vocab {spec.vocab} needs token ids up to {top}, but the "
-                        f"tokenizer has {vocab_size} ids")
+        raise DataError(
+            f"{where}: synthetic vocab {spec.vocab} needs token ids up to {top}, but the tokenizer has {vocab_size} ids"
+        )
 
 
 def empirical_entropy(documents: list[np.ndarray], order: int) -> float:
@@ -104,7 +107,7 @@ def empirical_entropy(documents: list[np.ndarray], order: int) -> float:
     for doc in documents:
         doc = np.asarray(doc, dtype=np.int64)
         if len(doc) > order:
-            rows.append(np.stack([doc[j:len(doc) - order + j] for j in range(order + 1)], axis=1))
+            rows.append(np.stack([doc[j : len(doc) - order + j] for j in range(order + 1)], axis=1))
     if not rows:
         raise DataError("empirical_entropy: no document longer than the order")
     grams = np.concatenate(rows)

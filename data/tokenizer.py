@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -75,8 +76,12 @@ class ByteTokenizer:
 
     @property
     def identity(self) -> dict[str, Any]:
-        return {"name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
-                "hash": _sha256("byte-level utf-8, eos=256, v1")}
+        return {
+            "name": self.name,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "hash": _sha256("byte-level utf-8, eos=256, v1"),
+        }
 
     def spec(self) -> dict[str, Any]:
         return {"kind": "byte"}
@@ -104,16 +109,14 @@ class HFTokenizer:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int64)
-                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     @property
     def identity(self) -> dict[str, Any]:
-        return {"name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
-                "hash": _sha256(self._json)}
+        return {"name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id, "hash": _sha256(self._json)}
 
     def spec(self) -> dict[str, Any]:
         return {"kind": "hf", "json": self._json, "name": self.name, "eos_id": self.eos_id}
@@ -127,6 +130,7 @@ def tokenizer_from_spec(spec: dict[str, Any]) -> ByteTokenizer | HFTokenizer:
     if spec["kind"] == "byte":
         return ByteTokenizer()
     from tokenizers import Tokenizer as RawTokenizer
+
     return HFTokenizer(RawTokenizer.from_str(spec["json"]), spec["name"], spec["eos_id"])
 
 
@@ -136,22 +140,27 @@ def _find_eos(tok: Any, wanted: str | None, where: str) -> int:
         idx = tok.token_to_id(name)
         if idx is not None:
             return idx
-    raise DataError(f"{where}: no end-of-document token {' or '.join(names)} in the vocabulary; "
-                    f"set data.tokenizer.eos_token")
+    raise DataError(
+        f"{where}: no end-of-document token {' or '.join(names)} in the vocabulary; set data.tokenizer.eos_token"
+    )
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     """Byte-level BPE (GPT-2 pre-tokenization, all 256 bytes in the alphabet so that any text
     round-trips), EOS `<|endoftext|>` = id 0, trained on `texts` (the caller chooses and caps
     them: `data.preprocess.tokenizer_training_texts`)."""
-    from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = RawTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TEXT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     return HFTokenizer(tok, f"bpe-{vocab_size}", tok.token_to_id(EOS_TEXT))
 
@@ -161,8 +170,9 @@ def _local_tokenizer_file(path: str, kind: str) -> Path | None:
     if p.is_dir():
         f = p / TOKENIZER_FILE
         if not f.is_file():
-            raise DataError(f"data.tokenizer.path: {p} has no {TOKENIZER_FILE} (kind {kind!r} needs a "
-                            f"fast tokenizer file)")
+            raise DataError(
+                f"data.tokenizer.path: {p} has no {TOKENIZER_FILE} (kind {kind!r} needs a fast tokenizer file)"
+            )
         return f
     if p.is_file():
         return p
@@ -171,6 +181,7 @@ def _local_tokenizer_file(path: str, kind: str) -> Path | None:
 
 def _load_file(path: Path, name: str, eos_token: str | None) -> HFTokenizer:
     from tokenizers import Tokenizer as RawTokenizer
+
     try:
         tok = RawTokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises plain Exceptions
@@ -178,8 +189,9 @@ def _load_file(path: Path, name: str, eos_token: str | None) -> HFTokenizer:
     return HFTokenizer(tok, name, _find_eos(tok, eos_token, f"tokenizer {path}"))
 
 
-def build_tokenizer(cfg: TokenizerConfig, texts_for_training: Iterable[str] | None = None
-                    ) -> ByteTokenizer | HFTokenizer:
+def build_tokenizer(
+    cfg: TokenizerConfig, texts_for_training: Iterable[str] | None = None
+) -> ByteTokenizer | HFTokenizer:
     """The tokenizer that `cfg` asks for; `bpe` trains on `texts_for_training`."""
     if cfg.kind == "byte":
         return ByteTokenizer()
@@ -197,11 +209,14 @@ def build_tokenizer(cfg: TokenizerConfig, texts_for_training: Iterable[str] | No
     if local is not None:
         return _load_file(local, f"hf:{cfg.path}", cfg.eos_token)
     from tokenizers import Tokenizer as RawTokenizer
+
     try:
         tok = RawTokenizer.from_pretrained(cfg.path)
     except Exception as e:
-        raise DataError(f"data.tokenizer.path: {cfg.path!r} is not a local path and could not be "
-                        f"fetched from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise DataError(
+            f"data.tokenizer.path: {cfg.path!r} is not a local path and could not be "
+            f"fetched from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     return HFTokenizer(tok, f"hf:{cfg.path}", _find_eos(tok, cfg.eos_token, f"tokenizer {cfg.path}"))
 
 
@@ -215,12 +230,14 @@ def expected_identity(cfg: TokenizerConfig) -> dict[str, Any]:
 
 def save_tokenizer(tok: ByteTokenizer | HFTokenizer, path: Path) -> None:
     from data.atomic import atomic_write_text
+
     atomic_write_text(path, tok.to_json())
 
 
 def load_tokenizer(store_dir: str | Path) -> ByteTokenizer | HFTokenizer:
     """The tokenizer saved with the stores in `store_dir`, checked against the manifest."""
     from data.store import read_manifest
+
     store = Path(store_dir)
     identity = read_manifest(store).tokenizer
     path = store / TOKENIZER_FILE
@@ -230,8 +247,10 @@ def load_tokenizer(store_dir: str | Path) -> ByteTokenizer | HFTokenizer:
         if not path.is_file():
             raise DataError(f"{path}: tokenizer file missing from the stores")
         from tokenizers import Tokenizer as RawTokenizer
+
         tok = HFTokenizer(RawTokenizer.from_file(str(path)), identity["name"], identity["eos_id"])
     if tok.identity["hash"] != identity["hash"]:
-        raise DataError(f"{path}: tokenizer hash {tok.identity['hash'][:12]} does not match the "
-                        f"manifest's {identity['hash'][:12]}")
+        raise DataError(
+            f"{path}: tokenizer hash {tok.identity['hash'][:12]} does not match the manifest's {identity['hash'][:12]}"
+        )
     return tok

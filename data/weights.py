@@ -54,8 +54,10 @@ def check_weights(values: Any, domains: list[str], where: str = WHERE) -> np.nda
     except (TypeError, ValueError):
         raise DataError(f"{where}: expected numbers, got {values!r}") from None
     if w.ndim != 1 or len(w) != len(domains):
-        raise DataError(f"{where}: expected {len(domains)} weights (domains {', '.join(domains)}), got "
-                        f"{w.size if w.ndim else 'a scalar'}")
+        raise DataError(
+            f"{where}: expected {len(domains)} weights (domains {', '.join(domains)}), got "
+            f"{w.size if w.ndim else 'a scalar'}"
+        )
     bad = [f"{d}={v}" for d, v in zip(domains, w) if not math.isfinite(v) or v < 0]
     if bad:
         raise DataError(f"{where}: weights must be finite and >= 0, got {', '.join(bad)}")
@@ -69,8 +71,10 @@ def _by_name(mapping: dict[str, Any], domains: list[str], where: str) -> list[An
     unknown = sorted(set(mapping) - set(domains))
     missing = [d for d in domains if d not in mapping]
     if unknown or missing:
-        raise DataError(f"{where}: domains must match the stores' ({', '.join(domains)}); "
-                        f"unknown: {', '.join(unknown) or '-'}; missing: {', '.join(missing) or '-'}")
+        raise DataError(
+            f"{where}: domains must match the stores' ({', '.join(domains)}); "
+            f"unknown: {', '.join(unknown) or '-'}; missing: {', '.join(missing) or '-'}"
+        )
     return [mapping[d] for d in domains]
 
 
@@ -114,8 +118,7 @@ def check_spec(spec: Any, domains: list[str] | None, where: str = WHERE) -> None
             check_weights(spec, [str(i) for i in range(len(spec))], where)
 
 
-def resolve_weights(spec: str | list[float] | dict[str, float], manifest: Manifest,
-                    where: str = WHERE) -> np.ndarray:
+def resolve_weights(spec: str | list[float] | dict[str, float], manifest: Manifest, where: str = WHERE) -> np.ndarray:
     """`uniform`, `tokens` (proportional to train tokens), a weights-JSON path, a list in domain
     order, or a mapping name -> value; normalised to sum 1. `where`: the key it was read from."""
     domains = manifest.domain_names

@@ -14,8 +14,9 @@ import datetime
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -40,12 +41,12 @@ def _floats(values: Any, k: int) -> list[float]:
 def _check_distribution(path: Path, w: Sequence[Any]) -> None:
     ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in w)
     if not ok or abs(sum(w) - 1.0) > 1e-6:
-        raise DataError(f"{path}: weights: expected finite non-negative numbers summing to 1, "
-                        f"got {list(w)}")
+        raise DataError(f"{path}: weights: expected finite non-negative numbers summing to 1, got {list(w)}")
 
 
-def write_weights_file(path: str | os.PathLike, domains: Sequence[str], weights: Any,
-                       provenance: Mapping[str, Any]) -> Path:
+def write_weights_file(
+    path: str | os.PathLike, domains: Sequence[str], weights: Any, provenance: Mapping[str, Any]
+) -> Path:
     """Write `{"domains": [...], "weights": [...], **provenance}` atomically; `weights` (a list,
     array or tensor) must be a distribution over `domains`.
 
@@ -60,8 +61,7 @@ def write_weights_file(path: str | os.PathLike, domains: Sequence[str], weights:
     if clash:
         raise DataError(f"{path}: provenance must not set {sorted(clash)}")
     doc: dict[str, Any] = {"domains": domains, "weights": w, **provenance}
-    doc.setdefault("created", datetime.datetime.now(datetime.timezone.utc)
-                   .isoformat(timespec="seconds"))
+    doc.setdefault("created", datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
     atomic_write_text(path, json.dumps(doc, indent=2) + "\n")
     return path
 
@@ -75,12 +75,16 @@ def read_weights_file(path: str | os.PathLike) -> dict[str, Any]:
         raise DataError(f"{path}: weights file not found") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: expected a JSON object, got invalid JSON ({e.msg})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("domains"), list) \
-            or not isinstance(doc.get("weights"), list):
+    if (
+        not isinstance(doc, dict)
+        or not isinstance(doc.get("domains"), list)
+        or not isinstance(doc.get("weights"), list)
+    ):
         raise DataError(f"{path}: expected an object with lists 'domains' and 'weights'")
     if len(doc["domains"]) != len(doc["weights"]):
-        raise DataError(f"{path}: weights: expected {len(doc['domains'])} values (one per "
-                        f"domain), got {len(doc['weights'])}")
+        raise DataError(
+            f"{path}: weights: expected {len(doc['domains'])} values (one per domain), got {len(doc['weights'])}"
+        )
     _check_distribution(path, doc["weights"])
     return doc
 

@@ -8,13 +8,34 @@ The pure update functions are importable on their own:
     >>> log_a, alpha = doremi.update_weights(log_a, lam, eta=1.0, smoothing=1e-3)
 """
 
-from doremi.history import (HistoryError, WeightHistory, average_weights, read_history, read_weights_json,
-                            write_weights_json)
-from doremi.update import (domain_excess, domain_excess_sums, per_domain_mean_loss, to_log_weights,
-                           uniform_log_weights, update_weights)
+from doremi.history import (
+    HistoryError,
+    WeightHistory,
+    average_weights,
+    read_history,
+    read_weights_json,
+    write_weights_json,
+)
+from doremi.update import (
+    domain_excess,
+    domain_excess_sums,
+    per_domain_mean_loss,
+    to_log_weights,
+    uniform_log_weights,
+    update_weights,
+)
 
 __all__ = [
-    "HistoryError", "WeightHistory", "average_weights", "domain_excess", "domain_excess_sums",
-    "per_domain_mean_loss", "read_history", "read_weights_json", "to_log_weights", "uniform_log_weights",
-    "update_weights", "write_weights_json",
+    "HistoryError",
+    "WeightHistory",
+    "average_weights",
+    "domain_excess",
+    "domain_excess_sums",
+    "per_domain_mean_loss",
+    "read_history",
+    "read_weights_json",
+    "to_log_weights",
+    "uniform_log_weights",
+    "update_weights",
+    "write_weights_json",
 ]

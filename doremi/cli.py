@@ -116,8 +116,11 @@ def cmd_plan(args):
     from trainer.plan import format_plan, gpu_param_precision, plan_memory
 
     cfg = _config(args)
-    print(format_plan(plan_memory(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory,
-                                  param_precision=gpu_param_precision(cfg))))
+    print(
+        format_plan(
+            plan_memory(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory, param_precision=gpu_param_precision(cfg))
+        )
+    )
 
 
 def cmd_pipeline(args):
@@ -140,18 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
     def with_config(name: str, fn, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help)
         sp.add_argument("config", help="experiment YAML file")
-        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set train.steps=10")
+        sp.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key, e.g. --set train.steps=10",
+        )
         sp.set_defaults(fn=fn)
         return sp
 
     with_config("preprocess", cmd_preprocess, "tokenize each domain into token stores").add_argument(
-        "--force", action="store_true", help="rebuild even when the inputs are unchanged")
+        "--force", action="store_true", help="rebuild even when the inputs are unchanged"
+    )
     with_config("train", cmd_train, "train on data.domain_weights")
     with_config("train-reference", cmd_train_reference, "train the DoReMi reference model")
     with_config("train-proxy", cmd_train_proxy, "train the DoReMi proxy (Group DRO over domains)")
     with_config("score", cmd_score, "cache per-token reference losses for the proxy's data").add_argument(
-        "--out", help="cache directory (default: doremi.reference_cache)")
+        "--out", help="cache directory (default: doremi.reference_cache)"
+    )
     sp = with_config("plan", cmd_plan, "predict memory per rank and pipeline stage")
     sp.add_argument("--gpus", type=int, required=True)
     sp.add_argument("--gpu-memory", type=float, required=True, help="GB per GPU")
@@ -159,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("average", help="average a proxy's per-step domain weights")
     sp.add_argument("run_dir")
-    sp.add_argument("--from-step", type=int, default=None,
-                    help="first step averaged (default: the run's doremi.average_from_step)")
+    sp.add_argument(
+        "--from-step", type=int, default=None, help="first step averaged (default: the run's doremi.average_from_step)"
+    )
     sp.add_argument("--out", help="weights JSON path (default RUN_DIR/weights.json)")
     sp.set_defaults(fn=cmd_average)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from data.atomic import atomic_write_text
 from doremi.errors import DoReMiError
@@ -35,6 +35,7 @@ class MainRun:
 
 
 # -- statistics (pure) -----------------------------------------------------------------------
+
 
 def mean_se(xs: Sequence[float]) -> tuple[float, float | None]:
     """Mean and standard error (sample standard deviation / sqrt(n)); no error for n = 1."""
@@ -71,8 +72,9 @@ class Paired:
         return mean_se(self.worst_diff)
 
 
-def pair(mixture: str, baseline: str, roots: Sequence[str], runs: Sequence[MainRun],
-         bases: Sequence[MainRun]) -> Paired:
+def pair(
+    mixture: str, baseline: str, roots: Sequence[str], runs: Sequence[MainRun], bases: Sequence[MainRun]
+) -> Paired:
     """Per seed (root): mean loss difference (mixture - baseline, negative is better), worst
     case difference, domains improved, and the speed-up to the baseline's final mean loss; and
     the domains whose loss difference averaged over seeds is negative."""
@@ -88,11 +90,21 @@ def pair(mixture: str, baseline: str, roots: Sequence[str], runs: Sequence[MainR
             speedups.append(speedup(base.curve[-1][0], steps_to_target(run.curve, base.curve[-1][1])))
         else:
             speedups.append(None)
-    return Paired(mixture, baseline, list(roots), k, mean_diff, worst_diff, improved,
-                  sum(d / len(runs) < 0 for d in per_domain), speedups)
+    return Paired(
+        mixture,
+        baseline,
+        list(roots),
+        k,
+        mean_diff,
+        worst_diff,
+        improved,
+        sum(d / len(runs) < 0 for d in per_domain),
+        speedups,
+    )
 
 
 # -- reading roots -------------------------------------------------------------------------
+
 
 def read_main_run(run: Path) -> MainRun | None:
     """The run's eval result (the pipeline's eval stage), else its last validation row; the
@@ -117,8 +129,10 @@ def read_root(root: str | os.PathLike) -> dict[str, MainRun]:
             if run is not None:
                 runs[d.name] = run
     if not runs:
-        raise DoReMiError(f"{root}: not a pipeline run (expected main/<mixture>/ with eval results or "
-                          f"validation rows in metrics.jsonl)")
+        raise DoReMiError(
+            f"{root}: not a pipeline run (expected main/<mixture>/ with eval results or "
+            f"validation rows in metrics.jsonl)"
+        )
     return runs
 
 
@@ -128,28 +142,31 @@ def compare(roots: dict[str, dict[str, MainRun]], baseline: str) -> tuple[list[P
     names = list(roots)
     with_base = [r for r in names if baseline in roots[r]]
     if not with_base:
-        raise DoReMiError(f"--baseline {baseline}: no root has main/{baseline} "
-                          f"(mixtures found: {', '.join(sorted({m for r in roots.values() for m in r}))})")
+        raise DoReMiError(
+            f"--baseline {baseline}: no root has main/{baseline} "
+            f"(mixtures found: {', '.join(sorted({m for r in roots.values() for m in r}))})"
+        )
     notes = [f"{r}: no main/{baseline}; left out of every comparison" for r in names if r not in with_base]
     domains = roots[with_base[0]][baseline].domains
     for r in names:
         for m, run in roots[r].items():
             if run.domains != domains:
-                raise DoReMiError(f"{r}/main/{m}: domains {run.domains} differ from {domains} "
-                                  f"({with_base[0]}/main/{baseline})")
+                raise DoReMiError(
+                    f"{r}/main/{m}: domains {run.domains} differ from {domains} ({with_base[0]}/main/{baseline})"
+                )
     mixtures = sorted({m for r in with_base for m in roots[r] if m != baseline})
     out = []
     for m in mixtures:
         have = [r for r in with_base if m in roots[r]]
         if len(have) < len(with_base):
             missing = [r for r in with_base if r not in have]
-            notes.append(f"{m}: compared over {len(have)} of {len(with_base)} roots "
-                         f"(missing in {', '.join(missing)})")
+            notes.append(f"{m}: compared over {len(have)} of {len(with_base)} roots (missing in {', '.join(missing)})")
         out.append(pair(m, baseline, have, [roots[r][m] for r in have], [roots[r][baseline] for r in have]))
     return out, notes
 
 
 # -- output --------------------------------------------------------------------------------
+
 
 def _pm(mean: float, se: float | None) -> str:
     return f"{mean:+.4f}" + ("" if se is None else f" ± {se:.4f}")
@@ -162,21 +179,56 @@ def _speed(s: float | None) -> str:
 def format_compare(results: Sequence[Paired], notes: Sequence[str], baseline: str) -> str:
     """The summary table (one row per mixture), the per-seed table, and the notes."""
     summary = markdown_table(
-        ["mixture", "seeds", f"mean loss - {baseline}", f"worst-case loss - {baseline}",
-         "domains better per seed", "domains better in the mean", "speed-up per seed"],
-        [[p.mixture, str(len(p.roots)), _pm(*p.mean), _pm(*p.worst),
-          ", ".join(f"{n}/{p.k}" for n in p.improved), f"{p.improved_in_mean}/{p.k}",
-          ", ".join(_speed(s) for s in p.speedups)] for p in results])
+        [
+            "mixture",
+            "seeds",
+            f"mean loss - {baseline}",
+            f"worst-case loss - {baseline}",
+            "domains better per seed",
+            "domains better in the mean",
+            "speed-up per seed",
+        ],
+        [
+            [
+                p.mixture,
+                str(len(p.roots)),
+                _pm(*p.mean),
+                _pm(*p.worst),
+                ", ".join(f"{n}/{p.k}" for n in p.improved),
+                f"{p.improved_in_mean}/{p.k}",
+                ", ".join(_speed(s) for s in p.speedups),
+            ]
+            for p in results
+        ],
+    )
     per_seed = markdown_table(
-        ["mixture", "root", f"mean loss - {baseline}", f"worst-case loss - {baseline}", "domains better",
-         f"speed-up to {baseline}'s final loss"],
-        [[p.mixture, r, f"{a:+.4f}", f"{w:+.4f}", f"{n}/{p.k}", _speed(s)]
-         for p in results for r, a, w, n, s in zip(p.roots, p.mean_diff, p.worst_diff, p.improved, p.speedups)])
-    parts = [f"# Mixtures against {baseline}, paired by seed", "", summary,
-             "Differences are mixture minus baseline in nats per token (negative: the mixture is better), "
-             "mean ± standard error over seeds (sample std / sqrt(n)). Domains better: final validation "
-             "loss strictly lower. Speed-up: the baseline's steps over the first evaluation step where the "
-             "mixture's mean loss reaches the baseline's final mean.", "", "## Per seed", "", per_seed]
+        [
+            "mixture",
+            "root",
+            f"mean loss - {baseline}",
+            f"worst-case loss - {baseline}",
+            "domains better",
+            f"speed-up to {baseline}'s final loss",
+        ],
+        [
+            [p.mixture, r, f"{a:+.4f}", f"{w:+.4f}", f"{n}/{p.k}", _speed(s)]
+            for p in results
+            for r, a, w, n, s in zip(p.roots, p.mean_diff, p.worst_diff, p.improved, p.speedups)
+        ],
+    )
+    parts = [
+        f"# Mixtures against {baseline}, paired by seed",
+        "",
+        summary,
+        "Differences are mixture minus baseline in nats per token (negative: the mixture is better), "
+        "mean ± standard error over seeds (sample std / sqrt(n)). Domains better: final validation "
+        "loss strictly lower. Speed-up: the baseline's steps over the first evaluation step where the "
+        "mixture's mean loss reaches the baseline's final mean.",
+        "",
+        "## Per seed",
+        "",
+        per_seed,
+    ]
     if notes:
         parts += ["## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(parts) + "\n"

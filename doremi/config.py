@@ -43,8 +43,10 @@ class DoReMiConfig:
         if not 0 <= self.smoothing <= 1:
             raise ConfigError(f"{path}.smoothing: expected a value in [0, 1], got {self.smoothing}")
         if self.mode == "resample" and self.reference_cache:
-            raise ConfigError(f"{path}.reference_cache: a cache needs a fixed proxy data stream, but "
-                              f"{path}.mode 'resample' draws the data from alpha")
+            raise ConfigError(
+                f"{path}.reference_cache: a cache needs a fixed proxy data stream, but "
+                f"{path}.mode 'resample' draws the data from alpha"
+            )
         if self.rounds < 1:
             raise ConfigError(f"{path}.rounds: expected >= 1, got {self.rounds}")
         if self.average_from_step < 1:
@@ -76,8 +78,7 @@ class GuardrailConfig:
     overfit: float = 0.02
 
     def validate(self, path: str = "pipeline.guardrails") -> None:
-        for name in ("max_epochs", "mixture_tolerance", "memorisation_gap", "proxy_lag", "lambda_snr",
-                     "overfit"):
+        for name in ("max_epochs", "mixture_tolerance", "memorisation_gap", "proxy_lag", "lambda_snr", "overfit"):
             v = getattr(self, name)
             if v is not None and not 0 <= v < float("inf"):
                 raise ConfigError(f"{path}.{name}: expected a finite value >= 0, got {v}")

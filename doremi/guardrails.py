@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any, Iterable, Literal, Mapping, Sequence
+from typing import IO, Any, Literal
 
 import numpy as np
 
@@ -58,6 +59,7 @@ class GuardrailError(DoReMiError):
 
 
 # -- measures: pure functions over parsed rows ---------------------------------------------
+
 
 def eval_rows(rows: Rows) -> list[Mapping[str, Any]]:
     return [r for r in rows if isinstance(r.get("val_loss"), dict)]
@@ -101,8 +103,9 @@ def memorisation_se(row: Mapping[str, Any]) -> PerDomain:
     seen, held = row.get("seen_loss_se"), row.get("heldout_loss_se")
     if not isinstance(seen, dict) or not isinstance(held, dict):
         return {}
-    return {d: math.hypot(float(seen[d]), float(held[d])) for d in held
-            if held[d] is not None and seen.get(d) is not None}
+    return {
+        d: math.hypot(float(seen[d]), float(held[d])) for d in held if held[d] is not None and seen.get(d) is not None
+    }
 
 
 def difference(a: Mapping[str, float], b: Mapping[str, float]) -> PerDomain:
@@ -116,8 +119,7 @@ def final_minus_best(rows: Rows) -> PerDomain:
     if not evals:
         return {}
     final = evals[-1]["val_loss"]
-    return {d: float(final[d]) - min(float(r["val_loss"][d]) for r in evals if d in r["val_loss"])
-            for d in final}
+    return {d: float(final[d]) - min(float(r["val_loss"][d]) for r in evals if d in r["val_loss"]) for d in final}
 
 
 def reference_on_batches(history: Rows) -> PerDomain:
@@ -176,6 +178,7 @@ def concentration(weights: Sequence[Sequence[float]], domains: Sequence[str]) ->
 
 # -- the measures of one run, and the findings they give ----------------------------------
 
+
 @dataclass
 class RunMeasures:
     """Everything the checks and the guardrail table need from one run."""
@@ -202,8 +205,14 @@ class RunMeasures:
     notes: list[str] = field(default_factory=list)
 
 
-def measure(run: str, kind: str, rows: Rows, global_batch_size: int | None = None,
-            history: Rows | None = None, reference_rows: Rows | None = None) -> RunMeasures:
+def measure(
+    run: str,
+    kind: str,
+    rows: Rows,
+    global_batch_size: int | None = None,
+    history: Rows | None = None,
+    reference_rows: Rows | None = None,
+) -> RunMeasures:
     """The measures of a run of `kind` from its parsed metrics rows (and, for a proxy, its
     domain_weights.jsonl records and its reference's metrics rows)."""
     if kind not in KINDS:
@@ -219,8 +228,7 @@ def measure(run: str, kind: str, rows: Rows, global_batch_size: int | None = Non
     if kind == "reference":
         mem = memorisation(evals[-1]) if evals else None
         if mem is None:
-            m.notes.append(f"{run}: no held-out evaluation (data.holdout_sequences = 0); "
-                           f"memorisation check skipped")
+            m.notes.append(f"{run}: no held-out evaluation (data.holdout_sequences = 0); memorisation check skipped")
         else:
             m.gap, m.shift = mem
             m.gap_se = memorisation_se(evals[-1])
@@ -230,16 +238,18 @@ def measure(run: str, kind: str, rows: Rows, global_batch_size: int | None = Non
             m.lag = difference(evals[-1]["val_loss"], ref_evals[-1]["val_loss"])
             held = ref_evals[-1].get("heldout_loss")
             m.ref_batches_heldout = isinstance(held, dict)
-            base = {d: v for d, v in held.items() if v is not None} if m.ref_batches_heldout else ref_evals[-1]["val_loss"]
+            base = (
+                {d: v for d, v in held.items() if v is not None} if m.ref_batches_heldout else ref_evals[-1]["val_loss"]
+            )
             m.ref_batches_gap = difference(base, reference_on_batches(history or []))
         else:
-            m.notes.append(f"{run}: no validation loss of the proxy or of its reference; "
-                           f"proxy-lag check skipped")
+            m.notes.append(f"{run}: no validation loss of the proxy or of its reference; proxy-lag check skipped")
         if history:
             m.snr = lambda_snr([h["excess"] for h in history])
             m.steps = len(history)
-            m.concentration, m.concentrated_domain = concentration([h["weights"] for h in history],
-                                                                   history[0]["domains"])
+            m.concentration, m.concentrated_domain = concentration(
+                [h["weights"] for h in history], history[0]["domains"]
+            )
         else:
             m.notes.append(f"{run}: no domain_weights.jsonl; lambda and concentration checks skipped")
     if kind == "main":
@@ -247,15 +257,31 @@ def measure(run: str, kind: str, rows: Rows, global_batch_size: int | None = Non
     return m
 
 
-def _over(m: RunMeasures, check: str, values: PerDomain, threshold: float, what: str, key: str,
-          unit: str = "", absolute: bool = False) -> list[Finding]:
+def _over(
+    m: RunMeasures,
+    check: str,
+    values: PerDomain,
+    threshold: float,
+    what: str,
+    key: str,
+    unit: str = "",
+    absolute: bool = False,
+) -> list[Finding]:
     """A warning per domain whose value (or its magnitude) is above `threshold`."""
     out = []
     for d, v in values.items():
         shown = abs(v) if absolute else v
         if shown > threshold:
-            out.append(Finding(m.run, check, d, v, threshold,
-                               f"{m.run}: {d}: {what} {shown:.4g}{unit} > {key} {threshold:.4g}{unit}"))
+            out.append(
+                Finding(
+                    m.run,
+                    check,
+                    d,
+                    v,
+                    threshold,
+                    f"{m.run}: {d}: {what} {shown:.4g}{unit} > {key} {threshold:.4g}{unit}",
+                )
+            )
     return out
 
 
@@ -266,33 +292,77 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
     out += _over(m, "epochs", m.epochs, cfg.max_epochs, "epochs read", "max_epochs")
     if m.mixture and m.global_batch_size:
         tol = cfg.mixture_tolerance if cfg.mixture_tolerance is not None else 1 / m.global_batch_size
-        out += _over(m, "mixture", m.mixture, tol, "|realised - nominal| share of sequences",
-                     "mixture_tolerance", absolute=True)
-    for f in _over(m, "memorisation", m.gap, cfg.memorisation_gap, "memorisation gap (heldout - seen loss)",
-                   "memorisation_gap", " nats"):
+        out += _over(
+            m, "mixture", m.mixture, tol, "|realised - nominal| share of sequences", "mixture_tolerance", absolute=True
+        )
+    for f in _over(
+        m,
+        "memorisation",
+        m.gap,
+        cfg.memorisation_gap,
+        "memorisation gap (heldout - seen loss)",
+        "memorisation_gap",
+        " nats",
+    ):
         se = m.gap_se.get(f.domain or "")
-        out.append(f if se is None else replace(
-            f, message=f.message.replace(" nats >", f" ± {se:.2g} nats (standard error) >", 1)))
-    out += [Finding(m.run, "shift", d, v, None,
-                    f"{m.run}: {d}: train/validation shift (val - heldout loss) {v:.4g} nats", "info")
-            for d, v in m.shift.items()]
-    out += _over(m, "memorisation", m.ref_batches_gap, cfg.memorisation_gap,
-                 "reference held-out loss minus its loss on the proxy's batches" if m.ref_batches_heldout else
-                 "reference validation loss minus its loss on the proxy's batches (includes any train/validation "
-                 "shift: no held-out sequences)", "memorisation_gap", " nats")
-    out += _over(m, "proxy_lag", m.lag, cfg.proxy_lag, "proxy minus reference final validation loss",
-                 "proxy_lag", " nats")
+        out.append(
+            f
+            if se is None
+            else replace(f, message=f.message.replace(" nats >", f" ± {se:.2g} nats (standard error) >", 1))
+        )
+    out += [
+        Finding(
+            m.run,
+            "shift",
+            d,
+            v,
+            None,
+            f"{m.run}: {d}: train/validation shift (val - heldout loss) {v:.4g} nats",
+            "info",
+        )
+        for d, v in m.shift.items()
+    ]
+    out += _over(
+        m,
+        "memorisation",
+        m.ref_batches_gap,
+        cfg.memorisation_gap,
+        "reference held-out loss minus its loss on the proxy's batches"
+        if m.ref_batches_heldout
+        else "reference validation loss minus its loss on the proxy's batches (includes any train/validation "
+        "shift: no held-out sequences)",
+        "memorisation_gap",
+        " nats",
+    )
+    out += _over(
+        m, "proxy_lag", m.lag, cfg.proxy_lag, "proxy minus reference final validation loss", "proxy_lag", " nats"
+    )
     run_snr = run_level_snr(m.snr, m.steps)
     if run_snr is not None and run_snr < cfg.lambda_snr:
-        out.append(Finding(m.run, "lambda_snr", None, run_snr, cfg.lambda_snr,
-                           f"{m.run}: lambda signal-to-noise over the run {run_snr:.4g} (per step {m.snr:.4g}, "
-                           f"{m.steps} steps) < lambda_snr {cfg.lambda_snr:.4g} (alpha follows batch noise)"))
+        out.append(
+            Finding(
+                m.run,
+                "lambda_snr",
+                None,
+                run_snr,
+                cfg.lambda_snr,
+                f"{m.run}: lambda signal-to-noise over the run {run_snr:.4g} (per step {m.snr:.4g}, "
+                f"{m.steps} steps) < lambda_snr {cfg.lambda_snr:.4g} (alpha follows batch noise)",
+            )
+        )
     if m.concentration is not None and m.concentration > cfg.concentration:
-        out.append(Finding(m.run, "concentration", m.concentrated_domain, m.concentration, cfg.concentration,
-                           f"{m.run}: {m.concentrated_domain}: share of steps with a weight above "
-                           f"{CONCENTRATED} {m.concentration:.4g} > concentration {cfg.concentration:.4g}"))
-    out += _over(m, "overfit", m.final_minus_best, cfg.overfit, "final minus best validation loss", "overfit",
-                 " nats")
+        out.append(
+            Finding(
+                m.run,
+                "concentration",
+                m.concentrated_domain,
+                m.concentration,
+                cfg.concentration,
+                f"{m.run}: {m.concentrated_domain}: share of steps with a weight above "
+                f"{CONCENTRATED} {m.concentration:.4g} > concentration {cfg.concentration:.4g}",
+            )
+        )
+    out += _over(m, "overfit", m.final_minus_best, cfg.overfit, "final minus best validation loss", "overfit", " nats")
     return out
 
 
@@ -311,6 +381,7 @@ def print_findings(found: Iterable[Finding], file: IO[str] | None = None, prefix
 
 # -- reading run directories ---------------------------------------------------------------
 
+
 def run_dir_of(path: str | Path) -> Path:
     """The run directory of a run or checkpoint directory (doremi.reference takes either)."""
     p = Path(path)
@@ -319,8 +390,9 @@ def run_dir_of(path: str | Path) -> Path:
     return p.parent.parent if p.parent.name == "checkpoints" else p.parent
 
 
-def measure_run(run_dir: str | Path, kind: str, name: str | None = None,
-                reference: str | Path | None = None) -> RunMeasures:
+def measure_run(
+    run_dir: str | Path, kind: str, name: str | None = None, reference: str | Path | None = None
+) -> RunMeasures:
     """Read a run directory (metrics.jsonl, config.yaml, and for a proxy domain_weights.jsonl
     and its reference's metrics.jsonl) and measure it. `reference`: the proxy's reference run
     (default: its config's doremi.reference)."""
@@ -347,8 +419,13 @@ def measure_run(run_dir: str | Path, kind: str, name: str | None = None,
     return measure(name or str(run), kind, rows, batch, history, ref_rows)
 
 
-def check_run(run_dir: str | Path, kind: str, cfg: GuardrailConfig | None = None, name: str | None = None,
-              reference: str | Path | None = None) -> list[Finding]:
+def check_run(
+    run_dir: str | Path,
+    kind: str,
+    cfg: GuardrailConfig | None = None,
+    name: str | None = None,
+    reference: str | Path | None = None,
+) -> list[Finding]:
     """The findings of one run directory of `kind` (reference, proxy, main)."""
     return findings(measure_run(run_dir, kind, name, reference), cfg or GuardrailConfig())
 
@@ -358,8 +435,9 @@ def pipeline_runs(root: str | Path, main: bool = True) -> list[tuple[str, str, P
     proxy, then (with `main`) the main runs."""
     root = Path(root)
     runs: list[tuple[str, str, Path]] = []
-    rounds = sorted((p for p in root.glob("round*") if p.is_dir() and p.name[5:].isdigit()),
-                    key=lambda p: int(p.name[5:]))
+    rounds = sorted(
+        (p for p in root.glob("round*") if p.is_dir() and p.name[5:].isdigit()), key=lambda p: int(p.name[5:])
+    )
     for r in rounds:
         for kind in ("reference", "proxy"):
             if (r / kind / "metrics.jsonl").is_file():
@@ -373,17 +451,25 @@ def pipeline_runs(root: str | Path, main: bool = True) -> list[tuple[str, str, P
 def measure_pipeline(root: str | Path, main: bool = True) -> list[RunMeasures]:
     """The measures of every run of a pipeline root; a proxy is compared with its own round's
     reference."""
-    return [measure_run(path, kind, name, path.parent / "reference" if kind == "proxy" else None)
-            for name, kind, path in pipeline_runs(root, main)]
+    return [
+        measure_run(path, kind, name, path.parent / "reference" if kind == "proxy" else None)
+        for name, kind, path in pipeline_runs(root, main)
+    ]
 
 
 # -- the report's guardrail table ------------------------------------------------------------
 
 #: (RunMeasures attribute, row label) in the order the table shows them.
-COLUMNS = (("epochs", "epochs"), ("mixture", "realised - nominal"), ("gap", "memorisation gap"),
-           ("gap_se", "memorisation gap, standard error"),
-           ("shift", "shift"), ("ref_batches_gap", "ref val - ref on proxy batches"),
-           ("lag", "proxy lag"), ("final_minus_best", "final - best"))
+COLUMNS = (
+    ("epochs", "epochs"),
+    ("mixture", "realised - nominal"),
+    ("gap", "memorisation gap"),
+    ("gap_se", "memorisation gap, standard error"),
+    ("shift", "shift"),
+    ("ref_batches_gap", "ref val - ref on proxy batches"),
+    ("lag", "proxy lag"),
+    ("final_minus_best", "final - best"),
+)
 
 
 def format_guardrail_table(domains: Sequence[str], measures: Sequence[RunMeasures]) -> str:
@@ -392,14 +478,23 @@ def format_guardrail_table(domains: Sequence[str], measures: Sequence[RunMeasure
     that the report's only rows named by a domain are those of its loss table.)"""
     from doremi.report import fmt, markdown_table
 
-    rows = [[f"{label}: {m.run}"] + [fmt(getattr(m, attr).get(d)) for d in domains]
-            for attr, label in COLUMNS for m in measures if getattr(m, attr)]
+    rows = [
+        [f"{label}: {m.run}"] + [fmt(getattr(m, attr).get(d)) for d in domains]
+        for attr, label in COLUMNS
+        for m in measures
+        if getattr(m, attr)
+    ]
     text = markdown_table(["check: run", *domains], rows) if rows else ""
     for m in measures:
         if m.kind == "proxy" and (m.snr is not None or m.concentration is not None):
             run_snr = run_level_snr(m.snr, m.steps)
-            snr = "n/a" if m.snr is None or run_snr is None else f"{m.snr:.4g} per step, {run_snr:.4g} over {m.steps} steps"
+            snr = (
+                "n/a"
+                if m.snr is None or run_snr is None
+                else f"{m.snr:.4g} per step, {run_snr:.4g} over {m.steps} steps"
+            )
             conc = "n/a" if m.concentration is None else f"{m.concentration:.4g}"
-            text += (f"\n{m.run}: lambda signal-to-noise {snr}; share of steps with a weight above "
-                     f"{CONCENTRATED}: {conc}\n")
+            text += (
+                f"\n{m.run}: lambda signal-to-noise {snr}; share of steps with a weight above {CONCENTRATED}: {conc}\n"
+            )
     return text

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import operator
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -61,11 +62,9 @@ def _parse(path: Path, text: str) -> list[dict]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise HistoryError(f"{path}:{n}: expected a JSON object per line, got {line[:60]!r} "
-                               f"({e.msg})") from None
+            raise HistoryError(f"{path}:{n}: expected a JSON object per line, got {line[:60]!r} ({e.msg})") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            raise HistoryError(f"{path}:{n}: expected an object with an integer 'step', "
-                               f"got {line[:60]!r}")
+            raise HistoryError(f"{path}:{n}: expected an object with an integer 'step', got {line[:60]!r}")
         records.append(rec)
     return records
 
@@ -87,8 +86,7 @@ class WeightHistory:
     domains: `domains` when given, else those of the first record kept or appended.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, resume_step: int = 0,
-                 domains: Sequence[str] | None = None):
+    def __init__(self, run_dir: str | os.PathLike, resume_step: int = 0, domains: Sequence[str] | None = None):
         self.path = _history_path(run_dir)
         self.domains = list(domains) if domains is not None else None
         if self.domains is not None and not self.domains:
@@ -99,12 +97,10 @@ class WeightHistory:
     def _check_domains(self, step: int, domains: Any) -> None:
         if self.domains is None:
             if not isinstance(domains, list) or not domains:
-                raise HistoryError(f"{self.path}: step {step}: expected a non-empty list "
-                                   f"'domains', got {domains!r}")
+                raise HistoryError(f"{self.path}: step {step}: expected a non-empty list 'domains', got {domains!r}")
             self.domains = [str(d) for d in domains]
         elif domains != self.domains:
-            raise HistoryError(f"{self.path}: step {step} has domains {domains}, "
-                               f"expected {self.domains}")
+            raise HistoryError(f"{self.path}: step {step} has domains {domains}, expected {self.domains}")
 
     def _truncate(self, resume_step: int) -> int:
         if not self.path.exists():
@@ -131,8 +127,10 @@ class WeightHistory:
         except TypeError:
             step = None
         if step is None or step <= self.last_step:
-            raise HistoryError(f"{self.path}: step {record.get('step')!r} is not an integer "
-                               f"after the last logged step {self.last_step}")
+            raise HistoryError(
+                f"{self.path}: step {record.get('step')!r} is not an integer "
+                f"after the last logged step {self.last_step}"
+            )
         self._check_domains(step, list(record.get("domains", self.domains or [])))
         k = len(self.domains)
         rec: dict[str, Any] = {**record, "step": step, "domains": self.domains}
@@ -148,7 +146,7 @@ class WeightHistory:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "WeightHistory":
+    def __enter__(self) -> WeightHistory:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -165,8 +163,7 @@ def average_weights(history: Sequence[Mapping[str, Any]], from_step: int = 1) ->
         raise HistoryError("average_weights: expected a list 'weights' in every record")
     if not rows:
         last = history[-1]["step"] if history else None
-        raise HistoryError(f"average_weights: no step >= {from_step} in the history "
-                           f"(last step {last})")
+        raise HistoryError(f"average_weights: no step >= {from_step} in the history (last step {last})")
     lengths = {len(w) for w in rows}
     if len(lengths) != 1:
         raise HistoryError(f"average_weights: expected one number of domains, got {sorted(lengths)}")
@@ -176,8 +173,9 @@ def average_weights(history: Sequence[Mapping[str, Any]], from_step: int = 1) ->
     return mean / mean.sum()
 
 
-def write_weights_json(path: str | os.PathLike, domains: Sequence[str], weights: Any,
-                       provenance: Mapping[str, Any]) -> Path:
+def write_weights_json(
+    path: str | os.PathLike, domains: Sequence[str], weights: Any, provenance: Mapping[str, Any]
+) -> Path:
     """`data.weights_file.write_weights_file` under the name, and with the error class
     (HistoryError), that the package's API has always given it."""
     try:

@@ -14,13 +14,15 @@ identical inputs, so alpha_t does not depend on the layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from data.batch import IGNORE_INDEX
 from doremi.config import DoReMiConfig
 from doremi.history import WeightHistory
 from doremi.update import domain_excess, domain_excess_sums, uniform_log_weights, update_weights
@@ -28,7 +30,6 @@ from trainer.domains import domain_sums
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import broadcast_from_last_stage
 from trainer.step import StepStats
-from data.batch import IGNORE_INDEX
 from trainer.weighting import LossWeighting, MeanTokenLoss
 
 
@@ -37,7 +38,7 @@ class _ExactWeighting:
 
     needs_forward_losses = True
 
-    def __init__(self, hook: "DoReMiHook", domain_tokens: torch.Tensor):
+    def __init__(self, hook: DoReMiHook, domain_tokens: torch.Tensor):
         self.hook = hook
         self.domain_tokens = domain_tokens
 
@@ -60,9 +61,15 @@ class _LaggedWeighting(_ExactWeighting):
 class DoReMiHook:
     """Owns alpha (as log alpha), the last lambda, and the per-step weight history."""
 
-    def __init__(self, cfg: DoReMiConfig, domains: list[str], pc: ParallelContext, run_dir: str | Path,
-                 sampling_weights: np.ndarray,
-                 reference_losses: Callable[[int, list[dict]], None]):
+    def __init__(
+        self,
+        cfg: DoReMiConfig,
+        domains: list[str],
+        pc: ParallelContext,
+        run_dir: str | Path,
+        sampling_weights: np.ndarray,
+        reference_losses: Callable[[int, list[dict]], None],
+    ):
         self.cfg = cfg
         self.domains = domains
         self.k = len(domains)
@@ -111,11 +118,17 @@ class DoReMiHook:
         if pc.is_main:
             proxy_loss = stats.domain_loss.tolist()
             ref_loss = (self.ref_sums[0] / self.ref_sums[1].clamp_min(1)).tolist()
-            self.history(step).append({
-                "step": step, "domains": self.domains, "weights": alpha, "excess": self.excess.tolist(),
-                "proxy_loss": proxy_loss, "ref_loss": ref_loss,
-                "tokens": stats.domain_tokens.tolist(),
-            })
+            self.history(step).append(
+                {
+                    "step": step,
+                    "domains": self.domains,
+                    "weights": alpha,
+                    "excess": self.excess.tolist(),
+                    "proxy_loss": proxy_loss,
+                    "ref_loss": ref_loss,
+                    "tokens": stats.domain_tokens.tolist(),
+                }
+            )
         return {"domain_weights": dict(zip(self.domains, alpha))}
 
     def state_dict(self) -> dict[str, Any]:

@@ -16,8 +16,9 @@ import copy
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -26,13 +27,20 @@ from doremi import stages
 from doremi.config import ExperimentConfig
 from doremi.fingerprint import fingerprint, store_fingerprint
 from doremi.main_runs import mixtures
-from doremi.stage_markers import (EVAL_OUTPUT, done_marker, read_marker, remove_marker_temps, started_marker,
-                                  write_done, write_started)
+from doremi.stage_markers import (
+    EVAL_OUTPUT,
+    done_marker,
+    read_marker,
+    remove_marker_temps,
+    started_marker,
+    write_done,
+    write_started,
+)
 from doremi.summary import summarize
 from doremi.validate import validate_pipeline
 from trainer import run_dir as rundir
-from trainer.configtools import apply_overrides, from_dict, read_yaml
 from trainer.config import apply_preset
+from trainer.configtools import apply_overrides, from_dict, read_yaml
 from trainer.parallel.launch_env import is_launch_main, launch_world_size
 
 
@@ -54,8 +62,9 @@ def barrier() -> None:
 
 
 class Pipeline:
-    def __init__(self, path: str | os.PathLike, overrides: list[str] | None = None,
-                 say: Callable[[str], None] | None = None):
+    def __init__(
+        self, path: str | os.PathLike, overrides: list[str] | None = None, say: Callable[[str], None] | None = None
+    ):
         self.raw = apply_overrides(read_yaml(path), list(overrides or []))
         self.cfg = self._load(self.raw)
         self.p = self.cfg.pipeline
@@ -82,8 +91,16 @@ class Pipeline:
         return self._load(raw)
 
     # -- stage bookkeeping -------------------------------------------------------------------
-    def _run_stage(self, name: str, out: Path, cfg: ExperimentConfig, fn: Callable[[], Any],
-                   fp: str | None = None, clean: bool = True, main_only: bool = False) -> Any:
+    def _run_stage(
+        self,
+        name: str,
+        out: Path,
+        cfg: ExperimentConfig,
+        fn: Callable[[], Any],
+        fp: str | None = None,
+        clean: bool = True,
+        main_only: bool = False,
+    ) -> Any:
         """Run `fn` unless `out` holds its result for fingerprint `fp` (default: the whole
         config's). `clean`: remove a stale output before redoing it. `main_only`: `fn` only
         touches files, so rank 0 runs it while the other ranks wait."""
@@ -140,8 +157,15 @@ class Pipeline:
         # the keys the stores depend on changed, so that runs differing only in how they sample
         # (data.seed, data.domain_weights, seq_len) share one store directory, also concurrently.
         data_fp = store_fingerprint(cfg)
-        self._run_stage("preprocess", Path(cfg.data.store_dir), cfg,
-                        lambda: (preprocess(cfg.data), None)[1], fp=data_fp, clean=False, main_only=True)
+        self._run_stage(
+            "preprocess",
+            Path(cfg.data.store_dir),
+            cfg,
+            lambda: (preprocess(cfg.data), None)[1],
+            fp=data_fp,
+            clean=False,
+            main_only=True,
+        )
         weights_path = self.tune_weights()
         results: dict[str, Any] = {"weights": str(weights_path)}
         results["guardrails"] = self.guard(main=False)
@@ -154,16 +178,17 @@ class Pipeline:
         """Check the reference and proxy runs (`main` false) or the main runs (`main` true);
         print each warning on stderr. Under `pipeline.strict`, warnings about the reference or
         proxy stop the pipeline (GuardrailError, exit status 2) before any main run starts."""
-        from doremi.guardrails import (GuardrailError, findings, measure_pipeline, print_findings,
-                                       warnings)
+        from doremi.guardrails import GuardrailError, findings, measure_pipeline, print_findings, warnings
 
         measures = [m for m in measure_pipeline(self.root, main=main) if (m.kind == "main") == main]
         found = [f for m in measures for f in findings(m, self.p.guardrails)]
         if self.p.strict and not main and warnings(found):
             raise GuardrailError(warnings(found))
         if is_launch_main():
-            self.say(f"[{self._elapsed()}] guardrails ({'main runs' if main else 'reference and proxy'}): "
-                     f"{len(warnings(found))} warnings")
+            self.say(
+                f"[{self._elapsed()}] guardrails ({'main runs' if main else 'reference and proxy'}): "
+                f"{len(warnings(found))} warnings"
+            )
             print_findings(found, prefix="doremi pipeline")
         return found
 
@@ -174,19 +199,29 @@ class Pipeline:
         dcfg = self.cfg.doremi
         for r in range(1, dcfg.rounds + 1):
             rdir = self.root / f"round{r}"
-            ref_cfg = self.stage_config(self.p.proxy, train__run_dir=str(rdir / "reference"),
-                                        doremi__reference_weights=ref_weights)
-            self._run_stage(f"round {r}: reference", rdir / "reference", ref_cfg,
-                            lambda: (stages.train_reference(ref_cfg), None)[1])
-            proxy_cfg = self.stage_config(self.p.proxy, train__run_dir=str(rdir / "proxy"),
-                                          doremi__reference=str(rdir / "reference"),
-                                          doremi__reference_weights=ref_weights)
-            self._run_stage(f"round {r}: proxy", rdir / "proxy", proxy_cfg,
-                            lambda: (stages.train_proxy(proxy_cfg), None)[1])
+            ref_cfg = self.stage_config(
+                self.p.proxy, train__run_dir=str(rdir / "reference"), doremi__reference_weights=ref_weights
+            )
+            self._run_stage(
+                f"round {r}: reference", rdir / "reference", ref_cfg, lambda: (stages.train_reference(ref_cfg), None)[1]
+            )
+            proxy_cfg = self.stage_config(
+                self.p.proxy,
+                train__run_dir=str(rdir / "proxy"),
+                doremi__reference=str(rdir / "reference"),
+                doremi__reference_weights=ref_weights,
+            )
+            self._run_stage(
+                f"round {r}: proxy", rdir / "proxy", proxy_cfg, lambda: (stages.train_proxy(proxy_cfg), None)[1]
+            )
             avg_path = rdir / WEIGHTS_FILE
-            self._run_stage(f"round {r}: average", avg_path, proxy_cfg,
-                            lambda: str(stages.average(rdir / "proxy", avg_path, proxy_cfg.doremi.average_from_step)),
-                            main_only=True)
+            self._run_stage(
+                f"round {r}: average",
+                avg_path,
+                proxy_cfg,
+                lambda: str(stages.average(rdir / "proxy", avg_path, proxy_cfg.doremi.average_from_step)),
+                main_only=True,
+            )
             tuned = read_weights_file(avg_path)
             weights = np.array(tuned["weights"])
             self.say("           weights: " + ", ".join(f"{d}={w:.3f}" for d, w in zip(tuned["domains"], weights)))
@@ -208,9 +243,10 @@ class Pipeline:
         for name, weights in self.mixtures(weights_path).items():
             run_dir = self.root / "main" / name
             cfg = self.stage_config(self.p.main, train__run_dir=str(run_dir), data__domain_weights=weights)
-            self._run_stage(f"main run: {name}", run_dir, cfg, lambda: (stages.train(cfg, desc=f"main:{name}"), None)[1])
-            result = self._run_stage(f"eval: {name}", run_dir / EVAL_OUTPUT, cfg,
-                                     lambda: self._eval(run_dir))
+            self._run_stage(
+                f"main run: {name}", run_dir, cfg, lambda: (stages.train(cfg, desc=f"main:{name}"), None)[1]
+            )
+            result = self._run_stage(f"eval: {name}", run_dir / EVAL_OUTPUT, cfg, lambda: self._eval(run_dir))
             out[name] = result
         return out
 

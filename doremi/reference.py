@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.build import RunFacts, build_model
 from data.batch import to_device
 from doremi.errors import DoReMiError
 from doremi.reference_cache import CACHE_VERSION, open_cache  # noqa: F401 (CACHE_VERSION: imported from here by tests)
+from trainer.build import RunFacts, build_model
 from trainer.checkpoint import load_checkpoint
 from trainer.config import TrainerConfig
 from trainer.parallel.context import ParallelContext
@@ -34,8 +34,9 @@ def freeze(model: torch.nn.Module, facts: RunFacts) -> torch.nn.Module:
     return model
 
 
-def load_frozen(cfg: TrainerConfig, checkpoint: Path, pc: ParallelContext,
-                facts: RunFacts | None = None) -> torch.nn.Module:
+def load_frozen(
+    cfg: TrainerConfig, checkpoint: Path, pc: ParallelContext, facts: RunFacts | None = None
+) -> torch.nn.Module:
     """The reference model in `cfg`'s layout, loaded from any layout, `freeze`d. `facts`: those
     of `cfg` (resolved here when not given)."""
     facts = facts or RunFacts.resolve(cfg, pc)
@@ -62,9 +63,18 @@ class OnlineReference:
 class CachedReference:
     """Look the reference losses up by (domain, sequence index)."""
 
-    def __init__(self, cache_dir: str | Path, domains: list[str], seq_len: int, device: torch.device,
-                 steps: int, global_batch_size: int, seed: int, sampling: list[float],
-                 reference: str | None = None):
+    def __init__(
+        self,
+        cache_dir: str | Path,
+        domains: list[str],
+        seq_len: int,
+        device: torch.device,
+        steps: int,
+        global_batch_size: int,
+        seed: int,
+        sampling: list[float],
+        reference: str | None = None,
+    ):
         """`steps`, `global_batch_size` and `seed` describe the run's data stream; the cache must
         cover it (checked before any work). `reference`: the run's reference, if it names one."""
         self.dir = Path(cache_dir)
@@ -79,6 +89,8 @@ class CachedReference:
             ref = torch.from_numpy(np.stack(rows).astype(np.float32))
             if torch.isnan(ref).any():
                 d, i = next((d, i) for (d, i), r in zip(items, rows) if np.isnan(r).any())
-                raise DoReMiError(f"{self.dir}: no cached reference loss for {self.domains[d]} sequence {i} "
-                                  f"at step {step} (the cache covers fewer steps than the run)")
+                raise DoReMiError(
+                    f"{self.dir}: no cached reference loss for {self.domains[d]} sequence {i} "
+                    f"at step {step} (the cache covers fewer steps than the run)"
+                )
             b["ref_loss"] = to_device({"r": ref}, self.device)["r"]

@@ -40,8 +40,7 @@ def create_arrays(staging: Path, domains: list[str], num_sequences: list[int], s
     """One all-NaN array per domain (nothing scored yet)."""
     staging.mkdir(parents=True, exist_ok=True)
     for name, n in zip(domains, num_sequences):
-        arr = np.lib.format.open_memmap(_array_path(staging, name), mode="w+", dtype=np.float32,
-                                        shape=(n, seq_len))
+        arr = np.lib.format.open_memmap(_array_path(staging, name), mode="w+", dtype=np.float32, shape=(n, seq_len))
         arr[:] = np.nan
         arr.flush()
         del arr
@@ -57,13 +56,31 @@ def reference_stamp(checkpoint: Path) -> dict[str, str]:
     return {"reference": str(checkpoint), "reference_fingerprint": checkpoint_fingerprint(checkpoint)}
 
 
-def publish(staging: Path, out: Path, domains: list[str], seq_len: int, reference: dict[str, str],
-            steps: int, global_batch_size: int, seed: int, sampling: list[float],
-            sequences: list[int]) -> None:
+def publish(
+    staging: Path,
+    out: Path,
+    domains: list[str],
+    seq_len: int,
+    reference: dict[str, str],
+    steps: int,
+    global_batch_size: int,
+    seed: int,
+    sampling: list[float],
+    sequences: list[int],
+) -> None:
     """Write `meta.json` (`reference`: `reference_stamp`'s) and move the cache into place,
     replacing any cache at `out`."""
-    meta = {"version": CACHE_VERSION, "domains": domains, "seq_len": seq_len, **reference, "steps": steps,
-            "global_batch_size": global_batch_size, "seed": seed, "sampling": sampling, "sequences": sequences}
+    meta = {
+        "version": CACHE_VERSION,
+        "domains": domains,
+        "seq_len": seq_len,
+        **reference,
+        "steps": steps,
+        "global_batch_size": global_batch_size,
+        "seed": seed,
+        "sampling": sampling,
+        "sequences": sequences,
+    }
     atomic_write_text(staging / META_FILE, json.dumps(meta, indent=1))
     if out.exists():
         shutil.rmtree(out)
@@ -75,13 +92,23 @@ def _check_fingerprint(meta_path: Path, meta: dict, checkpoint: Path) -> None:
     reference trained again to the same path would give wrong losses."""
     want = checkpoint_fingerprint(checkpoint)
     if meta.get("reference_fingerprint") != want:
-        raise DoReMiError(f"{meta_path}: cache was scored with reference {meta.get('reference')} (fingerprint "
-                          f"{meta.get('reference_fingerprint')}), the run's reference {checkpoint} has fingerprint "
-                          f"{want} (run `doremi score` again)")
+        raise DoReMiError(
+            f"{meta_path}: cache was scored with reference {meta.get('reference')} (fingerprint "
+            f"{meta.get('reference_fingerprint')}), the run's reference {checkpoint} has fingerprint "
+            f"{want} (run `doremi score` again)"
+        )
 
 
-def open_cache(cache_dir: Path, domains: list[str], seq_len: int, steps: int, global_batch_size: int,
-               seed: int, sampling: list[float], reference: str | None = None) -> list[np.ndarray]:
+def open_cache(
+    cache_dir: Path,
+    domains: list[str],
+    seq_len: int,
+    steps: int,
+    global_batch_size: int,
+    seed: int,
+    sampling: list[float],
+    reference: str | None = None,
+) -> list[np.ndarray]:
     """Each domain's array, read-only, once the cache is checked to cover the run's data stream
     (and, when the run names its `reference`, to have been scored with it)."""
     meta_path = cache_dir / META_FILE
@@ -89,21 +116,30 @@ def open_cache(cache_dir: Path, domains: list[str], seq_len: int, steps: int, gl
         raise DoReMiError(f"{meta_path}: reference cache not found (run `doremi score` first)")
     meta = json.loads(meta_path.read_text())
     if meta.get("version") != CACHE_VERSION:
-        raise DoReMiError(f"{meta_path}: reference cache version {meta.get('version')}, this code reads "
-                          f"version {CACHE_VERSION} (run `doremi score` again)")
+        raise DoReMiError(
+            f"{meta_path}: reference cache version {meta.get('version')}, this code reads "
+            f"version {CACHE_VERSION} (run `doremi score` again)"
+        )
     if meta.get("domains") != domains or meta.get("seq_len") != seq_len:
-        raise DoReMiError(f"{meta_path}: cache was built for domains {meta.get('domains')} and seq_len "
-                          f"{meta.get('seq_len')}, the run has {domains} and {seq_len}")
+        raise DoReMiError(
+            f"{meta_path}: cache was built for domains {meta.get('domains')} and seq_len "
+            f"{meta.get('seq_len')}, the run has {domains} and {seq_len}"
+        )
     for key, want in (("global_batch_size", global_batch_size), ("seed", seed)):
         if meta.get(key) != want:
-            raise DoReMiError(f"{meta_path}: cache was scored for data.{key if key == 'seed' else 'train.' + key}"
-                              f"={meta.get(key)}, the run has {want} (another data stream)")
+            raise DoReMiError(
+                f"{meta_path}: cache was scored for data.{key if key == 'seed' else 'train.' + key}"
+                f"={meta.get(key)}, the run has {want} (another data stream)"
+            )
     if not np.allclose(meta.get("sampling", []), sampling, rtol=0, atol=1e-12):
-        raise DoReMiError(f"{meta_path}: cache was scored for proxy sampling weights {meta.get('sampling')}, "
-                          f"the run samples with {list(sampling)} (doremi.proxy_sampling)")
+        raise DoReMiError(
+            f"{meta_path}: cache was scored for proxy sampling weights {meta.get('sampling')}, "
+            f"the run samples with {list(sampling)} (doremi.proxy_sampling)"
+        )
     if meta.get("steps", 0) < steps:
-        raise DoReMiError(f"{meta_path}: cache covers {meta.get('steps')} steps, fewer steps than the run's "
-                          f"train.steps={steps}")
+        raise DoReMiError(
+            f"{meta_path}: cache covers {meta.get('steps')} steps, fewer steps than the run's train.steps={steps}"
+        )
     if reference is not None:
         _check_fingerprint(meta_path, meta, resolve_checkpoint(reference))
     return [np.load(_array_path(cache_dir, d), mmap_mode="r") for d in domains]

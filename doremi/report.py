@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from data.atomic import atomic_path, atomic_write_text
 
@@ -47,10 +47,13 @@ def bits_per_byte(loss: float, tokens_per_byte: float | None) -> float | None:
     return None if tokens_per_byte is None else float(loss) * tokens_per_byte / math.log(2)
 
 
-def format_table(domains: Sequence[str], mixtures: Mapping[str, Vector],
-                 losses: Mapping[str, Vector],
-                 entropy: Sequence[float | None] | None = None,
-                 tokens_per_byte: Sequence[float | None] | None = None) -> str:
+def format_table(
+    domains: Sequence[str],
+    mixtures: Mapping[str, Vector],
+    losses: Mapping[str, Vector],
+    entropy: Sequence[float | None] | None = None,
+    tokens_per_byte: Sequence[float | None] | None = None,
+) -> str:
     """A markdown table with one row per domain, then `average` and `worst case` rows.
 
     Columns: the domain's known entropy H (when any domain has one), each mixture's weight,
@@ -82,8 +85,7 @@ def format_table(domains: Sequence[str], mixtures: Mapping[str, Vector],
         row += [fmt(float(w[i])) for w in mixtures.values()]
         row += [fmt(float(l[i])) for l in losses.values()]
         if known:
-            row += [fmt(float(l[i]) - ent[i]) if ent[i] is not None else ""
-                    for l in losses.values()]
+            row += [fmt(float(l[i]) - ent[i]) if ent[i] is not None else "" for l in losses.values()]
         if with_bytes:
             row += [fmt(bits_per_byte(l[i], tpb[i])) for l in losses.values()]
         rows.append(row)
@@ -126,9 +128,12 @@ def fmt_speedup(baseline_steps: int, step: int | None) -> str:
     return "not reached" if s is None else f"{s:.2f}x (step {step})"
 
 
-def format_vs_baselines(domains: Sequence[str], final_losses: Mapping[str, Vector],
-                        main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
-                        baselines: Sequence[str]) -> str:
+def format_vs_baselines(
+    domains: Sequence[str],
+    final_losses: Mapping[str, Vector],
+    main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
+    baselines: Sequence[str],
+) -> str:
     """Each run against each baseline: the domains where its final loss is lower (of k), the
     change of the mean loss, and steps-to-target: the first evaluation where its mean loss
     reaches the baseline's final mean, as a speed-up (baseline steps / that step)."""
@@ -146,8 +151,7 @@ def format_vs_baselines(domains: Sequence[str], final_losses: Mapping[str, Vecto
                 row += ["", "", ""]
                 continue
             base = final_losses[b]
-            row += [str(domains_better(losses, base)),
-                    fmt(sum(map(float, losses)) / k - sum(map(float, base)) / k)]
+            row += [str(domains_better(losses, base)), fmt(sum(map(float, losses)) / k - sum(map(float, base)) / k)]
             base_curve, curve = mean_curve(main_runs.get(b, [])), mean_curve(main_runs.get(name, []))
             if base_curve and curve:
                 row.append(fmt_speedup(base_curve[-1][0], steps_to_target(curve, base_curve[-1][1])))
@@ -159,14 +163,14 @@ def format_vs_baselines(domains: Sequence[str], final_losses: Mapping[str, Vecto
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A markdown table: the first column left-aligned, the others (numbers) right-aligned."""
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
 def _colors(k: int) -> list:
     from matplotlib import colormaps
+
     cmap = colormaps["tab10" if k <= 10 else "tab20"]
     return [cmap(i % cmap.N) for i in range(k)]
 
@@ -176,11 +180,11 @@ def _save(fig, path: Path) -> None:
         fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
 
 
-def plot_weight_history(path: Path, domains: Sequence[str],
-                        weight_history: Sequence[Vector]) -> None:
+def plot_weight_history(path: Path, domains: Sequence[str], weight_history: Sequence[Vector]) -> None:
     """alpha_t per domain over the proxy's steps, and its running mean (the tuned weights if
     the run stopped at t)."""
     from matplotlib.figure import Figure
+
     k, steps = len(domains), list(range(1, len(weight_history) + 1))
     fig = Figure(figsize=(11, 4), layout="constrained")
     ax_w, ax_m = fig.subplots(1, 2, sharey=True)
@@ -200,12 +204,16 @@ def plot_weight_history(path: Path, domains: Sequence[str],
     _save(fig, path)
 
 
-def plot_val_loss(path: Path, domains: Sequence[str],
-                  main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
-                  entropy: Sequence[float | None]) -> None:
+def plot_val_loss(
+    path: Path,
+    domains: Sequence[str],
+    main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
+    entropy: Sequence[float | None],
+) -> None:
     """Validation loss per domain (one panel each) over the main runs' steps; known entropy
     dashed."""
     from matplotlib.figure import Figure
+
     k = len(domains)
     ncols = min(4, k)
     nrows = math.ceil(k / ncols)
@@ -214,8 +222,15 @@ def plot_val_loss(path: Path, domains: Sequence[str],
     colors = _colors(len(main_runs))
     for i, (ax, d) in enumerate(zip(axes, domains)):
         for (name, points), c in zip(main_runs.items(), colors):
-            ax.plot([s for s, _ in points], [float(l[i]) for _, l in points], color=c,
-                    label=name, lw=1.2, marker="o" if len(points) < 20 else None, ms=3)
+            ax.plot(
+                [s for s, _ in points],
+                [float(l[i]) for _, l in points],
+                color=c,
+                label=name,
+                lw=1.2,
+                marker="o" if len(points) < 20 else None,
+                ms=3,
+            )
         if entropy[i] is not None:
             ax.axhline(entropy[i], color="k", ls="--", lw=0.8, label="entropy")
         ax.set_title(d, fontsize=9)
@@ -230,14 +245,21 @@ def plot_val_loss(path: Path, domains: Sequence[str],
     _save(fig, path)
 
 
-def plot_final_loss(path: Path, domains: Sequence[str], final_losses: Mapping[str, Vector],
-                    entropy: Sequence[float | None], ylabel: str = "final validation loss",
-                    title: str = "final validation loss per domain", log: bool = False) -> None:
+def plot_final_loss(
+    path: Path,
+    domains: Sequence[str],
+    final_losses: Mapping[str, Vector],
+    entropy: Sequence[float | None],
+    ylabel: str = "final validation loss",
+    title: str = "final validation loss per domain",
+    log: bool = False,
+) -> None:
     """Final validation loss per domain, one bar per run (grouped), known entropy as a mark.
 
     `log`: a log y-axis, for values spanning decades (loss above entropy next to raw loss);
     it needs every value > 0."""
     from matplotlib.figure import Figure
+
     k, n = len(domains), len(final_losses)
     fig = Figure(figsize=(max(6.0, 0.9 * k * max(n, 1) * 0.5 + 2), 4), layout="constrained")
     ax = fig.subplots()
@@ -247,8 +269,16 @@ def plot_final_loss(path: Path, domains: Sequence[str], final_losses: Mapping[st
         ax.bar(xs, [float(x) for x in l], width=width, color=c, label=name)
     known = [i for i in range(k) if entropy[i] is not None]
     if known:
-        ax.hlines([entropy[i] for i in known], [i - 0.45 for i in known],
-                  [i + 0.45 for i in known], colors="k", linestyles="--", lw=1, label="entropy", zorder=3)
+        ax.hlines(
+            [entropy[i] for i in known],
+            [i - 0.45 for i in known],
+            [i + 0.45 for i in known],
+            colors="k",
+            linestyles="--",
+            lw=1,
+            label="entropy",
+            zorder=3,
+        )
     ax.set_xticks(range(k), domains, rotation=30 if k > 6 else 0, ha="right" if k > 6 else "center")
     if log:
         bad = [f"{name}: {x}" for name, l in final_losses.items() for x in l if not float(x) > 0]
@@ -261,16 +291,20 @@ def plot_final_loss(path: Path, domains: Sequence[str], final_losses: Mapping[st
     _save(fig, path)
 
 
-def write_report(out_dir: str | os.PathLike, domains: Sequence[str],
-                 weight_history: Sequence[Vector],
-                 main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
-                 final_losses: Mapping[str, Vector], mixtures: Mapping[str, Vector],
-                 entropy: Sequence[float | None] | None = None,
-                 title: str = "DoReMi report",
-                 tokens_per_byte: Sequence[float | None] | None = None,
-                 baselines: Sequence[str] = (),
-                 warnings: Sequence[str] | None = None,
-                 guardrail_table: str | None = None) -> Path:
+def write_report(
+    out_dir: str | os.PathLike,
+    domains: Sequence[str],
+    weight_history: Sequence[Vector],
+    main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
+    final_losses: Mapping[str, Vector],
+    mixtures: Mapping[str, Vector],
+    entropy: Sequence[float | None] | None = None,
+    title: str = "DoReMi report",
+    tokens_per_byte: Sequence[float | None] | None = None,
+    baselines: Sequence[str] = (),
+    warnings: Sequence[str] | None = None,
+    guardrail_table: str | None = None,
+) -> Path:
     """Write `out_dir/report.md` and its PNGs; return the report's path.
 
     Args:
@@ -306,43 +340,58 @@ def write_report(out_dir: str | os.PathLike, domains: Sequence[str],
         parts += ["## Warnings", ""]
         parts += [f"- {w}" for w in warnings] if warnings else ["None: every guardrail passed."]
         parts += [""]
-    parts += ["## Mixtures and final validation loss", "", table,
-              "Average and worst case are over domains (validation loss, nats per token)."]
+    parts += [
+        "## Mixtures and final validation loss",
+        "",
+        table,
+        "Average and worst case are over domains (validation loss, nats per token).",
+    ]
     if tokens_per_byte is not None and any(t is not None for t in tokens_per_byte):
-        parts.append("Bits per byte = loss x validation tokens / validation UTF-8 bytes / ln 2 "
-                     "(comparable across tokenizers).")
+        parts.append(
+            "Bits per byte = loss x validation tokens / validation UTF-8 bytes / ln 2 (comparable across tokenizers)."
+        )
     if any(e is not None for e in ent):
-        parts.append("H is the domain's known entropy (synthetic domains): loss - H is the "
-                     "part a model could still learn.")
+        parts.append(
+            "H is the domain's known entropy (synthetic domains): loss - H is the part a model could still learn."
+        )
     if final_losses:
         avg = {r: sum(map(float, l)) / k for r, l in final_losses.items()}
         worst = {r: max(map(float, l)) for r, l in final_losses.items()}
-        parts += ["", f"Best average loss: **{min(avg, key=avg.get)}**; "
-                      f"best worst-case loss: **{min(worst, key=worst.get)}**."]
+        parts += [
+            "",
+            f"Best average loss: **{min(avg, key=avg.get)}**; best worst-case loss: **{min(worst, key=worst.get)}**.",
+        ]
     if vs:
-        parts += ["", "## Against the baselines", "", vs,
-                  "Domains better: final validation loss strictly lower. Speed-up: the baseline's "
-                  "steps over the first evaluation step where the run's mean validation loss reaches "
-                  "the baseline's final mean."]
+        parts += [
+            "",
+            "## Against the baselines",
+            "",
+            vs,
+            "Domains better: final validation loss strictly lower. Speed-up: the baseline's "
+            "steps over the first evaluation step where the run's mean validation loss reaches "
+            "the baseline's final mean.",
+        ]
     if guardrail_table:
-        parts += ["", "## Guardrails", "", guardrail_table,
-                  "epochs: epochs of the domain's train split read; realised - nominal: share of "
-                  "sequences drawn minus the weights' share; memorisation gap: held-out minus seen "
-                  "training loss of the reference; shift: validation minus held-out loss; proxy lag: "
-                  "proxy minus reference final validation loss; final - best: main run's final minus "
-                  "lowest validation loss (nats per token)."]
+        parts += [
+            "",
+            "## Guardrails",
+            "",
+            guardrail_table,
+            "epochs: epochs of the domain's train split read; realised - nominal: share of "
+            "sequences drawn minus the weights' share; memorisation gap: held-out minus seen "
+            "training loss of the reference; shift: validation minus held-out loss; proxy lag: "
+            "proxy minus reference final validation loss; final - best: main run's final minus "
+            "lowest validation loss (nats per token).",
+        ]
     if weight_history:
         plot_weight_history(out / WEIGHTS_PNG, domains, weight_history)
-        parts += ["", "## Domain weights during the proxy run", "",
-                  f"![domain weights]({WEIGHTS_PNG})"]
+        parts += ["", "## Domain weights during the proxy run", "", f"![domain weights]({WEIGHTS_PNG})"]
     if main_runs:
         plot_val_loss(out / VAL_LOSS_PNG, domains, main_runs, ent)
-        parts += ["", "## Validation loss during the main runs", "",
-                  f"![validation loss]({VAL_LOSS_PNG})"]
+        parts += ["", "## Validation loss during the main runs", "", f"![validation loss]({VAL_LOSS_PNG})"]
     if final_losses:
         plot_final_loss(out / FINAL_LOSS_PNG, domains, final_losses, ent)
-        parts += ["", "## Final validation loss per domain", "",
-                  f"![final validation loss]({FINAL_LOSS_PNG})"]
+        parts += ["", "## Final validation loss per domain", "", f"![final validation loss]({FINAL_LOSS_PNG})"]
     report = out / "report.md"
     atomic_write_text(report, "\n".join(parts) + "\n")
     return report

@@ -18,14 +18,14 @@ from data.store import read_manifest
 from data.weights import resolve_weights
 from data.weights_file import WEIGHTS_FILE, write_weights_file
 from doremi.config import ExperimentConfig
+from doremi.errors import DoReMiError
 from doremi.history import average_weights, read_history
 from doremi.objective import DoReMiHook
-from doremi.errors import DoReMiError
-from doremi.validate import check_stage
 from doremi.reference import CachedReference, OnlineReference, load_frozen, run_dir_of
 from doremi.reference_cache import create_arrays, open_for_scoring, publish, reference_stamp, staging_dir
-from trainer.checkpoint import resolve_checkpoint
+from doremi.validate import check_stage
 from trainer.build import RunFacts, init_parallel
+from trainer.checkpoint import resolve_checkpoint
 from trainer.config import load_config
 from trainer.configtools import ConfigError, read_yaml
 from trainer.evaluate import evaluate_domains
@@ -56,17 +56,23 @@ def reference_config(cfg: ExperimentConfig, checkpoint: Path) -> ExperimentConfi
         raise DoReMiError(f"{saved}: the reference run's config.yaml is missing")
     ref = load_config(saved, cls=ExperimentConfig)
     if ref.data.seq_len != cfg.data.seq_len:
-        raise DoReMiError(f"{saved}: reference data.seq_len={ref.data.seq_len} differs from the proxy's {cfg.data.seq_len}")
+        raise DoReMiError(
+            f"{saved}: reference data.seq_len={ref.data.seq_len} differs from the proxy's {cfg.data.seq_len}"
+        )
     tokenizer = read_manifest(cfg.data.store_dir).tokenizer
     if ref.model.vocab_size < int(tokenizer["vocab_size"]):
-        raise DoReMiError(f"{saved}: reference model.vocab_size={ref.model.vocab_size} is smaller than the "
-                          f"proxy's tokenizer ({tokenizer['vocab_size']} ids)")
+        raise DoReMiError(
+            f"{saved}: reference model.vocab_size={ref.model.vocab_size} is smaller than the "
+            f"proxy's tokenizer ({tokenizer['vocab_size']} ids)"
+        )
     if Path(ref.data.store_dir).joinpath("manifest.json").is_file():
         ref_tokenizer = read_manifest(ref.data.store_dir).tokenizer
         if ref_tokenizer.get("hash") != tokenizer.get("hash"):
-            raise DoReMiError(f"{saved}: the reference was trained with tokenizer {ref_tokenizer.get('name')} "
-                              f"({ref_tokenizer.get('hash')}), the proxy's stores use {tokenizer.get('name')} "
-                              f"({tokenizer.get('hash')})")
+            raise DoReMiError(
+                f"{saved}: the reference was trained with tokenizer {ref_tokenizer.get('name')} "
+                f"({ref_tokenizer.get('hash')}), the proxy's stores use {tokenizer.get('name')} "
+                f"({tokenizer.get('hash')})"
+            )
     return dataclasses.replace(cfg, model=ref.model)
 
 
@@ -92,9 +98,17 @@ def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
     trainer = Trainer(cfg, desc="proxy")
     sampling = resolve_weights(cfg.doremi.proxy_sampling, trainer.feed.manifest, "doremi.proxy_sampling")
     if cfg.doremi.reference_cache:
-        ref = CachedReference(cfg.doremi.reference_cache, trainer.feed.domains, cfg.data.seq_len, trainer.pc.device,
-                              steps=cfg.train.steps, global_batch_size=cfg.train.global_batch_size,
-                              seed=cfg.data.seed, sampling=sampling.tolist(), reference=cfg.doremi.reference)
+        ref = CachedReference(
+            cfg.doremi.reference_cache,
+            trainer.feed.domains,
+            cfg.data.seq_len,
+            trainer.pc.device,
+            steps=cfg.train.steps,
+            global_batch_size=cfg.train.global_batch_size,
+            seed=cfg.data.seed,
+            sampling=sampling.tolist(),
+            reference=cfg.doremi.reference,
+        )
     else:
         ck = _require_reference(cfg)
         ref_cfg = reference_config(cfg, ck)
@@ -135,8 +149,8 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     mbs = facts.micro_batch_size
     for d, name in enumerate(feed.domains):
         idx = sorted(visited[d])
-        chunks = [idx[j:j + mbs] for j in range(0, len(idx), mbs)]
-        mine = chunks[pc.dp_rank::pc.dp]
+        chunks = [idx[j : j + mbs] for j in range(0, len(idx), mbs)]
+        mine = chunks[pc.dp_rank :: pc.dp]
         # dp ranks may run different numbers of forwards: the collectives are inside tp/pp groups
         writer = pc.is_last_stage and pc.tp_rank == 0
         arr = open_for_scoring(tmp, name) if writer else None
@@ -151,8 +165,18 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
             del arr
     pc.barrier()
     if pc.is_main:
-        publish(tmp, out, feed.domains, seq_len, stamp, cfg.train.steps, cfg.train.global_batch_size,
-                cfg.data.seed, weights.tolist(), [len(v) for v in visited])
+        publish(
+            tmp,
+            out,
+            feed.domains,
+            seq_len,
+            stamp,
+            cfg.train.steps,
+            cfg.train.global_batch_size,
+            cfg.data.seed,
+            weights.tolist(),
+            [len(v) for v in visited],
+        )
     pc.barrier()
     return out
 
@@ -176,11 +200,21 @@ def average(run_dir: str | Path, out: str | Path | None = None, from_step: int |
     weights = average_weights(history, from_step=from_step)
     out_path = Path(out) if out else run / WEIGHTS_FILE
     steps = [h["step"] for h in history if h["step"] >= from_step]
-    write_weights_file(out_path, history[0]["domains"], weights, {
-        "source": str(run), "from_step": from_step, "steps_averaged": len(steps),
-        "last_step": steps[-1] if steps else None, "eta": doremi_cfg.get("eta"),
-        "smoothing": doremi_cfg.get("smoothing"), "update": doremi_cfg.get("update"),
-        "mode": doremi_cfg.get("mode")})
+    write_weights_file(
+        out_path,
+        history[0]["domains"],
+        weights,
+        {
+            "source": str(run),
+            "from_step": from_step,
+            "steps_averaged": len(steps),
+            "last_step": steps[-1] if steps else None,
+            "eta": doremi_cfg.get("eta"),
+            "smoothing": doremi_cfg.get("smoothing"),
+            "update": doremi_cfg.get("update"),
+            "mode": doremi_cfg.get("mode"),
+        },
+    )
     return out_path
 
 
@@ -196,6 +230,7 @@ def evaluate(checkpoint: str | Path, overrides: list[str] | None = None) -> tupl
     feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
     facts = RunFacts.resolve(cfg, pc)
     model = load_frozen(cfg, ck, pc, facts)
-    losses = evaluate_domains(model, feed.validation(facts.micro_batch_size, cfg.train.eval_sequences), pc,
-                              facts.autocast())
+    losses = evaluate_domains(
+        model, feed.validation(facts.micro_batch_size, cfg.train.eval_sequences), pc, facts.autocast()
+    )
     return feed.domains, losses.cpu().numpy()

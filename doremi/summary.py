@@ -14,7 +14,8 @@ from data.weights_file import WEIGHTS_FILE
 from doremi.config import GuardrailConfig
 from doremi.guardrails import findings, format_guardrail_table, measure_pipeline, warnings
 from doremi.history import HistoryError, read_history
-from doremi.main_runs import DOREMI_RUN, mixtures as mixture_specs
+from doremi.main_runs import DOREMI_RUN
+from doremi.main_runs import mixtures as mixture_specs
 from doremi.report import format_table, write_report
 from doremi.stage_markers import eval_result
 from trainer.metrics import read_jsonl
@@ -30,8 +31,9 @@ def tokens_per_byte(manifest: Manifest) -> list[float | None]:
     return out
 
 
-def collect_run(root: Path, manifest: Manifest, baselines: list[str],
-                guardrails: GuardrailConfig | None = None) -> dict[str, Any]:
+def collect_run(
+    root: Path, manifest: Manifest, baselines: list[str], guardrails: GuardrailConfig | None = None
+) -> dict[str, Any]:
     """The same from a pipeline's run directory alone (e.g. one copied off the machine that ran
     it) and the manifest of its stores: domains, mixture weights, final and per-eval validation
     losses of the main runs, the last round's alpha_t history, the domains' entropies and tokens
@@ -48,8 +50,11 @@ def collect_run(root: Path, manifest: Manifest, baselines: list[str],
         result = eval_result(run)
         if result is not None:
             final[name] = result["val_loss"]
-        curves[name] = [(r["step"], [r["val_loss"][d] for d in domains])
-                        for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
+        curves[name] = [
+            (r["step"], [r["val_loss"][d] for d in domains])
+            for r in read_jsonl(run / "metrics.jsonl")
+            if "val_loss" in r
+        ]
     rounds = sorted(root.glob("round*/proxy"), key=lambda p: int(p.parent.name.removeprefix("round")))
     try:
         history = read_history(rounds[-1]) if rounds else []
@@ -59,10 +64,18 @@ def collect_run(root: Path, manifest: Manifest, baselines: list[str],
     measures = measure_pipeline(root)
     cfg = guardrails or GuardrailConfig()
     found = [f for m in measures for f in findings(m, cfg)]
-    return {"domains": domains, "mixtures": mixtures, "final": final, "curves": curves,
-            "history": [h["weights"] for h in history], "entropy": entropy,
-            "tokens_per_byte": tokens_per_byte(manifest), "measures": measures, "findings": found,
-            "baselines": [n for n in mixtures if n != DOREMI_RUN]}
+    return {
+        "domains": domains,
+        "mixtures": mixtures,
+        "final": final,
+        "curves": curves,
+        "history": [h["weights"] for h in history],
+        "entropy": entropy,
+        "tokens_per_byte": tokens_per_byte(manifest),
+        "measures": measures,
+        "findings": found,
+        "baselines": [n for n in mixtures if n != DOREMI_RUN],
+    }
 
 
 def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: GuardrailConfig) -> str:
@@ -70,10 +83,19 @@ def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: Guar
     table for the terminal. Takes the pipeline's paths and keys, not the pipeline, so that this
     module does not import the pipeline back."""
     c = collect_run(root, open_stores(store_dir).manifest, baselines, guardrails)
-    report = write_report(root, c["domains"], c["history"], c["curves"], c["final"], c["mixtures"],
-                          c["entropy"], tokens_per_byte=c["tokens_per_byte"], baselines=c["baselines"],
-                          warnings=[f.message for f in warnings(c["findings"])],
-                          guardrail_table=format_guardrail_table(c["domains"], c["measures"]))
+    report = write_report(
+        root,
+        c["domains"],
+        c["history"],
+        c["curves"],
+        c["final"],
+        c["mixtures"],
+        c["entropy"],
+        tokens_per_byte=c["tokens_per_byte"],
+        baselines=c["baselines"],
+        warnings=[f.message for f in warnings(c["findings"])],
+        guardrail_table=format_guardrail_table(c["domains"], c["measures"]),
+    )
     table = format_table(c["domains"], c["mixtures"], c["final"], c["entropy"], c["tokens_per_byte"])
     n = len(warnings(c["findings"]))
     return f"{table}\n\nguardrail warnings: {n}\nreport: {report}"

@@ -33,27 +33,26 @@ def _float_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else torch.float32
 
 
-def _check_batch(name: str, values: torch.Tensor, domain_ids: torch.Tensor,
-                 mask: torch.Tensor, k: int) -> None:
+def _check_batch(name: str, values: torch.Tensor, domain_ids: torch.Tensor, mask: torch.Tensor, k: int) -> None:
     if k < 1:
         raise ValueError(f"k: expected a number of domains >= 1, got {k}")
     if values.dim() != 2:
         raise ValueError(f"{name}: expected shape [b, s], got {tuple(values.shape)}")
     if mask.shape != values.shape:
-        raise ValueError(f"mask: expected shape {tuple(values.shape)} like {name}, "
-                         f"got {tuple(mask.shape)}")
+        raise ValueError(f"mask: expected shape {tuple(values.shape)} like {name}, got {tuple(mask.shape)}")
     if mask.dtype != torch.bool:
         raise ValueError(f"mask: expected dtype torch.bool, got {mask.dtype}")
     if domain_ids.shape != values.shape[:1]:
-        raise ValueError(f"domain_ids: expected shape ({values.shape[0]},) (one domain per "
-                         f"sequence), got {tuple(domain_ids.shape)}")
+        raise ValueError(
+            f"domain_ids: expected shape ({values.shape[0]},) (one domain per sequence), got {tuple(domain_ids.shape)}"
+        )
     if domain_ids.is_floating_point() or domain_ids.is_complex() or domain_ids.dtype == torch.bool:
         raise ValueError(f"domain_ids: expected an integer dtype, got {domain_ids.dtype}")
 
 
-def domain_excess_sums(proxy_loss: torch.Tensor, ref_loss: torch.Tensor,
-                       domain_ids: torch.Tensor, mask: torch.Tensor,
-                       k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def domain_excess_sums(
+    proxy_loss: torch.Tensor, ref_loss: torch.Tensor, domain_ids: torch.Tensor, mask: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Local per-domain sums of the per-token excess loss max(loss_proxy - loss_ref, 0).
 
     Args:
@@ -70,15 +69,17 @@ def domain_excess_sums(proxy_loss: torch.Tensor, ref_loss: torch.Tensor,
     """
     _check_batch("proxy_loss", proxy_loss, domain_ids, mask, k)
     if ref_loss.shape != proxy_loss.shape:
-        raise ValueError(f"ref_loss: expected shape {tuple(proxy_loss.shape)} like proxy_loss, "
-                         f"got {tuple(ref_loss.shape)}")
+        raise ValueError(
+            f"ref_loss: expected shape {tuple(proxy_loss.shape)} like proxy_loss, got {tuple(ref_loss.shape)}"
+        )
     dtype = torch.promote_types(_float_dtype(proxy_loss), _float_dtype(ref_loss))
     excess = (proxy_loss.to(dtype) - ref_loss.to(dtype)).clamp_min(0)
     return domain_sums(excess, domain_ids, mask, k)
 
 
-def per_domain_mean_loss(loss: torch.Tensor, domain_ids: torch.Tensor, mask: torch.Tensor,
-                         k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def per_domain_mean_loss(
+    loss: torch.Tensor, domain_ids: torch.Tensor, mask: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-domain (loss sum [k], token count [k] int64) over non-masked tokens, for logging.
 
     The mean is sum / count after the caller has reduced both over the global batch.
@@ -87,23 +88,25 @@ def per_domain_mean_loss(loss: torch.Tensor, domain_ids: torch.Tensor, mask: tor
     return domain_sums(loss, domain_ids, mask, k)
 
 
-def domain_excess(excess_sum: torch.Tensor, token_count: torch.Tensor,
-                  previous: torch.Tensor | None = None) -> torch.Tensor:
+def domain_excess(
+    excess_sum: torch.Tensor, token_count: torch.Tensor, previous: torch.Tensor | None = None
+) -> torch.Tensor:
     """lambda_t [k]: per-domain mean excess over the global batch.
 
     lambda_t[i] = excess_sum[i] / token_count[i]; a domain with no token in the global batch
     keeps previous[i] (0 when `previous` is None, i.e. before any step has seen it).
     """
     if excess_sum.dim() != 1 or token_count.shape != excess_sum.shape:
-        raise ValueError(f"token_count: expected shape {tuple(excess_sum.shape)} like "
-                         f"excess_sum [k], got {tuple(token_count.shape)} and "
-                         f"{tuple(excess_sum.shape)}")
+        raise ValueError(
+            f"token_count: expected shape {tuple(excess_sum.shape)} like "
+            f"excess_sum [k], got {tuple(token_count.shape)} and "
+            f"{tuple(excess_sum.shape)}"
+        )
     dtype = _float_dtype(excess_sum)
     if previous is None:
         previous = torch.zeros_like(excess_sum, dtype=dtype)
     elif previous.shape != excess_sum.shape:
-        raise ValueError(f"previous: expected shape {tuple(excess_sum.shape)}, "
-                         f"got {tuple(previous.shape)}")
+        raise ValueError(f"previous: expected shape {tuple(excess_sum.shape)}, got {tuple(previous.shape)}")
     counts = token_count.to(device=excess_sum.device)
     present = counts > 0
     mean = excess_sum.to(dtype) / counts.clamp_min(1).to(dtype)
@@ -117,8 +120,9 @@ def _check_hyper(eta: float, smoothing: float) -> None:
         raise ValueError(f"smoothing: expected a value in [0, 1], got {smoothing!r}")
 
 
-def update_weights(log_alpha_prev: torch.Tensor, excess: torch.Tensor, eta: float = 1.0,
-                   smoothing: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+def update_weights(
+    log_alpha_prev: torch.Tensor, excess: torch.Tensor, eta: float = 1.0, smoothing: float = 1e-3
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One DoReMi step on the *log* weights: (log alpha_t, alpha_t) from log alpha_{t-1}.
 
         alpha_t = (1 - c) * softmax(log alpha_{t-1} + eta * lambda_t) + c / k
@@ -136,9 +140,11 @@ def update_weights(log_alpha_prev: torch.Tensor, excess: torch.Tensor, eta: floa
     """
     _check_hyper(eta, smoothing)
     if log_alpha_prev.dim() != 1 or excess.shape != log_alpha_prev.shape:
-        raise ValueError(f"excess: expected shape {tuple(log_alpha_prev.shape)} like "
-                         f"log_alpha_prev [k], got {tuple(excess.shape)} and "
-                         f"{tuple(log_alpha_prev.shape)}")
+        raise ValueError(
+            f"excess: expected shape {tuple(log_alpha_prev.shape)} like "
+            f"log_alpha_prev [k], got {tuple(excess.shape)} and "
+            f"{tuple(log_alpha_prev.shape)}"
+        )
     dtype = torch.promote_types(_float_dtype(log_alpha_prev), _float_dtype(excess))
     k = log_alpha_prev.numel()
     logits = log_alpha_prev.to(dtype) + eta * excess.to(device=log_alpha_prev.device, dtype=dtype)
@@ -152,8 +158,9 @@ def update_weights(log_alpha_prev: torch.Tensor, excess: torch.Tensor, eta: floa
     return log_alpha, log_alpha.exp()
 
 
-def uniform_log_weights(k: int, device: torch.device | str | None = None,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def uniform_log_weights(
+    k: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """log alpha_0 = log(1/k) for each of k domains (Algorithm 1's initialisation)."""
     if k < 1:
         raise ValueError(f"k: expected a number of domains >= 1, got {k}")
@@ -171,6 +178,5 @@ def to_log_weights(alpha: torch.Tensor) -> torch.Tensor:
     a = alpha.to(_float_dtype(alpha))
     total = float(a.sum())
     if not bool(torch.isfinite(a).all()) or bool((a < 0).any()) or abs(total - 1.0) > 1e-5:
-        raise ValueError(f"alpha: expected finite non-negative weights summing to 1, "
-                         f"got {a.tolist()} (sum {total})")
+        raise ValueError(f"alpha: expected finite non-negative weights summing to 1, got {a.tolist()} (sum {total})")
     return a.log()

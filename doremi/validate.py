@@ -24,8 +24,10 @@ from doremi.main_runs import DOREMI_RUN, main_run_name
 from trainer.configtools import ConfigError
 
 #: Stage -> (the key it takes its mixture from, what it does with it).
-STAGE_WEIGHTS = {"train-reference": ("doremi.reference_weights", "trains on"),
-                 "train-proxy": ("doremi.proxy_sampling", "samples its data from")}
+STAGE_WEIGHTS = {
+    "train-reference": ("doremi.reference_weights", "trains on"),
+    "train-proxy": ("doremi.proxy_sampling", "samples its data from"),
+}
 
 #: Keys of `pipeline.proxy` / `pipeline.main` that the pipeline sets itself, and why.
 PIPELINE_SETS = {
@@ -33,9 +35,9 @@ PIPELINE_SETS = {
         "train.run_dir": "each run's directory is under pipeline.run_dir",
         "doremi.reference": "the proxy reads the reference the pipeline just trained",
         "doremi.reference_weights": "round 1's reference trains on the top-level doremi.reference_weights, "
-                                    "later rounds on the previous round's weights",
+        "later rounds on the previous round's weights",
         "data.domain_weights": "the reference trains on doremi.reference_weights, the proxy samples "
-                               "doremi.proxy_sampling",
+        "doremi.proxy_sampling",
     },
     "pipeline.main": {
         "train.run_dir": "each run's directory is under pipeline.run_dir",
@@ -43,9 +45,11 @@ PIPELINE_SETS = {
     },
 }
 
-DOMAIN_WEIGHTS_IN_PIPELINE = ("the reference trains on doremi.reference_weights, the proxy samples "
-                              "doremi.proxy_sampling, the main runs train on DoReMi's weights and on "
-                              "pipeline.baselines")
+DOMAIN_WEIGHTS_IN_PIPELINE = (
+    "the reference trains on doremi.reference_weights, the proxy samples "
+    "doremi.proxy_sampling, the main runs train on DoReMi's weights and on "
+    "pipeline.baselines"
+)
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -61,8 +65,10 @@ def check_stage(cfg: ExperimentConfig, stage: str) -> None:
     key, verb = STAGE_WEIGHTS[stage]
     used, given = _get(cfg, key), cfg.data.domain_weights
     if given != "uniform" and given != used:
-        raise ConfigError(f"data.domain_weights: doremi {stage} does not read this key, it {verb} {key}; "
-                          f"got {given!r} (set {key} instead)")
+        raise ConfigError(
+            f"data.domain_weights: doremi {stage} does not read this key, it {verb} {key}; "
+            f"got {given!r} (set {key} instead)"
+        )
     check_spec(used, known_domains(cfg.data), key)
 
 
@@ -84,17 +90,21 @@ def _refuse_overridden(raw: dict[str, Any]) -> None:
         if not isinstance(over, dict):
             continue
         if "pipeline" in over:
-            raise ConfigError(f"{section}.pipeline: the pipeline section applies to the whole pipeline; "
-                              f"set it at the top level")
+            raise ConfigError(
+                f"{section}.pipeline: the pipeline section applies to the whole pipeline; set it at the top level"
+            )
         for key, why in sets.items():
             if _has(over, key):
-                raise ConfigError(f"{section}.{key}: set by the pipeline ({why}), so this value would be "
-                                  f"ignored; remove it")
+                raise ConfigError(
+                    f"{section}.{key}: set by the pipeline ({why}), so this value would be ignored; remove it"
+                )
         data = over.get("data")
         for key in data if isinstance(data, dict) else ():
             if key not in SAMPLING_KEYS:
-                raise ConfigError(f"{section}.data.{key}: the pipeline builds one set of stores, from the "
-                                  f"top-level data section, so this value would not reach them; set data.{key}")
+                raise ConfigError(
+                    f"{section}.data.{key}: the pipeline builds one set of stores, from the "
+                    f"top-level data section, so this value would not reach them; set data.{key}"
+                )
 
 
 def _stage(pipe: Any, section: str, **sets: Any) -> ExperimentConfig:
@@ -112,26 +122,41 @@ def validate_pipeline(pipe: Any) -> None:
     cfg, p = pipe.cfg, pipe.p
     _refuse_overridden(pipe.raw)
     if cfg.data.domain_weights != "uniform":
-        raise ConfigError(f"data.domain_weights: doremi pipeline does not read this key "
-                          f"({DOMAIN_WEIGHTS_IN_PIPELINE}); got {cfg.data.domain_weights!r}: remove it")
+        raise ConfigError(
+            f"data.domain_weights: doremi pipeline does not read this key "
+            f"({DOMAIN_WEIGHTS_IN_PIPELINE}); got {cfg.data.domain_weights!r}: remove it"
+        )
     rdir = pipe.root / "round1"
-    _stage(pipe, "pipeline.proxy", train__run_dir=str(rdir / "reference"),
-           doremi__reference_weights=cfg.doremi.reference_weights)
-    proxy = _stage(pipe, "pipeline.proxy", train__run_dir=str(rdir / "proxy"),
-                   doremi__reference=str(rdir / "reference"), doremi__reference_weights=cfg.doremi.reference_weights)
+    _stage(
+        pipe,
+        "pipeline.proxy",
+        train__run_dir=str(rdir / "reference"),
+        doremi__reference_weights=cfg.doremi.reference_weights,
+    )
+    proxy = _stage(
+        pipe,
+        "pipeline.proxy",
+        train__run_dir=str(rdir / "proxy"),
+        doremi__reference=str(rdir / "reference"),
+        doremi__reference_weights=cfg.doremi.reference_weights,
+    )
     _stage(pipe, "pipeline.main", train__run_dir=str(pipe.root / "main" / "uniform"), data__domain_weights="uniform")
     domains = known_domains(cfg.data)
     check_spec(cfg.doremi.reference_weights, domains, "doremi.reference_weights")
     in_proxy = _has(p.proxy, "doremi.proxy_sampling")
-    check_spec(proxy.doremi.proxy_sampling, domains,
-               "pipeline.proxy.doremi.proxy_sampling" if in_proxy else "doremi.proxy_sampling")
+    check_spec(
+        proxy.doremi.proxy_sampling,
+        domains,
+        "pipeline.proxy.doremi.proxy_sampling" if in_proxy else "doremi.proxy_sampling",
+    )
     names: dict[str, int] = {}
     for i, b in enumerate(p.baselines):
         where = f"pipeline.baselines[{i}]"
         name = main_run_name(b)
         if name == DOREMI_RUN or name in names:
             taken = "DoReMi's own run" if name == DOREMI_RUN else f"pipeline.baselines[{names[name]}]"
-            raise ConfigError(f"{where}: main run name {name!r} (the file's stem) is taken by {taken}; "
-                              f"got {b!r} (rename the file)")
+            raise ConfigError(
+                f"{where}: main run name {name!r} (the file's stem) is taken by {taken}; got {b!r} (rename the file)"
+            )
         names[name] = i
         check_spec(b, domains, where)

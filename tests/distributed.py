@@ -23,8 +23,9 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, errq) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -41,8 +42,9 @@ def spawn(fn, world_size: int, *args) -> None:
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     try:
-        mp.start_processes(_entry, args=(world_size, free_port(), fn, args, errq),
-                           nprocs=world_size, join=True, start_method="spawn")
+        mp.start_processes(
+            _entry, args=(world_size, free_port(), fn, args, errq), nprocs=world_size, join=True, start_method="spawn"
+        )
     except Exception as e:
         msgs = []
         while not errq.empty():

@@ -14,8 +14,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 #: Triton wheels exist for Linux x86-64 only.
-needs_triton = pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64",
-                                  reason="Triton wheels exist for Linux x86-64 only")
+needs_triton = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() != "x86_64", reason="Triton wheels exist for Linux x86-64 only"
+)
 
 
 def run_interpreted(script: str) -> None:

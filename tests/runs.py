@@ -66,5 +66,6 @@ def run_stage(rank: int, world: int, stage: str, store: str, jobs: list[tuple[st
 
     for run, sets in jobs:
         cfg = config(Path(store), Path(run), *sets)
-        {"train": stages.train, "train-proxy": stages.train_proxy,
-         "train-reference": stages.train_reference}[stage](cfg)
+        {"train": stages.train, "train-proxy": stages.train_proxy, "train-reference": stages.train_reference}[stage](
+            cfg
+        )

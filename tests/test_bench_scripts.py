@@ -38,8 +38,12 @@ def test_paired_windows_alternate_abba_and_rows_compare_within_their_group(bench
     seen = sb.paired_windows({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, iters=2, rounds=2)
     assert "".join(calls) == "aabbbbaaaabbbbaa"
     assert [len(v) for v in seen.values()] == [4, 4]
-    rows = [sb.Row("1b", "baseline --compile", 100.0), sb.Row("1b", "plain", 104.0),
-            sb.Row("1b", "baseline --compile", 100.0, group="paired"), sb.Row("1b", "plain", 106.0, group="paired")]
+    rows = [
+        sb.Row("1b", "baseline --compile", 100.0),
+        sb.Row("1b", "plain", 104.0),
+        sb.Row("1b", "baseline --compile", 100.0, group="paired"),
+        sb.Row("1b", "plain", 106.0, group="paired"),
+    ]
     table = sb.format_table(rows).splitlines()
     assert "1.040" in table[2] and "plain (paired)" in table[4] and "1.060" in table[4]
 
@@ -49,14 +53,17 @@ CFG = ModelConfig(vocab_size=250, d_model=64, n_layers=2, n_heads=4, n_kv_heads=
 
 def _batch(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, 250, (2, 16), generator=g),
-            "labels": torch.randint(0, 250, (2, 16), generator=g)}
+    return {
+        "input_ids": torch.randint(0, 250, (2, 16), generator=g),
+        "labels": torch.randint(0, 250, (2, 16), generator=g),
+    }
 
 
 def counting(fn, calls: list):
     def wrapper(*args, **kwargs):
         calls.append(fn)
         return fn(*args, **kwargs)
+
     return wrapper
 
 
@@ -82,8 +89,11 @@ def test_rope_switch_changes_the_function_called_and_not_the_numbers():
 def test_sdpa_priority_switch_reaches_causal_attention(monkeypatch):
     seen: list = []
     real = llama.causal_attention
-    monkeypatch.setattr(llama, "causal_attention", lambda q, k, v, impl, priority: seen.append(priority) or
-                        real(q, k, v, impl, priority))
+    monkeypatch.setattr(
+        llama,
+        "causal_attention",
+        lambda q, k, v, impl, priority: seen.append(priority) or real(q, k, v, impl, priority),
+    )
     batch = _batch()
     Llama(CFG)(None, batch)
     assert seen == [layers.CUDA_SDPA_PRIORITY] * CFG.n_layers
@@ -152,3 +162,26 @@ def test_foreach_grad_norm_patches_the_name_clip_consults_and_refuses_a_silent_r
 def test_bench_shapes_come_from_the_baseline_presets(bench_modules):
     sb = bench_modules["step_bench"]
     assert sb.SHAPES == {"1b": ("bench-1b", 8), "280m": ("bench-280m", 32)}
+
+
+def test_the_bench_reference_cache_is_one_the_proxy_reads(bench_modules, tmp_path):
+    """The cached-reference row reads its cache through `CachedReference`, which refuses a cache
+    in another format (the bench once wrote version 1 by hand after the format moved on)."""
+    from doremi.reference import CachedReference
+
+    sb = bench_modules["step_bench"]
+    mb, seq = 6, 8
+    domains = sb.write_cache(tmp_path / "cache", mb, seq)
+    ref = CachedReference(
+        tmp_path / "cache",
+        domains,
+        seq,
+        torch.device("cpu"),
+        steps=3,
+        global_batch_size=mb,
+        seed=0,
+        sampling=[1.0 / sb.K_DOMAINS] * sb.K_DOMAINS,
+    )
+    per_domain = -(-mb // sb.K_DOMAINS)
+    assert [a.shape for a in ref.arrays] == [(per_domain, seq)] * sb.K_DOMAINS
+    assert all(9.0 <= a.min() and a.max() <= 11.0 for a in ref.arrays)

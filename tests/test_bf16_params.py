@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.batch import IGNORE_INDEX
 from doremi import stages
 from tests.bf16 import rounded_half_away
 from tests.distributed import spawn
@@ -35,21 +36,26 @@ from trainer.build import autocast, build_model, param_dtype
 from trainer.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.configtools import ConfigError
 from trainer.loop import Trainer
+from trainer.metrics import read_jsonl
+from trainer.optim.build import build_optimizer
 from trainer.optim.lr_schedule import lr_at
 from trainer.optim.master_weights import MasterWeightAdamW
 from trainer.optim.sharded import ShardedOptimizer
-from trainer.optim.build import build_optimizer
-from trainer.metrics import read_jsonl
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.main_grad import grad_of
 from trainer.plan import gpu_param_precision
-from data.batch import IGNORE_INDEX
 
 BF16 = ["train.precision=bf16", "train.param_dtype=bf16"]
 FP32_PARAMS = ["train.precision=bf16", "train.param_dtype=fp32"]
 # As in test_layouts: Adam's eps keeps rounding of near-zero gradients from being amplified to lr.
-COMMON = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=2",
-          "train.steps=4", "train.micro_batches=2"]
+COMMON = [
+    "train.eps=1e-4",
+    "train.decay=constant",
+    "train.warmup_steps=0",
+    "checkpoint.keep=2",
+    "train.steps=4",
+    "train.micro_batches=2",
+]
 TIED = ["model.tie_embeddings=true"]
 LR = 3e-3  # tests/runs.py
 BF16_ATOL = LR  # no element further apart than one Adam step
@@ -79,6 +85,7 @@ def assert_params_close(got: dict, want: dict, atol: float, rtol: float = 0.0) -
 
 # -- single process ---------------------------------------------------------------------------
 
+
 def test_param_dtype_resolution_and_config_errors(stores, tmp_path):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     cfg = config(stores, tmp_path / "a")
@@ -93,13 +100,16 @@ def test_param_dtype_resolution_and_config_errors(stores, tmp_path):
     assert param_dtype(explicit, cpu) == torch.bfloat16 and not isinstance(autocast(explicit, cpu), torch.autocast)
     assert isinstance(autocast(config(stores, tmp_path / "f", *FP32_PARAMS), cpu), torch.autocast)
     for sets, want in [
-        (["train.param_dtype=bf16", "train.optimizer=adafactor"],
-         "train.param_dtype: bf16 parameters keep fp32 master weights in AdamW only, got "
-         "train.optimizer='adafactor' (use param_dtype fp32 or auto)"),
-        (["train.param_dtype=bf16", "train.precision=fp32"],
-         "train.param_dtype: bf16 parameters compute in bf16, got train.precision='fp32' (use precision bf16 or auto)"),
-        (["train.param_dtype=fp16"],
-         "train.param_dtype: expected one of 'auto', 'fp32', 'bf16', got 'fp16' (str)"),
+        (
+            ["train.param_dtype=bf16", "train.optimizer=adafactor"],
+            "train.param_dtype: bf16 parameters keep fp32 master weights in AdamW only, got "
+            "train.optimizer='adafactor' (use param_dtype fp32 or auto)",
+        ),
+        (
+            ["train.param_dtype=bf16", "train.precision=fp32"],
+            "train.param_dtype: bf16 parameters compute in bf16, got train.precision='fp32' (use precision bf16 or auto)",
+        ),
+        (["train.param_dtype=fp16"], "train.param_dtype: expected one of 'auto', 'fp32', 'bf16', got 'fp16' (str)"),
     ]:
         with pytest.raises(ConfigError) as e:
             config(stores, tmp_path / "bad", *sets)
@@ -119,9 +129,14 @@ def test_trainer_matches_torch_adamw_on_fp32_copies(stores, tmp_path):
     params = dict(trainer.named_params)
     ref = {n: torch.nn.Parameter(m.clone()) for n, m in opt.master_weights().items()}
     ref_opt = torch.optim.AdamW(
-        [{"params": [p for p in ref.values() if p.ndim >= 2], "weight_decay": cfg.train.weight_decay},
-         {"params": [p for p in ref.values() if p.ndim < 2], "weight_decay": 0.0}],
-        betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps, foreach=False)
+        [
+            {"params": [p for p in ref.values() if p.ndim >= 2], "weight_decay": cfg.train.weight_decay},
+            {"params": [p for p in ref.values() if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        betas=(cfg.train.beta1, cfg.train.beta2),
+        eps=cfg.train.eps,
+        foreach=False,
+    )
     seen: list[dict[str, torch.Tensor]] = []
     clip = opt.clip_grad_norm
 
@@ -202,8 +217,13 @@ WORLD2 = {
 @pytest.fixture(scope="module")
 def runs(stores, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("bf16")
-    for name, sets in (("single", BF16), ("single-tied", [*BF16, *TIED]), ("ckpt-single", [*BF16, "train.steps=2"]),
-                       ("fp32", FP32_PARAMS), ("ckpt-fp32", [*FP32_PARAMS, "train.steps=2"])):
+    for name, sets in (
+        ("single", BF16),
+        ("single-tied", [*BF16, *TIED]),
+        ("ckpt-single", [*BF16, "train.steps=2"]),
+        ("fp32", FP32_PARAMS),
+        ("ckpt-fp32", [*FP32_PARAMS, "train.steps=2"]),
+    ):
         stages.train(config(stores, root / name, *COMMON, *sets))
     for name in ("resume-tp2", "resume-pp2"):
         shutil.copytree(root / "ckpt-single", root / name)
@@ -232,8 +252,10 @@ def test_zero1_on_off_bit_identical_and_dp2_matches_one_process(runs, stores):
         assert torch.equal(saved[name], rounded_half_away(zero[name]).float()), name
 
 
-@pytest.mark.parametrize("name,reference", [("tp2-sp", "single"), ("pp2-tied", "single-tied"),
-                                            ("resume-tp2", "single"), ("resume-pp2", "single")])
+@pytest.mark.parametrize(
+    "name,reference",
+    [("tp2-sp", "single"), ("pp2-tied", "single-tied"), ("resume-tp2", "single"), ("resume-pp2", "single")],
+)
 def test_tp2_pp2_and_resumes_within_bf16_tolerance(runs, stores, name, reference):
     sets = TIED if "tied" in reference else []
     assert len(losses(runs / name)) == 4

@@ -17,8 +17,17 @@ import pytest
 import torch
 
 from tests.distributed import spawn
-from tests.test_zero_optim import (CPU, MAX_NORM, build_stage, dp_step, full_grads, full_tensors,
-                                   stage_names, toy_specs, train_cfg)
+from tests.test_zero_optim import (
+    CPU,
+    MAX_NORM,
+    build_stage,
+    dp_step,
+    full_grads,
+    full_tensors,
+    stage_names,
+    toy_specs,
+    train_cfg,
+)
 from trainer.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.optim.build import build_optimizer
 from trainer.parallel.clip import clip_grad_norm
@@ -34,8 +43,10 @@ def reference_full_step() -> dict[str, torch.Tensor]:
     specs = toy_specs(tied=True)
     model = build_stage(full_tensors(specs, 0), specs, list(specs), 1, 0)
     params = dict(model.named_parameters())
-    groups = [{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8, foreach=True)
     for step, lr in enumerate(SAVE_LRS):
         for name, g in full_grads(specs).items():
@@ -68,13 +79,17 @@ def _save_worker(rank: int, world: int, run_dir: str) -> None:
         opt.zero_grad()
     ref = reference_full_step()
     for name, p in named:
-        torch.testing.assert_close(p.detach(), shard(ref[name], specs[name][1], pc.tp_rank, tp),
-                                   rtol=0, atol=1e-6, msg=name)
-    save_checkpoint(run_dir, 2, model, opt, pc, {"step": 2, "data": {"cursor": [3, 4]}, "alpha": torch.ones(3)},
-                    keep=2)
-    dump = {"pp": pc.pp_rank, "tp": pc.tp_rank, "dp": pc.dp_rank,
-            "params": {n: p.detach().clone() for n, p in named},
-            "state": {n: {k: v.clone() for k, v in s.items()} for n, s in opt.state_dict()["state"].items()}}
+        torch.testing.assert_close(
+            p.detach(), shard(ref[name], specs[name][1], pc.tp_rank, tp), rtol=0, atol=1e-6, msg=name
+        )
+    save_checkpoint(run_dir, 2, model, opt, pc, {"step": 2, "data": {"cursor": [3, 4]}, "alpha": torch.ones(3)}, keep=2)
+    dump = {
+        "pp": pc.pp_rank,
+        "tp": pc.tp_rank,
+        "dp": pc.dp_rank,
+        "params": {n: p.detach().clone() for n, p in named},
+        "state": {n: {k: v.clone() for k, v in s.items()} for n, s in opt.state_dict()["state"].items()},
+    }
     torch.save(dump, Path(run_dir) / f"dump_rank{rank}.pt")
 
 
@@ -98,9 +113,15 @@ def originals(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[st
             assert d["tp"] not in state.get(n, {}) or n == "embed.weight", n
             state.setdefault(n, {})[d["tp"]] = s
     full_p = {n: unshard([params[n][t] for t in range(SAVE_LAYOUT[0])], specs[n][1]) for n in specs}
-    full_s = {n: {k: (state[n][0][k] if k == "step" else
-                      unshard([state[n][t][k] for t in range(SAVE_LAYOUT[0])], specs[n][1]))
-                  for k in state[n][0]} for n in specs}
+    full_s = {
+        n: {
+            k: (
+                state[n][0][k] if k == "step" else unshard([state[n][t][k] for t in range(SAVE_LAYOUT[0])], specs[n][1])
+            )
+            for k in state[n][0]
+        }
+        for n in specs
+    }
     return full_p, full_s
 
 
@@ -142,9 +163,13 @@ def test_saved_layout_and_metadata(saved_run):
     assert ck == saved_run / "checkpoints" / "step_0000002"
     meta = json.loads((ck / "meta.json").read_text())
     assert meta["layout"] == {"tp": 2, "pp": 2, "dp": 2} and meta["step"] == 2 and meta["zero1"]
-    assert meta["params"]["embed.weight"] == {"shape": [32, 16], "spec": {"dim": 0, "parts": [32]},
-                                              "dtype": "float32", "stage": 0,
-                                              "files": ["model_pp0_tp0.pt", "model_pp0_tp1.pt"]}
+    assert meta["params"]["embed.weight"] == {
+        "shape": [32, 16],
+        "spec": {"dim": 0, "parts": [32]},
+        "dtype": "float32",
+        "stage": 0,
+        "files": ["model_pp0_tp0.pt", "model_pp0_tp1.pt"],
+    }
     assert meta["params"]["layers.3.norm.weight"]["spec"] is None
     assert sorted(meta["params"]) == sorted(toy_specs(tied=True))
     model_files = sorted(f.name for f in ck.glob("model_*.pt"))
@@ -164,6 +189,7 @@ def test_reshard_into_one_process_with_and_without_optimizer(saved_run):
 
 
 # -- single process: resume, retention, bad checkpoints -------------------------------------------
+
 
 def toy_run(seed: int = 0, kind: str = "adamw"):
     specs = toy_specs(tied=False)
@@ -221,14 +247,20 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path):
         load_checkpoint(ck, model, opt, pc)
     specs = {**toy_specs(tied=False), "layers.1.up.weight": ((48, 16), None)}
     wide = build_stage(full_tensors(specs, 0), specs, list(specs), 1, 0)
-    with pytest.raises(CheckpointError, match=r"'layers.1.up.weight' has shape \(32, 16\) in the checkpoint, "
-                                              r"the model expects \(48, 16\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'layers.1.up.weight' has shape \(32, 16\) in the checkpoint, "
+        r"the model expects \(48, 16\)",
+    ):
         load_checkpoint(ck, wide, None, pc)
 
     target = ck / "model_pp0_tp0.pt"
     data = target.read_bytes()
     target.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"model_pp0_tp0.pt: truncated or corrupted checkpoint file \(expected \d+ bytes, found \d+\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model_pp0_tp0.pt: truncated or corrupted checkpoint file \(expected \d+ bytes, found \d+\)",
+    ):
         load_checkpoint(ck, model, None, pc)
     target.write_bytes(b"\0" * len(data))
     with pytest.raises(CheckpointError, match="model_pp0_tp0.pt: corrupted checkpoint file"):

@@ -17,8 +17,14 @@ from doremi.reference import CACHE_VERSION, CachedReference
 from tests.test_checkpoint import toy_run
 from tests.test_zero_optim import build_stage, dp_step, full_tensors, toy_specs
 from trainer.build import build_model
-from trainer.checkpoint import (CheckpointError, checkpoint_fingerprint, file_hash, load_checkpoint,
-                                remove_leftovers, save_checkpoint)
+from trainer.checkpoint import (
+    CheckpointError,
+    checkpoint_fingerprint,
+    file_hash,
+    load_checkpoint,
+    remove_leftovers,
+    save_checkpoint,
+)
 from trainer.config import load_config
 from trainer.parallel.context import ParallelContext
 
@@ -26,6 +32,7 @@ PC = ParallelContext.single()
 
 
 # -- 2. a checkpoint of another model --------------------------------------------------------------
+
 
 def llama(*overrides: str) -> torch.nn.Module:
     """The default tiny Llama (vocab 256, width 64, 2 layers, 4 heads, 2 kv heads)."""
@@ -36,13 +43,18 @@ def shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model.n_layers=1"], "model.n_layers is 2 in the checkpoint but 1 now"),
-    (["model.tie_embeddings=true"], "model.tie_embeddings is false in the checkpoint but true now"),
-    (["model.n_heads=8", "model.n_kv_heads=4"],
-     "model.n_heads is 4 in the checkpoint but 8 now; model.n_kv_heads is 2 in the checkpoint but 4 now"),
-    (["model.vocab_size=250"], "model.vocab_size is 256 in the checkpoint but 250 now"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.n_layers=1"], "model.n_layers is 2 in the checkpoint but 1 now"),
+        (["model.tie_embeddings=true"], "model.tie_embeddings is false in the checkpoint but true now"),
+        (
+            ["model.n_heads=8", "model.n_kv_heads=4"],
+            "model.n_heads is 4 in the checkpoint but 8 now; model.n_kv_heads is 2 in the checkpoint but 4 now",
+        ),
+        (["model.vocab_size=250"], "model.vocab_size is 256 in the checkpoint but 250 now"),
+    ],
+)
 def test_checkpoint_of_another_model_config_is_refused(tmp_path, overrides, message):
     ck = save_checkpoint(tmp_path, 1, llama(), None, PC, {"step": 1})
     assert json.loads((ck / "meta.json").read_text())["model"]["n_layers"] == 2
@@ -65,8 +77,11 @@ def test_parameter_set_is_checked_both_ways(tmp_path):
     fewer layers, a tied model from an untied checkpoint (its head left behind) and back."""
     untied, tied = toy_specs(tied=False), toy_specs(tied=True)
     ck = save_checkpoint(tmp_path, 1, toy(untied), None, PC, {"step": 1})
-    with pytest.raises(CheckpointError, match=r"holds parameter 'layers.3.down.weight', 'layers.3.norm.weight', "
-                                              r"'layers.3.up.weight' that the model lacks"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds parameter 'layers.3.down.weight', 'layers.3.norm.weight', "
+        r"'layers.3.up.weight' that the model lacks",
+    ):
         load_checkpoint(ck, toy(untied, drop=("layers.3",)), None, PC)
     with pytest.raises(CheckpointError, match=r"holds parameter 'head.weight' that the model lacks"):
         load_checkpoint(ck, toy(tied), None, PC)
@@ -77,38 +92,65 @@ def test_parameter_set_is_checked_both_ways(tmp_path):
 
 # -- 3. corrupted content --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("file", ["model_pp0_tp0.pt", "optim_pp0_tp0_dp0.pt"])
 def test_flipped_bytes_are_detected(tmp_path, file):
     model, opt = toy_run()
     dp_step(model, opt, PC, 0)
     ck = save_checkpoint(tmp_path, 1, model, opt, PC, {"step": 1})
     meta = json.loads((ck / "meta.json").read_text())
-    assert {n: f["xxh3_64"] for n, f in meta["files"].items()} == \
-        {f.name: file_hash(f) for f in ck.iterdir() if f.name != "meta.json"}
+    assert {n: f["xxh3_64"] for n, f in meta["files"].items()} == {
+        f.name: file_hash(f) for f in ck.iterdir() if f.name != "meta.json"
+    }
     target = ck / file
     data = bytearray(target.read_bytes())
     mid = len(data) // 2
-    data[mid:mid + 16] = bytes(b ^ 0xFF for b in data[mid:mid + 16])
+    data[mid : mid + 16] = bytes(b ^ 0xFF for b in data[mid : mid + 16])
     target.write_bytes(bytes(data))
     fresh, opt2 = toy_run(1)
-    with pytest.raises(CheckpointError, match=rf"{file}: corrupted checkpoint file \(XXH3-64 [0-9a-f]{{16}}, "
-                                              rf"meta.json records {meta['files'][file]['xxh3_64']}\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{file}: corrupted checkpoint file \(XXH3-64 [0-9a-f]{{16}}, "
+        rf"meta.json records {meta['files'][file]['xxh3_64']}\)",
+    ):
         load_checkpoint(ck, fresh, opt2, PC)
 
 
 # -- 4. a stale reference cache --------------------------------------------------------------------
 
+
 def write_cache(cache: Path, reference: Path, fingerprint: str | None) -> None:
     cache.mkdir()
     np.save(cache / "a.npy", np.zeros((4, 8), dtype=np.float32))
-    (cache / "meta.json").write_text(json.dumps({
-        "version": CACHE_VERSION, "domains": ["a"], "seq_len": 8, "reference": str(reference),
-        "reference_fingerprint": fingerprint, "steps": 1, "global_batch_size": 2, "seed": 0, "sampling": [1.0]}))
+    (cache / "meta.json").write_text(
+        json.dumps(
+            {
+                "version": CACHE_VERSION,
+                "domains": ["a"],
+                "seq_len": 8,
+                "reference": str(reference),
+                "reference_fingerprint": fingerprint,
+                "steps": 1,
+                "global_batch_size": 2,
+                "seed": 0,
+                "sampling": [1.0],
+            }
+        )
+    )
 
 
 def cached(cache: Path, reference: Path) -> CachedReference:
-    return CachedReference(cache, ["a"], 8, torch.device("cpu"), steps=1, global_batch_size=2, seed=0,
-                           sampling=[1.0], reference=str(reference))
+    return CachedReference(
+        cache,
+        ["a"],
+        8,
+        torch.device("cpu"),
+        steps=1,
+        global_batch_size=2,
+        seed=0,
+        sampling=[1.0],
+        reference=str(reference),
+    )
 
 
 def test_cache_of_a_reference_trained_again_to_the_same_path_is_refused(tmp_path):
@@ -126,17 +168,21 @@ def test_cache_of_a_reference_trained_again_to_the_same_path_is_refused(tmp_path
     assert now != scored
     with pytest.raises(DoReMiError) as err:
         cached(tmp_path / "cache", run)
-    assert str(err.value) == (f"{tmp_path / 'cache' / 'meta.json'}: cache was scored with reference {ck} "
-                              f"(fingerprint {scored}), the run's reference {ck} has fingerprint {now} "
-                              f"(run `doremi score` again)")
+    assert str(err.value) == (
+        f"{tmp_path / 'cache' / 'meta.json'}: cache was scored with reference {ck} "
+        f"(fingerprint {scored}), the run's reference {ck} has fingerprint {now} "
+        f"(run `doremi score` again)"
+    )
     write_cache(tmp_path / "old", ck, None)
     (tmp_path / "old" / "meta.json").write_text(
-        json.dumps({**json.loads((tmp_path / "old" / "meta.json").read_text()), "version": 1}))
+        json.dumps({**json.loads((tmp_path / "old" / "meta.json").read_text()), "version": 1})
+    )
     with pytest.raises(DoReMiError, match=r"reference cache version 1, this code reads version 2"):
         cached(tmp_path / "old", run)
 
 
 # -- leftovers of killed writes --------------------------------------------------------------------
+
 
 def leftovers(run: Path) -> tuple[Path, torch.nn.Module, object]:
     """Two complete checkpoints, then what kills leave: an unfinished write, a step directory

@@ -3,7 +3,6 @@ console script, `torchrun`, `doremi plan`, and `doremi eval`."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +17,7 @@ BIN = Path(sys.executable).parent
 
 def sh(*args: str, timeout: int = 300) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([str(a) for a in args], capture_output=True, text=True, env=env, cwd=ROOT,
-                            timeout=timeout)
+    result = subprocess.run([str(a) for a in args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     assert result.returncode == 0, f"{args}\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
@@ -32,8 +30,14 @@ def test_staged_doremi_chain(stores, tmp_path):
     cfg = config_path(stores, tmp_path / "exp")
     doremi("preprocess", cfg)
     doremi("train-reference", cfg, "--set", f"train.run_dir={tmp_path / 'ref'}")
-    proxy = ["--set", f"train.run_dir={tmp_path / 'proxy'}", "--set", f"doremi.reference={tmp_path / 'ref'}",
-             "--set", "train.steps=4"]
+    proxy = [
+        "--set",
+        f"train.run_dir={tmp_path / 'proxy'}",
+        "--set",
+        f"doremi.reference={tmp_path / 'ref'}",
+        "--set",
+        "train.steps=4",
+    ]
     doremi("score", cfg, *proxy, "--out", tmp_path / "cache")
     doremi("train-proxy", cfg, *proxy)
     assert len(alphas(tmp_path / "proxy")) == 4
@@ -41,8 +45,14 @@ def test_staged_doremi_chain(stores, tmp_path):
     weights = json.loads(Path(out.strip()).read_text())
     assert weights["domains"] == ["noise", "easy", "markov"] and weights["steps_averaged"] == 3
     assert sum(weights["weights"]) == pytest.approx(1.0)
-    doremi("train", cfg, "--set", f"train.run_dir={tmp_path / 'main'}",
-           "--set", f"data.domain_weights={tmp_path / 'proxy' / 'weights.json'}")
+    doremi(
+        "train",
+        cfg,
+        "--set",
+        f"train.run_dir={tmp_path / 'main'}",
+        "--set",
+        f"data.domain_weights={tmp_path / 'proxy' / 'weights.json'}",
+    )
     table = doremi("eval", tmp_path / "main")
     lines = table.strip().splitlines()
     assert lines[0].split() == ["domain", "val_loss"] and len(lines) == 1 + 3 + 2
@@ -51,8 +61,19 @@ def test_staged_doremi_chain(stores, tmp_path):
 
 def test_torchrun_data_parallel(stores, tmp_path):
     cfg = config_path(stores, tmp_path / "dp")
-    sh(BIN / "torchrun", "--standalone", "--nproc_per_node=2", "-m", "doremi", "train", cfg,
-       "--set", "parallelism.dp=2", "--set", "logging.progress=false")
+    sh(
+        BIN / "torchrun",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "doremi",
+        "train",
+        cfg,
+        "--set",
+        "parallelism.dp=2",
+        "--set",
+        "logging.progress=false",
+    )
     rows = [json.loads(l) for l in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
 
@@ -68,12 +89,38 @@ def test_plan_70b():
 def test_pipeline_under_torchrun(tmp_path):
     """Two ranks share the stages: rank 0 alone builds stores and writes markers, the others wait."""
     run = tmp_path / "run"
-    args = ["--set", "parallelism.dp=2", "--set", f"pipeline.run_dir={run}", "--set", f"data.store_dir={tmp_path / 's'}",
-            "--set", "train.steps=6", "--set", "train.eval_every=6", "--set", "train.eval_sequences=16",
-            "--set", "pipeline.main.train.steps=4", "--set", "pipeline.baselines=[uniform]",
-            "--set", "logging.progress=false", "--set", "checkpoint.every=0"]
-    torchrun = [BIN / "torchrun", "--standalone", "--nproc_per_node=2", "-m", "doremi", "pipeline",
-                "experiments/configs/quickstart.yaml", *args]
+    args = [
+        "--set",
+        "parallelism.dp=2",
+        "--set",
+        f"pipeline.run_dir={run}",
+        "--set",
+        f"data.store_dir={tmp_path / 's'}",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "train.eval_every=6",
+        "--set",
+        "train.eval_sequences=16",
+        "--set",
+        "pipeline.main.train.steps=4",
+        "--set",
+        "pipeline.baselines=[uniform]",
+        "--set",
+        "logging.progress=false",
+        "--set",
+        "checkpoint.every=0",
+    ]
+    torchrun = [
+        BIN / "torchrun",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "doremi",
+        "pipeline",
+        "experiments/configs/quickstart.yaml",
+        *args,
+    ]
     out = sh(*torchrun)
     assert "| **worst case**" in out and (run / "report.md").is_file()
     assert [len(alphas(run / "round1" / "proxy"))] == [6]

@@ -9,18 +9,31 @@ from pathlib import Path
 
 import pytest
 
-from doremi.compare import (COMPARE_MD, COMPARE_PNG, MainRun, compare, compare_roots, format_compare,
-                            mean_se, pair, read_root)
+from doremi.compare import (
+    COMPARE_MD,
+    COMPARE_PNG,
+    MainRun,
+    compare,
+    compare_roots,
+    format_compare,
+    mean_se,
+    pair,
+    read_root,
+)
 from doremi.errors import DoReMiError
 
 D = ["a", "b", "c"]
 # seed 1: mean 2 vs 6.25 / 3, worst 3 vs 3.5, better on a and c; the mixture's mean curve reaches
 # the baseline's final 6.25 / 3 at step 20 of 30. Seed 2: mean 2 vs 2, worst 2 vs 2.5, better on
 # a and b; never reaches the baseline's final 2.0.
-MIX = [MainRun(D, [3.0, 2.0, 1.0], [(10, 3.0), (20, 2.0), (30, 1.9)]),
-       MainRun(D, [2.0, 2.0, 2.0], [(10, 3.0), (20, 2.9)])]
-BASE = [MainRun(D, [3.5, 1.5, 1.25], [(10, 3.1), (20, 2.5), (30, 6.25 / 3)]),
-        MainRun(D, [2.5, 2.5, 1.0], [(10, 2.5), (20, 2.0)])]
+MIX = [
+    MainRun(D, [3.0, 2.0, 1.0], [(10, 3.0), (20, 2.0), (30, 1.9)]),
+    MainRun(D, [2.0, 2.0, 2.0], [(10, 3.0), (20, 2.9)]),
+]
+BASE = [
+    MainRun(D, [3.5, 1.5, 1.25], [(10, 3.1), (20, 2.5), (30, 6.25 / 3)]),
+    MainRun(D, [2.5, 2.5, 1.0], [(10, 2.5), (20, 2.0)]),
+]
 
 
 def test_mean_se():
@@ -47,13 +60,17 @@ def test_pair_per_seed_and_over_seeds():
 
 
 def test_mixture_in_some_roots_is_compared_over_those():
-    roots = {"s1": {"uniform": BASE[0], "doremi": MIX[0], "tokens": MIX[1]},
-             "s2": {"uniform": BASE[1], "doremi": MIX[1]},
-             "s3": {"doremi": MIX[0]}}
+    roots = {
+        "s1": {"uniform": BASE[0], "doremi": MIX[0], "tokens": MIX[1]},
+        "s2": {"uniform": BASE[1], "doremi": MIX[1]},
+        "s3": {"doremi": MIX[0]},
+    }
     results, notes = compare(roots, "uniform")
     assert [(p.mixture, p.roots) for p in results] == [("doremi", ["s1", "s2"]), ("tokens", ["s1"])]
-    assert notes == ["s3: no main/uniform; left out of every comparison",
-                     "tokens: compared over 1 of 2 roots (missing in s2)"]
+    assert notes == [
+        "s3: no main/uniform; left out of every comparison",
+        "tokens: compared over 1 of 2 roots (missing in s2)",
+    ]
     text = format_compare(results, notes, "uniform")
     assert "| doremi | 2 | -0.0417 ± 0.0417 | -0.5000 ± 0.0000 | 2/3, 2/3 | 1/3 | 1.50x, not reached |" in text
     assert "| tokens | 1 | -0.0833 | -1.5000 | 1/3 | 1/3 | not reached |" in text
@@ -62,11 +79,15 @@ def test_mixture_in_some_roots_is_compared_over_those():
 
 
 def test_compare_rejects_missing_baseline_and_other_domains():
-    with pytest.raises(DoReMiError, match=r"^--baseline tokens: no root has main/tokens \(mixtures found: doremi, uniform\)$"):
+    with pytest.raises(
+        DoReMiError, match=r"^--baseline tokens: no root has main/tokens \(mixtures found: doremi, uniform\)$"
+    ):
         compare({"s1": {"uniform": BASE[0], "doremi": MIX[0]}}, "tokens")
     with pytest.raises(DoReMiError, match=r"^s2/main/doremi: domains \['a', 'b'\] differ"):
-        compare({"s1": {"uniform": BASE[0]}, "s2": {"uniform": BASE[1], "doremi": MainRun(["a", "b"], [1.0, 2.0])}},
-                "uniform")
+        compare(
+            {"s1": {"uniform": BASE[0]}, "s2": {"uniform": BASE[1], "doremi": MainRun(["a", "b"], [1.0, 2.0])}},
+            "uniform",
+        )
 
 
 def _root(path: Path, runs: dict[str, MainRun], marker: bool = True) -> Path:
@@ -77,8 +98,11 @@ def _root(path: Path, runs: dict[str, MainRun], marker: bool = True) -> Path:
         rows += [{"step": s, "val_loss": {dom: m for dom in run.domains}} for s, m in run.curve]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         if marker:
-            (d / "eval.json.stage.json").write_text(json.dumps(
-                {"stage": "eval", "fingerprint": "x", "result": {"domains": run.domains, "val_loss": run.final}}))
+            (d / "eval.json.stage.json").write_text(
+                json.dumps(
+                    {"stage": "eval", "fingerprint": "x", "result": {"domains": run.domains, "val_loss": run.final}}
+                )
+            )
     return path
 
 
@@ -107,8 +131,10 @@ def test_cli_compare_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"doremi compare: error: {tmp_path / 'empty'}: not a pipeline run (expected main/<mixture>/ "
-                   f"with eval results or validation rows in metrics.jsonl)"]
+    assert err == [
+        f"doremi compare: error: {tmp_path / 'empty'}: not a pipeline run (expected main/<mixture>/ "
+        f"with eval results or validation rows in metrics.jsonl)"
+    ]
     assert not (tmp_path / "out").exists()
     r1 = _root(tmp_path / "seed1", {"uniform": BASE[0], "doremi": MIX[0]})
     assert main(["compare", str(r1), "--out", str(tmp_path / "out"), "--baseline", "tokens"]) == 2

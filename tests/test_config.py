@@ -17,8 +17,7 @@ DOMAINS = "data: {domains: [{name: a, paths: [a.txt]}]}\n"
 
 
 def load(tmp_path, text, *sets):
-    return load_config(write(tmp_path, text), ["data.domains=[{name: a, paths: [a.txt]}]", *sets],
-                       cls=ExperimentConfig)
+    return load_config(write(tmp_path, text), ["data.domains=[{name: a, paths: [a.txt]}]", *sets], cls=ExperimentConfig)
 
 
 def error(tmp_path, text, *sets) -> str:
@@ -30,8 +29,14 @@ def error(tmp_path, text, *sets) -> str:
 
 
 def test_sections_and_coercion(tmp_path):
-    cfg = load(tmp_path, "model: {preset: tiny}\ntrain: {steps: 5, lr: 1}\n", "train.lr=3e-4",
-               "parallelism.tp=2", "doremi.eta=0.5", "data.domain_weights=[0.5, 0.5]")
+    cfg = load(
+        tmp_path,
+        "model: {preset: tiny}\ntrain: {steps: 5, lr: 1}\n",
+        "train.lr=3e-4",
+        "parallelism.tp=2",
+        "doremi.eta=0.5",
+        "data.domain_weights=[0.5, 0.5]",
+    )
     assert cfg.train.steps == 5 and cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
     assert cfg.parallelism.tp == 2 and cfg.doremi.eta == 0.5
     assert cfg.data.domain_weights == [0.5, 0.5]
@@ -124,18 +129,24 @@ def test_resolved_config_round_trips(tmp_path):
     assert again == cfg
 
 
-@pytest.mark.parametrize("sets, expect", [
-    (["logging.every=0"], "logging.every: expected >= 1, got 0"),
-    (["train.decay=exponential", "train.min_lr=0"], "train.min_lr: exponential decay needs min_lr > 0, got 0.0"),
-    (["train.warmup_steps=-1"], "train.warmup_steps: expected >= 0, got -1"),
-    (["checkpoint.keep=-1"], "checkpoint.keep: expected >= 1, got -1"),
-    (["checkpoint.every=-5"], "checkpoint.every: expected >= 0"),
-    (["train.eval_every=-1"], "train.eval_every: expected >= 0, got -1"),
-    (["doremi.eta=.inf"], "doremi.eta: expected a finite value >= 0, got inf"),
-    (["doremi.eta=-1"], "doremi.eta: expected a finite value >= 0, got -1.0"),
-    (["doremi.rounds=0"], "doremi.rounds: expected >= 1, got 0"),
-    (["doremi.mode=resample", "doremi.reference_cache=c"], "doremi.reference_cache: a cache needs a fixed proxy data stream"),
-])
+@pytest.mark.parametrize(
+    "sets, expect",
+    [
+        (["logging.every=0"], "logging.every: expected >= 1, got 0"),
+        (["train.decay=exponential", "train.min_lr=0"], "train.min_lr: exponential decay needs min_lr > 0, got 0.0"),
+        (["train.warmup_steps=-1"], "train.warmup_steps: expected >= 0, got -1"),
+        (["checkpoint.keep=-1"], "checkpoint.keep: expected >= 1, got -1"),
+        (["checkpoint.every=-5"], "checkpoint.every: expected >= 0"),
+        (["train.eval_every=-1"], "train.eval_every: expected >= 0, got -1"),
+        (["doremi.eta=.inf"], "doremi.eta: expected a finite value >= 0, got inf"),
+        (["doremi.eta=-1"], "doremi.eta: expected a finite value >= 0, got -1.0"),
+        (["doremi.rounds=0"], "doremi.rounds: expected >= 1, got 0"),
+        (
+            ["doremi.mode=resample", "doremi.reference_cache=c"],
+            "doremi.reference_cache: a cache needs a fixed proxy data stream",
+        ),
+    ],
+)
 def test_values_that_would_fail_mid_run_fail_at_load(tmp_path, sets, expect):
     assert expect in error(tmp_path, "", *sets)
 
@@ -148,11 +159,23 @@ def test_yaml_exponent_without_a_dot_is_a_number(tmp_path):
     assert cfg.doremi.proxy_sampling == [2.0, 1.0]
 
 
-@pytest.mark.parametrize("sets, expect", [
-    (["data.domain_weights=[1, true]"], "data.domain_weights[1]: expected a number (int or float), got True (bool)"),
-    (["doremi.reference_weights={a: '0.5'}"], "doremi.reference_weights.a: expected a number (int or float), got '0.5' (str)"),
-    (["doremi.proxy_sampling=3"], "doremi.proxy_sampling: expected str or list of number or mapping of str to number, got 3 (int)"),
-    (["data.domains=[{name: a, paths: [a.txt]}, 3]"], "data.domains[1]: expected a mapping, got 3 (int)"),
-])
+@pytest.mark.parametrize(
+    "sets, expect",
+    [
+        (
+            ["data.domain_weights=[1, true]"],
+            "data.domain_weights[1]: expected a number (int or float), got True (bool)",
+        ),
+        (
+            ["doremi.reference_weights={a: '0.5'}"],
+            "doremi.reference_weights.a: expected a number (int or float), got '0.5' (str)",
+        ),
+        (
+            ["doremi.proxy_sampling=3"],
+            "doremi.proxy_sampling: expected str or list of number or mapping of str to number, got 3 (int)",
+        ),
+        (["data.domains=[{name: a, paths: [a.txt]}, 3]"], "data.domains[1]: expected a mapping, got 3 (int)"),
+    ],
+)
 def test_weights_are_numbers_and_errors_name_the_item(tmp_path, sets, expect):
     assert error(tmp_path, "", *sets) == expect

@@ -44,6 +44,7 @@ def test_torch_op_matches_float64_reference_with_ignored_tokens_and_padded_vocab
     torch.testing.assert_close(x.grad.double(), want_grad, rtol=tol, atol=tol)
     torch.library.opcheck(cross_entropy_op, (logits, target, 50, IGNORE))
 
+
 TRITON_CASE = textwrap.dedent("""
     import torch
     import torch.nn.functional as F

@@ -1,7 +1,6 @@
 import hashlib
 import json
 
-
 from data.config import DataConfig, DomainSource, SyntheticSpec, TokenizerConfig
 from data.preprocess import preprocess
 from data.sources import CORPUS_DIR, embedded_domains, read_embedded
@@ -26,15 +25,20 @@ def test_quickstart_like_build_round_trips_the_embedded_corpus(tmp_path):
     cfg = DataConfig(
         domains=[DomainSource(name=n, embedded=n) for n in ("code", "docs", "notes")]
         + [DomainSource(name="noise", synthetic=SyntheticSpec(kind="noise", num_tokens=20_000))],
-        tokenizer=TokenizerConfig(kind="bpe", vocab_size=1024), store_dir=str(tmp_path / "stores"), num_proc=1)
+        tokenizer=TokenizerConfig(kind="bpe", vocab_size=1024),
+        store_dir=str(tmp_path / "stores"),
+        num_proc=1,
+    )
     manifest = preprocess(cfg, progress=False)
     stores = open_stores(cfg.store_dir, expect_tokenizer={"name": "bpe-1024", "vocab_size": 1024})
     tok = load_tokenizer(cfg.store_dir)
     for name in ("code", "docs", "notes"):
         got = []
         for split in ("train", "validation"):
-            got += [tok.decode(stores.document(name, split, i).tolist())
-                    for i in range(manifest.domain(name).split(split).documents)]
+            got += [
+                tok.decode(stores.document(name, split, i).tolist())
+                for i in range(manifest.domain(name).split(split).documents)
+            ]
         assert sorted(got) == sorted(read_embedded(name))
         assert manifest.domain(name).validation.documents >= 5
     # BPE compresses real text well below one token per byte

@@ -33,7 +33,7 @@ def test_packed_sequences_tile_the_stream(stores):
         assert n == (len(stream) - 1) // 16
         seqs = [ds.sequence(d, i) for i in range(n)]
         assert all(s.shape == (17,) and s.dtype == np.int64 for s in seqs)
-        assert np.array_equal(np.concatenate([s[:-1] for s in seqs] + [seqs[-1][-1:]]), stream[:n * 16 + 1])
+        assert np.array_equal(np.concatenate([s[:-1] for s in seqs] + [seqs[-1][-1:]]), stream[: n * 16 + 1])
     with pytest.raises(IndexError):
         ds.sequence(0, ds.num_sequences(0))
 
@@ -66,5 +66,7 @@ def test_validation_pads_the_last_sequence_and_iterates_in_order(stores):
     assert (labels == IGNORE_INDEX).sum().item() == pad
     assert torch.equal(labels[labels != IGNORE_INDEX], torch.from_numpy(stream[1:]))
     assert len(list(validation_batches(ds, d, batch_size=1, max_batches=2))) == min(2, n)
-    assert [torch.equal(x["labels"], y["labels"]) for x, y in zip(batches, validation_batches(ds, d, 2))] == [True] * len(batches)
+    assert [torch.equal(x["labels"], y["labels"]) for x, y in zip(batches, validation_batches(ds, d, 2))] == [
+        True
+    ] * len(batches)
     assert PackedDomains(stores, "train", 16).pad_last is False

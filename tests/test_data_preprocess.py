@@ -89,8 +89,11 @@ def test_bpe_trains_on_an_equal_share_of_bytes_per_domain(tmp_path):
         n = sum(len(t.encode()) for t in part)
         assert budget / 2 <= n < budget / 2 + max(len(t.encode()) for t in part)
     with pytest.raises(DataError, match="train_shares: expected shares >= 0 .* unknown: gamma"):
-        config(tmp_path, jsonl_domains(tmp_path),
-               tokenizer=TokenizerConfig(kind="bpe", vocab_size=300, train_shares={"gamma": 1.0})).validate()
+        config(
+            tmp_path,
+            jsonl_domains(tmp_path),
+            tokenizer=TokenizerConfig(kind="bpe", vocab_size=300, train_shares={"gamma": 1.0}),
+        ).validate()
 
 
 def test_rerun_does_no_work_and_changes_rebuild(tmp_path, monkeypatch):
@@ -98,6 +101,7 @@ def test_rerun_does_no_work_and_changes_rebuild(tmp_path, monkeypatch):
     first = preprocess(cfg, progress=False)
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "stores").rglob("*")}
     import data.preprocess as pre
+
     monkeypatch.setattr(pre, "_build", lambda *a, **k: pytest.fail("rebuilt unchanged stores"))
     assert preprocess(cfg, progress=False) == first
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "stores").rglob("*")} == before
@@ -110,7 +114,9 @@ def test_rerun_does_no_work_and_changes_rebuild(tmp_path, monkeypatch):
 
 def test_parallel_and_repeated_builds_are_byte_identical(tmp_path):
     one = config(tmp_path / "a", jsonl_domains(tmp_path), tokenizer=TokenizerConfig(kind="bpe", vocab_size=300))
-    two = config(tmp_path / "b", jsonl_domains(tmp_path), tokenizer=TokenizerConfig(kind="bpe", vocab_size=300), num_proc=2)
+    two = config(
+        tmp_path / "b", jsonl_domains(tmp_path), tokenizer=TokenizerConfig(kind="bpe", vocab_size=300), num_proc=2
+    )
     preprocess(one, progress=False)
     preprocess(two, progress=False)
     assert file_bytes(tmp_path / "a" / "stores") == file_bytes(tmp_path / "b" / "stores")
@@ -126,6 +132,7 @@ def test_parallel_and_repeated_builds_are_byte_identical(tmp_path):
 @pytest.mark.parametrize("fmt", ["json", "parquet", "txt", "arrow", "csv", "jsonl.gz"])
 def test_file_formats(tmp_path, fmt):
     import datasets
+
     texts = DOCS["alpha"][:12]
     ds = datasets.Dataset.from_dict({"body": texts})
     if fmt == "json":
@@ -142,6 +149,7 @@ def test_file_formats(tmp_path, fmt):
         paths = [str(tmp_path / "saved" / "*.arrow")]
     elif fmt == "jsonl.gz":
         import gzip
+
         with gzip.open(tmp_path / "d.jsonl.gz", "wt") as f:
             f.writelines(json.dumps({"body": t}) + "\n" for t in texts)
         paths = [str(tmp_path / "d.jsonl.gz")]
@@ -160,8 +168,9 @@ def test_domain_column_dataset(tmp_path):
     rows = [{"content": t, "src": n} for n, texts in DOCS.items() for t in texts]
     path = tmp_path / "all.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = DataConfig(dataset=[str(path)], domain_column="src", text_field="content", num_proc=1,
-                     store_dir=str(tmp_path / "stores"))
+    cfg = DataConfig(
+        dataset=[str(path)], domain_column="src", text_field="content", num_proc=1, store_dir=str(tmp_path / "stores")
+    )
     manifest = preprocess(cfg, progress=False)
     assert manifest.domain_names == ["alpha", "beta"]
     stores = open_stores(cfg.store_dir)
@@ -184,6 +193,7 @@ def test_max_documents_and_empty_documents_dropped(tmp_path):
 
 
 # ---- bad input: one-line DataError, nothing written -------------------------------------------
+
 
 def assert_nothing_written(tmp_path):
     store = tmp_path / "stores"
@@ -213,8 +223,13 @@ def test_missing_field_leaves_nothing_and_keeps_old_stores(tmp_path):
 def test_empty_domain(tmp_path, texts):
     path = tmp_path / "empty.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    cfg = config(tmp_path, [DomainSource(name="a", paths=[write_jsonl(tmp_path / "a.jsonl", ["x"])]),
-                            DomainSource(name="empty", paths=[str(path)])])
+    cfg = config(
+        tmp_path,
+        [
+            DomainSource(name="a", paths=[write_jsonl(tmp_path / "a.jsonl", ["x"])]),
+            DomainSource(name="empty", paths=[str(path)]),
+        ],
+    )
     with pytest.raises(DataError, match="domain 'empty': empty domain"):
         preprocess(cfg, progress=False)
     assert_nothing_written(tmp_path)
@@ -222,6 +237,7 @@ def test_empty_domain(tmp_path, texts):
 
 def test_domain_named_twice(tmp_path):
     from trainer.configtools import from_dict
+
     raw = {"domains": [{"name": "a", "embedded": "code"}, {"name": "a", "embedded": "docs"}]}
     with pytest.raises(DataError, match="data.domains: domain 'a' is named twice"):
         from_dict(DataConfig, raw, "data")
@@ -241,13 +257,20 @@ def test_non_text_field(tmp_path):
 
 def test_vocabulary_that_does_not_fit_the_dtype(tmp_path):
     from tokenizers import Tokenizer, models
+
     vocab = {f"w{i}": i for i in range(70_000)}
     vocab["</s>"] = len(vocab)
     Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "big.json"))
     assert token_dtype(70_001) == "uint32" and token_dtype(65_536) == "uint16"
-    cfg = config(tmp_path, jsonl_domains(tmp_path), token_dtype="uint16",
-                 tokenizer=TokenizerConfig(kind="file", path=str(tmp_path / "big.json")))
-    with pytest.raises(DataError, match="data.token_dtype: uint16 holds ids < 65536 but the tokenizer's vocabulary has 70001 ids"):
+    cfg = config(
+        tmp_path,
+        jsonl_domains(tmp_path),
+        token_dtype="uint16",
+        tokenizer=TokenizerConfig(kind="file", path=str(tmp_path / "big.json")),
+    )
+    with pytest.raises(
+        DataError, match="data.token_dtype: uint16 holds ids < 65536 but the tokenizer's vocabulary has 70001 ids"
+    ):
         preprocess(cfg, progress=False)
     assert_nothing_written(tmp_path)
 
@@ -310,6 +333,7 @@ def test_jsonl_compressed_reads_without_datasets(tmp_path, monkeypatch):
     import gzip
     import lzma
     import sys
+
     monkeypatch.setitem(sys.modules, "datasets", None)  # importing it now raises ImportError
     lines = "".join(json.dumps({"text": t}) + "\n" for t in DOCS["alpha"])
     paths = []
@@ -320,8 +344,14 @@ def test_jsonl_compressed_reads_without_datasets(tmp_path, monkeypatch):
         paths.append(str(path))
     cfg = config(tmp_path, [DomainSource(name=f"d{i}", paths=[p]) for i, p in enumerate(paths)])
     manifest = preprocess(cfg, progress=False)
-    totals = {(d.train.tokens + d.validation.tokens, d.train.documents + d.validation.documents,
-               d.train.bytes + d.validation.bytes) for d in manifest.domains}  # splits differ by domain name
+    totals = {
+        (
+            d.train.tokens + d.validation.tokens,
+            d.train.documents + d.validation.documents,
+            d.train.bytes + d.validation.bytes,
+        )
+        for d in manifest.domains
+    }  # splits differ by domain name
     nbytes = sum(len(t.encode()) for t in DOCS["alpha"])
     assert totals == {(nbytes + len(DOCS["alpha"]), len(DOCS["alpha"]), nbytes)}  # byte tokens + one EOS each
     bad = tmp_path / "bad.jsonl.xz"

@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from data.errors import DataError
 from data.apportion import apportion
+from data.errors import DataError
 from data.holdout import holdout_split
 from data.sampler import DomainBatchSampler, interleave
 

@@ -20,8 +20,12 @@ ORDER = {"noise": 0, "repeat": 1, "markov": 2}
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("synthetic")
-    cfg = DataConfig(domains=[DomainSource(name=n, synthetic=s) for n, s in SPECS.items()],
-                     tokenizer=TokenizerConfig(kind="byte"), store_dir=str(tmp / "stores"), num_proc=1)
+    cfg = DataConfig(
+        domains=[DomainSource(name=n, synthetic=s) for n, s in SPECS.items()],
+        tokenizer=TokenizerConfig(kind="byte"),
+        store_dir=str(tmp / "stores"),
+        num_proc=1,
+    )
     preprocess(cfg, progress=False)
     return open_stores(cfg.store_dir)
 
@@ -50,6 +54,7 @@ def test_markov_needs_its_context():
     """Learnable but hard: the order-2 context gives log(branching); one token of context does not."""
     spec = SPECS["markov"]
     from data.synthetic import markov
+
     stream = markov(spec)
     assert empirical_entropy([stream], 2) == pytest.approx(math.log(3), rel=0.01)
     assert empirical_entropy([stream], 1) > math.log(3) + 0.5
@@ -65,7 +70,12 @@ def test_symbol_ids_skip_eos_and_entropy_formula():
 
 def test_bad_synthetic_specs():
     from trainer.configtools import from_dict
+
     with pytest.raises(DataError, match="branching: expected at most vocab=4, got 5"):
-        from_dict(DataConfig, {"domains": [{"name": "m", "synthetic": {"kind": "markov", "vocab": 4, "branching": 5}}]}, "data")
+        from_dict(
+            DataConfig,
+            {"domains": [{"name": "m", "synthetic": {"kind": "markov", "vocab": 4, "branching": 5}}]},
+            "data",
+        )
     with pytest.raises(DataError, match=r"vocab\*\*\(order\+1\)"):
         markov_table(SyntheticSpec(kind="markov", vocab=1000, order=3))

@@ -4,11 +4,14 @@ import pytest
 
 from data.config import TokenizerConfig
 from data.errors import DataError
-from data.tokenizer import (ByteTokenizer, build_tokenizer, expected_identity, save_tokenizer,
-                            tokenizer_from_spec)
+from data.tokenizer import ByteTokenizer, build_tokenizer, expected_identity, save_tokenizer, tokenizer_from_spec
 
-TEXTS = ["def f(x):\n    return x + 1\n", "Héllo, wörld — ünïcode ✓ 日本語", "tab\tand\r\nnewlines\n\n",
-         "The quick brown fox jumps over the lazy dog. " * 20]
+TEXTS = [
+    "def f(x):\n    return x + 1\n",
+    "Héllo, wörld — ünïcode ✓ 日本語",
+    "tab\tand\r\nnewlines\n\n",
+    "The quick brown fox jumps over the lazy dog. " * 20,
+]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +74,7 @@ def test_file_tokenizer_errors(bpe, tmp_path):
 
 def test_word_level_tokenizer_without_eos_is_rejected(tmp_path):
     from tokenizers import Tokenizer, models
+
     tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.save(str(tmp_path / "w.json"))
     with pytest.raises(DataError, match=r"no end-of-document token .*set data.tokenizer.eos_token"):

@@ -8,8 +8,13 @@ from data.store import DomainEntry, Manifest, SplitCounts
 from data.weights import resolve_weights
 
 MANIFEST = Manifest(
-    domains=[DomainEntry(n, "test", SplitCounts(t, 1), SplitCounts(0, 0)) for n, t in (("a", 100), ("b", 300), ("c", 600))],
-    tokenizer={"name": "byte"}, dtype="uint16", fingerprint="x")
+    domains=[
+        DomainEntry(n, "test", SplitCounts(t, 1), SplitCounts(0, 0)) for n, t in (("a", 100), ("b", 300), ("c", 600))
+    ],
+    tokenizer={"name": "byte"},
+    dtype="uint16",
+    fingerprint="x",
+)
 
 
 def test_forms(tmp_path):
@@ -23,14 +28,17 @@ def test_forms(tmp_path):
     assert isinstance(resolve_weights("uniform", MANIFEST), np.ndarray)
 
 
-@pytest.mark.parametrize("spec, message", [
-    ([1, -1, 1], r"finite and >= 0, got b=-1.0"),
-    ([1, float("nan"), 1], r"finite and >= 0, got b=nan"),
-    ([1, 1], r"expected 3 weights \(domains a, b, c\), got 2"),
-    ([0, 0, 0], "all zero"),
-    ({"a": 1, "b": 1, "z": 1}, "unknown: z; missing: c"),
-    ("missing.json", "weights file missing.json not found"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ([1, -1, 1], r"finite and >= 0, got b=-1.0"),
+        ([1, float("nan"), 1], r"finite and >= 0, got b=nan"),
+        ([1, 1], r"expected 3 weights \(domains a, b, c\), got 2"),
+        ([0, 0, 0], "all zero"),
+        ({"a": 1, "b": 1, "z": 1}, "unknown: z; missing: c"),
+        ("missing.json", "weights file missing.json not found"),
+    ],
+)
 def test_bad_weights(spec, message):
     with pytest.raises(DataError, match=message):
         resolve_weights(spec, MANIFEST)

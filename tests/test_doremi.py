@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data.apportion import apportion
 from data.atomic import atomic_write_text
 from data.preprocess import preprocess
-from data.apportion import apportion
 from doremi import stages
 from doremi.config import ExperimentConfig
-from doremi.history import read_history
 from doremi.errors import DoReMiError
+from doremi.history import read_history
 from tests.runs import alphas, config, config_path, losses
 from trainer.checkpoint import checkpoint_dir, latest_checkpoint
 from trainer.config import load_config
@@ -108,7 +108,7 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(stores, root, referen
     assert latest_checkpoint(crashed) == checkpoint_dir(crashed, 3)
     history = crashed / "domain_weights.jsonl"
     lines = history.read_text().splitlines(keepends=True)
-    history.write_text("".join(lines[:4]) + lines[4][:len(lines[4]) // 2])  # steps 1-4, torn 5
+    history.write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2])  # steps 1-4, torn 5
 
     train_proxy(stores, crashed, reference, *sets)
     want, got = read_history(whole), read_history(crashed)
@@ -125,14 +125,19 @@ def test_sigkill_and_resume_equals_the_uninterrupted_run(stores, root, reference
     """A `doremi train-proxy` process killed with SIGKILL wherever it is after step 3 (in a
     step, in a history write, in a checkpoint write), then resumed in this process."""
     steps = 30
-    sets = [*COMMON, f"train.steps={steps}", f"doremi.reference={reference}", "checkpoint.every=1",
-            "checkpoint.keep=2"]
+    sets = [*COMMON, f"train.steps={steps}", f"doremi.reference={reference}", "checkpoint.every=1", "checkpoint.keep=2"]
     whole = root / "sigkill-whole"
     stages.train_proxy(config(stores, whole, *sets))
 
     run = root / "sigkilled"
-    args = [sys.executable, "-m", "doremi", "train-proxy", str(config_path(stores, run)),
-            *[a for s in sets for a in ("--set", s)]]
+    args = [
+        sys.executable,
+        "-m",
+        "doremi",
+        "train-proxy",
+        str(config_path(stores, run)),
+        *[a for s in sets for a in ("--set", s)],
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # one thread, as here
     proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     history = run / "domain_weights.jsonl"
@@ -151,8 +156,10 @@ def test_sigkill_and_resume_equals_the_uninterrupted_run(stores, root, reference
     stages.train_proxy(config(stores, run, *sets))
     assert read_history(run) == read_history(whole)
     assert losses(run) == losses(whole)
-    assert json.loads(stages.average(run).read_text())["weights"] == \
-        json.loads(stages.average(whole).read_text())["weights"]
+    assert (
+        json.loads(stages.average(run).read_text())["weights"]
+        == json.loads(stages.average(whole).read_text())["weights"]
+    )
 
 
 # -- 2. behaviour on domains of known entropy ----------------------------------------------------
@@ -222,6 +229,7 @@ def test_tuned_weights_order_domains_by_learnability(tmp_path):
 
 # -- 3. update variants --------------------------------------------------------------------------
 
+
 def test_eta_zero_keeps_alpha_uniform(stores, root, reference):
     run = train_proxy(stores, root / "eta0", reference, "doremi.eta=0")
     history = read_history(run)
@@ -257,8 +265,7 @@ def test_resample_draws_the_batch_from_the_previous_alpha(stores, root, referenc
     previous = [1 / 3] * 3
     drawn, deficits = [], [0.0] * 3
     for r in history:
-        sequences, deficits = apportion(deficits, np.asarray(previous) / np.sum(previous),
-                                        cfg.train.global_batch_size)
+        sequences, deficits = apportion(deficits, np.asarray(previous) / np.sum(previous), cfg.train.global_batch_size)
         assert r["tokens"] == [n * cfg.data.seq_len for n in sequences], r["step"]
         drawn.append(sequences)
         previous = r["weights"]
@@ -266,6 +273,7 @@ def test_resample_draws_the_batch_from_the_previous_alpha(stores, root, referenc
 
 
 # -- 4. cached reference -------------------------------------------------------------------------
+
 
 def test_cached_reference_gives_the_online_weights(stores, root, reference, exact):
     cache = stages.score(proxy_config(stores, root / "score", reference), root / "cache")
@@ -275,8 +283,7 @@ def test_cached_reference_gives_the_online_weights(stores, root, reference, exac
 
 
 def test_cache_shorter_than_the_run_is_a_one_line_error(stores, root, reference):
-    cache = stages.score(proxy_config(stores, root / "score-short", reference, "train.steps=2"),
-                         root / "cache-short")
+    cache = stages.score(proxy_config(stores, root / "score-short", reference, "train.steps=2"), root / "cache-short")
     assert json.loads((cache / "meta.json").read_text())["steps"] == 2
     with pytest.raises(DoReMiError) as err:
         train_proxy(stores, root / "cached-short", reference, f"doremi.reference_cache={cache}")
@@ -285,5 +292,6 @@ def test_cache_shorter_than_the_run_is_a_one_line_error(stores, root, reference)
     assert str(cache) in message and "covers 2 steps, fewer steps than the run's train.steps=5" in message
     assert not (root / "cached-short" / "metrics.jsonl").exists()  # refused before any step
     with pytest.raises(DoReMiError, match="cache was scored for data.seed=0, the run has 7"):
-        train_proxy(stores, root / "cached-seed", reference, f"doremi.reference_cache={cache}",
-                    "data.seed=7", "train.steps=2")
+        train_proxy(
+            stores, root / "cached-seed", reference, f"doremi.reference_cache={cache}", "data.seed=7", "train.steps=2"
+        )

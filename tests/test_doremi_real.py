@@ -24,18 +24,28 @@ def test_arm_commands_carry_seed_baselines_and_ablation():
     natural = Path("/w/natural.json")
     cmd = run_study.arm_command("natref-s2", run_study.ARMS["natref-s2"], Path("/w"), natural, ["train.steps=3"])
     sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
-    assert sets == ["pipeline.run_dir=/w/natref-s2", "data.store_dir=/w/stores", "train.seed=2", "data.seed=2",
-                    "pipeline.baselines=[]", "doremi.reference_weights=/w/natural.json", "train.steps=3"]
+    assert sets == [
+        "pipeline.run_dir=/w/natref-s2",
+        "data.store_dir=/w/stores",
+        "train.seed=2",
+        "data.seed=2",
+        "pipeline.baselines=[]",
+        "doremi.reference_weights=/w/natural.json",
+        "train.steps=3",
+    ]
     one = run_study.arm_command("doremi-s1", run_study.ARMS["doremi-s1"], Path("/w"), natural, [])
     assert "pipeline.baselines=[uniform, /w/natural.json]" in one
     domains = json.loads(run_study.corpus_sets(Path("/c"))[0].split("=", 1)[1])
     assert len(domains) == 12 and domains[0] == {"name": "c", "paths": ["/c/c.jsonl.xz"]}
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["--arms", "nosuch"], "--arms: unknown arm(s) nosuch"),
-    (["--corpus", "/nonexistent"], "/nonexistent: no corpus manifest"),
-])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--arms", "nosuch"], "--arms: unknown arm(s) nosuch"),
+        (["--corpus", "/nonexistent"], "/nonexistent: no corpus manifest"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, expect):
     with pytest.raises(SystemExit) as e:
         run_study.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), *args])
@@ -57,8 +67,12 @@ def test_verdict_rule():
 
 
 def test_rule_checks_take_the_worst_domain_against_each_limit():
-    values = {"gap": {"c": 0.01, "go": 0.051}, "epochs": {"c": 1.9}, "mixture": {},
-              "final_minus_best": {"c": 0.0, "go": 0.01}}
+    values = {
+        "gap": {"c": 0.01, "go": 0.051},
+        "epochs": {"c": 1.9},
+        "mixture": {},
+        "final_minus_best": {"c": 0.0, "go": 0.01},
+    }
     checks = summarize.rule_checks(values)
     by_key = {key: checks[label] for key, (label, _) in summarize.RULE_GUARDRAILS.items()}
     assert by_key["gap"] == (0.051, False)

@@ -14,7 +14,10 @@ from trainer.parallel.context import ParallelContext
 def test_mean_and_standard_error_over_sequences():
     cfg = _cfg()
     model = Llama(cfg, seed=0)
-    batches = [[_batch(cfg, b=3, seed=1), _batch(cfg, b=2, seed=2)], [{k: v[:1] for k, v in _batch(cfg, b=2, seed=3).items()}]]
+    batches = [
+        [_batch(cfg, b=3, seed=1), _batch(cfg, b=2, seed=2)],
+        [{k: v[:1] for k, v in _batch(cfg, b=2, seed=3).items()}],
+    ]
     pc = ParallelContext.single()
     mean, se = evaluate_domains_with_error(model, batches, pc)
     torch.testing.assert_close(mean, evaluate_domains(model, batches, pc), rtol=0, atol=0)
@@ -22,8 +25,9 @@ def test_mean_and_standard_error_over_sequences():
         model.eval()
         per_token = [[model(None, b) for b in dom] for dom in batches]
     masks = [[b["labels"] != -100 for b in dom] for dom in batches]
-    seq_means = [torch.cat([(l.double() * m).sum(-1) / m.sum(-1) for l, m in zip(ls, ms)])
-                 for ls, ms in zip(per_token, masks)]
+    seq_means = [
+        torch.cat([(l.double() * m).sum(-1) / m.sum(-1) for l, m in zip(ls, ms)]) for ls, ms in zip(per_token, masks)
+    ]
     token_mean = sum((l * m).sum() for l, m in zip(per_token[0], masks[0])) / sum(m.sum() for m in masks[0])
     assert math.isclose(float(mean[0]), float(token_mean), rel_tol=1e-6)
     assert math.isclose(float(se[0]), float(seq_means[0].std() / math.sqrt(5)), rel_tol=1e-6)

@@ -31,14 +31,21 @@ def test_triton_update_on_grad_tensors_equals_the_compiled_flat_update():
     n_decay = offsets[2]
     master = torch.zeros(total, device=dev)  # the gaps between tensors stay zero, as in the optimizer
     for o, n in zip(offsets, numels):
-        master[o:o + n] = torch.randn(n, device=dev, generator=g)
-    ref = [torch.nn.Parameter(master[o:o + n].clone()) for o, n in zip(offsets, numels)]
-    ref_opt = torch.optim.AdamW([{"params": ref[:2], "weight_decay": 0.1}, {"params": ref[2:], "weight_decay": 0.0}],
-                                lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+        master[o : o + n] = torch.randn(n, device=dev, generator=g)
+    ref = [torch.nn.Parameter(master[o : o + n].clone()) for o, n in zip(offsets, numels)]
+    ref_opt = torch.optim.AdamW(
+        [{"params": ref[:2], "weight_decay": 0.1}, {"params": ref[2:], "weight_decay": 0.0}],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=False,
+    )
     states = {}
     for k in ("flat", "tensors"):
-        remainder, param = torch.empty(total, dtype=torch.int16, device=dev), torch.empty(total, dtype=torch.bfloat16,
-                                                                                           device=dev)
+        remainder, param = (
+            torch.empty(total, dtype=torch.int16, device=dev),
+            torch.empty(total, dtype=torch.bfloat16, device=dev),
+        )
         split_fp32(master, param, remainder)
         states[k] = (remainder, torch.zeros_like(master), torch.zeros_like(master), param)
     flat_update = torch.compile(adamw_update, fullgraph=True, dynamic=False)
@@ -50,7 +57,7 @@ def test_triton_update_on_grad_tensors_equals_the_compiled_flat_update():
         grads = [torch.randn(n, device=dev, generator=g).bfloat16() for n in numels]
         flat_grad = torch.zeros(total, dtype=torch.bfloat16, device=dev)
         for o, n, gr in zip(offsets, numels, grads):
-            flat_grad[o:o + n] = gr
+            flat_grad[o : o + n] = gr
         r, m, v, p = states["flat"]
         flat_update(r, flat_grad, m, v, p, lr, step, scale, n_decay, 0.9, 0.95, 1e-8, 0.1)
         r, m, v, p = states["tensors"]
@@ -66,7 +73,7 @@ def test_triton_update_on_grad_tensors_equals_the_compiled_flat_update():
     for k, (_, _, _, p) in states.items():
         assert torch.equal(p, rounded_half_away(masters[k])), k
         for o, n, w in zip(offsets, numels, ref):
-            torch.testing.assert_close(masters[k][o:o + n], w.detach(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(masters[k][o : o + n], w.detach(), rtol=1e-6, atol=1e-7)
 
 
 @cuda
@@ -87,7 +94,7 @@ def test_triton_cross_entropy_matches_the_torch_op_at_the_bench_vocabulary():
     d = ce.cross_entropy_backward_triton(grad, logits, target, lse, vocab, -100)
     want = ce.cross_entropy_backward_torch(grad, logits, target, lse, vocab, -100)
     assert not d[:, vocab:].any()
-    assert ((d.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-9).all()  # one bf16 ulp
+    assert ((d.float() - want.float()).abs() <= 2.0**-7 * want.float().abs() + 1e-9).all()  # one bf16 ulp
 
 
 @cuda
@@ -105,8 +112,11 @@ def test_triton_rope_matches_the_compiled_torch_ops_at_the_bench_shape():
     x = torch.randn(s, b, (h + 2 * kv) * hd, device=dev, generator=g).bfloat16()
     grad = torch.randn(s, b, h * hd, device=dev, generator=g).bfloat16()
     results = []
-    for fn, dtype in ((rope.rope_qkv, torch.bfloat16), (rope.rope_qkv_torch, torch.bfloat16),
-                      (rope.rope_qkv_torch, torch.float32)):
+    for fn, dtype in (
+        (rope.rope_qkv, torch.bfloat16),
+        (rope.rope_qkv_torch, torch.bfloat16),
+        (rope.rope_qkv_torch, torch.float32),
+    ):
         qkv = x.detach().clone().to(dtype).requires_grad_()
         core = torch.compile(lambda t, fn=fn: causal_attention(*fn(t, cos, sin, h, kv), "sdpa"), dynamic=False)
         parts = fn(qkv, cos, sin, h, kv)
@@ -115,7 +125,7 @@ def test_triton_rope_matches_the_compiled_torch_ops_at_the_bench_shape():
         results.append(([p.detach() for p in parts], out.detach().float(), qkv.grad.float()))
     (p0, o0, g0), (p1, o1, g1), (_, o32, g32) = results
     for a, w in zip(p0, p1):
-        assert ((a.float() - w.float()).abs() <= 2.0 ** -8 * w.float().abs() + 1e-6).all()
+        assert ((a.float() - w.float()).abs() <= 2.0**-8 * w.float().abs() + 1e-6).all()
 
     def err(a, w):
         return ((a - w).norm() / w.norm()).item()
@@ -130,8 +140,10 @@ def test_triton_sums_of_squares_match_float64_on_bf16_gradients():
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    ts = [torch.randn(n, device=dev, generator=g).bfloat16()
-          for n in (32000 * 2048, 3072 * 2048, 2048, 1, SQUARES_BLOCK + 3)]
+    ts = [
+        torch.randn(n, device=dev, generator=g).bfloat16()
+        for n in (32000 * 2048, 3072 * 2048, 2048, 1, SQUARES_BLOCK + 3)
+    ]
     assert uses_triton_squares(ts)
     got = sums_of_squares(ts)
     want = torch.stack([(t.double() ** 2).sum() for t in ts])

@@ -24,11 +24,25 @@ CONFIG = ROOT / "experiments" / "configs" / "gpu_scale.yaml"
 SCRIPT = ROOT / "experiments" / "launch" / "gpu_scale.sh"
 SUMMARY = ROOT / "experiments" / "tools" / "gpu_scale_summary.py"
 MIXTURES = ("doremi", "uniform", "tokens")
-TINY = ["train.steps=6", "pipeline.main.train.steps=4", "train.eval_every=2", "train.eval_sequences=4",
-        "logging.every=2", "data.seq_len=32", "data.num_proc=1",
-        "model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
-        "pipeline.main.model.d_model=32", "pipeline.main.model.n_layers=2", "pipeline.main.model.n_heads=4",
-        "pipeline.main.model.n_kv_heads=2", "pipeline.main.model.ffn_dim=64"]
+TINY = [
+    "train.steps=6",
+    "pipeline.main.train.steps=4",
+    "train.eval_every=2",
+    "train.eval_sequences=4",
+    "logging.every=2",
+    "data.seq_len=32",
+    "data.num_proc=1",
+    "model.d_model=32",
+    "model.n_layers=1",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=64",
+    "pipeline.main.model.d_model=32",
+    "pipeline.main.model.n_layers=2",
+    "pipeline.main.model.n_heads=4",
+    "pipeline.main.model.n_kv_heads=2",
+    "pipeline.main.model.ffn_dim=64",
+]
 
 
 def stage_configs(*sets: str):
@@ -63,7 +77,10 @@ def run_script(out: Path, work: Path, *args: str) -> subprocess.CompletedProcess
 def test_bad_arguments_are_one_line_errors(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     r = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip() == "gpu_scale.sh: error: OUT is not set (the directory the packed results go to)"
+    assert (
+        r.returncode == 2
+        and r.stderr.strip() == "gpu_scale.sh: error: OUT is not set (the directory the packed results go to)"
+    )
     r = run_script(tmp_path / "out", tmp_path / "work", "--seeds", "one")
     assert r.returncode == 2 and "--seeds: expected integers" in r.stderr and not (tmp_path / "out").exists()
 
@@ -85,9 +102,23 @@ def experiment(tmp_path_factory):
             tar.extractall(root / "unpacked", filter="data")
         seeds.append(root / "unpacked" / f"seed{s}")
     out = root / "results" / "gpu_scale.md"
-    r = subprocess.run([sys.executable, str(SUMMARY), *map(str, seeds), "--out", str(out),
-                        "--plots", str(root / "results" / "gpu_scale"), "--notes", str(root / "none.md")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(SUMMARY),
+            *map(str, seeds),
+            "--out",
+            str(out),
+            "--plots",
+            str(root / "results" / "gpu_scale"),
+            "--notes",
+            str(root / "none.md"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     return {"root": root, "stopped": stopped, "done": done, "seeds": seeds, "summary": out}
 
@@ -97,7 +128,11 @@ def test_deadline_stops_packs_and_the_rerun_resumes(experiment):
     assert stopped.returncode == 3, stopped.stdout + stopped.stderr
     assert "deadline of 1s reached" in stopped.stdout and "rerun to resume" in stopped.stdout
     assert sorted(p.name for p in (root / "out-stopped").iterdir()) == [
-        "gpu_scale_seed1.log", "gpu_scale_seed1.tar.gz", "gpu_scale_seed2.log", "gpu_scale_seed2.tar.gz"]
+        "gpu_scale_seed1.log",
+        "gpu_scale_seed1.tar.gz",
+        "gpu_scale_seed2.log",
+        "gpu_scale_seed2.tar.gz",
+    ]
     assert "seed 1: finished" in done.stdout and "seed 2: finished" in done.stdout
 
 
@@ -106,9 +141,19 @@ def test_packed_results_hold_every_stage_without_checkpoints(experiment):
     with tarfile.open(experiment["root"] / "out" / "gpu_scale_seed2.tar.gz") as tar:
         names = tar.getnames()
     assert not any("checkpoints" in n for n in names)
-    for f in ("report.md", "domain_weights.png", "val_loss.png", "final_loss.png", "weights.json",
-              "stores/manifest.json", "pipeline.log", "run_info.json", "round1/proxy/domain_weights.jsonl",
-              "round1/reference/metrics.jsonl", *(f"main/{m}/metrics.jsonl" for m in MIXTURES)):
+    for f in (
+        "report.md",
+        "domain_weights.png",
+        "val_loss.png",
+        "final_loss.png",
+        "weights.json",
+        "stores/manifest.json",
+        "pipeline.log",
+        "run_info.json",
+        "round1/proxy/domain_weights.jsonl",
+        "round1/reference/metrics.jsonl",
+        *(f"main/{m}/metrics.jsonl" for m in MIXTURES),
+    ):
         assert f"seed2/{f}" in names, f
     info = json.loads((seed2 / "run_info.json").read_text())
     assert info["seed"] == 2 and info["exit_status"] == 0 and "train.steps=6" in info["overrides"]
@@ -123,12 +168,12 @@ def table(text: str, first_header: str) -> dict[tuple[str, ...], list[str]]:
     lines = text.splitlines()
     start = next(i for i, l in enumerate(lines) if l.startswith(f"| {first_header} |"))
     rows = {}
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         cells = [c.strip().strip("*") for c in line.strip("|").split("|")]
         key = tuple(cells[:2]) if cells[1].startswith("seed") or cells[1] == "mean" else (cells[0],)
-        rows[key] = cells[len(key):]
+        rows[key] = cells[len(key) :]
     return rows
 
 
@@ -178,16 +223,26 @@ def test_summary_numbers_come_from_the_runs(experiment):
             assert float(seed1[(d,)][header.index(f"loss: {m}")]) == pytest.approx(val[d], abs=5e-5)
 
     diagnostics = table(text, "domain | reference val loss")
-    ref_train = np.mean([[h["ref_loss"] for h in read_jsonl(s / "round1" / "proxy" / "domain_weights.jsonl")]
-                         for s in experiment["seeds"]], axis=(0, 1))
+    ref_train = np.mean(
+        [
+            [h["ref_loss"] for h in read_jsonl(s / "round1" / "proxy" / "domain_weights.jsonl")]
+            for s in experiment["seeds"]
+        ],
+        axis=(0, 1),
+    )
     for i, d in enumerate(domains):
         assert float(diagnostics[(d,)][1]) == pytest.approx(ref_train[i], abs=5e-5)
 
     wins = {k: all(means["doremi"][k] < means[b][k] for b in ("uniform", "tokens")) for k in (1, 2)}
     expected = {2: "win", 1: "mixed", 0: "lose"}[sum(wins.values())]
     assert f"- mean over seeds: DoReMi **{expected} (" in text
-    for png in ("domain_weights_seed1.png", "domain_weights_seed2.png", "val_loss_seed1.png",
-                "val_loss_seed2.png", "final_adjusted_loss.png"):
+    for png in (
+        "domain_weights_seed1.png",
+        "domain_weights_seed2.png",
+        "val_loss_seed1.png",
+        "val_loss_seed2.png",
+        "final_adjusted_loss.png",
+    ):
         assert f"(gpu_scale/{png})" in text
         assert (experiment["summary"].parent / "gpu_scale" / png).read_bytes()[:4] == b"\x89PNG"
 
@@ -198,7 +253,11 @@ def test_summary_rejects_an_unfinished_seed(tmp_path, experiment):
     seed = tmp_path / "seed9"
     shutil.copytree(experiment["seeds"][0], seed)
     (seed / "main" / "tokens" / "eval.json.stage.json").unlink()
-    r = subprocess.run([sys.executable, str(SUMMARY), str(seed), "--out", str(tmp_path / "x.md")],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(SUMMARY), str(seed), "--out", str(tmp_path / "x.md")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and not (tmp_path / "x.md").exists()
     assert r.stderr.strip().endswith("main run(s) tokens have no eval result (did the pipeline finish?)")

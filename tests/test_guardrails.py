@@ -10,9 +10,24 @@ from pathlib import Path
 import pytest
 
 from doremi.config import GuardrailConfig
-from doremi.guardrails import (RunMeasures, check_run, concentration, epochs_read, final_minus_best,
-                               findings, format_guardrail_table, lambda_snr, measure, memorisation, memorisation_se,
-                               mixture_deviation, pipeline_runs, print_findings, reference_on_batches, warnings)
+from doremi.guardrails import (
+    RunMeasures,
+    check_run,
+    concentration,
+    epochs_read,
+    final_minus_best,
+    findings,
+    format_guardrail_table,
+    lambda_snr,
+    measure,
+    memorisation,
+    memorisation_se,
+    mixture_deviation,
+    pipeline_runs,
+    print_findings,
+    reference_on_batches,
+    warnings,
+)
 from trainer.configtools import ConfigError, from_dict
 
 CFG = GuardrailConfig()
@@ -32,14 +47,17 @@ def _eval(step, val, seen=None, held=None):
     return row
 
 
-REALISED = {"sequences": {"a": 10, "b": 22}, "tokens": {"a": 320, "b": 704},
-            "nominal_sequences": {"a": 8.0, "b": 24.0}}
-ROWS = [_train(2, {"a": 0.5, "b": 3.0}), _eval(2, {"a": 3.0, "b": 4.0}),
-        _train(4, {"a": 1.0, "b": 6.0}, REALISED),
-        _eval(4, {"a": 3.5, "b": 6.0}, seen={"a": 0.25, "b": 5.5}, held={"a": 3.0, "b": 5.5625})]
+REALISED = {"sequences": {"a": 10, "b": 22}, "tokens": {"a": 320, "b": 704}, "nominal_sequences": {"a": 8.0, "b": 24.0}}
+ROWS = [
+    _train(2, {"a": 0.5, "b": 3.0}),
+    _eval(2, {"a": 3.0, "b": 4.0}),
+    _train(4, {"a": 1.0, "b": 6.0}, REALISED),
+    _eval(4, {"a": 3.5, "b": 6.0}, seen={"a": 0.25, "b": 5.5}, held={"a": 3.0, "b": 5.5625}),
+]
 
 
 # -- measures -------------------------------------------------------------------------------
+
 
 def test_epochs_are_the_last_logged():
     assert epochs_read(ROWS) == {"a": 1.0, "b": 6.0}
@@ -64,8 +82,10 @@ def test_memorisation_gap_carries_its_standard_error():
     assert memorisation_se(ROWS[-1]) == {}
     m = measure("round1/reference", "reference", [*ROWS[:-1], row], 8)
     msg = [f.message for f in warnings(findings(m, CFG)) if f.check == "memorisation"]
-    assert msg == ["round1/reference: a: memorisation gap (heldout - seen loss) 2.75 ± 0.05 nats (standard error) "
-                   "> memorisation_gap 0.1 nats"]
+    assert msg == [
+        "round1/reference: a: memorisation gap (heldout - seen loss) 2.75 ± 0.05 nats (standard error) "
+        "> memorisation_gap 0.1 nats"
+    ]
 
 
 def test_final_minus_best():
@@ -74,8 +94,10 @@ def test_final_minus_best():
 
 
 def test_reference_on_batches_is_token_weighted():
-    history = [{"domains": ["a", "b"], "tokens": [10, 30], "ref_loss": [1.0, 5.0]},
-               {"domains": ["a", "b"], "tokens": [30, 10], "ref_loss": [2.0, 6.0]}]
+    history = [
+        {"domains": ["a", "b"], "tokens": [10, 30], "ref_loss": [1.0, 5.0]},
+        {"domains": ["a", "b"], "tokens": [30, 10], "ref_loss": [2.0, 6.0]},
+    ]
     # a: (10 * 1 + 30 * 2) / 40; b: (30 * 5 + 10 * 6) / 40
     assert reference_on_batches(history) == {"a": 1.75, "b": 5.25}
 
@@ -99,6 +121,7 @@ def test_concentration_share_of_steps():
 
 # -- findings --------------------------------------------------------------------------------
 
+
 def _by_check(found):
     return {(f.check, f.domain, f.level): f for f in found}
 
@@ -106,13 +129,19 @@ def _by_check(found):
 def test_reference_findings():
     m = measure("round1/reference", "reference", ROWS, global_batch_size=8)
     found = _by_check(findings(m, CFG))
-    assert set(found) == {("epochs", "b", "warning"), ("memorisation", "a", "warning"),
-                          ("shift", "a", "info"), ("shift", "b", "info")}
+    assert set(found) == {
+        ("epochs", "b", "warning"),
+        ("memorisation", "a", "warning"),
+        ("shift", "a", "info"),
+        ("shift", "b", "info"),
+    }
     f = found[("epochs", "b", "warning")]
     assert (f.run, f.value, f.threshold) == ("round1/reference", 6.0, 2.0)
     assert f.message == "round1/reference: b: epochs read 6 > max_epochs 2"
-    assert found[("memorisation", "a", "warning")].message == \
-        "round1/reference: a: memorisation gap (heldout - seen loss) 2.75 nats > memorisation_gap 0.1 nats"
+    assert (
+        found[("memorisation", "a", "warning")].message
+        == "round1/reference: a: memorisation gap (heldout - seen loss) 2.75 nats > memorisation_gap 0.1 nats"
+    )
     assert found[("shift", "b", "info")].value == 0.4375
 
 
@@ -122,7 +151,9 @@ def test_mixture_tolerance_defaults_to_one_over_batch():
     m.global_batch_size = 32  # 2/32 > 1/32
     mixed = [f for f in findings(m, CFG) if f.check == "mixture"]
     assert [(f.domain, f.value, f.threshold) for f in mixed] == [("a", 0.0625, 1 / 32), ("b", -0.0625, 1 / 32)]
-    assert mixed[1].message == "main/doremi: b: |realised - nominal| share of sequences 0.0625 > mixture_tolerance 0.03125"
+    assert (
+        mixed[1].message == "main/doremi: b: |realised - nominal| share of sequences 0.0625 > mixture_tolerance 0.03125"
+    )
     tight = GuardrailConfig(mixture_tolerance=0.07)
     assert not [f for f in findings(m, tight) if f.check == "mixture"]
 
@@ -137,21 +168,31 @@ def test_main_run_overfit_finding():
 def test_proxy_findings():
     proxy = [_train(4, {"a": 0.5, "b": 0.5}), _eval(4, {"a": 3.5, "b": 6.0625})]
     ref = [_eval(4, {"a": 3.25, "b": 6.0})]
-    history = [{"step": t, "domains": ["a", "b"], "excess": ex, "weights": w, "tokens": [16, 16],
-                "ref_loss": [3.0, 6.0]}
-               for t, (ex, w) in enumerate(zip([[1, 0], [3, 2], [1, 0], [3, 2]],
-                                               [[0.6, 0.4], [0.3, 0.7], [0.8, 0.2], [0.5, 0.5]]), start=1)]
+    history = [
+        {"step": t, "domains": ["a", "b"], "excess": ex, "weights": w, "tokens": [16, 16], "ref_loss": [3.0, 6.0]}
+        for t, (ex, w) in enumerate(
+            zip([[1, 0], [3, 2], [1, 0], [3, 2]], [[0.6, 0.4], [0.3, 0.7], [0.8, 0.2], [0.5, 0.5]]), start=1
+        )
+    ]
     m = measure("round1/proxy", "proxy", proxy, 8, history, ref)
     assert m.lag == {"a": 0.25, "b": 0.0625}
     assert m.ref_batches_gap == {"a": 0.25, "b": 0.0}
     found = _by_check(warnings(findings(m, CFG)))
-    assert set(found) == {("proxy_lag", "a", "warning"), ("memorisation", "a", "warning"),
-                          ("lambda_snr", None, "warning"), ("concentration", "a", "warning")}
-    assert found[("proxy_lag", "a", "warning")].message == \
-        "round1/proxy: a: proxy minus reference final validation loss 0.25 nats > proxy_lag 0.1 nats"
+    assert set(found) == {
+        ("proxy_lag", "a", "warning"),
+        ("memorisation", "a", "warning"),
+        ("lambda_snr", None, "warning"),
+        ("concentration", "a", "warning"),
+    }
+    assert (
+        found[("proxy_lag", "a", "warning")].message
+        == "round1/proxy: a: proxy minus reference final validation loss 0.25 nats > proxy_lag 0.1 nats"
+    )
     assert found[("lambda_snr", None, "warning")].value == pytest.approx(0.35355339 * 2, abs=1e-8)  # x sqrt(4)
-    assert found[("concentration", "a", "warning")].message == \
-        "round1/proxy: a: share of steps with a weight above 0.5 0.75 > concentration 0.5"
+    assert (
+        found[("concentration", "a", "warning")].message
+        == "round1/proxy: a: share of steps with a weight above 0.5 0.75 > concentration 0.5"
+    )
     relaxed = GuardrailConfig(proxy_lag=0.3, memorisation_gap=0.3, lambda_snr=0.7, concentration=0.75)
     assert warnings(findings(m, relaxed)) == []
     # With held-out sequences in the reference's final eval, the proxy-batch check compares with
@@ -160,19 +201,24 @@ def test_proxy_findings():
     mh = measure("round1/proxy", "proxy", proxy, 8, history, held)
     assert mh.ref_batches_heldout and mh.ref_batches_gap == {"a": 0.5, "b": 0.0}
     msg = [f.message for f in warnings(findings(mh, CFG)) if f.check == "memorisation"]
-    assert msg == ["round1/proxy: a: reference held-out loss minus its loss on the proxy's batches 0.5 nats "
-                   "> memorisation_gap 0.1 nats"]
+    assert msg == [
+        "round1/proxy: a: reference held-out loss minus its loss on the proxy's batches 0.5 nats "
+        "> memorisation_gap 0.1 nats"
+    ]
 
 
 def test_runs_without_holdout_or_history_say_what_was_skipped():
     m = measure("r", "reference", [_train(1, {"a": 0.1}), _eval(1, {"a": 2.0})], 8)
     infos = [f.message for f in findings(m, CFG) if f.level == "info"]
-    assert infos == ["r: no realised mixture logged; realised-vs-nominal check skipped",
-                     "r: no held-out evaluation (data.holdout_sequences = 0); memorisation check skipped"]
+    assert infos == [
+        "r: no realised mixture logged; realised-vs-nominal check skipped",
+        "r: no held-out evaluation (data.holdout_sequences = 0); memorisation check skipped",
+    ]
     p = measure("p", "proxy", [_train(1, {"a": 0.1})], 8)
     assert [f.message for f in findings(p, CFG)][-2:] == [
         "p: no validation loss of the proxy or of its reference; proxy-lag check skipped",
-        "p: no domain_weights.jsonl; lambda and concentration checks skipped"]
+        "p: no domain_weights.jsonl; lambda and concentration checks skipped",
+    ]
     assert warnings(findings(p, CFG)) == []
 
 
@@ -180,11 +226,11 @@ def test_print_findings_prints_warnings_and_run_level_infos(capsys):
     found = findings(measure("round1/reference", "reference", ROWS[:2], 8), CFG)
     print_findings(found, prefix="doremi train-reference")
     assert capsys.readouterr().err.splitlines() == [
-        "doremi train-reference: info: round1/reference: no realised mixture logged; "
-        "realised-vs-nominal check skipped",
+        "doremi train-reference: info: round1/reference: no realised mixture logged; realised-vs-nominal check skipped",
         "doremi train-reference: info: round1/reference: no held-out evaluation "
         "(data.holdout_sequences = 0); memorisation check skipped",
-        "doremi train-reference: warning: round1/reference: b: epochs read 3 > max_epochs 2"]
+        "doremi train-reference: warning: round1/reference: b: epochs read 3 > max_epochs 2",
+    ]
 
 
 def test_guardrail_table():
@@ -192,17 +238,23 @@ def test_guardrail_table():
     proxy = RunMeasures("round1/proxy", "proxy", lag={"a": 0.25}, snr=0.5, steps=16, concentration=0.25)
     text = format_guardrail_table(["a", "b"], [ref, proxy])
     lines = text.splitlines()
-    assert lines[:7] == ["| check: run | a | b |", "|---|---:|---:|",
-                         "| epochs: round1/reference | 1.0000 | 6.0000 |",
-                         "| realised - nominal: round1/reference | 0.0625 | -0.0625 |",
-                         "| memorisation gap: round1/reference | 2.7500 | 0.0625 |",
-                         "| shift: round1/reference | 0.5000 | 0.4375 |",
-                         "| proxy lag: round1/proxy | 0.2500 |  |"]
-    assert lines[-1] == ("round1/proxy: lambda signal-to-noise 0.5 per step, 2 over 16 steps; share of steps "
-                         "with a weight above 0.5: 0.25")
+    assert lines[:7] == [
+        "| check: run | a | b |",
+        "|---|---:|---:|",
+        "| epochs: round1/reference | 1.0000 | 6.0000 |",
+        "| realised - nominal: round1/reference | 0.0625 | -0.0625 |",
+        "| memorisation gap: round1/reference | 2.7500 | 0.0625 |",
+        "| shift: round1/reference | 0.5000 | 0.4375 |",
+        "| proxy lag: round1/proxy | 0.2500 |  |",
+    ]
+    assert lines[-1] == (
+        "round1/proxy: lambda signal-to-noise 0.5 per step, 2 over 16 steps; share of steps "
+        "with a weight above 0.5: 0.25"
+    )
 
 
 # -- config ----------------------------------------------------------------------------------
+
 
 def test_config_defaults_and_validation():
     from doremi.config import PipelineConfig
@@ -210,15 +262,20 @@ def test_config_defaults_and_validation():
     p = from_dict(PipelineConfig, {}, "pipeline")
     assert p.strict is False
     assert p.guardrails == GuardrailConfig(2.0, None, 0.1, 0.1, 2.0, 0.5, 0.02)
-    with pytest.raises(ConfigError, match=r"^pipeline\.guardrails\.max_epochs: expected a finite value >= 0, got -1\.0$"):
+    with pytest.raises(
+        ConfigError, match=r"^pipeline\.guardrails\.max_epochs: expected a finite value >= 0, got -1\.0$"
+    ):
         from_dict(PipelineConfig, {"guardrails": {"max_epochs": -1}}, "pipeline")
-    with pytest.raises(ConfigError, match=r"^pipeline\.guardrails\.concentration: expected a value in \[0, 1\], got 1\.5$"):
+    with pytest.raises(
+        ConfigError, match=r"^pipeline\.guardrails\.concentration: expected a value in \[0, 1\], got 1\.5$"
+    ):
         from_dict(PipelineConfig, {"guardrails": {"concentration": 1.5}}, "pipeline")
     with pytest.raises(ConfigError, match=r"unknown key pipeline\.guardrails\.max_epoch \(did you mean"):
         from_dict(PipelineConfig, {"guardrails": {"max_epoch": 3}}, "pipeline")
 
 
 # -- run directories -------------------------------------------------------------------------
+
 
 def _write_run(path: Path, rows, batch=8, history=None, reference=None):
     path.mkdir(parents=True)
@@ -231,10 +288,22 @@ def _write_run(path: Path, rows, batch=8, history=None, reference=None):
 
 def test_check_run_reads_a_proxy_and_its_reference(tmp_path):
     _write_run(tmp_path / "ref", [_eval(4, {"a": 3.25, "b": 6.0})])
-    history = [{"step": 1, "domains": ["a", "b"], "excess": [1, 0], "weights": [0.5, 0.5], "tokens": [8, 8],
-                "ref_loss": [3.25, 6.0]}]
-    _write_run(tmp_path / "proxy", [_train(1, {"a": 0.5, "b": 0.5}), _eval(1, {"a": 3.5, "b": 6.0})],
-               history=history, reference=tmp_path / "ref" / "checkpoints" / "step_00000004")
+    history = [
+        {
+            "step": 1,
+            "domains": ["a", "b"],
+            "excess": [1, 0],
+            "weights": [0.5, 0.5],
+            "tokens": [8, 8],
+            "ref_loss": [3.25, 6.0],
+        }
+    ]
+    _write_run(
+        tmp_path / "proxy",
+        [_train(1, {"a": 0.5, "b": 0.5}), _eval(1, {"a": 3.5, "b": 6.0})],
+        history=history,
+        reference=tmp_path / "ref" / "checkpoints" / "step_00000004",
+    )
     found = warnings(check_run(tmp_path / "proxy", "proxy", name="proxy"))
     assert [(f.check, f.domain, f.value) for f in found] == [("proxy_lag", "a", 0.25)]
 
@@ -251,12 +320,17 @@ def test_pipeline_runs_in_order(tmp_path):
         _write_run(tmp_path / run, [])
     (tmp_path / "round1").mkdir()
     assert [(n, k) for n, k, _ in pipeline_runs(tmp_path)] == [
-        ("round2/reference", "reference"), ("round2/proxy", "proxy"), ("round10/proxy", "proxy"),
-        ("main/doremi", "main"), ("main/uniform", "main")]
+        ("round2/reference", "reference"),
+        ("round2/proxy", "proxy"),
+        ("round10/proxy", "proxy"),
+        ("main/doremi", "main"),
+        ("main/uniform", "main"),
+    ]
     assert len(pipeline_runs(tmp_path, main=False)) == 3
 
 
 # -- end to end: a pipeline on tiny real domains read many times ---------------------------------
+
 
 def _has_holdout() -> bool:
     import dataclasses
@@ -301,8 +375,9 @@ def test_strict_pipeline_stops_before_the_main_runs(tmp_path, capsys):
     assert not (run / "main").exists()
     expected = [f.message for m in measure_pipeline(run) for f in warnings(findings(m, CFG))]
     assert err == [f"doremi pipeline: error: {message}" for message in expected]
-    assert any(": epochs read " in line and line.startswith("doremi pipeline: error: round1/reference: ")
-               for line in err)
+    assert any(
+        ": epochs read " in line and line.startswith("doremi pipeline: error: round1/reference: ") for line in err
+    )
     assert any("memorisation gap (heldout - seen loss)" in line for line in err)
 
     # Not strict: the main runs go ahead, and the report carries the warnings and the table.
@@ -326,7 +401,10 @@ def test_standalone_stage_prints_its_findings(stores, tmp_path, capsys):
     assert main(["train-reference", str(config_path(stores, run)), *sets]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("doremi")]
     epochs = epochs_read([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
-    assert err == [f"doremi train-reference: info: {run}: no held-out evaluation (data.holdout_sequences = 0); "
-                   f"memorisation check skipped"] + [
+    assert err == [
+        f"doremi train-reference: info: {run}: no held-out evaluation (data.holdout_sequences = 0); "
+        f"memorisation check skipped"
+    ] + [
         f"doremi train-reference: warning: {run}: {d}: epochs read {e:.4g} > max_epochs 0.001"
-        for d, e in epochs.items()]
+        for d, e in epochs.items()
+    ]

@@ -26,8 +26,15 @@ from trainer.loop import Trainer
 from trainer.optim.master_weights import MasterWeightAdamW
 
 #: aten ops that make the host wait for the device (or, for lift_fresh, copy host data to it).
-HOST_SYNC_OPS = {"aten._local_scalar_dense", "aten.lift_fresh", "aten.lift_fresh_copy", "aten.nonzero",
-                 "aten.masked_select", "aten._unique2", "aten.unique_consecutive"}
+HOST_SYNC_OPS = {
+    "aten._local_scalar_dense",
+    "aten.lift_fresh",
+    "aten.lift_fresh_copy",
+    "aten.nonzero",
+    "aten.masked_select",
+    "aten._unique2",
+    "aten.unique_consecutive",
+}
 COMMON = ["train.decay=constant", "train.warmup_steps=0", "checkpoint.every=0"]
 
 
@@ -42,8 +49,9 @@ class HostSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket._qualified_op_name.replace("::", ".")
-        boolean_index = (name == "aten.index" and len(args) > 1
-                         and any(i is not None and i.dtype == torch.bool for i in args[1]))
+        boolean_index = (
+            name == "aten.index" and len(args) > 1 and any(i is not None and i.dtype == torch.bool for i in args[1])
+        )
         if name in HOST_SYNC_OPS or boolean_index:
             self.seen.append((self.phase, name + (" (boolean index)" if boolean_index else "")))
         return func(*args, **kwargs)
@@ -66,6 +74,7 @@ def instrument(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> HostSyncs:
                     return fn(*args, **kwargs)
             finally:
                 mode.phase = ""
+
         return run
 
     monkeypatch.setattr(loop, "forward_backward", watched("forward_backward", loop.forward_backward))
@@ -84,12 +93,20 @@ def test_the_detector_sees_the_syncs_it_is_for():
     x = torch.arange(6.0).view(3, 2)
     with mode:
         x[[2, 1]], x.sum().item(), bool((x > 2).any()), x[x > 2], x.nonzero(), torch.stack([x[2], x[1]])
-    assert [n for _, n in mode.seen] == ["aten.lift_fresh", "aten._local_scalar_dense", "aten._local_scalar_dense",
-                                         "aten.index (boolean index)", "aten.nonzero"]
+    assert [n for _, n in mode.seen] == [
+        "aten.lift_fresh",
+        "aten._local_scalar_dense",
+        "aten._local_scalar_dense",
+        "aten.index (boolean index)",
+        "aten.nonzero",
+    ]
 
 
-PLAIN = {"fp32 params": [], "bf16 params": ["train.precision=bf16", "train.param_dtype=bf16"],
-         "2 micro-batches, clip": ["train.micro_batches=2", "train.grad_clip=0.5"]}
+PLAIN = {
+    "fp32 params": [],
+    "bf16 params": ["train.precision=bf16", "train.param_dtype=bf16"],
+    "2 micro-batches, clip": ["train.micro_batches=2", "train.grad_clip=0.5"],
+}
 
 
 @pytest.mark.parametrize("sets", PLAIN.values(), ids=PLAIN.keys())
@@ -108,14 +125,18 @@ def reference(stores, tmp_path_factory) -> Path:
     return run
 
 
-PROXY = {"exact": [], "lagged": ["doremi.update=lagged"], "exact, 2 micro-batches": ["train.micro_batches=2"],
-         "resample": ["doremi.mode=resample"], "bf16 params": ["train.precision=bf16", "train.param_dtype=bf16"]}
+PROXY = {
+    "exact": [],
+    "lagged": ["doremi.update=lagged"],
+    "exact, 2 micro-batches": ["train.micro_batches=2"],
+    "resample": ["doremi.mode=resample"],
+    "bf16 params": ["train.precision=bf16", "train.param_dtype=bf16"],
+}
 
 
 @pytest.mark.parametrize("sets", PROXY.values(), ids=PROXY.keys())
 def test_doremi_proxy_step(stores, reference, tmp_path, monkeypatch, sets):
-    trainer = stages.proxy_trainer(config(stores, tmp_path / "proxy", *COMMON, f"doremi.reference={reference}",
-                                          *sets))
+    trainer = stages.proxy_trainer(config(stores, tmp_path / "proxy", *COMMON, f"doremi.reference={reference}", *sets))
     try:
         trainer.train_step()
         mode = instrument(trainer, monkeypatch)

@@ -32,36 +32,63 @@ from trainer.metrics import read_jsonl
 
 # Adam divides by |g| + eps: a larger eps keeps summation-order rounding of near-zero gradients
 # from being amplified to ~lr, so the parameter comparison is about the gradients.
-COMMON = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=1",
-          "train.eval_every=3"]
+COMMON = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=1", "train.eval_every=3"]
 
 LAYOUTS: dict[str, list[str]] = {
     "tp2": ["parallelism.tp=2"],
-    "tp2-sp-async-rag-sel-mb4": ["parallelism.tp=2", "parallelism.sequence_parallel=true",
-                                 "parallelism.tp_async=true", "parallelism.tp_recompute_allgather=true",
-                                 "parallelism.recompute=selective", "train.micro_batches=4"],
-    "pp2-1f1b-full-mb4": ["parallelism.pp=2", "parallelism.pp_schedule=1f1b", "parallelism.recompute=full",
-                          "train.micro_batches=4"],
+    "tp2-sp-async-rag-sel-mb4": [
+        "parallelism.tp=2",
+        "parallelism.sequence_parallel=true",
+        "parallelism.tp_async=true",
+        "parallelism.tp_recompute_allgather=true",
+        "parallelism.recompute=selective",
+        "train.micro_batches=4",
+    ],
+    "pp2-1f1b-full-mb4": [
+        "parallelism.pp=2",
+        "parallelism.pp_schedule=1f1b",
+        "parallelism.recompute=full",
+        "train.micro_batches=4",
+    ],
     "pp2-afab-mb4": ["parallelism.pp=2", "parallelism.pp_schedule=afab", "train.micro_batches=4"],
     "dp2-zero1": ["parallelism.dp=2", "parallelism.zero1=true"],
     "dp2-nozero-mb4": ["parallelism.dp=2", "parallelism.zero1=false", "train.micro_batches=4"],
-    "tp2-pp2-sp-mb4": ["parallelism.tp=2", "parallelism.pp=2", "parallelism.sequence_parallel=true",
-                       "train.micro_batches=4"],
+    "tp2-pp2-sp-mb4": [
+        "parallelism.tp=2",
+        "parallelism.pp=2",
+        "parallelism.sequence_parallel=true",
+        "train.micro_batches=4",
+    ],
     "tp2-dp2-sp-zero1": ["parallelism.tp=2", "parallelism.dp=2", "parallelism.sequence_parallel=true"],
-    "pp2-dp2-afab-zero1-mb4": ["parallelism.pp=2", "parallelism.dp=2", "parallelism.pp_schedule=afab",
-                               "train.micro_batches=4"],
+    "pp2-dp2-afab-zero1-mb4": [
+        "parallelism.pp=2",
+        "parallelism.dp=2",
+        "parallelism.pp_schedule=afab",
+        "train.micro_batches=4",
+    ],
     "pp4-1f1b-mb8": ["parallelism.pp=4", "train.micro_batches=8"],
-    "tp2-pp2-dp2-all": ["parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2",
-                        "parallelism.sequence_parallel=true", "parallelism.tp_async=true",
-                        "parallelism.tp_recompute_allgather=true", "parallelism.recompute=selective",
-                        "train.micro_batches=2"],
+    "tp2-pp2-dp2-all": [
+        "parallelism.tp=2",
+        "parallelism.pp=2",
+        "parallelism.dp=2",
+        "parallelism.sequence_parallel=true",
+        "parallelism.tp_async=true",
+        "parallelism.tp_recompute_allgather=true",
+        "parallelism.recompute=selective",
+        "train.micro_batches=2",
+    ],
 }
 PROXY_LAYOUTS: dict[str, list[str]] = {
     "proxy-dp2": ["parallelism.dp=2"],
     "proxy-tp2": ["parallelism.tp=2"],
     "proxy-pp2": ["parallelism.pp=2", "train.micro_batches=2"],
-    "proxy-tp2-pp2-dp2": ["parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2",
-                          "parallelism.sequence_parallel=true", "train.micro_batches=2"],
+    "proxy-tp2-pp2-dp2": [
+        "parallelism.tp=2",
+        "parallelism.pp=2",
+        "parallelism.dp=2",
+        "parallelism.sequence_parallel=true",
+        "train.micro_batches=2",
+    ],
 }
 RESUME_AT: dict[str, list[str]] = {
     "resume-dp2": ["parallelism.dp=2"],

@@ -15,9 +15,17 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "
 
 
 def test_tiny_model_goes_below_unigram_entropy(tmp_path):
-    cfg = load_config(QUICKSTART, [f"data.store_dir={tmp_path / 'stores'}", f"train.run_dir={tmp_path / 'run'}",
-                                   "train.steps=160", "train.eval_every=160", "logging.progress=false"],
-                      cls=ExperimentConfig)
+    cfg = load_config(
+        QUICKSTART,
+        [
+            f"data.store_dir={tmp_path / 'stores'}",
+            f"train.run_dir={tmp_path / 'run'}",
+            "train.steps=160",
+            "train.eval_every=160",
+            "logging.progress=false",
+        ],
+        cls=ExperimentConfig,
+    )
     preprocess(cfg.data, progress=False)
     val = stages.train(cfg)["val_loss"]
     stores = open_stores(cfg.data.store_dir)

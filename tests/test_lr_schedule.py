@@ -21,13 +21,16 @@ def test_warmup_is_linear_from_step_one():
     assert lr_at(6, c) == pytest.approx(1e-3, rel=1e-12)
 
 
-@pytest.mark.parametrize("decay, mid, step7", [
-    # mid: step 53, progress 1/2. step7: progress 1/94.
-    ("exponential", 1e-3 * math.sqrt(0.1), 1e-3 * 0.1 ** (1 / 94)),
-    ("cosine", 1e-4 + 9e-4 * 0.5, 1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi / 94))),
-    ("linear", 1e-3 - 9e-4 * 0.5, 1e-3 - 9e-4 / 94),
-    ("constant", 1e-3, 1e-3),
-])
+@pytest.mark.parametrize(
+    "decay, mid, step7",
+    [
+        # mid: step 53, progress 1/2. step7: progress 1/94.
+        ("exponential", 1e-3 * math.sqrt(0.1), 1e-3 * 0.1 ** (1 / 94)),
+        ("cosine", 1e-4 + 9e-4 * 0.5, 1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi / 94))),
+        ("linear", 1e-3 - 9e-4 * 0.5, 1e-3 - 9e-4 / 94),
+        ("constant", 1e-3, 1e-3),
+    ],
+)
 def test_decay_shapes(decay, mid, step7):
     c = cfg(decay=decay)
     assert lr_at(7, c) == pytest.approx(step7, rel=1e-12)

@@ -18,9 +18,11 @@ CFG = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
 
 def _named(seed: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
     g = torch.Generator().manual_seed(seed)
-    return [("norm.weight", torch.nn.Parameter(torch.rand(5, generator=g) + 0.5)),
-            ("a.weight", torch.nn.Parameter(torch.randn(4, 3, generator=g))),
-            ("b.weight", torch.nn.Parameter(torch.randn(2, 6, generator=g)))]
+    return [
+        ("norm.weight", torch.nn.Parameter(torch.rand(5, generator=g) + 0.5)),
+        ("a.weight", torch.nn.Parameter(torch.randn(4, 3, generator=g))),
+        ("b.weight", torch.nn.Parameter(torch.randn(2, 6, generator=g))),
+    ]
 
 
 def _grads(step: int, named) -> dict[str, torch.Tensor]:
@@ -30,9 +32,16 @@ def _grads(step: int, named) -> dict[str, torch.Tensor]:
 
 def _reference(named, steps: int, lrs: list[float], clip: float = 0.0) -> dict[str, torch.Tensor]:
     ref = {n: torch.nn.Parameter(p.detach().clone()) for n, p in named}
-    opt = torch.optim.AdamW([{"params": [ref[n] for n, p in named if p.ndim >= 2], "weight_decay": CFG.weight_decay},
-                             {"params": [ref[n] for n, p in named if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=CFG.lr, betas=(CFG.beta1, CFG.beta2), eps=CFG.eps, foreach=False)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [ref[n] for n, p in named if p.ndim >= 2], "weight_decay": CFG.weight_decay},
+            {"params": [ref[n] for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=CFG.lr,
+        betas=(CFG.beta1, CFG.beta2),
+        eps=CFG.eps,
+        foreach=False,
+    )
     for t in range(steps):
         for n, g in _grads(t, named).items():
             ref[n].grad = g.float()
@@ -104,6 +113,7 @@ def test_matches_torch_adamw_on_fp32_master_and_params_are_its_bf16_rounding(mic
     assert opt.offsets == [0, 64, 128]  # a.weight, b.weight, norm.weight: 64-element aligned
     assert not opt.remainder[12:64].any() and not opt.exp_avg_sq[12:64].any() and not opt.flat_params[12:64].any()
     assert opt.remainder.dtype == torch.int16 and opt.remainder.numel() == 128 + 5
+
 
 TRITON_CASE = textwrap.dedent("""
     import torch
@@ -181,8 +191,10 @@ def test_state_dict_resume_equals_uninterrupted_run():
     first_named = _named()
     first = MasterWeightAdamW(first_named, CFG, ParallelContext.single())
     _run(first, first_named, range(2), lrs)
-    saved = {"kind": "adamw", "state": {n: {k: v.clone() for k, v in s.items()}
-                                        for n, s in first.state_dict()["state"].items()}}
+    saved = {
+        "kind": "adamw",
+        "state": {n: {k: v.clone() for k, v in s.items()} for n, s in first.state_dict()["state"].items()},
+    }
     assert set(saved["state"]["a.weight"]) == {"step", "exp_avg", "exp_avg_sq", "master"}
     assert float(saved["state"]["a.weight"]["step"]) == 2.0
 
@@ -204,13 +216,19 @@ def test_bad_state_and_config_are_one_line_errors():
     assert torch.equal(opt.master_weights()["a.weight"], torch.full((4, 3), 0.5))
     with pytest.raises(MasterWeightStateError, match="no entry for parameter 'a.weight'"):
         opt.load_state_dict({"kind": "adamw", "state": {"norm.weight": {"step": torch.tensor(1.0)}}})
-    bad = {n: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
-           for n in ("a.weight", "b.weight", "norm.weight")}
-    with pytest.raises(MasterWeightStateError, match=r"'exp_avg' of parameter 'a.weight' has shape \(3,\), "
-                                                     r"the parameter is \(4, 3\)"):
+    bad = {
+        n: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+        for n in ("a.weight", "b.weight", "norm.weight")
+    }
+    with pytest.raises(
+        MasterWeightStateError,
+        match=r"'exp_avg' of parameter 'a.weight' has shape \(3,\), "
+        r"the parameter is \(4, 3\)",
+    ):
         opt.load_state_dict({"kind": "adamw", "state": bad})
     with pytest.raises(MasterWeightStateError, match="state is for 'adafactor'"):
         opt.load_state_dict({"kind": "adafactor", "state": {}})
-    with pytest.raises(ValueError, match="train.optimizer: mixed-precision master weights support adamw, "
-                                         "got 'adafactor'"):
+    with pytest.raises(
+        ValueError, match="train.optimizer: mixed-precision master weights support adamw, got 'adafactor'"
+    ):
         MasterWeightAdamW(_named(), TrainConfig(optimizer="adafactor"), ParallelContext.single())

@@ -14,9 +14,9 @@ from trainer.configtools import ConfigError
 from trainer.model.flops import flops_per_token, non_embedding_params, param_count
 from trainer.model.init import init_std
 from trainer.model.layers import llama3_scaled_frequencies
-from trainer.model.swiglu import swiglu
 from trainer.model.llama import Llama, build_stage, compile_scope
 from trainer.model.presets import PRESETS
+from trainer.model.swiglu import swiglu
 from trainer.parallel.context import ParallelContext
 
 
@@ -36,6 +36,7 @@ def _batch(cfg: ModelConfig, b: int = 2, s: int = 16, seed: int = 1) -> dict:
 
 
 # -- the reference: a plain loop Llama, independent of the model's code ------------------------
+
 
 def _rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -58,9 +59,10 @@ def reference_logits(p: dict, cfg: ModelConfig, ids: torch.Tensor) -> torch.Tens
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     x = emb[ids]
     for i in range(cfg.n_layers):
-        w = {k[len(f"layers.{i}."):]: v for k, v in p.items() if k.startswith(f"layers.{i}.")}
+        w = {k[len(f"layers.{i}.") :]: v for k, v in p.items() if k.startswith(f"layers.{i}.")}
         q, k, v = (_rms(x, w["attn_norm.weight"], cfg.norm_eps) @ w["attn.qkv.weight"].T).split(
-            [H * hd, KV * hd, KV * hd], -1)
+            [H * hd, KV * hd, KV * hd], -1
+        )
         q = _rope(q.view(B, T, H, hd).transpose(1, 2), cos, sin)
         k = _rope(k.view(B, T, KV, hd).transpose(1, 2), cos, sin).repeat_interleave(H // KV, dim=1)
         v = v.view(B, T, KV, hd).transpose(1, 2).repeat_interleave(H // KV, dim=1)
@@ -122,8 +124,12 @@ def test_full_recompute_keeps_only_block_input():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         block(x, model.rope_cos[:16], model.rope_sin[:16])
-    activations = [t for t in saved if t.untyped_storage().data_ptr() != model.rope_cos.untyped_storage().data_ptr()
-                   and t.untyped_storage().data_ptr() != model.rope_sin.untyped_storage().data_ptr()]
+    activations = [
+        t
+        for t in saved
+        if t.untyped_storage().data_ptr() != model.rope_cos.untyped_storage().data_ptr()
+        and t.untyped_storage().data_ptr() != model.rope_sin.untyped_storage().data_ptr()
+    ]
     assert [t.data_ptr() for t in activations] == [x.data_ptr()]
 
 
@@ -208,7 +214,9 @@ def test_stage_names_flags_and_shapes():
     assert names[1] == sorted(f"layers.1.{k}" for k in _BLOCK_KEYS)
     assert names[2] == sorted(["embed.weight", "norm.weight", *(f"layers.2.{k}" for k in _BLOCK_KEYS)])
     assert [(s.is_first, s.is_last) for s in stages] == [(True, False), (False, False), (False, True)]
-    assert torch.equal(dict(stages[0].named_parameters())["embed.weight"], dict(stages[2].named_parameters())["embed.weight"])
+    assert torch.equal(
+        dict(stages[0].named_parameters())["embed.weight"], dict(stages[2].named_parameters())["embed.weight"]
+    )
     assert stages[1].activation_shape(2, 16) == (16, 2, 64) and stages[1].activation_dtype == torch.float32
 
     batch = _batch(cfg)
@@ -217,8 +225,14 @@ def test_stage_names_flags_and_shapes():
     torch.testing.assert_close(stages[2](h, batch), whole(None, batch), atol=0, rtol=0)
 
 
-_BLOCK_KEYS = ["attn_norm.weight", "attn.qkv.weight", "attn.out.weight", "mlp_norm.weight",
-               "mlp.gate_up.weight", "mlp.down.weight"]
+_BLOCK_KEYS = [
+    "attn_norm.weight",
+    "attn.qkv.weight",
+    "attn.out.weight",
+    "mlp_norm.weight",
+    "mlp.gate_up.weight",
+    "mlp.down.weight",
+]
 
 
 def test_bad_layouts_are_one_line_errors():

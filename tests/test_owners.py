@@ -18,8 +18,15 @@ from doremi.errors import DoReMiError
 from doremi.guardrails import GuardrailError
 from doremi.history import HistoryError, read_weights_json, write_weights_json
 from doremi.reference_cache import CACHE_VERSION, META_FILE, create_arrays, open_cache, publish, staging_dir
-from doremi.stage_markers import (EVAL_OUTPUT, done_marker, eval_result, read_marker, started_marker, write_done,
-                                  write_started)
+from doremi.stage_markers import (
+    EVAL_OUTPUT,
+    done_marker,
+    eval_result,
+    read_marker,
+    started_marker,
+    write_done,
+    write_started,
+)
 from tests.runs import config_path
 from trainer.checkpoint import CheckpointError
 from trainer.config import TrainConfig
@@ -33,6 +40,7 @@ DOMAINS = ["web", "code", "books"]
 
 
 # -- the weights JSON ------------------------------------------------------------------------------
+
 
 def test_weights_file_bytes_and_both_readers(tmp_path):
     path = tmp_path / WEIGHTS_FILE
@@ -64,6 +72,7 @@ def test_weights_file_errors_keep_each_callers_class(tmp_path):
 
 # -- the reference cache ---------------------------------------------------------------------------
 
+
 def test_reference_cache_round_trip(tmp_path):
     out = tmp_path / "cache"
     tmp = staging_dir(out)
@@ -72,8 +81,19 @@ def test_reference_cache_round_trip(tmp_path):
     publish(tmp, out, ["a", "b"], 4, stamp, 5, 8, 0, [0.5, 0.5], [1, 2])
     assert not tmp.exists() and sorted(p.name for p in out.iterdir()) == ["a.npy", "b.npy", META_FILE]
     assert (out / META_FILE).read_text() == json.dumps(
-        {"version": CACHE_VERSION, "domains": ["a", "b"], "seq_len": 4, **stamp, "steps": 5,
-         "global_batch_size": 8, "seed": 0, "sampling": [0.5, 0.5], "sequences": [1, 2]}, indent=1)
+        {
+            "version": CACHE_VERSION,
+            "domains": ["a", "b"],
+            "seq_len": 4,
+            **stamp,
+            "steps": 5,
+            "global_batch_size": 8,
+            "seed": 0,
+            "sampling": [0.5, 0.5],
+            "sequences": [1, 2],
+        },
+        indent=1,
+    )
     arrays = open_cache(out, ["a", "b"], 4, steps=5, global_batch_size=8, seed=0, sampling=[0.5, 0.5])
     assert [a.shape for a in arrays] == [(3, 4), (2, 4)] and all(np.isnan(a).all() for a in arrays)
     with pytest.raises(DoReMiError, match="cache covers 5 steps, fewer steps than the run's train.steps=6"):
@@ -81,6 +101,7 @@ def test_reference_cache_round_trip(tmp_path):
 
 
 # -- stage markers ---------------------------------------------------------------------------------
+
 
 def test_stage_markers(tmp_path):
     run = tmp_path / "main" / "uniform"
@@ -92,16 +113,29 @@ def test_stage_markers(tmp_path):
     write_started(marker, "eval: uniform", "abc")
     assert eval_result(run) is None and read_marker(started_marker(marker))["fingerprint"] == "abc"
     write_done(marker, "eval: uniform", "abc", {"domains": ["a"], "val_loss": [1.5]})
-    assert marker.read_text() == json.dumps({"stage": "eval: uniform", "fingerprint": "abc",
-                                             "result": {"domains": ["a"], "val_loss": [1.5]}})
+    assert marker.read_text() == json.dumps(
+        {"stage": "eval: uniform", "fingerprint": "abc", "result": {"domains": ["a"], "val_loss": [1.5]}}
+    )
     assert not started_marker(marker).exists()
     assert eval_result(run) == {"domains": ["a"], "val_loss": [1.5]}
 
 
 # -- user errors -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cls", [DataError, ConfigError, DoReMiError, GuardrailError, HistoryError,
-                                 CheckpointError, OptimizerStateError, MasterWeightStateError])
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        DataError,
+        ConfigError,
+        DoReMiError,
+        GuardrailError,
+        HistoryError,
+        CheckpointError,
+        OptimizerStateError,
+        MasterWeightStateError,
+    ],
+)
 def test_every_user_error_is_a_user_error_and_still_a_value_error(cls):
     assert issubclass(cls, UserError) and issubclass(cls, ValueError)
 
@@ -120,11 +154,13 @@ def test_bf16_optimizer_state_mismatch_is_one_line_exit_2(tmp_path, capsys, monk
     monkeypatch.setattr(stages, "train", resume_with_state_that_does_not_fit)
     rc = main(["train", str(config_path(tmp_path / "stores", tmp_path / "run"))])
     err = capsys.readouterr().err.splitlines()
-    assert rc == 2 and err == ["doremi train: error: optimizer state 'exp_avg' of parameter 'a.weight' has "
-                               "shape (3,), the parameter is (4, 3)"]
+    assert rc == 2 and err == [
+        "doremi train: error: optimizer state 'exp_avg' of parameter 'a.weight' has shape (3,), the parameter is (4, 3)"
+    ]
 
 
 # -- imports ---------------------------------------------------------------------------------------
+
 
 def _runtime_nodes(tree: ast.AST):
     """Every node but those under `if TYPE_CHECKING:`, which never run."""
@@ -174,6 +210,7 @@ def test_no_module_imports_itself_back():
 def test_layers_import_downwards_only():
     layer = {"data": 0, "trainer": 1, "doremi": 2}
     graph = _imports()
-    upward = sorted((m, d) for m, deps in graph.items() for d in deps
-                    if layer[d.split(".")[0]] > layer[m.split(".")[0]])
+    upward = sorted(
+        (m, d) for m, deps in graph.items() for d in deps if layer[d.split(".")[0]] > layer[m.split(".")[0]]
+    )
     assert upward == []

@@ -8,18 +8,16 @@ losses and gradients with it.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from data.batch import IGNORE_INDEX
 from tests.distributed import spawn
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.pipeline_schedule import (broadcast_from_last_stage, check_schedule, forward_only,
-                                       train_schedule)
-from data.batch import IGNORE_INDEX
+from trainer.parallel.pipeline_schedule import broadcast_from_last_stage, check_schedule, forward_only, train_schedule
 from trainer.weighting import MeanTokenLoss
 
 VOCAB, WIDTH, LAYERS, BATCH, SEQ = 32, 16, 4, 2, 6
@@ -62,8 +60,9 @@ class ToyStage(nn.Module):
         if not self.is_last:
             return hidden
         logits = self.head(hidden)
-        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="none").view_as(batch["labels"])
+        return F.cross_entropy(
+            logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        ).view_as(batch["labels"])
 
 
 class LossProportional:
@@ -124,15 +123,14 @@ def stage_layers(pp: int, pp_rank: int) -> range:
 def check_parity(pc: ParallelContext, schedule: str, kind: str, n_local: int) -> None:
     """Run the pipelined step on this rank's stage and dp shard; compare with the reference."""
     all_batches = make_batches(n_local * pc.dp, seed=7)
-    local = all_batches[pc.dp_rank * n_local:(pc.dp_rank + 1) * n_local]
+    local = all_batches[pc.dp_rank * n_local : (pc.dp_rank + 1) * n_local]
     ref_losses, ref_grads = reference(all_batches, kind)
     stage = ToyStage(ToyModel(), stage_layers(pc.pp, pc.pp_rank))
-    weighting = (MeanTokenLoss(global_tokens(all_batches)) if kind == "mean"
-                 else LossProportional(pc, expected=n_local))
+    weighting = MeanTokenLoss(global_tokens(all_batches)) if kind == "mean" else LossProportional(pc, expected=n_local)
     losses = train_schedule(stage, local, pc, schedule, weighting)
     if pc.is_last_stage:
         assert len(losses) == n_local
-        for got, want in zip(losses, ref_losses[pc.dp_rank * n_local:]):
+        for got, want in zip(losses, ref_losses[pc.dp_rank * n_local :]):
             torch.testing.assert_close(got, want, **TOL)
     else:
         assert losses == []
@@ -205,6 +203,7 @@ def test_pp1_afab_with_forward_losses():
 def test_released_outputs_keep_backward_exact():
     """A stage output that its own last op saved (tanh) survives the release of its storage."""
     from trainer.parallel.pipeline_schedule import _backward_released, _release
+
     x = torch.randn(3, 4, requires_grad=True)
     out = torch.tanh(x * 2)
     want = torch.autograd.grad(torch.tanh(x * 2), x, torch.ones(3, 4))[0]
@@ -234,10 +233,11 @@ def test_unknown_schedule():
 
 # --- Llama stage parity (tp2 x pp2), once trainer/model/llama.py exists --------------------
 
+
 def _llama_cfg():
     from trainer.config import ModelConfig
-    return ModelConfig(vocab_size=64, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                       max_seq_len=32)
+
+    return ModelConfig(vocab_size=64, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
 
 
 def _llama_batches(n: int) -> list[dict]:
@@ -255,8 +255,8 @@ def _run_llama_tp2_pp2(rank: int, world: int, sequence_parallel: bool) -> None:
     from trainer.config import ParallelismConfig
     from trainer.model.llama import build_stage
     from trainer.parallel import tensor as tp_ops
-    from trainer.parallel.tied import sync_tied_grads
     from trainer.parallel.shard import get_shard_spec, unshard
+    from trainer.parallel.tied import sync_tied_grads
 
     cfg = _llama_cfg()
     batches = _llama_batches(4)
@@ -285,8 +285,9 @@ def _run_llama_tp2_pp2(rank: int, world: int, sequence_parallel: bool) -> None:
                 dist.all_gather(shards, grad.contiguous(), group=pc.tp_group)
                 grad = unshard(shards, spec)
             want = ref_grads[name]
-            torch.testing.assert_close(grad[tuple(slice(0, d) for d in want.shape)], want, **TOL,
-                                       msg=f"{schedule} {name}")
+            torch.testing.assert_close(
+                grad[tuple(slice(0, d) for d in want.shape)], want, **TOL, msg=f"{schedule} {name}"
+            )
 
 
 @pytest.mark.dist

@@ -36,32 +36,49 @@ def framework_to_plain(name: str) -> str:
     if name in top:
         return top[name]
     _, index, rest = name.split(".", 2)
-    inner = {"attn_norm.weight": "attention_norm", "mlp_norm.weight": "ffn_norm", "attn.qkv.weight": "wqkv.weight",
-             "attn.out.weight": "wo.weight", "mlp.gate_up.weight": "w_gate_up.weight",
-             "mlp.down.weight": "w_down.weight"}
+    inner = {
+        "attn_norm.weight": "attention_norm",
+        "mlp_norm.weight": "ffn_norm",
+        "attn.qkv.weight": "wqkv.weight",
+        "attn.out.weight": "wo.weight",
+        "mlp.gate_up.weight": "w_gate_up.weight",
+        "mlp.down.weight": "w_down.weight",
+    }
     return f"layers.{index}.{inner[rest]}"
 
 
 def model_config(shape) -> ModelConfig:
-    return ModelConfig(vocab_size=shape.vocab, d_model=shape.d_model, n_layers=shape.n_layers, n_heads=shape.n_heads,
-                       n_kv_heads=shape.n_kv_heads, ffn_dim=shape.ffn, max_seq_len=shape.seq)
+    return ModelConfig(
+        vocab_size=shape.vocab,
+        d_model=shape.d_model,
+        n_layers=shape.n_layers,
+        n_heads=shape.n_heads,
+        n_kv_heads=shape.n_kv_heads,
+        ffn_dim=shape.ffn,
+        max_seq_len=shape.seq,
+    )
 
 
 def test_plain_baseline_imports_only_torch_and_the_standard_library():
     tree = ast.parse((BENCH / "plain_llama.py").read_text())
     roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert roots <= {"__future__", "argparse", "dataclasses", "time", "typing", "torch"}, roots
+    assert roots <= {"__future__", "argparse", "collections", "dataclasses", "time", "typing", "torch"}, roots
 
 
 @pytest.mark.parametrize("vocab,kv_heads", [(256, 2), (250, 4)])
 def test_same_weights_give_the_frameworks_logits_loss_and_gradients(plain, vocab, kv_heads):
-    shape = plain.Shape(vocab=vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn=96, seq=16,
-                        micro_batch=3)
+    shape = plain.Shape(
+        vocab=vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn=96, seq=16, micro_batch=3
+    )
     ours = Llama(model_config(shape), seed=5)
     theirs = plain.Llama(shape)
-    theirs.load_state_dict({framework_to_plain(n): p.detach()[:vocab] if n in ("embed.weight", "head.weight")
-                            else p.detach() for n, p in ours.named_parameters()})
+    theirs.load_state_dict(
+        {
+            framework_to_plain(n): p.detach()[:vocab] if n in ("embed.weight", "head.weight") else p.detach()
+            for n, p in ours.named_parameters()
+        }
+    )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (shape.micro_batch, shape.seq), generator=g)
     labels = torch.randint(0, vocab, (shape.micro_batch, shape.seq), generator=g)

@@ -2,7 +2,6 @@
 table and report.md show the numbers the runs wrote, and a second run skips every stage."""
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +12,20 @@ from trainer.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "experiments" / "configs" / "quickstart.yaml"
-SMALL = ["train.steps=12", "train.eval_every=6", "train.eval_sequences=32", "logging.progress=false",
-         "checkpoint.every=0", "pipeline.main.train.steps=8",
-         "model.d_model=32", "model.n_layers=2", "model.ffn_dim=64",
-         "pipeline.main.model.d_model=48", "pipeline.main.model.n_layers=2", "pipeline.main.model.ffn_dim=96"]
+SMALL = [
+    "train.steps=12",
+    "train.eval_every=6",
+    "train.eval_sequences=32",
+    "logging.progress=false",
+    "checkpoint.every=0",
+    "pipeline.main.train.steps=8",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.ffn_dim=64",
+    "pipeline.main.model.d_model=48",
+    "pipeline.main.model.n_layers=2",
+    "pipeline.main.model.ffn_dim=96",
+]
 
 
 def table_rows(report: str) -> dict[str, list[str]]:
@@ -50,7 +59,9 @@ def test_every_stage_ran_and_report_matches_the_runs(pipeline_run, capsys):
         assert png in report
 
     rows = table_rows(report)
-    header = [c.strip() for c in next(l for l in report.splitlines() if l.startswith("| domain")).strip("|").split("|")][1:]
+    header = [
+        c.strip() for c in next(l for l in report.splitlines() if l.startswith("| domain")).strip("|").split("|")
+    ][1:]
     weights = json.loads((run / "weights.json").read_text())
     for domain, w in zip(weights["domains"], weights["weights"]):
         assert float(rows[domain][header.index("weight: doremi")]) == pytest.approx(w, abs=5e-5)
@@ -71,8 +82,9 @@ def test_every_stage_ran_and_report_matches_the_runs(pipeline_run, capsys):
 def test_changed_stage_is_redone(pipeline_run):
     run, sets, _ = pipeline_run
     messages: list[str] = []
-    Pipeline(QUICKSTART, [*sets, "pipeline.main.train.steps=9", "pipeline.baselines=[uniform]"],
-             say=messages.append).run()
+    Pipeline(
+        QUICKSTART, [*sets, "pipeline.main.train.steps=9", "pipeline.baselines=[uniform]"], say=messages.append
+    ).run()
     redone = [m for m in messages if "config changed" in m]
     assert any("main run: doremi" in m for m in redone) and any("main run: uniform" in m for m in redone)
     assert any("round 1: proxy: done already" in m for m in messages)
@@ -82,13 +94,23 @@ def test_iterated_rounds_feed_weights_forward_and_stop_on_tolerance(tmp_path):
     from trainer.configtools import read_yaml
 
     run = tmp_path / "run"
-    sets = [*SMALL, f"pipeline.run_dir={run}", f"data.store_dir={tmp_path / 'stores'}", "pipeline.skip_main=true",
-            "doremi.rounds=3", "doremi.rounds_tolerance=1.0", "train.steps=4", "train.eval_every=0"]
+    sets = [
+        *SMALL,
+        f"pipeline.run_dir={run}",
+        f"data.store_dir={tmp_path / 'stores'}",
+        "pipeline.skip_main=true",
+        "doremi.rounds=3",
+        "doremi.rounds_tolerance=1.0",
+        "train.steps=4",
+        "train.eval_every=0",
+    ]
     messages: list[str] = []
     Pipeline(QUICKSTART, sets, say=messages.append).run()
     assert (run / "round2" / "weights.json").is_file() and not (run / "round3").exists()
     assert any("converged after round 2" in m for m in messages)
     ref2 = read_yaml(run / "round2" / "reference" / "config.yaml")
     assert ref2["data"]["domain_weights"] == str(run / "round1" / "weights.json")
-    assert json.loads((run / "weights.json").read_text())["weights"] == \
-        json.loads((run / "round2" / "weights.json").read_text())["weights"]
+    assert (
+        json.loads((run / "weights.json").read_text())["weights"]
+        == json.loads((run / "round2" / "weights.json").read_text())["weights"]
+    )

@@ -4,6 +4,7 @@ A fake .deb (built with `dpkg-deb --build`, holding a nested .tar.xz like linux-
 fake npm .tgz are put in the download cache, so no package client is called; the recipe is
 passed in through `main(argv, recipe=...)`.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -45,8 +46,9 @@ CODE = {
     "usr/share/fake/src/empty.c": "  \n",
     "usr/share/fake/src/skip/gen.c": "int skipped_by_exclude;\n",
 }
-MAIL = {f"package/data/m{i:02d}.txt": f"From: user{i}@example.org\nSubject: {i}\n\n" + "word " * (10 + i)
-        for i in range(30)}
+MAIL = {
+    f"package/data/m{i:02d}.txt": f"From: user{i}@example.org\nSubject: {i}\n\n" + "word " * (10 + i) for i in range(30)
+}
 
 
 def _tar_xz(files: dict[str, bytes]) -> bytes:
@@ -63,32 +65,36 @@ def _make_deb(tmp: Path) -> Path:
     root = tmp / "debroot"
     (root / "DEBIAN").mkdir(parents=True)
     (root / "DEBIAN" / "control").write_text(
-        "Package: fakepkg\nVersion: 1.2-3\nArchitecture: all\nMaintainer: T <t@example.org>\n"
-        "Description: fixture\n")
+        "Package: fakepkg\nVersion: 1.2-3\nArchitecture: all\nMaintainer: T <t@example.org>\nDescription: fixture\n"
+    )
     files: dict[str, bytes] = {k: v.encode() for k, v in CODE.items()}
     files["usr/share/fake/src/big.c"] = b"x" * (rc.MAX_DOC_BYTES + 1)
     files["usr/share/fake/src/blob.c"] = b"\x7fELF\x00\x01"
     files["usr/share/fake/src/latin1.c"] = "caf\xe9".encode("latin-1")
     files["usr/share/fake/README.txt"] = b"not code\n"
     files["usr/share/doc/fakepkg/copyright"] = b"Format: x\n\nFiles: *\nLicense: MIT\n"
-    files["usr/src/inner.tar.xz"] = _tar_xz({
-        "inner/arch/board.dts": b"/dts-v1/;\n/ { model = \"fake\"; };\n",
-        "inner/arch/soc.dtsi": b"/ { cpus { }; };\n",
-        "inner/kernel/x.c": b"int x;\n",
-    })
+    files["usr/src/inner.tar.xz"] = _tar_xz(
+        {
+            "inner/arch/board.dts": b'/dts-v1/;\n/ { model = "fake"; };\n',
+            "inner/arch/soc.dtsi": b"/ { cpus { }; };\n",
+            "inner/kernel/x.c": b"int x;\n",
+        }
+    )
     for name, data in files.items():
         p = root / name
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
     deb = tmp / "fakepkg_1.2-3_all.deb"
-    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(root), str(deb)],
-                   check=True, capture_output=True)
+    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(root), str(deb)], check=True, capture_output=True)
     return deb
 
 
 def _make_tgz(tmp: Path) -> Path:
-    files = {"package/package.json": json.dumps(
-        {"name": "@scope/fake-mail", "version": "0.9.1", "license": "Apache-2.0"}).encode()}
+    files = {
+        "package/package.json": json.dumps(
+            {"name": "@scope/fake-mail", "version": "0.9.1", "license": "Apache-2.0"}
+        ).encode()
+    }
     files.update({k: v.encode() for k, v in MAIL.items()})
     path = tmp / "scope-fake-mail-0.9.1.tgz"
     with tarfile.open(path, "w:gz") as tf:
@@ -140,8 +146,10 @@ def test_documents_follow_the_filters_and_duplicates_are_dropped(tmp_path, cache
     out = tmp_path / "out"
     assert _run(out, cache) == 0
     code = {d["source"]: d["text"] for d in _docs(out / "code.jsonl.xz")}
-    assert code == {"fakepkg:usr/share/fake/src/a.c": CODE["usr/share/fake/src/a.c"],
-                    "fakepkg:usr/share/fake/src/b.c": CODE["usr/share/fake/src/b.c"]}
+    assert code == {
+        "fakepkg:usr/share/fake/src/a.c": CODE["usr/share/fake/src/a.c"],
+        "fakepkg:usr/share/fake/src/b.c": CODE["usr/share/fake/src/b.c"],
+    }
     dts = sorted(d["source"] for d in _docs(out / "dts.jsonl.xz"))
     assert dts == ["fakepkg:inner/arch/board.dts", "fakepkg:inner/arch/soc.dtsi"]
     assert len(_docs(out / "mail.jsonl.xz")) == len(MAIL)
@@ -159,7 +167,7 @@ def test_manifest_records_packages_and_outputs(tmp_path, cache, packages):
     assert deb["licence"] == "MIT"
     assert npm["version"] == "0.9.1" and npm["sha256"] == _sha(packages["npm:@scope/fake-mail"])
     assert npm["licence"] == "Apache-2.0"
-    for domain, entry in m["outputs"].items():
+    for entry in m["outputs"].values():
         path = out / entry["file"]
         docs = _docs(path)
         assert entry["sha256"] == _sha(path)
@@ -176,8 +184,7 @@ def test_byte_cap_takes_a_seeded_prefix(tmp_path, cache):
     outs = {}
     for name, seed in [("a", 0), ("b", 0), ("c", 1)]:
         outs[name] = tmp_path / name
-        assert _run(outs[name], cache, "--max-bytes", str(cap), "--seed", str(seed),
-                    "--domains", "mail") == 0
+        assert _run(outs[name], cache, "--max-bytes", str(cap), "--seed", str(seed), "--domains", "mail") == 0
     a, b, c = (outs[k] / "mail.jsonl.xz" for k in "abc")
     assert a.read_bytes() == b.read_bytes()
     assert a.read_bytes() != c.read_bytes()
@@ -230,7 +237,7 @@ def _fake_client(tmp_path: Path, monkeypatch) -> None:
     bin_dir.mkdir()
     for tool in ("apt-get", "npm"):
         p = bin_dir / tool
-        p.write_text("#!/bin/sh\necho \"E: Unable to locate package $2\" >&2\nexit 100\n")
+        p.write_text('#!/bin/sh\necho "E: Unable to locate package $2" >&2\nexit 100\n')
         p.chmod(p.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
@@ -270,22 +277,31 @@ def test_missing_nested_archive_is_a_changed_layout(tmp_path, cache, capsys):
 def test_extractors():
     brown = b"\n\n\tThe/at jury/nn said/vbd ./.\n\n\tIt/pps ended/vbd ./.\n"
     assert list(rc.brown_untagged("ca01", brown)) == [("ca01", "The jury said .\n\nIt ended .")]
-    wn = (b"  1 This software and database is being provided\n"
-          b"00001740 03 n 02 entity 0 thing 1 000 | that which is perceived to exist\n")
+    wn = (
+        b"  1 This software and database is being provided\n"
+        b"00001740 03 n 02 entity 0 thing 1 000 | that which is perceived to exist\n"
+    )
     assert list(rc.wordnet_glosses("data.noun", wn)) == [
-        ("data.noun#0", "entity, thing: that which is perceived to exist")]
-    dz = gzip.compress(b"00-database-url\n   x\n\nWord \\Word\\, n.\n   A unit.\n\n   Syn: term\n\n"
-                       b"Bad \\Bad\\ \x92\n\nZeal \\Zeal\\, n.\n   Ardor.\n")
-    (name, text), = rc.dictd_entries("gcide.dict.dz", dz)
+        ("data.noun#0", "entity, thing: that which is perceived to exist")
+    ]
+    dz = gzip.compress(
+        b"00-database-url\n   x\n\nWord \\Word\\, n.\n   A unit.\n\n   Syn: term\n\n"
+        b"Bad \\Bad\\ \x92\n\nZeal \\Zeal\\, n.\n   Ardor.\n"
+    )
+    ((name, text),) = rc.dictd_entries("gcide.dict.dz", dz)
     assert text == "Word \\Word\\, n.\n   A unit.\n\n   Syn: term\n\nZeal \\Zeal\\, n.\n   Ardor."
-    page = (b"<html><head><title>T</title><style>x{}</style></head><body>"
-            b"<ul class='docnav'><li>Prev</li></ul><h1>Title</h1><p>One  two\nthree.</p>"
-            b"<pre>a\n  b</pre><script>bad()</script></body></html>")
+    page = (
+        b"<html><head><title>T</title><style>x{}</style></head><body>"
+        b"<ul class='docnav'><li>Prev</li></ul><h1>Title</h1><p>One  two\nthree.</p>"
+        b"<pre>a\n  b</pre><script>bad()</script></body></html>"
+    )
     assert list(rc.html_text("p.html", page)) == [("p.html", "Title\n\nOne two three.\n\na\n  b")]
-    osis = [b'<title type="main">Genesis</title><chapter sID="Gen.1"/>In the <w lemma="s">beginning</w>'
-            b'<note>a note</note> God.', b'<chapter sID="Exo.1"/>Now these.']
+    osis = [
+        b'<title type="main">Genesis</title><chapter sID="Gen.1"/>In the <w lemma="s">beginning</w>'
+        b"<note>a note</note> God.",
+        b'<chapter sID="Exo.1"/>Now these.',
+    ]
     bzz = b"".join(zlib.compress(block) + b"\x00" * 7 for block in osis)
-    assert [t for _, t in rc.sword_ztext("ot.bzz", bzz)] == ["Genesis\n\nIn the beginning God.",
-                                                             "Now these."]
+    assert [t for _, t in rc.sword_ztext("ot.bzz", bzz)] == ["Genesis\n\nIn the beginning God.", "Now these."]
     hexdump = "static const u8 fw[] = {\n" + "0x01, 0x02, 0x03, 0x04,\n" * 400 + "};\n"
     assert list(rc.c_source("fw.h", hexdump.encode())) == []

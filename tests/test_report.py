@@ -20,12 +20,18 @@ def _cells(table: str) -> list[list[str]]:
 
 def test_table_rows_and_summaries():
     rows = _cells(format_table(DOMAINS, MIXTURES, LOSSES, ENTROPY))
-    assert rows[0] == ["domain", "H", "weight: uniform", "weight: doremi", "loss: uniform",
-                       "loss: doremi", "loss - H: uniform", "loss - H: doremi"]
-    assert rows[2] == ["noise", "4.0000", "0.3333", "0.1000", "4.5000", "4.2500", "0.5000",
-                       "0.2500"]
-    assert rows[3] == ["easy", "0.0000", "0.3333", "0.2000", "0.2500", "0.5000", "0.2500",
-                       "0.5000"]
+    assert rows[0] == [
+        "domain",
+        "H",
+        "weight: uniform",
+        "weight: doremi",
+        "loss: uniform",
+        "loss: doremi",
+        "loss - H: uniform",
+        "loss - H: doremi",
+    ]
+    assert rows[2] == ["noise", "4.0000", "0.3333", "0.1000", "4.5000", "4.2500", "0.5000", "0.2500"]
+    assert rows[3] == ["easy", "0.0000", "0.3333", "0.2000", "0.2500", "0.5000", "0.2500", "0.5000"]
     assert rows[4] == ["web", "", "0.3333", "0.7000", "3.0000", "2.5000", "", ""]
     # average over 3 domains: (4.5 + 0.25 + 3) / 3, (4.25 + 0.5 + 2.5) / 3; loss - H over the
     # 2 domains with known entropy: (0.5 + 0.25) / 2, (0.25 + 0.5) / 2
@@ -55,8 +61,7 @@ def _png_size(path) -> tuple[int, int]:
 
 def test_write_report_writes_markdown_and_pngs(tmp_path):
     history = [[1 / 3, 1 / 3, 1 / 3], [0.2, 0.3, 0.5], [0.1, 0.2, 0.7]]
-    runs = {name: [(0, [6.0, 2.0, 5.0]), (50, [5.0, 1.0, 4.0]), (100, loss)]
-            for name, loss in LOSSES.items()}
+    runs = {name: [(0, [6.0, 2.0, 5.0]), (50, [5.0, 1.0, 4.0]), (100, loss)] for name, loss in LOSSES.items()}
     report = write_report(tmp_path / "report", DOMAINS, history, runs, LOSSES, MIXTURES, ENTROPY)
     text = report.read_text()
     assert report.name == "report.md"
@@ -67,7 +72,8 @@ def test_write_report_writes_markdown_and_pngs(tmp_path):
         w, h = _png_size(tmp_path / "report" / png)
         assert w > 300 and h > 200
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == sorted(
-        ["report.md", WEIGHTS_PNG, VAL_LOSS_PNG, FINAL_LOSS_PNG])
+        ["report.md", WEIGHTS_PNG, VAL_LOSS_PNG, FINAL_LOSS_PNG]
+    )
 
 
 def test_write_report_skips_plots_without_data(tmp_path):
@@ -93,6 +99,7 @@ def test_final_loss_plot_on_a_log_axis_needs_positive_values(tmp_path):
 
 
 # -- bits per byte, domains better, steps-to-target --------------------------------------------
+
 
 def test_bits_per_byte():
     from doremi.report import bits_per_byte
@@ -128,19 +135,34 @@ def test_domains_better_and_steps_to_target():
 def test_vs_baselines_table():
     from doremi.report import format_vs_baselines
 
-    runs = {"uniform": [(50, [5.0, 1.0, 4.0]), (100, LOSSES["uniform"])],
-            "doremi": [(50, [4.5, 0.5, 2.5]), (100, LOSSES["doremi"])]}
+    runs = {
+        "uniform": [(50, [5.0, 1.0, 4.0]), (100, LOSSES["uniform"])],
+        "doremi": [(50, [4.5, 0.5, 2.5]), (100, LOSSES["doremi"])],
+    }
     rows = _cells(format_vs_baselines(DOMAINS, LOSSES, runs, ["uniform"]))
-    assert rows[0] == ["run", "domains better than uniform (of 3)", "mean loss - uniform",
-                       "speed-up to uniform's final loss"]
+    assert rows[0] == [
+        "run",
+        "domains better than uniform (of 3)",
+        "mean loss - uniform",
+        "speed-up to uniform's final loss",
+    ]
     # doremi's mean at step 50 is 2.5 <= uniform's final mean 2.5833: 100 / 50 steps
     assert rows[2:] == [["doremi", "2", "-0.1667", "2.00x (step 50)"]]
 
 
 def test_report_with_warnings_and_guardrail_sections(tmp_path):
-    report = write_report(tmp_path, DOMAINS, [], {}, LOSSES, MIXTURES, None, baselines=["uniform"],
-                          warnings=["round1/reference: easy: epochs read 40 > max_epochs 2"],
-                          guardrail_table="| domain | epochs: round1/reference |\n")
+    report = write_report(
+        tmp_path,
+        DOMAINS,
+        [],
+        {},
+        LOSSES,
+        MIXTURES,
+        None,
+        baselines=["uniform"],
+        warnings=["round1/reference: easy: epochs read 40 > max_epochs 2"],
+        guardrail_table="| domain | epochs: round1/reference |\n",
+    )
     text = report.read_text()
     assert "## Warnings\n\n- round1/reference: easy: epochs read 40 > max_epochs 2\n" in text
     assert "## Against the baselines" in text and "| doremi | 2 | -0.1667 |  |" in text

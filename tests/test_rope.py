@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.model.layers import rope_tables
 from tests.interpreter import needs_triton, run_interpreted
+from trainer.model.layers import rope_tables
 from trainer.model.rope import rope_qkv, rope_qkv_backward_op, rope_qkv_op, rope_qkv_torch
 
 
@@ -18,9 +18,9 @@ def _reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     hd = width // (heads + 2 * kv)
     x = qkv.double().view(s, b, heads + 2 * kv, hd)
     c, sn = cos.double()[:, None, None, :], sin.double()[:, None, None, :]
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     rot = torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn], dim=-1)
-    return rot[:, :, :heads], rot[:, :, heads:heads + kv], x[:, :, heads + kv:]
+    return rot[:, :, :heads], rot[:, :, heads : heads + kv], x[:, :, heads + kv :]
 
 
 @pytest.mark.parametrize("s,b,heads,kv,hd", [(5, 3, 4, 2, 8), (7, 2, 6, 3, 6), (4, 1, 2, 2, 16)])
@@ -51,7 +51,7 @@ def test_bf16_is_rounded_once_from_fp32():
     want = _reference(qkv, cos.bfloat16().double(), sin.bfloat16().double(), heads, kv)
     for t, w in zip(got, want):
         assert t.dtype == torch.bfloat16
-        assert bool(((t.double() - w).abs() <= 2.0 ** -8 * w.abs() + 1e-6).all())
+        assert bool(((t.double() - w).abs() <= 2.0**-8 * w.abs() + 1e-6).all())
 
 
 def test_custom_ops_registration():

@@ -35,18 +35,32 @@ def exp(**sections) -> ExperimentConfig:
 
 # -- the fingerprint (pure) ----------------------------------------------------------------------
 
+
 def test_cadence_layout_and_paths_do_not_change_the_fingerprint():
     base = rundir.record(exp())
-    same = exp(logging={"every": 5}, checkpoint={"every": 7, "keep": 3, "resume_changed": True},
-               parallelism={"dp": 2}, train={"run_dir": "elsewhere", "eval_every": 3, "micro_batches": 2},
-               pipeline={"baselines": []}, doremi={"rounds": 3})
+    same = exp(
+        logging={"every": 5},
+        checkpoint={"every": 7, "keep": 3, "resume_changed": True},
+        parallelism={"dp": 2},
+        train={"run_dir": "elsewhere", "eval_every": 3, "micro_batches": 2},
+        pipeline={"baselines": []},
+        doremi={"rounds": 3},
+    )
     assert rundir.record(same)["fingerprint"] == base["fingerprint"]
 
 
-@pytest.mark.parametrize("section, key, value", [
-    ("doremi", "eta", 3.0), ("train", "lr", 1e-4), ("train", "seed", 1), ("data", "seed", 2),
-    ("data", "domain_weights", [1.0]), ("model", "d_model", 128), ("checkpoint", "load", "x"),
-])
+@pytest.mark.parametrize(
+    "section, key, value",
+    [
+        ("doremi", "eta", 3.0),
+        ("train", "lr", 1e-4),
+        ("train", "seed", 1),
+        ("data", "seed", 2),
+        ("data", "domain_weights", [1.0]),
+        ("model", "d_model", 128),
+        ("checkpoint", "load", "x"),
+    ],
+)
 def test_result_keys_change_the_fingerprint(section, key, value):
     old, new = rundir.record(exp()), rundir.record(exp(**{section: {key: value}}))
     assert new["fingerprint"] != old["fingerprint"]
@@ -72,12 +86,15 @@ def test_ignored_sections_and_file_contents(tmp_path):
 
 
 def test_changed_keys_names_each_difference():
-    assert rundir.changed_keys({"a": 1, "b": "x", "c": 0}, {"a": 2, "b": "x", "d": 5}) == \
-        "a 1 -> 2, c 0 -> (unset), d (unset) -> 5"
+    assert (
+        rundir.changed_keys({"a": 1, "b": "x", "c": 0}, {"a": 2, "b": "x", "d": 5})
+        == "a 1 -> 2, c 0 -> (unset), d (unset) -> 5"
+    )
     assert rundir.changed_keys({f"k{i}": i for i in range(6)}, {}, limit=2).endswith("and 4 more")
 
 
 # -- the resume policy (pure) --------------------------------------------------------------------
+
 
 def test_check_resume():
     old, new = rundir.record(exp()), rundir.record(exp(doremi={"eta": 3.0}))
@@ -86,10 +103,15 @@ def test_check_resume():
     rundir.check_resume("runs/x", None, new, 5, 10, allow_changed=False)  # written before fingerprints
     with pytest.raises(ConfigError) as e:
         rundir.check_resume("runs/x", old, new, 5, 10, allow_changed=False)
-    assert str(e.value) == ("runs/x: resuming under a changed config: doremi.eta 1.0 -> 3.0; start a new run "
-                            "directory, or set checkpoint.resume_changed: true to continue anyway")
-    with pytest.raises(ConfigError, match=r"runs/x: train.steps=3 is below the step of the checkpoint to "
-                                          r"resume \(5\)"):
+    assert str(e.value) == (
+        "runs/x: resuming under a changed config: doremi.eta 1.0 -> 3.0; start a new run "
+        "directory, or set checkpoint.resume_changed: true to continue anyway"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"runs/x: train.steps=3 is below the step of the checkpoint to "
+        r"resume \(5\)",
+    ):
         rundir.check_resume("runs/x", old, old, 5, 3, allow_changed=True)
 
 
@@ -97,8 +119,11 @@ def test_check_fresh_start():
     rundir.check_fresh_start("runs/x", None, resume=False, start_over=False)
     rundir.check_fresh_start("runs/x", 20, resume=True, start_over=False)
     rundir.check_fresh_start("runs/x", 20, resume=False, start_over=True)
-    with pytest.raises(ConfigError, match="runs/x: checkpoint.resume is false but the run directory holds "
-                                          "checkpoints up to step 20; set checkpoint.start_over: true"):
+    with pytest.raises(
+        ConfigError,
+        match="runs/x: checkpoint.resume is false but the run directory holds "
+        "checkpoints up to step 20; set checkpoint.start_over: true",
+    ):
         rundir.check_fresh_start("runs/x", 20, resume=False, start_over=False)
 
 
@@ -125,8 +150,13 @@ HOLD = "import sys, time; from trainer.run_dir import locked\nwith locked(sys.ar
 
 def test_second_job_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path):
     run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         with pytest.raises(ConfigError) as e:
@@ -146,20 +176,31 @@ def test_cli_refuses_a_locked_run_directory(stores, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with rundir.locked(run):
-        result = subprocess.run([sys.executable, "-m", "doremi", "train", str(config_path(stores, run))],
-                                capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "doremi", "train", str(config_path(stores, run))],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=300,
+        )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"doremi train: error: {run}: run directory in use by another job (pid {os.getpid()}, "
-        f"{(run / rundir.LOCK_FILE).resolve()}); wait for it to finish or use another run directory"]
+        f"{(run / rundir.LOCK_FILE).resolve()}); wait for it to finish or use another run directory"
+    ]
     assert [p.name for p in run.iterdir()] == [rundir.LOCK_FILE]
 
 
 # -- the trainer -----------------------------------------------------------------------------
 
+
 def snapshot(run: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
-            if p.is_file() and p.name != rundir.LOCK_FILE}
+    return {
+        str(p.relative_to(run)): p.read_bytes()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and p.name != rundir.LOCK_FILE
+    }
 
 
 def test_resume_under_a_changed_config_is_refused(stores, tmp_path):
@@ -168,14 +209,16 @@ def test_resume_under_a_changed_config_is_refused(stores, tmp_path):
     before = snapshot(run)
     with pytest.raises(ConfigError) as e:
         stages.train(config(stores, run, *COMMON, "train.steps=5", "train.lr=1e-3", "data.seed=4"))
-    assert str(e.value) == (f"{run}: resuming under a changed config: data.seed 0 -> 4, train.lr 0.003 -> 0.001; "
-                            f"start a new run directory, or set checkpoint.resume_changed: true to continue anyway")
+    assert str(e.value) == (
+        f"{run}: resuming under a changed config: data.seed 0 -> 4, train.lr 0.003 -> 0.001; "
+        f"start a new run directory, or set checkpoint.resume_changed: true to continue anyway"
+    )
     assert snapshot(run) == before
-    stages.train(config(stores, run, *COMMON, "train.steps=5", "logging.every=2", "checkpoint.keep=1",
-                        "doremi.eta=3"))  # not result keys; more steps under a constant schedule
+    stages.train(
+        config(stores, run, *COMMON, "train.steps=5", "logging.every=2", "checkpoint.keep=1", "doremi.eta=3")
+    )  # not result keys; more steps under a constant schedule
     assert "doremi.eta" not in json.loads((run / "run.json").read_text())["keys"] and len(losses(run)) == 5
-    stages.train(config(stores, run, *COMMON, "train.steps=6", "train.lr=1e-3",
-                        "checkpoint.resume_changed=true"))
+    stages.train(config(stores, run, *COMMON, "train.steps=6", "train.lr=1e-3", "checkpoint.resume_changed=true"))
     assert len(losses(run)) == 6
 
 
@@ -195,8 +238,11 @@ def test_steps_below_the_checkpoint_is_an_error_and_rewrites_nothing(stores, tmp
     run = tmp_path / "run"
     stages.train(config(stores, run, *COMMON, "train.steps=5"))
     before = snapshot(run)
-    with pytest.raises(ConfigError, match=rf"^{run}: train.steps=3 is below the step of the checkpoint to resume "
-                                          rf"\(5\); set train.steps >= 5"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{run}: train.steps=3 is below the step of the checkpoint to resume "
+        rf"\(5\); set train.steps >= 5",
+    ):
         stages.train(config(stores, run, *COMMON, "train.steps=3"))
     assert snapshot(run) == before
 
@@ -205,12 +251,12 @@ def test_fresh_start_over_checkpoints_refuses_unless_told_to_start_over(stores, 
     run = tmp_path / "run"
     stages.train(config(stores, run, *COMMON, "train.steps=5"))
     before = snapshot(run)
-    with pytest.raises(ConfigError, match="checkpoint.resume is false but the run directory holds checkpoints up "
-                                          "to step 5"):
+    with pytest.raises(
+        ConfigError, match="checkpoint.resume is false but the run directory holds checkpoints up to step 5"
+    ):
         stages.train(config(stores, run, *COMMON, "train.steps=3", "checkpoint.resume=false"))
     assert snapshot(run) == before
-    stages.train(config(stores, run, *COMMON, "train.steps=3", "checkpoint.resume=false",
-                        "checkpoint.start_over=true"))
+    stages.train(config(stores, run, *COMMON, "train.steps=3", "checkpoint.resume=false", "checkpoint.start_over=true"))
     (old,) = tmp_path.glob("run.old-*")
     assert f"{run}: checkpoint.start_over: the previous run was moved to {old}" in capsys.readouterr().err
     assert snapshot(old) == before
@@ -222,20 +268,35 @@ def test_fresh_start_over_checkpoints_refuses_unless_told_to_start_over(stores, 
 
 # -- the pipeline ------------------------------------------------------------------------------
 
+
 def pipeline_sets(stores: Path, root: Path, *sets: str) -> list[str]:
-    return [*COMMON, "train.steps=10", "checkpoint.keep=2", "pipeline.skip_main=true",
-            f"pipeline.run_dir={root}", f"data.store_dir={stores}", *sets]
+    return [
+        *COMMON,
+        "train.steps=10",
+        "checkpoint.keep=2",
+        "pipeline.skip_main=true",
+        f"pipeline.run_dir={root}",
+        f"data.store_dir={stores}",
+        *sets,
+    ]
 
 
 def test_pipeline_killed_mid_proxy_then_rerun_with_another_eta_equals_the_uninterrupted_run(stores, tmp_path):
     whole = tmp_path / "whole"
-    Pipeline(config_path(stores, tmp_path / "w"), pipeline_sets(stores, whole, "doremi.eta=3.0"),
-             say=lambda m: None).run()
+    Pipeline(
+        config_path(stores, tmp_path / "w"), pipeline_sets(stores, whole, "doremi.eta=3.0"), say=lambda m: None
+    ).run()
 
     root = tmp_path / "killed"
     cfg = config_path(stores, tmp_path / "k")
-    args = [sys.executable, "-m", "doremi", "pipeline", str(cfg),
-            *[a for s in pipeline_sets(stores, root, "doremi.eta=1.0") for a in ("--set", s)]]
+    args = [
+        sys.executable,
+        "-m",
+        "doremi",
+        "pipeline",
+        str(cfg),
+        *[a for s in pipeline_sets(stores, root, "doremi.eta=1.0") for a in ("--set", s)],
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proxy = root / "round1" / "proxy"
@@ -256,14 +317,21 @@ def test_pipeline_killed_mid_proxy_then_rerun_with_another_eta_equals_the_uninte
     Pipeline(cfg, pipeline_sets(stores, root, "doremi.eta=3.0"), say=messages.append).run()
     assert any("round 1: proxy: interrupted under another config, redoing from scratch" in m for m in messages)
     assert not list(root.rglob("*.tmp"))
-    assert json.loads((root / "weights.json").read_text())["weights"] == \
-        json.loads((whole / "weights.json").read_text())["weights"]
+    assert (
+        json.loads((root / "weights.json").read_text())["weights"]
+        == json.loads((whole / "weights.json").read_text())["weights"]
+    )
     assert losses(proxy) == losses(whole / "round1" / "proxy")
 
 
 def test_remove_marker_temps(tmp_path):
-    for name in ("a/.stage.json.1.tmp", "a/.eval.json.stage.json.2.tmp", "a/.stage.started.json.3.tmp",
-                 "a/.metrics.jsonl.4.tmp", "a/stage.json"):
+    for name in (
+        "a/.stage.json.1.tmp",
+        "a/.eval.json.stage.json.2.tmp",
+        "a/.stage.started.json.3.tmp",
+        "a/.metrics.jsonl.4.tmp",
+        "a/stage.json",
+    ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
     remove_marker_temps(tmp_path)

@@ -45,8 +45,9 @@ def test_compiled_block_and_fused_head_by_hand():
     assert cm.head_transient_bytes() == 2 * 256 * 32
     tp2 = CostModel.from_config(model, ParallelismConfig(tp=2), micro_batch_size=2, seq_len=16)
     assert tp2.compiled and not tp2.fused_loss
-    assert tp2.layer_activation_bytes("none") == CostModel(TINY, tp=2, micro_batch_size=2,
-                                                          seq_len=16).layer_activation_bytes("none")
+    assert tp2.layer_activation_bytes("none") == CostModel(
+        TINY, tp=2, micro_batch_size=2, seq_len=16
+    ).layer_activation_bytes("none")
 
 
 def test_llama70b_block_is_about_korthikanti_34sbh():
@@ -82,6 +83,7 @@ def test_bf16_grads_are_persistent_fp32_main_grads_only_when_summed(micro_batche
     """What the optimizer allocates, the plan counts: fp32 main grads when the step sums
     gradients; otherwise none, and the head's bf16 `.grad` in the last stage's transient."""
     import torch
+
     from trainer.config import TrainConfig
     from trainer.optim.master_weights import MasterWeightAdamW
     from trainer.parallel.context import ParallelContext
@@ -122,8 +124,11 @@ def test_min_max_split_is_exact():
 
         got = min_max_split(n, stages, cost)
         assert sum(got) == n and min(got) >= 1
-        brute = min(max(cost(p, k) for p, k in enumerate(c))
-                    for c in itertools.product(range(1, n + 1), repeat=stages) if sum(c) == n)
+        brute = min(
+            max(cost(p, k) for p, k in enumerate(c))
+            for c in itertools.product(range(1, n + 1), repeat=stages)
+            if sum(c) == n
+        )
         assert max(cost(p, k) for p, k in enumerate(got)) == pytest.approx(brute, rel=1e-12)
 
 
@@ -154,8 +159,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def _llama70b_config(dp: int = 1):
     """experiments/configs/llama3_70b.yaml (tp4 pp4, seq 8192, micro-batch 1, 64 micro-batches per dp
     rank, selective recompute, sequence parallel), optionally with more data-parallel ranks."""
-    return load_config(ROOT / "experiments" / "configs" / "llama3_70b.yaml",
-                       [f"parallelism.dp={dp}", f"train.global_batch_size={64 * dp}"])
+    return load_config(
+        ROOT / "experiments" / "configs" / "llama3_70b.yaml",
+        [f"parallelism.dp={dp}", f"train.global_batch_size={64 * dp}"],
+    )
 
 
 @pytest.mark.parametrize("precision,memory_peak,compute_peak", [("bf16", 99.2, 109.8), ("fp32", 106.9, 118.3)])
@@ -196,12 +203,38 @@ def test_plan_rejects_wrong_gpu_count():
 
 
 PLANNED_LAYOUTS = [
-    ("pile_280m.yaml", ["model.preset=doremi-760m", "train.optimizer=adamw", "parallelism.pp=8", "parallelism.dp=8",
-                        "train.micro_batches=8", "train.global_batch_size=256"]),
-    ("pile_280m.yaml", ["train.optimizer=adamw", "parallelism.pp=4", "parallelism.dp=2", "train.micro_batches=4",
-                        "train.global_batch_size=64", "parallelism.pp_schedule=1f1b"]),
-    ("pile_280m.yaml", ["train.optimizer=adamw", "parallelism.pp=4", "train.micro_batches=8",
-                        "parallelism.pp_schedule=afab", "parallelism.recompute=full"]),
+    (
+        "pile_280m.yaml",
+        [
+            "model.preset=doremi-760m",
+            "train.optimizer=adamw",
+            "parallelism.pp=8",
+            "parallelism.dp=8",
+            "train.micro_batches=8",
+            "train.global_batch_size=256",
+        ],
+    ),
+    (
+        "pile_280m.yaml",
+        [
+            "train.optimizer=adamw",
+            "parallelism.pp=4",
+            "parallelism.dp=2",
+            "train.micro_batches=4",
+            "train.global_batch_size=64",
+            "parallelism.pp_schedule=1f1b",
+        ],
+    ),
+    (
+        "pile_280m.yaml",
+        [
+            "train.optimizer=adamw",
+            "parallelism.pp=4",
+            "train.micro_batches=8",
+            "parallelism.pp_schedule=afab",
+            "parallelism.recompute=full",
+        ],
+    ),
     ("pile_280m.yaml", ["parallelism.pp=2", "train.optimizer=adafactor"]),
     ("llama3_70b.yaml", ["parallelism.dp=2", "train.global_batch_size=128"]),
 ]
@@ -212,6 +245,7 @@ def test_doremi_plan_predicts_the_split_the_trainer_builds(name, sets):
     """`doremi plan` plans the GPU run's split: the same cost model, the same micro-batches in
     flight and the parameter precision the trainer resolves on CUDA."""
     import torch
+
     from doremi.config import ExperimentConfig
     from trainer.build import stage_layers
     from trainer.plan import gpu_param_precision

@@ -13,7 +13,6 @@ from tests.interpreter import needs_triton, run_interpreted
 from trainer.model.swiglu import swiglu, swiglu_backward, swiglu_backward_torch
 
 
-
 def _reference_grad(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     x = gate_up.detach().double().requires_grad_()
     gate, up = x.chunk(2, -1)
@@ -25,8 +24,9 @@ def test_torch_backward_equals_autograd_in_float64():
     g = torch.Generator().manual_seed(0)
     gate_up = torch.randn(5, 3, 2 * 7, generator=g, dtype=torch.float64)
     grad = torch.randn(5, 3, 7, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(swiglu_backward_torch(grad, gate_up), _reference_grad(grad, gate_up),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        swiglu_backward_torch(grad, gate_up), _reference_grad(grad, gate_up), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_custom_op_registration_and_module_gradient():

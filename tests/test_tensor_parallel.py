@@ -114,8 +114,11 @@ def _saved_bytes(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         block(x, cos, sin).sum().backward()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
-                if t.untyped_storage().data_ptr() not in skip}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in saved
+        if t.untyped_storage().data_ptr() not in skip
+    }
     return sum(storages.values()), [tuple(t.shape) for t in saved if t.untyped_storage().data_ptr() not in skip]
 
 
@@ -188,17 +191,25 @@ def _pipeline_tied(pc: ParallelContext) -> None:
 def _worker_tp2(rank: int, world: int, report: str) -> None:
     pc = ParallelContext.from_process_group(tp=2, pp=1, dp=1, device=torch.device("cpu"))
     _primitives(pc)
-    _tp_parity(pc, [
-        ({}, {}),
-        ({"tie_embeddings": True}, {"sequence_parallel": True}),
-        ({"vocab_size": 250}, {"sequence_parallel": True, "tp_async": True, "recompute": "selective"}),
-        ({"tie_embeddings": True}, {"sequence_parallel": True, "tp_recompute_allgather": True, "recompute": "full"}),
-        ({"vocab_size": 250}, {"sequence_parallel": True, "tp_async": True, "tp_recompute_allgather": True}),
-        ({"tie_embeddings": True}, {"tp_async": True, "recompute": "full"}),
-        ({"tie_embeddings": True, "vocab_size": 250},
-         {"sequence_parallel": True, "tp_async": True, "tp_recompute_allgather": True, "recompute": "selective"}),
-        ({"n_kv_heads": 4}, {"sequence_parallel": True, "tp_recompute_allgather": True, "recompute": "full"}),
-    ])
+    _tp_parity(
+        pc,
+        [
+            ({}, {}),
+            ({"tie_embeddings": True}, {"sequence_parallel": True}),
+            ({"vocab_size": 250}, {"sequence_parallel": True, "tp_async": True, "recompute": "selective"}),
+            (
+                {"tie_embeddings": True},
+                {"sequence_parallel": True, "tp_recompute_allgather": True, "recompute": "full"},
+            ),
+            ({"vocab_size": 250}, {"sequence_parallel": True, "tp_async": True, "tp_recompute_allgather": True}),
+            ({"tie_embeddings": True}, {"tp_async": True, "recompute": "full"}),
+            (
+                {"tie_embeddings": True, "vocab_size": 250},
+                {"sequence_parallel": True, "tp_async": True, "tp_recompute_allgather": True, "recompute": "selective"},
+            ),
+            ({"n_kv_heads": 4}, {"sequence_parallel": True, "tp_recompute_allgather": True, "recompute": "full"}),
+        ],
+    )
     _saved_activations(pc, report if rank == 0 else None)
     _buffer_reuse(pc)
 
@@ -207,12 +218,17 @@ def _worker_tp4(rank: int, world: int) -> None:
     pc = ParallelContext.from_process_group(tp=4, pp=1, dp=1, device=torch.device("cpu"))
     _primitives(pc)
     gqa = {"n_heads": 8, "n_kv_heads": 4, "vocab_size": 250}
-    _tp_parity(pc, [
-        ({**gqa, "tie_embeddings": True},
-         {"sequence_parallel": True, "tp_async": True, "tp_recompute_allgather": True, "recompute": "selective"}),
-        (gqa, {}),
-        (gqa, {"sequence_parallel": True, "tp_async": True, "recompute": "full"}),
-    ])
+    _tp_parity(
+        pc,
+        [
+            (
+                {**gqa, "tie_embeddings": True},
+                {"sequence_parallel": True, "tp_async": True, "tp_recompute_allgather": True, "recompute": "selective"},
+            ),
+            (gqa, {}),
+            (gqa, {"sequence_parallel": True, "tp_async": True, "recompute": "full"}),
+        ],
+    )
     _pipeline_tied(ParallelContext.from_process_group(tp=2, pp=2, dp=1, device=torch.device("cpu")))
 
 
@@ -220,8 +236,10 @@ def test_tp2_parity_saved_activations_and_buffer(tmp_path):
     report = tmp_path / "saved.json"
     spawn(_worker_tp2, 2, str(report))
     saved = json.loads(report.read_text())
-    print(f"\nsaved for backward per layer (d=64, ffn=192, b={B}, s={S}, fp32): tp=1 {saved['tp1']} B; "
-          f"tp=2 sequence parallel {saved['sp']} B; + recomputed all-gather {saved['sp_recompute_allgather']} B")
+    print(
+        f"\nsaved for backward per layer (d=64, ffn=192, b={B}, s={S}, fp32): tp=1 {saved['tp1']} B; "
+        f"tp=2 sequence parallel {saved['sp']} B; + recomputed all-gather {saved['sp_recompute_allgather']} B"
+    )
     assert saved["sp_recompute_allgather"] < saved["sp"] < saved["tp1"]
 
 

@@ -53,8 +53,16 @@ def test_realised_mixture_and_memorisation_rows(stores, tmp_path):
     """The logged realised mixture is what was drawn (sequences, tokens), beside the nominal
     sum of B x w_t; with held-back sequences the eval rows carry seen and held-back losses."""
     run = tmp_path / "realised"
-    stages.train(config(stores, run, "train.steps=7", "train.eval_every=7", "data.holdout_sequences=16",
-                        "data.domain_weights=[0.6, 0.3, 0.1]"))
+    stages.train(
+        config(
+            stores,
+            run,
+            "train.steps=7",
+            "train.eval_every=7",
+            "data.holdout_sequences=16",
+            "data.domain_weights=[0.6, 0.3, 0.1]",
+        )
+    )
     rows = read_jsonl(run / "metrics.jsonl")
     last = [r for r in rows if "loss" in r][-1]
     realised = last["realised"]
@@ -74,8 +82,14 @@ def test_realised_mixture_and_memorisation_rows(stores, tmp_path):
 
 def _doremi(*args, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "doremi", *args], capture_output=True, text=True, env=env,
-                          cwd=kw.get("cwd", ROOT), timeout=kw.get("timeout", 300))
+    return subprocess.run(
+        [sys.executable, "-m", "doremi", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=kw.get("cwd", ROOT),
+        timeout=kw.get("timeout", 300),
+    )
 
 
 def test_kill_and_resume_equals_uninterrupted(stores, tmp_path):
@@ -86,8 +100,13 @@ def test_kill_and_resume_equals_uninterrupted(stores, tmp_path):
     run = tmp_path / "killed"
     cfg = config_path(stores, run)
     args = [sys.executable, "-m", "doremi", "train", str(cfg), *[a for s in steps for a in ("--set", s)]]
-    proc = subprocess.Popen(args, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        args,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while time.time() < deadline:
         done = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
@@ -107,18 +126,21 @@ def test_kill_and_resume_equals_uninterrupted(stores, tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["train", "missing.yaml"], "missing.yaml: config file not found"),
-    (["train", "{cfg}", "--set", "train.lrr=1"], "unknown key train.lrr (did you mean train.lr?)"),
-    (["train", "{cfg}", "--set", "train.steps=many"], "train.steps: expected int, got 'many' (str)"),
-    (["train", "{cfg}", "--set", "model.vocab_size=100"], "model.vocab_size: expected >= 257"),
-    (["train", "{cfg}", "--set", "data.domain_weights=[0.5, 0.5]"], "expected 3"),
-    (["train", "{cfg}", "--set", "data.domain_weights=[0.5, -0.5, 1.0]"], "finite and >= 0, got easy=-0.5"),
-    (["train", "{cfg}", "--set", "data.store_dir=/nonexistent/stores"], "/nonexistent/stores"),
-    (["train-proxy", "{cfg}"], "doremi.reference: required"),
-    (["eval", "/nonexistent/run"], "/nonexistent/run"),
-    (["average", "/nonexistent/run"], "/nonexistent/run"),
-])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["train", "missing.yaml"], "missing.yaml: config file not found"),
+        (["train", "{cfg}", "--set", "train.lrr=1"], "unknown key train.lrr (did you mean train.lr?)"),
+        (["train", "{cfg}", "--set", "train.steps=many"], "train.steps: expected int, got 'many' (str)"),
+        (["train", "{cfg}", "--set", "model.vocab_size=100"], "model.vocab_size: expected >= 257"),
+        (["train", "{cfg}", "--set", "data.domain_weights=[0.5, 0.5]"], "expected 3"),
+        (["train", "{cfg}", "--set", "data.domain_weights=[0.5, -0.5, 1.0]"], "finite and >= 0, got easy=-0.5"),
+        (["train", "{cfg}", "--set", "data.store_dir=/nonexistent/stores"], "/nonexistent/stores"),
+        (["train-proxy", "{cfg}"], "doremi.reference: required"),
+        (["eval", "/nonexistent/run"], "/nonexistent/run"),
+        (["average", "/nonexistent/run"], "/nonexistent/run"),
+    ],
+)
 def test_cli_errors_are_one_line(stores, tmp_path, args, expect):
     cfg = config_path(stores, tmp_path / "run")
     result = _doremi(*[a.format(cfg=cfg) for a in args])

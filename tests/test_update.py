@@ -7,8 +7,14 @@ import math
 import pytest
 import torch
 
-from doremi.update import (domain_excess, domain_excess_sums, per_domain_mean_loss,
-                           to_log_weights, uniform_log_weights, update_weights)
+from doremi.update import (
+    domain_excess,
+    domain_excess_sums,
+    per_domain_mean_loss,
+    to_log_weights,
+    uniform_log_weights,
+    update_weights,
+)
 
 NAN = float("nan")
 
@@ -45,8 +51,9 @@ def test_excess_sums_add_up_across_splits_of_the_batch():
     ids = torch.randint(0, 4, (8,), generator=g)
     mask = torch.rand(8, 5, generator=g) > 0.3
     whole = domain_excess_sums(proxy, ref, ids, mask, 4)
-    parts = [domain_excess_sums(proxy[i:i + 2], ref[i:i + 2], ids[i:i + 2], mask[i:i + 2], 4)
-             for i in range(0, 8, 2)]
+    parts = [
+        domain_excess_sums(proxy[i : i + 2], ref[i : i + 2], ids[i : i + 2], mask[i : i + 2], 4) for i in range(0, 8, 2)
+    ]
     torch.testing.assert_close(sum(p[0] for p in parts), whole[0], rtol=0, atol=1e-6)
     assert torch.equal(sum(p[1] for p in parts), whole[1])
 
@@ -72,16 +79,14 @@ def test_update_hand_computed_two_steps_with_carry_over():
     log_a0 = uniform_log_weights(3, dtype=torch.float64)
     lam1 = torch.tensor([0.0, math.log(2), math.log(4)], dtype=torch.float64)
     log_a1, a1 = update_weights(log_a0, lam1, eta=1.0, smoothing=0.1)
-    torch.testing.assert_close(a1, torch.tensor([17 / 105, 61 / 210, 23 / 42],
-                                                dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(a1, torch.tensor([17 / 105, 61 / 210, 23 / 42], dtype=torch.float64), rtol=0, atol=1e-15)
     torch.testing.assert_close(log_a1, a1.log(), rtol=0, atol=1e-15)
     # Step 2 carries alpha_1 over: lambda = [ln 2, 0, 0] -> alpha' ∝ [68, 61, 115]/210,
     # normalised [68, 61, 115]/244; alpha_2 = 0.9 * that + 1/30.
     lam2 = torch.tensor([math.log(2), 0.0, 0.0], dtype=torch.float64)
     _, a2 = update_weights(log_a1, lam2, eta=1.0, smoothing=0.1)
     expect = [0.9 * 68 / 244 + 1 / 30, 0.9 * 61 / 244 + 1 / 30, 0.9 * 115 / 244 + 1 / 30]
-    torch.testing.assert_close(a2, torch.tensor(expect, dtype=torch.float64),
-                               rtol=0, atol=1e-15)
+    torch.testing.assert_close(a2, torch.tensor(expect, dtype=torch.float64), rtol=0, atol=1e-15)
     assert a2.tolist() == pytest.approx([0.2841530055, 0.2583333333, 0.4575136612], abs=1e-10)
 
 
@@ -90,8 +95,7 @@ def test_update_eta_scales_the_step():
     # alpha' ∝ [1, 2, 4]; c = 0 -> [1/7, 2/7, 4/7].
     lam = torch.tensor([0.0, 2 * math.log(2), 4 * math.log(2)], dtype=torch.float64)
     _, a = update_weights(uniform_log_weights(3, dtype=torch.float64), lam, 0.5, 0.0)
-    torch.testing.assert_close(a, torch.tensor([1 / 7, 2 / 7, 4 / 7], dtype=torch.float64),
-                               rtol=0, atol=1e-15)
+    torch.testing.assert_close(a, torch.tensor([1 / 7, 2 / 7, 4 / 7], dtype=torch.float64), rtol=0, atol=1e-15)
 
 
 def test_update_from_batch_losses_end_to_end():

@@ -33,6 +33,7 @@ def one_error(capsys, *args) -> str:
 
 # ---- 7. keys silently ignored -------------------------------------------------------------------
 
+
 def fake_proxy(run, average_from_step=None, steps=4):
     """A proxy run directory: a weight history whose alpha_t is one-hot on domain t % 3."""
     run.mkdir(parents=True)
@@ -62,15 +63,19 @@ def test_average_refuses_a_bad_saved_average_from_step(tmp_path, capsys):
     assert one_error(capsys, "average", run).endswith("doremi.average_from_step: expected an int >= 1, got '3'")
 
 
-@pytest.mark.parametrize("stage, takes", [("train-reference", "doremi.reference_weights"),
-                                          ("train-proxy", "doremi.proxy_sampling")])
+@pytest.mark.parametrize(
+    "stage, takes", [("train-reference", "doremi.reference_weights"), ("train-proxy", "doremi.proxy_sampling")]
+)
 def test_stages_refuse_domain_weights_they_ignore(stores, tmp_path, capsys, stage, takes):
     cfg = config_path(stores, tmp_path / "run")
-    msg = one_error(capsys, stage, cfg, "--set", "data.domain_weights=tokens",
-                    "--set", f"doremi.reference={tmp_path / 'none'}")
-    assert msg == (f"doremi {stage}: error: data.domain_weights: doremi {stage} does not read this key, it "
-                   f"{'trains on' if stage == 'train-reference' else 'samples its data from'} {takes}; "
-                   f"got 'tokens' (set {takes} instead)")
+    msg = one_error(
+        capsys, stage, cfg, "--set", "data.domain_weights=tokens", "--set", f"doremi.reference={tmp_path / 'none'}"
+    )
+    assert msg == (
+        f"doremi {stage}: error: data.domain_weights: doremi {stage} does not read this key, it "
+        f"{'trains on' if stage == 'train-reference' else 'samples its data from'} {takes}; "
+        f"got 'tokens' (set {takes} instead)"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -86,12 +91,15 @@ def test_reference_accepts_its_own_saved_domain_weights(stores, tmp_path):
 
 
 @pytest.mark.parametrize("key", ["data.domain_weights", "doremi.reference_weights", "doremi.proxy_sampling"])
-@pytest.mark.parametrize("value, at, given", [
-    ("[true, false, true]", "[0]", "True (bool)"),
-    ("[0.5, '0.25', 0.25]", "[1]", "'0.25' (str)"),
-    ("{noise: 1, easy: yes, markov: 1}", ".easy", "True (bool)"),
-    ("{noise: '1', easy: 1, markov: 1}", ".noise", "'1' (str)"),
-])
+@pytest.mark.parametrize(
+    "value, at, given",
+    [
+        ("[true, false, true]", "[0]", "True (bool)"),
+        ("[0.5, '0.25', 0.25]", "[1]", "'0.25' (str)"),
+        ("{noise: 1, easy: yes, markov: 1}", ".easy", "True (bool)"),
+        ("{noise: '1', easy: 1, markov: 1}", ".noise", "'1' (str)"),
+    ],
+)
 def test_weights_in_the_config_must_be_numbers(stores, tmp_path, capsys, key, value, at, given):
     msg = one_error(capsys, "train", config_path(stores, tmp_path / "run"), "--set", f"{key}={value}")
     assert msg == f"doremi train: error: {key}{at}: expected a number (int or float), got {given}"
@@ -140,20 +148,36 @@ def weights_file(path, domains, weights):
     return path
 
 
-@pytest.mark.parametrize("sets, expect", [
-    (["pipeline.main.train.lrr=1"], "pipeline.main: unknown key train.lrr (did you mean train.lr?)"),
-    (["pipeline.proxy.model.d_model=30"], "pipeline.proxy: model.d_model: expected a multiple of n_heads=4, got 30"),
-    (["pipeline.main.train.global_batch_size=3", "pipeline.main.train.micro_batches=2"],
-     "pipeline.main: train.global_batch_size: expected a multiple of"),
-    (["pipeline.proxy.doremi.proxy_sampling=[1]"], "pipeline.proxy.doremi.proxy_sampling: expected 2 weights"),
-    (["doremi.reference_weights={noise: 1}"], "doremi.reference_weights: domains must match the stores' "
-                                              "(noise, easy); unknown: -; missing: easy"),
-    (["pipeline.main.data.domain_weights=tokens"], "pipeline.main.data.domain_weights: set by the pipeline"),
-    (["pipeline.proxy.doremi.reference_weights=tokens"], "pipeline.proxy.doremi.reference_weights: set by the pipeline"),
-    (["pipeline.main.data.store_dir=elsewhere"], "pipeline.main.data.store_dir: the pipeline builds one set of stores"),
-    (["data.domain_weights=tokens"], "data.domain_weights: doremi pipeline does not read this key"),
-    (["pipeline.baselines=[uniform, missing.json]"], "pipeline.baselines[1]: weights file missing.json not found"),
-])
+@pytest.mark.parametrize(
+    "sets, expect",
+    [
+        (["pipeline.main.train.lrr=1"], "pipeline.main: unknown key train.lrr (did you mean train.lr?)"),
+        (
+            ["pipeline.proxy.model.d_model=30"],
+            "pipeline.proxy: model.d_model: expected a multiple of n_heads=4, got 30",
+        ),
+        (
+            ["pipeline.main.train.global_batch_size=3", "pipeline.main.train.micro_batches=2"],
+            "pipeline.main: train.global_batch_size: expected a multiple of",
+        ),
+        (["pipeline.proxy.doremi.proxy_sampling=[1]"], "pipeline.proxy.doremi.proxy_sampling: expected 2 weights"),
+        (
+            ["doremi.reference_weights={noise: 1}"],
+            "doremi.reference_weights: domains must match the stores' (noise, easy); unknown: -; missing: easy",
+        ),
+        (["pipeline.main.data.domain_weights=tokens"], "pipeline.main.data.domain_weights: set by the pipeline"),
+        (
+            ["pipeline.proxy.doremi.reference_weights=tokens"],
+            "pipeline.proxy.doremi.reference_weights: set by the pipeline",
+        ),
+        (
+            ["pipeline.main.data.store_dir=elsewhere"],
+            "pipeline.main.data.store_dir: the pipeline builds one set of stores",
+        ),
+        (["data.domain_weights=tokens"], "data.domain_weights: doremi pipeline does not read this key"),
+        (["pipeline.baselines=[uniform, missing.json]"], "pipeline.baselines[1]: weights file missing.json not found"),
+    ],
+)
 def test_pipeline_config_is_validated_before_any_work(tmp_path, capsys, sets, expect):
     assert pipeline_error(tmp_path, capsys, *sets).startswith(expect)
 
@@ -162,16 +186,20 @@ def test_pipeline_baseline_and_reference_files_are_checked_first(tmp_path, capsy
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{not json")
     assert pipeline_error(tmp_path, capsys, f"pipeline.baselines=[{bad_json}]").startswith(
-        f"{bad_json}: expected JSON with 'domains' and 'weights' lists")
+        f"{bad_json}: expected JSON with 'domains' and 'weights' lists"
+    )
     other = weights_file(tmp_path / "other.json", ["noise", "code"], [0.5, 0.5])
     assert pipeline_error(tmp_path, capsys, f"pipeline.baselines=[uniform, {other}]") == (
-        f"{other}: domains must match the stores' (noise, easy); unknown: code; missing: easy")
+        f"{other}: domains must match the stores' (noise, easy); unknown: code; missing: easy"
+    )
     flags = weights_file(tmp_path / "flags.json", ["noise", "easy"], [True, False])
     assert pipeline_error(tmp_path, capsys, f"doremi.reference_weights={flags}") == (
-        f"{flags}: weights[noise]: expected a number (int or float), got True (bool)")
+        f"{flags}: weights[noise]: expected a number (int or float), got True (bool)"
+    )
     taken = weights_file(tmp_path / "doremi.json", ["noise", "easy"], [0.5, 0.5])
     assert pipeline_error(tmp_path, capsys, f"pipeline.baselines=[{taken}]").startswith(
-        "pipeline.baselines[0]: main run name 'doremi' (the file's stem) is taken by DoReMi's own run")
+        "pipeline.baselines[0]: main run name 'doremi' (the file's stem) is taken by DoReMi's own run"
+    )
 
 
 def test_valid_pipeline_config_passes(tmp_path):
@@ -180,12 +208,20 @@ def test_valid_pipeline_config_passes(tmp_path):
     exp = tmp_path / "exp.yaml"
     exp.write_text(PIPELINE_YAML.format(root=tmp_path))
     good = weights_file(tmp_path / "mix.json", ["easy", "noise"], [1, 3])
-    pipe = Pipeline(exp, [f"pipeline.baselines=[uniform, tokens, {good}]", "pipeline.main.train.steps=3",
-                          "pipeline.proxy.data.seq_len=8"], say=lambda _: None)
+    pipe = Pipeline(
+        exp,
+        [
+            f"pipeline.baselines=[uniform, tokens, {good}]",
+            "pipeline.main.train.steps=3",
+            "pipeline.proxy.data.seq_len=8",
+        ],
+        say=lambda _: None,
+    )
     assert list(pipe.mixtures(tmp_path / "w.json")) == ["doremi", "uniform", "tokens", "mix"]
 
 
 # ---- 9. operating-system errors and a missing device: one line, exit status 2 -------------------
+
 
 def test_run_dir_that_is_a_file(stores, tmp_path, capsys):
     run = tmp_path / "run"
@@ -200,8 +236,7 @@ def test_store_dir_under_a_file(tmp_path, capsys):
     blocker.write_text("")
     exp = tmp_path / "exp.yaml"
     exp.write_text(PIPELINE_YAML.format(root=blocker))
-    assert one_error(capsys, "preprocess", exp) == \
-        f"doremi preprocess: error: {blocker / 'stores'}: Not a directory"
+    assert one_error(capsys, "preprocess", exp) == f"doremi preprocess: error: {blocker / 'stores'}: Not a directory"
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
@@ -225,9 +260,11 @@ def test_cuda_on_a_cpu_build(stores, tmp_path, capsys):
     cfg = config_path(stores, tmp_path / "run")
     assert one_error(capsys, "train", cfg, "--set", "train.device=cuda") == (
         f"doremi train: error: train.device='cuda': this PyTorch build has no CUDA (torch {torch.__version__}); "
-        f"use train.device cpu or auto")
+        f"use train.device cpu or auto"
+    )
     assert "parallelism.backend: 'nccl' runs on CUDA devices" in one_error(
-        capsys, "train", cfg, "--set", "parallelism.backend=nccl", "--set", "train.device=cpu")
+        capsys, "train", cfg, "--set", "parallelism.backend=nccl", "--set", "train.device=cpu"
+    )
     assert not (tmp_path / "run").exists()
     from tests.runs import config
     from trainer.build import check_device
@@ -247,6 +284,7 @@ def test_only_rank_0_prints_a_user_error(tmp_path, capsys, monkeypatch):
 
 # ---- 11. a domain of whitespace-only documents is empty -----------------------------------------
 
+
 def test_whitespace_only_domain_is_refused_by_name(tmp_path):
     def jsonl(name, texts):
         path = tmp_path / f"{name}.jsonl"
@@ -256,10 +294,14 @@ def test_whitespace_only_domain_is_refused_by_name(tmp_path):
     mixed = jsonl("mixed", ["a b", " ", "\n\t", "c"])
     cfg = DataConfig(domains=[mixed], store_dir=str(tmp_path / "ok"), num_proc=1, validation_fraction=0.0)
     assert preprocess(cfg, progress=False).domain("mixed").train.documents == 2  # blanks dropped
-    cfg = DataConfig(domains=[mixed, jsonl("blank", ["   ", "\n\n", "\t \r\n"] * 20)],
-                     store_dir=str(tmp_path / "stores"), num_proc=1)
-    with pytest.raises(DataError, match=r"^domain 'blank': empty domain \(files:blank.jsonl has only empty or "
-                                        r"whitespace-only documents\)$"):
+    cfg = DataConfig(
+        domains=[mixed, jsonl("blank", ["   ", "\n\n", "\t \r\n"] * 20)], store_dir=str(tmp_path / "stores"), num_proc=1
+    )
+    with pytest.raises(
+        DataError,
+        match=r"^domain 'blank': empty domain \(files:blank.jsonl has only empty or "
+        r"whitespace-only documents\)$",
+    ):
         preprocess(cfg, progress=False)
     assert not (tmp_path / "stores" / "manifest.json").exists()
 

@@ -21,8 +21,8 @@ from torch import nn
 
 from tests.distributed import spawn
 from trainer.config import TrainConfig
-from trainer.optim.interface import OptimizerStateError
 from trainer.optim.build import build_optimizer
+from trainer.optim.interface import OptimizerStateError
 from trainer.parallel.clip import clip_grad_norm
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.data_parallel import partition_params
@@ -36,6 +36,7 @@ CPU = torch.device("cpu")
 
 
 # -- the toy stage ------------------------------------------------------------------------------
+
 
 def toy_specs(tied: bool) -> dict[str, tuple[tuple[int, ...], ShardSpec | None]]:
     """Global name -> (full shape, ShardSpec) of the whole toy model."""
@@ -109,14 +110,17 @@ def train_cfg(kind: str) -> TrainConfig:
 
 # -- the single-process reference ---------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def reference_run(kind: str, steps: int = len(LRS)) -> tuple[dict[str, torch.Tensor], list[float]]:
     specs = toy_specs(tied=False)
     model = build_stage(full_tensors(specs, 0), specs, list(specs), 1, 0)
     params = dict(model.named_parameters())
     decay = [p for p in params.values() if p.ndim >= 2]
-    groups = [{"params": decay, "weight_decay": 0.1},
-              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0},
+    ]
     if kind == "adamw":
         opt = torch.optim.AdamW(groups, lr=LRS[0], betas=(0.9, 0.95), eps=1e-8, foreach=True)
     else:
@@ -223,6 +227,7 @@ def test_dp4_zero_on_off_adamw_and_resume_then_clip_at_tp2_pp2_tied():
 
 # -- clipping under tp / pp / tied embeddings ----------------------------------------------------
 
+
 def full_grads(specs: dict, seed: int = 7) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=g) for name, (shape, _) in specs.items()}
@@ -264,6 +269,7 @@ def test_clip_single_process_matches_torch():
 
 # -- units ----------------------------------------------------------------------------------------
 
+
 def test_partition_is_greedy_size_balanced():
     # sizes 10, 7, 5, 3, 3 largest first: 10 -> 0, 7 -> 1, 5 -> 1 (7 < 10), 3 -> 0 (10 < 12), 3 -> 1 (12 < 13)
     assert partition_params([3, 10, 5, 7, 3], 2) == [0, 0, 1, 1, 1]
@@ -292,7 +298,8 @@ def test_load_state_dict_errors():
         opt.load_state_dict({"kind": "adafactor", "state": {}})
     with pytest.raises(OptimizerStateError, match="no entry for parameter 'embed.weight'"):
         opt.load_state_dict({"kind": "adamw", "state": {"norm.weight": {}}})
-    state = {n: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 3), "exp_avg_sq": torch.zeros(3, 3)}
-             for n in specs}
+    state = {
+        n: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 3), "exp_avg_sq": torch.zeros(3, 3)} for n in specs
+    }
     with pytest.raises(OptimizerStateError, match="'exp_avg' of parameter 'embed.weight' has shape \\(3, 3\\)"):
         opt.load_state_dict({"kind": "adamw", "state": state})

@@ -27,8 +27,9 @@ def check_world_size(cfg: TrainerConfig) -> None:
     p = cfg.parallelism
     world = launch_world_size()
     if world != p.world_size:
-        raise ConfigError(f"parallelism: world size {world} (torchrun) != tp x pp x dp = "
-                          f"{p.tp} x {p.pp} x {p.dp} = {p.world_size}")
+        raise ConfigError(
+            f"parallelism: world size {world} (torchrun) != tp x pp x dp = {p.tp} x {p.pp} x {p.dp} = {p.world_size}"
+        )
 
 
 def check_device(cfg: TrainerConfig) -> None:
@@ -39,8 +40,9 @@ def check_device(cfg: TrainerConfig) -> None:
     if device != "cuda" and backend != "nccl":
         return
     if device == "cpu":
-        raise ConfigError("parallelism.backend: 'nccl' runs on CUDA devices, got train.device='cpu' "
-                          "(use backend gloo or auto)")
+        raise ConfigError(
+            "parallelism.backend: 'nccl' runs on CUDA devices, got train.device='cpu' (use backend gloo or auto)"
+        )
     key = "train.device" if device == "cuda" else "parallelism.backend"
     asked = f"{key}={device!r}" if device == "cuda" else f"{key}='nccl'"
     if not torch.backends.cuda.is_built():
@@ -49,8 +51,10 @@ def check_device(cfg: TrainerConfig) -> None:
     local = local_world_size()
     visible = torch.cuda.device_count()
     if visible < local:
-        raise ConfigError(f"{asked}: {local} process(es) on this node need {local} CUDA device(s), "
-                          f"{visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        raise ConfigError(
+            f"{asked}: {local} process(es) on this node need {local} CUDA device(s), "
+            f"{visible} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
 
 
 def init_parallel(cfg: TrainerConfig) -> ParallelContext:
@@ -71,6 +75,7 @@ def seed_everything(seed: int) -> None:
 
 
 # -- the rules -------------------------------------------------------------------------------
+
 
 def micro_batch_size(cfg: TrainerConfig) -> int:
     t = cfg.train
@@ -119,11 +124,18 @@ def _autocast(device: torch.device, bf16: bool, dtype: torch.dtype) -> contextli
 def stage_layers(cfg: TrainerConfig, device: torch.device) -> list[range]:
     """Layers per pipeline stage (`trainer.parallel.stage_split.split_layers`) for the parameter
     precision the run resolves to on `device`: the split `doremi plan` (`trainer.plan`) predicts."""
-    return split_layers(cfg.model, cfg.parallelism, micro_batch_size(cfg), cfg.data.seq_len,
-                        micro_batches=cfg.train.micro_batches, param_precision=param_precision(cfg, device))
+    return split_layers(
+        cfg.model,
+        cfg.parallelism,
+        micro_batch_size(cfg),
+        cfg.data.seq_len,
+        micro_batches=cfg.train.micro_batches,
+        param_precision=param_precision(cfg, device),
+    )
 
 
 # -- resolved once per run -------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class RunFacts:
@@ -138,11 +150,16 @@ class RunFacts:
     is_main: bool  # global rank 0
 
     @classmethod
-    def resolve(cls, cfg: TrainerConfig, pc: ParallelContext) -> "RunFacts":
+    def resolve(cls, cfg: TrainerConfig, pc: ParallelContext) -> RunFacts:
         device = pc.device
-        return cls(device=device, bf16=use_bf16(cfg, device), param_dtype=param_dtype(cfg, device),
-                   micro_batch_size=micro_batch_size(cfg), stage_layers=tuple(stage_layers(cfg, device)),
-                   is_main=pc.is_main)
+        return cls(
+            device=device,
+            bf16=use_bf16(cfg, device),
+            param_dtype=param_dtype(cfg, device),
+            micro_batch_size=micro_batch_size(cfg),
+            stage_layers=tuple(stage_layers(cfg, device)),
+            is_main=pc.is_main,
+        )
 
     @property
     def param_precision(self) -> str:

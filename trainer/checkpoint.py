@@ -53,8 +53,9 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,8 +76,18 @@ _OLD = ".old.tmp"
 
 #: The `model` config keys that decide which function the parameters compute. Others (init,
 #: attention kernel, compile, max_seq_len: the RoPE table's length) may change on resume.
-ARCH_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings",
-             "rope_theta", "rope_scaling", "norm_eps")
+ARCH_KEYS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "tie_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "norm_eps",
+)
 
 
 class CheckpointError(UserError, ValueError):
@@ -84,6 +95,7 @@ class CheckpointError(UserError, ValueError):
 
 
 # -- locating ---------------------------------------------------------------------------------
+
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
@@ -113,8 +125,11 @@ def remove_leftovers(run_dir: str | os.PathLike) -> list[Path]:
         final = old.with_name(old.name.removesuffix(_OLD))
         if not final.exists() and (old / META).is_file():
             old.rename(final)
-    removed = [d for d in sorted(root.iterdir()) if d.is_dir() and d.name.startswith("step_")
-               and (d.name.endswith(".tmp") or not (d / META).is_file())]
+    removed = [
+        d
+        for d in sorted(root.iterdir())
+        if d.is_dir() and d.name.startswith("step_") and (d.name.endswith(".tmp") or not (d / META).is_file())
+    ]
     for d in removed:
         shutil.rmtree(d, ignore_errors=True)
     return removed
@@ -134,6 +149,7 @@ def resolve_checkpoint(path_or_run_dir: str | os.PathLike) -> Path:
 
 # -- saving -----------------------------------------------------------------------------------
 
+
 def _check_extra(value: Any, path: str = "extra") -> None:
     if isinstance(value, dict):
         for k, v in value.items():
@@ -144,8 +160,9 @@ def _check_extra(value: Any, path: str = "extra") -> None:
         for i, v in enumerate(value):
             _check_extra(v, f"{path}[{i}]")
     elif not (value is None or isinstance(value, (str, int, float, bool, torch.Tensor))):
-        raise TypeError(f"{path}: checkpoint extra state must be JSON-able values or tensors, "
-                        f"got {type(value).__name__}")
+        raise TypeError(
+            f"{path}: checkpoint extra state must be JSON-able values or tensors, got {type(value).__name__}"
+        )
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -238,8 +255,9 @@ def _gather_to_main(entry: dict[str, Any], pc: ParallelContext) -> list[dict[str
     return out or []
 
 
-def _write_rank_files(tmp: Path, model: torch.nn.Module, optimizer: Optimizer | None,
-                      pc: ParallelContext, extra: dict[str, Any]) -> dict[str, Any]:
+def _write_rank_files(
+    tmp: Path, model: torch.nn.Module, optimizer: Optimizer | None, pc: ParallelContext, extra: dict[str, Any]
+) -> dict[str, Any]:
     pp, tp, dp = pc.pp_rank, pc.tp_rank, pc.dp_rank
     entry: dict[str, Any] = {"pp": pp, "tp": tp, "params": {}, "optim": None, "files": {}}
     files = entry["files"]
@@ -247,17 +265,31 @@ def _write_rank_files(tmp: Path, model: torch.nn.Module, optimizer: Optimizer | 
         file = f"model_pp{pp}_tp{tp}.pt"
         named = [(n, p) for n, p in model.named_parameters() if not is_tied_duplicate(n, pc)]
         files[file] = _save(tmp / file, {n: _own_storage(p) for n, p in named})
-        entry["params"] = {n: {"shape": list(full_shape(p)), "spec": _spec_json(get_shard_spec(p)),
-                               "dtype": str(p.dtype).removeprefix("torch."), "stage": pp, "file": file}
-                           for n, p in named}
+        entry["params"] = {
+            n: {
+                "shape": list(full_shape(p)),
+                "spec": _spec_json(get_shard_spec(p)),
+                "dtype": str(p.dtype).removeprefix("torch."),
+                "stage": pp,
+                "file": file,
+            }
+            for n, p in named
+        }
     if optimizer is not None and (optimizer.zero1 or dp == 0):
         file = f"optim_pp{pp}_tp{tp}_dp{dp}.pt"
         sd = optimizer.state_dict()
-        state = {n: {k: _own_storage(v) for k, v in s.items()}
-                 for n, s in sd["state"].items() if not is_tied_duplicate(n, pc)}
+        state = {
+            n: {k: _own_storage(v) for k, v in s.items()}
+            for n, s in sd["state"].items()
+            if not is_tied_duplicate(n, pc)
+        }
         files[file] = _save(tmp / file, {"kind": sd["kind"], "state": state})
-        entry["optim"] = {"file": file, "kind": sd["kind"], "names": sorted(state),
-                          "master": any("master" in s for s in state.values())}
+        entry["optim"] = {
+            "file": file,
+            "kind": sd["kind"],
+            "names": sorted(state),
+            "master": any("master" in s for s in state.values()),
+        }
     files[f"rng_rank{pc.rank}.pt"] = _save(tmp / f"rng_rank{pc.rank}.pt", _rng_state(pc.device))
     if pc.is_main:
         files["extra.pt"] = _save(tmp / "extra.pt", extra)
@@ -272,13 +304,15 @@ def model_config(model: torch.nn.Module) -> dict[str, Any] | None:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def _metadata(step: int, entries: list[dict[str, Any]], pc: ParallelContext, zero1: bool,
-              model_cfg: dict[str, Any] | None) -> dict[str, Any]:
+def _metadata(
+    step: int, entries: list[dict[str, Any]], pc: ParallelContext, zero1: bool, model_cfg: dict[str, Any] | None
+) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for e in entries:
         for name, info in e["params"].items():
-            cur = params.setdefault(name, {k: info[k] for k in ("shape", "spec", "dtype", "stage")}
-                                    | {"files": [None] * pc.tp})
+            cur = params.setdefault(
+                name, {k: info[k] for k in ("shape", "spec", "dtype", "stage")} | {"files": [None] * pc.tp}
+            )
             cur["files"][e["tp"]] = info["file"]
     optim_files: dict[str, list[str | None]] = {}
     kinds = {e["optim"]["kind"] for e in entries if e["optim"]}
@@ -310,9 +344,15 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(gone, ignore_errors=True)
 
 
-def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module,
-                    optimizer: Optimizer | None, pc: ParallelContext, extra: dict[str, Any],
-                    keep: int = 0) -> Path:
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: Optimizer | None,
+    pc: ParallelContext,
+    extra: dict[str, Any],
+    keep: int = 0,
+) -> Path:
     """Write this step's checkpoint from every rank (collective); keep the newest `keep`
     (0: all). Returns the checkpoint directory."""
     _check_extra(extra)
@@ -343,6 +383,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
 # -- loading ----------------------------------------------------------------------------------
 
+
 def file_hash(path: Path) -> str:
     """The XXH3-64 hash of a file's bytes, read through a memory map (no copy)."""
     with open(path, "rb") as f:
@@ -369,14 +410,14 @@ class _Reader:
             raise CheckpointError(f"{path}: not listed in {META} (its checksum unknown)")
         size = path.stat().st_size
         if size != want["bytes"]:
-            raise CheckpointError(f"{path}: truncated or corrupted checkpoint file "
-                                  f"(expected {want['bytes']} bytes, found {size})")
+            raise CheckpointError(
+                f"{path}: truncated or corrupted checkpoint file (expected {want['bytes']} bytes, found {size})"
+            )
 
     def _check_hash(self, name: str) -> None:
         got, want = file_hash(self.ck / name), self.files[name][HASH_KEY]
         if got != want:
-            raise CheckpointError(f"{self.ck / name}: corrupted checkpoint file (XXH3-64 {got}, {META} "
-                                  f"records {want})")
+            raise CheckpointError(f"{self.ck / name}: corrupted checkpoint file (XXH3-64 {got}, {META} records {want})")
 
     def __call__(self, name: str) -> Any:
         if name not in self.cache:
@@ -386,8 +427,10 @@ class _Reader:
             try:
                 self.cache[name] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             except Exception as e:
-                raise CheckpointError(f"{path}: corrupted checkpoint file ({type(e).__name__}: "
-                                      f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                raise CheckpointError(
+                    f"{path}: corrupted checkpoint file ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''})"
+                ) from None
         return self.cache[name]
 
 
@@ -397,8 +440,9 @@ def _read_meta(ck: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{ck / META}: unreadable checkpoint metadata ({e})") from None
     if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{ck / META}: checkpoint format {meta.get('format')!r}, "
-                              f"this code reads format {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{ck / META}: checkpoint format {meta.get('format')!r}, this code reads format {FORMAT_VERSION}"
+        )
     return meta
 
 
@@ -427,8 +471,9 @@ def _unshard_state(shards: list[torch.Tensor], saved: ShardSpec, saved_local: in
         return unshard(shards, saved)
     if t.shape[saved.dim] == 1:
         return torch.stack(shards).mean(dim=0)
-    raise CheckpointError(f"optimizer state of shape {tuple(t.shape)} does not follow its parameter's "
-                          f"sharding along dim {saved.dim}")
+    raise CheckpointError(
+        f"optimizer state of shape {tuple(t.shape)} does not follow its parameter's sharding along dim {saved.dim}"
+    )
 
 
 def _shard_state(full: torch.Tensor, spec: ShardSpec | None, shape: list[int], pc: ParallelContext) -> torch.Tensor:
@@ -448,8 +493,11 @@ def _check_model_config(ck: Path, saved: dict[str, Any] | None, current: dict[st
     (head counts, a vocabulary within the same padding)."""
     if saved is None or current is None:
         return
-    diff = [f"model.{k} is {_show(saved.get(k))} in the checkpoint but {_show(current.get(k))} now"
-            for k in ARCH_KEYS if saved.get(k) != current.get(k)]
+    diff = [
+        f"model.{k} is {_show(saved.get(k))} in the checkpoint but {_show(current.get(k))} now"
+        for k in ARCH_KEYS
+        if saved.get(k) != current.get(k)
+    ]
     if diff:
         raise CheckpointError(f"checkpoint {ck}: {'; '.join(diff)}")
 
@@ -475,22 +523,28 @@ def _check_param_set(ck: Path, saved: dict[str, Any], params: dict[str, torch.Te
     names = _model_names(params, pc)
     missing, unexpected = sorted(names - set(saved)), sorted(set(saved) - names)
     if missing:
-        raise CheckpointError(f"checkpoint {ck}: has no parameter {_names(missing)} of the model "
-                              f"(a checkpoint of another model?)")
+        raise CheckpointError(
+            f"checkpoint {ck}: has no parameter {_names(missing)} of the model (a checkpoint of another model?)"
+        )
     if unexpected:
-        raise CheckpointError(f"checkpoint {ck}: holds parameter {_names(unexpected)} that the model lacks "
-                              f"(a checkpoint of another model?)")
+        raise CheckpointError(
+            f"checkpoint {ck}: holds parameter {_names(unexpected)} that the model lacks "
+            f"(a checkpoint of another model?)"
+        )
 
 
 def _check_param(name: str, param: torch.Tensor, info: dict[str, Any], ck: Path, pc: ParallelContext) -> None:
     want = list(full_shape(param))
     if list(info["shape"]) != want:
-        raise CheckpointError(f"{ck}: parameter {name!r} has shape {tuple(info['shape'])} in the checkpoint, "
-                              f"the model expects {tuple(want)}")
+        raise CheckpointError(
+            f"{ck}: parameter {name!r} has shape {tuple(info['shape'])} in the checkpoint, "
+            f"the model expects {tuple(want)}"
+        )
 
 
-def _load_param(name: str, param: torch.Tensor, info: dict[str, Any], saved_tp: int, read: _Reader,
-                pc: ParallelContext) -> torch.Tensor:
+def _load_param(
+    name: str, param: torch.Tensor, info: dict[str, Any], saved_tp: int, read: _Reader, pc: ParallelContext
+) -> torch.Tensor:
     saved, spec = _spec_from_json(info["spec"]), get_shard_spec(param)
     if not _moves(saved, spec, saved_tp, pc):
         own = read(info["files"][_own_source(saved, saved_tp, pc)])[name]
@@ -499,8 +553,15 @@ def _load_param(name: str, param: torch.Tensor, info: dict[str, Any], saved_tp: 
     return shard(full, spec, pc.tp_rank, pc.tp)
 
 
-def _load_state(name: str, spec: ShardSpec | None, meta: dict[str, Any], read: _Reader, ck: Path,
-                pc: ParallelContext, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+def _load_state(
+    name: str,
+    spec: ShardSpec | None,
+    meta: dict[str, Any],
+    read: _Reader,
+    ck: Path,
+    pc: ParallelContext,
+    keys: tuple[str, ...] | None = None,
+) -> dict[str, torch.Tensor]:
     """The optimizer state of parameter `name` (only `keys`, if given) for this rank's tp slice."""
     files = meta["optim_files"].get(name)
     if files is None:
@@ -509,16 +570,28 @@ def _load_state(name: str, spec: ShardSpec | None, meta: dict[str, Any], read: _
     saved = _spec_from_json(info["spec"])
     if not _moves(saved, spec, saved_tp, pc):
         own = read(files[_own_source(saved, saved_tp, pc)])["state"][name]
-        return {k: _shard_state(v, spec, info["shape"], pc) if _is_full(saved, saved_tp) else v
-                for k, v in own.items() if keys is None or k in keys}
+        return {
+            k: _shard_state(v, spec, info["shape"], pc) if _is_full(saved, saved_tp) else v
+            for k, v in own.items()
+            if keys is None or k in keys
+        }
     per_tp = [read(f)["state"][name] for f in files]
     saved_local = info["shape"][saved.dim] // saved_tp
-    return {k: _shard_state(_unshard_state([s[k] for s in per_tp], saved, saved_local), spec, info["shape"], pc)
-            for k in per_tp[0] if keys is None or k in keys}
+    return {
+        k: _shard_state(_unshard_state([s[k] for s in per_tp], saved, saved_local), spec, info["shape"], pc)
+        for k in per_tp[0]
+        if keys is None or k in keys
+    }
 
 
-def _load_optimizer(optimizer: Optimizer, params: dict[str, torch.Tensor], meta: dict[str, Any], read: _Reader,
-                    ck: Path, pc: ParallelContext) -> None:
+def _load_optimizer(
+    optimizer: Optimizer,
+    params: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    read: _Reader,
+    ck: Path,
+    pc: ParallelContext,
+) -> None:
     if meta["optimizer"] is None:
         raise CheckpointError(f"{ck}: checkpoint has no optimizer state")
     if meta["optimizer"] != optimizer.kind:
@@ -534,8 +607,15 @@ def _load_optimizer(optimizer: Optimizer, params: dict[str, torch.Tensor], meta:
     optimizer.load_state_dict({"kind": optimizer.kind, "state": state})
 
 
-def _param_value(name: str, param: torch.Tensor, meta: dict[str, Any], read: _Reader, ck: Path,
-                 pc: ParallelContext, from_master: bool) -> torch.Tensor:
+def _param_value(
+    name: str,
+    param: torch.Tensor,
+    meta: dict[str, Any],
+    read: _Reader,
+    ck: Path,
+    pc: ParallelContext,
+    from_master: bool,
+) -> torch.Tensor:
     if from_master and name in meta["optim_files"]:
         return _load_state(name, get_shard_spec(param), meta, read, ck, pc, keys=("master",))["master"]
     return _load_param(name, param, meta["params"][name], meta["layout"]["tp"], read, pc)
@@ -550,8 +630,9 @@ def _clean_before_resume(path: Path, pc: ParallelContext) -> None:
     pc.barrier()
 
 
-def load_checkpoint(path_or_run_dir: str | os.PathLike, model: torch.nn.Module,
-                    optimizer: Optimizer | None, pc: ParallelContext) -> dict[str, Any]:
+def load_checkpoint(
+    path_or_run_dir: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer | None, pc: ParallelContext
+) -> dict[str, Any]:
     """Load parameters (and the optimizer state unless None) into this rank's stage under its
     current layout and parameter precision; restore RNG states when the layout is unchanged.
     Collective (the parameter set is checked over all stages). A load with optimizer state is a
@@ -570,8 +651,14 @@ def load_checkpoint(path_or_run_dir: str | os.PathLike, model: torch.nn.Module,
     return _load_tensors(ck, meta, _Reader(ck, meta), params, optimizer, pc)
 
 
-def _load_tensors(ck: Path, meta: dict[str, Any], read: _Reader, params: dict[str, torch.Tensor],
-                  optimizer: Optimizer | None, pc: ParallelContext) -> dict[str, Any]:
+def _load_tensors(
+    ck: Path,
+    meta: dict[str, Any],
+    read: _Reader,
+    params: dict[str, torch.Tensor],
+    optimizer: Optimizer | None,
+    pc: ParallelContext,
+) -> dict[str, Any]:
     from_master = optimizer is not None and not optimizer.keeps_master and meta.get("master_weights", False)
     with torch.no_grad():
         for name, param in params.items():

@@ -111,14 +111,20 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{path}.{name}: expected >= 0, got {getattr(self, name)}")
         if self.param_dtype == "bf16" and self.optimizer != "adamw":
-            raise ConfigError(f"{path}.param_dtype: bf16 parameters keep fp32 master weights in AdamW only, "
-                              f"got {path}.optimizer={self.optimizer!r} (use param_dtype fp32 or auto)")
+            raise ConfigError(
+                f"{path}.param_dtype: bf16 parameters keep fp32 master weights in AdamW only, "
+                f"got {path}.optimizer={self.optimizer!r} (use param_dtype fp32 or auto)"
+            )
         if self.param_dtype == "bf16" and self.precision == "fp32":
-            raise ConfigError(f"{path}.param_dtype: bf16 parameters compute in bf16, got {path}.precision='fp32' "
-                              f"(use precision bf16 or auto)")
+            raise ConfigError(
+                f"{path}.param_dtype: bf16 parameters compute in bf16, got {path}.precision='fp32' "
+                f"(use precision bf16 or auto)"
+            )
         if self.grad_clip < 0 or self.eps <= 0 or not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
-            raise ConfigError(f"{path}: expected grad_clip >= 0, eps > 0 and betas in [0, 1), got grad_clip="
-                              f"{self.grad_clip}, eps={self.eps}, beta1={self.beta1}, beta2={self.beta2}")
+            raise ConfigError(
+                f"{path}: expected grad_clip >= 0, eps > 0 and betas in [0, 1), got grad_clip="
+                f"{self.grad_clip}, eps={self.eps}, beta1={self.beta1}, beta2={self.beta2}"
+            )
 
 
 @dataclass
@@ -145,7 +151,9 @@ class ParallelismConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{path}.{name}: expected >= 1, got {getattr(self, name)}")
         if self.pp_layers and len(self.pp_layers) != self.pp:
-            raise ConfigError(f"{path}.pp_layers: expected {self.pp} entries (one per stage), got {len(self.pp_layers)}")
+            raise ConfigError(
+                f"{path}.pp_layers: expected {self.pp} entries (one per stage), got {len(self.pp_layers)}"
+            )
 
 
 @dataclass
@@ -200,18 +208,27 @@ class TrainerConfig:
         if p.pp > m.n_layers:
             raise ConfigError(f"parallelism.pp: expected at most model.n_layers={m.n_layers} stages, got {p.pp}")
         if p.pp_layers and sum(p.pp_layers) != m.n_layers:
-            raise ConfigError(f"parallelism.pp_layers: expected entries summing to model.n_layers={m.n_layers}, got {p.pp_layers}")
+            raise ConfigError(
+                f"parallelism.pp_layers: expected entries summing to model.n_layers={m.n_layers}, got {p.pp_layers}"
+            )
         if p.pp > 1 and t.micro_batches < p.pp:
-            raise ConfigError(f"train.micro_batches: pipeline parallel with pp={p.pp} needs at least {p.pp} "
-                              f"micro-batches per step, got {t.micro_batches}")
+            raise ConfigError(
+                f"train.micro_batches: pipeline parallel with pp={p.pp} needs at least {p.pp} "
+                f"micro-batches per step, got {t.micro_batches}"
+            )
         if t.global_batch_size % (p.dp * t.micro_batches):
             raise ConfigError(
                 f"train.global_batch_size: expected a multiple of parallelism.dp x train.micro_batches "
-                f"= {p.dp * t.micro_batches}, got {t.global_batch_size}")
+                f"= {p.dp * t.micro_batches}, got {t.global_batch_size}"
+            )
         if p.sequence_parallel and p.tp > 1 and self.data.seq_len % p.tp:
-            raise ConfigError(f"data.seq_len: expected a multiple of parallelism.tp={p.tp} with sequence parallel, got {self.data.seq_len}")
+            raise ConfigError(
+                f"data.seq_len: expected a multiple of parallelism.tp={p.tp} with sequence parallel, got {self.data.seq_len}"
+            )
         if self.data.seq_len > m.max_seq_len:
-            raise ConfigError(f"data.seq_len: expected at most model.max_seq_len={m.max_seq_len}, got {self.data.seq_len}")
+            raise ConfigError(
+                f"data.seq_len: expected at most model.max_seq_len={m.max_seq_len}, got {self.data.seq_len}"
+            )
 
 
 C = TypeVar("C", bound=TrainerConfig)
@@ -225,8 +242,7 @@ def apply_preset(raw: dict[str, Any]) -> None:
         raw["model"] = merged
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None,
-                cls: type[C] = TrainerConfig) -> C:  # type: ignore[assignment]
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None, cls: type[C] = TrainerConfig) -> C:  # type: ignore[assignment]
     """Read YAML, apply `--set` overrides, resolve the model preset, validate, return `cls`."""
     raw = read_yaml(path) if path is not None else {}
     apply_overrides(raw, overrides or [])

@@ -42,7 +42,8 @@ class Loader(yaml.SafeLoader):
 Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+    list("-+0123456789."),
+)
 
 
 def load_yaml(text: str) -> Any:
@@ -174,8 +175,11 @@ def from_dict(cls: type[T], raw: dict[str, Any], path: str = "") -> T:
     try:
         obj = cls(**kwargs)
     except TypeError as e:  # a required field is missing
-        missing = [n for n, f in fields.items() if n not in kwargs
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [
+            n
+            for n, f in fields.items()
+            if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         name = (path + "." if path else "") + (missing[0] if missing else "?")
         raise ConfigError(f"{name}: required key is missing") from e
     validate = getattr(obj, "validate", None)
@@ -221,7 +225,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if child is None:
                 child = node[k] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"--set {text}: {'.'.join(keys[:i + 1])} is not a section")
+                raise ConfigError(f"--set {text}: {'.'.join(keys[: i + 1])} is not a section")
             node = child
         node[keys[-1]] = value
     return raw

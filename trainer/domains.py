@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 
-def domain_sums(values: torch.Tensor, domain_ids: torch.Tensor, mask: torch.Tensor,
-                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def domain_sums(
+    values: torch.Tensor, domain_ids: torch.Tensor, mask: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of `values` [b, s] over each domain's non-masked tokens [k], token count [k] int64).
 
     Sums are in `values`' dtype promoted to at least float32. Masked tokens contribute exactly 0

@@ -12,8 +12,12 @@ from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import broadcast_from_last_stage, forward_only
 
 
-def _domain_sums(stage: torch.nn.Module, batches_per_domain: list[list[dict]], pc: ParallelContext,
-                 autocast: contextlib.AbstractContextManager | None) -> torch.Tensor:
+def _domain_sums(
+    stage: torch.nn.Module,
+    batches_per_domain: list[list[dict]],
+    pc: ParallelContext,
+    autocast: contextlib.AbstractContextManager | None,
+) -> torch.Tensor:
     """[5, k] fp64, identical on every rank: per domain the loss sum and token count, and over
     its sequences the sum and the sum of squares of each sequence's mean loss and their number
     (the spread that a standard error needs). Batch j of a domain is evaluated by dp rank j % dp; sums are
@@ -37,7 +41,7 @@ def _domain_sums(stage: torch.nn.Module, batches_per_domain: list[list[dict]], p
                 sums[0, d] += per_seq.sum()
                 sums[1, d] += count.sum()
                 sums[2, d] += means.sum()
-                sums[3, d] += (means ** 2).sum()
+                sums[3, d] += (means**2).sum()
                 sums[4, d] += means.numel()
     stage.train(was_training)
     if pc.is_last_stage and pc.dp > 1:
@@ -45,17 +49,24 @@ def _domain_sums(stage: torch.nn.Module, batches_per_domain: list[list[dict]], p
     return broadcast_from_last_stage(sums, pc)
 
 
-def evaluate_domains(stage: torch.nn.Module, batches_per_domain: list[list[dict]], pc: ParallelContext,
-                     autocast: contextlib.AbstractContextManager | None = None) -> torch.Tensor:
+def evaluate_domains(
+    stage: torch.nn.Module,
+    batches_per_domain: list[list[dict]],
+    pc: ParallelContext,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> torch.Tensor:
     """Mean per-token validation loss of each domain [k] (fp64, NaN for a domain without
     validation tokens), identical on every rank."""
     sums = _domain_sums(stage, batches_per_domain, pc, autocast)
     return torch.where(sums[1] > 0, sums[0] / sums[1].clamp_min(1), torch.nan)
 
 
-def evaluate_domains_with_error(stage: torch.nn.Module, batches_per_domain: list[list[dict]],
-                                pc: ParallelContext, autocast: contextlib.AbstractContextManager | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
+def evaluate_domains_with_error(
+    stage: torch.nn.Module,
+    batches_per_domain: list[list[dict]],
+    pc: ParallelContext,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean per-token loss [k], its standard error [k]): the sample standard deviation of the
     sequences' mean losses over sqrt(number of sequences); NaN with fewer than 2 sequences. A
     difference of two such means (memorisation: held-out minus seen) is only as exact as this."""

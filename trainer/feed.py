@@ -20,8 +20,15 @@ from trainer.parallel.context import ParallelContext
 
 
 class DataFeed:
-    def __init__(self, data: DataConfig, global_batch_size: int, micro_batches: int, pc: ParallelContext,
-                 seed: int, expect_tokenizer: dict | None = None):
+    def __init__(
+        self,
+        data: DataConfig,
+        global_batch_size: int,
+        micro_batches: int,
+        pc: ParallelContext,
+        seed: int,
+        expect_tokenizer: dict | None = None,
+    ):
         self.pc = pc
         self.micro_batches = micro_batches
         self.stores = open_stores(data.store_dir, expect_tokenizer=expect_tokenizer)
@@ -29,8 +36,9 @@ class DataFeed:
         self.domains: list[str] = list(self.stores.domains)
         self.train = PackedDomains(self.stores, "train", data.seq_len)
         counts = [self.train.num_sequences(i) for i in range(len(self.domains))]
-        splits = [holdout_split(n, data.holdout_sequences, data.split_seed, name)
-                  for n, name in zip(counts, self.domains)]
+        splits = [
+            holdout_split(n, data.holdout_sequences, data.split_seed, name) for n, name in zip(counts, self.domains)
+        ]
         self.heldout = [held for _, held in splits]
         self.sampler = DomainBatchSampler(counts, global_batch_size, seed, pools=[pool for pool, _ in splits])
         self._val = PackedDomains(self.stores, "validation", data.seq_len)
@@ -40,8 +48,10 @@ class DataFeed:
     def check_vocab(self, model_vocab: int) -> None:
         vocab = int(self.manifest.tokenizer["vocab_size"])
         if model_vocab < vocab:
-            raise ConfigError(f"model.vocab_size: expected >= {vocab} (the tokenizer of the stores in "
-                              f"{self.stores.store_dir}), got {model_vocab}")
+            raise ConfigError(
+                f"model.vocab_size: expected >= {vocab} (the tokenizer of the stores in "
+                f"{self.stores.store_dir}), got {model_vocab}"
+            )
 
     @property
     def k(self) -> int:
@@ -61,11 +71,14 @@ class DataFeed:
             for d in range(self.k):
                 n = self._val.num_sequences(d)
                 if n == 0:
-                    raise DataError(f"data.validation_fraction: domain {self.domains[d]!r} has no validation "
-                                    f"sequences in {self.stores.store_dir}; evaluation needs some")
+                    raise DataError(
+                        f"data.validation_fraction: domain {self.domains[d]!r} has no validation "
+                        f"sequences in {self.stores.store_dir}; evaluation needs some"
+                    )
                 n = min(n, sequences) if sequences else n
-                per_domain.append([collate(self._val, items, device=self.pc.device)
-                                   for items in validation_items(n, d, batch_size)])
+                per_domain.append(
+                    [collate(self._val, items, device=self.pc.device) for items in validation_items(n, d, batch_size)]
+                )
             self._val_cache[key] = per_domain
         return self._val_cache[key]
 
@@ -78,8 +91,12 @@ class DataFeed:
         """Per domain, its held-back training sequences (never drawn by any run)."""
         if batch_size not in self._heldout_cache:
             self._heldout_cache[batch_size] = [
-                [collate(self.train, [(d, int(i)) for i in held[j:j + batch_size]], device=self.pc.device)
-                 for j in range(0, len(held), batch_size)] for d, held in enumerate(self.heldout)]
+                [
+                    collate(self.train, [(d, int(i)) for i in held[j : j + batch_size]], device=self.pc.device)
+                    for j in range(0, len(held), batch_size)
+                ]
+                for d, held in enumerate(self.heldout)
+            ]
         return self._heldout_cache[batch_size]
 
     def seen_batches(self, batch_size: int) -> list[list[dict]]:
@@ -92,8 +109,12 @@ class DataFeed:
             m = min(self.holdout, drawn)
             positions = [drawn * j // m for j in range(m)]
             seen = [self.sampler.stream(d, pos, 1)[0] for pos in positions]
-            out.append([collate(self.train, [(d, i) for i in seen[j:j + batch_size]], device=self.pc.device)
-                        for j in range(0, len(seen), batch_size)])
+            out.append(
+                [
+                    collate(self.train, [(d, i) for i in seen[j : j + batch_size]], device=self.pc.device)
+                    for j in range(0, len(seen), batch_size)
+                ]
+            )
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,14 +7,16 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from data.atomic import atomic_write_text
 from data.weights import resolve_weights
+from trainer import run_dir as rundir
 from trainer.build import RunFacts, build_model, init_parallel, seed_everything
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
@@ -22,14 +24,13 @@ from trainer.configtools import ConfigError, dump_yaml, to_dict
 from trainer.evaluate import evaluate_domains, evaluate_domains_with_error
 from trainer.feed import DataFeed
 from trainer.hooks import FixedMixture, MixingHook
-from trainer.optim.lr_schedule import lr_at
 from trainer.metrics import MetricsLogger
 from trainer.model.flops import flops_per_token
 from trainer.optim.build import build_optimizer
+from trainer.optim.lr_schedule import lr_at
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import sync_sequence_parallel_grads
 from trainer.parallel.tied import sync_tied_grads
-from trainer import run_dir as rundir
 from trainer.step import StepStats, domain_token_counts, forward_backward
 
 #: bf16 dense peak of an H100/H200 from the datasheet, for MFU.
@@ -37,8 +38,14 @@ DATASHEET_PEAK_FLOPS = 989e12
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, pc: ParallelContext | None = None, run_dir: str | None = None,
-                 desc: str = "train", result_ignore: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        pc: ParallelContext | None = None,
+        run_dir: str | None = None,
+        desc: str = "train",
+        result_ignore: tuple[str, ...] = (),
+    ):
         """`result_ignore`: config sections or keys this run does not read (`doremi` for a plain
         training run), left out of the fingerprint that a resume must match."""
         self.cfg = cfg
@@ -48,14 +55,16 @@ class Trainer:
         self.record: dict[str, Any] = {}
         self.pc = pc or init_parallel(cfg)
         seed_everything(cfg.train.seed)
-        self.feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, self.pc,
-                             seed=cfg.data.seed)
+        self.feed = DataFeed(
+            cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, self.pc, seed=cfg.data.seed
+        )
         self.feed.check_vocab(cfg.model.vocab_size)
         self.facts = RunFacts.resolve(cfg, self.pc)
         self.model = build_model(cfg, self.pc, self.facts)
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.named_params, cfg.train, self.pc, cfg.parallelism.zero1,
-                                         param_dtype=self.facts.param_dtype)
+        self.optimizer = build_optimizer(
+            self.named_params, cfg.train, self.pc, cfg.parallelism.zero1, param_dtype=self.facts.param_dtype
+        )
         self.hook: MixingHook = FixedMixture(resolve_weights(cfg.data.domain_weights, self.feed.manifest))
         self.step = 0
         # Non-masked label tokens drawn per domain since step 1 (on the device: no host sync per step).
@@ -67,13 +76,25 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
-        return {"step": self.step, "data": self.feed.state_dict(), "hook": self.hook.state_dict(),
-                "realised_tokens": self.realised_tokens.tolist(), "run": self.record,
-                "config": to_dict(self.cfg)}
+        return {
+            "step": self.step,
+            "data": self.feed.state_dict(),
+            "hook": self.hook.state_dict(),
+            "realised_tokens": self.realised_tokens.tolist(),
+            "run": self.record,
+            "config": to_dict(self.cfg),
+        }
 
     def save(self) -> None:
-        save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.pc, self.extra_state(),
-                        keep=self.cfg.checkpoint.keep)
+        save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.pc,
+            self.extra_state(),
+            keep=self.cfg.checkpoint.keep,
+        )
 
     def maybe_resume(self) -> bool:
         ck = self.cfg.checkpoint
@@ -84,13 +105,21 @@ class Trainer:
         if path is None:
             return False
         extra = load_checkpoint(path, self.model, self.optimizer, self.pc)
-        rundir.check_resume(self.run_dir if own else path, extra.get("run") if own else None, self.record,
-                            int(extra["step"]), self.cfg.train.steps, ck.resume_changed)
+        rundir.check_resume(
+            self.run_dir if own else path,
+            extra.get("run") if own else None,
+            self.record,
+            int(extra["step"]),
+            self.cfg.train.steps,
+            ck.resume_changed,
+        )
         self.step = int(extra["step"])
         self.feed.load_state_dict(extra["data"])
         if len(extra.get("realised_tokens", [])) != self.feed.k:
-            raise ConfigError(f"checkpoint {path}: no realised token counts for {self.feed.k} domains "
-                              f"(written by an older version); start the run again")
+            raise ConfigError(
+                f"checkpoint {path}: no realised token counts for {self.feed.k} domains "
+                f"(written by an older version); start the run again"
+            )
         self.realised_tokens = torch.tensor(extra["realised_tokens"], dtype=torch.float64, device=self.pc.device)
         self.hook.load_state_dict(extra.get("hook", {}))
         return True
@@ -136,6 +165,7 @@ class Trainer:
         """Rank 0 holds the run directory's lock for the job's life and applies the policy for
         what is already there; every rank gets its verdict, so that all stop or none."""
         with contextlib.ExitStack() as stack:
+
             def own() -> None:
                 stack.enter_context(rundir.locked(self.run_dir))
                 self._prepare_run_dir()
@@ -151,12 +181,16 @@ class Trainer:
         if ck.start_over:
             moved = rundir.move_aside(self.run_dir)
             if moved is not None:
-                print(f"{self.run_dir}: checkpoint.start_over: the previous run was moved to {moved}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{self.run_dir}: checkpoint.start_over: the previous run was moved to {moved}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         latest = latest_checkpoint(self.run_dir)
-        rundir.check_fresh_start(self.run_dir, None if latest is None else int(latest.name.removeprefix("step_")),
-                                 ck.resume, ck.start_over)
+        rundir.check_fresh_start(
+            self.run_dir, None if latest is None else int(latest.name.removeprefix("step_")), ck.resume, ck.start_over
+        )
 
     def fit(self) -> dict[str, Any]:
         with self.owning_run_dir():
@@ -170,9 +204,18 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.run_dir / "config.yaml")
             atomic_write_text(self.run_dir / rundir.RECORD_FILE, json.dumps(self.record, indent=1, default=str))
-        log = MetricsLogger(self.run_dir, self.facts.is_main, cfg.train.steps, self.step, cfg.logging.progress,
-                            cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.run_name,
-                            resume=resumed, desc=self.desc)
+        log = MetricsLogger(
+            self.run_dir,
+            self.facts.is_main,
+            cfg.train.steps,
+            self.step,
+            cfg.logging.progress,
+            cfg.logging.wandb,
+            cfg.logging.wandb_project,
+            cfg.logging.run_name,
+            resume=resumed,
+            desc=self.desc,
+        )
         if pc.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pc.device)
         last: dict[str, Any] = {}
@@ -222,9 +265,11 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "domain_loss": dict(zip(self.feed.domains, stats.domain_loss.tolist())),
             "epochs": dict(zip(self.feed.domains, self.feed.sampler.epochs())),
-            "realised": {"sequences": dict(zip(self.feed.domains, self.feed.sampler.drawn())),
-                         "tokens": dict(zip(self.feed.domains, (int(x) for x in self.realised_tokens.tolist()))),
-                         "nominal_sequences": dict(zip(self.feed.domains, self.feed.sampler.nominal))},
+            "realised": {
+                "sequences": dict(zip(self.feed.domains, self.feed.sampler.drawn())),
+                "tokens": dict(zip(self.feed.domains, (int(x) for x in self.realised_tokens.tolist()))),
+                "nominal_sequences": dict(zip(self.feed.domains, self.feed.sampler.nominal)),
+            },
         }
         if self.pc.device.type == "cuda":
             achieved = tokens_per_s * self.flops_per_token / self.pc.world_size
@@ -237,5 +282,9 @@ class Trainer:
         return {d: None if np.isnan(v) else float(v) for d, v in zip(self.feed.domains, values)}
 
     def _val_row(self, step: int, val: np.ndarray) -> dict[str, Any]:
-        return {"step": step, "val_loss": dict(zip(self.feed.domains, val.tolist())),
-                "val_avg": float(np.mean(val)), "val_worst": float(np.max(val))}
+        return {
+            "step": step,
+            "val_loss": dict(zip(self.feed.domains, val.tolist())),
+            "val_avg": float(np.mean(val)),
+            "val_worst": float(np.max(val)),
+        }

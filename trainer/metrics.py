@@ -68,10 +68,20 @@ def _clean(v: Any) -> Any:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | os.PathLike, enabled: bool, total_steps: int, start_step: int,
-                 progress: bool = True, wandb: bool = False, wandb_project: str = "doremi",
-                 run_name: str | None = None, config: dict | None = None,
-                 resume: bool = False, desc: str = "train"):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        progress: bool = True,
+        wandb: bool = False,
+        wandb_project: str = "doremi",
+        run_name: str | None = None,
+        config: dict | None = None,
+        resume: bool = False,
+        desc: str = "train",
+    ):
         self.enabled = enabled
         self._bar = None
         self._wandb = None
@@ -82,13 +92,13 @@ class MetricsLogger:
         if progress:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True,
-                             file=sys.stderr, mininterval=1.0)
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True, file=sys.stderr, mininterval=1.0
+            )
         if wandb:
             import wandb as wb
 
-            self._wandb = wb.init(project=wandb_project, name=run_name, config=config,
-                                  dir=str(run_dir), resume="allow")
+            self._wandb = wb.init(project=wandb_project, name=run_name, config=config, dir=str(run_dir), resume="allow")
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
@@ -107,8 +117,9 @@ class MetricsLogger:
     def progress(self, step: int, **postfix: Any) -> None:
         if self._bar is not None:
             self._bar.n = step
-            self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in postfix.items()},
-                                  refresh=False)
+            self._bar.set_postfix(
+                {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in postfix.items()}, refresh=False
+            )
             self._bar.refresh()
 
     def close(self) -> None:

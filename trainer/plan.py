@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from trainer.build import micro_batch_size, param_precision
-from trainer.configtools import ConfigError
 from trainer.config import TrainerConfig
+from trainer.configtools import ConfigError
 from trainer.parallel.cost_model import CostModel, StageMemory
 from trainer.parallel.stage_split import split_layers, split_policy
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,16 @@ def gpu_param_precision(cfg: TrainerConfig) -> str:
     return param_precision(cfg, torch.device("cuda"))
 
 
-def plan_memory(cfg: TrainerConfig, gpus: int, gpu_memory_gb: float, *, split: str | None = None,
-                param_precision: str = "fp32", headroom: float = 0.10,
-                memory_weight: float = 0.5) -> Plan:
+def plan_memory(
+    cfg: TrainerConfig,
+    gpus: int,
+    gpu_memory_gb: float,
+    *,
+    split: str | None = None,
+    param_precision: str = "fp32",
+    headroom: float = 0.10,
+    memory_weight: float = 0.5,
+) -> Plan:
     """Memory of every pipeline stage for `cfg` on `gpus` GPUs of `gpu_memory_gb` GiB each.
 
     The layer split is the trainer's (`trainer.parallel.stage_split.split_layers`):
@@ -87,28 +94,54 @@ def plan_memory(cfg: TrainerConfig, gpus: int, gpu_memory_gb: float, *, split: s
     path by default: `gpu_param_precision`); see `trainer.parallel.cost_model.BytesPerParam`."""
     par, train = cfg.parallelism, cfg.train
     if gpus != par.world_size:
-        raise ConfigError(f"--gpus: expected tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {par.world_size} "
-                         f"for this config, got {gpus} (change parallelism.dp with --set)")
+        raise ConfigError(
+            f"--gpus: expected tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {par.world_size} "
+            f"for this config, got {gpus} (change parallelism.dp with --set)"
+        )
     if gpu_memory_gb <= 0:
         raise ConfigError(f"--gpu-memory: expected a positive number of GiB, got {gpu_memory_gb}")
     if not 0.0 <= headroom < 1.0:
         raise ConfigError(f"headroom: expected a fraction in [0, 1), got {headroom}")
     per_rank = par.dp * train.micro_batches
     if train.global_batch_size % per_rank:
-        raise ConfigError(f"train.global_batch_size: expected a multiple of parallelism.dp x train.micro_batches "
-                         f"= {per_rank}, got {train.global_batch_size}")
+        raise ConfigError(
+            f"train.global_batch_size: expected a multiple of parallelism.dp x train.micro_batches "
+            f"= {per_rank}, got {train.global_batch_size}"
+        )
     mbs = micro_batch_size(cfg)
     cm = CostModel.from_config(cfg.model, par, mbs, cfg.data.seq_len, train.micro_batches, param_precision)
-    layers = split_layers(cfg.model, par, mbs, cfg.data.seq_len, micro_batches=train.micro_batches, policy=split,
-                          memory_weight=memory_weight, param_precision=param_precision)
+    layers = split_layers(
+        cfg.model,
+        par,
+        mbs,
+        cfg.data.seq_len,
+        micro_batches=train.micro_batches,
+        policy=split,
+        memory_weight=memory_weight,
+        param_precision=param_precision,
+    )
     how = split_policy(par.pp_layers, split)
     stages = [StagePlan(p, r, cm.stage_memory(p, len(r)), cm.stage_flops(p, len(r))) for p, r in enumerate(layers)]
-    return Plan(model=cfg.model.preset or "custom", gpus=gpus, gpu_memory_gb=gpu_memory_gb, headroom=headroom,
-                tp=par.tp, pp=par.pp, dp=par.dp, micro_batch_size=cm.micro_batch_size, seq_len=cm.seq_len,
-                micro_batches=train.micro_batches, schedule=par.pp_schedule, recompute=par.recompute,
-                sequence_parallel=cm.sequence_parallel, recompute_allgather=par.tp_recompute_allgather,
-                param_precision=param_precision, split=how,
-                layer_activation_bytes=cm.layer_activation_bytes(), stages=stages)
+    return Plan(
+        model=cfg.model.preset or "custom",
+        gpus=gpus,
+        gpu_memory_gb=gpu_memory_gb,
+        headroom=headroom,
+        tp=par.tp,
+        pp=par.pp,
+        dp=par.dp,
+        micro_batch_size=cm.micro_batch_size,
+        seq_len=cm.seq_len,
+        micro_batches=train.micro_batches,
+        schedule=par.pp_schedule,
+        recompute=par.recompute,
+        sequence_parallel=cm.sequence_parallel,
+        recompute_allgather=par.tp_recompute_allgather,
+        param_precision=param_precision,
+        split=how,
+        layer_activation_bytes=cm.layer_activation_bytes(),
+        stages=stages,
+    )
 
 
 def _gib(x: float) -> str:
@@ -118,8 +151,10 @@ def _gib(x: float) -> str:
 def format_plan(plan: Plan) -> str:
     """A table, one row per pipeline stage (= per rank of that stage), sizes in GiB."""
     p = plan
-    params = {"fp32": "fp32 params + bf16 autocast copy, fp32 grads, fp32 AdamW",
-              "bf16": "bf16 params, fp32 main grads, fp32 master (as a 16-bit remainder) + AdamW"}[p.param_precision]
+    params = {
+        "fp32": "fp32 params + bf16 autocast copy, fp32 grads, fp32 AdamW",
+        "bf16": "bf16 params, fp32 main grads, fp32 master (as a 16-bit remainder) + AdamW",
+    }[p.param_precision]
     head = [
         f"model {p.model}: tp{p.tp} x pp{p.pp} x dp{p.dp} = {p.gpus} GPUs of {p.gpu_memory_gb:g} GiB",
         f"micro-batch {p.micro_batch_size} x {p.seq_len} tokens, {p.micro_batches} micro-batches per dp rank, "
@@ -129,15 +164,40 @@ def format_plan(plan: Plan) -> str:
         f"layer split: {p.split}; activations per block per micro-batch {p.layer_activation_bytes / 2**20:.0f} MiB",
         "",
     ]
-    cols = ["stage", "layers", "params", "weights", "grads", "optim", "cast", "act/mb", "in-flight",
-            "activations", "transient", "total"]
+    cols = [
+        "stage",
+        "layers",
+        "params",
+        "weights",
+        "grads",
+        "optim",
+        "cast",
+        "act/mb",
+        "in-flight",
+        "activations",
+        "transient",
+        "total",
+    ]
     rows = []
     for s in p.stages:
         m = s.memory
         layers = f"{s.layers.start}-{s.layers.stop - 1} ({len(s.layers)})"
-        rows.append([str(s.stage), layers, f"{m.params / 1e9:.2f}B", _gib(m.weights), _gib(m.grads),
-                     _gib(m.optimizer), _gib(m.cast), _gib(m.activations_per_micro_batch), str(m.in_flight),
-                     _gib(m.activations), _gib(m.transient), _gib(m.total)])
+        rows.append(
+            [
+                str(s.stage),
+                layers,
+                f"{m.params / 1e9:.2f}B",
+                _gib(m.weights),
+                _gib(m.grads),
+                _gib(m.optimizer),
+                _gib(m.cast),
+                _gib(m.activations_per_micro_batch),
+                str(m.in_flight),
+                _gib(m.activations),
+                _gib(m.transient),
+                _gib(m.total),
+            ]
+        )
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
 
     def line(cells: list[str]) -> str:

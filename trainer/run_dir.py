@@ -17,8 +17,9 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from trainer.configtools import ConfigError, to_dict
 
@@ -29,16 +30,38 @@ RECORD_FILE = "run.json"
 #: cadence, eval, where things are written, the parallel layout and precision (checkpoints load
 #: into another layout and precision by design), and accumulation (the same global batch).
 NOT_RESULT_KEYS = (
-    "logging", "pipeline", "parallelism", "checkpoint.every", "checkpoint.keep", "checkpoint.resume",
-    "checkpoint.resume_changed", "checkpoint.start_over", "train.run_dir", "train.eval_every",
-    "train.eval_sequences", "train.device", "train.precision", "train.param_dtype", "train.micro_batches",
-    "model.attention", "model.compile", "data.store_dir", "data.num_proc", "doremi.rounds",
-    "doremi.rounds_tolerance", "doremi.average_from_step",
+    "logging",
+    "pipeline",
+    "parallelism",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "checkpoint.resume",
+    "checkpoint.resume_changed",
+    "checkpoint.start_over",
+    "train.run_dir",
+    "train.eval_every",
+    "train.eval_sequences",
+    "train.device",
+    "train.precision",
+    "train.param_dtype",
+    "train.micro_batches",
+    "model.attention",
+    "model.compile",
+    "data.store_dir",
+    "data.num_proc",
+    "doremi.rounds",
+    "doremi.rounds_tolerance",
+    "doremi.average_from_step",
 )
 
 #: Keys whose value may name a file or run directory: its content is part of the identity.
-PATH_KEYS = ("data.domain_weights", "doremi.reference", "doremi.reference_weights", "doremi.proxy_sampling",
-             "doremi.reference_cache")
+PATH_KEYS = (
+    "data.domain_weights",
+    "doremi.reference",
+    "doremi.reference_weights",
+    "doremi.proxy_sampling",
+    "doremi.reference_cache",
+)
 
 
 def _flatten(raw: Any, prefix: str = "") -> dict[str, Any]:
@@ -127,28 +150,41 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any], limit: int = 4) -> st
 
 # -- resume policy (pure) ------------------------------------------------------------------
 
-def check_resume(run_dir: str | os.PathLike, saved: dict[str, Any] | None, current: dict[str, Any],
-                 saved_step: int, steps: int, allow_changed: bool) -> None:
+
+def check_resume(
+    run_dir: str | os.PathLike,
+    saved: dict[str, Any] | None,
+    current: dict[str, Any],
+    saved_step: int,
+    steps: int,
+    allow_changed: bool,
+) -> None:
     """Refuse a resume that would train under another config than the checkpoint's, or that
     has nothing left to do because `train.steps` is below the checkpoint's step. `saved` is
     None for a checkpoint written before fingerprints were recorded."""
     if saved_step > steps:
-        raise ConfigError(f"{run_dir}: train.steps={steps} is below the step of the checkpoint to resume "
-                          f"({saved_step}); set train.steps >= {saved_step}, or start a new run directory")
+        raise ConfigError(
+            f"{run_dir}: train.steps={steps} is below the step of the checkpoint to resume "
+            f"({saved_step}); set train.steps >= {saved_step}, or start a new run directory"
+        )
     if saved is None or allow_changed or saved.get("fingerprint") == current["fingerprint"]:
         return
-    raise ConfigError(f"{run_dir}: resuming under a changed config: "
-                      f"{changed_keys(saved.get('keys', {}), current['keys'])}; start a new run directory, "
-                      f"or set checkpoint.resume_changed: true to continue anyway")
+    raise ConfigError(
+        f"{run_dir}: resuming under a changed config: "
+        f"{changed_keys(saved.get('keys', {}), current['keys'])}; start a new run directory, "
+        f"or set checkpoint.resume_changed: true to continue anyway"
+    )
 
 
 def check_fresh_start(run_dir: str | os.PathLike, latest_step: int | None, resume: bool, start_over: bool) -> None:
     """`checkpoint.resume: false` into a directory with checkpoints would have the new run's
     checkpoints pruned in favour of the old, higher steps: refuse unless told to start over."""
     if latest_step is not None and not resume and not start_over:
-        raise ConfigError(f"{run_dir}: checkpoint.resume is false but the run directory holds checkpoints "
-                          f"up to step {latest_step}; set checkpoint.start_over: true to move them aside and "
-                          f"start again, or use another run directory")
+        raise ConfigError(
+            f"{run_dir}: checkpoint.resume is false but the run directory holds checkpoints "
+            f"up to step {latest_step}; set checkpoint.start_over: true to move them aside and "
+            f"start again, or use another run directory"
+        )
 
 
 def aside_path(run_dir: str | os.PathLike, now: float) -> Path:
@@ -216,8 +252,10 @@ def locked(run_dir: str | os.PathLike) -> Iterator[None]:
     except BlockingIOError:
         holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise ConfigError(f"{run_dir}: run directory in use by another job (pid {holder}, {path}); "
-                          f"wait for it to finish or use another run directory") from None
+        raise ConfigError(
+            f"{run_dir}: run directory in use by another job (pid {holder}, {path}); "
+            f"wait for it to finish or use another run directory"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held[path] = [fd, 1]

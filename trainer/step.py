@@ -52,8 +52,7 @@ def domain_token_counts(micro_batches: list[dict], k: int, pc: ParallelContext) 
     return all_reduce_dp(counts, pc)
 
 
-def global_stats(losses: list[torch.Tensor], micro_batches: list[dict], k: int,
-                 pc: ParallelContext) -> StepStats:
+def global_stats(losses: list[torch.Tensor], micro_batches: list[dict], k: int, pc: ParallelContext) -> StepStats:
     """Per-domain loss sums and token counts over the global batch, on every rank.
 
     The per-token losses live on the last pipeline stage; they are summed there, reduced over
@@ -67,11 +66,22 @@ def global_stats(losses: list[torch.Tensor], micro_batches: list[dict], k: int,
         all_reduce_dp(sums, pc)
     sums = broadcast_from_last_stage(sums, pc)
     tokens = sums[1].sum()
-    return StepStats(loss=sums[0].sum() / tokens.clamp_min(1), tokens=tokens,
-                     domain_loss_sum=sums[0], domain_tokens=sums[1], local_losses=losses)
+    return StepStats(
+        loss=sums[0].sum() / tokens.clamp_min(1),
+        tokens=tokens,
+        domain_loss_sum=sums[0],
+        domain_tokens=sums[1],
+        local_losses=losses,
+    )
 
 
-def forward_backward(stage: torch.nn.Module, micro_batches: list[dict], weighting: LossWeighting,
-                     pc: ParallelContext, schedule: str, k: int) -> StepStats:
+def forward_backward(
+    stage: torch.nn.Module,
+    micro_batches: list[dict],
+    weighting: LossWeighting,
+    pc: ParallelContext,
+    schedule: str,
+    k: int,
+) -> StepStats:
     losses = train_schedule(stage, micro_batches, pc, schedule, weighting)
     return global_stats(losses, micro_batches, k, pc)

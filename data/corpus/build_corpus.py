@@ -29,21 +29,36 @@ import sys
 import sysconfig
 from pathlib import Path
 
-EXCLUDED_DIRS = {"test", "tests", "idlelib", "tkinter", "lib2to3", "site-packages", "turtledemo",
-                 "distutils", "ensurepip", "encodings", "pydoc_data", "__pycache__", "__phello__"}
+EXCLUDED_DIRS = {
+    "test",
+    "tests",
+    "idlelib",
+    "tkinter",
+    "lib2to3",
+    "site-packages",
+    "turtledemo",
+    "distutils",
+    "ensurepip",
+    "encodings",
+    "pydoc_data",
+    "__pycache__",
+    "__phello__",
+}
 HEADING = re.compile(r"\n(?=[^\n]+\n(?:\*{3,}|={3,}|-{3,}|~{3,})\n)")
-NOTES_FILES = ["NEWS.txt", "NEWS2x.txt", "HISTORY.txt", "README.txt", "TODO.txt", "extend.txt",
-               "CREDITS.txt"]
+NOTES_FILES = ["NEWS.txt", "NEWS2x.txt", "HISTORY.txt", "README.txt", "TODO.txt", "extend.txt", "CREDITS.txt"]
 RELEASE_HEADER = re.compile(r"\n(?=What's New in IDLE )")
 
 
 def code_documents(lib: Path, max_chars: int) -> list[dict]:
     """Modules of 1-25 kB under Lib/ (no tests, GUIs or vendored code), a deterministic spread
     (every k-th by path) up to `max_chars` characters."""
-    files = sorted(p for p in lib.rglob("*.py")
-                   if not EXCLUDED_DIRS & set(p.relative_to(lib).parts[:-1])
-                   and not p.name.startswith("_sysconfigdata")
-                   and 1_000 <= p.stat().st_size <= 25_000)
+    files = sorted(
+        p
+        for p in lib.rglob("*.py")
+        if not EXCLUDED_DIRS & set(p.relative_to(lib).parts[:-1])
+        and not p.name.startswith("_sysconfigdata")
+        and 1_000 <= p.stat().st_size <= 25_000
+    )
     total = sum(p.stat().st_size for p in files)
     stride = max(1, round(total / max_chars))
     docs = []
@@ -54,6 +69,7 @@ def code_documents(lib: Path, max_chars: int) -> list[dict]:
 
 def docs_documents() -> list[dict]:
     from pydoc_data.topics import topics
+
     docs = []
     for name in sorted(topics):
         for i, section in enumerate(s.strip("\n") for s in HEADING.split(topics[name])):
@@ -105,14 +121,21 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     lib = Path(sysconfig.get_paths()["stdlib"])
     out = Path(args.out)
-    domains = {"code": code_documents(lib, args.code_chars), "docs": docs_documents(),
-               "notes": notes_documents(lib)}
-    meta = {"python": sys.version.split()[0], "implementation": platform.python_implementation(),
-            "license": "PSF-2.0", "domains": {}}
+    domains = {"code": code_documents(lib, args.code_chars), "docs": docs_documents(), "notes": notes_documents(lib)}
+    meta = {
+        "python": sys.version.split()[0],
+        "implementation": platform.python_implementation(),
+        "license": "PSF-2.0",
+        "domains": {},
+    }
     for name, docs in domains.items():
         sha = write_jsonl_gz(out / f"{name}.jsonl.gz", docs)
-        meta["domains"][name] = {"file": f"{name}.jsonl.gz", "documents": len(docs),
-                                 "characters": sum(len(d["text"]) for d in docs), "sha256": sha}
+        meta["domains"][name] = {
+            "file": f"{name}.jsonl.gz",
+            "documents": len(docs),
+            "characters": sum(len(d["text"]) for d in docs),
+            "sha256": sha,
+        }
         print(f"{name}: {len(docs)} documents, {meta['domains'][name]['characters']} characters")
     (out / "corpus.json").write_text(json.dumps(meta, indent=2) + "\n")
 

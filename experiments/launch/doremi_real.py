@@ -71,8 +71,9 @@ def natural_weights(corpus_manifest: Path, out: Path) -> Path:
     domains = list(outputs)
     sizes = [float(outputs[d]["uncapped_bytes"]) for d in domains]
     total = sum(sizes)
-    return write_weights_file(out, domains, [s / total for s in sizes],
-                              {"source": f"uncapped bytes per domain, {corpus_manifest}"})
+    return write_weights_file(
+        out, domains, [s / total for s in sizes], {"source": f"uncapped bytes per domain, {corpus_manifest}"}
+    )
 
 
 def corpus_sets(corpus: Path) -> list[str]:
@@ -87,10 +88,23 @@ def corpus_sets(corpus: Path) -> list[str]:
 def arm_command(name: str, arm: Arm, work: Path, natural: Path, sets: list[str]) -> list[str]:
     fill = lambda s: s.replace("{natural}", str(natural))  # noqa: E731
     baselines = "[" + ", ".join(fill(b) for b in arm.baselines) + "]"
-    cmd = [sys.executable, "-m", "doremi", "pipeline", str(CONFIG),
-           "--set", f"pipeline.run_dir={work / name}", "--set", f"data.store_dir={work / 'stores'}",
-           "--set", f"train.seed={arm.seed}", "--set", f"data.seed={arm.seed}",
-           "--set", f"pipeline.baselines={baselines}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "doremi",
+        "pipeline",
+        str(CONFIG),
+        "--set",
+        f"pipeline.run_dir={work / name}",
+        "--set",
+        f"data.store_dir={work / 'stores'}",
+        "--set",
+        f"train.seed={arm.seed}",
+        "--set",
+        f"data.seed={arm.seed}",
+        "--set",
+        f"pipeline.baselines={baselines}",
+    ]
     for s in list(arm.sets) + sets:
         cmd += ["--set", fill(s)]
     return cmd
@@ -138,9 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     say(f"natural weights -> {natural}")
 
     say("preprocess")
-    pre = subprocess.run([sys.executable, "-m", "doremi", "preprocess", str(CONFIG),
-                          "--set", f"data.store_dir={work / 'stores'}", *sum((["--set", s] for s in args.sets), [])],
-                         cwd=ROOT)
+    pre = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "doremi",
+            "preprocess",
+            str(CONFIG),
+            "--set",
+            f"data.store_dir={work / 'stores'}",
+            *sum((["--set", s] for s in args.sets), []),
+        ],
+        cwd=ROOT,
+    )
     if pre.returncode:
         print("doremi_real: preprocess failed", file=sys.stderr)
         return 1
@@ -151,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         logs[name] = out / f"{name}.log"
         cmd = arm_command(name, ARMS[name], work, natural, args.sets)
         with open(logs[name], "a") as log:
-            procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+            procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         say(f"{name}: started ({shlex.join(cmd[3:])})")
 
     stopped = False
@@ -176,9 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{name}: FAILED (exit {rc}); last lines:\n" + "\n".join(tail))
         else:
             say(f"{name}: finished")
-        info = {"arm": name, "exit_status": rc, "elapsed_s": int(time.time() - start),
-                "command": "python experiments/launch/doremi_real.py " + shlex.join(sys.argv[1:]),
-                "pipeline": shlex.join(arm_command(name, ARMS[name], work, natural, args.sets)[1:])}
+        info = {
+            "arm": name,
+            "exit_status": rc,
+            "elapsed_s": int(time.time() - start),
+            "command": "python experiments/launch/doremi_real.py " + shlex.join(sys.argv[1:]),
+            "pipeline": shlex.join(arm_command(name, ARMS[name], work, natural, args.sets)[1:]),
+        }
         pack(name, work, out, logs[name], info)
     return 1 if failed else 3 if stopped else 0
 

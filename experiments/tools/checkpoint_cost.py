@@ -15,8 +15,8 @@ import contextlib
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -107,8 +107,7 @@ def main() -> None:
         size = sum(f.stat().st_size for f in files)
         crc = statistics.median(_timed(lambda: [checkpoint.file_hash(f) for f in files]) for _ in range(args.reps))
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{args.config}: {n_params / 1e6:.2f}M parameters, checkpoint {size / 2**20:.1f} MiB, "
-          f"median of {args.reps}")
+    print(f"{args.config}: {n_params / 1e6:.2f}M parameters, checkpoint {size / 2**20:.1f} MiB, median of {args.reps}")
     med = {k: [statistics.median(t[i] for t in v) for i in (0, 1)] for k, v in times.items()}
     for i, what in enumerate(("save", "load")):
         w, wo = med["with"][i], med["without"][i]

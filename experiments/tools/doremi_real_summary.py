@@ -18,9 +18,10 @@ import math
 import statistics
 import sys
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -38,22 +39,21 @@ class Rule:
     DoReMi works if every condition below holds, is inconclusive if its mean paired difference
     is within `se_multiple` standard errors of 0, and fails otherwise."""
 
-    memorisation_gap: float = 0.05   # reference: held-out minus seen loss, every domain (nats)
-    max_epochs: float = 2.0          # any run, any domain
-    mixture_sequences: float = 1.0   # |realised - nominal| sequences, any run, any domain (= 1/B of a step)
-    final_minus_best: float = 0.01   # main runs, any domain (nats)
-    se_multiple: float = 2.0         # mean paired difference beyond this many standard errors
-    worst_tolerance: float = 0.01    # worst case no worse than uniform's, within this (nats)
-    min_domains_better: int = 8      # of 12, in the mean over seeds
-    max_step_ratio: float = 0.8      # steps to reach uniform's final mean loss / uniform's steps
+    memorisation_gap: float = 0.05  # reference: held-out minus seen loss, every domain (nats)
+    max_epochs: float = 2.0  # any run, any domain
+    mixture_sequences: float = 1.0  # |realised - nominal| sequences, any run, any domain (= 1/B of a step)
+    final_minus_best: float = 0.01  # main runs, any domain (nats)
+    se_multiple: float = 2.0  # mean paired difference beyond this many standard errors
+    worst_tolerance: float = 0.01  # worst case no worse than uniform's, within this (nats)
+    min_domains_better: int = 8  # of 12, in the mean over seeds
+    max_step_ratio: float = 0.8  # steps to reach uniform's final mean loss / uniform's steps
 
 
 RULE = Rule()
 
 
 def arms(runs: Path, prefix: str) -> list[Path]:
-    return sorted((p for p in runs.iterdir() if p.is_dir() and p.name.startswith(prefix)),
-                  key=lambda p: p.name)
+    return sorted((p for p in runs.iterdir() if p.is_dir() and p.name.startswith(prefix)), key=lambda p: p.name)
 
 
 def fmt(x: float | None, digits: int = 4) -> str:
@@ -67,10 +67,12 @@ def pm(values: Sequence[float]) -> str:
 
 # -- guardrails ----------------------------------------------------------------------------
 
+
 def guardrail_values(root: Path, domains: list[str]) -> dict[str, dict[str, float]]:
     """Per rule guardrail, per domain, the worst value over the pipeline's runs."""
-    out: dict[str, dict[str, float]] = {k: {} for k in ("epochs", "gap", "gap_se", "mixture", "final_minus_best",
-                                                          "lag", "ref_batches_gap")}
+    out: dict[str, dict[str, float]] = {
+        k: {} for k in ("epochs", "gap", "gap_se", "mixture", "final_minus_best", "lag", "ref_batches_gap")
+    }
     for m in measure_pipeline(root, main=True):
         batch_steps = None
         if m.mixture:
@@ -78,9 +80,14 @@ def guardrail_values(root: Path, domains: list[str]) -> dict[str, dict[str, floa
             last = [r for r in rows if isinstance(r.get("realised"), dict)][-1]
             batch_steps = last["step"] * m.global_batch_size
         for d in domains:
-            for key, values in (("epochs", m.epochs), ("gap", m.gap), ("gap_se", m.gap_se),
-                                ("final_minus_best", m.final_minus_best),
-                                ("lag", m.lag), ("ref_batches_gap", m.ref_batches_gap)):
+            for key, values in (
+                ("epochs", m.epochs),
+                ("gap", m.gap),
+                ("gap_se", m.gap_se),
+                ("final_minus_best", m.final_minus_best),
+                ("lag", m.lag),
+                ("ref_batches_gap", m.ref_batches_gap),
+            ):
                 if d in values:
                     out[key][d] = max(out[key].get(d, -math.inf), values[d])
             if d in m.mixture and batch_steps:
@@ -115,27 +122,38 @@ def proxy_snr(root: Path) -> tuple[float | None, float | None, float | None]:
 
 # -- the verdict ---------------------------------------------------------------------------
 
+
 def mean_curve(runs: Sequence[MainRun]) -> list[tuple[int, float]]:
     steps = [s for s, _ in runs[0].curve]
     return [(s, sum(dict(r.curve)[s] for r in runs) / len(runs)) for s in steps]
 
 
-def verdict(diffs: list[float], worst: list[float], better_in_mean: int, step_ratio: float | None,
-            k: int, rule: Rule = RULE) -> tuple[str, list[tuple[str, bool]]]:
+def verdict(
+    diffs: list[float], worst: list[float], better_in_mean: int, step_ratio: float | None, k: int, rule: Rule = RULE
+) -> tuple[str, list[tuple[str, bool]]]:
     """('works' | 'inconclusive' | 'fails', the conditions of 'works' with whether each held)."""
     mean, se = mean_se(diffs)
     se = se or 0.0
     conditions = [
         (f"lower mean loss on each of the {len(diffs)} seeds", all(d < 0 for d in diffs)),
-        (f"mean paired difference below -{rule.se_multiple:g} standard errors ({mean:+.4f} vs "
-         f"-{rule.se_multiple:g} x {se:.4f})", mean < -rule.se_multiple * se),
-        (f"worst case no worse than uniform's within {rule.worst_tolerance} (mean {mean_se(worst)[0]:+.4f})",
-         mean_se(worst)[0] <= rule.worst_tolerance),
-        (f"better on at least {rule.min_domains_better} of {k} domains in the mean ({better_in_mean})",
-         better_in_mean >= rule.min_domains_better),
-        (f"reaches uniform's final mean loss in at most {rule.max_step_ratio} of its steps "
-         f"({'not reached' if step_ratio is None else f'{step_ratio:.2f}'})",
-         step_ratio is not None and step_ratio <= rule.max_step_ratio),
+        (
+            f"mean paired difference below -{rule.se_multiple:g} standard errors ({mean:+.4f} vs "
+            f"-{rule.se_multiple:g} x {se:.4f})",
+            mean < -rule.se_multiple * se,
+        ),
+        (
+            f"worst case no worse than uniform's within {rule.worst_tolerance} (mean {mean_se(worst)[0]:+.4f})",
+            mean_se(worst)[0] <= rule.worst_tolerance,
+        ),
+        (
+            f"better on at least {rule.min_domains_better} of {k} domains in the mean ({better_in_mean})",
+            better_in_mean >= rule.min_domains_better,
+        ),
+        (
+            f"reaches uniform's final mean loss in at most {rule.max_step_ratio} of its steps "
+            f"({'not reached' if step_ratio is None else f'{step_ratio:.2f}'})",
+            step_ratio is not None and step_ratio <= rule.max_step_ratio,
+        ),
     ]
     if all(ok for _, ok in conditions):
         return "works", conditions
@@ -145,6 +163,7 @@ def verdict(diffs: list[float], worst: list[float], better_in_mean: int, step_ra
 
 
 # -- plots ---------------------------------------------------------------------------------
+
 
 def plot_weights(path: Path, domains: list[str], weights: dict[str, list[float]], natural: list[float] | None) -> None:
     from matplotlib.figure import Figure
@@ -173,8 +192,11 @@ def plot_curves(path: Path, curves: dict[str, list[tuple[int, float]]]) -> None:
     ax = fig.subplots()
     for name, curve in curves.items():
         ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o", ms=3, label=name)
-    ax.set(xlabel="main-run step", ylabel="mean validation loss over domains (nats/token)",
-           title="Main runs, mean over seeds")
+    ax.set(
+        xlabel="main-run step",
+        ylabel="mean validation loss over domains (nats/token)",
+        title="Main runs, mean over seeds",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(path, format="png", dpi=110)
@@ -185,7 +207,7 @@ def plot_domain_diffs(path: Path, domains: list[str], per_seed: list[list[float]
 
     fig = Figure(figsize=(11, 3.8), layout="constrained")
     ax = fig.subplots()
-    for i, d in enumerate(domains):
+    for i in range(len(domains)):
         vals = [s[i] for s in per_seed]
         m, se = mean_se(vals)
         ax.errorbar([i], [m], yerr=[se or 0.0], fmt="o", color="tab:blue", capsize=3)
@@ -252,14 +274,23 @@ def excess_phases(roots: Sequence[Path]) -> tuple[float, float]:
     return sum(first) / len(first), sum(last) / len(last)
 
 
-def ablation_section(runs: Path, mains: dict[str, dict[str, MainRun]], weights: dict[str, list[float]],
-                     domains: list[str], natural: list[float] | None, out: Path, doc_dir: Path) -> str:
+def ablation_section(
+    runs: Path,
+    mains: dict[str, dict[str, MainRun]],
+    weights: dict[str, list[float]],
+    domains: list[str],
+    natural: list[float] | None,
+    out: Path,
+    doc_dir: Path,
+) -> str:
     """Each ablation arm against the uniform and DoReMi main runs of the DoReMi arm with its seed
     (paired by seed: same data order, same main-run initialisation), its weights beside DoReMi's,
     and its own rule guardrails. Empty when no ablation arm ran."""
     k = len(domains)
-    rows, variants = [], {"DoReMi (eta 1, uniform reference)": [
-        sum(w[i] for w in weights.values()) / len(weights) for i in range(k)]}
+    rows, variants = (
+        [],
+        {"DoReMi (eta 1, uniform reference)": [sum(w[i] for w in weights.values()) / len(weights) for i in range(k)]},
+    )
     pre, abl_roots = [], []
     for prefix, what in ABLATIONS.items():
         abl = arms(runs, prefix + "-s")
@@ -281,37 +312,72 @@ def ablation_section(runs: Path, mains: dict[str, dict[str, MainRun]], weights: 
             diffs_d += [] if dd is None else [dd]
             values = guardrail_values(a, domains)
             failed = [f"{label.split(' (')[0]} {fmt(v)}" for label, (v, ok) in rule_checks(values).items() if not ok]
-            over = [f"{d} {fmt(g)} ± {fmt(values['gap_se'].get(d))}" for d, g in values["gap"].items()
-                    if g > RULE.memorisation_gap]
+            over = [
+                f"{d} {fmt(g)} ± {fmt(values['gap_se'].get(d))}"
+                for d, g in values["gap"].items()
+                if g > RULE.memorisation_gap
+            ]
             failed += [f"gap on {', '.join(over)}"] if over else []
             lag = max(values["lag"].values(), default=None)
-            rows.append([a.name, what, fmt(mean), "" if du is None else f"{du:+.4f}", "" if dd is None else f"{dd:+.4f}",
-                         "" if uni is None else f"{max(run.final) - max(uni.final):+.4f}",
-                         "" if uni is None else f"{sum(x < y for x, y in zip(run.final, uni.final))}/{k}",
-                         f"{max(w):.3f} ({domains[max(range(k), key=lambda i: w[i])]})", fmt(lag),
-                         "yes" if not failed else "no: " + "; ".join(failed)])
+            rows.append(
+                [
+                    a.name,
+                    what,
+                    fmt(mean),
+                    "" if du is None else f"{du:+.4f}",
+                    "" if dd is None else f"{dd:+.4f}",
+                    "" if uni is None else f"{max(run.final) - max(uni.final):+.4f}",
+                    "" if uni is None else f"{sum(x < y for x, y in zip(run.final, uni.final))}/{k}",
+                    f"{max(w):.3f} ({domains[max(range(k), key=lambda i: w[i])]})",
+                    fmt(lag),
+                    "yes" if not failed else "no: " + "; ".join(failed),
+                ]
+            )
         moved = max(abs(x - y) for x, y in zip(variants[f"{prefix}: {what}"], variants[next(iter(variants))]))
-        pre.append(f"- **{prefix}** ({what}), {len(abl)} seeds: minus uniform {pm(diffs_u)}, "
-                   f"minus DoReMi {pm(diffs_d)} nats (mean validation loss, paired by seed); its averaged "
-                   f"weights differ from DoReMi's by at most {moved:.3f} on a domain.")
+        pre.append(
+            f"- **{prefix}** ({what}), {len(abl)} seeds: minus uniform {pm(diffs_u)}, "
+            f"minus DoReMi {pm(diffs_d)} nats (mean validation loss, paired by seed); its averaged "
+            f"weights differ from DoReMi's by at most {moved:.3f} on a domain."
+        )
     if not rows:
         return ""
     early, late = excess_phases([runs / name for name in weights])
-    pre.append(f"- The DoReMi proxies' excess loss (mean over domains and seeds) is {early:.2f} nats over their "
-               f"first {PHASE} steps and {late:.2f} over their last {PHASE}: the proxy starts from scratch, and "
-               f"early on the excess mostly measures how far an untrained proxy is behind; a likely reason "
-               f"(not tested) why eta moves the averaged weights so little here.")
-    gaps = [(g, values["gap_se"][d]) for a in abl_roots for values in [guardrail_values(a, domains)]
-            for d, g in values["gap"].items() if d in values["gap_se"]]
+    pre.append(
+        f"- The DoReMi proxies' excess loss (mean over domains and seeds) is {early:.2f} nats over their "
+        f"first {PHASE} steps and {late:.2f} over their last {PHASE}: the proxy starts from scratch, and "
+        f"early on the excess mostly measures how far an untrained proxy is behind; a likely reason "
+        f"(not tested) why eta moves the averaged weights so little here."
+    )
+    gaps = [
+        (g, values["gap_se"][d])
+        for a in abl_roots
+        for values in [guardrail_values(a, domains)]
+        for d, g in values["gap"].items()
+        if d in values["gap_se"]
+    ]
     if gaps:
         over = [(g, se) for g, se in gaps if g > RULE.memorisation_gap]
-        pre.append(f"- These arms log the memorisation gap's standard error (the DoReMi arms predate it): "
-                   f"{len(over)} of {len(gaps)} (domain, arm) gaps are above {RULE.memorisation_gap}, "
-                   f"{sum(g < 2 * se for g, se in over)} of them within 2 standard errors of 0; the median "
-                   f"standard error is {statistics.median(se for _, se in gaps):.4f} nats.")
-    table = markdown_table(["arm", "change", "mean loss", "minus uniform (same seed)", "minus DoReMi (same seed)",
-                            "worst case minus uniform", "domains better than uniform", "largest weight",
-                            "largest proxy lag (nats)", "rule guardrails hold"], rows)
+        pre.append(
+            f"- These arms log the memorisation gap's standard error (the DoReMi arms predate it): "
+            f"{len(over)} of {len(gaps)} (domain, arm) gaps are above {RULE.memorisation_gap}, "
+            f"{sum(g < 2 * se for g, se in over)} of them within 2 standard errors of 0; the median "
+            f"standard error is {statistics.median(se for _, se in gaps):.4f} nats."
+        )
+    table = markdown_table(
+        [
+            "arm",
+            "change",
+            "mean loss",
+            "minus uniform (same seed)",
+            "minus DoReMi (same seed)",
+            "worst case minus uniform",
+            "domains better than uniform",
+            "largest weight",
+            "largest proxy lag (nats)",
+            "rule guardrails hold",
+        ],
+        rows,
+    )
     if natural:
         variants["natural"] = natural
     wrows = [[d] + [fmt(v[i]) for v in variants.values()] for i, d in enumerate(domains)]
@@ -352,6 +418,7 @@ def write_archive(path: Path, runs: Path) -> None:
 
 # -- the write-up --------------------------------------------------------------------------
 
+
 def config_of(run: Path) -> dict[str, Any]:
     import yaml
 
@@ -370,13 +437,31 @@ def setup_table(root: Path) -> str:
         params = param_count(from_dict(ModelConfig, m, "model"))
         tokens = t["steps"] * t["global_batch_size"] * d["seq_len"]
         trained = realised(run)
-        rows.append([label, f"{params / 1e6:.1f}M",
-                     f"d {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, ffn {m['ffn_dim']}",
-                     str(t["steps"]), f"{t['global_batch_size']} x {d['seq_len']}",
-                     f"{sum(trained['tokens'].values()) / 1e6:.1f}M", f"{tokens / 1e6:.1f}M",
-                     f"{t['lr']} -> {t['min_lr']} ({t['decay']})"])
-    return markdown_table(["stage", "parameters", "shape", "steps", "batch (seq x len)",
-                           "tokens trained (measured: non-masked labels)", "tokens (nominal)", "lr"], rows)
+        rows.append(
+            [
+                label,
+                f"{params / 1e6:.1f}M",
+                f"d {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, ffn {m['ffn_dim']}",
+                str(t["steps"]),
+                f"{t['global_batch_size']} x {d['seq_len']}",
+                f"{sum(trained['tokens'].values()) / 1e6:.1f}M",
+                f"{tokens / 1e6:.1f}M",
+                f"{t['lr']} -> {t['min_lr']} ({t['decay']})",
+            ]
+        )
+    return markdown_table(
+        [
+            "stage",
+            "parameters",
+            "shape",
+            "steps",
+            "batch (seq x len)",
+            "tokens trained (measured: non-masked labels)",
+            "tokens (nominal)",
+            "lr",
+        ],
+        rows,
+    )
 
 
 def realised(run: Path) -> dict[str, dict[str, float]]:
@@ -388,8 +473,15 @@ def corpus_table(manifest: dict[str, Any], natural: list[float] | None) -> str:
     rows = []
     for i, d in enumerate(manifest["domains"]):
         tr, va = d["train"], d["validation"]
-        rows.append([d["name"], f"{tr['tokens']:,}", f"{va['tokens']:,}", f"{tr['bytes'] / tr['tokens']:.2f}",
-                     fmt(natural[i]) if natural else ""])
+        rows.append(
+            [
+                d["name"],
+                f"{tr['tokens']:,}",
+                f"{va['tokens']:,}",
+                f"{tr['bytes'] / tr['tokens']:.2f}",
+                fmt(natural[i]) if natural else "",
+            ]
+        )
     return markdown_table(["domain", "train tokens", "validation tokens", "bytes / token", "natural weight"], rows)
 
 
@@ -398,8 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", type=Path)
     ap.add_argument("--out", type=Path, default=ROOT / "experiments/results/doremi_real")
     ap.add_argument("--doc", type=Path, default=ROOT / "experiments/results/doremi_real.md")
-    ap.add_argument("--corpus", type=Path, default=ROOT / "runs/real_corpus",
-                    help="the corpus the arms ran on (its manifest gives the natural weights)")
+    ap.add_argument(
+        "--corpus",
+        type=Path,
+        default=ROOT / "runs/real_corpus",
+        help="the corpus the arms ran on (its manifest gives the natural weights)",
+    )
     args = ap.parse_args(argv)
     roots = arms(args.runs, "doremi-s")
     if not roots:
@@ -429,10 +525,13 @@ def main(argv: list[str] | None = None) -> int:
             rule_rows.append([label, r.name, fmt(worst), str(limit), "yes" if ok else "**no**"])
     rule_table = markdown_table(["guardrail", "arm", "worst domain value", "limit", "holds"], rule_rows)
     detail_rows = []
-    for key, label in (("gap", "memorisation gap"), ("gap_se", "memorisation gap, standard error"),
-                       ("epochs", "epochs (worst run)"),
-                       ("lag", "proxy lag (proxy - reference val loss)"),
-                       ("ref_batches_gap", "reference held-out - its loss on the proxy's batches")):
+    for key, label in (
+        ("gap", "memorisation gap"),
+        ("gap_se", "memorisation gap, standard error"),
+        ("epochs", "epochs (worst run)"),
+        ("lag", "proxy lag (proxy - reference val loss)"),
+        ("ref_batches_gap", "reference held-out - its loss on the proxy's batches"),
+    ):
         for r in roots:
             vals = guard[r.name][key]
             if not vals:
@@ -443,8 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in roots:
         step, run, conc = proxy_snr(r)
         snr_rows.append([r.name, fmt(step, 3), fmt(run, 2), fmt(conc, 3)])
-    snr_table = markdown_table(["arm", "lambda SNR per step", "over the run (x sqrt(steps))",
-                                "share of steps with a weight > 0.5"], snr_rows)
+    snr_table = markdown_table(
+        ["arm", "lambda SNR per step", "over the run (x sqrt(steps))", "share of steps with a weight > 0.5"], snr_rows
+    )
 
     # DoReMi against uniform, paired by seed.
     base = [mains[r.name]["uniform"] for r in roots]
@@ -463,33 +563,83 @@ def main(argv: list[str] | None = None) -> int:
     seed_rows = []
     for r, a, b, dm, w, pdm in zip(roots, dore, base, diffs, worst, per_domain):
         h = steps_to_target(a.curve, b.curve[-1][1])
-        seed_rows.append([r.name, fmt(sum(a.final) / k), fmt(sum(b.final) / k), f"{dm:+.4f}",
-                          fmt(max(a.final)), fmt(max(b.final)), f"{w:+.4f}", f"{sum(x < 0 for x in pdm)}/{k}",
-                          "not reached" if h is None else f"{h / b.curve[-1][0]:.2f}"])
-    seed_table = markdown_table(["seed", "DoReMi mean", "uniform mean", "difference", "DoReMi worst",
-                                 "uniform worst", "difference", "domains better", "steps to uniform's final / its steps"],
-                                seed_rows)
+        seed_rows.append(
+            [
+                r.name,
+                fmt(sum(a.final) / k),
+                fmt(sum(b.final) / k),
+                f"{dm:+.4f}",
+                fmt(max(a.final)),
+                fmt(max(b.final)),
+                f"{w:+.4f}",
+                f"{sum(x < 0 for x in pdm)}/{k}",
+                "not reached" if h is None else f"{h / b.curve[-1][0]:.2f}",
+            ]
+        )
+    seed_table = markdown_table(
+        [
+            "seed",
+            "DoReMi mean",
+            "uniform mean",
+            "difference",
+            "DoReMi worst",
+            "uniform worst",
+            "difference",
+            "domains better",
+            "steps to uniform's final / its steps",
+        ],
+        seed_rows,
+    )
     drawn = [realised(r / "main" / "doremi") for r in roots]
     dom_rows = []
     for i, d in enumerate(domains):
         w = [weights[r.name][i] for r in roots]
         share = [x["sequences"][d] / sum(x["sequences"].values()) for x in drawn]
-        dom_rows.append([d, pm(w).replace("+", ""), pm(share).replace("+", ""), fmt(natural[i]) if natural else "",
-                         fmt(sum(x.final[i] for x in dore) / len(dore)), fmt(sum(x.final[i] for x in base) / len(base)),
-                         pm([s[i] for s in per_domain])])
-    dom_table = markdown_table(["domain", "DoReMi weight (mean ± SE)",
-                                "share drawn by the DoReMi main runs (measured)", "natural weight", "DoReMi loss",
-                                "uniform loss", "DoReMi - uniform (mean ± SE)"], dom_rows)
+        dom_rows.append(
+            [
+                d,
+                pm(w).replace("+", ""),
+                pm(share).replace("+", ""),
+                fmt(natural[i]) if natural else "",
+                fmt(sum(x.final[i] for x in dore) / len(dore)),
+                fmt(sum(x.final[i] for x in base) / len(base)),
+                pm([s[i] for s in per_domain]),
+            ]
+        )
+    dom_table = markdown_table(
+        [
+            "domain",
+            "DoReMi weight (mean ± SE)",
+            "share drawn by the DoReMi main runs (measured)",
+            "natural weight",
+            "DoReMi loss",
+            "uniform loss",
+            "DoReMi - uniform (mean ± SE)",
+        ],
+        dom_rows,
+    )
 
     nat_rows = []
     for r in roots:
         if "natural" in mains[r.name]:
             n, u = mains[r.name]["natural"], mains[r.name]["uniform"]
-            nat_rows.append([r.name, fmt(sum(n.final) / k), fmt(sum(u.final) / k),
-                             f"{sum(n.final) / k - sum(u.final) / k:+.4f}", f"{max(n.final) - max(u.final):+.4f}",
-                             f"{sum(x < y for x, y in zip(n.final, u.final))}/{k}"])
-    nat_table = markdown_table(["seed", "natural mean", "uniform mean", "difference", "worst-case difference",
-                                "domains better"], nat_rows) if nat_rows else "(no natural runs)\n"
+            nat_rows.append(
+                [
+                    r.name,
+                    fmt(sum(n.final) / k),
+                    fmt(sum(u.final) / k),
+                    f"{sum(n.final) / k - sum(u.final) / k:+.4f}",
+                    f"{max(n.final) - max(u.final):+.4f}",
+                    f"{sum(x < y for x, y in zip(n.final, u.final))}/{k}",
+                ]
+            )
+    nat_table = (
+        markdown_table(
+            ["seed", "natural mean", "uniform mean", "difference", "worst-case difference", "domains better"], nat_rows
+        )
+        if nat_rows
+        else "(no natural runs)\n"
+    )
 
     ablations = ablation_section(args.runs, mains, weights, domains, natural, args.out, args.doc.parent)
     plot_weights(args.out / "weights.png", domains, weights, natural)
@@ -513,20 +663,31 @@ def main(argv: list[str] | None = None) -> int:
     mean_w = [sum(weights[r.name][i] for r in roots) / len(roots) for i in range(k)]
     mean_d = [sum(s[i] for s in per_domain) / len(per_domain) for i in range(k)]
     corr = statistics.correlation(mean_w, mean_d)
-    consistent = [d for d in domains if all(guard[r.name]["ref_batches_gap"].get(d, 0.0) > RULE.memorisation_gap / 2
-                                            for r in roots)]
-    nat_diffs = [sum(mains[r.name]["natural"].final) / k - sum(mains[r.name]["uniform"].final) / k
-                 for r in roots if "natural" in mains[r.name]]
+    consistent = [
+        d
+        for d in domains
+        if all(guard[r.name]["ref_batches_gap"].get(d, 0.0) > RULE.memorisation_gap / 2 for r in roots)
+    ]
+    nat_diffs = [
+        sum(mains[r.name]["natural"].final) / k - sum(mains[r.name]["uniform"].final) / k
+        for r in roots
+        if "natural" in mains[r.name]
+    ]
     nat_line = ""
     if nat_diffs and natural:
         top = max(range(k), key=lambda i: natural[i])
         worse = sum(d > 0 for d in nat_diffs)
-        nat_line = (f"- Natural weights ({natural[top]:.0%} of the tokens on {domains[top]}) have a higher mean loss "
-                    f"than uniform on {worse} of their {len(nat_diffs)} seeds ({pm(nat_diffs)}).\n")
-    exception = (f"{', '.join(consistent)} {'is the exception' if len(consistent) == 1 else 'are the exceptions'}: "
-                 f"above +{RULE.memorisation_gap / 2:g} on every seed, which may be near-duplicate boilerplate that "
-                 f"exact deduplication keeps" if consistent else "no domain is above "
-                 f"+{RULE.memorisation_gap / 2:g} on every seed")
+        nat_line = (
+            f"- Natural weights ({natural[top]:.0%} of the tokens on {domains[top]}) have a higher mean loss "
+            f"than uniform on {worse} of their {len(nat_diffs)} seeds ({pm(nat_diffs)}).\n"
+        )
+    exception = (
+        f"{', '.join(consistent)} {'is the exception' if len(consistent) == 1 else 'are the exceptions'}: "
+        f"above +{RULE.memorisation_gap / 2:g} on every seed, which may be near-duplicate boilerplate that "
+        f"exact deduplication keeps"
+        if consistent
+        else f"no domain is above +{RULE.memorisation_gap / 2:g} on every seed"
+    )
     findings_text = f"""- **The memorisation guardrail fails by its letter, and its measurement is noise at this
   size.** Over the {len(gaps)} (domain, seed) values the gap is {gap_mean:+.4f} on average with a
   standard deviation of {gap_sd:.4f}; {over} are above +{RULE.memorisation_gap} and {under} below
@@ -549,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = f"""# DoReMi on real data: 12 domains from public packages, 4 paired seeds (issue 17)
 
 Written by `experiments/tools/doremi_real_summary.py` from the arms' run directories; every number
-below is read from their files (raw logs: `{rel(args.out / 'raw_logs.tar.xz')}`). Losses are
+below is read from their files (raw logs: `{rel(args.out / "raw_logs.tar.xz")}`). Losses are
 validation losses in nats per token over each domain's validation split (48 sequences of 1024
 tokens per domain), bits per byte in the per-arm reports.
 
@@ -579,7 +740,7 @@ each domain; 512 training sequences per domain held back from every run.
 Device: one NVIDIA H200 (torch 2.11), all arms side by side; commit 02e4861. Command:
 
     python3 experiments/tools/real_corpus.py --out runs/real_corpus --max-bytes 20000000 --cap c=32000000
-    {info['command'].replace('/root/out', '$OUT').replace('experiments/doremi_real/run_study.py', 'experiments/launch/doremi_real.py')}
+    {info["command"].replace("/root/out", "$OUT").replace("experiments/doremi_real/run_study.py", "experiments/launch/doremi_real.py")}
     # (three calls of the same command, each resuming the last: --deadline 540, 560, 580)
 
 The ablation arms ran later, at commit e34dfe0 (which adds checks and logs, not changes to what
@@ -605,13 +766,13 @@ Reported, not part of the rule: the signal-to-noise of lambda and the concentrat
 ## Per domain (mean over seeds)
 
 {dom_table}
-![weights]({rel(args.out / 'weights.png')})
+![weights]({rel(args.out / "weights.png")})
 
-![per-domain differences]({rel(args.out / 'domain_diff.png')})
+![per-domain differences]({rel(args.out / "domain_diff.png")})
 
-![validation curves]({rel(args.out / 'val_loss.png')})
+![validation curves]({rel(args.out / "val_loss.png")})
 
-![alpha_t]({rel(args.out / 'alpha_seed1.png')})
+![alpha_t]({rel(args.out / "alpha_seed1.png")})
 
 ## Natural (proportional to each source's uncapped size), 2 seeds
 

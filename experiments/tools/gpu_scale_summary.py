@@ -24,9 +24,10 @@ import json
 import re
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,8 +38,7 @@ if str(ROOT) not in sys.path:
 from data.errors import DataError  # noqa: E402
 from data.store import Manifest, read_manifest  # noqa: E402
 from doremi.config import ExperimentConfig  # noqa: E402
-from doremi.report import (fmt, format_table, markdown_table, plot_final_loss,  # noqa: E402
-                           plot_val_loss, plot_weight_history)
+from doremi.report import fmt, format_table, markdown_table, plot_final_loss, plot_val_loss, plot_weight_history  # noqa: E402
 from doremi.summary import collect_run  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.configtools import ConfigError, read_yaml  # noqa: E402
@@ -107,8 +107,12 @@ def scores(seed: Seed) -> dict[str, dict[str, Any]]:
     for name, losses in seed.c["final"].items():
         adj = adjusted(losses, seed.c["entropy"])
         worst = int(np.argmax(adj))
-        out[name] = {"average": float(np.mean(losses)), "adj_average": float(np.mean(adj)),
-                     "adj_worst": adj[worst], "worst_domain": seed.c["domains"][worst]}
+        out[name] = {
+            "average": float(np.mean(losses)),
+            "adj_average": float(np.mean(adj)),
+            "adj_worst": adj[worst],
+            "worst_domain": seed.c["domains"][worst],
+        }
     return out
 
 
@@ -118,7 +122,8 @@ def verdict(s: dict[str, dict[str, Any]]) -> str:
     wins = [all(s["doremi"][key] < s[b][key] for b in base) for key in ("adj_average", "adj_worst")]
     return {2: "win", 1: "mixed", 0: "lose"}[sum(wins)] + (
         f" (average: {'better' if wins[0] else 'not better'}, worst case: "
-        f"{'better' if wins[1] else 'not better'} than every baseline)")
+        f"{'better' if wins[1] else 'not better'} than every baseline)"
+    )
 
 
 def run_config(path: Path) -> ExperimentConfig:
@@ -163,39 +168,64 @@ def setup_section(seeds: Sequence[Seed]) -> str:
     rows = []
     for label, cfg in (("reference / proxy", ref), ("main runs", main)):
         m, t = cfg.model, cfg.train
-        rows.append([label, f"{param_count(m) / 1e6:.1f}M", f"d {m.d_model}, {m.n_layers} layers, {m.n_heads} heads "
-                     f"({m.n_kv_heads} kv), ffn {m.ffn_dim}", str(t.steps),
-                     f"{t.global_batch_size} x {cfg.data.seq_len}",
-                     f"{t.steps * t.global_batch_size * cfg.data.seq_len / 1e6:.1f}M", f"{t.lr:g} -> {t.min_lr:g} ({t.decay})",
-                     str(t.eval_sequences)])
-    table = markdown_table(["stage", "parameters", "shape", "steps", "batch (seq x len)", "tokens", "lr", "eval sequences / domain"], rows)
+        rows.append(
+            [
+                label,
+                f"{param_count(m) / 1e6:.1f}M",
+                f"d {m.d_model}, {m.n_layers} layers, {m.n_heads} heads ({m.n_kv_heads} kv), ffn {m.ffn_dim}",
+                str(t.steps),
+                f"{t.global_batch_size} x {cfg.data.seq_len}",
+                f"{t.steps * t.global_batch_size * cfg.data.seq_len / 1e6:.1f}M",
+                f"{t.lr:g} -> {t.min_lr:g} ({t.decay})",
+                str(t.eval_sequences),
+            ]
+        )
+    table = markdown_table(
+        ["stage", "parameters", "shape", "steps", "batch (seq x len)", "tokens", "lr", "eval sequences / domain"], rows
+    )
     info = s.info
-    lines = ["## Setup", "", table,
-             f"Parameters: trainer/model/flops.py `param_count` (untied embeddings counted). "
-             f"DoReMi: eta {ref.doremi.eta:g}, smoothing {ref.doremi.smoothing:g}, reference on "
-             f"`{ref.doremi.reference_weights}` weights, proxy sampling `{ref.doremi.proxy_sampling}`, "
-             f"update `{ref.doremi.update}`; seeds {', '.join(str(x.info.get('seed', x.name)) for x in seeds)} "
-             f"(train.seed and data.seed of every stage)."]
+    lines = [
+        "## Setup",
+        "",
+        table,
+        f"Parameters: trainer/model/flops.py `param_count` (untied embeddings counted). "
+        f"DoReMi: eta {ref.doremi.eta:g}, smoothing {ref.doremi.smoothing:g}, reference on "
+        f"`{ref.doremi.reference_weights}` weights, proxy sampling `{ref.doremi.proxy_sampling}`, "
+        f"update `{ref.doremi.update}`; seeds {', '.join(str(x.info.get('seed', x.name)) for x in seeds)} "
+        f"(train.seed and data.seed of every stage).",
+    ]
     if info:
-        lines += ["", f"Device: {info.get('device')}, torch {info.get('torch')}, commit {info.get('commit')}.",
-                  "", "Command (from the repository root of the GPU machine, as `run_info.json` recorded it):", "",
-                  f"    {info.get('command')}"]
+        lines += [
+            "",
+            f"Device: {info.get('device')}, torch {info.get('torch')}, commit {info.get('commit')}.",
+            "",
+            "Command (from the repository root of the GPU machine, as `run_info.json` recorded it):",
+            "",
+            f"    {info.get('command')}",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def data_section(seeds: Sequence[Seed]) -> str:
     s = seeds[0]
-    epochs = {m: [[last_row(x.root / "main" / m, "epochs")["epochs"][d] for d in s.c["domains"]] for x in seeds]
-              for m in s.c["final"]}
+    epochs = {
+        m: [[last_row(x.root / "main" / m, "epochs")["epochs"][d] for d in s.c["domains"]] for x in seeds]
+        for m in s.c["final"]
+    }
     rows = []
     for i, d in enumerate(s.manifest.domains):
-        rows.append([d.name, fmt(d.entropy), f"{d.train.tokens:,}", f"{d.validation.tokens:,}"]
-                    + [f"{np.mean([e[i] for e in epochs[m]]):.2f}" for m in epochs])
+        rows.append(
+            [d.name, fmt(d.entropy), f"{d.train.tokens:,}", f"{d.validation.tokens:,}"]
+            + [f"{np.mean([e[i] for e in epochs[m]]):.2f}" for m in epochs]
+        )
     header = ["domain", "H", "train tokens", "validation tokens"] + [f"epochs: {m}" for m in epochs]
-    return ("## Data\n\n" + markdown_table(header, rows) +
-            "\nEpochs: passes over the domain's train tokens by the end of each main run (mean over "
-            "seeds). The real domains are the whole embedded corpus, so their validation sets are small "
-            "(a few thousand tokens for `notes`): their per-domain numbers are the noisiest.\n")
+    return (
+        "## Data\n\n"
+        + markdown_table(header, rows)
+        + "\nEpochs: passes over the domain's train tokens by the end of each main run (mean over "
+        "seeds). The real domains are the whole embedded corpus, so their validation sets are small "
+        "(a few thousand tokens for `notes`): their per-domain numbers are the noisiest.\n"
+    )
 
 
 def weights_section(seeds: Sequence[Seed]) -> str:
@@ -203,25 +233,37 @@ def weights_section(seeds: Sequence[Seed]) -> str:
     mix = s.c["mixtures"]
     baselines = [m for m in mix if m != "doremi"]
     mean = mean_weights(seeds)
-    rows = [[d, fmt(s.c["entropy"][i])] + [fmt(float(mix[b][i])) for b in baselines]
-            + [fmt(float(x.c["mixtures"]["doremi"][i])) for x in seeds] + [fmt(float(mean[i]))]
-            for i, d in enumerate(s.c["domains"])]
+    rows = [
+        [d, fmt(s.c["entropy"][i])]
+        + [fmt(float(mix[b][i])) for b in baselines]
+        + [fmt(float(x.c["mixtures"]["doremi"][i])) for x in seeds]
+        + [fmt(float(mean[i]))]
+        for i, d in enumerate(s.c["domains"])
+    ]
     header = ["domain", "H"] + baselines + [f"doremi {x.name}" for x in seeds] + ["doremi mean"]
     return "## Domain weights\n\n" + markdown_table(header, rows)
 
 
 def seed_tables(seeds: Sequence[Seed]) -> str:
-    parts = ["## Final validation loss per seed", "",
-             "doremi.report.format_table: average and worst case over all domains of the raw loss; "
-             "the `loss - H` columns' average and worst case are over the synthetic domains only.", ""]
+    parts = [
+        "## Final validation loss per seed",
+        "",
+        "doremi.report.format_table: average and worst case over all domains of the raw loss; "
+        "the `loss - H` columns' average and worst case are over the synthetic domains only.",
+        "",
+    ]
     for x in seeds:
         parts += [f"### {x.name}", "", format_table(x.c["domains"], x.c["mixtures"], x.c["final"], x.c["entropy"])]
     s = seeds[0]
     mixtures = {m: mean_weights(seeds) if m == "doremi" else w for m, w in s.c["mixtures"].items()}
-    parts += ["### mean over seeds", "",
-              "Losses are the mean of the seeds' losses; `weight: doremi` is the mean of the seeds' DoReMi "
-              "weights (each seed's main run trained on its own).", "",
-              format_table(s.c["domains"], mixtures, mean_final(seeds), s.c["entropy"])]
+    parts += [
+        "### mean over seeds",
+        "",
+        "Losses are the mean of the seeds' losses; `weight: doremi` is the mean of the seeds' DoReMi "
+        "weights (each seed's main run trained on its own).",
+        "",
+        format_table(s.c["domains"], mixtures, mean_final(seeds), s.c["entropy"]),
+    ]
     return "\n".join(parts)
 
 
@@ -232,21 +274,40 @@ def comparison_section(seeds: Sequence[Seed]) -> str:
     for m in mixtures:
         for x in seeds:
             sc = per_seed[x.name][m]
-            rows.append([m, x.name, fmt(sc["average"]), fmt(sc["adj_average"]),
-                         f"{fmt(sc['adj_worst'])} ({sc['worst_domain']})"])
-        rows.append([f"**{m}**", "mean", *(fmt(statistics.mean(per_seed[x.name][m][k] for x in seeds))
-                                             for k in ("average", "adj_average", "adj_worst")) ])
+            rows.append(
+                [
+                    m,
+                    x.name,
+                    fmt(sc["average"]),
+                    fmt(sc["adj_average"]),
+                    f"{fmt(sc['adj_worst'])} ({sc['worst_domain']})",
+                ]
+            )
+        rows.append(
+            [
+                f"**{m}**",
+                "mean",
+                *(
+                    fmt(statistics.mean(per_seed[x.name][m][k] for x in seeds))
+                    for k in ("average", "adj_average", "adj_worst")
+                ),
+            ]
+        )
     header = ["mixture", "seed", "average loss", "average adjusted loss", "worst-case adjusted loss (domain)"]
     verdicts = [f"- {x.name}: DoReMi **{verdict(per_seed[x.name])}**." for x in seeds]
-    mean_scores = {m: {k: statistics.mean(per_seed[x.name][m][k] for x in seeds) for k in ("adj_average", "adj_worst")}
-                   for m in mixtures}
+    mean_scores = {
+        m: {k: statistics.mean(per_seed[x.name][m][k] for x in seeds) for k in ("adj_average", "adj_worst")}
+        for m in mixtures
+    }
     verdicts.append(f"- mean over seeds: DoReMi **{verdict(mean_scores)}**.")
-    return ("## DoReMi against the baselines\n\n"
-            "Adjusted loss: validation loss minus the known entropy H on the synthetic domains (what a "
-            "model could still learn there), the validation loss itself on the real domains. Average "
-            "and worst case (max) are over all domains of the adjusted loss; the average adjusted loss "
-            "is the raw average minus the mean entropy, so both rank the mixtures alike. `mean`: mean "
-            "over seeds of each seed's number.\n\n" + markdown_table(header, rows) + "\n" + "\n".join(verdicts) + "\n")
+    return (
+        "## DoReMi against the baselines\n\n"
+        "Adjusted loss: validation loss minus the known entropy H on the synthetic domains (what a "
+        "model could still learn there), the validation loss itself on the real domains. Average "
+        "and worst case (max) are over all domains of the adjusted loss; the average adjusted loss "
+        "is the raw average minus the mean entropy, so both rank the mixtures alike. `mean`: mean "
+        "over seeds of each seed's number.\n\n" + markdown_table(header, rows) + "\n" + "\n".join(verdicts) + "\n"
+    )
 
 
 def diagnostics_section(seeds: Sequence[Seed]) -> str:
@@ -262,7 +323,7 @@ def diagnostics_section(seeds: Sequence[Seed]) -> str:
 
     def late_excess(x: Seed) -> list[float]:
         hist = proxy_history(x)
-        tail = hist[-max(1, len(hist) // 10):]
+        tail = hist[-max(1, len(hist) // 10) :]
         return np.mean([h["excess"] for h in tail], axis=0).tolist()
 
     def ref_on_train(x: Seed) -> list[float]:
@@ -277,19 +338,30 @@ def diagnostics_section(seeds: Sequence[Seed]) -> str:
     ref_train = np.mean([ref_on_train(x) for x in seeds], axis=0)
     excess = np.mean([late_excess(x) for x in seeds], axis=0)
     over = {m: np.mean([overfit(x.root / "main" / m) for x in seeds], axis=0) for m in s.c["final"]}
-    rows = [[domains[i], fmt(float(ref[i])), fmt(float(ref_train[i])), fmt(float(proxy[i])), fmt(float(excess[i]))]
-            + [fmt(float(over[m][i])) for m in over] for i in range(k)]
-    header = (["domain", "reference val loss", "reference loss on proxy batches", "proxy val loss",
-               "proxy excess (last 10%)"] + [f"final - best: {m}" for m in over])
-    return ("## Diagnostics\n\n" + markdown_table(header, rows) +
-            "\nMeans over seeds. Reference and proxy: final validation loss of round 1. Reference loss "
-            "on proxy batches: the frozen reference's per-token loss on the training batches the proxy "
-            "saw, averaged over the proxy's steps (far below its validation loss: the reference "
-            "memorised that domain, so its loss is no estimate of the loss a model can reach there). Proxy excess: "
-            "lambda_t (mean per-token max(proxy - reference, 0)) averaged over the proxy's last 10% of "
-            "steps, what drives the weights at the end. final - best: the main run's final validation "
-            "loss minus its lowest over the evaluations (> 0: it got worse, e.g. by overfitting a "
-            "domain it saw many epochs of).\n")
+    rows = [
+        [domains[i], fmt(float(ref[i])), fmt(float(ref_train[i])), fmt(float(proxy[i])), fmt(float(excess[i]))]
+        + [fmt(float(over[m][i])) for m in over]
+        for i in range(k)
+    ]
+    header = [
+        "domain",
+        "reference val loss",
+        "reference loss on proxy batches",
+        "proxy val loss",
+        "proxy excess (last 10%)",
+    ] + [f"final - best: {m}" for m in over]
+    return (
+        "## Diagnostics\n\n"
+        + markdown_table(header, rows)
+        + "\nMeans over seeds. Reference and proxy: final validation loss of round 1. Reference loss "
+        "on proxy batches: the frozen reference's per-token loss on the training batches the proxy "
+        "saw, averaged over the proxy's steps (far below its validation loss: the reference "
+        "memorised that domain, so its loss is no estimate of the loss a model can reach there). Proxy excess: "
+        "lambda_t (mean per-token max(proxy - reference, 0)) averaged over the proxy's last 10% of "
+        "steps, what drives the weights at the end. final - best: the main run's final validation "
+        "loss minus its lowest over the evaluations (> 0: it got worse, e.g. by overfitting a "
+        "domain it saw many epochs of).\n"
+    )
 
 
 def timing_section(seeds: Sequence[Seed]) -> str:
@@ -300,13 +372,24 @@ def timing_section(seeds: Sequence[Seed]) -> str:
             dur = times[j + 1][1] - start if j + 1 < len(times) else None
             run = stage_run_dir(x.root, stage)
             rate, mem = throughput(run) if run is not None else (None, None)
-            rows.append([x.name, stage, f"{start}", "" if dur is None else f"{dur}",
-                         "" if rate is None else f"{rate:,.0f}", "" if mem is None else f"{mem:.1f}"])
+            rows.append(
+                [
+                    x.name,
+                    stage,
+                    f"{start}",
+                    "" if dur is None else f"{dur}",
+                    "" if rate is None else f"{rate:,.0f}",
+                    "" if mem is None else f"{mem:.1f}",
+                ]
+            )
     if not rows:
         return ""
-    return ("## Timing\n\n" + markdown_table(["seed", "stage", "start (s)", "duration (s)", "median tokens/s", "peak GiB"], rows) +
-            "\nFrom each pipeline's log (1 s resolution; the last stage's end is not logged); the seeds ran at "
-            "the same time on one device. Tokens/s: median over the logged steps of the stage's run.\n")
+    return (
+        "## Timing\n\n"
+        + markdown_table(["seed", "stage", "start (s)", "duration (s)", "median tokens/s", "peak GiB"], rows)
+        + "\nFrom each pipeline's log (1 s resolution; the last stage's end is not logged); the seeds ran at "
+        "the same time on one device. Tokens/s: median over the logged steps of the stage's run.\n"
+    )
 
 
 def stage_run_dir(root: Path, stage: str) -> Path | None:
@@ -341,33 +424,58 @@ def write_plots(seeds: Sequence[Seed], plots: Path, rel: str) -> str:
     for x in seeds:
         name = f"val_loss_{x.name}.png"
         plot_val_loss(plots / name, domains, {m: x.c["curves"][m] for m in x.c["final"]}, entropy)
-        parts += [f"Validation loss per domain over the main runs' steps, {x.name}:", "", f"![val loss {x.name}]({rel}/{name})", ""]
+        parts += [
+            f"Validation loss per domain over the main runs' steps, {x.name}:",
+            "",
+            f"![val loss {x.name}]({rel}/{name})",
+            "",
+        ]
     bars = {f"{m} {x.name}": adjusted(x.c["final"][m], entropy) for m in s.c["final"] for x in seeds}
     log = all(v > 0 for vals in bars.values() for v in vals)
-    plot_final_loss(plots / "final_adjusted_loss.png", domains, bars, [None] * len(domains),
-                    ylabel="final loss - H (synthetic), loss (real), nats", log=log,
-                    title="final adjusted validation loss per domain" + (" (log scale)" if log else ""))
-    parts += ["Final adjusted loss per domain (loss - H on the synthetic domains), every mixture and seed:", "",
-              f"![final adjusted loss]({rel}/final_adjusted_loss.png)", ""]
+    plot_final_loss(
+        plots / "final_adjusted_loss.png",
+        domains,
+        bars,
+        [None] * len(domains),
+        ylabel="final loss - H (synthetic), loss (real), nats",
+        log=log,
+        title="final adjusted validation loss per domain" + (" (log scale)" if log else ""),
+    )
+    parts += [
+        "Final adjusted loss per domain (loss - H on the synthetic domains), every mixture and seed:",
+        "",
+        f"![final adjusted loss]({rel}/final_adjusted_loss.png)",
+        "",
+    ]
     return "\n".join(parts)
 
 
 # -- the write-up -------------------------------------------------------------------------------------
-def summarize(seed_dirs: Sequence[Path], out: Path, plots: Path, notes: Path | None,
-              title: str = "GPU-scale DoReMi (issue 7)") -> Path:
+def summarize(
+    seed_dirs: Sequence[Path], out: Path, plots: Path, notes: Path | None, title: str = "GPU-scale DoReMi (issue 7)"
+) -> Path:
     seeds = [load_seed(Path(d)) for d in seed_dirs]
     check_seeds(seeds)
     try:
         rel = str(plots.resolve().relative_to(out.resolve().parent))
     except ValueError:
         rel = str(plots.resolve())
-    parts = [f"# {title}", "",
-             "Written by `experiments/tools/gpu_scale_summary.py` from the runs' files (metrics.jsonl, "
-             "weights.json, domain_weights.jsonl, the eval results and the stores' manifest); "
-             "validation loss in nats per token.", "",
-             setup_section(seeds), data_section(seeds), weights_section(seeds), comparison_section(seeds),
-             seed_tables(seeds), diagnostics_section(seeds), timing_section(seeds),
-             write_plots(seeds, plots, rel)]
+    parts = [
+        f"# {title}",
+        "",
+        "Written by `experiments/tools/gpu_scale_summary.py` from the runs' files (metrics.jsonl, "
+        "weights.json, domain_weights.jsonl, the eval results and the stores' manifest); "
+        "validation loss in nats per token.",
+        "",
+        setup_section(seeds),
+        data_section(seeds),
+        weights_section(seeds),
+        comparison_section(seeds),
+        seed_tables(seeds),
+        diagnostics_section(seeds),
+        timing_section(seeds),
+        write_plots(seeds, plots, rel),
+    ]
     if notes is not None and notes.is_file():
         parts += [notes.read_text()]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -380,8 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("seed_dirs", nargs="+", type=Path, help="unpacked seed directories (seed1 seed2 ...)")
     p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "gpu_scale.md")
     p.add_argument("--plots", type=Path, default=ROOT / "experiments" / "results" / "gpu_scale")
-    p.add_argument("--notes", type=Path, default=ROOT / "experiments" / "results" / "gpu_scale_notes.md",
-                   help="hand-written reading appended at the end (if the file exists)")
+    p.add_argument(
+        "--notes",
+        type=Path,
+        default=ROOT / "experiments" / "results" / "gpu_scale_notes.md",
+        help="hand-written reading appended at the end (if the file exists)",
+    )
     p.add_argument("--title", default="GPU-scale DoReMi (issue 7)")
     args = p.parse_args(argv)
     try:

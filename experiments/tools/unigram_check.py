@@ -13,8 +13,8 @@ import time
 import numpy as np
 
 from data.preprocess import preprocess
-from data.store import open_stores
 from data.stats import unigram_entropy
+from data.store import open_stores
 from doremi import stages
 from doremi.config import ExperimentConfig
 from trainer.config import load_config
@@ -40,8 +40,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=160)
     p.add_argument("--run-dir", default="runs/unigram_check")
     args = p.parse_args()
-    val, uni, seconds = check(args.config, [f"train.steps={args.steps}", f"train.run_dir={args.run_dir}",
-                                            f"train.eval_every={args.steps}", "checkpoint.resume=false"])
+    val, uni, seconds = check(
+        args.config,
+        [
+            f"train.steps={args.steps}",
+            f"train.run_dir={args.run_dir}",
+            f"train.eval_every={args.steps}",
+            "checkpoint.resume=false",
+        ],
+    )
     print(f"{args.steps} steps in {seconds:.0f} s")
     print(f"{'domain':<8} {'val loss':>9} {'unigram H':>10} {'below by':>9}")
     for d in val:

@@ -33,8 +33,9 @@ def _accumulation(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def cross_entropy_torch(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                        ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_torch(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V >= vocab_size], target [n] -> (loss [n] fp32, logsumexp [n] fp32), torch ops."""
     z = _accumulation(logits[:, :vocab_size])
     lse = torch.logsumexp(z, dim=-1)
@@ -42,8 +43,14 @@ def cross_entropy_torch(logits: torch.Tensor, target: torch.Tensor, vocab_size: 
     return loss, lse
 
 
-def cross_entropy_backward_torch(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
-                                 lse: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+def cross_entropy_backward_torch(
+    grad: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int,
+) -> torch.Tensor:
     g = torch.where(target == ignore_index, 0.0, _accumulation(grad))
     p = torch.exp(_accumulation(logits[:, :vocab_size]) - lse[:, None])
     p.scatter_add_(1, torch.where(target == ignore_index, 0, target)[:, None], -torch.ones_like(g)[:, None])
@@ -62,8 +69,9 @@ def triton_kernels():
     import triton.language as tl
 
     @triton.jit
-    def cross_entropy_forward_kernel(logits, target, loss, lse_out, vocab_size, row_stride, ignore_index,
-                                     BLOCK_SIZE: tl.constexpr):
+    def cross_entropy_forward_kernel(
+        logits, target, loss, lse_out, vocab_size, row_stride, ignore_index, BLOCK_SIZE: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * row_stride
         m = tl.full([BLOCK_SIZE], float("-inf"), tl.float32)
@@ -84,8 +92,19 @@ def triton_kernels():
         tl.store(lse_out + row, lse)
 
     @triton.jit
-    def cross_entropy_backward_kernel(grad, logits, target, lse, out, vocab_size, n_cols, row_stride, out_row_stride,
-                                      ignore_index, BLOCK_SIZE: tl.constexpr):
+    def cross_entropy_backward_kernel(
+        grad,
+        logits,
+        target,
+        lse,
+        out,
+        vocab_size,
+        n_cols,
+        row_stride,
+        out_row_stride,
+        ignore_index,
+        BLOCK_SIZE: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         t = tl.load(target + row)
@@ -102,34 +121,55 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def cross_entropy_triton(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                         ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_triton(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     forward, _ = triton_kernels()
     logits, target = _rows(logits), target.contiguous()
     n = logits.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
-        forward[(n,)](logits, target, loss, lse, vocab_size, logits.stride(0), ignore_index, BLOCK_SIZE=BLOCK,
-                      num_warps=8)
+        forward[(n,)](
+            logits, target, loss, lse, vocab_size, logits.stride(0), ignore_index, BLOCK_SIZE=BLOCK, num_warps=8
+        )
     return loss, lse
 
 
-def cross_entropy_backward_triton(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
-                                  lse: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+def cross_entropy_backward_triton(
+    grad: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int,
+) -> torch.Tensor:
     _, backward = triton_kernels()
     logits, target, grad = _rows(logits), target.contiguous(), grad.contiguous()
     out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     n, cols = logits.shape
     if out.numel():
-        backward[(n, -(-cols // BLOCK))](grad, logits, target, lse, out, vocab_size, cols, logits.stride(0),
-                                        out.stride(0), ignore_index, BLOCK_SIZE=BLOCK, num_warps=8)
+        backward[(n, -(-cols // BLOCK))](
+            grad,
+            logits,
+            target,
+            lse,
+            out,
+            vocab_size,
+            cols,
+            logits.stride(0),
+            out.stride(0),
+            ignore_index,
+            BLOCK_SIZE=BLOCK,
+            num_warps=8,
+        )
     return out
 
 
 @torch.library.custom_op("trainer::cross_entropy", mutates_args=())
-def cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                     ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_op(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     return cross_entropy_torch(logits, target, vocab_size, ignore_index)
 
 
@@ -147,8 +187,14 @@ def _cross_entropy_fake(logits, target, vocab_size, ignore_index):
 
 
 @torch.library.custom_op("trainer::cross_entropy_backward", mutates_args=())
-def cross_entropy_backward_op(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                              vocab_size: int, ignore_index: int) -> torch.Tensor:
+def cross_entropy_backward_op(
+    grad: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int,
+) -> torch.Tensor:
     return cross_entropy_backward_torch(grad, logits, target, lse, vocab_size, ignore_index)
 
 

@@ -10,8 +10,8 @@ does not exist is an error. The defaults are what the model runs otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.nn.attention import SDPBackend
@@ -21,8 +21,9 @@ from trainer.model.layers import CUDA_SDPA_PRIORITY
 from trainer.model.rope import rope_qkv
 
 #: (qkv [s, b, (h + 2 kv) hd], cos, sin, heads, kv_heads) -> q, k, v [s, b, heads, hd]
-RopeQKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int],
-                   tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+RopeQKV = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
 #: (logits [..., V], target [...], vocab_size, ignore_index) -> per-token loss [...] fp32
 CrossEntropy = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 

@@ -7,22 +7,28 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainer.configtools import ConfigError
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class RMSNorm(nn.Module):
     """Zhang & Sennrich 2019, through the fused `F.rms_norm`. With sequence parallel the weight
     sees only this rank's part of the sequence: its gradient is summed over tp later."""
 
-    def __init__(self, dim: int, eps: float, sequence_parallel: bool = False,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        sequence_parallel: bool = False,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
@@ -35,8 +41,10 @@ class RMSNorm(nn.Module):
 
 # -- RoPE ---------------------------------------------------------------------------------------
 
-def llama3_scaled_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
-                              high_freq_factor: float, original_max_position: int) -> torch.Tensor:
+
+def llama3_scaled_frequencies(
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max_position: int
+) -> torch.Tensor:
     """Llama 3.1 RoPE scaling: wavelengths longer than original_max / low_freq_factor are
     stretched by `factor`, those shorter than original_max / high_freq_factor are kept, and the
     band in between is interpolated linearly in original_max / wavelength."""
@@ -50,13 +58,15 @@ def llama3_scaled_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_fa
     return torch.where(medium, interpolated, out)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, scaling=None,
-                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, scaling=None, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [seq_len, head_dim / 2] in fp32 for the rotate-half RoPE convention."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     if scaling is not None:
-        inv_freq = llama3_scaled_frequencies(inv_freq, scaling.factor, scaling.low_freq_factor,
-                                             scaling.high_freq_factor, scaling.original_max_position)
+        inv_freq = llama3_scaled_frequencies(
+            inv_freq, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_position
+        )
     freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     return freqs.cos(), freqs.sin()
 
@@ -67,8 +77,13 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, scaling=None,
 #: backward faster than the FlashAttention-2 kernels torch ships; SDPA falls through the list to
 #: the first backend that supports the inputs (dtype, head dim, GQA), so correctness never depends
 #: on cuDNN. Measured in experiments/notes/PERFORMANCE.md.
-CUDA_SDPA_PRIORITY = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                      SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+CUDA_SDPA_PRIORITY = (
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
@@ -80,15 +95,18 @@ def resolve_attention(requested: str, device: torch.device) -> str:
         return "sdpa"
     available = device.type == "cuda" and flash_attn_available()
     if requested == "flash" and not available:
-        raise ConfigError(f"model.attention: 'flash' needs CUDA and the flash_attn package "
-                         f"(device {device.type}, flash_attn installed: {flash_attn_available()})")
+        raise ConfigError(
+            f"model.attention: 'flash' needs CUDA and the flash_attn package "
+            f"(device {device.type}, flash_attn installed: {flash_attn_available()})"
+        )
     if requested not in ("auto", "flash"):
         raise ConfigError(f"model.attention: expected auto, sdpa or flash, got {requested!r}")
     return "flash" if available else "sdpa"
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str,
-                     priority: Sequence[SDPBackend] = CUDA_SDPA_PRIORITY) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, priority: Sequence[SDPBackend] = CUDA_SDPA_PRIORITY
+) -> torch.Tensor:
     """q [s, b, h, hd], k and v [s, b, kv, hd] (grouped-query when kv < h) -> [s, b, h * hd].
     `priority`: the SDPA backends tried on CUDA, in order (`trainer.model.kernels.Kernels`)."""
     s, b, h, hd = q.shape

@@ -62,8 +62,9 @@ class Attention(nn.Module):
         self.local_kv_heads = cfg.n_kv_heads // tp.size
         self.impl = impl
         self.recompute_core = False
-        self.qkv = tp_module("attn.qkv", tp, (cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd),
-                             cfg.d_model, device=device)
+        self.qkv = tp_module(
+            "attn.qkv", tp, (cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd), cfg.d_model, device=device
+        )
         self.out = tp_module("attn.out", tp, (cfg.d_model,), cfg.n_heads * hd, device=device)
 
     def core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -107,8 +108,16 @@ class Block(nn.Module):
     """Pre-norm attention + SwiGLU. `recompute` (per block): `none`; `selective` recomputes the
     attention core (RoPE + attention) in backward; `full` keeps only the block input."""
 
-    def __init__(self, cfg, tp: TensorParallel, impl: str, recompute: str = "none", compile: bool = False,
-                 device=None, kernels: Kernels | None = None):
+    def __init__(
+        self,
+        cfg,
+        tp: TensorParallel,
+        impl: str,
+        recompute: str = "none",
+        compile: bool = False,
+        device=None,
+        kernels: Kernels | None = None,
+    ):
         super().__init__()
         self.attn_norm = tp_module("attn_norm", tp, (cfg.d_model,), eps=cfg.norm_eps, device=device)
         self.attn = Attention(cfg, tp, impl, device=device, kernels=kernels)
@@ -145,8 +154,17 @@ class LlamaStage(nn.Module):
     """The blocks `layers` (global indices) of one pipeline stage, with the embedding on the
     first stage and the final norm, head and loss on the last. See the module docstring."""
 
-    def __init__(self, cfg, tp: TensorParallel, layers: range, is_first: bool, is_last: bool,
-                 recompute: str = "none", device: torch.device | str | None = None, kernels: Kernels | None = None):
+    def __init__(
+        self,
+        cfg,
+        tp: TensorParallel,
+        layers: range,
+        is_first: bool,
+        is_last: bool,
+        recompute: str = "none",
+        device: torch.device | str | None = None,
+        kernels: Kernels | None = None,
+    ):
         super().__init__()
         device = torch.device(device or "cpu")
         self.cfg = cfg
@@ -161,8 +179,9 @@ class LlamaStage(nn.Module):
         self._fused_loss = self._compiled and tp.size == 1
         if holds_embedding(cfg.tie_embeddings, is_first, is_last):
             self.embed = tp_module("embed", tp, (self.padded_vocab,), cfg.d_model, device=device)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, impl, recompute, device=device, kernels=self.kernels)
-                                     for i in layers})
+        self.layers = nn.ModuleDict(
+            {str(i): Block(cfg, tp, impl, recompute, device=device, kernels=self.kernels) for i in layers}
+        )
         if is_last:
             self.norm = tp_module("norm", tp, (cfg.d_model,), eps=cfg.norm_eps, device=device)
             if holds_head(cfg.tie_embeddings, is_last):
@@ -218,8 +237,9 @@ class LlamaStage(nn.Module):
             x = block(x, cos, sin)
         return x
 
-    def _run(self, hidden: torch.Tensor | None, input_ids: torch.Tensor | None,
-             labels: torch.Tensor | None) -> torch.Tensor:
+    def _run(
+        self, hidden: torch.Tensor | None, input_ids: torch.Tensor | None, labels: torch.Tensor | None
+    ) -> torch.Tensor:
         x = self._blocks(hidden, input_ids)
         return self._losses(x, labels) if self.is_last else x
 
@@ -239,8 +259,9 @@ class LlamaStage(nn.Module):
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         """Hidden states for the next stage, or on the last stage per-token losses [b, s] (fp32,
         0 where labels == -100), identical on every tp rank."""
-        return self._run_compiled(hidden, batch["input_ids"] if self.is_first else None,
-                                  batch["labels"] if self.is_last else None)
+        return self._run_compiled(
+            hidden, batch["input_ids"] if self.is_first else None, batch["labels"] if self.is_last else None
+        )
 
     def logits(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         """Last stage: logits [b, s, vocab_size], gathered over tp (for eval and tests)."""
@@ -255,8 +276,9 @@ def _check_layout(cfg, tp: int, layers: range) -> None:
         if getattr(cfg, name) % tp:
             raise ConfigError(f"parallelism.tp: expected a divisor of model.{name}={getattr(cfg, name)}, got {tp}")
     if layers.step != 1 or layers.start < 0 or layers.stop > cfg.n_layers or layers.start > layers.stop:
-        raise ConfigError(f"build_stage: layers {layers} are not a contiguous range within "
-                          f"model.n_layers={cfg.n_layers}")
+        raise ConfigError(
+            f"build_stage: layers {layers} are not a contiguous range within model.n_layers={cfg.n_layers}"
+        )
 
 
 def build_stage(cfg, par, pc: ParallelContext, layers: range, seed: int = 0) -> LlamaStage:
@@ -274,8 +296,7 @@ class Llama(LlamaStage):
     `kernels`: the implementations of RoPE, the fused loss and the SDPA backend order (default:
     the model's own; the GPU bench's ablations pass others)."""
 
-    def __init__(self, cfg, par=None, pc: ParallelContext | None = None, seed: int = 0,
-                 kernels: Kernels | None = None):
+    def __init__(self, cfg, par=None, pc: ParallelContext | None = None, seed: int = 0, kernels: Kernels | None = None):
         from trainer.config import ParallelismConfig
 
         pc = pc or ParallelContext.single()

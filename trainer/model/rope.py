@@ -36,19 +36,24 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
-def rope_qkv_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                   kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rope_qkv_torch(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`rope_qkv` in torch ops (autograd differentiates it)."""
     s, b, width = qkv.shape
     hd = width // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     cos, sin = cos[:s], sin[:s]
-    return (rotate(q.view(s, b, heads, hd), cos, sin), rotate(k.view(s, b, kv_heads, hd), cos, sin),
-            v.reshape(s, b, kv_heads, hd).clone(memory_format=torch.contiguous_format))
+    return (
+        rotate(q.view(s, b, heads, hd), cos, sin),
+        rotate(k.view(s, b, kv_heads, hd), cos, sin),
+        v.reshape(s, b, kv_heads, hd).clone(memory_format=torch.contiguous_format),
+    )
 
 
-def rope_qkv_backward_torch(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                            sin: torch.Tensor) -> torch.Tensor:
+def rope_qkv_backward_torch(
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """The projection's gradient [s, b, (h + 2 kv) hd] from dq, dk, dv [s, b, heads, hd]."""
     s, b = dq.shape[:2]
     parts = (rotate(dq, cos, -sin), rotate(dk, cos, -sin), dv)
@@ -66,8 +71,22 @@ def triton_kernels():
     import triton.language as tl
 
     @triton.jit
-    def rope_forward_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, batch, heads, kv_heads, half,
-                            qkv_s, qkv_b, HEADS: tl.constexpr, HALF: tl.constexpr):
+    def rope_forward_kernel(
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        batch,
+        heads,
+        kv_heads,
+        half,
+        qkv_s,
+        qkv_b,
+        HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+    ):
         """One program per token (s, b): q and k heads rotated, v copied, all [s, b, heads, hd]."""
         row = tl.program_id(0).to(tl.int64)
         pos = row // batch
@@ -87,8 +106,9 @@ def triton_kernels():
         sn = sn.to(q_ptr.dtype.element_ty).to(tl.float32)[None, :]
         y1 = x1 * c - x2 * sn
         y2 = x2 * c + x1 * sn
-        dst = tl.where(rows < heads, q_ptr + row * heads * hd + rows * hd,
-                       k_ptr + row * kv_heads * hd + (rows - heads) * hd)
+        dst = tl.where(
+            rows < heads, q_ptr + row * heads * hd + rows * hd, k_ptr + row * kv_heads * hd + (rows - heads) * hd
+        )
         tl.store(dst + cols, y1.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + half + cols, y2.to(q_ptr.dtype.element_ty), mask=mask)
         vcols = tl.arange(0, 2 * HALF)[None, :]
@@ -97,9 +117,29 @@ def triton_kernels():
         tl.store(v_ptr + row * kv_heads * hd + rows * hd + vcols, v, mask=vmask)
 
     @triton.jit
-    def rope_backward_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr, batch, heads, kv_heads, half,
-                             dq_s, dq_b, dq_h, dk_s, dk_b, dk_h, dv_s, dv_b, dv_h,
-                             HEADS: tl.constexpr, HALF: tl.constexpr):
+    def rope_backward_kernel(
+        dq_ptr,
+        dk_ptr,
+        dv_ptr,
+        cos_ptr,
+        sin_ptr,
+        out_ptr,
+        batch,
+        heads,
+        kv_heads,
+        half,
+        dq_s,
+        dq_b,
+        dq_h,
+        dk_s,
+        dk_b,
+        dk_h,
+        dv_s,
+        dv_b,
+        dv_h,
+        HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+    ):
         """One program per token: the inverse rotation of dq and dk, and dv, into one row of the
         projection's gradient. The incoming gradients may have any strides (last dim dense)."""
         row = tl.program_id(0).to(tl.int64)
@@ -110,8 +150,11 @@ def triton_kernels():
         cols = tl.arange(0, HALF)[None, :]
         rotated = heads + kv_heads
         mask = (rows < rotated) & (cols < half)
-        src = tl.where(rows < heads, dq_ptr + pos * dq_s + bi * dq_b + rows * dq_h,
-                       dk_ptr + pos * dk_s + bi * dk_b + (rows - heads) * dk_h)
+        src = tl.where(
+            rows < heads,
+            dq_ptr + pos * dq_s + bi * dq_b + rows * dq_h,
+            dk_ptr + pos * dk_s + bi * dk_b + (rows - heads) * dk_h,
+        )
         g1 = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
         g2 = tl.load(src + half + cols, mask=mask, other=0.0).to(tl.float32)
         half_cols = tl.arange(0, HALF)
@@ -140,8 +183,9 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def rope_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                    kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rope_qkv_triton(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward kernel; qkv [s, b, width] of any strides with dense rows."""
     forward, _ = triton_kernels()
     s, b, width = qkv.shape
@@ -151,13 +195,28 @@ def rope_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hea
     k = qkv.new_empty(s, b, kv_heads, hd)
     v = qkv.new_empty(s, b, kv_heads, hd)
     if q.numel():
-        forward[(s * b,)](qkv, cos.contiguous(), sin.contiguous(), q, k, v, b, heads, kv_heads, hd // 2,
-                          qkv.stride(0), qkv.stride(1), HEADS=_pow2(heads + kv_heads), HALF=_pow2(hd // 2))
+        forward[(s * b,)](
+            qkv,
+            cos.contiguous(),
+            sin.contiguous(),
+            q,
+            k,
+            v,
+            b,
+            heads,
+            kv_heads,
+            hd // 2,
+            qkv.stride(0),
+            qkv.stride(1),
+            HEADS=_pow2(heads + kv_heads),
+            HALF=_pow2(hd // 2),
+        )
     return q, k, v
 
 
-def rope_qkv_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                             sin: torch.Tensor) -> torch.Tensor:
+def rope_qkv_backward_triton(
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """The backward kernel; dq, dk, dv [s, b, heads, hd] of any strides."""
     _, backward = triton_kernels()
     s, b, heads, hd = dq.shape
@@ -165,15 +224,30 @@ def rope_qkv_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tenso
     dq, dk, dv = _dense_last(dq), _dense_last(dk), _dense_last(dv)
     out = dq.new_empty(s, b, (heads + 2 * kv_heads) * hd)
     if out.numel():
-        backward[(s * b,)](dq, dk, dv, cos.contiguous(), sin.contiguous(), out, b, heads, kv_heads, hd // 2,
-                           *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-                           HEADS=_pow2(heads + kv_heads), HALF=_pow2(hd // 2))
+        backward[(s * b,)](
+            dq,
+            dk,
+            dv,
+            cos.contiguous(),
+            sin.contiguous(),
+            out,
+            b,
+            heads,
+            kv_heads,
+            hd // 2,
+            *dq.stride()[:3],
+            *dk.stride()[:3],
+            *dv.stride()[:3],
+            HEADS=_pow2(heads + kv_heads),
+            HALF=_pow2(hd // 2),
+        )
     return out
 
 
 @torch.library.custom_op("trainer::rope_qkv", mutates_args=())
-def rope_qkv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rope_qkv_op(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return rope_qkv_torch(qkv, cos, sin, heads, kv_heads)
 
 
@@ -192,8 +266,9 @@ def _rope_qkv_fake(qkv, cos, sin, heads, kv_heads):
 
 
 @torch.library.custom_op("trainer::rope_qkv_backward", mutates_args=())
-def rope_qkv_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor) -> torch.Tensor:
+def rope_qkv_backward_op(
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     return rope_qkv_backward_torch(dq, dk, dv, cos, sin)
 
 
@@ -222,8 +297,9 @@ class _RopeQKV(torch.autograd.Function):
         return rope_qkv_backward_op(dq, dk, dv, cos, sin), None, None, None, None
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-             kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rope_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[s, b, (heads + 2 kv_heads) hd] -> q [s, b, heads, hd], k and v [s, b, kv_heads, hd], with
     RoPE (cos, sin [>= s, hd / 2], fp32) applied to q and k."""
     s = qkv.shape[0]

@@ -41,8 +41,9 @@ def triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def swiglu_backward_kernel(g_ptr, gu_ptr, out_ptr, f, g_row_stride, gu_row_stride, out_row_stride,
-                               BLOCK_SIZE: tl.constexpr):
+    def swiglu_backward_kernel(
+        g_ptr, gu_ptr, out_ptr, f, g_row_stride, gu_row_stride, out_row_stride, BLOCK_SIZE: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         mask = cols < f

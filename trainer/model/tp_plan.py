@@ -60,8 +60,15 @@ TP_PLAN: dict[str, str] = {
 }
 
 
-def tp_module(name: str, tp: TensorParallel, out_parts: tuple[int, ...], in_features: int | None = None, *,
-              eps: float | None = None, device: torch.device | None = None) -> nn.Module:
+def tp_module(
+    name: str,
+    tp: TensorParallel,
+    out_parts: tuple[int, ...],
+    in_features: int | None = None,
+    *,
+    eps: float | None = None,
+    device: torch.device | None = None,
+) -> nn.Module:
     """The module for `name` laid out as `TP_PLAN` says. Its single-process weight is
     [sum(out_parts), in_features] (a norm's: [out_parts[0]], with `eps`); `out_parts` are the
     fused projections' sizes (q, k, v or gate, up), one entry for an unfused one."""

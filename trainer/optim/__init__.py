@@ -28,4 +28,3 @@ under ZeRO-1), so a checkpoint can regroup it under any other layout. The AdamW 
 either loads the other's state (`trainer.checkpoint` moves the master into fp32 parameters,
 and fp32 parameters into the master).
 """
-

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -46,18 +46,20 @@ BLOCK = 1024
 NUM_WARPS = 8
 
 
-def adamw_coefficients(lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float,
-                       weight_decay: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def adamw_coefficients(
+    lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float, weight_decay: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 (step size, sqrt of the second bias correction, decay factor, gradient scale),
     computed in float64 as torch.optim.AdamW does on the host."""
-    step_size = (lr / (1.0 - beta1 ** step)).float()
-    bias_correction2_sqrt = (1.0 - beta2 ** step).sqrt().float()
+    step_size = (lr / (1.0 - beta1**step)).float()
+    bias_correction2_sqrt = (1.0 - beta2**step).sqrt().float()
     keep = (1.0 - lr * weight_decay).float()
     return step_size, bias_correction2_sqrt, keep, grad_scale.float()
 
 
-def stacked_coefficients(lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float,
-                         weight_decay: float) -> torch.Tensor:
+def stacked_coefficients(
+    lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float, weight_decay: float
+) -> torch.Tensor:
     """`adamw_coefficients` as one fp32 [4] tensor, what the Triton kernel reads."""
     return torch.stack(adamw_coefficients(lr, step, grad_scale, beta1, beta2, weight_decay))
 
@@ -80,13 +82,24 @@ def join_fp32(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return ((high << 16) | (remainder.to(torch.int32) & 0xFFFF)).view(torch.float32)
 
 
-def adamw_update(remainder: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 param: torch.Tensor, lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor,
-                 n_decay: int, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+def adamw_update(
+    remainder: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    param: torch.Tensor,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    grad_scale: torch.Tensor,
+    n_decay: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
     """In place on flat buffers of one length (see the module docstring): the master is
     `join_fp32(param, remainder)` before and after."""
-    step_size, bias_correction2_sqrt, keep, scale = adamw_coefficients(lr, step, grad_scale, beta1, beta2,
-                                                                      weight_decay)
+    step_size, bias_correction2_sqrt, keep, scale = adamw_coefficients(lr, step, grad_scale, beta1, beta2, weight_decay)
     g = grad.float() * scale
     exp_avg.lerp_(g, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
@@ -106,9 +119,27 @@ def triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def adamw_tensors_kernel(block_tensor, block_start, grad_ptrs, offsets, numels, remainder, exp_avg, exp_avg_sq,
-                             param, coefficients, n_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                             ALIGN: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    def adamw_tensors_kernel(
+        block_tensor,
+        block_start,
+        grad_ptrs,
+        offsets,
+        numels,
+        remainder,
+        exp_avg,
+        exp_avg_sq,
+        param,
+        coefficients,
+        n_decay,
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        eps,
+        ALIGN: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
         t = tl.load(block_tensor + tl.program_id(0))
         start = tl.multiple_of(tl.load(block_start + tl.program_id(0)), BLOCK_SIZE)
         idx = start + tl.arange(0, BLOCK_SIZE)
@@ -143,18 +174,47 @@ def uses_triton(device: torch.device) -> bool:
     return triton_runs_on(device) and triton_kernel() is not None
 
 
-def adamw_update_tensors(remainder: torch.Tensor, grads: Sequence[torch.Tensor], exp_avg: torch.Tensor,
-                         exp_avg_sq: torch.Tensor, param: torch.Tensor, blocks: TensorBlocks,
-                         coefficients: torch.Tensor, n_decay: int, beta1: float, beta2: float, eps: float) -> None:
+def adamw_update_tensors(
+    remainder: torch.Tensor,
+    grads: Sequence[torch.Tensor],
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    param: torch.Tensor,
+    blocks: TensorBlocks,
+    coefficients: torch.Tensor,
+    n_decay: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
     """The update with one gradient tensor per parameter, in one Triton kernel (see the module
     docstring). `grads[i]` is the gradient of the flat buffers' elements [offsets[i], +numels[i])
     (`blocks`), in the parameters' dtype; `coefficients` is `adamw_coefficients` stacked (fp32 [4])."""
     for g in grads:
         if g.dtype != param.dtype or not g.is_contiguous():
-            raise ValueError(f"adamw_update_tensors: gradients must be contiguous {param.dtype}, "
-                             f"got {g.dtype} of strides {g.stride()}")
+            raise ValueError(
+                f"adamw_update_tensors: gradients must be contiguous {param.dtype}, "
+                f"got {g.dtype} of strides {g.stride()}"
+            )
     if not aligned(grads):
         raise ValueError(f"adamw_update_tensors: gradient addresses must be {ADDRESS_ALIGN}-byte aligned")
-    launch(triton_kernel(), blocks, tensor_pointers(grads, param.device), blocks.offsets, blocks.numels, remainder,
-           exp_avg, exp_avg_sq, param, coefficients, n_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
-           ALIGN=blocks.align, num_warps=NUM_WARPS)
+    launch(
+        triton_kernel(),
+        blocks,
+        tensor_pointers(grads, param.device),
+        blocks.offsets,
+        blocks.numels,
+        remainder,
+        exp_avg,
+        exp_avg_sq,
+        param,
+        coefficients,
+        n_decay,
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        eps,
+        ALIGN=blocks.align,
+        num_warps=NUM_WARPS,
+    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.nn import Parameter
@@ -15,9 +15,14 @@ from trainer.parallel.context import ParallelContext
 from trainer.parallel.data_parallel import DEFAULT_BUCKET_NUMEL
 
 
-def build_optimizer(named_params: Sequence[tuple[str, Parameter]], cfg: TrainConfig, pc: ParallelContext,
-                    zero1: bool, param_dtype: torch.dtype = torch.float32,
-                    bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> Optimizer:
+def build_optimizer(
+    named_params: Sequence[tuple[str, Parameter]],
+    cfg: TrainConfig,
+    pc: ParallelContext,
+    zero1: bool,
+    param_dtype: torch.dtype = torch.float32,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+) -> Optimizer:
     """The optimizer for this rank's trainable parameters (global names, tp-local tensors).
     `param_dtype` bf16 turns the (fp32) parameters into bf16 views of the master-weight
     optimizer's flat buffer; build it before anything else captures the parameters' storage."""

@@ -44,23 +44,36 @@ and fp32-parameter checkpoints load here (master from the saved fp32 parameters)
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.nn import Parameter
 
 from data.errors import UserError
-from trainer.optim.adamw_update import (BLOCK, adamw_update, adamw_update_tensors, join_fp32, split_fp32,
-                                  stacked_coefficients, uses_triton)
 from trainer.config import TrainConfig
+from trainer.optim.adamw_update import (
+    BLOCK,
+    adamw_update,
+    adamw_update_tensors,
+    join_fp32,
+    split_fp32,
+    stacked_coefficients,
+    uses_triton,
+)
 from trainer.optim.multi_tensor import TensorBlocks, aligned
 from trainer.optim.param_groups import decay_first
 from trainer.parallel.clip import clip_coefficient, global_grad_norm
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data_parallel import (DEFAULT_BUCKET_NUMEL, broadcast_from_owners, partition_params, reduce_grads,
-                                   set_dp_owner, sums_gradients)
+from trainer.parallel.data_parallel import (
+    DEFAULT_BUCKET_NUMEL,
+    broadcast_from_owners,
+    partition_params,
+    reduce_grads,
+    set_dp_owner,
+    sums_gradients,
+)
 from trainer.parallel.main_grad import attach_main_grad, reset_main_grads
-
 
 #: Each parameter's view starts at a multiple of this many elements (128 bytes in bf16): compiled
 #: kernels assume aligned inputs and copy misaligned ones. The gaps stay zero in every buffer.
@@ -88,8 +101,15 @@ class MasterWeightAdamW:
     kind = "adamw"
     keeps_master = True
 
-    def __init__(self, named_params: Sequence[tuple[str, Parameter]], cfg: TrainConfig, pc: ParallelContext,
-                 zero1: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL, compile: bool | None = None):
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, Parameter]],
+        cfg: TrainConfig,
+        pc: ParallelContext,
+        zero1: bool = False,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        compile: bool | None = None,
+    ):
         if cfg.optimizer != "adamw":
             raise ValueError(f"train.optimizer: mixed-precision master weights support adamw, got {cfg.optimizer!r}")
         named = [(n, p) for n, p in named_params if p.requires_grad]
@@ -114,7 +134,7 @@ class MasterWeightAdamW:
         self.offsets = _aligned_offsets(self.numels)
         mine = pc.dp_rank if self.zero1 else 0
         self._first = sum(len(g) for _, g in groups[:mine])
-        self.local = self.layout[self._first:self._first + len(groups[mine][1])]
+        self.local = self.layout[self._first : self._first + len(groups[mine][1])]
         self._span = self._local_span()
         self.n_decay = self._decay_elements()
         device = self.params[0].device
@@ -139,20 +159,26 @@ class MasterWeightAdamW:
         self._grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self._reduced = False
         use_compile = device.type == "cuda" if compile is None else compile
-        self._update: Callable[..., None] = (torch.compile(adamw_update, fullgraph=True, dynamic=False)
-                                             if use_compile else adamw_update)
+        self._update: Callable[..., None] = (
+            torch.compile(adamw_update, fullgraph=True, dynamic=False) if use_compile else adamw_update
+        )
         self._blocks: TensorBlocks | None = None
         if self.main_grad is None and uses_triton(device):
             a = self._span[0]
             local = range(self._first, self._first + len(self.local))
-            self._blocks = TensorBlocks.build([self.offsets[i] - a for i in local], [self.numels[i] for i in local],
-                                              device, BLOCK)
-            self._coefficients = (torch.compile(stacked_coefficients, fullgraph=True, dynamic=False)
-                                  if use_compile else stacked_coefficients)
+            self._blocks = TensorBlocks.build(
+                [self.offsets[i] - a for i in local], [self.numels[i] for i in local], device, BLOCK
+            )
+            self._coefficients = (
+                torch.compile(stacked_coefficients, fullgraph=True, dynamic=False)
+                if use_compile
+                else stacked_coefficients
+            )
 
     # -- layout -----------------------------------------------------------------------------
-    def _groups(self, named: list[tuple[str, Parameter]],
-                owners: list[int]) -> list[tuple[int, list[tuple[str, Parameter]]]]:
+    def _groups(
+        self, named: list[tuple[str, Parameter]], owners: list[int]
+    ) -> list[tuple[int, list[tuple[str, Parameter]]]]:
         """(owner, its parameters) in buffer order: one group per dp rank under ZeRO-1, else
         one group of all (owner 0: every rank updates it; the owners set above still say who
         counts each parameter's norm)."""
@@ -175,16 +201,16 @@ class MasterWeightAdamW:
         return self.offsets[self._first + vectors[0]] - self._span[0]
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o:o + n].view(p.shape) for p, o, n in zip(self.params, self.offsets, self.numels)]
+        return [flat[o : o + n].view(p.shape) for p, o, n in zip(self.params, self.offsets, self.numels)]
 
     def _local_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """Per local parameter, its view of a buffer of the local span (remainder, moments)."""
         a = self._span[0]
         idx = range(self._first, self._first + len(self.local))
-        return [buf[self.offsets[i] - a:self.offsets[i] - a + self.numels[i]].view(self.params[i].shape) for i in idx]
+        return [buf[self.offsets[i] - a : self.offsets[i] - a + self.numels[i]].view(self.params[i].shape) for i in idx]
 
     def _local(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self._span[0]:self._span[1]]
+        return flat[self._span[0] : self._span[1]]
 
     # -- the step ---------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
@@ -225,9 +251,21 @@ class MasterWeightAdamW:
 
     def _update_flat(self) -> None:
         c = self.cfg
-        self._update(self.remainder, self._local(self.main_grad), self.exp_avg, self.exp_avg_sq,
-                     self._local(self.flat_params), self._lr, self._step, self._grad_scale, self.n_decay,
-                     c.beta1, c.beta2, c.eps, c.weight_decay)
+        self._update(
+            self.remainder,
+            self._local(self.main_grad),
+            self.exp_avg,
+            self.exp_avg_sq,
+            self._local(self.flat_params),
+            self._lr,
+            self._step,
+            self._grad_scale,
+            self.n_decay,
+            c.beta1,
+            c.beta2,
+            c.eps,
+            c.weight_decay,
+        )
 
     def _update_from_autograd(self) -> None:
         """The update on the local parameters' `.grad` (zero where a parameter got none): one
@@ -239,18 +277,45 @@ class MasterWeightAdamW:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for _, p in self.local]
         if self._blocks is not None and aligned(grads):
-            coefficients = self._coefficients(self._lr, self._step, self._grad_scale, c.beta1, c.beta2,
-                                              c.weight_decay)
-            adamw_update_tensors(self.remainder, grads, self.exp_avg, self.exp_avg_sq, self._local(self.flat_params),
-                                 self._blocks, coefficients, self.n_decay, c.beta1, c.beta2, c.eps)
+            coefficients = self._coefficients(self._lr, self._step, self._grad_scale, c.beta1, c.beta2, c.weight_decay)
+            adamw_update_tensors(
+                self.remainder,
+                grads,
+                self.exp_avg,
+                self.exp_avg_sq,
+                self._local(self.flat_params),
+                self._blocks,
+                coefficients,
+                self.n_decay,
+                c.beta1,
+                c.beta2,
+                c.eps,
+            )
             return
         a = self._span[0]
-        views = zip(self._local_views(self.remainder), self._local_views(self.exp_avg),
-                    self._local_views(self.exp_avg_sq), self._local_views(self._local(self.flat_params)))
+        views = zip(
+            self._local_views(self.remainder),
+            self._local_views(self.exp_avg),
+            self._local_views(self.exp_avg_sq),
+            self._local_views(self._local(self.flat_params)),
+        )
         for i, g, (r, m, v, p) in zip(range(self._first, self._first + len(self.local)), grads, views):
             decayed = p.numel() if self.offsets[i] - a < self.n_decay else 0
-            adamw_update(r.view(-1), g.view(-1), m.view(-1), v.view(-1), p.view(-1), self._lr, self._step,
-                         self._grad_scale, decayed, c.beta1, c.beta2, c.eps, c.weight_decay)
+            adamw_update(
+                r.view(-1),
+                g.view(-1),
+                m.view(-1),
+                v.view(-1),
+                p.view(-1),
+                self._lr,
+                self._step,
+                self._grad_scale,
+                decayed,
+                c.beta1,
+                c.beta2,
+                c.eps,
+                c.weight_decay,
+            )
 
     def zero_grad(self) -> None:
         reset_main_grads(self.params)
@@ -283,8 +348,9 @@ class MasterWeightAdamW:
         state: dict[str, dict[str, torch.Tensor]] = {}
         if float(self._step) > 0:
             step = self._step.float().cpu()
-            for (name, w), m, v in zip(self.master_weights().items(), self._local_views(self.exp_avg),
-                                       self._local_views(self.exp_avg_sq)):
+            for (name, w), m, v in zip(
+                self.master_weights().items(), self._local_views(self.exp_avg), self._local_views(self.exp_avg_sq)
+            ):
                 state[name] = {"step": step, "exp_avg": m, "exp_avg_sq": v, "master": w}
         return {"kind": "adamw", "state": state}
 
@@ -314,11 +380,17 @@ class MasterWeightAdamW:
             for key, src in zip(keys, srcs):
                 if src is None or tuple(src.shape) != tuple(p.shape):
                     got = None if src is None else tuple(src.shape)
-                    raise MasterWeightStateError(f"optimizer state {key!r} of parameter {name!r} has shape {got}, "
-                                                 f"the parameter is {tuple(p.shape)}")
+                    raise MasterWeightStateError(
+                        f"optimizer state {key!r} of parameter {name!r} has shape {got}, "
+                        f"the parameter is {tuple(p.shape)}"
+                    )
             loaded.append(srcs)
-        views = zip(self._local_views(self.exp_avg), self._local_views(self.exp_avg_sq),
-                    self._local_views(self._local(self.flat_params)), self._local_views(self.remainder))
+        views = zip(
+            self._local_views(self.exp_avg),
+            self._local_views(self.exp_avg_sq),
+            self._local_views(self._local(self.flat_params)),
+            self._local_views(self.remainder),
+        )
         for (exp_avg, exp_avg_sq, master), (m, v, p, r) in zip(loaded, views):
             m.copy_(exp_avg)
             v.copy_(exp_avg_sq)

@@ -17,8 +17,9 @@ import functools
 import importlib.util
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -62,8 +63,7 @@ class TensorBlocks:
     tails: Programs
 
     @classmethod
-    def build(cls, offsets: Sequence[int], numels: Sequence[int], device: torch.device,
-              block: int) -> "TensorBlocks":
+    def build(cls, offsets: Sequence[int], numels: Sequence[int], device: torch.device, block: int) -> TensorBlocks:
         whole: tuple[list[int], list[int]] = ([], [])
         tails: tuple[list[int], list[int]] = ([], [])
         first = [0]
@@ -79,8 +79,15 @@ class TensorBlocks:
         def programs(part: tuple[list[int], list[int]]) -> Programs:
             return Programs(torch.tensor(part[0], dtype=torch.int32, device=device), torch.tensor(part[1], **i64))
 
-        return cls(block, align, torch.tensor(list(offsets), **i64), torch.tensor(list(numels), **i64),
-                   torch.tensor(first, **i64), programs(whole), programs(tails))
+        return cls(
+            block,
+            align,
+            torch.tensor(list(offsets), **i64),
+            torch.tensor(list(numels), **i64),
+            torch.tensor(first, **i64),
+            programs(whole),
+            programs(tails),
+        )
 
     @property
     def n_blocks(self) -> int:
@@ -111,8 +118,9 @@ def launch(kernel: Any, blocks: TensorBlocks, *args: Any, **meta: Any) -> None:
     argument, which Triton's interpreter, the tests' mode, does not run.)"""
     for programs, masked in ((blocks.whole, False), (blocks.tails, True)):
         if len(programs):
-            kernel[(len(programs),)](programs.tensor, programs.start, *args, BLOCK_SIZE=blocks.block,
-                                     MASKED=masked, **meta)
+            kernel[(len(programs),)](
+                programs.tensor, programs.start, *args, BLOCK_SIZE=blocks.block, MASKED=masked, **meta
+            )
 
 
 @functools.cache
@@ -124,8 +132,17 @@ def squares_kernels():
     import triton.language as tl
 
     @triton.jit
-    def block_squares_kernel(block_tensor, block_start, ptrs, numels, first_block, partials, DTYPE: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    def block_squares_kernel(
+        block_tensor,
+        block_start,
+        ptrs,
+        numels,
+        first_block,
+        partials,
+        DTYPE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
         t = tl.load(block_tensor + tl.program_id(0))
         start = tl.multiple_of(tl.load(block_start + tl.program_id(0)), BLOCK_SIZE)
         idx = start + tl.arange(0, BLOCK_SIZE)
@@ -157,8 +174,11 @@ def uses_triton_squares(tensors: Sequence[torch.Tensor]) -> bool:
     if not tensors or not triton_runs_on(tensors[0].device) or squares_kernels() is None:
         return False
     first = tensors[0]
-    return (str(first.dtype).removeprefix("torch.") in _TRITON_DTYPES and aligned(tensors)
-            and all(t.device == first.device and t.dtype == first.dtype and t.is_contiguous() for t in tensors))
+    return (
+        str(first.dtype).removeprefix("torch.") in _TRITON_DTYPES
+        and aligned(tensors)
+        and all(t.device == first.device and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+    )
 
 
 @functools.cache
@@ -178,7 +198,15 @@ def sums_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     out = torch.empty(len(tensors), dtype=torch.float32, device=device)
     block_kernel, sums_kernel = squares_kernels()
     dtype = getattr(tl, str(tensors[0].dtype).removeprefix("torch."))
-    launch(block_kernel, blocks, tensor_pointers(tensors, device), blocks.numels, blocks.first_block, partials,
-           DTYPE=dtype, num_warps=4)
+    launch(
+        block_kernel,
+        blocks,
+        tensor_pointers(tensors, device),
+        blocks.numels,
+        blocks.first_block,
+        partials,
+        DTYPE=dtype,
+        num_warps=4,
+    )
     sums_kernel[(len(tensors),)](partials, blocks.first_block, out, CHUNK=1024)
     return out

@@ -3,7 +3,8 @@ computes (all of them, or its ZeRO-1 share); the fp32-parameter optimizer of `tr
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.nn import Parameter
@@ -13,8 +14,13 @@ from trainer.optim.interface import OptimizerStateError
 from trainer.optim.param_groups import decay_first, param_groups
 from trainer.parallel.clip import clip_grad_norm
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.data_parallel import (DEFAULT_BUCKET_NUMEL, broadcast_from_owners, partition_params, reduce_grads,
-                                   set_dp_owner)
+from trainer.parallel.data_parallel import (
+    DEFAULT_BUCKET_NUMEL,
+    broadcast_from_owners,
+    partition_params,
+    reduce_grads,
+    set_dp_owner,
+)
 
 
 def _torch_optimizer(named: Sequence[tuple[str, Parameter]], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -33,8 +39,14 @@ class ShardedOptimizer:
 
     keeps_master = False
 
-    def __init__(self, named_params: Sequence[tuple[str, Parameter]], cfg: TrainConfig, pc: ParallelContext,
-                 zero1: bool, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, Parameter]],
+        cfg: TrainConfig,
+        pc: ParallelContext,
+        zero1: bool,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    ):
         names = [n for n, _ in named_params]
         if len(set(names)) != len(names):
             raise ValueError("build_optimizer: parameter names must be unique")
@@ -128,7 +140,8 @@ class ShardedOptimizer:
                 if t.ndim and (t.ndim != p.ndim or any(a not in (b, 1) for a, b in zip(t.shape, p.shape))):
                     raise OptimizerStateError(
                         f"optimizer state {key!r} of parameter {name!r} has shape {tuple(t.shape)}, "
-                        f"the parameter is {tuple(p.shape)}")
+                        f"the parameter is {tuple(p.shape)}"
+                    )
         torch_sd = self.inner.state_dict()
         torch_sd["state"] = {i: dict(state[name]) for i, (name, _) in enumerate(self.local)}
         self.inner.load_state_dict(torch_sd)

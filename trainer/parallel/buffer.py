@@ -24,8 +24,9 @@ class GatherBuffer:
         self._store: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self.allocations = 0
 
-    def get(self, key: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor:
+    def get(
+        self, key: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """A tensor of `shape` viewing the buffer `key`; its contents are undefined."""
         n = math.prod(shape)
         k = (key, dtype, torch.device(device))

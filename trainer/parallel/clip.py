@@ -20,7 +20,7 @@ coefficient inside its own update (`trainer.optim.master_weights`) instead of sc
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,8 +84,9 @@ def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (total + 1e-6)).clamp(max=1.0)
 
 
-def clip_grad_norm(named_params: Sequence[tuple[str, torch.Tensor]], max_norm: float,
-                   pc: ParallelContext) -> torch.Tensor:
+def clip_grad_norm(
+    named_params: Sequence[tuple[str, torch.Tensor]], max_norm: float, pc: ParallelContext
+) -> torch.Tensor:
     """Clip in place when max_norm > 0; return the global total norm (fp32 0-dim tensor on the
     device). Call after the tp/tied syncs and the dp reduction."""
     total = global_grad_norm(named_params, pc)

@@ -72,12 +72,13 @@ class ParallelContext:
         return self.rank == 0
 
     @classmethod
-    def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
+    def single(cls, device: torch.device | str = "cpu") -> ParallelContext:
         return cls(device=torch.device(device))
 
     @classmethod
-    def initialize(cls, tp: int = 1, pp: int = 1, dp: int = 1, backend: str = "auto",
-                   device: str = "auto") -> "ParallelContext":
+    def initialize(
+        cls, tp: int = 1, pp: int = 1, dp: int = 1, backend: str = "auto", device: str = "auto"
+    ) -> ParallelContext:
         """Join (or start) the process group from torchrun's environment and build the grid.
 
         With no torchrun environment and tp = pp = dp = 1, returns a single-process context. The
@@ -93,12 +94,13 @@ class ParallelContext:
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" else "gloo"
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10),
-                                    device_id=dev if dev.type == "cuda" else None)
+            dist.init_process_group(
+                backend=backend, timeout=datetime.timedelta(minutes=10), device_id=dev if dev.type == "cuda" else None
+            )
         return cls.from_process_group(tp, pp, dp, dev)
 
     @classmethod
-    def from_process_group(cls, tp: int, pp: int, dp: int, device: torch.device) -> "ParallelContext":
+    def from_process_group(cls, tp: int, pp: int, dp: int, device: torch.device) -> ParallelContext:
         """Build groups over an initialised default process group. Every rank creates every
         group in the same order, as `new_group` requires."""
         rank = dist.get_rank()

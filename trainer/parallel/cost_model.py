@@ -109,13 +109,31 @@ class CostModel:
     compiled: bool = False
 
     @classmethod
-    def from_config(cls, model: ModelConfig, par: ParallelismConfig, micro_batch_size: int, seq_len: int,
-                    micro_batches: int | None = None, param_precision: str = "fp32") -> "CostModel":
-        return cls(model=model, tp=par.tp, pp=par.pp, dp=par.dp, micro_batch_size=micro_batch_size,
-                   seq_len=seq_len, micro_batches=micro_batches or par.pp, schedule=par.pp_schedule,
-                   recompute=par.recompute, sequence_parallel=par.sequence_parallel and par.tp > 1,
-                   recompute_allgather=par.tp_recompute_allgather, zero1=par.zero1, param_precision=param_precision,
-                   compiled=bool(model.compile))
+    def from_config(
+        cls,
+        model: ModelConfig,
+        par: ParallelismConfig,
+        micro_batch_size: int,
+        seq_len: int,
+        micro_batches: int | None = None,
+        param_precision: str = "fp32",
+    ) -> CostModel:
+        return cls(
+            model=model,
+            tp=par.tp,
+            pp=par.pp,
+            dp=par.dp,
+            micro_batch_size=micro_batch_size,
+            seq_len=seq_len,
+            micro_batches=micro_batches or par.pp,
+            schedule=par.pp_schedule,
+            recompute=par.recompute,
+            sequence_parallel=par.sequence_parallel and par.tp > 1,
+            recompute_allgather=par.tp_recompute_allgather,
+            zero1=par.zero1,
+            param_precision=param_precision,
+            compiled=bool(model.compile),
+        )
 
     @property
     def fused_loss(self) -> bool:
@@ -162,10 +180,12 @@ class CostModel:
         `trainer.parallel.tied`), the head where untied, and the final norm on the last stage."""
         first, last = stage == 0, stage == self.pp - 1
         tie = self.model.tie_embeddings
-        return (n_blocks * self.block_params()
-                + (self.vocab_matrix_params() if holds_embedding(tie, first, last) else 0)
-                + (self.vocab_matrix_params() if holds_head(tie, last) else 0)
-                + (self.model.d_model if last else 0))
+        return (
+            n_blocks * self.block_params()
+            + (self.vocab_matrix_params() if holds_embedding(tie, first, last) else 0)
+            + (self.vocab_matrix_params() if holds_head(tie, last) else 0)
+            + (self.model.d_model if last else 0)
+        )
 
     # --- compute ----------------------------------------------------------------------------
 
@@ -218,11 +238,19 @@ class CostModel:
         if recompute == "full":
             per_token = b * h / self._sp
         elif self.compiled and t == 1:
-            per_token = (b * (6 * h + 2 * kv + 3 * f) + 4 * heads + 8 if recompute == "none"
-                         else b * (5 * h + 2 * kv + 3 * f) + 8)
+            per_token = (
+                b * (6 * h + 2 * kv + 3 * f) + 4 * heads + 8
+                if recompute == "none"
+                else b * (5 * h + 2 * kv + 3 * f) + 8
+            )
         else:
-            per_token = (2 * (b * h + 4) / self._sp + 2 * b * h / self._gathered + b * (h + 2 * kv) / t
-                         + b * h / t + 3 * b * f / t)
+            per_token = (
+                2 * (b * h + 4) / self._sp
+                + 2 * b * h / self._gathered
+                + b * (h + 2 * kv) / t
+                + b * h / t
+                + 3 * b * f / t
+            )
             if recompute == "none":
                 per_token += 4 * heads / t
         return per_token * self.tokens
@@ -265,7 +293,13 @@ class CostModel:
             transient = max(transient, 4.0 * self.tokens * self.model.d_model)  # fp32 embedding output
         if self.recompute == "full" and n_blocks:
             transient += self.layer_activation_bytes("none")  # the block rebuilt for its backward
-        return StageMemory(params=params, weights=params * per.weight, grads=params * per.grad,
-                           optimizer=params * per.optimizer, cast=params * per.cast,
-                           activations_per_micro_batch=acts, in_flight=self.in_flight(stage),
-                           transient=transient)
+        return StageMemory(
+            params=params,
+            weights=params * per.weight,
+            grads=params * per.grad,
+            optimizer=params * per.optimizer,
+            cast=params * per.cast,
+            activations_per_micro_batch=acts,
+            in_flight=self.in_flight(stage),
+            transient=transient,
+        )

@@ -22,7 +22,7 @@ included (there they are zero padding), instead of through a flattened copy.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,8 +69,12 @@ def _span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     first = tensors[0]
     ptr, end = first.untyped_storage().data_ptr(), first.storage_offset()
     for t in tensors:
-        if (t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr
-                or t.storage_offset() < end):
+        if (
+            t.dtype != first.dtype
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != ptr
+            or t.storage_offset() < end
+        ):
             return None
         end = t.storage_offset() + t.numel()
     start = first.storage_offset()
@@ -113,9 +117,11 @@ def _unflatten(flat: torch.Tensor, bucket: list[torch.Tensor]) -> list[torch.Ten
     return [t.view_as(p) for t, p in zip(torch.split(flat, [p.numel() for p in bucket]), bucket)]
 
 
-def _pipelined(items: list[list[torch.Tensor]],
-               launch: Callable[[list[torch.Tensor]], tuple[torch.Tensor, dist.Work | None]],
-               finish: Callable[[list[torch.Tensor], torch.Tensor], None]) -> None:
+def _pipelined(
+    items: list[list[torch.Tensor]],
+    launch: Callable[[list[torch.Tensor]], tuple[torch.Tensor, dist.Work | None]],
+    finish: Callable[[list[torch.Tensor], torch.Tensor], None],
+) -> None:
     """Launch an async collective per bucket, keeping at most `_MAX_IN_FLIGHT` outstanding."""
     pending: deque = deque()
     for bucket in items:
@@ -146,8 +152,9 @@ def _copy_into_grads(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
             target.copy_(g)
 
 
-def all_reduce_grads(params: Sequence[torch.Tensor], pc: ParallelContext,
-                     bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+def all_reduce_grads(
+    params: Sequence[torch.Tensor], pc: ParallelContext, bucket_numel: int = DEFAULT_BUCKET_NUMEL
+) -> None:
     """Sum every parameter's gradient over the dp group, in place (a missing grad counts as 0)."""
     if pc.dp == 1:
         return
@@ -167,8 +174,13 @@ def _by_owner(params: Sequence[torch.Tensor], owners: Sequence[int], dp: int) ->
     return [[p for p, o in zip(params, owners) if o == r] for r in range(dp)]
 
 
-def reduce_grads(params: Sequence[torch.Tensor], owners: Sequence[int], pc: ParallelContext, zero1: bool,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+def reduce_grads(
+    params: Sequence[torch.Tensor],
+    owners: Sequence[int],
+    pc: ParallelContext,
+    zero1: bool,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+) -> None:
     """An optimizer's dp reduction: to each gradient's owner under ZeRO-1, to every rank without."""
     if zero1:
         reduce_grads_to_owners(params, owners, pc, bucket_numel)
@@ -176,8 +188,9 @@ def reduce_grads(params: Sequence[torch.Tensor], owners: Sequence[int], pc: Para
         all_reduce_grads(params, pc, bucket_numel)
 
 
-def reduce_grads_to_owners(params: Sequence[torch.Tensor], owners: Sequence[int], pc: ParallelContext,
-                           bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+def reduce_grads_to_owners(
+    params: Sequence[torch.Tensor], owners: Sequence[int], pc: ParallelContext, bucket_numel: int = DEFAULT_BUCKET_NUMEL
+) -> None:
     """Sum each gradient over dp onto its owner; non-owners drop their (partial) `.grad`s (a
     main grad stays allocated, holding a partial sum that nothing reads)."""
     if pc.dp == 1:
@@ -200,8 +213,9 @@ def reduce_grads_to_owners(params: Sequence[torch.Tensor], owners: Sequence[int]
 
 
 @torch.no_grad()
-def broadcast_from_owners(params: Sequence[torch.Tensor], owners: Sequence[int], pc: ParallelContext,
-                          bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+def broadcast_from_owners(
+    params: Sequence[torch.Tensor], owners: Sequence[int], pc: ParallelContext, bucket_numel: int = DEFAULT_BUCKET_NUMEL
+) -> None:
     """After the owners' update, every dp rank receives each parameter from its owner."""
     if pc.dp == 1:
         return

@@ -10,7 +10,7 @@ the main grad where one is attached, `.grad` otherwise.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

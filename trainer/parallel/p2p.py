@@ -20,8 +20,9 @@ import torch.distributed as dist
 from trainer.parallel.context import ParallelContext
 
 
-def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-             group: dist.ProcessGroup | None = None) -> None:
+def exchange(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: dist.ProcessGroup | None = None
+) -> None:
     """Post every send and receive (tensor, global peer rank) within `group` (the pipeline
     group, as Megatron does; None: the default group), then wait for all of them.
 
@@ -35,8 +36,9 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
         ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
         works = dist.batch_isend_irecv(ops)
     else:
-        works = ([dist.isend(t, peer, group=group) for t, peer in sends]
-                 + [dist.irecv(t, peer, group=group) for t, peer in recvs])
+        works = [dist.isend(t, peer, group=group) for t, peer in sends] + [
+            dist.irecv(t, peer, group=group) for t, peer in recvs
+        ]
     for w in works:
         w.wait()
 
@@ -81,8 +83,9 @@ def send_backward(input_grad: torch.Tensor | None, pc: ParallelContext) -> None:
         exchange([(_checked_grad(input_grad), _prev(pc))], [], pc.pp_group)
 
 
-def send_forward_recv_backward(output: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
-                               pc: ParallelContext) -> torch.Tensor | None:
+def send_forward_recv_backward(
+    output: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, pc: ParallelContext
+) -> torch.Tensor | None:
     """1F1B steady state: hand the output on and receive the gradient of an earlier output."""
     if pc.is_last_stage:
         return None
@@ -91,8 +94,9 @@ def send_forward_recv_backward(output: torch.Tensor, shape: tuple[int, ...], dty
     return buf
 
 
-def send_backward_recv_forward(input_grad: torch.Tensor | None, shape: tuple[int, ...],
-                               dtype: torch.dtype, pc: ParallelContext) -> torch.Tensor | None:
+def send_backward_recv_forward(
+    input_grad: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, pc: ParallelContext
+) -> torch.Tensor | None:
     """1F1B steady state: hand the input gradient back and receive the next input."""
     if pc.is_first_stage:
         return None
@@ -103,6 +107,5 @@ def send_backward_recv_forward(input_grad: torch.Tensor | None, shape: tuple[int
 
 def _checked_grad(grad: torch.Tensor | None) -> torch.Tensor:
     if grad is None:
-        raise RuntimeError("pipeline: a stage input received no gradient (is its output detached "
-                           "from its input?)")
+        raise RuntimeError("pipeline: a stage input received no gradient (is its output detached from its input?)")
     return grad.contiguous()

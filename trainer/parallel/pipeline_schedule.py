@@ -30,17 +30,20 @@ from trainer.weighting import LossWeighting
 SCHEDULES = ("1f1b", "afab")
 
 
-def check_schedule(num_micro_batches: int, pc: ParallelContext, schedule: str,
-                   weighting: LossWeighting) -> None:
+def check_schedule(num_micro_batches: int, pc: ParallelContext, schedule: str, weighting: LossWeighting) -> None:
     """Raise a one-line ValueError for a schedule that cannot run as asked."""
     if schedule not in SCHEDULES:
         raise ValueError(f"parallelism.pp_schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if num_micro_batches < max(pc.pp, 1):
-        raise ValueError(f"train.micro_batches: pipeline parallel with pp={pc.pp} needs at least {pc.pp} "
-                         f"micro-batches per step, got {num_micro_batches}")
+        raise ValueError(
+            f"train.micro_batches: pipeline parallel with pp={pc.pp} needs at least {pc.pp} "
+            f"micro-batches per step, got {num_micro_batches}"
+        )
     if schedule == "1f1b" and weighting.needs_forward_losses:
-        raise ValueError("parallelism.pp_schedule: the loss weighting needs every forward loss before any "
-                         "backward (e.g. DoReMi with current-step weights); expected 'afab', got '1f1b'")
+        raise ValueError(
+            "parallelism.pp_schedule: the loss weighting needs every forward loss before any "
+            "backward (e.g. DoReMi with current-step weights); expected 'afab', got '1f1b'"
+        )
 
 
 @dataclass
@@ -69,12 +72,15 @@ class _Steps:
         if self.pc.is_last_stage:
             self.losses.append(out.detach())
         elif tuple(out.shape) != self.shape(i) or out.dtype != self.dtype:
-            raise RuntimeError(f"pipeline: stage {self.pc.pp_rank} returned {tuple(out.shape)} {out.dtype}, "
-                               f"expected activation_shape {self.shape(i)} {self.dtype}")
+            raise RuntimeError(
+                f"pipeline: stage {self.pc.pp_rank} returned {tuple(out.shape)} {out.dtype}, "
+                f"expected activation_shape {self.shape(i)} {self.dtype}"
+            )
         return out
 
-    def backward(self, i: int, hidden: torch.Tensor | None, out: torch.Tensor,
-                 out_grad: torch.Tensor | None) -> torch.Tensor | None:
+    def backward(
+        self, i: int, hidden: torch.Tensor | None, out: torch.Tensor, out_grad: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """Backward of micro-batch i; returns the gradient of the stage input (None on stage 0)."""
         if self.pc.is_last_stage:
             (self.weighting.token_weights(i, self.micro_batches[i]) * out).sum().backward()
@@ -102,12 +108,12 @@ def _release(out: torch.Tensor, pc: ParallelContext) -> torch.Tensor:
 def _backward_released(out: torch.Tensor, grad: torch.Tensor) -> None:
     """`torch.autograd.backward(out, grad)` without the shape check, which a released output
     (a 1-element placeholder) would fail; the engine only needs the graph edge."""
-    torch.autograd.Variable._execution_engine.run_backward(
-        (out,), (grad,), False, False, (), True, True)
+    torch.autograd.Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
 
 
-def train_schedule(stage: torch.nn.Module, micro_batches: list[dict], pc: ParallelContext,
-                   schedule: str, weighting: LossWeighting) -> list[torch.Tensor]:
+def train_schedule(
+    stage: torch.nn.Module, micro_batches: list[dict], pc: ParallelContext, schedule: str, weighting: LossWeighting
+) -> list[torch.Tensor]:
     """Forwards and backwards of all local micro-batches; gradients summed into `.grad`.
 
     Returns the detached per-token losses [b, s] of each micro-batch on the last stage, []

@@ -13,7 +13,7 @@ dynamic programming over (stage, blocks used) - exact for that objective:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from trainer.config import ModelConfig, ParallelismConfig
 from trainer.configtools import ConfigError
@@ -57,8 +57,9 @@ def explicit_split(pp_layers: list[int], n_layers: int, pp: int) -> list[range]:
     if len(pp_layers) != pp:
         raise ConfigError(f"parallelism.pp_layers: expected {pp} entries (one per stage), got {len(pp_layers)}")
     if sum(pp_layers) != n_layers or min(pp_layers) < 1:
-        raise ConfigError(f"parallelism.pp_layers: expected positive entries summing to model.n_layers="
-                         f"{n_layers}, got {pp_layers}")
+        raise ConfigError(
+            f"parallelism.pp_layers: expected positive entries summing to model.n_layers={n_layers}, got {pp_layers}"
+        )
     return ranges_from_counts(list(pp_layers))
 
 
@@ -70,9 +71,17 @@ def split_policy(pp_layers: list[int], policy: str | None = None) -> str:
     return policy
 
 
-def split_layers(model_cfg: ModelConfig, par_cfg: ParallelismConfig, micro_batch_size: int, seq_len: int,
-                 *, micro_batches: int | None = None, policy: str | None = None, memory_weight: float = 0.5,
-                 param_precision: str = "fp32") -> list[range]:
+def split_layers(
+    model_cfg: ModelConfig,
+    par_cfg: ParallelismConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    *,
+    micro_batches: int | None = None,
+    policy: str | None = None,
+    memory_weight: float = 0.5,
+    param_precision: str = "fp32",
+) -> list[range]:
     """Global block indices of each pipeline stage, split as `split_policy(par_cfg.pp_layers,
     policy)` says: `par_cfg.pp_layers`, or the split minimising the largest per-stage cost
     under the policy (see the module docstring); with pp = 1 the one stage holds every block.
@@ -84,9 +93,13 @@ def split_layers(model_cfg: ModelConfig, par_cfg: ParallelismConfig, micro_batch
     check_policy(how, memory_weight)
     if par_cfg.pp == 1:
         return [range(model_cfg.n_layers)]
-    return ranges_from_counts(split_counts(
-        CostModel.from_config(model_cfg, par_cfg, micro_batch_size, seq_len, micro_batches, param_precision),
-        how, memory_weight))
+    return ranges_from_counts(
+        split_counts(
+            CostModel.from_config(model_cfg, par_cfg, micro_batch_size, seq_len, micro_batches, param_precision),
+            how,
+            memory_weight,
+        )
+    )
 
 
 def check_policy(policy: str, memory_weight: float) -> None:
@@ -106,7 +119,6 @@ def split_counts(cm: CostModel, policy: str = "memory", memory_weight: float = 0
     m_ref = sum(cm.stage_memory(p, k).total for p, k in enumerate(balanced)) / pp
 
     def cost(p: int, k: int) -> float:
-        return ((1 - memory_weight) * cm.stage_flops(p, k) / c_ref
-                + memory_weight * cm.stage_memory(p, k).total / m_ref)
+        return (1 - memory_weight) * cm.stage_flops(p, k) / c_ref + memory_weight * cm.stage_memory(p, k).total / m_ref
 
     return min_max_split(n, pp, cost)

@@ -67,17 +67,24 @@ class TensorParallel:
     buffer: GatherBuffer = field(default_factory=GatherBuffer)
 
     @classmethod
-    def from_config(cls, par: "ParallelismConfig", pc: ParallelContext) -> "TensorParallel":
+    def from_config(cls, par: ParallelismConfig, pc: ParallelContext) -> TensorParallel:
         on = pc.tp > 1
         sp = on and par.sequence_parallel
-        return cls(size=pc.tp, rank=pc.tp_rank, group=pc.tp_group, sequence_parallel=sp,
-                   async_comm=on and par.tp_async, recompute_allgather=sp and par.tp_recompute_allgather)
+        return cls(
+            size=pc.tp,
+            rank=pc.tp_rank,
+            group=pc.tp_group,
+            sequence_parallel=sp,
+            async_comm=on and par.tp_async,
+            recompute_allgather=sp and par.tp_recompute_allgather,
+        )
 
-    def __deepcopy__(self, memo) -> "TensorParallel":
+    def __deepcopy__(self, memo) -> TensorParallel:
         return self  # process groups cannot be copied; a copied model shares its stage's settings
 
 
 # -- collectives along dim 0 (the sequence) ---------------------------------------------------
+
 
 def _gathered_shape(x: torch.Tensor, tp: TensorParallel) -> tuple[int, ...]:
     return (x.shape[0] * tp.size, *x.shape[1:])
@@ -90,8 +97,11 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, tp: TensorParallel, async_op
 def gather_sequence(x: torch.Tensor, tp: TensorParallel, buffer_key: str | None = None) -> torch.Tensor:
     """All-gather along dim 0, into the stage buffer when `buffer_key` is given."""
     shape = _gathered_shape(x, tp)
-    out = (tp.buffer.get(buffer_key, shape, x.dtype, x.device) if buffer_key
-           else torch.empty(shape, dtype=x.dtype, device=x.device))
+    out = (
+        tp.buffer.get(buffer_key, shape, x.dtype, x.device)
+        if buffer_key
+        else torch.empty(shape, dtype=x.dtype, device=x.device)
+    )
     _all_gather(out, x, tp)
     return out
 
@@ -119,6 +129,7 @@ def local_chunk(x: torch.Tensor, tp: TensorParallel, dim: int = 0) -> torch.Tens
 
 
 # -- autograd building blocks -----------------------------------------------------------------
+
 
 class _CopyToTP(torch.autograd.Function):
     """Identity forward, all-reduce backward (Megatron's f)."""
@@ -222,6 +233,7 @@ def gather_last_dim(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 
 # -- parallel linears -------------------------------------------------------------------------
 
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype autocast would run a matmul in: custom Functions cast explicitly because their
     backward does not run under autocast."""
@@ -321,13 +333,18 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's rows cut per part: `parts` are the output sizes of the fused
     projections (q, k, v) or (gate, up); each rank holds the r-th slice of every part."""
 
-    def __init__(self, in_features: int, parts: tuple[int, ...], tp: TensorParallel,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        parts: tuple[int, ...],
+        tp: TensorParallel,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         spec = ShardSpec(0, tuple(parts))
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(sum(spec.local_parts(tp.size)), in_features,
-                                               device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(sum(spec.local_parts(tp.size)), in_features, device=device, dtype=dtype))
         set_shard_spec(self.weight, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -335,13 +352,18 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TensorParallel,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         spec = ShardSpec(1, (in_features,))
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, spec.local_parts(tp.size)[0],
-                                               device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(out_features, spec.local_parts(tp.size)[0], device=device, dtype=dtype))
         set_shard_spec(self.weight, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -349,6 +371,7 @@ class RowParallelLinear(nn.Module):
 
 
 # -- vocabulary parallel ----------------------------------------------------------------------
+
 
 def vocab_range(padded_vocab: int, tp: TensorParallel) -> tuple[int, int]:
     """[start, end) of the vocabulary rows this tp rank holds."""
@@ -361,8 +384,14 @@ class VocabParallelEmbedding(nn.Module):
     Each rank looks up the ids in its range (zero elsewhere); the partial sums are all-reduced,
     or reduce-scattered along the sequence under sequence parallel."""
 
-    def __init__(self, padded_vocab: int, dim: int, tp: TensorParallel,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        padded_vocab: int,
+        dim: int,
+        tp: TensorParallel,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         spec = ShardSpec(0, (padded_vocab,))
         self.tp = tp
@@ -430,8 +459,9 @@ def _vocab_parallel_ce(logits, target, tp, vocab_size, ignore_index):
     return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, ignore_index)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: TensorParallel,
-                                 vocab_size: int, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, tp: TensorParallel, vocab_size: int, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
     """Per-token losses (fp32, shape of `target`; exactly 0 at `ignore_index`) from this rank's
     logits [..., padded_vocab / tp]; columns >= vocab_size (padding) are excluded."""
     loss = _vocab_parallel_ce(_flat(logits), target.reshape(-1), tp, vocab_size, ignore_index)
@@ -439,6 +469,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp:
 
 
 # -- gradient synchronisation over tp after the backwards of a step ---------------------------
+
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -453,8 +484,6 @@ def sync_sequence_parallel_grads(stage: nn.Module, pc: ParallelContext) -> None:
     part of the sequence."""
     if pc.tp == 1:
         return
-    grads = [g for p in stage.parameters()
-             if getattr(p, "_sequence_parallel", False) and (g := grad_of(p)) is not None]
+    grads = [g for p in stage.parameters() if getattr(p, "_sequence_parallel", False) and (g := grad_of(p)) is not None]
     if grads:
         _all_reduce_coalesced(grads, pc.tp_group)
-

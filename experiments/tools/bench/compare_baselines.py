@@ -32,13 +32,21 @@ import plain_llama  # noqa: E402
 
 #: CPU-sized shapes: grouped-query and plain multi-head attention.
 SHAPES = {
-    "tiny-gqa": plain_llama.Shape(vocab=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=96, seq=32,
-                                  micro_batch=2),
-    "tiny-mha": plain_llama.Shape(vocab=300, d_model=96, n_layers=3, n_heads=6, n_kv_heads=6, ffn=160, seq=24,
-                                  micro_batch=3),
+    "tiny-gqa": plain_llama.Shape(
+        vocab=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=96, seq=32, micro_batch=2
+    ),
+    "tiny-mha": plain_llama.Shape(
+        vocab=300, d_model=96, n_layers=3, n_heads=6, n_kv_heads=6, ffn=160, seq=24, micro_batch=3
+    ),
 }
-LAYER_NAMES = {"n1.weight": "attention_norm", "n2.weight": "ffn_norm", "qkv.weight": "wqkv.weight", "o.weight": "wo.weight",
-               "gate_up.weight": "w_gate_up.weight", "down.weight": "w_down.weight"}
+LAYER_NAMES = {
+    "n1.weight": "attention_norm",
+    "n2.weight": "ffn_norm",
+    "qkv.weight": "wqkv.weight",
+    "o.weight": "wo.weight",
+    "gate_up.weight": "w_gate_up.weight",
+    "down.weight": "w_down.weight",
+}
 TOP_NAMES = {"emb.weight": "tok_embeddings.weight", "norm.weight": "final_norm", "head.weight": "output.weight"}
 
 
@@ -63,8 +71,9 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def compare(other, shape: plain_llama.Shape, dtype: torch.dtype = torch.float32) -> dict[str, float]:
     torch.manual_seed(0)
-    theirs = other.Llama(shape.vocab, shape.d_model, shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.ffn,
-                         shape.seq)
+    theirs = other.Llama(
+        shape.vocab, shape.d_model, shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.ffn, shape.seq
+    )
     torch.manual_seed(0)
     ours = plain_llama.Llama(shape)
     their_params = dict(theirs.named_parameters())
@@ -91,8 +100,9 @@ def compare(other, shape: plain_llama.Shape, dtype: torch.dtype = torch.float32)
 
     their_loss.backward()
     our_loss.backward()
-    out["grads"] = max_diff({n: p.grad for n, p in their_params.items()},
-                            {n: p.grad for n, p in ours.named_parameters()})
+    out["grads"] = max_diff(
+        {n: p.grad for n, p in their_params.items()}, {n: p.grad for n, p in ours.named_parameters()}
+    )
     torch.optim.AdamW(theirs.parameters(), lr=1e-4, fused=True).step()
     plain_llama.optimizer(ours).step()
     out["after_step"] = max_diff({n: p.detach() for n, p in their_params.items()}, dict(ours.named_parameters()))
@@ -113,9 +123,12 @@ def main() -> None:
     print(f"torch={torch.__version__} {args.dtype} CPU; max |ours - other|")
     for name, shape in shapes.items():
         d = compare(other, shape, dtype)
-        print(f"{name}: init {d['init']:.1e}, logits {d['logits']:.1e}, loss {d['loss']:.1e} "
-              f"(loss {d['loss_value']:.6f}), grads {d['grads']:.1e}, parameters after one AdamW step "
-              f"{d['after_step']:.1e}", flush=True)
+        print(
+            f"{name}: init {d['init']:.1e}, logits {d['logits']:.1e}, loss {d['loss']:.1e} "
+            f"(loss {d['loss_value']:.6f}), grads {d['grads']:.1e}, parameters after one AdamW step "
+            f"{d['after_step']:.1e}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import step_bench as sb  # noqa: E402
+
 from trainer.model.layers import causal_attention, rope_tables  # noqa: E402
 from trainer.model.rope import rope_qkv, rope_qkv_torch  # noqa: E402
 
@@ -87,8 +88,7 @@ def attention(report: dict) -> None:
     qkv = torch.randn(S, B, (H + 2 * KV) * HD, device=dev, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(S, B, H * HD, device=dev, dtype=torch.bfloat16)
     results = {}
-    for name, core in (("earlier rope", earlier_core), ("rope_qkv torch ops", torch_core),
-                       ("rope_qkv op", op_core)):
+    for name, core in (("earlier rope", earlier_core), ("rope_qkv torch ops", torch_core), ("rope_qkv op", op_core)):
         fn = torch.compile(core, dynamic=False)
 
         def step(fn=fn):
@@ -105,15 +105,27 @@ def attention(report: dict) -> None:
         ms = cuda_ms(step)
         kernels = top_kernels(step, n=100)
         rope_ms = sum(t for k, t in kernels if "cudnn" not in k and "Memset" not in k)
-        report[f"attention {name}"] = {"fwd_bwd_ms": ms, "fwd_ms": fwd_ms, "kernel_ms": sum(t for _, t in kernels),
-                                       "non_attention_kernel_ms": rope_ms, "kernels": kernels[:10]}
-        print(f"attention {name}: fwd+bwd wall {ms:.3f} ms, fwd wall {fwd_ms:.3f} ms, kernels "
-              f"{sum(t for _, t in kernels):.4f} ms of which not cuDNN {rope_ms:.4f} ms", flush=True)
+        report[f"attention {name}"] = {
+            "fwd_bwd_ms": ms,
+            "fwd_ms": fwd_ms,
+            "kernel_ms": sum(t for _, t in kernels),
+            "non_attention_kernel_ms": rope_ms,
+            "kernels": kernels[:10],
+        }
+        print(
+            f"attention {name}: fwd+bwd wall {ms:.3f} ms, fwd wall {fwd_ms:.3f} ms, kernels "
+            f"{sum(t for _, t in kernels):.4f} ms of which not cuDNN {rope_ms:.4f} ms",
+            flush=True,
+        )
         for k, t in kernels[:10]:
             print(f"    {t:8.4f}  {k}", flush=True)
     (o0, g0), (o1, g1), (o2, g2) = results.values()
-    report["attention diff"] = {"out": (o2 - o1).abs().max().item(), "grad": (g2 - g1).abs().max().item(),
-                                "out_scale": o1.abs().max().item(), "grad_scale": g1.abs().max().item()}
+    report["attention diff"] = {
+        "out": (o2 - o1).abs().max().item(),
+        "grad": (g2 - g1).abs().max().item(),
+        "out_scale": o1.abs().max().item(),
+        "grad_scale": g1.abs().max().item(),
+    }
     print("attention diff (op against torch ops)", report["attention diff"], flush=True)
 
 
@@ -130,19 +142,31 @@ def norm(report: dict) -> None:
     grads = [torch.randn(x, device=dev, dtype=torch.bfloat16) for x in shapes]
     numels = [g.numel() for g in grads]
     want = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
-    res = {"foreach_ms": cuda_ms(lambda: torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()),
-           "sums_of_squares_ms": cuda_ms(lambda: mt.sums_of_squares(grads))}
+    res = {
+        "foreach_ms": cuda_ms(lambda: torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()),
+        "sums_of_squares_ms": cuda_ms(lambda: mt.sums_of_squares(grads)),
+    }
     block_squares, tensor_sums = mt.squares_kernels()
     for block in (4096, 8192, 16384):
         blocks = mt.TensorBlocks.build([0] * len(numels), numels, dev, block)
         partials = torch.empty(blocks.n_blocks, device=dev)
         out = torch.empty(len(numels), device=dev)
         for warps in (4, 8):
+
             def run(blocks=blocks, warps=warps, partials=partials, out=out):
-                mt.launch(block_squares, blocks, mt.tensor_pointers(grads, dev), blocks.numels, blocks.first_block,
-                          partials, DTYPE=tl.bfloat16, num_warps=warps)
+                mt.launch(
+                    block_squares,
+                    blocks,
+                    mt.tensor_pointers(grads, dev),
+                    blocks.numels,
+                    blocks.first_block,
+                    partials,
+                    DTYPE=tl.bfloat16,
+                    num_warps=warps,
+                )
                 tensor_sums[(len(numels),)](partials, blocks.first_block, out, CHUNK=1024)
                 return out
+
             res[f"triton_block{block}_warps{warps}_ms"] = cuda_ms(run)
             res[f"triton_block{block}_warps{warps}_rel_err"] = ((run() - want).abs() / want).max().item()
     report["norm"] = res
@@ -195,17 +219,40 @@ def update(report: dict) -> None:
     step = torch.tensor(3.0, dtype=torch.float64, device=dev)
     scale = torch.ones((), device=dev)
     flat = torch.compile(adamw_update, fullgraph=True, dynamic=False)
-    res = {"flat_compiled_ms": cuda_ms(lambda: flat(remainder, flat_grad, m, v, param, lr, step, scale, at // 2,
-                                                     0.9, 0.95, 1e-8, 0.1)),
-           "copy_fp32_ms": cuda_ms(lambda: m.copy_(v)), "bytes": at * 26}
+    res = {
+        "flat_compiled_ms": cuda_ms(
+            lambda: flat(remainder, flat_grad, m, v, param, lr, step, scale, at // 2, 0.9, 0.95, 1e-8, 0.1)
+        ),
+        "copy_fp32_ms": cuda_ms(lambda: m.copy_(v)),
+        "bytes": at * 26,
+    }
     coefficients = stacked_coefficients(lr, step, scale, 0.9, 0.95, 0.1)
     kernel = triton_kernel()
     for block, warps in ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16)):
         blocks = TensorBlocks.build(offsets, numels, dev, block)
 
         def run(blocks=blocks, warps=warps):
-            launch(kernel, blocks, tensor_pointers(grads, dev), blocks.offsets, blocks.numels, remainder, m, v, param,
-                   coefficients, at // 2, 0.9, 0.1, 0.95, 0.05, 1e-8, ALIGN=blocks.align, num_warps=warps)
+            launch(
+                kernel,
+                blocks,
+                tensor_pointers(grads, dev),
+                blocks.offsets,
+                blocks.numels,
+                remainder,
+                m,
+                v,
+                param,
+                coefficients,
+                at // 2,
+                0.9,
+                0.1,
+                0.95,
+                0.05,
+                1e-8,
+                ALIGN=blocks.align,
+                num_warps=warps,
+            )
+
         res[f"triton_block{block}_warps{warps}_ms"] = cuda_ms(run)
     report["update"] = res
     print("update (1B sizes, ms)", res, flush=True)

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -58,8 +58,9 @@ class Shape:
 #: The framework's `bench-1b` and `bench-280m` presets are these shapes.
 PRESETS = {
     "1b": Shape(vocab=32000, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn=8192, seq=2048, micro_batch=8),
-    "280m": Shape(vocab=32000, d_model=1024, n_layers=18, n_heads=16, n_kv_heads=16, ffn=2816, seq=1024,
-                  micro_batch=32),
+    "280m": Shape(
+        vocab=32000, d_model=1024, n_layers=18, n_heads=16, n_kv_heads=16, ffn=2816, seq=1024, micro_batch=32
+    ),
 }
 
 
@@ -158,15 +159,17 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
 
 
-def train_step(model: Llama, fwd: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, ids: torch.Tensor,
-               targets: torch.Tensor) -> None:
+def train_step(
+    model: Llama, fwd: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Tensor
+) -> None:
     fwd(ids, targets).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def make_step(name: str, device: torch.device, compile: bool = True,
-              dtype: torch.dtype = torch.bfloat16) -> tuple[Callable[[], None], int, int]:
+def make_step(
+    name: str, device: torch.device, compile: bool = True, dtype: torch.dtype = torch.bfloat16
+) -> tuple[Callable[[], None], int, int]:
     """Preset `name`'s training step on `device` (weights from seed 0, random tokens):
     (step, FLOPs per token, tokens per step)."""
     shape = PRESETS[name]
@@ -193,7 +196,7 @@ def seconds_per_call(fn: Callable[[], object], iters: int, warmup: int) -> float
 def matmul_peak_tflops() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
-    return 2 * 8192 ** 3 / seconds_per_call(lambda: a @ b, 10, 3) / 1e12
+    return 2 * 8192**3 / seconds_per_call(lambda: a @ b, 10, 3) / 1e12
 
 
 def report(name: str, compile: bool, steps: int, peak: float) -> str:
@@ -202,9 +205,11 @@ def report(name: str, compile: bool, steps: int, peak: float) -> str:
     tps = tokens / seconds_per_call(step, steps, 3)
     tflops = tps * fpt / 1e12
     shape = PRESETS[name]
-    return (f"{name} mb={shape.micro_batch} seq={shape.seq} compile={compile} tokens/s={tps:,.0f} "
-            f"TFLOP/s={tflops:.0f} MFU(989)={tflops / 989:.1%} MFU(measured {peak:.0f})={tflops / peak:.1%} "
-            f"peak_mem={torch.cuda.max_memory_allocated() / 2 ** 30:.1f}GiB")
+    return (
+        f"{name} mb={shape.micro_batch} seq={shape.seq} compile={compile} tokens/s={tps:,.0f} "
+        f"TFLOP/s={tflops:.0f} MFU(989)={tflops / 989:.1%} MFU(measured {peak:.0f})={tflops / peak:.1%} "
+        f"peak_mem={torch.cuda.max_memory_allocated() / 2**30:.1f}GiB"
+    )
 
 
 def main() -> None:

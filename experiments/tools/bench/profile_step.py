@@ -33,17 +33,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import step_bench as sb  # noqa: E402
+
 from trainer.build import RunFacts  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
 from trainer.parallel.cost_model import CostModel  # noqa: E402
 
-MIB = 2 ** 20
+MIB = 2**20
 
 #: kernel-name fragments -> class, first match wins (lower-case names)
 CLASSES = (
-    ("attention bwd", ("flash_bwd", "cudnn_bwd", "fmha_bwd", "attn_bwd", "dgrad_engine", "bprop", "dq_dk_dv",
-                       "convert_dq", "dot_do_o")),
+    (
+        "attention bwd",
+        (
+            "flash_bwd",
+            "cudnn_bwd",
+            "fmha_bwd",
+            "attn_bwd",
+            "dgrad_engine",
+            "bprop",
+            "dq_dk_dv",
+            "convert_dq",
+            "dot_do_o",
+        ),
+    ),
     ("attention fwd", ("flash_fwd", "fmha", "cudnn", "attn", "fprop", "sdpa")),
     ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "wgmma", "matmul", "sgemm", "hgemm")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "fused_adamw")),
@@ -64,8 +77,11 @@ def kernel_class(name: str) -> str:
 def idle_time(prof, steps: int) -> tuple[float, float, list[tuple[float, str]]]:
     """GPU timeline of the profiled window: (ms from the first kernel's start to the last one's
     end, ms in which no kernel ran, the largest gaps with the kernel that ended each), per step."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA")
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA"
+    )
     if not spans:
         return 0.0, 0.0, []
     idle, gaps, end, last = 0.0, [], spans[0][1], spans[0][2]
@@ -82,7 +98,8 @@ def idle_time(prof, steps: int) -> tuple[float, float, list[tuple[float, str]]]:
 def profile(fn, steps: int = 2) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
     """Per-class and per-kernel CUDA time (ms per step) over `steps` calls of `fn`; the class
     `idle` is GPU time between kernels (from `idle_time`)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     for _ in range(2):
         fn()
@@ -105,8 +122,14 @@ def profile(fn, steps: int = 2) -> tuple[dict[str, float], list[tuple[str, float
     kernels.sort(key=lambda x: -x[1])
     span, idle, gaps = idle_time(prof, steps)
     by_class["idle (no kernel running)"] = idle
-    kernels.append((f"GPU span {span:.2f} ms per step; largest gaps (ms, after): "
-                    + "; ".join(f"{g:.2f} {n[:60]}" for g, n in gaps), 0.0, 0))
+    kernels.append(
+        (
+            f"GPU span {span:.2f} ms per step; largest gaps (ms, after): "
+            + "; ".join(f"{g:.2f} {n[:60]}" for g, n in gaps),
+            0.0,
+            0,
+        )
+    )
     return dict(by_class), kernels
 
 
@@ -121,8 +144,9 @@ def kernels_section(args, out: list[str]) -> None:
     cfg = sb.trainer_config(preset, mb, "none")
     facts = RunFacts.resolve(cfg, pc)
     ours = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-    step = sb.FrameworkStep(facts, ours, sb.framework_optimizer(ours, cfg, pc, facts), pc,
-                            sb.make_batch(cfg, mb, 1, pc.device))
+    step = sb.FrameworkStep(
+        facts, ours, sb.framework_optimizer(ours, cfg, pc, facts), pc, sb.make_batch(cfg, mb, 1, pc.device)
+    )
     our_cls, our_k = profile(step)
     del ours, step
     sb.free()
@@ -132,12 +156,14 @@ def kernels_section(args, out: list[str]) -> None:
     for c in sorted(set(base_cls) | set(our_cls), key=lambda c: -max(base_cls.get(c, 0), our_cls.get(c, 0))):
         b, o = base_cls.get(c, 0.0), our_cls.get(c, 0.0)
         out.append(f"{c:44s} {b:9.2f} {o:9.2f} {o - b:+8.2f}")
-    out.append(f"{'total (kernels + idle)':44s} {sum(base_cls.values()):9.2f} {sum(our_cls.values()):9.2f} "
-               f"{sum(our_cls.values()) - sum(base_cls.values()):+8.2f}")
+    out.append(
+        f"{'total (kernels + idle)':44s} {sum(base_cls.values()):9.2f} {sum(our_cls.values()):9.2f} "
+        f"{sum(our_cls.values()) - sum(base_cls.values()):+8.2f}"
+    )
     for label, ks in (("baseline", base_k), ("framework", our_k)):
         out.append(f"\n### top kernels, {label} (ms per step, calls per step)")
         out.append(ks[-1][0])
-        for name, ms, n in ks[:-1][:args.top]:
+        for name, ms, n in ks[:-1][: args.top]:
             out.append(f"{ms:8.2f} {n:5d}  {kernel_class(name)[:12]:12s} {name[:150]}")
 
 
@@ -152,8 +178,9 @@ def timeline_section(args, out: list[str]) -> None:
     cfg = sb.trainer_config(preset, mb, "none")
     facts = RunFacts.resolve(cfg, pc)
     model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-    step = sb.FrameworkStep(facts, model, sb.framework_optimizer(model, cfg, pc, facts), pc,
-                            sb.make_batch(cfg, mb, 1, pc.device))
+    step = sb.FrameworkStep(
+        facts, model, sb.framework_optimizer(model, cfg, pc, facts), pc, sb.make_batch(cfg, mb, 1, pc.device)
+    )
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -186,8 +213,10 @@ def timeline_section(args, out: list[str]) -> None:
         out.append(f"{name:12s} {hs[len(hs) // 2] * 1e3:10.2f} {gs[len(gs) // 2] * 1e3:8.2f}")
     per_step = [(gpu[b] - gpu[a]) * 1e3 for a, b in zip(starts, starts[1:])]
     out.append(f"GPU ms per step: {' '.join(f'{x:.1f}' for x in per_step)}")
-    out.append(f"wall ms per step (host end to end / 12): {(host_end) * 1e3 / 12:.1f}; "
-               f"GPU end to end / 12: {gpu[-1] * 1e3 / 12:.1f}")
+    out.append(
+        f"wall ms per step (host end to end / 12): {(host_end) * 1e3 / 12:.1f}; "
+        f"GPU end to end / 12: {gpu[-1] * 1e3 / 12:.1f}"
+    )
     out.append(f"host lead at each step start: {' '.join(f'{x:.1f}' for x in leads)}")
     del model, step
     sb.free()
@@ -197,8 +226,10 @@ def activations_section(args, out: list[str]) -> None:
     preset, mb = sb.SHAPES[args.preset]
     pc = ParallelContext.single(torch.device("cuda"))
     out.append(f"\n## activations kept for backward, {preset}, micro-batch {mb} (MiB)")
-    out.append(f"{'mode':10s} {'block meas':>10s} {'block plan':>10s} {'head meas':>10s} {'head plan':>10s} "
-               f"{'step peak - base':>16s}")
+    out.append(
+        f"{'mode':10s} {'block meas':>10s} {'block plan':>10s} {'head meas':>10s} {'head plan':>10s} "
+        f"{'step peak - base':>16s}"
+    )
     model = None
     for mode in ("none", "selective", "full"):
         cfg = sb.trainer_config(preset, mb, mode)
@@ -211,8 +242,10 @@ def activations_section(args, out: list[str]) -> None:
         step = sb.FrameworkStep(facts, model, opt, pc, batch)
         sb.timed(step, 0, 3)
         marks: list[int] = []
-        hooks = [b.register_forward_hook(lambda *_: marks.append(torch.cuda.memory_allocated()))
-                 for b in model.layers.values()]
+        hooks = [
+            b.register_forward_hook(lambda *_: marks.append(torch.cuda.memory_allocated()))
+            for b in model.layers.values()
+        ]
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -228,8 +261,10 @@ def activations_section(args, out: list[str]) -> None:
         block = sorted(deltas)[len(deltas) // 2]
         head = after - marks[-1]
         cm = CostModel.from_config(cfg.model, cfg.parallelism, mb, cfg.data.seq_len, 1, "bf16")
-        out.append(f"{mode:10s} {block / MIB:10.1f} {cm.layer_activation_bytes() / MIB:10.1f} {head / MIB:10.1f} "
-                   f"{cm.head_activation_bytes() / MIB:10.1f} {step_peak / MIB:16.1f}")
+        out.append(
+            f"{mode:10s} {block / MIB:10.1f} {cm.layer_activation_bytes() / MIB:10.1f} {head / MIB:10.1f} "
+            f"{cm.head_activation_bytes() / MIB:10.1f} {step_peak / MIB:16.1f}"
+        )
         del losses
     del model, opt
     sb.free()
@@ -273,8 +308,12 @@ def main() -> None:
     for name in args.sections.split(","):
         printed = len(out)
         try:
-            {"kernels": kernels_section, "activations": activations_section, "swiglu": swiglu_section,
-             "timeline": timeline_section}[name](args, out)
+            {
+                "kernels": kernels_section,
+                "activations": activations_section,
+                "swiglu": swiglu_section,
+                "timeline": timeline_section,
+            }[name](args, out)
         except Exception:  # noqa: BLE001 - keep the other sections
             out.append(f"{name} failed:\n{traceback.format_exc()}")
         print("\n".join(out[printed:]), flush=True)

@@ -42,9 +42,9 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, ContextManager, Sequence
 
 import numpy as np
 import torch
@@ -56,19 +56,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import plain_llama  # noqa: E402
 
+from data.config import DataConfig  # noqa: E402
+from doremi import reference_cache  # noqa: E402
 from doremi.config import DoReMiConfig  # noqa: E402
 from doremi.objective import DoReMiHook  # noqa: E402
 from doremi.reference import CachedReference, OnlineReference, freeze  # noqa: E402
-from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
-from data.config import DataConfig  # noqa: E402
 from trainer.build import RunFacts  # noqa: E402
-from trainer.optim.interface import Optimizer  # noqa: E402
-from trainer.optim.build import build_optimizer  # noqa: E402
+from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
 from trainer.model import rope  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
 from trainer.model.kernels import Kernels  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.model.presets import PRESETS  # noqa: E402
+from trainer.optim.build import build_optimizer  # noqa: E402
+from trainer.optim.interface import Optimizer  # noqa: E402
 from trainer.parallel import clip  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
 from trainer.plan import gpu_param_precision, plan_memory  # noqa: E402
@@ -76,15 +77,26 @@ from trainer.step import domain_token_counts, forward_backward  # noqa: E402
 from trainer.weighting import MeanTokenLoss  # noqa: E402
 
 DATASHEET_TFLOPS = 989.0
-GIB = 2 ** 30
+GIB = 2**30
 K_DOMAINS = 4
 #: baseline preset -> (our preset, micro-batch)
 SHAPES = {name: (f"bench-{name}", shape.micro_batch) for name, shape in plain_llama.PRESETS.items()}
 #: timing windows per configuration (the median is reported)
 WINDOWS = 3
 #: rough seconds of compile + timing per configuration, to stay inside --deadline
-COST = {"baseline": 45, "plain": 35, "doremi-cached": 5, "doremi-online": 20, "selective": 20, "full": 10,
-        "ablation": 40, "paired": 50}
+COST = {
+    "baseline": 45,
+    "plain": 35,
+    "doremi-cached": 5,
+    "doremi-online": 20,
+    "selective": 20,
+    "full": 10,
+    "ablation": 40,
+    "paired": 50,
+}
+
+#: The model's own kernel choices (`Kernels()`), shared as a default: the dataclass is frozen.
+DEFAULT_KERNELS = Kernels()
 
 
 @dataclass
@@ -118,8 +130,7 @@ def window_log(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}ms{gpu_state()}"
 
 
-def timed(fn: Callable[[], None], iters: int, warmup: int, windows: int = 1,
-          log: list[str] | None = None) -> float:
+def timed(fn: Callable[[], None], iters: int, warmup: int, windows: int = 1, log: list[str] | None = None) -> float:
     """Seconds per call: the median over `windows` back-to-back windows of `iters` calls each
     (one window's mean hides a slow window; the median of a few does not). `log` gets each
     window's ms per call and the SM clock at its end."""
@@ -143,7 +154,7 @@ def timed(fn: Callable[[], None], iters: int, warmup: int, windows: int = 1,
 def matmul_peak() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
-    return 2 * 8192 ** 3 / timed(lambda: a @ b, 10, 3) / 1e12
+    return 2 * 8192**3 / timed(lambda: a @ b, 10, 3) / 1e12
 
 
 def attention_bench(out: list[str], priority: Sequence[SDPBackend]) -> None:
@@ -163,16 +174,21 @@ def attention_bench(out: list[str], priority: Sequence[SDPBackend]) -> None:
     except Exception as e:  # noqa: BLE001 - a private API: report, do not fail the bench
         out.append(f"attention: backend choice unknown ({str(e).splitlines()[0][:120]})")
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+
         def run(kk=k, vv=v, gqa=True):
             with sdpa_kernel(backend):
                 o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa)
             o.backward(torch.ones_like(o))
-        for label, fn in (("gqa", run),
-                          ("expanded", lambda: run(k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1),
-                                                   False))):
+
+        for label, fn in (
+            ("gqa", run),
+            ("expanded", lambda: run(k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1), False)),
+        ):
             try:
                 dt = timed(fn, 10, 2)
-                out.append(f"attention {backend.name} {label}: {dt * 1e3:.2f} ms fwd+bwd, {flops / dt / 1e12:.0f} TFLOP/s")
+                out.append(
+                    f"attention {backend.name} {label}: {dt * 1e3:.2f} ms fwd+bwd, {flops / dt / 1e12:.0f} TFLOP/s"
+                )
             except Exception as e:  # noqa: BLE001 - report which backends run here
                 out.append(f"attention {backend.name} {label}: unsupported ({str(e).splitlines()[0][:120]})")
             q.grad = k.grad = v.grad = None
@@ -208,6 +224,7 @@ def count_syncs(phases: list[tuple[str, Callable[[], None]]]) -> str:
 
 # -- the baseline ----------------------------------------------------------------------------
 
+
 def baseline_step(name: str, device: torch.device, compile: bool = True) -> tuple[Callable[[], None], int, int]:
     """The baseline's training step on its preset `name` (`plain_llama.make_step`): (step, FLOPs
     per token, tokens per step)."""
@@ -228,15 +245,16 @@ def run_baseline(name: str, steps: int, peak: float, device: torch.device) -> Ro
     return row
 
 
-def paired_windows(steps: dict[str, Callable[[], None]], iters: int, rounds: int,
-                   log: dict[str, list[str]] | None = None) -> dict[str, list[float]]:
+def paired_windows(
+    steps: dict[str, Callable[[], None]], iters: int, rounds: int, log: dict[str, list[str]] | None = None
+) -> dict[str, list[float]]:
     """Seconds per call of each step over `2 * rounds` windows of `iters` calls, the steps taking
     turns in the order A B B A A B ... so that a slow drift of the clock (the GPU warming up,
     power) falls on each equally; synchronised at the window ends only."""
     names = list(steps)
     seen: dict[str, list[float]] = {n: [] for n in names}
     for r in range(2 * rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(iters):
@@ -248,8 +266,9 @@ def paired_windows(steps: dict[str, Callable[[], None]], iters: int, rounds: int
     return seen
 
 
-def run_paired(name: str, steps: int, peak: float, device: torch.device, emit: Callable[[Row], None],
-               kernels: Kernels) -> None:
+def run_paired(
+    name: str, steps: int, peak: float, device: torch.device, emit: Callable[[Row], None], kernels: Kernels
+) -> None:
     """The baseline and the plain framework step both alive, timed in alternating windows
     (`paired_windows`): their ratio without the order of the main rows (the baseline always
     first, on a cooler GPU). Peak memory is not reported (both models share the GPU)."""
@@ -258,15 +277,18 @@ def run_paired(name: str, steps: int, peak: float, device: torch.device, emit: C
     cfg = trainer_config(preset, mb, "none")
     facts = RunFacts.resolve(cfg, pc)
     model = Llama(cfg.model, cfg.parallelism, pc, seed=0, kernels=kernels)
-    ours = FrameworkStep(facts, model, framework_optimizer(model, cfg, pc, facts), pc,
-                         make_batch(cfg, mb, seed=1, device=device))
+    ours = FrameworkStep(
+        facts, model, framework_optimizer(model, cfg, pc, facts), pc, make_batch(cfg, mb, seed=1, device=device)
+    )
     theirs, base_fpt, tokens = baseline_step(name, device)
     for fn in (theirs, ours):
         timed(fn, 0, 3)
     log: dict[str, list[str]] = {"baseline": [], "plain": []}
     seen = paired_windows({"baseline": theirs, "plain": ours}, steps, WINDOWS + 1, log)
-    for key, variant, fpt in (("baseline", "baseline --compile", base_fpt),
-                              ("plain", "plain", flops_per_token(cfg.model, cfg.data.seq_len))):
+    for key, variant, fpt in (
+        ("baseline", "baseline --compile", base_fpt),
+        ("plain", "plain", flops_per_token(cfg.model, cfg.data.seq_len)),
+    ):
         row = _row(name, variant, tokens / float(np.median(seen[key])), fpt, peak, 0.0)
         row.group = "paired"
         row.windows = " ".join(log[key])
@@ -282,11 +304,15 @@ def _row(preset: str, variant: str, tps: float, fpt: float, peak: float, peak_gi
 
 # -- the framework ---------------------------------------------------------------------------
 
+
 def trainer_config(preset: str, mb: int, recompute: str) -> TrainerConfig:
     model = ModelConfig(**PRESETS[preset], preset=preset, compile=True)
-    return TrainerConfig(model=model, data=DataConfig(seq_len=model.max_seq_len),
-                         train=TrainConfig(global_batch_size=mb, micro_batches=1, lr=1e-4, precision="bf16"),
-                         parallelism=ParallelismConfig(recompute=recompute))
+    return TrainerConfig(
+        model=model,
+        data=DataConfig(seq_len=model.max_seq_len),
+        train=TrainConfig(global_batch_size=mb, micro_batches=1, lr=1e-4, precision="bf16"),
+        parallelism=ParallelismConfig(recompute=recompute),
+    )
 
 
 def predicted_gib(cfg: TrainerConfig) -> float:
@@ -300,33 +326,57 @@ def make_batch(cfg: TrainerConfig, mb: int, seed: int, device: torch.device) -> 
     labels = torch.randint(0, v, (mb, s), device=device, generator=g)
     domains = torch.arange(mb, device=device) % K_DOMAINS
     sequences = torch.arange(mb) // K_DOMAINS
-    return {"input_ids": ids, "labels": labels, "domain_ids": domains, "sequence_ids": sequences.to(device),
-            "items": torch.stack([torch.arange(mb) % K_DOMAINS, sequences], dim=1)}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "domain_ids": domains,
+        "sequence_ids": sequences.to(device),
+        "items": torch.stack([torch.arange(mb) % K_DOMAINS, sequences], dim=1),
+    }
 
 
-def write_cache(directory: Path, mb: int, seq: int) -> None:
-    """A reference-loss cache in `doremi score`'s format for the bench's sequence ids."""
+def write_cache(directory: Path, mb: int, seq: int) -> list[str]:
+    """A reference-loss cache of random losses for the bench's sequence ids, written by the
+    cache's owner (`doremi.reference_cache`) as `doremi score` writes it; its domain names."""
     domains = [f"d{i}" for i in range(K_DOMAINS)]
+    per_domain = -(-mb // K_DOMAINS)
+    staging = reference_cache.staging_dir(directory)
+    reference_cache.create_arrays(staging, domains, [per_domain] * K_DOMAINS, seq)
     rng = np.random.default_rng(0)
     for d in domains:
-        np.save(directory / f"{d}.npy", rng.uniform(9.0, 11.0, (-(-mb // K_DOMAINS), seq)).astype(np.float32))
-    (directory / "meta.json").write_text(json.dumps({
-        "version": 1, "domains": domains, "seq_len": seq, "steps": 10**9, "global_batch_size": mb, "seed": 0,
-        "sampling": [1.0 / K_DOMAINS] * K_DOMAINS}))
+        arr = reference_cache.open_for_scoring(staging, d)
+        arr[:] = rng.uniform(9.0, 11.0, arr.shape).astype(np.float32)
+        arr.flush()
+        del arr
+    reference_cache.publish(
+        staging,
+        directory,
+        domains,
+        seq,
+        {"reference": "step_bench (random losses)"},
+        steps=10**9,
+        global_batch_size=mb,
+        seed=0,
+        sampling=[1.0 / K_DOMAINS] * K_DOMAINS,
+        sequences=[per_domain] * K_DOMAINS,
+    )
+    return domains
 
 
 def framework_optimizer(model: torch.nn.Module, cfg: TrainerConfig, pc: ParallelContext, facts: RunFacts) -> Optimizer:
     """The optimizer `trainer.loop.Trainer` builds for this config (its `facts`) on this device."""
-    return build_optimizer(list(model.named_parameters()), cfg.train, pc, cfg.parallelism.zero1,
-                           param_dtype=facts.param_dtype)
+    return build_optimizer(
+        list(model.named_parameters()), cfg.train, pc, cfg.parallelism.zero1, param_dtype=facts.param_dtype
+    )
 
 
 class FrameworkStep:
     """One optimizer step of the framework, as `trainer.loop.Trainer.train_step` runs it
     (forward and backward under the trainer's autocast for the config's `facts`)."""
 
-    def __init__(self, facts: RunFacts, model, opt: Optimizer, pc: ParallelContext, batch: dict,
-                 hook: DoReMiHook | None = None):
+    def __init__(
+        self, facts: RunFacts, model, opt: Optimizer, pc: ParallelContext, batch: dict, hook: DoReMiHook | None = None
+    ):
         self.model, self.opt, self.pc, self.batch, self.hook = model, opt, pc, batch, hook
         self.amp = facts.autocast()
         self.step_no = 0
@@ -370,12 +420,22 @@ class FrameworkStep:
 
 
 def make_hook(run_dir: Path, pc: ParallelContext, reference) -> DoReMiHook:
-    return DoReMiHook(DoReMiConfig(), [f"d{i}" for i in range(K_DOMAINS)], pc, run_dir,
-                      np.full(K_DOMAINS, 1.0 / K_DOMAINS), reference)
+    return DoReMiHook(
+        DoReMiConfig(), [f"d{i}" for i in range(K_DOMAINS)], pc, run_dir, np.full(K_DOMAINS, 1.0 / K_DOMAINS), reference
+    )
 
 
-def measure(preset: str, variant: str, step: FrameworkStep, steps: int, warmup: int, fpt: float, peak: float,
-            base: int, plan: float | None) -> Row:
+def measure(
+    preset: str,
+    variant: str,
+    step: FrameworkStep,
+    steps: int,
+    warmup: int,
+    fpt: float,
+    peak: float,
+    base: int,
+    plan: float | None,
+) -> Row:
     timed(step, 0, warmup)
     torch.cuda.reset_peak_memory_stats()
     log: list[str] = []
@@ -388,14 +448,23 @@ def measure(preset: str, variant: str, step: FrameworkStep, steps: int, warmup: 
     return row
 
 
-def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[[Row], None],
-                  time_left: Callable[[str], bool], device: torch.device, doremi: bool,
-                  recompute: Sequence[str] = (), kernels: Kernels = Kernels()) -> None:
+def run_framework(
+    name: str,
+    steps: int,
+    peak: float,
+    tmp: Path,
+    emit: Callable[[Row], None],
+    time_left: Callable[[str], bool],
+    device: torch.device,
+    doremi: bool,
+    recompute: Sequence[str] = (),
+    kernels: Kernels = DEFAULT_KERNELS,
+) -> None:
     preset, mb = SHAPES[name]
     pc = ParallelContext.single(device)
     cfg = trainer_config(preset, mb, "none")
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-    ref_fpt = (2 * non_embedding_params(cfg.model) + 2 * cfg.model.n_layers * cfg.model.d_model * cfg.data.seq_len)
+    ref_fpt = 2 * non_embedding_params(cfg.model) + 2 * cfg.model.n_layers * cfg.model.d_model * cfg.data.seq_len
     base = free()
     facts = RunFacts.resolve(cfg, pc)
     model = Llama(cfg.model, cfg.parallelism, pc, seed=0, kernels=kernels)
@@ -407,10 +476,16 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
 
     if doremi and time_left("doremi-cached"):
         cache = tmp / f"cache-{name}"
-        cache.mkdir()
-        write_cache(cache, mb, cfg.data.seq_len)
-        ref = CachedReference(cache, [f"d{i}" for i in range(K_DOMAINS)], cfg.data.seq_len, pc.device,
-                              steps=steps, global_batch_size=mb, seed=0, sampling=[1.0 / K_DOMAINS] * K_DOMAINS)
+        ref = CachedReference(
+            cache,
+            write_cache(cache, mb, cfg.data.seq_len),
+            cfg.data.seq_len,
+            pc.device,
+            steps=steps,
+            global_batch_size=mb,
+            seed=0,
+            sampling=[1.0 / K_DOMAINS] * K_DOMAINS,
+        )
         step = FrameworkStep(facts, model, opt, pc, batch, make_hook(tmp / f"cached-{name}", pc, ref))
         emit(measure(name, "doremi cached ref", step, steps, 2, fpt, peak, base, None))
 
@@ -430,13 +505,23 @@ def run_framework(name: str, steps: int, peak: float, tmp: Path, emit: Callable[
         if not time_left(mode):
             continue
         model.set_recompute(mode)
-        row = measure(name, f"plain recompute={mode}", FrameworkStep(facts, model, opt, pc, batch), steps, 3, fpt,
-                      peak, base, predicted_gib(trainer_config(preset, mb, mode)))
+        row = measure(
+            name,
+            f"plain recompute={mode}",
+            FrameworkStep(facts, model, opt, pc, batch),
+            steps,
+            3,
+            fpt,
+            peak,
+            base,
+            predicted_gib(trainer_config(preset, mb, mode)),
+        )
         emit(row)
 
 
-def earlier_rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                     kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def earlier_rope_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`trainer.model.rope.rope_qkv` in the form before it (2026-12-03): the rotation's products
     in the activation dtype, v a view of qkv."""
     s, b, width = qkv.shape
@@ -451,13 +536,15 @@ def earlier_rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
     return rot(q.view(s, b, heads, hd)), rot(k.view(s, b, kv_heads, hd)), v.view(s, b, kv_heads, hd)
 
 
-def inductor_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                           ignore_index: int) -> torch.Tensor:
+def inductor_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, ignore_index: int
+) -> torch.Tensor:
     """`trainer.model.cross_entropy.cross_entropy` in the form before it (2026-12-04): torch ops
     that inductor compiles with the head."""
     z = logits[..., :vocab_size].float()
-    return torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), target.reshape(-1),
-                                             ignore_index=ignore_index, reduction="none").view(target.shape)
+    return torch.nn.functional.cross_entropy(
+        z.reshape(-1, z.shape[-1]), target.reshape(-1), ignore_index=ignore_index, reduction="none"
+    ).view(target.shape)
 
 
 @contextlib.contextmanager
@@ -477,8 +564,10 @@ def foreach_grad_norm():
     try:
         clip.squares([torch.ones(1)])
         if not asked:
-            raise RuntimeError("foreach_grad_norm: trainer.parallel.clip.squares no longer consults "
-                               "clip.uses_triton_squares; the ablation would time the plain step")
+            raise RuntimeError(
+                "foreach_grad_norm: trainer.parallel.clip.squares no longer consults "
+                "clip.uses_triton_squares; the ablation would time the plain step"
+            )
         yield
     finally:
         clip.uses_triton_squares = saved
@@ -511,30 +600,41 @@ class Ablation:
     label: str
     train: dict = field(default_factory=dict)
     kernels: dict = field(default_factory=dict)
-    context: Callable[[], ContextManager] = contextlib.nullcontext
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def model_kernels(self, base: Kernels) -> Kernels:
         return replace(base, **self.kernels)
 
 
-FLASH_FIRST = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-               SDPBackend.MATH)
+FLASH_FIRST = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 ABLATIONS = [
     Ablation("ablation: fp32 params + torch AdamW (no master weights)", train={"param_dtype": "fp32"}),
     Ablation("ablation: flash attention first (not cuDNN)", kernels={"sdpa_priority": FLASH_FIRST}),
-    Ablation("ablation: RoPE in the earlier form (bf16 products, v a view of qkv)",
-             kernels={"rope_qkv": earlier_rope_qkv}),
-    Ablation("ablation: RoPE by inductor (the same math in torch ops, not the Triton op)",
-             kernels={"rope_qkv": rope.rope_qkv_torch}),
-    Ablation("ablation: cross entropy by inductor (not the Triton op)", kernels={"cross_entropy": inductor_cross_entropy}),
+    Ablation(
+        "ablation: RoPE in the earlier form (bf16 products, v a view of qkv)", kernels={"rope_qkv": earlier_rope_qkv}
+    ),
+    Ablation(
+        "ablation: RoPE by inductor (the same math in torch ops, not the Triton op)",
+        kernels={"rope_qkv": rope.rope_qkv_torch},
+    ),
+    Ablation(
+        "ablation: cross entropy by inductor (not the Triton op)", kernels={"cross_entropy": inductor_cross_entropy}
+    ),
     Ablation("ablation: gradient norm by _foreach_norm (not the Triton sums of squares)", context=foreach_grad_norm),
     Ablation("trial: GEMM algorithms tuned per shape (TunableOp)", context=tunable_gemms),
 ]
 
 
-def run_ablations(name: str, steps: int, peak: float, emit: Callable[[Row], None],
-                  time_left: Callable[[str], bool], matching: str = "", kernels: Kernels = Kernels()) -> None:
+def run_ablations(
+    name: str,
+    steps: int,
+    peak: float,
+    emit: Callable[[Row], None],
+    time_left: Callable[[str], bool],
+    matching: str = "",
+    kernels: Kernels = DEFAULT_KERNELS,
+) -> None:
     preset, mb = SHAPES[name]
     pc = ParallelContext.single(torch.device("cuda"))
     for ablation in ABLATIONS:
@@ -557,8 +657,19 @@ def run_ablations(name: str, steps: int, peak: float, emit: Callable[[Row], None
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ["preset", "variant", "tokens/s", "TFLOP/s", "MFU(989)", "MFU(meas)", "peak GiB", "plan GiB",
-            "vs base", "vs plain", "syncs"]
+    head = [
+        "preset",
+        "variant",
+        "tokens/s",
+        "TFLOP/s",
+        "MFU(989)",
+        "MFU(meas)",
+        "peak GiB",
+        "plan GiB",
+        "vs base",
+        "vs plain",
+        "syncs",
+    ]
     lines = []
     base = {(r.preset, r.group): r.tokens_per_s for r in rows if r.variant.startswith("baseline")}
     plain = {(r.preset, r.group): r.tokens_per_s for r in rows if r.variant == "plain"}
@@ -567,9 +678,21 @@ def format_table(rows: list[Row]) -> str:
         vb = f"{r.tokens_per_s / base[key]:.3f}" if key in base and r.tokens_per_s else "-"
         vp = f"{r.tokens_per_s / plain[key]:.3f}" if key in plain and r.tokens_per_s else "-"
         variant = f"{r.variant} ({r.group})" if r.group else r.variant
-        lines.append([r.preset, variant, f"{r.tokens_per_s:,.0f}", f"{r.tflops:.0f}", f"{r.mfu_datasheet:.1%}",
-                      f"{r.mfu_measured:.1%}", "-" if r.group == "paired" else f"{r.peak_gib:.1f}",
-                      "-" if r.plan_gib is None else f"{r.plan_gib:.1f}", vb, vp, r.syncs or r.note])
+        lines.append(
+            [
+                r.preset,
+                variant,
+                f"{r.tokens_per_s:,.0f}",
+                f"{r.tflops:.0f}",
+                f"{r.mfu_datasheet:.1%}",
+                f"{r.mfu_measured:.1%}",
+                "-" if r.group == "paired" else f"{r.peak_gib:.1f}",
+                "-" if r.plan_gib is None else f"{r.plan_gib:.1f}",
+                vb,
+                vp,
+                r.syncs or r.note,
+            ]
+        )
     widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(head)]
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([fmt(head)] + [fmt(x) for x in lines])
@@ -582,11 +705,22 @@ def main() -> None:
     p.add_argument("--doremi-presets", default="1b,280m", help="presets that also time the DoReMi proxy steps")
     p.add_argument("--deadline", type=float, default=1e9, help="seconds: skip configurations that would end later")
     p.add_argument("--out", type=Path, default=None, help="directory for bench.json")
-    p.add_argument("--paired", default="1b",
-                   help="presets whose baseline and plain steps are also timed in alternating windows ('' for none)")
-    p.add_argument("--no-ablations", dest="ablations", action="store_false",
-                   help="skip the 1B ablation rows (each undoes one optimisation)")
-    p.add_argument("--ablations-matching", default="", help="only the ablations and trials whose label contains one of these (comma-separated)")
+    p.add_argument(
+        "--paired",
+        default="1b",
+        help="presets whose baseline and plain steps are also timed in alternating windows ('' for none)",
+    )
+    p.add_argument(
+        "--no-ablations",
+        dest="ablations",
+        action="store_false",
+        help="skip the 1B ablation rows (each undoes one optimisation)",
+    )
+    p.add_argument(
+        "--ablations-matching",
+        default="",
+        help="only the ablations and trials whose label contains one of these (comma-separated)",
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_bench: needs a CUDA device")
@@ -602,13 +736,17 @@ def main() -> None:
     def emit(row: Row) -> None:
         rows.append(row)
         variant = f"{row.variant} ({row.group})" if row.group else row.variant
-        print(f"{row.preset} {variant}: {row.tokens_per_s:,.0f} tok/s, {row.tflops:.0f} TFLOP/s, "
-              f"MFU {row.mfu_datasheet:.1%} (989) {row.mfu_measured:.1%} (measured), peak {row.peak_gib:.1f} GiB, "
-              f"plan {row.plan_gib}, syncs [{row.syncs}] windows [{row.windows}] {row.note}  "
-              f"(t={time.perf_counter() - t0:.0f}s)", flush=True)
+        print(
+            f"{row.preset} {variant}: {row.tokens_per_s:,.0f} tok/s, {row.tflops:.0f} TFLOP/s, "
+            f"MFU {row.mfu_datasheet:.1%} (989) {row.mfu_measured:.1%} (measured), peak {row.peak_gib:.1f} GiB, "
+            f"plan {row.plan_gib}, syncs [{row.syncs}] windows [{row.windows}] {row.note}  "
+            f"(t={time.perf_counter() - t0:.0f}s)",
+            flush=True,
+        )
         if args.out:
-            (args.out / "bench.json").write_text(json.dumps({"rows": [asdict(r) for r in rows], "notes": notes},
-                                                            indent=1))
+            (args.out / "bench.json").write_text(
+                json.dumps({"rows": [asdict(r) for r in rows], "notes": notes}, indent=1)
+            )
 
     def time_left(what: str) -> bool:
         ok = time.perf_counter() - t0 + COST[what] < args.deadline
@@ -618,8 +756,10 @@ def main() -> None:
         return ok
 
     peak = matmul_peak()
-    head = (f"{torch.cuda.get_device_name(0)} torch={torch.__version__} cudnn={torch.backends.cudnn.version()} "
-            f"bf16 matmul peak {peak:.0f} TFLOP/s")
+    head = (
+        f"{torch.cuda.get_device_name(0)} torch={torch.__version__} cudnn={torch.backends.cudnn.version()} "
+        f"bf16 matmul peak {peak:.0f} TFLOP/s"
+    )
     print(head, flush=True)
     notes.append(head)
     kernels = Kernels()
@@ -649,18 +789,34 @@ def main() -> None:
             if time_left("baseline"):
                 guarded(f"{name} baseline", lambda _: emit(run_baseline(name, args.steps, peak, device)))
             if time_left("plain"):
-                guarded(f"{name} framework", lambda k: run_framework(
-                    name, args.steps, peak, Path(tmp), emit, time_left, device,
-                    name in args.doremi_presets.split(","), ("selective", "full") if name == "1b" else (), k))
+                guarded(
+                    f"{name} framework",
+                    lambda k: run_framework(
+                        name,
+                        args.steps,
+                        peak,
+                        Path(tmp),
+                        emit,
+                        time_left,
+                        device,
+                        name in args.doremi_presets.split(","),
+                        ("selective", "full") if name == "1b" else (),
+                        k,
+                    ),
+                )
         for name in args.paired.split(",") if args.paired else ():
             if time_left("paired"):
                 guarded(f"{name} paired", lambda k: run_paired(name, args.steps, peak, device, emit, k))
         if args.ablations and "1b" in args.presets.split(","):
-            guarded("1b ablations", lambda k: run_ablations("1b", args.steps, peak, emit, time_left,
-                                                              args.ablations_matching, k))
+            guarded(
+                "1b ablations",
+                lambda k: run_ablations("1b", args.steps, peak, emit, time_left, args.ablations_matching, k),
+            )
     counters = torch._dynamo.utils.counters
-    notes.append(f"dynamo graph breaks: {dict(counters['graph_break'])}; "
-                 f"unique graphs: {counters['stats'].get('unique_graphs', 0)}")
+    notes.append(
+        f"dynamo graph breaks: {dict(counters['graph_break'])}; "
+        f"unique graphs: {counters['stats'].get('unique_graphs', 0)}"
+    )
     print(notes[-1])
     print("\n" + format_table(rows), flush=True)
     if args.out:
