@@ -5,12 +5,21 @@ VENV   ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install quickstart test lint clean
+.PHONY: install quickstart test lint clean FORCE
 
-$(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+# The torch build in the venv follows TORCH_SPEC: a changed spec reinstalls torch (pip alone
+# keeps an installed torch that satisfies the new spec, e.g. the CPU build for `torch`). The
+# stamp is rewritten only when the spec changes, so the package is not reinstalled otherwise.
+$(VENV)/.torch-spec: FORCE
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH_SPEC)" ]; then \
+		echo "installing $(TORCH_SPEC) (the venv had: $$(cat $@ 2>/dev/null || echo no recorded spec))"; \
+		$(PY) -m pip install -q --upgrade pip && \
+		$(PY) -m pip install -q --force-reinstall --no-deps "$(TORCH_SPEC)" && \
+		$(PY) -m pip install -q "$(TORCH_SPEC)" && echo "$(TORCH_SPEC)" > $@; \
+	fi
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch-spec
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 

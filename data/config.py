@@ -13,7 +13,12 @@ from data.errors import DataError
 Weight = Annotated[float, "number"]
 #: The forms of a mixture: `uniform`, `tokens`, a weights JSON path, a list in domain order, or
 #: a mapping domain -> weight (data.weights.resolve_weights).
-Weights = str | list[Weight] | dict[str, Weight]
+#: A file-system path, read against the current directory and saved absolute in a run's
+#: config.yaml (the "path" tag is trainer.configtools.PATH).
+PathStr = Annotated[str, "path"]
+#: A path when one exists there, else a name (`uniform`; a hub tokenizer): trainer.configtools.PATH_OR_NAME.
+PathOrName = Annotated[str, "path or name"]
+Weights = PathOrName | list[Weight] | dict[str, Weight]
 
 
 @dataclass
@@ -25,11 +30,17 @@ class SyntheticSpec:
     successors per context: learnable but hard).
     """
 
+    # The generator: `noise`, `repeat` or `markov` (above).
     kind: Literal["noise", "repeat", "markov"]
+    # Tokens generated (before the train/validation split).
     num_tokens: int = 200_000
+    # Distinct symbols the generator draws from.
     vocab: int = 64
+    # `markov`: tokens of context that determine the next token's successors.
     order: int = 2
+    # `markov`: successors each context may be followed by.
     branching: int = 4
+    # Seed of the generator (the same seed gives the same tokens).
     seed: int = 0
     # Generated tokens are cut into documents of this many tokens (EOS between them).
     doc_tokens: int = 1024
@@ -47,14 +58,21 @@ class DomainSource:
     """One domain: local files (jsonl/json/parquet/txt/arrow) read through `datasets`, a hub
     dataset name (when online), the embedded quickstart corpus, or a synthetic generator."""
 
+    # The domain's name in stores, weights and reports (no '/', no leading '.').
     name: str
-    paths: list[str] = field(default_factory=list)
+    # Local files or globs (jsonl/json/parquet/txt/arrow), read in order.
+    paths: list[PathStr] = field(default_factory=list)
+    # A Hugging Face hub dataset name (needs network access).
     hub: str | None = None
+    # The hub dataset's split to read.
     hub_split: str = "train"
     # None: the data section's `text_field`.
     text_field: str | None = None
+    # A domain of the embedded quickstart corpus (data/corpus), by name.
     embedded: str | None = None
+    # A generated domain (see SyntheticSpec).
     synthetic: SyntheticSpec | None = None
+    # Read at most this many documents; None: all.
     max_documents: int | None = None
     # How a .txt file becomes documents: the whole file, each paragraph, or each line.
     sample_by: Literal["document", "paragraph", "line"] = "document"
@@ -65,9 +83,12 @@ class TokenizerConfig:
     """`byte` needs no files; `bpe` is trained on the corpus; `file` loads a tokenizer.json;
     `hf` loads a Hugging Face tokenizer by local path or (online) by name."""
 
+    # `byte`, `bpe`, `file` or `hf` (above).
     kind: Literal["byte", "bpe", "file", "hf"] = "byte"
+    # `bpe`: the vocabulary size to train (>= 258: 256 bytes, EOS and merges); ignored otherwise.
     vocab_size: int = 4096
-    path: str | None = None
+    # `file`: a tokenizer.json; `hf`: a local directory or a hub name.
+    path: PathOrName | None = None
     # The end-of-document token of a `file`/`hf` tokenizer; None: the first known one it has
     # (<|endoftext|>, <|end_of_text|>, </s>, <eos>, [SEP]).
     eos_token: str | None = None
@@ -82,22 +103,34 @@ class TokenizerConfig:
 
 @dataclass
 class DataConfig:
+    """Paths (store_dir, data files, weights files) are read against the current directory."""
+
+    # The domains, in the order every weight list and report uses.
     domains: list[DomainSource] = field(default_factory=list)
-    # One dataset holding every domain, split by a column instead of one source per domain.
-    dataset: list[str] = field(default_factory=list)
+    # One dataset holding every domain, split by a column instead of one source per domain:
+    # files or globs, all of one format. Its domains are the column's values.
+    dataset: list[PathStr] = field(default_factory=list)
+    # The column of `dataset` that names each document's domain (required with `dataset`).
     domain_column: str | None = None
+    # The field of a record that holds its text (a domain's `text_field` overrides it).
     text_field: str = "text"
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    store_dir: str = "runs/stores"
+    # Where `doremi preprocess` writes the token stores and their manifest.json.
+    store_dir: PathStr = "runs/stores"
+    # Share of each domain's documents held out for validation.
     validation_fraction: float = 0.05
+    # Seed of the train/validation split and of the holdout.
     split_seed: int = 1234
+    # Worker processes that tokenize.
     num_proc: int = 2
     # Token file dtype; `auto`: uint16 when the vocabulary fits, else uint32.
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    # Tokens per training sequence (at most model.max_seq_len).
     seq_len: int = 256
     # `uniform`, `tokens` (proportional to train tokens), a weights JSON path, or a list of
     # values in domain order / a mapping from domain name to value.
     domain_weights: Weights = "uniform"
+    # Seed of the sampler's draw order.
     seed: int = 0
     # Training sequences per domain held back from every run (chosen by split_seed), on which
     # a run's final evaluation measures memorisation (loss on held-back vs on as many trained-on

@@ -72,38 +72,67 @@ def tokenizer_fingerprint(cfg: TokenizerConfig) -> Any:
     return [cfg.kind, content, cfg.eos_token]
 
 
+def fingerprint_inputs(cfg: DataConfig, plans: list[DomainPlan]) -> dict[str, Any]:
+    """Everything the stores' bytes depend on, by part: sources, tokenizer, split, dtype, format.
+    The manifest records it, so that a rebuild from other inputs can say which part changed."""
+    return {
+        "version": FORMAT_VERSION,
+        "domains": [[p.name, p.fingerprint] for p in plans],
+        "column_domains": shared_dataset_digest(cfg) if needs_column_plans(cfg, plans) else None,
+        "tokenizer": tokenizer_fingerprint(cfg.tokenizer),
+        "split": [cfg.validation_fraction, cfg.split_seed],
+        "token_dtype": cfg.token_dtype,
+    }
+
+
 def fingerprint(cfg: DataConfig, plans: list[DomainPlan]) -> str:
-    """Everything the stores' bytes depend on: sources, tokenizer, split, dtype, format."""
-    return digest(
-        {
-            "version": FORMAT_VERSION,
-            "domains": [[p.name, p.fingerprint] for p in plans],
-            "column_domains": shared_dataset_digest(cfg) if needs_column_plans(cfg, plans) else None,
-            "tokenizer": tokenizer_fingerprint(cfg.tokenizer),
-            "split": [cfg.validation_fraction, cfg.split_seed],
-            "token_dtype": cfg.token_dtype,
-        }
-    )
+    return digest(fingerprint_inputs(cfg, plans))
+
+
+class StoresInUseError(DataError):
+    """`preprocess` into a store directory that holds stores built from other inputs: runs
+    trained on them would be evaluated or resumed against the new ones."""
+
+
+def changed_inputs(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The parts of `fingerprint_inputs` that differ, named for a person: `tokenizer`,
+    `domain 'web' source`, `domain 'x' added`, ..."""
+    if not old:
+        return ["unknown (the stores were built by an older version, which did not record their inputs)"]
+    names = {"version": "format version", "column_domains": "the shared dataset of column domains"}
+    parts = [names.get(k, k) for k in new if k != "domains" and old.get(k) != new[k]]
+    before, after = dict(map(tuple, old.get("domains", []))), dict(map(tuple, new["domains"]))
+    parts += [f"domain {d!r} removed" for d in before if d not in after]
+    parts += [
+        f"domain {d!r} added" if d not in before else f"domain {d!r} source" for d in after if before.get(d) != after[d]
+    ]
+    if not parts and list(before) != list(after):
+        parts.append("order of the domains")
+    return parts
 
 
 def preprocess(cfg: DataConfig, force: bool = False, progress: bool = True) -> Manifest:
     """Build the stores in `cfg.store_dir`; return the existing manifest when its fingerprint
-    matches and the files are intact (unless `force`)."""
+    matches and the files are intact. Stores built from other inputs are never replaced
+    without `force` (StoresInUseError): runs trained on them read them by path."""
     cfg.validate()
     plans = plan_domains(cfg)
-    fp = fingerprint(cfg, plans)
+    inputs = fingerprint_inputs(cfg, plans)
+    fp = digest(inputs)
     store = Path(cfg.store_dir)
     if not force:
         current = _up_to_date(store, fp)
         if current is not None:
             log.info("%s: stores up to date (fingerprint %s)", store, fp[:12])
             return current
+        _refuse_other_inputs(store, fp, inputs)
     store.mkdir(parents=True, exist_ok=True)
     _remove_orphans(store)
     staging = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}-", dir=store))
     try:
         with _datasets_progress(progress):
             manifest = _build(cfg, plans, fp, staging, progress)
+        manifest.inputs = inputs
         _commit(store, staging, manifest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -128,6 +157,20 @@ def _up_to_date(store: Path, fp: str) -> Manifest | None:
         return open_stores(store).manifest
     except DataError:
         return None
+
+
+def _refuse_other_inputs(store: Path, fp: str, inputs: dict[str, Any]) -> None:
+    try:
+        built = read_manifest(store)
+    except DataError:
+        return  # no complete stores (none yet, or a build cut short): nothing to protect
+    if built.fingerprint == fp:
+        return  # the same inputs, damaged files: rebuilding gives the same bytes back
+    raise StoresInUseError(
+        f"{store}: holds stores built from other inputs (changed: {', '.join(changed_inputs(built.inputs, inputs))}; "
+        f"fingerprint {built.fingerprint[:12]} -> {fp[:12]}); runs trained on them read them there: use "
+        f"another data.store_dir, or `doremi preprocess CONFIG --force` to replace them"
+    )
 
 
 @contextlib.contextmanager

@@ -81,6 +81,9 @@ class Manifest:
     sources: dict[str, str] = field(default_factory=dict)
     split: dict[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    # What the fingerprint hashes, by part (data.preprocess.fingerprint_inputs), so that a
+    # rebuild from other inputs can name what changed; empty for stores of older versions.
+    inputs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def domain_names(self) -> list[str]:
@@ -98,6 +101,11 @@ class Manifest:
 
     def counts(self, split: str) -> list[SplitCounts]:
         return [d.split(split) for d in self.domains]
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint records of the stores it was trained on, so that evaluating or
+        resuming it against stores rebuilt from other inputs is refused, not silently wrong."""
+        return {"fingerprint": self.fingerprint, "tokenizer": self.tokenizer}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -125,6 +133,7 @@ class Manifest:
                 sources=raw.get("sources", {}),
                 split=raw.get("split", {}),
                 version=raw["version"],
+                inputs=raw.get("inputs", {}),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{where}: not a valid manifest ({type(e).__name__}: {e})") from None

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from data.errors import UserError
+from trainer.interrupt import Interrupted
 from trainer.parallel.launch_env import is_launch_main
 
 
@@ -66,10 +67,17 @@ def _guard(cfg, kind: str, command: str) -> None:
         print_findings(check_run(cfg.train.run_dir, kind, cfg.pipeline.guardrails), prefix=f"doremi {command}")
 
 
+def _stage_config(args: argparse.Namespace, stage: str):
+    """The config of a training stage, its run directory resolved (`stages.default_run_dir`)."""
+    from doremi import stages
+
+    return stages.with_run_dir(_config(args), args.config, stage)
+
+
 def cmd_train(args):
     from doremi import stages
 
-    cfg = _config(args)
+    cfg = _stage_config(args, "train")
     stages.train(cfg)
     _guard(cfg, "main", "train")
 
@@ -77,7 +85,7 @@ def cmd_train(args):
 def cmd_train_reference(args):
     from doremi import stages
 
-    cfg = _config(args)
+    cfg = _stage_config(args, "train-reference")
     stages.train_reference(cfg)
     _guard(cfg, "reference", "train-reference")
 
@@ -85,8 +93,13 @@ def cmd_train_reference(args):
 def cmd_train_proxy(args):
     from doremi import stages
 
-    cfg = _config(args)
+    cfg = _stage_config(args, "train-proxy")
     stages.train_proxy(cfg)
+    if is_launch_main():
+        run = cfg.train.run_dir
+        print(
+            f"domain weights per step in {run}/domain_weights.jsonl; `doremi average {run}` writes {run}/weights.json"
+        )
     _guard(cfg, "proxy", "train-proxy")
 
 
@@ -94,8 +107,10 @@ def cmd_score(args):
     from doremi import stages
 
     cfg = _config(args)
-    out = args.out or cfg.doremi.reference_cache or str(Path(cfg.train.run_dir) / "reference_cache")
-    print(f"reference losses cached in {stages.score(cfg, out)}")
+    root = Path(cfg.train.run_dir) if cfg.train.run_dir else Path(stages.default_run_dir(args.config, "train")).parent
+    out = stages.score(cfg, args.out or cfg.doremi.reference_cache or str(root / "reference_cache"))
+    if is_launch_main():
+        print(f"reference losses cached in {out}")
 
 
 def cmd_average(args):
@@ -113,14 +128,58 @@ def cmd_eval(args):
 
 
 def cmd_plan(args):
-    from trainer.plan import format_plan, gpu_param_precision, plan_memory
+    from doremi.plan_stages import plan_groups
 
-    cfg = _config(args)
-    print(
-        format_plan(
-            plan_memory(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory, param_precision=gpu_param_precision(cfg))
-        )
-    )
+    _config(args)  # the whole file validated first: a bad key is one line, before any planning
+    for group in plan_groups(args.config, args.set):
+        print(_plan_group(group, args))
+
+
+def _plan_group(group, args) -> str:
+    """Each stage of `group` as configured (dp from --gpus), the layouts that fit it (fastest
+    first), and, when the configured one does not fit, one line saying what to change."""
+    from trainer.configtools import ConfigError
+    from trainer.layout_search import search
+    from trainer.plan import GIB, format_plan, plan_memory
+
+    out, fits = [], True
+    for name, cfg, frozen in group.stages:
+        try:
+            plan = plan_memory(cfg, args.gpus, args.gpu_memory, frozen_reference=frozen)
+        except ConfigError as e:
+            out.append(f"[{name}] as configured: cannot run on {args.gpus} GPUs: {e}\n")
+            fits = False
+            continue
+        out.append(format_plan(plan, title=f"[{name}]") + "\n")
+        fits = fits and plan.fits
+    names = ", ".join(n for n, _, _ in group.stages)
+    found = search(group.stages, args.gpus, args.gpu_memory)
+    fitting = [c for c in found if c.fits]
+    if not args.no_search:
+        out.append(f"layouts of {args.gpus} GPUs that fit {args.gpu_memory:g} GiB for {names}, fastest first:")
+        for i, c in enumerate(fitting[: args.top], 1):
+            out.append(
+                f"  #{i} {c.layout.describe()}: peak {c.peak_bytes / GIB:.1f} GiB, "
+                f"predicted step {c.seconds:.2f} s  ({' '.join('--set ' + o for o in c.layout.overrides(group.prefix))})"
+            )
+        if not fitting:
+            out.append("  none")
+        out.append("")
+    if not fits:
+        if fitting:
+            best = fitting[0]
+            out.append(
+                f"{names}: does NOT fit as configured; change to {best.layout.describe()} "
+                f"(peak {best.peak_bytes / GIB:.1f} GiB): {' '.join('--set ' + o for o in best.layout.overrides(group.prefix))}"
+            )
+        elif found:
+            out.append(
+                f"{names}: no layout of {args.gpus} GPUs fits {args.gpu_memory:g} GiB (the smallest peak is "
+                f"{min(c.peak_bytes for c in found) / GIB:.1f} GiB): use more GPUs or GPUs with more memory"
+            )
+        else:
+            out.append(f"{names}: no valid layout of {args.gpus} GPUs for this config: change --gpus")
+    return "\n".join(out)
 
 
 def cmd_pipeline(args):
@@ -133,6 +192,59 @@ def cmd_compare(args):
     from doremi.compare import compare_roots
 
     print(compare_roots(args.roots, args.out, args.baseline))
+
+
+def _plan_parser(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--gpus", type=int, required=True, help="GPUs in all; dp = GPUs / (tp x pp)")
+    sp.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory per GPU in GiB (2^30 bytes)")
+    sp.add_argument("--no-search", action="store_true", help="plan the configured layout only, list no other layouts")
+    sp.add_argument("--top", type=int, default=10, help="how many fitting layouts to list (default 10)")
+
+
+def cmd_config(args):
+    from doremi.config_cmd import format_presets, resolved_yaml
+    from doremi.config_docs import experiment_keys, format_keys
+    from doremi.errors import DoReMiError
+
+    if args.presets:
+        print(format_presets(), end="")
+    elif args.keys:
+        print(format_keys(experiment_keys()), end="")
+    elif args.config is None:
+        raise DoReMiError("expected CONFIG, --presets or --keys")
+    else:
+        print(resolved_yaml(args.config, args.set), end="")
+
+
+def cmd_inspect(args):
+    from doremi.inspect_cmd import inspect_stores, store_dir_of
+
+    print(inspect_stores(store_dir_of(args.target, args.set), args.domain, args.n), end="")
+
+
+def _config_parsers(sub) -> None:
+    """`doremi config` and `doremi inspect`: look before running."""
+    sp = sub.add_parser("config", help="print the resolved config, the model presets, or every key's doc")
+    sp.add_argument("config", nargs="?", help="experiment YAML file")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    sp.add_argument("--presets", action="store_true", help="list the model presets with their sizes")
+    sp.add_argument("--keys", action="store_true", help="document every config key (type, default, meaning)")
+    sp.set_defaults(fn=cmd_config)
+    sp = sub.add_parser("inspect", help="the token stores' summary and a few decoded documents per domain")
+    sp.add_argument("target", metavar="STORE_DIR_OR_CONFIG", help="a store directory, or a config (its data.store_dir)")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    sp.add_argument("--domain", help="only this domain's documents")
+    sp.add_argument("-n", type=int, default=2, help="documents per domain (default 2)")
+    sp.set_defaults(fn=cmd_inspect)
+
+
+def _debug_after_command(sub) -> None:
+    """`--debug` after the command too (`doremi train X.yaml --debug`); SUPPRESS keeps the
+    subcommand's absent flag from overwriting one given before it."""
+    for sp in sub.choices.values():
+        sp.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for input errors"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     with_config("preprocess", cmd_preprocess, "tokenize each domain into token stores").add_argument(
-        "--force", action="store_true", help="rebuild even when the inputs are unchanged"
+        "--force",
+        action="store_true",
+        help="rebuild even when the inputs are unchanged, and replace stores built from other inputs",
     )
     with_config("train", cmd_train, "train on data.domain_weights")
     with_config("train-reference", cmd_train_reference, "train the DoReMi reference model")
@@ -162,9 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     with_config("score", cmd_score, "cache per-token reference losses for the proxy's data").add_argument(
         "--out", help="cache directory (default: doremi.reference_cache)"
     )
-    sp = with_config("plan", cmd_plan, "predict memory per rank and pipeline stage")
-    sp.add_argument("--gpus", type=int, required=True)
-    sp.add_argument("--gpu-memory", type=float, required=True, help="GB per GPU")
+    _plan_parser(with_config("plan", cmd_plan, "predict memory per rank and stage; search the layouts that fit"))
     with_config("pipeline", cmd_pipeline, "run every stage of an experiment, skipping finished ones")
 
     sp = sub.add_parser("average", help="average a proxy's per-step domain weights")
@@ -185,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("checkpoint", help="run directory or checkpoint directory")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     sp.set_defaults(fn=cmd_eval)
+    _config_parsers(sub)
+    _debug_after_command(sub)
     return p
 
 
@@ -202,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _report(args.command, describe_os_error(e))
         return 2
+    except Interrupted as e:
+        if is_launch_main():
+            print(f"doremi {args.command}: {e}", file=sys.stderr)
+        return e.status
     except KeyboardInterrupt:
         return 130
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from data.config import Weights
+from data.config import PathOrName, PathStr, Weights
 from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError
 
@@ -14,13 +14,17 @@ from trainer.configtools import ConfigError
 class DoReMiConfig:
     """DoReMi (Xie et al. 2023, Algorithm 1). docs/design.md section 4 states every choice."""
 
+    # Step size of the exponentiated-gradient update of the domain weights alpha.
     eta: float = 1.0
+    # Mix of alpha with the uniform distribution after each update (c in the paper).
     smoothing: float = 1e-3
     # Reference run directory (or a checkpoint directory) for `train-proxy` and `score`.
-    reference: str | None = None
-    # Weights the reference trains on: `uniform`, `tokens`, a weights JSON, or values.
+    reference: PathStr | None = None
+    # Weights the reference trains on (`train-reference` ignores data.domain_weights): `uniform`,
+    # `tokens`, a weights JSON, or values.
     reference_weights: Weights = "uniform"
-    # The proxy's fixed sampling distribution (Algorithm 1: uniform over domains).
+    # The distribution the proxy draws its data from (Algorithm 1: uniform over domains); its
+    # loss is reweighted by alpha_t instead (mode `reweight`). Same forms as reference_weights.
     proxy_sampling: Weights = "uniform"
     # `reweight`: the loss is reweighted by alpha_t (the paper). `resample`: data drawn from alpha_t.
     mode: Literal["reweight", "resample"] = "reweight"
@@ -28,11 +32,14 @@ class DoReMiConfig:
     # `lagged`: the gradient uses alpha_{t-1}, which allows 1F1B; a different algorithm.
     update: Literal["exact", "lagged"] = "exact"
     # Directory of cached per-token reference losses (`doremi score`); None: online reference.
-    reference_cache: str | None = None
+    reference_cache: PathStr | None = None
+    # `doremi average`: the tuned weights are the mean of alpha_t over the proxy's steps t >= this.
     average_from_step: int = 1
     # Iterated DoReMi (`doremi pipeline`): round r+1's reference trains on round r's averaged
-    # weights; stop early when no domain weight moves by more than `rounds_tolerance`.
+    # weights; stop early when no domain weight moves by more than `rounds_tolerance`. 1: one
+    # reference, one proxy, as in the paper's main results.
     rounds: int = 1
+    # See `rounds`.
     rounds_tolerance: float = 1e-3
 
     def validate(self, path: str = "doremi") -> None:
@@ -90,15 +97,17 @@ class GuardrailConfig:
 class PipelineConfig:
     """`doremi pipeline`: where the stages write, and what the main runs change."""
 
-    run_dir: str = "runs/experiment"
+    # The pipeline's directory: one subdirectory per stage, the report and the weights.
+    run_dir: PathStr = "runs/experiment"
     # Overrides (same shape as the experiment file) applied to the reference and proxy runs.
     proxy: dict[str, Any] = field(default_factory=dict)
     # Overrides applied to the main runs (typically a larger model, more steps).
     main: dict[str, Any] = field(default_factory=dict)
     # Mixtures the main runs train on besides DoReMi's: `uniform`, `tokens`, or weight JSON paths.
-    baselines: list[str] = field(default_factory=lambda: ["uniform", "tokens"])
+    baselines: list[PathOrName] = field(default_factory=lambda: ["uniform", "tokens"])
     # Skip the main runs (only tune the weights).
     skip_main: bool = False
+    # Thresholds of the checks that qualify the verdict (GuardrailConfig).
     guardrails: GuardrailConfig = field(default_factory=GuardrailConfig)
     # Stop with status 2 before the main runs when a guardrail warns about the reference or proxy.
     strict: bool = False
@@ -111,5 +120,7 @@ class PipelineConfig:
 
 @dataclass
 class ExperimentConfig(TrainerConfig):
+    """An experiment file: the trainer's sections, `doremi` and `pipeline`."""
+
     doremi: DoReMiConfig = field(default_factory=DoReMiConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

@@ -1,5 +1,6 @@
-"""What a pipeline stage's output depends on, hashed: the stage markers record it, and a stage
-whose fingerprint changed is redone.
+"""What a pipeline stage's output depends on: the config keys the stage reads, flattened to
+`section.key` paths, with what its path-valued keys and the stores point at; the stage markers
+record the keys and their hash, and a stage whose hash changed is redone, naming the keys.
 
 Here rather than in `doremi.pipeline` because `doremi.validate` needs `SAMPLING_KEYS` too, and
 the pipeline imports the validation.
@@ -9,15 +10,36 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from data.store import MANIFEST_FILE, read_manifest
 from doremi.config import ExperimentConfig
 from doremi.stage_markers import dir_marker
 from trainer.configtools import to_dict
+from trainer.run_dir import _flatten
 
 #: `data` keys that change how batches are drawn from the stores, not the stores' bytes.
 SAMPLING_KEYS = ("seed", "domain_weights", "seq_len", "num_proc", "holdout_sequences")
+
+#: Keys no stage's output depends on: logging, the pipeline's own section, where a stage writes
+#: (the pipeline places it), and how many rounds run (which does not change any one round).
+NOT_STAGE_KEYS = ("logging", "pipeline", "train.run_dir", "doremi.rounds", "doremi.rounds_tolerance")
+
+#: Keys that may name a weights file or a finished stage: what they point at is a key too.
+DEPENDENCY_KEYS = ("data.domain_weights", "doremi.reference_weights", "doremi.reference")
+
+#: The sections a stage does not read. The reference reads `doremi.reference_weights` only
+#: (its mixture); a main run and its evaluation nothing of `doremi`; the proxy and its average
+#: all of it.
+REFERENCE_IGNORES = ("doremi",)
+REFERENCE_READS = ("doremi.reference_weights",)
+MAIN_IGNORES = ("doremi",)
+
+
+def _digest(text: str | bytes) -> str:
+    return hashlib.sha256(text if isinstance(text, bytes) else text.encode()).hexdigest()[:16]
 
 
 def _dependency(value: Any) -> str | None:
@@ -27,26 +49,42 @@ def _dependency(value: Any) -> str | None:
         return None
     p = Path(value)
     if p.is_file():
-        return p.read_text()
+        return _digest(p.read_bytes())
     if dir_marker(p).is_file():
-        return dir_marker(p).read_text()
+        return _digest(dir_marker(p).read_bytes())
     return None
 
 
-def fingerprint(cfg: ExperimentConfig) -> str:
-    """A training or averaging stage's: its whole config but for logging and the pipeline's own
-    keys, and the content of the weights files and stages it reads."""
-    raw = to_dict(cfg)
-    raw.pop("logging", None)
-    raw.pop("pipeline", None)
-    for key in ("rounds", "rounds_tolerance"):  # how many rounds run does not change any one round
-        raw["doremi"].pop(key, None)
-    deps = [_dependency(v) for v in (cfg.data.domain_weights, cfg.doremi.reference_weights, cfg.doremi.reference)]
-    blob = json.dumps([raw, deps], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+def _under(key: str, prefixes: Iterable[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def stage_keys(cfg: ExperimentConfig, ignore: Iterable[str] = (), reads: Iterable[str] = ()) -> dict[str, Any]:
+    """The keys a training or averaging stage reads: the whole config but `NOT_STAGE_KEYS` and
+    the sections or keys in `ignore` (save those in `reads`), with `KEY (content)` for what
+    `DEPENDENCY_KEYS` point at and `data (stores)` for the stores' fingerprint (stores rebuilt
+    in place with `preprocess --force` are other data under the same path)."""
+    skip, reads = (*NOT_STAGE_KEYS, *ignore), tuple(reads)
+    keys = {k: v for k, v in _flatten(to_dict(cfg)).items() if _under(k, reads) or not _under(k, skip)}
+    for k in DEPENDENCY_KEYS:
+        if k in keys:
+            dep = _dependency(keys[k])
+            if dep is not None:
+                keys[f"{k} (content)"] = dep
+    if (Path(cfg.data.store_dir) / MANIFEST_FILE).is_file():
+        keys["data (stores)"] = read_manifest(cfg.data.store_dir).fingerprint[:16]
+    return keys
+
+
+def store_keys(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The keys the preprocess stage reads: the data section without SAMPLING_KEYS."""
+    return {f"data.{k}": v for k, v in _flatten(to_dict(cfg.data)).items() if not _under(k, SAMPLING_KEYS)}
+
+
+def fingerprint(keys: dict[str, Any]) -> str:
+    return _digest(json.dumps(keys, sort_keys=True, default=str))
 
 
 def store_fingerprint(cfg: ExperimentConfig) -> str:
-    """The preprocess stage's fingerprint: the data section without SAMPLING_KEYS."""
-    raw = {k: v for k, v in to_dict(cfg.data).items() if k not in SAMPLING_KEYS}
-    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+    """The preprocess stage's fingerprint."""
+    return fingerprint(store_keys(cfg))

@@ -2,11 +2,13 @@
 main runs (DoReMi weights and baselines) -> per-domain eval -> report.
 
 Each stage writes `stage.started.json` (its config fingerprint) when it starts and `stage.json`
-when it completes (`doremi.stage_markers`); a stage whose output exists for an unchanged config
-is skipped, one whose config changed is redone from scratch (finished or not), and one
-interrupted mid-way under the same config resumes from its last checkpoint. The pipeline holds
-its run directory's lock (trainer/run_dir.py) for its life, and each training stage's directory
-while it runs.
+when it completes (`doremi.stage_markers`). The fingerprint covers the keys the stage reads
+(`doremi.fingerprint`: the reference none of `doremi` but its mixture, the main runs none of
+`doremi`): a stage whose output exists for unchanged keys is kept, one whose keys changed is
+redone from scratch, the changed keys printed, its finished output kept under
+`ROOT/previous/` (a sweep's earlier points are not overwritten); one interrupted mid-way under
+the same keys resumes from its last checkpoint. The pipeline holds its run directory's lock
+(trainer/run_dir.py) for its life, and each training stage's directory while it runs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import copy
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,11 +28,20 @@ import numpy as np
 from data.weights_file import WEIGHTS_FILE, copy_weights_file, read_weights_file
 from doremi import stages
 from doremi.config import ExperimentConfig
-from doremi.fingerprint import fingerprint, store_fingerprint
+from doremi.fingerprint import (  # noqa: F401 (store_fingerprint: imported from here by tests)
+    MAIN_IGNORES,
+    REFERENCE_IGNORES,
+    REFERENCE_READS,
+    fingerprint,
+    stage_keys,
+    store_fingerprint,
+    store_keys,
+)
 from doremi.main_runs import mixtures
 from doremi.stage_markers import (
     EVAL_OUTPUT,
     done_marker,
+    kept_path,
     read_marker,
     remove_marker_temps,
     started_marker,
@@ -95,33 +107,46 @@ class Pipeline:
         self,
         name: str,
         out: Path,
-        cfg: ExperimentConfig,
+        keys: dict[str, Any],
         fn: Callable[[], Any],
-        fp: str | None = None,
         clean: bool = True,
         main_only: bool = False,
     ) -> Any:
-        """Run `fn` unless `out` holds its result for fingerprint `fp` (default: the whole
-        config's). `clean`: remove a stale output before redoing it. `main_only`: `fn` only
-        touches files, so rank 0 runs it while the other ranks wait."""
+        """Run `fn` unless `out` holds its result for `keys` (the config keys the stage reads:
+        `doremi.fingerprint`). A finished output made under other keys is redone, the changed
+        keys named, and (with `clean`) kept under `ROOT/previous/` rather than overwritten, so
+        that a sweep's earlier points stay (`kept_path`). `clean`: the stage owns `out`, and a
+        stale one is moved or removed before redoing it. `main_only`: `fn` only touches files,
+        so rank 0 runs it while the other ranks wait."""
         marker = done_marker(out)
         started = started_marker(marker)
-        fp = fp or fingerprint(cfg)
+        fp = fingerprint(keys)
+        previous: dict[str, Any] | None = None
         stale = False
         if marker.is_file():
-            done = read_marker(marker)
-            if done.get("fingerprint") == fp:
+            previous = read_marker(marker)
+            if previous.get("fingerprint") == fp:
                 self.say(f"[{self._elapsed()}] {name}: done already ({out}), skipped")
-                return done.get("result")
-            self.say(f"[{self._elapsed()}] {name}: config changed, redoing")
+                return previous.get("result")
             stale = True
         elif started.is_file() and read_marker(started).get("fingerprint") != fp:
             self.say(f"[{self._elapsed()}] {name}: interrupted under another config, redoing from scratch")
             stale = True
+        kept = kept_path(self.root, out, previous["fingerprint"]) if previous is not None and clean else None
+        if previous is not None:
+            changed = (
+                rundir.changed_keys(previous["keys"], keys)
+                if "keys" in previous
+                else "(the previous run recorded no keys: made by an older version)"
+            )
+            where = f"; the previous output is kept in {kept}" if kept is not None else ""
+            self.say(f"[{self._elapsed()}] {name}: redone, config changed: {changed}{where}")
         with contextlib.ExitStack() as stack:
             if clean and out.suffix == "":
                 rundir.on_rank0(lambda: stack.enter_context(rundir.locked(out)), is_launch_main())
             if stale and is_launch_main():
+                if kept is not None:
+                    self._keep(out, marker, kept)
                 marker.unlink(missing_ok=True)  # another pipeline sharing the stage may have gone first
                 if clean and out.is_dir():
                     rundir.clear(out)
@@ -132,9 +157,29 @@ class Pipeline:
             result = fn() if is_launch_main() or not main_only else None
             barrier()
             if is_launch_main():
-                write_done(marker, name, fp, result)
+                write_done(marker, name, fp, result, keys)
             barrier()
         return result
+
+    @staticmethod
+    def _keep(out: Path, marker: Path, kept: Path) -> None:
+        """Move the finished output `out` (a run directory but its lock, or a file) and its
+        marker to `kept`, replacing an output of the same keys kept before."""
+        if kept.is_dir():
+            shutil.rmtree(kept)
+        kept.unlink(missing_ok=True)
+        done_marker(kept).unlink(missing_ok=True)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        if out.suffix == "":
+            kept.mkdir()
+            for entry in out.iterdir():
+                if entry.name != rundir.LOCK_FILE:
+                    entry.rename(kept / entry.name)
+            return
+        if out.exists():
+            out.rename(kept)
+        if marker.exists():
+            marker.rename(done_marker(kept))
 
     def _elapsed(self) -> str:
         s = int(time.perf_counter() - self._t0)
@@ -153,16 +198,15 @@ class Pipeline:
         from data.preprocess import preprocess
 
         cfg = self.cfg
-        # `preprocess` itself rebuilds what changed; the marker skips even its check when none of
-        # the keys the stores depend on changed, so that runs differing only in how they sample
-        # (data.seed, data.domain_weights, seq_len) share one store directory, also concurrently.
-        data_fp = store_fingerprint(cfg)
+        # `preprocess` itself refuses stores built from other inputs; the marker skips even its
+        # check when none of the keys the stores depend on changed, so that runs differing only
+        # in how they sample (data.seed, data.domain_weights, seq_len) share one store
+        # directory, also concurrently.
         self._run_stage(
             "preprocess",
             Path(cfg.data.store_dir),
-            cfg,
+            store_keys(cfg),
             lambda: (preprocess(cfg.data), None)[1],
-            fp=data_fp,
             clean=False,
             main_only=True,
         )
@@ -203,7 +247,10 @@ class Pipeline:
                 self.p.proxy, train__run_dir=str(rdir / "reference"), doremi__reference_weights=ref_weights
             )
             self._run_stage(
-                f"round {r}: reference", rdir / "reference", ref_cfg, lambda: (stages.train_reference(ref_cfg), None)[1]
+                f"round {r}: reference",
+                rdir / "reference",
+                stage_keys(ref_cfg, REFERENCE_IGNORES, REFERENCE_READS),
+                lambda: (stages.train_reference(ref_cfg), None)[1],
             )
             proxy_cfg = self.stage_config(
                 self.p.proxy,
@@ -212,13 +259,16 @@ class Pipeline:
                 doremi__reference_weights=ref_weights,
             )
             self._run_stage(
-                f"round {r}: proxy", rdir / "proxy", proxy_cfg, lambda: (stages.train_proxy(proxy_cfg), None)[1]
+                f"round {r}: proxy",
+                rdir / "proxy",
+                stage_keys(proxy_cfg),
+                lambda: (stages.train_proxy(proxy_cfg), None)[1],
             )
             avg_path = rdir / WEIGHTS_FILE
             self._run_stage(
                 f"round {r}: average",
                 avg_path,
-                proxy_cfg,
+                stage_keys(proxy_cfg),
                 lambda: str(stages.average(rdir / "proxy", avg_path, proxy_cfg.doremi.average_from_step)),
                 main_only=True,
             )
@@ -243,10 +293,11 @@ class Pipeline:
         for name, weights in self.mixtures(weights_path).items():
             run_dir = self.root / "main" / name
             cfg = self.stage_config(self.p.main, train__run_dir=str(run_dir), data__domain_weights=weights)
+            keys = stage_keys(cfg, MAIN_IGNORES)
             self._run_stage(
-                f"main run: {name}", run_dir, cfg, lambda: (stages.train(cfg, desc=f"main:{name}"), None)[1]
+                f"main run: {name}", run_dir, keys, lambda: (stages.train(cfg, desc=f"main:{name}"), None)[1]
             )
-            result = self._run_stage(f"eval: {name}", run_dir / EVAL_OUTPUT, cfg, lambda: self._eval(run_dir))
+            result = self._run_stage(f"eval: {name}", run_dir / EVAL_OUTPUT, keys, lambda: self._eval(run_dir))
             out[name] = result
         return out
 

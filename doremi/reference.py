@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from data.batch import to_device
+from data.store import MANIFEST_FILE, read_manifest
 from doremi.errors import DoReMiError
 from doremi.reference_cache import CACHE_VERSION, open_cache  # noqa: F401 (CACHE_VERSION: imported from here by tests)
 from trainer.build import RunFacts, build_model
@@ -21,6 +22,12 @@ from trainer.parallel.pipeline_schedule import forward_only
 
 def run_dir_of(checkpoint: Path) -> Path:
     return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+
+
+def stores_identity(store_dir: str) -> dict | None:
+    """The identity of the stores in `store_dir`; None where there are none to compare."""
+    manifest = Path(store_dir) / MANIFEST_FILE
+    return read_manifest(store_dir).identity() if manifest.is_file() else None
 
 
 def freeze(model: torch.nn.Module, facts: RunFacts) -> torch.nn.Module:
@@ -38,10 +45,12 @@ def load_frozen(
     cfg: TrainerConfig, checkpoint: Path, pc: ParallelContext, facts: RunFacts | None = None
 ) -> torch.nn.Module:
     """The reference model in `cfg`'s layout, loaded from any layout, `freeze`d. `facts`: those
-    of `cfg` (resolved here when not given)."""
+    of `cfg` (resolved here when not given). The checkpoint must have been trained on the stores
+    of `cfg.data.store_dir` (`trainer.checkpoint.check_data`): a model evaluated, or used as a
+    reference, on stores rebuilt from other inputs gives a plausible but wrong loss."""
     facts = facts or RunFacts.resolve(cfg, pc)
     model = build_model(cfg, pc, facts)
-    load_checkpoint(checkpoint, model, None, pc)
+    load_checkpoint(checkpoint, model, None, pc, data=stores_identity(cfg.data.store_dir))
     return freeze(model, facts)
 
 

@@ -19,6 +19,7 @@ from data.atomic import atomic_path, atomic_write_text
 WEIGHTS_PNG = "domain_weights.png"
 VAL_LOSS_PNG = "val_loss.png"
 FINAL_LOSS_PNG = "final_loss.png"
+DIFF_PNG = "loss_vs_baseline.png"
 
 Vector = Sequence[float]
 
@@ -210,9 +211,10 @@ def plot_val_loss(
     main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
     entropy: Sequence[float | None],
 ) -> None:
-    """Validation loss per domain (one panel each) over the main runs' steps; known entropy
-    dashed."""
+    """Validation loss per domain (one panel each) over the main runs' steps (integer ticks:
+    steps are counts); known entropy dashed."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     k = len(domains)
     ncols = min(4, k)
@@ -236,6 +238,8 @@ def plot_val_loss(
         ax.set_title(d, fontsize=9)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
+    for ax in axes[:k]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes[k:]:
         ax.set_visible(False)
     handles, labels = axes[0].get_legend_handles_labels()
@@ -254,7 +258,8 @@ def plot_final_loss(
     title: str = "final validation loss per domain",
     log: bool = False,
 ) -> None:
-    """Final validation loss per domain, one bar per run (grouped), known entropy as a mark.
+    """Final validation loss per domain, one bar per run (grouped), values written, known entropy
+    as a mark; the y-axis starts near the smallest value, not at 0, so that differences show.
 
     `log`: a log y-axis, for values spanning decades (loss above entropy next to raw loss);
     it needs every value > 0."""
@@ -266,7 +271,8 @@ def plot_final_loss(
     width = 0.8 / max(n, 1)
     for j, ((name, l), c) in enumerate(zip(final_losses.items(), _colors(n))):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(k)]
-        ax.bar(xs, [float(x) for x in l], width=width, color=c, label=name)
+        bars = ax.bar(xs, [float(x) for x in l], width=width, color=c, label=name)
+        ax.bar_label(bars, labels=[f"{float(x):.3f}" for x in l], fontsize=6, padding=1, rotation=90)
     known = [i for i in range(k) if entropy[i] is not None]
     if known:
         ax.hlines(
@@ -285,7 +291,46 @@ def plot_final_loss(
         if bad:
             raise ValueError(f"plot_final_loss: a log axis needs values > 0, got {bad[0]}")
         ax.set_yscale("log")
+    else:
+        values = [float(x) for l in final_losses.values() for x in l]
+        lo, hi = min(values), max(values)
+        ax.set_ylim(bottom=max(0.0, lo - 0.15 * (hi - lo) - 1e-3), top=hi + 0.25 * (hi - lo) + 1e-3)
     ax.set(ylabel=ylabel, title=title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def summary_groups(losses: Vector) -> list[float]:
+    """Per-domain values followed by the two summaries over domains: average and worst case."""
+    values = [float(x) for x in losses]
+    return values + [sum(values) / len(values), max(values)]
+
+
+def plot_differences(path: Path, domains: Sequence[str], final_losses: Mapping[str, Vector], baseline: str) -> None:
+    """Each run's final validation loss minus the baseline's, per domain and for the average and
+    the worst case over domains, with the values written on the bars: the differences that decide
+    a comparison are a few hundredths of a nat, invisible on bars of the losses themselves.
+    Below zero: the run is better."""
+    from matplotlib.figure import Figure
+
+    others = [name for name in final_losses if name != baseline]
+    labels = [*domains, "average", "worst case"]
+    base = summary_groups(final_losses[baseline])
+    n, m = max(len(others), 1), len(labels)
+    fig = Figure(figsize=(max(6.0, 0.55 * m * n + 2), 4), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / n
+    for j, (name, c) in enumerate(zip(others, _colors(n))):
+        diff = [x - b for x, b in zip(summary_groups(final_losses[name]), base)]
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(m)]
+        bars = ax.bar(xs, diff, width=width, color=c, label=f"{name} - {baseline}")
+        ax.bar_label(bars, labels=[f"{d:+.3f}" for d in diff], fontsize=6, padding=1, rotation=90)
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.axvline(len(domains) - 0.5, color="gray", lw=0.6, ls=":")
+    ax.set_xticks(range(m), labels, rotation=30 if m > 6 else 0, ha="right" if m > 6 else "center")
+    ax.set(ylabel=f"final validation loss minus {baseline} (nats)", title=f"against {baseline} (below 0: better)")
+    ax.margins(y=0.25)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, path)
@@ -304,6 +349,7 @@ def write_report(
     baselines: Sequence[str] = (),
     warnings: Sequence[str] | None = None,
     guardrail_table: str | None = None,
+    setup_table: str | None = None,
 ) -> Path:
     """Write `out_dir/report.md` and its PNGs; return the report's path.
 
@@ -319,6 +365,7 @@ def write_report(
         baselines: run names the others are compared with (domains better, speed-up).
         warnings: guardrail warnings, one line each (None: no guardrails were run).
         guardrail_table: the per-domain guardrail measures, a markdown table.
+        setup_table: what was run (sizes, steps, tokens, the method's keys), a markdown table.
     """
     out = Path(out_dir)
     k = len(domains)
@@ -340,6 +387,8 @@ def write_report(
         parts += ["## Warnings", ""]
         parts += [f"- {w}" for w in warnings] if warnings else ["None: every guardrail passed."]
         parts += [""]
+    if setup_table:
+        parts += ["## What was run", "", setup_table]
     parts += [
         "## Mixtures and final validation loss",
         "",
@@ -354,12 +403,12 @@ def write_report(
         parts.append(
             "H is the domain's known entropy (synthetic domains): loss - H is the part a model could still learn."
         )
-    if final_losses:
-        avg = {r: sum(map(float, l)) / k for r, l in final_losses.items()}
-        worst = {r: max(map(float, l)) for r, l in final_losses.items()}
+    if len(final_losses) > 1:
         parts += [
             "",
-            f"Best average loss: **{min(avg, key=avg.get)}**; best worst-case loss: **{min(worst, key=worst.get)}**.",
+            "One seed: no mixture is named best here. A difference between mixtures means "
+            "something only against the seed-to-seed noise; run the pipeline with several seeds "
+            "and compare them with `doremi compare` (paired differences with their standard error).",
         ]
     if vs:
         parts += [
@@ -389,7 +438,10 @@ def write_report(
     if main_runs:
         plot_val_loss(out / VAL_LOSS_PNG, domains, main_runs, ent)
         parts += ["", "## Validation loss during the main runs", "", f"![validation loss]({VAL_LOSS_PNG})"]
-    if final_losses:
+    if baselines and len(final_losses) > 1:
+        plot_differences(out / DIFF_PNG, domains, final_losses, baselines[0])
+        parts += ["", f"## Final validation loss against {baselines[0]}", "", f"![against {baselines[0]}]({DIFF_PNG})"]
+    elif final_losses:
         plot_final_loss(out / FINAL_LOSS_PNG, domains, final_losses, ent)
         parts += ["", "## Final validation loss per domain", "", f"![final validation loss]({FINAL_LOSS_PNG})"]
     report = out / "report.md"

@@ -20,9 +20,10 @@ from data.weights_file import WEIGHTS_FILE, write_weights_file
 from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
 from doremi.history import average_weights, read_history
-from doremi.objective import DoReMiHook
+from doremi.proxy_signals import SignalsLoggedHook
 from doremi.reference import CachedReference, OnlineReference, load_frozen, run_dir_of
 from doremi.reference_cache import create_arrays, open_for_scoring, publish, reference_stamp, staging_dir
+from doremi.stage_markers import done_marker, started_marker
 from doremi.validate import check_stage
 from trainer.build import RunFacts, init_parallel
 from trainer.checkpoint import resolve_checkpoint
@@ -32,21 +33,56 @@ from trainer.evaluate import evaluate_domains
 from trainer.feed import DataFeed
 from trainer.loop import Trainer
 from trainer.parallel.pipeline_schedule import forward_only
+from trainer.run_dir import LOCK_FILE
+
+#: Training stage -> the directory name of its default run directory, and the stage its run
+#: directory records (trainer.run_dir.check_stage).
+STAGE_DIRS = {"train": "train", "train-reference": "reference", "train-proxy": "proxy"}
+
+
+def default_run_dir(config_path: str | Path, stage: str) -> str:
+    """`runs/<config stem>/<stage>`: two stages, or two configs, never share a directory unless
+    `train.run_dir` says so (a baseline trained into a DoReMi run's directory would resume it)."""
+    return str(Path("runs") / Path(config_path).stem / STAGE_DIRS[stage])
+
+
+def with_run_dir(cfg: ExperimentConfig, config_path: str | Path, stage: str) -> ExperimentConfig:
+    """`cfg` with its run directory resolved (`default_run_dir` when train.run_dir is unset)."""
+    if cfg.train.run_dir:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=default_run_dir(config_path, stage)))
+
+
+def pipeline_group(run_dir: str | Path) -> str | None:
+    """The name of the pipeline directory a stage runs under (the nearest ancestor holding a
+    run-directory lock; the pipeline holds its root's), None for a standalone run."""
+    if not started_marker(done_marker(Path(run_dir))).is_file():
+        return None  # the pipeline marks each stage it starts
+    root = next((p for p in Path(run_dir).resolve().parents if (p / LOCK_FILE).is_file()), None)
+    return None if root is None else root.name
+
+
+def with_wandb_group(cfg: ExperimentConfig) -> ExperimentConfig:
+    """wandb groups the runs of one pipeline: `logging.wandb_group`, else the pipeline's name."""
+    if not cfg.logging.wandb or cfg.logging.wandb_group or not cfg.train.run_dir:
+        return cfg
+    group = pipeline_group(cfg.train.run_dir)
+    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb_group=group))
 
 
 def with_weights(cfg: ExperimentConfig, weights: Any) -> ExperimentConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, domain_weights=weights))
 
 
-def train(cfg: ExperimentConfig, desc: str = "train") -> dict[str, Any]:
+def train(cfg: ExperimentConfig, desc: str = "train", stage: str = "train") -> dict[str, Any]:
     """Plain training on `data.domain_weights` (the large run with tuned weights). The
     `doremi` section does not enter its results, so changing it does not stop a resume."""
-    return Trainer(cfg, desc=desc, result_ignore=("doremi",)).fit()
+    return Trainer(with_wandb_group(cfg), desc=desc, result_ignore=("doremi",), stage=stage).fit()
 
 
 def train_reference(cfg: ExperimentConfig) -> dict[str, Any]:
     check_stage(cfg, "train-reference")  # refuses a data.domain_weights it would ignore
-    return train(with_weights(cfg, cfg.doremi.reference_weights), desc="reference")
+    return train(with_weights(cfg, cfg.doremi.reference_weights), desc="reference", stage="reference")
 
 
 def reference_config(cfg: ExperimentConfig, checkpoint: Path) -> ExperimentConfig:
@@ -95,7 +131,7 @@ def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
     the all-forward-all-backward schedule (and the stage split counts its in-flight batches)."""
     if cfg.doremi.update == "exact" and cfg.doremi.mode == "reweight":
         cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, pp_schedule="afab"))
-    trainer = Trainer(cfg, desc="proxy")
+    trainer = Trainer(with_wandb_group(cfg), desc="proxy", stage="proxy")
     sampling = resolve_weights(cfg.doremi.proxy_sampling, trainer.feed.manifest, "doremi.proxy_sampling")
     if cfg.doremi.reference_cache:
         ref = CachedReference(
@@ -114,7 +150,7 @@ def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
         ref_cfg = reference_config(cfg, ck)
         ref_facts = RunFacts.resolve(ref_cfg, trainer.pc)
         ref = OnlineReference(load_frozen(ref_cfg, ck, trainer.pc, ref_facts), ref_facts, trainer.pc)
-    trainer.hook = DoReMiHook(cfg.doremi, trainer.feed.domains, trainer.pc, trainer.run_dir, sampling, ref)
+    trainer.hook = SignalsLoggedHook(cfg.doremi, trainer.feed.domains, trainer.pc, trainer.run_dir, sampling, ref)
     return trainer
 
 

@@ -16,7 +16,7 @@ from doremi.guardrails import findings, format_guardrail_table, measure_pipeline
 from doremi.history import HistoryError, read_history
 from doremi.main_runs import DOREMI_RUN
 from doremi.main_runs import mixtures as mixture_specs
-from doremi.report import format_table, write_report
+from doremi.report import format_table, markdown_table, write_report
 from doremi.stage_markers import eval_result
 from trainer.metrics import read_jsonl
 
@@ -29,6 +29,49 @@ def tokens_per_byte(manifest: Manifest) -> list[float | None]:
         nbytes = getattr(d.validation, "bytes", None)
         out.append(d.validation.tokens / nbytes if nbytes else None)
     return out
+
+
+#: The DoReMi keys a reader needs to know what the proxy did (docs/design.md section 4).
+PROXY_KEYS = ("eta", "smoothing", "reference_weights", "proxy_sampling", "mode", "rounds", "average_from_step")
+
+
+def _run_row(label: str, cfg: dict[str, Any]) -> list[str]:
+    from trainer.config import ModelConfig
+    from trainer.configtools import from_dict
+    from trainer.model.flops import param_count
+
+    m, t, d = cfg["model"], cfg["train"], cfg["data"]
+    params = param_count(from_dict(ModelConfig, m, "model"))
+    tokens = t["steps"] * t["global_batch_size"] * d["seq_len"]
+    return [
+        label,
+        f"{params / 1e6:.2f}M",
+        f"d {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads",
+        str(t["steps"]),
+        f"{t['global_batch_size']} x {d['seq_len']}",
+        f"{tokens / 1e6:.2f}M",
+        f"{t['lr']} -> {t['min_lr']}",
+        str(t["seed"]),
+    ]
+
+
+def setup_table(root: Path) -> str | None:
+    """What a pipeline ran, read from each run's saved config.yaml: model size and shape, steps,
+    batch, tokens, learning rate and seed per stage, and the proxy's DoReMi keys. None when the
+    pipeline wrote no configs (nothing ran)."""
+    import yaml
+
+    runs = [*sorted(root.glob("round*/reference")), *sorted(root.glob("round*/proxy")), *sorted(root.glob("main/*"))]
+    configs = {r: yaml.safe_load((r / "config.yaml").read_text()) for r in runs if (r / "config.yaml").is_file()}
+    if not configs:
+        return None
+    rows = [_run_row(str(r.relative_to(root)), c) for r, c in configs.items()]
+    table = markdown_table(["run", "parameters", "shape", "steps", "batch (seq x len)", "tokens", "lr", "seed"], rows)
+    proxies = [c for r, c in configs.items() if r.name == "proxy"]
+    if proxies:
+        d = proxies[-1].get("doremi", {})
+        table += "\nDoReMi: " + ", ".join(f"{k} {d[k]}" for k in PROXY_KEYS if k in d) + ".\n"
+    return table
 
 
 def collect_run(
@@ -95,6 +138,7 @@ def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: Guar
         baselines=c["baselines"],
         warnings=[f.message for f in warnings(c["findings"])],
         guardrail_table=format_guardrail_table(c["domains"], c["measures"]),
+        setup_table=setup_table(root),
     )
     table = format_table(c["domains"], c["mixtures"], c["final"], c["entropy"], c["tokens_per_byte"])
     n = len(warnings(c["findings"]))

@@ -1,10 +1,12 @@
 """Config loading: typed sections, --set coercion, and one-line errors naming the key path."""
 
+from pathlib import Path
+
 import pytest
 
 from doremi.config import ExperimentConfig
 from trainer.config import load_config
-from trainer.configtools import ConfigError, dump_yaml
+from trainer.configtools import ConfigError, absolute_paths, dump_yaml
 
 
 def write(tmp_path, text):
@@ -126,7 +128,8 @@ def test_resolved_config_round_trips(tmp_path):
     cfg = load(tmp_path, "model: {preset: tiny}\ntrain: {steps: 7}\n")
     dump_yaml(cfg, tmp_path / "resolved.yaml")
     again = load_config(tmp_path / "resolved.yaml", cls=ExperimentConfig)
-    assert again == cfg
+    assert again == absolute_paths(cfg)  # paths saved absolute (docs/config.md)
+    assert again.data.store_dir == str(Path.cwd() / "runs/stores")
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 
 from data.config import DataConfig, DomainSource, SyntheticSpec, TokenizerConfig
 from data.errors import DataError
-from data.preprocess import byte_budgets, preprocess, tokenizer_training_texts
+from data.preprocess import StoresInUseError, byte_budgets, preprocess, tokenizer_training_texts
 from data.sources import SourceReader, plan_domains
 from data.split import validation_mask
 from data.store import MANIFEST_FILE, open_stores, token_dtype
@@ -107,7 +107,10 @@ def test_rerun_does_no_work_and_changes_rebuild(tmp_path, monkeypatch):
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "stores").rglob("*")} == before
     monkeypatch.undo()
     write_jsonl(tmp_path / "beta.jsonl", DOCS["beta"][:-1])
-    second = preprocess(cfg, progress=False)
+    with pytest.raises(StoresInUseError, match=r"other inputs \(changed: domain 'beta' source; .*--force"):
+        preprocess(cfg, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "stores").rglob("*")} == before
+    second = preprocess(cfg, force=True, progress=False)
     assert second.fingerprint != first.fingerprint
     assert second.domain("beta").train.documents + second.domain("beta").validation.documents == 29
 
@@ -177,9 +180,9 @@ def test_domain_column_dataset(tmp_path):
     for name, docs in DOCS.items():
         got = decoded_documents(stores, ByteTokenizer(), name)
         assert sorted(got["train"] + got["validation"]) == sorted(docs)
-    # listing domains selects and orders them
+    # listing domains selects and orders them (other inputs: replaced only with force)
     cfg.domains = [DomainSource(name="beta")]
-    assert preprocess(cfg, progress=False).domain_names == ["beta"]
+    assert preprocess(cfg, force=True, progress=False).domain_names == ["beta"]
 
 
 def test_max_documents_and_empty_documents_dropped(tmp_path):
@@ -214,7 +217,7 @@ def test_missing_field_leaves_nothing_and_keeps_old_stores(tmp_path):
     before = file_bytes(tmp_path / "stores")
     domains[1].text_field = "body"
     with pytest.raises(DataError, match=r"domain 'beta': .*beta.jsonl have no field 'body' \(fields: text, id\)"):
-        preprocess(cfg, progress=False)
+        preprocess(cfg, force=True, progress=False)  # even when replacing
     assert file_bytes(tmp_path / "stores") == before
     assert [p.name for p in (tmp_path / "stores").iterdir() if p.name.startswith(".")] == []
 

@@ -145,7 +145,7 @@ def test_packed_results_hold_every_stage_without_checkpoints(experiment):
         "report.md",
         "domain_weights.png",
         "val_loss.png",
-        "final_loss.png",
+        "loss_vs_baseline.png",
         "weights.json",
         "stores/manifest.json",
         "pipeline.log",

@@ -54,7 +54,7 @@ def test_every_stage_ran_and_report_matches_the_runs(pipeline_run, capsys):
     out = capsys.readouterr().out
     assert "done already" in out and "..." not in out.replace("done already", "")
     report = (run / "report.md").read_text()
-    for png in ("domain_weights.png", "val_loss.png", "final_loss.png"):
+    for png in ("domain_weights.png", "val_loss.png", "loss_vs_baseline.png"):
         assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert png in report
 

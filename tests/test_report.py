@@ -66,7 +66,7 @@ def test_write_report_writes_markdown_and_pngs(tmp_path):
     text = report.read_text()
     assert report.name == "report.md"
     assert format_table(DOMAINS, MIXTURES, LOSSES, ENTROPY) in text
-    assert "Best average loss: **doremi**; best worst-case loss: **doremi**." in text
+    assert "Best" not in text and "One seed: no mixture is named best here." in text
     for png in (WEIGHTS_PNG, VAL_LOSS_PNG, FINAL_LOSS_PNG):
         assert f"]({png})" in text
         w, h = _png_size(tmp_path / "report" / png)
@@ -74,6 +74,63 @@ def test_write_report_writes_markdown_and_pngs(tmp_path):
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == sorted(
         ["report.md", WEIGHTS_PNG, VAL_LOSS_PNG, FINAL_LOSS_PNG]
     )
+
+
+def test_against_a_baseline_the_report_plots_differences_with_average_and_worst(tmp_path, monkeypatch):
+    """The final-loss figure against a baseline shows differences (the few hundredths of a nat
+    that decide a comparison), per domain, average and worst case, each value written."""
+    import doremi.report as rep
+
+    drawn = {}
+    real = rep.plot_differences
+
+    def spy(path, domains, final, baseline):
+        drawn.update(
+            baseline=baseline,
+            diff={
+                n: [x - b for x, b in zip(rep.summary_groups(final[n]), rep.summary_groups(final[baseline]))]
+                for n in final
+                if n != baseline
+            },
+        )
+        real(path, domains, final, baseline)
+
+    monkeypatch.setattr(rep, "plot_differences", spy)
+    runs = {name: [(1, loss), (2, loss)] for name, loss in LOSSES.items()}
+    setup = "| run | steps |\n|---|---:|\n| main/doremi | 2 |\n"
+    text = rep.write_report(
+        tmp_path, DOMAINS, [], runs, LOSSES, MIXTURES, ENTROPY, baselines=["uniform"], setup_table=setup
+    ).read_text()
+    # doremi - uniform: noise -0.25, easy +0.25, web -0.5; average (7.25 - 7.75) / 3; worst 4.25 - 4.5
+    assert drawn["baseline"] == "uniform"
+    assert drawn["diff"]["doremi"] == pytest.approx([-0.25, 0.25, -0.5, -0.5 / 3, -0.25])
+    assert f"]({rep.DIFF_PNG})" in text and rep.FINAL_LOSS_PNG not in text
+    assert "## What was run" in text and setup in text
+    assert _png_size(tmp_path / rep.DIFF_PNG)[0] > 300
+
+
+def test_final_loss_axis_starts_near_the_smallest_value(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    from doremi.report import plot_final_loss
+
+    limits = {}
+    real = Axes.set_ylim
+    monkeypatch.setattr(Axes, "set_ylim", lambda self, *a, **k: limits.update(k) or real(self, *a, **k))
+    plot_final_loss(tmp_path / "f.png", DOMAINS, {"a": [4.0, 4.1, 4.2], "b": [4.05, 4.1, 4.3]}, [None] * 3)
+    assert limits["bottom"] == pytest.approx(4.0 - 0.15 * 0.3 - 1e-3)
+
+
+def test_validation_curves_use_integer_step_ticks(tmp_path, monkeypatch):
+    from matplotlib.ticker import MaxNLocator
+
+    from doremi.report import plot_val_loss
+
+    seen = []
+    real = MaxNLocator.__init__
+    monkeypatch.setattr(MaxNLocator, "__init__", lambda self, *a, **k: seen.append(k) or real(self, *a, **k))
+    plot_val_loss(tmp_path / "v.png", DOMAINS, {"uniform": [(1, [1.0, 2.0, 3.0])]}, [None] * 3)
+    assert sum(k.get("integer") is True for k in seen) == len(DOMAINS)
 
 
 def test_write_report_skips_plots_without_data(tmp_path):

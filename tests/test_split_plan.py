@@ -158,10 +158,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _llama70b_config(dp: int = 1):
     """experiments/configs/llama3_70b.yaml (tp4 pp4, seq 8192, micro-batch 1, 64 micro-batches per dp
-    rank, selective recompute, sequence parallel), optionally with more data-parallel ranks."""
+    rank, sequence parallel) with selective recompute (it ships with full recompute, which fits),
+    optionally with more data-parallel ranks."""
     return load_config(
         ROOT / "experiments" / "configs" / "llama3_70b.yaml",
-        [f"parallelism.dp={dp}", f"train.global_batch_size={64 * dp}"],
+        [f"parallelism.dp={dp}", f"train.global_batch_size={64 * dp}", "parallelism.recompute=selective"],
     )
 
 
@@ -196,7 +197,9 @@ def test_memory_split_fits_where_compute_split_ooms_at_dp2():
 
 def test_plan_rejects_wrong_gpu_count():
     cfg = _llama70b_config()
-    with pytest.raises(ValueError, match=r"--gpus: expected tp x pp x dp = 4 x 4 x 1 = 16 for this config, got 8"):
+    with pytest.raises(
+        ValueError, match=r"--gpus: expected a positive multiple of parallelism.tp x parallelism.pp = 4 x 4 = 16, got 8"
+    ):
         plan_memory(cfg, 8, 96)
     with pytest.raises(ValueError, match="--gpu-memory: expected a positive number of GiB, got 0"):
         plan_memory(cfg, 16, 0)

@@ -9,7 +9,8 @@ Layout of `RUN/checkpoints/step_0000042/`:
 - `rng_rank{r}.pt`: each rank's torch (CPU and CUDA), numpy and python RNG states.
 - `extra.pt`: the caller's state (JSON-able values and tensors), from rank 0.
 - `meta.json`: format version, step, layout, optimizer kind, the model config (`model`, when
-  the model carries one), per parameter its full shape, ShardSpec, dtype and file per saved tp
+  the model carries one), the stores' identity (`data`: fingerprint and tokenizer, when the
+  caller gives it; `check_data` compares it on every load), per parameter its full shape, ShardSpec, dtype and file per saved tp
   rank, per parameter the optimizer file per tp rank, and every file's size and XXH3-64 hash.
 
 Integrity: each file's XXH3-64 hash (xxhash; about 10x the speed of zlib's CRC-32, which cost a
@@ -305,7 +306,12 @@ def model_config(model: torch.nn.Module) -> dict[str, Any] | None:
 
 
 def _metadata(
-    step: int, entries: list[dict[str, Any]], pc: ParallelContext, zero1: bool, model_cfg: dict[str, Any] | None
+    step: int,
+    entries: list[dict[str, Any]],
+    pc: ParallelContext,
+    zero1: bool,
+    model_cfg: dict[str, Any] | None,
+    data: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for e in entries:
@@ -328,6 +334,7 @@ def _metadata(
         "optimizer": kinds.pop() if kinds else None,
         "master_weights": any(e["optim"]["master"] for e in entries if e["optim"]),
         "model": model_cfg,
+        "data": data,
         "params": dict(sorted(params.items())),
         "optim_files": dict(sorted(optim_files.items())),
         "files": dict(sorted((name, f) for e in entries for name, f in e["files"].items())),
@@ -352,9 +359,11 @@ def save_checkpoint(
     pc: ParallelContext,
     extra: dict[str, Any],
     keep: int = 0,
+    data: dict[str, Any] | None = None,
 ) -> Path:
     """Write this step's checkpoint from every rank (collective); keep the newest `keep`
-    (0: all). Returns the checkpoint directory."""
+    (0: all). `data`: the identity of the stores it was trained on (`data.store.Manifest.identity`),
+    which `load_checkpoint` compares. Returns the checkpoint directory."""
     _check_extra(extra)
     final = checkpoint_dir(run_dir, step)
     root, tmp = final.parent, final.with_name(final.name + ".tmp")
@@ -367,7 +376,7 @@ def save_checkpoint(
     entries = _gather_to_main(entry, pc)
     if pc.is_main:
         zero1 = bool(optimizer is not None and optimizer.zero1)
-        meta = _metadata(step, entries, pc, zero1, model_config(model))
+        meta = _metadata(step, entries, pc, zero1, model_config(model), data)
         atomic_write_text(tmp / META, json.dumps(meta, indent=1))
         if final.exists():
             old = final.with_name(final.name + _OLD)
@@ -630,19 +639,47 @@ def _clean_before_resume(path: Path, pc: ParallelContext) -> None:
     pc.barrier()
 
 
+def _tokenizer_text(tok: dict[str, Any]) -> str:
+    return f"{tok.get('name')} {str(tok.get('hash', ''))[:12]}".strip()
+
+
+def check_data(ck: Path, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> None:
+    """The stores a checkpoint was trained on (`saved`, from its meta.json) must be the ones
+    it is now evaluated, resumed or used as a reference on (`current`): stores rebuilt from
+    other inputs under the same path give another, plausible-looking loss. Skipped when either
+    side is unknown (a checkpoint of an older version, a model trained outside the stores)."""
+    if not saved or not current:
+        return
+    if saved.get("fingerprint") == current.get("fingerprint") and saved.get("tokenizer") == current.get("tokenizer"):
+        return
+    run = ck.parent.parent if ck.parent.name == "checkpoints" else ck
+    raise CheckpointError(
+        f"{run}: trained on stores {str(saved.get('fingerprint'))[:12]} (tokenizer "
+        f"{_tokenizer_text(saved.get('tokenizer') or {})}), but the stores it would read now are "
+        f"{str(current.get('fingerprint'))[:12]} (tokenizer {_tokenizer_text(current.get('tokenizer') or {})}); "
+        f"point data.store_dir at the stores it was trained on, or train it again"
+    )
+
+
 def load_checkpoint(
-    path_or_run_dir: str | os.PathLike, model: torch.nn.Module, optimizer: Optimizer | None, pc: ParallelContext
+    path_or_run_dir: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: Optimizer | None,
+    pc: ParallelContext,
+    data: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load parameters (and the optimizer state unless None) into this rank's stage under its
     current layout and parameter precision; restore RNG states when the layout is unchanged.
     Collective (the parameter set is checked over all stages). A load with optimizer state is a
     resume: it first removes the leftovers of killed writes in the checkpoint's run directory.
     The model config and parameter set are checked before any tensor is copied, and each
-    file's size and hash before it is read. Returns the saved `extra`."""
+    file's size and hash before it is read. `data`: the identity of the stores the caller
+    reads (`check_data`). Returns the saved `extra`."""
     if optimizer is not None:
         _clean_before_resume(Path(path_or_run_dir), pc)
     ck = resolve_checkpoint(path_or_run_dir)
     meta = _read_meta(ck)
+    check_data(ck, meta.get("data"), data)
     params = dict(model.named_parameters())
     _check_model_config(ck, meta.get("model"), model_config(model))
     _check_param_set(ck, meta["params"], params, pc)

@@ -33,6 +33,14 @@ class ConfigError(UserError, ValueError):
 #: bool or a string (plain `float` fields take "3e-4"; a weight typed `true` must not become 1).
 NUMBER = "number"
 
+#: The tag of a file-system path: `Annotated[str, PATH]`. A relative one is read against the
+#: current directory, as every path the user types is; `dump_yaml` writes it absolute, so that a
+#: run's saved config.yaml means the same from any directory (`doremi eval RUN` from elsewhere).
+PATH = "path"
+#: The tag of a value that is a path when one exists there, and a name otherwise (a weights JSON
+#: or `uniform`; a local tokenizer or a hub name): written absolute only when it exists.
+PATH_OR_NAME = "path or name"
+
 
 class Loader(yaml.SafeLoader):
     """YAML with YAML 1.2's floats: `1e-3` (no dot) is a float, not the string PyYAML's 1.1
@@ -54,21 +62,22 @@ def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """A type as the messages and the key docs name it (`list of str`, `one of 'a', 'b'`)."""
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:
         base, *tags = typing.get_args(tp)
-        return "number" if NUMBER in tags else _type_name(base)
+        return "number" if NUMBER in tags else type_name(base)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (list, tuple):
         args = typing.get_args(tp)
-        return f"list of {_type_name(args[0])}" if args else "list"
+        return f"list of {type_name(args[0])}" if args else "list"
     if origin is dict:
         args = typing.get_args(tp)
-        return f"mapping of {_type_name(args[0])} to {_type_name(args[1])}" if args else "mapping"
+        return f"mapping of {type_name(args[0])} to {type_name(args[1])}" if args else "mapping"
     if tp is type(None):
         return "null"
     if dataclasses.is_dataclass(tp):
@@ -105,14 +114,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, arg, path)
             except ConfigError:
                 continue
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+        raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}")
     if origin is typing.Literal:
         choices = typing.get_args(tp)
         if value in choices:
             return value
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}{extra}")
+        raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}{extra}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -121,13 +130,13 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         return from_dict(tp, value, path)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+            raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}")
         (arg,) = typing.get_args(tp)[:1] or (Any,)
         items = [_coerce(v, arg, f"{path}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+            raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}")
         kt, vt = typing.get_args(tp) or (Any, Any)
         return {_coerce(k, kt, path): _coerce(v, vt, f"{path}.{k}") for k, v in value.items()}
     if tp is bool:
@@ -155,7 +164,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected str, got {_describe(value)}")
         return value
     if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+        raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}")
     return value
 
 
@@ -201,33 +210,71 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b=value` -> (["a", "b"], value parsed as YAML, so 3 is an int and [1,2] a list)."""
+_KEY_PART = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*)((?:\[-?[0-9]+\])*)")
+
+
+def _split_key(text: str, key: str) -> list[str | int]:
+    """`data.domains[1].paths` -> ["data", "domains", 1, "paths"]."""
+    parts: list[str | int] = []
+    for part in key.split("."):
+        m = _KEY_PART.fullmatch(part)
+        if m is None:
+            raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE (a key may index a list: a.b[0].c)")
+        parts.append(m.group(1))
+        parts.extend(int(i) for i in re.findall(r"-?[0-9]+", m.group(2)))
+    return parts
+
+
+def _key_text(keys: list[str | int]) -> str:
+    return "".join(f"[{k}]" if isinstance(k, int) else (f".{k}" if i else k) for i, k in enumerate(keys))
+
+
+def parse_override(text: str) -> tuple[list[str | int], Any]:
+    """`a.b[0].c=value` -> (["a", "b", 0, "c"], value parsed as YAML, so 3 is an int and [1,2] a list)."""
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE")
     key, raw = text.split("=", 1)
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE")
+    keys = _split_key(text, key)
     try:
         value = load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    return key.split("."), value
+    return keys, value
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `--set` overrides to the raw mapping; the typed load coerces and validates them."""
+    """Apply `--set` overrides to the raw mapping; the typed load coerces and validates them.
+
+    A missing section is created; a list is indexed by an existing position only (`[1]` of a
+    two-domain list), since a new entry would lack its required keys."""
     for text in overrides:
         keys, value = parse_override(text)
-        node = raw
-        for i, k in enumerate(keys[:-1]):
-            child = node.get(k)
+        node: Any = raw
+        for i, k in enumerate(keys):
+            last = i == len(keys) - 1
+            here = _key_text(keys[: i + 1])
+            if isinstance(k, int):
+                if not isinstance(node, list):
+                    raise ConfigError(f"--set {text}: {_key_text(keys[:i])} is not a list")
+                if not -len(node) <= k < len(node):
+                    raise ConfigError(
+                        f"--set {text}: {here}: index out of range ({_key_text(keys[:i])} has {len(node)} entries)"
+                    )
+            elif not isinstance(node, dict):
+                raise ConfigError(f"--set {text}: {_key_text(keys[:i])} is not a section")
+            if last:
+                node[k] = value
+                break
+            child = node[k] if isinstance(k, int) else node.get(k)
             if child is None:
+                if isinstance(keys[i + 1], int):
+                    raise ConfigError(f"--set {text}: {here} is not a list")
                 child = node[k] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {text}: {'.'.join(keys[: i + 1])} is not a section")
+            if isinstance(keys[i + 1], int) and not isinstance(child, list):
+                raise ConfigError(f"--set {text}: {here} is not a list")
+            if not isinstance(child, (dict, list)):
+                raise ConfigError(f"--set {text}: {here} is not a section")
             node = child
-        node[keys[-1]] = value
     return raw
 
 
@@ -248,5 +295,42 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return raw
 
 
+def _absolute(value: Any, tp: Any) -> Any:
+    """`value` of type `tp` with its PATH-tagged strings made absolute (see `PATH`)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        base, *tags = typing.get_args(tp)
+        if isinstance(value, str) and value and (PATH in tags or (PATH_OR_NAME in tags and Path(value).exists())):
+            return os.path.abspath(os.path.expanduser(value))
+        return _absolute(value, base)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if typing.get_origin(arg) is typing.Annotated or typing.get_origin(arg) in (list, tuple, dict):
+                value = _absolute(value, arg)
+            elif dataclasses.is_dataclass(arg) and isinstance(value, arg):
+                value = absolute_paths(value)
+        return value
+    if origin in (list, tuple) and isinstance(value, (list, tuple)):
+        (arg,) = typing.get_args(tp)[:1] or (Any,)
+        return type(value)(_absolute(v, arg) for v in value)
+    if origin is dict and isinstance(value, dict):
+        _, vt = typing.get_args(tp) or (Any, Any)
+        return {k: _absolute(v, vt) for k, v in value.items()}
+    if dataclasses.is_dataclass(tp) and dataclasses.is_dataclass(value):
+        return absolute_paths(value)
+    return value
+
+
+def absolute_paths(obj: T) -> T:
+    """A copy of dataclass `obj` whose path-tagged fields (`PATH`, `PATH_OR_NAME`) are absolute."""
+    hints = typing.get_type_hints(type(obj), include_extras=True)
+    fields = [f for f in dataclasses.fields(obj) if f.init]  # type: ignore[arg-type]
+    changes = {f.name: _absolute(getattr(obj, f.name), hints[f.name]) for f in fields}
+    return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
+
+
 def dump_yaml(obj: Any, path: str | os.PathLike) -> None:
+    """Write a config as YAML, its paths absolute (`PATH`) when it is a dataclass."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = absolute_paths(obj)
     atomic_write_text(path, yaml.safe_dump(to_dict(obj), sort_keys=False))

@@ -24,13 +24,15 @@ from trainer.configtools import ConfigError, dump_yaml, to_dict
 from trainer.evaluate import evaluate_domains, evaluate_domains_with_error
 from trainer.feed import DataFeed
 from trainer.hooks import FixedMixture, MixingHook
-from trainer.metrics import MetricsLogger
+from trainer.interrupt import Interrupted, StopRequests
+from trainer.metrics import MetricsLogger, read_jsonl
 from trainer.model.flops import flops_per_token
 from trainer.optim.build import build_optimizer
-from trainer.optim.lr_schedule import lr_at
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import sync_sequence_parallel_grads
 from trainer.parallel.tied import sync_tied_grads
+from trainer.run_report import decision_line, say, startup_line, summary_lines
+from trainer.schedule_extension import Extension, plan_extension, scheduled_lr
 from trainer.step import StepStats, domain_token_counts, forward_backward
 
 #: bf16 dense peak of an H100/H200 from the datasheet, for MFU.
@@ -45,12 +47,18 @@ class Trainer:
         run_dir: str | None = None,
         desc: str = "train",
         result_ignore: tuple[str, ...] = (),
+        stage: str = "train",
     ):
         """`result_ignore`: config sections or keys this run does not read (`doremi` for a plain
-        training run), left out of the fingerprint that a resume must match."""
+        training run), left out of the fingerprint that a resume must match. `stage` (train,
+        reference, proxy) is recorded in `run.json`: another stage refuses the directory."""
         self.cfg = cfg
+        if not (run_dir or cfg.train.run_dir):
+            raise ConfigError("train.run_dir: required (the directory this run writes), got nothing")
         self.run_dir = Path(run_dir or cfg.train.run_dir)
         self.desc = desc
+        self.stage = stage
+        self.extension: Extension | None = None
         self.result_ignore = result_ignore
         self.record: dict[str, Any] = {}
         self.pc = pc or init_parallel(cfg)
@@ -67,6 +75,7 @@ class Trainer:
         )
         self.hook: MixingHook = FixedMixture(resolve_weights(cfg.data.domain_weights, self.feed.manifest))
         self.step = 0
+        self.last: dict[str, Any] = {}  # the last logged row, merged with the last evaluation
         # Non-masked label tokens drawn per domain since step 1 (on the device: no host sync per step).
         self.realised_tokens = torch.zeros(self.feed.k, dtype=torch.float64, device=self.pc.device)
         self.autocast = self.facts.autocast()
@@ -83,6 +92,7 @@ class Trainer:
             "realised_tokens": self.realised_tokens.tolist(),
             "run": self.record,
             "config": to_dict(self.cfg),
+            "lr_extension": None if self.extension is None else self.extension.state_dict(),
         }
 
     def save(self) -> None:
@@ -94,6 +104,7 @@ class Trainer:
             self.pc,
             self.extra_state(),
             keep=self.cfg.checkpoint.keep,
+            data=self.feed.manifest.identity(),
         )
 
     def maybe_resume(self) -> bool:
@@ -104,11 +115,20 @@ class Trainer:
             path = Path(ck.load)
         if path is None:
             return False
-        extra = load_checkpoint(path, self.model, self.optimizer, self.pc)
+        # A resume must read the stores it trained on; a checkpoint loaded to start from may not.
+        data = self.feed.manifest.identity() if own else None
+        extra = load_checkpoint(path, self.model, self.optimizer, self.pc, data=data)
+        saved, current = extra.get("run") if own else None, self.record
+        if own:
+            saved_steps = int(extra.get("config", {}).get("train", {}).get("steps", extra["step"]))
+            before = Extension.from_state(extra.get("lr_extension"))
+            self.extension = plan_extension(self.run_dir, int(extra["step"]), saved_steps, self.cfg.train, before)
+            if self.extension is not None and self.extension != before and saved is not None:
+                saved, current = rundir.without(saved, "train.steps"), rundir.without(current, "train.steps")
         rundir.check_resume(
             self.run_dir if own else path,
-            extra.get("run") if own else None,
-            self.record,
+            saved,
+            current,
             int(extra["step"]),
             self.cfg.train.steps,
             ck.resume_changed,
@@ -140,9 +160,12 @@ class Trainer:
         sync_tied_grads(self.model, pc)
         self.optimizer.reduce_gradients()
         stats.grad_norm = self.optimizer.clip_grad_norm(self.cfg.train.grad_clip)
-        self.optimizer.step(lr_at(step, self.cfg.train))
+        self.optimizer.step(self.lr(step))
         self.optimizer.zero_grad()
         return stats, hook.after_step(step, stats)
+
+    def lr(self, step: int) -> float:
+        return scheduled_lr(step, self.cfg.train, self.extension)
 
     def evaluate(self) -> np.ndarray:
         t = self.cfg.train
@@ -187,6 +210,7 @@ class Trainer:
                     flush=True,
                 )
             return
+        rundir.check_stage(self.run_dir, self.stage)
         latest = latest_checkpoint(self.run_dir)
         rundir.check_fresh_start(
             self.run_dir, None if latest is None else int(latest.name.removeprefix("step_")), ck.resume, ck.start_over
@@ -198,8 +222,10 @@ class Trainer:
 
     def _fit(self) -> dict[str, Any]:
         cfg, pc = self.cfg, self.pc
-        self.record = rundir.record(cfg, self.result_ignore)
+        self.record = {**rundir.record(cfg, self.result_ignore), "stage": self.stage}
         resumed = self.maybe_resume()
+        start = [decision_line(self.run_dir, self.step, cfg.train.steps), startup_line(cfg, self.facts, pc)]
+        say(start, self.facts.is_main)
         if self.facts.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.run_dir / "config.yaml")
@@ -213,53 +239,79 @@ class Trainer:
             cfg.logging.wandb,
             cfg.logging.wandb_project,
             cfg.logging.run_name,
+            config=to_dict(cfg),
             resume=resumed,
             desc=self.desc,
+            group=cfg.logging.wandb_group,
         )
         if pc.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pc.device)
-        last: dict[str, Any] = {}
-        tokens_since, t0 = 0.0, time.perf_counter()
+        stops = StopRequests()
         try:
-            while self.step < cfg.train.steps:
-                stats, extra = self.train_step()
-                step = self.step
-                tokens_since += cfg.train.global_batch_size * cfg.data.seq_len
-                is_last = step == cfg.train.steps
-                if step % cfg.logging.every == 0 or is_last:
-                    if pc.device.type == "cuda":
-                        torch.cuda.synchronize(pc.device)
-                    dt = time.perf_counter() - t0
-                    row = self._row(step, stats, tokens_since / dt, extra)
-                    tokens_since, t0 = 0.0, time.perf_counter()
-                    log.log(row)
-                    log.progress(step, loss=row["loss"], tok_s=int(row["tokens_per_s"]))
-                    last = row
-                if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or is_last):
-                    val = self.evaluate()
-                    vrow = self._val_row(step, val)
-                    if self.feed.holdout and is_last:
-                        seen, seen_se, held, held_se = self.evaluate_memorisation()
-                        vrow["seen_loss"] = self._by_domain(seen)
-                        vrow["heldout_loss"] = self._by_domain(held)
-                        vrow["seen_loss_se"] = self._by_domain(seen_se)
-                        vrow["heldout_loss_se"] = self._by_domain(held_se)
-                    log.log(vrow)
-                    last = {**last, **vrow}
-                    tokens_since, t0 = 0.0, time.perf_counter()
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or is_last:
-                    self.save()
-                    tokens_since, t0 = 0.0, time.perf_counter()
+            with stops.installed():
+                self._loop(log, stops)
         finally:
             log.close()
             self.hook.close()
-        return last
+        if self.facts.is_main:
+            say(summary_lines(self.run_dir, self.step, self.final_rows()), True, sys.stdout)
+        return self.last
+
+    def final_rows(self) -> dict[str, Any]:
+        """The last train row and the last evaluation of `metrics.jsonl`, merged (rank 0)."""
+        rows = read_jsonl(self.run_dir / "metrics.jsonl")
+        train = next((r for r in reversed(rows) if "loss" in r), {})
+        val = next((r for r in reversed(rows) if "val_loss" in r), {})
+        return {**train, **val}
+
+    def _loop(self, log: MetricsLogger, stops: StopRequests) -> None:
+        cfg, pc = self.cfg, self.pc
+        last: dict[str, Any] = {}
+        tokens_since, t0 = 0.0, time.perf_counter()
+        while self.step < cfg.train.steps:
+            stats, extra = self.train_step()
+            step = self.step
+            tokens_since += cfg.train.global_batch_size * cfg.data.seq_len
+            is_last = step == cfg.train.steps
+            if step % cfg.logging.every == 0 or is_last:
+                if pc.device.type == "cuda":
+                    torch.cuda.synchronize(pc.device)
+                dt = time.perf_counter() - t0
+                row = self._row(step, stats, tokens_since / dt, extra)
+                tokens_since, t0 = 0.0, time.perf_counter()
+                log.log(row)
+                log.progress(step, loss=row["loss"], tok_s=int(row["tokens_per_s"]))
+                last = row
+            if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or is_last):
+                val = self.evaluate()
+                vrow = self._val_row(step, val)
+                if self.feed.holdout and is_last:
+                    seen, seen_se, held, held_se = self.evaluate_memorisation()
+                    vrow["seen_loss"] = self._by_domain(seen)
+                    vrow["heldout_loss"] = self._by_domain(held)
+                    vrow["seen_loss_se"] = self._by_domain(seen_se)
+                    vrow["heldout_loss_se"] = self._by_domain(held_se)
+                log.log(vrow)
+                last = {**last, **vrow}
+                tokens_since, t0 = 0.0, time.perf_counter()
+            saved = cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or is_last
+            if saved:
+                self.save()
+                tokens_since, t0 = 0.0, time.perf_counter()
+            # The ranks agree on a signal at logging steps, where the loop reads the device anyway:
+            # no extra host sync in the steps between.
+            signum = 0 if is_last or step % cfg.logging.every else stops.agreed(pc)
+            if signum:
+                if not saved:
+                    self.save()
+                raise Interrupted(signum, step, str(self.run_dir))
+        self.last = last
 
     def _row(self, step: int, stats: StepStats, tokens_per_s: float, extra: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {
             "step": step,
             "loss": float(stats.loss),
-            "lr": lr_at(step, self.cfg.train),
+            "lr": self.lr(step),
             "grad_norm": float(stats.grad_norm) if stats.grad_norm is not None else None,
             "tokens": step * self.cfg.train.global_batch_size * self.cfg.data.seq_len,
             "tokens_per_s": tokens_per_s,

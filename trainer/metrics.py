@@ -1,5 +1,6 @@
-"""Run metrics: `metrics.jsonl` (one JSON object per logged step), a progress bar, and wandb
-when asked. Only the global rank 0 writes; every number it writes is already global."""
+"""Run metrics: `metrics.jsonl` (one JSON object per logged step), progress on stderr (a bar on a
+terminal, plain lines in a log file), and wandb when asked. Only the global rank 0 writes; every
+number it writes is already global."""
 
 from __future__ import annotations
 
@@ -67,6 +68,19 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def flatten_numbers(row: dict[str, Any], prefix: str = "") -> dict[str, float | int]:
+    """`{"realised": {"tokens": {"a": 3}}}` -> `{"realised/tokens/a": 3}`: the numbers of a row,
+    by path, as wandb charts them."""
+    flat: dict[str, float | int] = {}
+    for k, v in row.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(flatten_numbers(v, key + "/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            flat[key] = v
+    return flat
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -81,15 +95,21 @@ class MetricsLogger:
         config: dict | None = None,
         resume: bool = False,
         desc: str = "train",
+        group: str | None = None,
     ):
+        """`progress`: a tqdm bar when stderr is a terminal; plain lines otherwise, or when off
+        (a bar in a log file is one ever-growing line, and no output at all hides a hung run).
+        wandb: the run is named `run_name` (default `desc:run_dir`), grouped by `group` and given
+        the resolved `config`; it is imported only when asked for (it is optional)."""
         self.enabled = enabled
         self._bar = None
         self._wandb = None
+        self._desc, self._total = desc, total_steps
         self._last_time = time.perf_counter()
         if not enabled:
             return
         self.writer = JsonlWriter(Path(run_dir) / "metrics.jsonl", start_step if resume else None)
-        if progress:
+        if progress and getattr(sys.stderr, "isatty", lambda: False)():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
@@ -98,7 +118,14 @@ class MetricsLogger:
         if wandb:
             import wandb as wb
 
-            self._wandb = wb.init(project=wandb_project, name=run_name, config=config, dir=str(run_dir), resume="allow")
+            self._wandb = wb.init(
+                project=wandb_project,
+                name=run_name or f"{desc}:{run_dir}",
+                group=group,
+                config=config,
+                dir=str(run_dir),
+                resume="allow",
+            )
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
@@ -106,21 +133,19 @@ class MetricsLogger:
         row = {k: _clean(v) for k, v in row.items()}
         self.writer.write(row)
         if self._wandb is not None:
-            flat = {}
-            for k, v in row.items():
-                if isinstance(v, dict):
-                    flat.update({f"{k}/{kk}": vv for kk, vv in v.items()})
-                elif isinstance(v, (int, float)):
-                    flat[k] = v
-            self._wandb.log(flat, step=row.get("step"))
+            self._wandb.log(flatten_numbers(row), step=row.get("step"))
 
     def progress(self, step: int, **postfix: Any) -> None:
-        if self._bar is not None:
-            self._bar.n = step
-            self._bar.set_postfix(
-                {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in postfix.items()}, refresh=False
-            )
-            self._bar.refresh()
+        if not self.enabled:
+            return
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in postfix.items()}
+        if self._bar is None:
+            fields = " ".join(f"{k} {v}" for k, v in shown.items())
+            print(f"{self._desc} step {step}/{self._total} {fields}", file=sys.stderr, flush=True)
+            return
+        self._bar.n = step
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.refresh()
 
     def close(self) -> None:
         if not self.enabled:

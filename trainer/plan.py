@@ -9,13 +9,15 @@ context, NCCL buffers, allocator fragmentation and the backward pass's gradient 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from trainer.build import micro_batch_size, param_precision
-from trainer.config import TrainerConfig
+from trainer.config import ModelConfig, TrainerConfig
 from trainer.configtools import ConfigError
+from trainer.model.presets import PRESETS
 from trainer.parallel.cost_model import CostModel, StageMemory
 from trainer.parallel.stage_split import split_layers, split_policy
 
@@ -28,6 +30,12 @@ class StagePlan:
     layers: range
     memory: StageMemory
     flops_per_micro_batch: float
+    #: the proxy's frozen online reference model on this stage (bf16 or fp32 weights, no grads)
+    frozen: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.memory.total + self.frozen
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class Plan:
     sequence_parallel: bool
     recompute_allgather: bool
     param_precision: str
+    optimizer: str
     split: str  # "explicit", "memory" or "compute"
     layer_activation_bytes: float
     stages: list[StagePlan]
@@ -57,11 +66,11 @@ class Plan:
 
     @property
     def peak_bytes(self) -> float:
-        return max(s.memory.total for s in self.stages)
+        return max(s.total for s in self.stages)
 
     @property
     def peak_stage(self) -> int:
-        return max(self.stages, key=lambda s: s.memory.total).stage
+        return max(self.stages, key=lambda s: s.total).stage
 
     @property
     def fits(self) -> bool:
@@ -74,15 +83,40 @@ def gpu_param_precision(cfg: TrainerConfig) -> str:
     return param_precision(cfg, torch.device("cuda"))
 
 
+def model_name(model: ModelConfig) -> str:
+    """The preset's name only when every dimension equals the preset's; otherwise what differs."""
+    preset = PRESETS.get(model.preset or "", {})
+    dims = {k: v for k, v in preset.items() if isinstance(v, int) and hasattr(model, k)}
+    diffs = [f"{k}={getattr(model, k)}" for k, v in dims.items() if getattr(model, k) != v]
+    if preset and not diffs:
+        return str(model.preset)
+    if preset:
+        return f"custom ({model.preset} with {', '.join(diffs)})"
+    return f"custom (d_model={model.d_model}, n_layers={model.n_layers}, ffn_dim={model.ffn_dim}, vocab_size={model.vocab_size})"
+
+
+def with_gpus(cfg: TrainerConfig, gpus: int) -> TrainerConfig:
+    """`cfg` on `gpus` GPUs: dp = gpus / (tp x pp), the global batch kept (so the micro-batch
+    size follows). One clear error when tp x pp does not divide `gpus`."""
+    par = cfg.parallelism
+    if gpus < 1 or gpus % (par.tp * par.pp):
+        raise ConfigError(
+            f"--gpus: expected a positive multiple of parallelism.tp x parallelism.pp = {par.tp} x {par.pp} "
+            f"= {par.tp * par.pp}, got {gpus}"
+        )
+    return dataclasses.replace(cfg, parallelism=dataclasses.replace(par, dp=gpus // (par.tp * par.pp)))
+
+
 def plan_memory(
     cfg: TrainerConfig,
     gpus: int,
     gpu_memory_gb: float,
     *,
     split: str | None = None,
-    param_precision: str = "fp32",
+    param_precision: str | None = None,
     headroom: float = 0.10,
     memory_weight: float = 0.5,
+    frozen_reference: bool = False,
 ) -> Plan:
     """Memory of every pipeline stage for `cfg` on `gpus` GPUs of `gpu_memory_gb` GiB each.
 
@@ -91,13 +125,13 @@ def plan_memory(
     ("memory" by default, or "compute"). Micro-batch size = global_batch_size / (dp x
     micro_batches); sequence length = data.seq_len. `param_precision`: "fp32" (fp32 params
     under bf16 autocast) or "bf16" (bf16 params, fp32 main grads and master weights, the GPU
-    path by default: `gpu_param_precision`); see `trainer.parallel.cost_model.BytesPerParam`."""
+    path by default: `gpu_param_precision`); see `trainer.parallel.cost_model.BytesPerParam`.
+    None: what the run resolves on the GPUs (`gpu_param_precision`), not on this machine.
+    dp = gpus / (tp x pp) (`with_gpus`). `frozen_reference`: the stage also holds a frozen copy of
+    the same model (the DoReMi proxy's online reference), weights only."""
+    cfg = with_gpus(cfg, gpus)
     par, train = cfg.parallelism, cfg.train
-    if gpus != par.world_size:
-        raise ConfigError(
-            f"--gpus: expected tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {par.world_size} "
-            f"for this config, got {gpus} (change parallelism.dp with --set)"
-        )
+    param_precision = param_precision or gpu_param_precision(cfg)
     if gpu_memory_gb <= 0:
         raise ConfigError(f"--gpu-memory: expected a positive number of GiB, got {gpu_memory_gb}")
     if not 0.0 <= headroom < 1.0:
@@ -109,7 +143,10 @@ def plan_memory(
             f"= {per_rank}, got {train.global_batch_size}"
         )
     mbs = micro_batch_size(cfg)
-    cm = CostModel.from_config(cfg.model, par, mbs, cfg.data.seq_len, train.micro_batches, param_precision)
+    cm = CostModel.from_config(
+        cfg.model, par, mbs, cfg.data.seq_len, train.micro_batches, param_precision, train.optimizer
+    )
+    frozen_bytes = {"fp32": 4.0, "bf16": 2.0}[param_precision] if frozen_reference else 0.0
     layers = split_layers(
         cfg.model,
         par,
@@ -121,9 +158,14 @@ def plan_memory(
         param_precision=param_precision,
     )
     how = split_policy(par.pp_layers, split)
-    stages = [StagePlan(p, r, cm.stage_memory(p, len(r)), cm.stage_flops(p, len(r))) for p, r in enumerate(layers)]
+    stages = [
+        StagePlan(
+            p, r, cm.stage_memory(p, len(r)), cm.stage_flops(p, len(r)), frozen_bytes * cm.stage_params(p, len(r))
+        )
+        for p, r in enumerate(layers)
+    ]
     return Plan(
-        model=cfg.model.preset or "custom",
+        model=model_name(cfg.model),
         gpus=gpus,
         gpu_memory_gb=gpu_memory_gb,
         headroom=headroom,
@@ -138,6 +180,7 @@ def plan_memory(
         sequence_parallel=cm.sequence_parallel,
         recompute_allgather=par.tp_recompute_allgather,
         param_precision=param_precision,
+        optimizer=train.optimizer,
         split=how,
         layer_activation_bytes=cm.layer_activation_bytes(),
         stages=stages,
@@ -148,14 +191,19 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.1f}"
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, title: str = "") -> str:
     """A table, one row per pipeline stage (= per rank of that stage), sizes in GiB."""
     p = plan
     params = {
-        "fp32": "fp32 params + bf16 autocast copy, fp32 grads, fp32 AdamW",
-        "bf16": "bf16 params, fp32 main grads, fp32 master (as a 16-bit remainder) + AdamW",
-    }[p.param_precision]
+        ("fp32", "adamw"): "fp32 params + bf16 autocast copy, fp32 grads, AdamW (fp32 m, v)",
+        (
+            "fp32",
+            "adafactor",
+        ): "fp32 params + bf16 autocast copy, fp32 grads, Adafactor (factored fp32 second moment, no first moment)",
+        ("bf16", "adamw"): "bf16 params, fp32 main grads, fp32 master (as a 16-bit remainder) + AdamW (fp32 m, v)",
+    }[(p.param_precision, p.optimizer)]
     head = [
+        *([title] if title else []),
         f"model {p.model}: tp{p.tp} x pp{p.pp} x dp{p.dp} = {p.gpus} GPUs of {p.gpu_memory_gb:g} GiB",
         f"micro-batch {p.micro_batch_size} x {p.seq_len} tokens, {p.micro_batches} micro-batches per dp rank, "
         f"schedule {p.schedule}, recompute {p.recompute}, sequence parallel {'on' if p.sequence_parallel else 'off'}, "
@@ -176,6 +224,7 @@ def format_plan(plan: Plan) -> str:
         "in-flight",
         "activations",
         "transient",
+        "frozen ref",
         "total",
     ]
     rows = []
@@ -195,7 +244,8 @@ def format_plan(plan: Plan) -> str:
                 str(m.in_flight),
                 _gib(m.activations),
                 _gib(m.transient),
-                _gib(m.total),
+                _gib(s.frozen),
+                _gib(s.total),
             ]
         )
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]

@@ -39,6 +39,7 @@ NOT_RESULT_KEYS = (
     "checkpoint.resume_changed",
     "checkpoint.start_over",
     "train.run_dir",
+    "train.extend",
     "train.eval_every",
     "train.eval_sequences",
     "train.device",
@@ -174,6 +175,30 @@ def check_resume(
         f"{changed_keys(saved.get('keys', {}), current['keys'])}; start a new run directory, "
         f"or set checkpoint.resume_changed: true to continue anyway"
     )
+
+
+def without(rec: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """A record less `keys`, its fingerprint recomputed: what two runs must still share when a
+    resume deliberately changes those keys (train.steps, for `train.extend`)."""
+    kept = {k: v for k, v in rec.get("keys", {}).items() if k not in keys}
+    return {**rec, "keys": kept, "fingerprint": fingerprint(kept)}
+
+
+def check_stage(run_dir: str | os.PathLike, stage: str) -> None:
+    """A run directory holds one stage's run: a plain training run resuming a proxy's directory
+    (or the other way round) would report one model as the other."""
+    path = Path(run_dir) / RECORD_FILE
+    if not path.is_file():
+        return
+    try:
+        other = json.loads(path.read_text()).get("stage")
+    except (json.JSONDecodeError, AttributeError):
+        other = None
+    if other is not None and other != stage:
+        raise ConfigError(
+            f"{run_dir}: holds a {other} run, not a {stage} run; give this stage its own "
+            f"train.run_dir (or set checkpoint.start_over: true to move the {other} run aside)"
+        )
 
 
 def check_fresh_start(run_dir: str | os.PathLike, latest_step: int | None, resume: bool, start_over: bool) -> None:

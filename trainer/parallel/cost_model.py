@@ -56,11 +56,23 @@ class BytesPerParam:
         return self.weight + self.grad + self.optimizer + self.cast
 
 
-def bytes_per_param(param_precision: str, dp: int, zero1: bool, summed_grads: bool = True) -> BytesPerParam:
-    """`summed_grads`: gradients are summed over micro-batches or ranks (bf16: fp32 main grads)."""
+OPTIMIZERS = ("adamw", "adafactor")
+
+
+def bytes_per_param(
+    param_precision: str, dp: int, zero1: bool, summed_grads: bool = True, optimizer: str = "adamw"
+) -> BytesPerParam:
+    """`summed_grads`: gradients are summed over micro-batches or ranks (bf16: fp32 main grads).
+    `optimizer` "adafactor" (fp32 parameters only, as `trainer.optim.build` builds it) keeps no
+    per-parameter state: its factored second moment depends on the tensors' shapes, so
+    `optimizer` is 0 here and `CostModel.optimizer_state_bytes` counts it."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     shards = dp if zero1 else 1
     if param_precision == "fp32":
-        return BytesPerParam(4.0, 4.0, 8.0 / shards, 2.0)
+        return BytesPerParam(4.0, 4.0, 8.0 / shards if optimizer == "adamw" else 0.0, 2.0)
+    if optimizer != "adamw":
+        raise ValueError("bf16 parameters keep fp32 master weights in AdamW only, got optimizer 'adafactor'")
     if param_precision == "bf16":
         return BytesPerParam(2.0, 4.0 if summed_grads else 0.0, 10.0 / shards, 0.0)
     raise ValueError(f"param_precision: expected one of {', '.join(PRECISIONS)}, got {param_precision!r}")
@@ -104,6 +116,7 @@ class CostModel:
     recompute_allgather: bool = False
     zero1: bool = True
     param_precision: str = "fp32"
+    optimizer: str = "adamw"
     #: `model.compile` on a GPU: inductor's graphs decide what a block saves (see
     #: `layer_activation_bytes`); at tp = 1 the head and the loss are one graph.
     compiled: bool = False
@@ -117,6 +130,7 @@ class CostModel:
         seq_len: int,
         micro_batches: int | None = None,
         param_precision: str = "fp32",
+        optimizer: str = "adamw",
     ) -> CostModel:
         return cls(
             model=model,
@@ -132,6 +146,7 @@ class CostModel:
             recompute_allgather=par.tp_recompute_allgather,
             zero1=par.zero1,
             param_precision=param_precision,
+            optimizer=optimizer,
             compiled=bool(model.compile),
         )
 
@@ -186,6 +201,37 @@ class CostModel:
             + (self.vocab_matrix_params() if holds_head(tie, last) else 0)
             + (self.model.d_model if last else 0)
         )
+
+    def stage_tensor_shapes(self, stage: int, n_blocks: int) -> list[tuple[int, ...]]:
+        """This rank's parameter shapes on the stage (`trainer.model.tp_plan`: fused qkv and
+        gate|up column-parallel, out and down row-parallel, norms replicated)."""
+        m, t = self.model, self.tp
+        h, kv = m.d_model, m.n_kv_heads * m.head_dim
+        block = [(h,), ((h + 2 * kv) // t, h), (h, h // t), (h,), (2 * m.ffn_dim // t, h), (h, m.ffn_dim // t)]
+        first, last = stage == 0, stage == self.pp - 1
+        tie = m.tie_embeddings
+        vocab = [(self.local_vocab, h)]
+        return (
+            block * n_blocks
+            + (vocab if holds_embedding(tie, first, last) else [])
+            + (vocab if holds_head(tie, last) else [])
+            + ([(h,)] if last else [])
+        )
+
+    def optimizer_state_bytes(self, stage: int, n_blocks: int) -> float:
+        """Optimizer state on one rank, sharded over dp by ZeRO-1. AdamW: fp32 m and v (and the
+        bf16 path's master remainder), `bytes_per_param`. Adafactor (`torch.optim.Adafactor`,
+        checked by tests/test_plan_search.py against what it allocates): no first moment; an
+        r x c matrix keeps an fp32 row and column second moment, 4 (r + c) bytes, a vector its
+        full fp32 second moment."""
+        shards = self.dp if self.zero1 else 1
+        if self.optimizer == "adamw":
+            per = bytes_per_param(self.param_precision, self.dp, self.zero1)
+            return self.stage_params(stage, n_blocks) * per.optimizer
+        total = sum(
+            4.0 * (s[0] + s[1]) if len(s) == 2 else 4.0 * s[0] for s in self.stage_tensor_shapes(stage, n_blocks)
+        )
+        return total / shards
 
     # --- compute ----------------------------------------------------------------------------
 
@@ -281,7 +327,7 @@ class CostModel:
     def stage_memory(self, stage: int, n_blocks: int) -> StageMemory:
         params = self.stage_params(stage, n_blocks)
         summed = sums_gradients(self.micro_batches, self.tp * self.pp * self.dp)
-        per = bytes_per_param(self.param_precision, self.dp, self.zero1, summed_grads=summed)
+        per = bytes_per_param(self.param_precision, self.dp, self.zero1, summed_grads=summed, optimizer=self.optimizer)
         acts = n_blocks * self.layer_activation_bytes()
         transient = 0.0
         if stage == self.pp - 1:
@@ -297,7 +343,7 @@ class CostModel:
             params=params,
             weights=params * per.weight,
             grads=params * per.grad,
-            optimizer=params * per.optimizer,
+            optimizer=self.optimizer_state_bytes(stage, n_blocks),
             cast=params * per.cast,
             activations_per_micro_batch=acts,
             in_flight=self.in_flight(stage),

@@ -1,0 +1,207 @@
+"""A config that explains itself: `doremi config`, `doremi inspect`, `auto` values, paths
+saved absolute, `--set` into lists, `--debug` anywhere."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from data.store import open_stores
+from data.tokenizer import load_tokenizer
+from doremi.cli import build_parser, main
+from doremi.config import ExperimentConfig
+from doremi.config_docs import DOCS_PAGE, REGENERATE, experiment_keys, markdown
+from tests import runs
+from trainer.config import load_config, require_vocab_size
+from trainer.configtools import ConfigError, apply_overrides
+
+EXPERIMENT = """
+model: {preset: tiny, vocab_size: 260}
+data:
+  domains:
+    - {name: a, synthetic: {kind: noise, num_tokens: 1000}}
+    - {name: b, synthetic: {kind: repeat, num_tokens: 1000}}
+  store_dir: stores
+  seq_len: 32
+train: {steps: 3, global_batch_size: 8, run_dir: runs/x}
+"""
+
+
+@pytest.fixture
+def experiment(tmp_path) -> Path:
+    path = tmp_path / "exp.yaml"
+    path.write_text(EXPERIMENT)
+    return path
+
+
+def test_set_indexes_lists():
+    raw = yaml.safe_load(EXPERIMENT) | {"pipeline": {"main": [{"model": {"preset": "tiny"}}]}}
+    apply_overrides(raw, ["data.domains[1].paths=[x.jsonl]", "pipeline.main[0].model.preset=doremi-70m"])
+    assert raw["data"]["domains"][1]["paths"] == ["x.jsonl"]
+    assert raw["data"]["domains"][0] == {"name": "a", "synthetic": {"kind": "noise", "num_tokens": 1000}}
+    assert raw["pipeline"]["main"][0]["model"]["preset"] == "doremi-70m"
+    apply_overrides(raw, ["data.domains[-1].name=last"])
+    assert raw["data"]["domains"][1]["name"] == "last"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "data.domains[2].name=c",
+            "--set data.domains[2].name=c: data.domains[2]: index out of range (data.domains has 2 entries)",
+        ),
+        ("data.store_dir[0]=x", "--set data.store_dir[0]=x: data.store_dir is not a list"),
+        ("data.domains[x]=1", "--set 'data.domains[x]=1': expected KEY.PATH=VALUE (a key may index a list: a.b[0].c)"),
+    ],
+)
+def test_set_index_errors_name_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(yaml.safe_load(EXPERIMENT), [override])
+    assert str(e.value) == message
+
+
+def test_debug_before_or_after_the_command():
+    parse = build_parser().parse_args
+    assert parse(["--debug", "config", "--keys"]).debug is True
+    assert parse(["config", "--keys", "--debug"]).debug is True
+    assert parse(["eval", "run", "--debug"]).debug is True
+    assert parse(["config", "--keys"]).debug is False
+
+
+def test_config_prints_the_resolved_config(experiment, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", str(experiment), "--set", "train.steps=7", "--set", "model.n_layers=3"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["train"]["steps"] == 7
+    assert cfg["model"]["n_layers"] == 3
+    assert cfg["model"]["d_model"] == 64  # from the preset
+    assert cfg["data"]["store_dir"] == str(tmp_path / "stores")  # absolute, as the run saves it
+    assert cfg["doremi"]["reference_weights"] == "uniform"  # a name stays a name
+
+
+def test_config_lists_presets_with_sizes(capsys):
+    assert main(["config", "--presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "preset",
+        "params",
+        "vocab",
+        "d_model",
+        "layers",
+        "heads",
+        "kv_heads",
+        "ffn_dim",
+        "max_seq",
+    ]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert rows["tiny"] == ["tiny", "0.1M", "256", "64", "2", "4", "2", "128", "256"]
+    assert rows["llama3-8b"][1] == "8.03B"
+
+
+def test_config_keys_documents_every_key(capsys):
+    keys = experiment_keys()
+    assert [k.path for k in keys if not k.doc] == []
+    by_path = {k.path: k for k in keys}
+    mb = by_path["train.micro_batches"]
+    assert (mb.type, mb.default) == ("int", "1")
+    assert mb.doc.startswith("Gradient-accumulation steps per optimizer step")
+    assert by_path["data.domain_column"].doc.startswith("The column of `dataset`")
+    assert by_path["data.domains[].name"].default == "required"
+    assert by_path["parallelism.dp"].type == "int or one of 'auto'"
+    assert main(["config", "--keys"]) == 0
+    out = capsys.readouterr().out
+    assert "doremi.average_from_step  (int) = 1\n    `doremi average`: the tuned weights" in out
+
+
+def test_docs_config_md_is_up_to_date():
+    assert REGENERATE in DOCS_PAGE.read_text().splitlines()[2]
+    assert DOCS_PAGE.read_text() == markdown(experiment_keys()), f"docs/config.md is stale: run `{REGENERATE}`"
+
+
+def test_config_without_a_target_is_one_line(capsys):
+    assert main(["config"]) == 2
+    assert capsys.readouterr().err == "doremi config: error: expected CONFIG, --presets or --keys\n"
+
+
+def test_dp_auto_is_world_size_over_tp_pp(experiment, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg = load_config(experiment, ["parallelism.dp=auto", "parallelism.tp=2"], cls=ExperimentConfig)
+    assert cfg.parallelism.dp == 4
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError) as e:
+        load_config(experiment, ["parallelism.dp=auto", "parallelism.tp=2"], cls=ExperimentConfig)
+    assert str(e.value) == (
+        "parallelism.dp: auto needs WORLD_SIZE divisible by tp x pp = 2 x 1, got WORLD_SIZE=3 "
+        "(1 without torchrun; give dp as a number to plan or inspect off the cluster)"
+    )
+    monkeypatch.delenv("WORLD_SIZE")
+    assert load_config(experiment, ["parallelism.dp=auto"], cls=ExperimentConfig).parallelism.dp == 1
+
+
+def test_vocab_size_auto_from_the_stores(stores, tmp_path):
+    cfg = load_config(runs.config_path(stores, tmp_path / "r"), ["model.vocab_size=auto"], cls=ExperimentConfig)
+    assert cfg.model.vocab_size == 257  # the byte tokenizer: 256 bytes and EOS
+    assert require_vocab_size(cfg) == 257
+
+
+def test_vocab_size_auto_without_stores_is_one_line(experiment, tmp_path):
+    cfg = load_config(experiment, ["model.vocab_size=auto", f"data.store_dir={tmp_path}/none"], cls=ExperimentConfig)
+    assert cfg.model.vocab_size == "auto"  # preprocess and the pipeline's checks still load it
+    with pytest.raises(ConfigError) as e:
+        require_vocab_size(cfg)
+    assert str(e.value) == (
+        f"model.vocab_size: auto takes the tokenizer's vocabulary from the token stores, but "
+        f"{tmp_path}/none/manifest.json does not exist; run `doremi preprocess` first or give a number"
+    )
+
+
+def test_run_saves_absolute_paths_and_evaluates_from_elsewhere(stores, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    os.symlink(stores, work / "data" / "stores")
+    monkeypatch.chdir(work)
+    path = runs.config_path(Path("data/stores"), Path("runs/r"))
+    assert main(["train", str(path), "--set", "train.steps=1", "--set", "train.eval_every=0"]) == 0
+    saved = yaml.safe_load((work / "runs/r/config.yaml").read_text())
+    assert saved["data"]["store_dir"] == str(work / "data/stores")
+    assert saved["train"]["run_dir"] == str(work / "runs/r")
+    capsys.readouterr()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["eval", str(work / "runs/r")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table] == ["domain", "noise", "easy", "markov", "average", "worst"]
+
+
+def test_inspect_prints_the_manifest_and_decoded_documents(stores, capsys):
+    assert main(["inspect", str(stores), "--domain", "easy", "-n", "1"]) == 0
+    full = capsys.readouterr().out
+    out = full.split("\n")
+    assert out[0] == f"stores: {stores}"
+    assert out[1].startswith("tokenizer: byte (vocab_size 257, eos_id 256)")
+    assert out[2].split() == ["domain", "train", "tokens", "train", "docs", "val", "tokens", "val", "docs"]
+    assert [line.split()[0] for line in out[3:6]] == ["noise", "easy", "markov"]
+    assert out[7].startswith("== easy: 1 of ")
+    doc = open_stores(stores).document("easy", "train", 0)
+    text = load_tokenizer(stores).decode(int(t) for t in doc)
+    assert full.endswith(f"-- [0] {len(doc)} tokens\n{text[:400]} [...]\n")
+
+
+def test_inspect_without_stores_is_one_line(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"doremi inspect: error: {tmp_path}/manifest.json: no token stores here; build them with `doremi preprocess`\n"
+    )
+
+
+def test_inspect_a_config_reads_its_store_dir(stores, tmp_path, capsys):
+    path = runs.config_path(stores, tmp_path / "r")
+    assert main(["inspect", str(path), "-n", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"stores: {stores}"
+    assert len(out) == 6  # the summary only: stores, tokenizer, header, three domains

@@ -1,0 +1,273 @@
+"""A run's lifecycle and what it says: its own directory per stage, the start and summary lines,
+plain progress lines in a log, checkpoints on SIGINT/SIGTERM, extending a finished run, wandb's
+name, group, config and mixing signals, and errors printed once under torchrun."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from doremi import cli, stages
+from tests.runs import STORE_YAML, config, losses
+from trainer.checkpoint import latest_checkpoint
+from trainer.config import CheckpointConfig, TrainConfig
+from trainer.configtools import ConfigError
+from trainer.loop import Trainer
+from trainer.metrics import read_jsonl
+from trainer.model.flops import param_count
+
+
+def lrs(run: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
+
+
+# -- run directories -------------------------------------------------------------------------
+
+
+def test_default_run_dir_per_stage_and_config():
+    assert TrainConfig().run_dir is None
+    assert stages.default_run_dir("experiments/configs/quickstart.yaml", "train") == "runs/quickstart/train"
+    assert stages.default_run_dir("a/quickstart.yaml", "train-proxy") == "runs/quickstart/proxy"
+    assert stages.default_run_dir("a/quickstart.yaml", "train-reference") == "runs/quickstart/reference"
+    assert stages.default_run_dir("a/other.yaml", "train") == "runs/other/train"
+
+
+def test_cli_stage_without_run_dir_writes_its_own(stores, tmp_path, monkeypatch):
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text(STORE_YAML.format(store=stores, run="RUN").replace("run_dir: RUN,", ""))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", str(cfg), "--set", "train.steps=2"]) == 0
+    assert latest_checkpoint(tmp_path / "runs/exp/train").name == "step_0000002"
+    assert json.loads((tmp_path / "runs/exp/train/run.json").read_text())["stage"] == "train"
+
+
+def test_another_stage_refuses_the_directory(stores, tmp_path):
+    run = tmp_path / "run"
+    stages.train(config(stores, run, "train.steps=2"))
+    with pytest.raises(ConfigError, match=r"run: holds a train run, not a reference run; give this stage its own"):
+        stages.train(config(stores, run, "train.steps=2"), stage="reference")
+    assert len(losses(run)) == 2
+
+
+# -- what a run says ---------------------------------------------------------------------------
+
+
+def test_start_decision_startup_and_summary_lines(stores, tmp_path, capsys):
+    run = tmp_path / "run"
+    sets = ["train.decay=constant", "train.eval_every=2"]
+    stages.train(config(stores, run, "train.steps=2", *sets))
+    out, err = capsys.readouterr()
+    cfg = config(stores, run)
+    assert err.splitlines()[0] == f"new run in {run} (2 steps)"
+    assert err.splitlines()[1] == (
+        "device cpu, compute fp32, param dtype float32, layout tp1 x pp1 x dp1, global batch 8 = "
+        f"1 micro-batch(es) of 8 x dp1, {param_count(cfg.model) / 1e6:.2f}M parameters"
+    )
+    val = next(r for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r)["val_loss"]
+    assert out.splitlines() == [
+        f"run directory {run}: step 2",
+        f"final train loss {losses(run)[-1]:.4f}",
+        "final validation loss: " + ", ".join(f"{d} {v:.4f}" for d, v in val.items()),
+    ]
+
+    stages.train(config(stores, run, "train.steps=3", *sets))
+    assert capsys.readouterr().err.splitlines()[0] == f"resuming {run} from step 2 of 3"
+    stages.train(config(stores, run, "train.steps=3", *sets))
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0] == f"nothing to do: {run} finished at step 3"
+    assert out.splitlines()[:2] == [f"run directory {run}: step 3", f"final train loss {losses(run)[-1]:.4f}"]
+    assert len(losses(run)) == 3
+
+
+@pytest.mark.parametrize("progress", ["true", "false"])
+def test_plain_progress_lines_when_stderr_is_not_a_terminal(stores, tmp_path, capsys, progress):
+    run = tmp_path / "run"
+    stages.train(config(stores, run, f"logging.progress={progress}", "logging.every=2", "train.steps=3"))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train step ")]
+    loss = losses(run)
+    assert [line.split(" tok_s ")[0] for line in lines] == [
+        f"train step 2/3 loss {loss[0]:.4g}",
+        f"train step 3/3 loss {loss[1]:.4g}",
+    ]
+
+
+# -- checkpoints: the default cadence and signals -----------------------------------------------
+
+
+def test_periodic_checkpoints_by_default():
+    assert CheckpointConfig().every == 1000
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_saves_at_the_step_boundary_and_the_same_command_resumes(
+    stores, tmp_path, monkeypatch, capsys, signum, status
+):
+    whole = tmp_path / "whole"
+    stages.train(config(stores, whole, "train.steps=4"))
+    run = tmp_path / "run"
+    path = tmp_path / "run.yaml"
+    config(stores, run)  # writes run.yaml
+    step = Trainer.train_step
+
+    def signalled(self):
+        out = step(self)
+        if self.step == 2:
+            signal.raise_signal(signum)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", signalled)
+    before = signal.getsignal(signum)
+    capsys.readouterr()
+    assert cli.main(["train", str(path), "--set", "train.steps=4"]) == status
+    name = signal.Signals(signum).name
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"doremi train: {name}: saved {run} at step 2; the same command resumes"
+    )
+    assert latest_checkpoint(run).name == "step_0000002"
+    assert signal.getsignal(signum) == before  # the handler is the run's only
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert cli.main(["train", str(path), "--set", "train.steps=4"]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == f"resuming {run} from step 2 of 4"
+    assert losses(run) == losses(whole)
+
+
+# -- extending a finished run --------------------------------------------------------------------
+
+
+def test_extending_a_finished_run_is_refused_unless_chosen(stores, tmp_path):
+    run = tmp_path / "run"
+    stages.train(config(stores, run, "train.steps=3"))  # cosine, warmup 1, lr 3e-3 -> min_lr 1e-4
+    assert lrs(run)[3] == pytest.approx(1e-4, rel=1e-12)
+    with pytest.raises(ConfigError) as e:
+        stages.train(config(stores, run, "train.steps=5"))
+    assert str(e.value) == (
+        f"{run}: the run finished at step 3; continuing to train.steps=5 would re-stretch the "
+        "learning-rate schedule (lr 0.0001 at step 3, 0.000525 at step 4); set train.extend: "
+        "continue_at_min_lr or restart_schedule, or use another run directory"
+    )
+    assert latest_checkpoint(run).name == "step_0000003"
+
+    stages.train(config(stores, run, "train.steps=5", "train.extend=continue_at_min_lr"))
+    assert [lrs(run)[s] for s in (4, 5)] == pytest.approx([1e-4, 1e-4], rel=1e-12)
+
+
+def test_restart_schedule_warms_up_and_decays_over_the_added_steps(stores, tmp_path):
+    run = tmp_path / "run"
+    stages.train(config(stores, run, "train.steps=3"))
+    stages.train(config(stores, run, "train.steps=5", "train.extend=restart_schedule", "checkpoint.every=1"))
+    # the added steps 4, 5 are steps 1, 2 of a 2-step schedule: warmup to 3e-3, then min_lr
+    assert [lrs(run)[s] for s in (4, 5)] == pytest.approx([3e-3, 1e-4], rel=1e-12)
+
+
+# -- wandb ----------------------------------------------------------------------------------------
+
+
+class FakeWandb(types.ModuleType):
+    """Records `wandb.init` kwargs and logged rows."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.inits: list[dict] = []
+        self.rows: list[tuple[dict, int]] = []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        rows = self.rows
+        return types.SimpleNamespace(log=lambda row, step: rows.append((row, step)), finish=lambda: None)
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch) -> FakeWandb:
+    wb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wb)
+    return wb
+
+
+def test_wandb_name_group_and_config(stores, tmp_path, fake_wandb):
+    run = tmp_path / "run"
+    stages.train(config(stores, run, "train.steps=2", "logging.wandb=true", "logging.wandb_group=g1"))
+    (init,) = fake_wandb.inits
+    assert init["name"] == f"train:{run}"
+    assert init["group"] == "g1"
+    assert init["config"]["train"]["steps"] == 2 and init["config"]["train"]["run_dir"] == str(run)
+    assert [step for _, step in fake_wandb.rows] == [1, 2]
+    assert fake_wandb.rows[1][0]["loss"] == losses(run)[1]
+    assert fake_wandb.rows[1][0]["realised/tokens/noise"] > 0
+
+
+def test_pipeline_group_is_the_pipeline_directory(tmp_path):
+    root = tmp_path / "pipe"
+    (root / "proxy").mkdir(parents=True)
+    (root / ".lock").write_text("")
+    assert stages.pipeline_group(root / "proxy") is None  # not started by a pipeline
+    (root / "proxy" / "stage.started.json").write_text("{}")
+    (root / "proxy" / ".lock").write_text("")
+    assert stages.pipeline_group(root / "proxy") == "pipe"
+
+
+def test_wandb_logs_the_proxy_mixing_signals(stores, tmp_path, fake_wandb):
+    common = ["train.decay=constant", "train.warmup_steps=0", "train.steps=2"]
+    ref = tmp_path / "reference"
+    stages.train_reference(config(stores, ref, *common))
+    proxy = tmp_path / "proxy"
+    stages.train_proxy(config(stores, proxy, *common, f"doremi.reference={ref}", "logging.wandb=true"))
+    assert fake_wandb.inits[-1]["name"] == f"proxy:{proxy}"
+    history = read_jsonl(proxy / "domain_weights.jsonl")
+    row, step = fake_wandb.rows[-1]
+    assert step == 2
+    domains = history[-1]["domains"]
+    assert [row[f"excess_loss/{d}"] for d in domains] == history[-1]["excess"]
+    assert [row[f"reference_loss/{d}"] for d in domains] == history[-1]["ref_loss"]
+    assert [row[f"domain_weights/{d}"] for d in domains] == history[-1]["weights"]
+
+
+# -- rank 0 only ----------------------------------------------------------------------------------
+
+COMMANDS = [
+    ["train", "missing.yaml"],
+    ["train-reference", "missing.yaml"],
+    ["train-proxy", "missing.yaml"],
+    ["score", "missing.yaml"],
+    ["preprocess", "missing.yaml"],
+    ["pipeline", "missing.yaml"],
+    ["plan", "missing.yaml", "--gpus", "1", "--gpu-memory", "80"],
+    ["eval", "/nonexistent/run"],
+    ["average", "/nonexistent/run"],
+    ["compare", "/nonexistent/run", "--out", "/nonexistent/out"],
+]
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: a[0])
+def test_errors_print_on_rank0_only(argv, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(argv) == 2
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.setenv("RANK", "0")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"doremi {argv[0]}: error: "), err
+
+
+def _agree(rank: int, world_size: int) -> None:
+    import torch
+
+    from trainer.interrupt import StopRequests
+
+    stops = StopRequests()
+    pc = types.SimpleNamespace(distributed=True, device=torch.device("cpu"))
+    assert stops.agreed(pc) == 0
+    if rank == 1:
+        stops.signum = int(signal.SIGTERM)
+    assert stops.agreed(pc) == int(signal.SIGTERM)  # rank 0 stops at the same step as rank 1
+
+
+def test_ranks_agree_on_a_signal_one_of_them_got():
+    from tests.distributed import spawn
+
+    spawn(_agree, 2)
