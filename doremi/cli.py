@@ -129,8 +129,11 @@ def cmd_eval(args):
 
 def cmd_plan(args):
     from doremi.plan_stages import plan_groups
+    from trainer.config import require_vocab_size
 
-    _config(args)  # the whole file validated first: a bad key is one line, before any planning
+    # The whole file validated first (a bad key is one line, before any planning); a plan needs
+    # the vocabulary as a number (`auto` before the stores exist is one line too).
+    require_vocab_size(_config(args))
     for group in plan_groups(args.config, args.set):
         print(_plan_group(group, args))
 

@@ -48,7 +48,7 @@ from doremi.stage_markers import (
     write_done,
     write_started,
 )
-from doremi.summary import summarize
+from doremi.summary import log_comparison, summarize
 from doremi.validate import validate_pipeline
 from trainer import run_dir as rundir
 from trainer.config import apply_preset
@@ -311,4 +311,13 @@ def run_pipeline(path: str | os.PathLike, overrides: list[str] | None = None) ->
     results = pipe.run()
     if is_launch_main() and "main" in results:
         print(summarize(pipe.root, pipe.cfg.data.store_dir, pipe.p.baselines, pipe.p.guardrails), flush=True)
+        log = pipe.cfg.logging
+        if log.wandb:
+            log_comparison(
+                pipe.root,
+                pipe.cfg.data.store_dir,
+                pipe.p.baselines,
+                log.wandb_project,
+                log.wandb_group or pipe.root.name,
+            )
     return results

@@ -143,3 +143,26 @@ def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: Guar
     table = format_table(c["domains"], c["mixtures"], c["final"], c["entropy"], c["tokens_per_byte"])
     n = len(warnings(c["findings"]))
     return f"{table}\n\nguardrail warnings: {n}\nreport: {report}"
+
+
+def log_comparison(root: Path, store_dir: str, baselines: list[str], project: str, group: str | None) -> None:
+    """The closing comparison as one wandb run in the pipeline's group (the stage runs log their
+    own curves): final per-domain validation loss and weight of every mixture as a table, and
+    each mixture's average and worst case over domains as summary values."""
+    import wandb
+
+    c = collect_run(root, open_stores(store_dir).manifest, baselines)
+    run = wandb.init(
+        project=project, name=f"pipeline:{root}", group=group, job_type="comparison", dir=str(root), resume="allow"
+    )
+    rows = [
+        [name, d, float(losses[i]), float(c["mixtures"][name][i])]
+        for name, losses in c["final"].items()
+        for i, d in enumerate(c["domains"])
+    ]
+    run.log({"comparison": wandb.Table(columns=["mixture", "domain", "final_val_loss", "weight"], data=rows)})
+    for name, losses in c["final"].items():
+        values = [float(x) for x in losses]
+        run.summary[f"{name}/average_val_loss"] = sum(values) / len(values)
+        run.summary[f"{name}/worst_val_loss"] = max(values)
+    run.finish()

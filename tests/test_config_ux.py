@@ -205,3 +205,15 @@ def test_inspect_a_config_reads_its_store_dir(stores, tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"stores: {stores}"
     assert len(out) == 6  # the summary only: stores, tokenizer, header, three domains
+
+
+def test_plan_with_vocab_size_auto_before_the_stores_is_one_line(tmp_path, capsys):
+    from doremi.cli import main
+
+    cfg = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "own_data.yaml"
+    assert (
+        main(["plan", str(cfg), "--gpus", "1", "--gpu-memory", "80", "--set", f"data.store_dir={tmp_path / 'none'}"])
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("doremi plan: error: model.vocab_size: auto takes the tokenizer's")

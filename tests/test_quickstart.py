@@ -114,3 +114,47 @@ def test_iterated_rounds_feed_weights_forward_and_stop_on_tolerance(tmp_path):
         json.loads((run / "weights.json").read_text())["weights"]
         == json.loads((run / "round2" / "weights.json").read_text())["weights"]
     )
+
+
+def test_the_closing_comparison_goes_to_wandb_in_the_pipeline_group(pipeline_run, monkeypatch):
+    """With logging.wandb the pipeline logs its closing comparison as one run of its group: final
+    per-domain losses and weights of every mixture, average and worst case as summary values."""
+    import sys
+    import types
+
+    from doremi.summary import log_comparison
+
+    inits, logged, summary = [], [], {}
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    def init(**kwargs):
+        inits.append(kwargs)
+        return types.SimpleNamespace(log=logged.append, summary=summary, finish=lambda: None)
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, Table=Table))
+    run, sets, _ = pipeline_run
+    store_dir = next(s.split("=", 1)[1] for s in sets if s.startswith("data.store_dir="))
+    log_comparison(run, store_dir, ["uniform", "tokens"], "proj", "pipe")
+    assert inits == [
+        {
+            "project": "proj",
+            "name": f"pipeline:{run}",
+            "group": "pipe",
+            "job_type": "comparison",
+            "dir": str(run),
+            "resume": "allow",
+        }
+    ]
+    table = logged[0]["comparison"]
+    weights = json.loads((run / "weights.json").read_text())
+    from doremi.stage_markers import eval_result
+
+    final = eval_result(run / "main" / "doremi")["val_loss"]
+    doremi_rows = [r for r in table.data if r[0] == "doremi"]
+    assert [r[1] for r in doremi_rows] == weights["domains"]
+    assert [r[2] for r in doremi_rows] == pytest.approx(final, abs=1e-12)
+    assert [r[3] for r in doremi_rows] == pytest.approx(weights["weights"], abs=1e-12)
+    assert summary["doremi/worst_val_loss"] == pytest.approx(max(final), abs=1e-12)

@@ -271,3 +271,19 @@ def test_ranks_agree_on_a_signal_one_of_them_got():
     from tests.distributed import spawn
 
     spawn(_agree, 2)
+
+
+def test_a_cpu_build_on_a_gpu_node_is_said(tmp_path, monkeypatch):
+    """A GPU node whose torch has no CUDA trains on the CPU: the start-up says so in a line."""
+    import torch
+
+    from trainer.run_report import cpu_build_note
+
+    driver = tmp_path / "version"
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    assert cpu_build_note(torch.device("cpu"), driver) is None  # no driver: a CPU machine
+    driver.write_text("NVRM version: 550\n")
+    note = cpu_build_note(torch.device("cpu"), driver)
+    assert note.startswith(f"warning: this node has NVIDIA GPUs but torch {torch.__version__} is a CPU build")
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    assert cpu_build_note(torch.device("cpu"), driver) is None  # a CUDA build asked for the CPU

@@ -31,7 +31,7 @@ from trainer.optim.build import build_optimizer
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import sync_sequence_parallel_grads
 from trainer.parallel.tied import sync_tied_grads
-from trainer.run_report import decision_line, say, startup_line, summary_lines
+from trainer.run_report import cpu_build_note, decision_line, say, startup_line, summary_lines
 from trainer.schedule_extension import Extension, plan_extension, scheduled_lr
 from trainer.step import StepStats, domain_token_counts, forward_backward
 
@@ -225,6 +225,7 @@ class Trainer:
         self.record = {**rundir.record(cfg, self.result_ignore), "stage": self.stage}
         resumed = self.maybe_resume()
         start = [decision_line(self.run_dir, self.step, cfg.train.steps), startup_line(cfg, self.facts, pc)]
+        start += [note] if (note := cpu_build_note(self.facts.device)) else []
         say(start, self.facts.is_main)
         if self.facts.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,21 @@ def startup_line(cfg: TrainerConfig, facts: RunFacts, pc: ParallelContext) -> st
     )
 
 
+#: Present when the NVIDIA driver is loaded: the node has GPUs whatever torch was built for.
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+
+
+def cpu_build_note(device: torch.device, driver: Path = NVIDIA_DRIVER) -> str | None:
+    """A warning line when a run trains on the CPU of a node with NVIDIA GPUs because this torch
+    has no CUDA (`make TORCH_SPEC=...` installs another build); None otherwise."""
+    if device.type != "cpu" or torch.backends.cuda.is_built() or not driver.exists():
+        return None
+    return (
+        f"warning: this node has NVIDIA GPUs but torch {torch.__version__} is a CPU build: training on the CPU "
+        f"(install a CUDA build, e.g. `make TORCH_SPEC=torch install`)"
+    )
+
+
 def _losses(values: dict[str, Any]) -> str:
     return ", ".join(f"{d} {v:.4f}" if isinstance(v, float) else f"{d} {v}" for d, v in values.items())
 
