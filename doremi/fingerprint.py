@@ -18,7 +18,7 @@ from data.store import MANIFEST_FILE, read_manifest
 from doremi.config import ExperimentConfig
 from doremi.stage_markers import dir_marker
 from trainer.configtools import to_dict
-from trainer.run_dir import _flatten
+from trainer.run_dir import flatten_keys
 
 #: `data` keys that change how batches are drawn from the stores, not the stores' bytes.
 SAMPLING_KEYS = ("seed", "domain_weights", "seq_len", "num_proc", "holdout_sequences")
@@ -65,7 +65,7 @@ def stage_keys(cfg: ExperimentConfig, ignore: Iterable[str] = (), reads: Iterabl
     `DEPENDENCY_KEYS` point at and `data (stores)` for the stores' fingerprint (stores rebuilt
     in place with `preprocess --force` are other data under the same path)."""
     skip, reads = (*NOT_STAGE_KEYS, *ignore), tuple(reads)
-    keys = {k: v for k, v in _flatten(to_dict(cfg)).items() if _under(k, reads) or not _under(k, skip)}
+    keys = {k: v for k, v in flatten_keys(to_dict(cfg)).items() if _under(k, reads) or not _under(k, skip)}
     for k in DEPENDENCY_KEYS:
         if k in keys:
             dep = _dependency(keys[k])
@@ -78,7 +78,7 @@ def stage_keys(cfg: ExperimentConfig, ignore: Iterable[str] = (), reads: Iterabl
 
 def store_keys(cfg: ExperimentConfig) -> dict[str, Any]:
     """The keys the preprocess stage reads: the data section without SAMPLING_KEYS."""
-    return {f"data.{k}": v for k, v in _flatten(to_dict(cfg.data)).items() if not _under(k, SAMPLING_KEYS)}
+    return {f"data.{k}": v for k, v in flatten_keys(to_dict(cfg.data)).items() if not _under(k, SAMPLING_KEYS)}
 
 
 def fingerprint(keys: dict[str, Any]) -> str:

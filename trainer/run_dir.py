@@ -65,11 +65,13 @@ PATH_KEYS = (
 )
 
 
-def _flatten(raw: Any, prefix: str = "") -> dict[str, Any]:
+def flatten_keys(raw: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as dotted key paths -> leaf values (`train.lr` -> 0.001): what
+    fingerprints and their differences are computed over."""
     if isinstance(raw, dict) and raw:
         out: dict[str, Any] = {}
         for k, v in raw.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+            out.update(flatten_keys(v, f"{prefix}.{k}" if prefix else str(k)))
         return out
     return {prefix: raw}
 
@@ -113,7 +115,7 @@ def result_keys(cfg: Any, ignore: Iterable[str] = ()) -> dict[str, Any]:
     the caller does not use, e.g. `doremi` for a plain training run), with `KEY (content)`
     entries for what path-valued keys point at."""
     ignore = tuple(ignore)
-    keys = {k: v for k, v in _flatten(to_dict(cfg)).items() if not _excluded(k, ignore)}
+    keys = {k: v for k, v in flatten_keys(to_dict(cfg)).items() if not _excluded(k, ignore)}
     train = getattr(cfg, "train", None)
     if train is not None and not schedule_depends_on_steps(train):
         keys.pop("train.steps", None)
