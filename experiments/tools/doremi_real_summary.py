@@ -26,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from data.store import Manifest, read_manifest  # noqa: E402
 from data.weights_file import WEIGHTS_FILE, read_weights_file  # noqa: E402
 from doremi.compare import MainRun, mean_se, read_root  # noqa: E402
 from doremi.guardrails import measure_pipeline, run_level_snr  # noqa: E402
@@ -469,16 +470,16 @@ def realised(run: Path) -> dict[str, dict[str, float]]:
     return [r["realised"] for r in read_jsonl(run / "metrics.jsonl") if isinstance(r.get("realised"), dict)][-1]
 
 
-def corpus_table(manifest: dict[str, Any], natural: list[float] | None) -> str:
+def corpus_table(manifest: Manifest, natural: list[float] | None) -> str:
     rows = []
-    for i, d in enumerate(manifest["domains"]):
-        tr, va = d["train"], d["validation"]
+    for i, d in enumerate(manifest.domains):
+        tr, va = d.train, d.validation
         rows.append(
             [
-                d["name"],
-                f"{tr['tokens']:,}",
-                f"{va['tokens']:,}",
-                f"{tr['bytes'] / tr['tokens']:.2f}",
+                d.name,
+                f"{tr.tokens:,}",
+                f"{va.tokens:,}",
+                f"{tr.bytes / tr.tokens:.2f}",
                 fmt(natural[i]) if natural else "",
             ]
         )
@@ -502,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"doremi_real_summary: error: {args.runs}: no doremi-s* arm directories", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    manifest = json.loads((roots[0] / "stores" / "manifest.json").read_text())
-    domains = [d["name"] for d in manifest["domains"]]
+    manifest = read_manifest(roots[0] / "stores")
+    domains = manifest.domain_names
     k = len(domains)
     mains = {r.name: read_root(r) for r in roots}
     weights = {r.name: read_weights_file(r / WEIGHTS_FILE)["weights"] for r in roots}
