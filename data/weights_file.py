@@ -27,15 +27,17 @@ from data.errors import DataError
 WEIGHTS_FILE = "weights.json"
 
 
-def _floats(values: Any, k: int) -> list[float]:
+def per_domain_list(values: Any, k: int, what: str = "weights", error: type[Exception] = DataError) -> list:
+    """A tensor, array or sequence of one value per domain as a plain list (what JSON holds);
+    `error` names `what` when there are not `k` of them."""
     if hasattr(values, "detach"):
         values = values.detach().cpu().tolist()
     elif isinstance(values, np.ndarray):
         values = values.tolist()
     values = list(values)
     if len(values) != k:
-        raise DataError(f"weights: expected {k} values (one per domain), got {len(values)}")
-    return [float(v) for v in values]
+        raise error(f"{what}: expected {k} values (one per domain), got {len(values)}")
+    return values
 
 
 def _check_distribution(path: Path, w: Sequence[Any]) -> None:
@@ -55,7 +57,7 @@ def write_weights_file(
     """
     path = Path(path)
     domains = list(domains)
-    w = _floats(weights, len(domains))
+    w = [float(v) for v in per_domain_list(weights, len(domains))]
     _check_distribution(path, w)
     clash = {"domains", "weights"} & set(provenance)
     if clash:

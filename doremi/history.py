@@ -23,7 +23,7 @@ import numpy as np
 
 from data.atomic import atomic_write_text
 from data.errors import DataError, UserError
-from data.weights_file import read_weights_file, write_weights_file
+from data.weights_file import per_domain_list, read_weights_file, write_weights_file
 
 HISTORY_FILE = "domain_weights.jsonl"
 PER_DOMAIN_FIELDS = ("weights", "excess", "proxy_loss", "ref_loss", "tokens")
@@ -34,13 +34,7 @@ class HistoryError(UserError, ValueError):
 
 
 def _as_list(name: str, values: Any, k: int) -> list:
-    if hasattr(values, "detach"):
-        values = values.detach().cpu().tolist()
-    elif isinstance(values, np.ndarray):
-        values = values.tolist()
-    values = list(values)
-    if len(values) != k:
-        raise HistoryError(f"{name}: expected {k} values (one per domain), got {len(values)}")
+    values = per_domain_list(values, k, name, HistoryError)
     if name == "tokens":
         return [int(v) for v in values]
     return [float(v) for v in values]

@@ -35,7 +35,18 @@ def tokens_per_byte(manifest: Manifest) -> list[float | None]:
 PROXY_KEYS = ("eta", "smoothing", "reference_weights", "proxy_sampling", "mode", "rounds", "average_from_step")
 
 
-def _run_row(label: str, cfg: dict[str, Any]) -> list[str]:
+def _trained_tokens(run: Path) -> int | None:
+    """Non-masked label tokens the run trained on, as measured (the last `realised` row of its
+    metrics.jsonl); None when it logged none."""
+    rows = (
+        [r for r in read_jsonl(run / "metrics.jsonl") if isinstance(r.get("realised"), dict)]
+        if (run / "metrics.jsonl").is_file()
+        else []
+    )
+    return int(sum(rows[-1]["realised"]["tokens"].values())) if rows else None
+
+
+def _run_row(label: str, cfg: dict[str, Any], trained: int | None) -> list[str]:
     from trainer.config import ModelConfig
     from trainer.configtools import from_dict
     from trainer.model.flops import param_count
@@ -49,6 +60,7 @@ def _run_row(label: str, cfg: dict[str, Any]) -> list[str]:
         f"d {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads",
         str(t["steps"]),
         f"{t['global_batch_size']} x {d['seq_len']}",
+        "" if trained is None else f"{trained / 1e6:.2f}M",
         f"{tokens / 1e6:.2f}M",
         f"{t['lr']} -> {t['min_lr']}",
         str(t["seed"]),
@@ -65,8 +77,21 @@ def setup_table(root: Path) -> str | None:
     configs = {r: yaml.safe_load((r / "config.yaml").read_text()) for r in runs if (r / "config.yaml").is_file()}
     if not configs:
         return None
-    rows = [_run_row(str(r.relative_to(root)), c) for r, c in configs.items()]
-    table = markdown_table(["run", "parameters", "shape", "steps", "batch (seq x len)", "tokens", "lr", "seed"], rows)
+    rows = [_run_row(str(r.relative_to(root)), c, _trained_tokens(r)) for r, c in configs.items()]
+    table = markdown_table(
+        [
+            "run",
+            "parameters",
+            "shape",
+            "steps",
+            "batch (seq x len)",
+            "tokens trained (measured)",
+            "tokens (nominal)",
+            "lr",
+            "seed",
+        ],
+        rows,
+    )
     proxies = [c for r, c in configs.items() if r.name == "proxy"]
     if proxies:
         d = proxies[-1].get("doremi", {})

@@ -64,4 +64,5 @@ def test_own_jsonl_files_through_the_readme_route(tmp_path, capsys):
     assert abs(sum(weights["weights"]) - 1.0) < 1e-9
     report = (run / "report.md").read_text()
     assert "## What was run" in report and "| main/uniform |" in report and "| main/tokens |" in report
+    assert "| tokens trained (measured) | tokens (nominal) |" in report
     assert (run / "loss_vs_baseline.png").read_bytes()[:4] == b"\x89PNG"
