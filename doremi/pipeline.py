@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -98,9 +99,15 @@ class Pipeline:
         return from_dict(ExperimentConfig, raw)
 
     def stage_config(self, section: dict[str, Any], **sets: Any) -> ExperimentConfig:
+        """A stage's config: the file, the stage's section, `sets`; wandb groups the stage's run
+        with the pipeline's others under the pipeline's name unless `logging.wandb_group` says
+        otherwise (logging is no stage's fingerprint)."""
         raw = deep_merge(self.raw, section)
         raw = apply_overrides(raw, [f"{k.replace('__', '.')}={json.dumps(v)}" for k, v in sets.items()])
-        return self._load(raw)
+        cfg = self._load(raw)
+        if cfg.logging.wandb and not cfg.logging.wandb_group:
+            cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb_group=self.root.name))
+        return cfg
 
     # -- stage bookkeeping -------------------------------------------------------------------
     def _run_stage(

@@ -23,7 +23,6 @@ from doremi.history import average_weights, read_history
 from doremi.proxy_signals import SignalsLoggedHook
 from doremi.reference import CachedReference, OnlineReference, load_frozen, run_dir_of
 from doremi.reference_cache import create_arrays, open_for_scoring, publish, reference_stamp, staging_dir
-from doremi.stage_markers import done_marker, started_marker
 from doremi.validate import check_stage
 from trainer.build import RunFacts, init_parallel
 from trainer.checkpoint import resolve_checkpoint
@@ -33,7 +32,6 @@ from trainer.evaluate import evaluate_domains
 from trainer.feed import DataFeed
 from trainer.loop import Trainer
 from trainer.parallel.pipeline_schedule import forward_only
-from trainer.run_dir import LOCK_FILE
 
 #: Training stage -> the directory name of its default run directory, and the stage its run
 #: directory records (trainer.run_dir.check_stage).
@@ -53,23 +51,6 @@ def with_run_dir(cfg: ExperimentConfig, config_path: str | Path, stage: str) -> 
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=default_run_dir(config_path, stage)))
 
 
-def pipeline_group(run_dir: str | Path) -> str | None:
-    """The name of the pipeline directory a stage runs under (the nearest ancestor holding a
-    run-directory lock; the pipeline holds its root's), None for a standalone run."""
-    if not started_marker(done_marker(Path(run_dir))).is_file():
-        return None  # the pipeline marks each stage it starts
-    root = next((p for p in Path(run_dir).resolve().parents if (p / LOCK_FILE).is_file()), None)
-    return None if root is None else root.name
-
-
-def with_wandb_group(cfg: ExperimentConfig) -> ExperimentConfig:
-    """wandb groups the runs of one pipeline: `logging.wandb_group`, else the pipeline's name."""
-    if not cfg.logging.wandb or cfg.logging.wandb_group or not cfg.train.run_dir:
-        return cfg
-    group = pipeline_group(cfg.train.run_dir)
-    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb_group=group))
-
-
 def with_weights(cfg: ExperimentConfig, weights: Any) -> ExperimentConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, domain_weights=weights))
 
@@ -77,7 +58,7 @@ def with_weights(cfg: ExperimentConfig, weights: Any) -> ExperimentConfig:
 def train(cfg: ExperimentConfig, desc: str = "train", stage: str = "train") -> dict[str, Any]:
     """Plain training on `data.domain_weights` (the large run with tuned weights). The
     `doremi` section does not enter its results, so changing it does not stop a resume."""
-    return Trainer(with_wandb_group(cfg), desc=desc, result_ignore=("doremi",), stage=stage).fit()
+    return Trainer(cfg, desc=desc, result_ignore=("doremi",), stage=stage).fit()
 
 
 def train_reference(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -131,7 +112,7 @@ def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
     the all-forward-all-backward schedule (and the stage split counts its in-flight batches)."""
     if cfg.doremi.update == "exact" and cfg.doremi.mode == "reweight":
         cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, pp_schedule="afab"))
-    trainer = Trainer(with_wandb_group(cfg), desc="proxy", stage="proxy")
+    trainer = Trainer(cfg, desc="proxy", stage="proxy")
     sampling = resolve_weights(cfg.doremi.proxy_sampling, trainer.feed.manifest, "doremi.proxy_sampling")
     if cfg.doremi.reference_cache:
         ref = CachedReference(

@@ -201,14 +201,19 @@ def test_wandb_name_group_and_config(stores, tmp_path, fake_wandb):
     assert fake_wandb.rows[1][0]["realised/tokens/noise"] > 0
 
 
-def test_pipeline_group_is_the_pipeline_directory(tmp_path):
-    root = tmp_path / "pipe"
-    (root / "proxy").mkdir(parents=True)
-    (root / ".lock").write_text("")
-    assert stages.pipeline_group(root / "proxy") is None  # not started by a pipeline
-    (root / "proxy" / "stage.started.json").write_text("{}")
-    (root / "proxy" / ".lock").write_text("")
-    assert stages.pipeline_group(root / "proxy") == "pipe"
+def test_pipeline_stages_are_grouped_under_the_pipeline_name(tmp_path):
+    """Every stage config the pipeline builds carries its wandb group: the pipeline's name,
+    unless logging.wandb_group is set; without wandb nothing is set."""
+    from doremi.pipeline import Pipeline
+
+    qs = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.yaml"
+    base = [f"pipeline.run_dir={tmp_path / 'pipe'}", f"data.store_dir={tmp_path / 'stores'}"]
+    pipe = Pipeline(qs, [*base, "logging.wandb=true"], say=lambda m: None)
+    assert pipe.stage_config(pipe.p.main).logging.wandb_group == "pipe"
+    named = Pipeline(qs, [*base, "logging.wandb=true", "logging.wandb_group=g"], say=lambda m: None)
+    assert named.stage_config(named.p.main).logging.wandb_group == "g"
+    off = Pipeline(qs, base, say=lambda m: None)
+    assert off.stage_config(off.p.main).logging.wandb_group is None
 
 
 def test_wandb_logs_the_proxy_mixing_signals(stores, tmp_path, fake_wandb):
