@@ -71,8 +71,10 @@ def natural_weights(corpus_manifest: Path, out: Path) -> Path:
     domains = list(outputs)
     sizes = [float(outputs[d]["uncapped_bytes"]) for d in domains]
     total = sum(sizes)
+    where = corpus_manifest.resolve()
+    where = where.relative_to(ROOT) if where.is_relative_to(ROOT) else where
     return write_weights_file(
-        out, domains, [s / total for s in sizes], {"source": f"uncapped bytes per domain, {corpus_manifest}"}
+        out, domains, [s / total for s in sizes], {"source": f"uncapped bytes per domain, {where}"}
     )
 
 
