@@ -12,6 +12,12 @@ weights may change every step, the cursors and deficits carry the history; with 
 the nominal counts (sum_t B x w_t, for reports) they are the whole checkpointable state
 (`state_dict`). A resumed run that restores them draws the same batches.
 
+Random draws (`draws="random"`, for methods whose signal needs true draws, such as a bandit's
+importance weights): the step's counts are multinomial(B, w_t) from
+`default_rng([seed, RANDOM_DRAWS, step])`, so they depend on the seed, the step and the weights
+only (the same under every layout and on resume); deficits are left alone, and the sequences
+come from the same epoch streams.
+
 Layout: the global batch is ordered by stride interleaving (`interleave`), so every contiguous
 slice holds each domain in proportion, up to one sequence. Data-parallel rank r takes the r-th
 of dp equal contiguous slices and cuts it into `micro_batches` contiguous micro-batches; their
@@ -30,6 +36,10 @@ from data.errors import DataError
 from data.weights import check_weights
 
 Item = tuple[int, int]  # (domain index, sequence index)
+
+#: The draw modes, and the tag that separates random draws' generator from the permutations'.
+DRAWS = ("exact", "random")
+RANDOM_DRAWS = 0x5A3D
 
 __all__ = ["DomainBatchSampler", "Item", "interleave"]
 
@@ -59,7 +69,9 @@ class DomainBatchSampler:
         self.cursors = [0] * k
         self.deficits = [0.0] * k
         self.nominal = [0.0] * k
-        self._last: tuple[int, np.ndarray, list[Item]] | None = None
+        #: Sequences of each domain in the step drawn last.
+        self.counts = [0] * k
+        self._last: tuple[int, np.ndarray, str, list[Item]] | None = None
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
     def check(self, weights: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -92,34 +104,52 @@ class DomainBatchSampler:
             pos += take
         return out
 
-    def global_batch(self, step: int, weights: Sequence[float] | np.ndarray) -> list[Item]:
+    def step_counts(self, step: int, w: np.ndarray, draws: str) -> list[int]:
+        """Sequences of each domain in global batch `step` (advances the deficits when exact)."""
+        b = self.global_batch_size
+        if draws == "random":
+            return [int(c) for c in np.random.default_rng([self.seed, RANDOM_DRAWS, step]).multinomial(b, w)]
+        if draws != "exact":
+            raise DataError(f"sampler draws: expected one of {', '.join(DRAWS)}, got {draws!r}")
+        counts, self.deficits = apportion(self.deficits, w, b)
+        return counts
+
+    def global_batch(self, step: int, weights: Sequence[float] | np.ndarray, draws: str = "exact") -> list[Item]:
         """The global batch of `step`, advancing the state. Steps are drawn in order; asking
         again for the step just drawn (same weights) returns it unchanged."""
         w = self.check(weights)
         if self._last is not None and step == self._last[0]:
-            if not np.array_equal(w, self._last[1]):
+            if not np.array_equal(w, self._last[1]) or draws != self._last[2]:
                 raise DataError(
-                    f"sampler: step {step} was drawn with weights {self._last[1].tolist()}, now asked with {w.tolist()}"
+                    f"sampler: step {step} was drawn with weights {self._last[1].tolist()} ({self._last[2]}), "
+                    f"now asked with {w.tolist()} ({draws})"
                 )
-            return list(self._last[2])
+            return list(self._last[3])
         if step != self.step:
             raise DataError(
                 f"sampler: next step is {self.step}, asked for step {step}; restore the "
                 f"sampler state (load_state_dict) to resume at another step"
             )
         b = self.global_batch_size
-        counts, self.deficits = apportion(self.deficits, w, b)
-        draws = {d: iter(self.stream(d, self.cursors[d], c)) for d, c in enumerate(counts) if c}
-        batch = [(d, next(draws[d])) for d in interleave(counts)]
+        counts = self.step_counts(step, w, draws)
+        streams = {d: iter(self.stream(d, self.cursors[d], c)) for d, c in enumerate(counts) if c}
+        batch = [(d, next(streams[d])) for d in interleave(counts)]
         for d, c in enumerate(counts):
             self.cursors[d] += c
             self.nominal[d] += b * float(w[d])
+        self.counts = counts
         self.step += 1
-        self._last = (step, w, batch)
+        self._last = (step, w, draws, batch)
         return list(batch)
 
     def local(
-        self, step: int, weights: Sequence[float] | np.ndarray, dp_rank: int, dp: int, micro_batches: int
+        self,
+        step: int,
+        weights: Sequence[float] | np.ndarray,
+        dp_rank: int,
+        dp: int,
+        micro_batches: int,
+        draws: str = "exact",
     ) -> list[list[Item]]:
         """This data-parallel rank's micro-batches of the global batch of `step`."""
         b = self.global_batch_size
@@ -129,7 +159,7 @@ class DomainBatchSampler:
             )
         if not 0 <= dp_rank < dp:
             raise DataError(f"sampler: dp_rank {dp_rank} outside [0, {dp})")
-        batch = self.global_batch(step, weights)
+        batch = self.global_batch(step, weights, draws)
         per_rank = b // dp
         mine = batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         size = per_rank // micro_batches

@@ -1,8 +1,9 @@
 """The proxy's per-step domain-weight log (`domain_weights.jsonl`) and its average.
 
-One JSON object per step: `step`, `domains`, `weights` (alpha_t), `excess` (lambda_t),
-`proxy_loss`, `ref_loss` (per-domain mean losses) and `tokens` (per-domain token counts of the
-global batch). Lines are flushed as written, so a crash loses at most the line being written;
+One JSON object per step: `step`, `domains`, `weights` (the method's domain weights: DoReMi's
+alpha_t), `tokens` (per-domain token counts of the global batch) and the method's own per-domain
+signals (DoReMi: `excess` lambda_t, `proxy_loss`, `ref_loss`; a method that draws at random:
+`sampling`, the probabilities the step was drawn with, and `sequences`, what it drew). Lines are flushed as written, so a crash loses at most the line being written;
 a torn last line (no newline) is ignored on read and dropped on resume.
 
 The tuned weights are the mean of alpha_t over t = 1..T (Xie et al. 2023, Algorithm 1, output
@@ -26,7 +27,10 @@ from data.errors import DataError, UserError
 from data.weights_file import per_domain_list, read_weights_file, write_weights_file
 
 HISTORY_FILE = "domain_weights.jsonl"
-PER_DOMAIN_FIELDS = ("weights", "excess", "proxy_loss", "ref_loss", "tokens")
+#: Per-domain fields every record holds, and those checked and converted when present.
+REQUIRED_FIELDS = ("weights", "tokens")
+PER_DOMAIN_FIELDS = ("weights", "excess", "proxy_loss", "ref_loss", "tokens", "loss", "sampling", "sequences")
+INTEGER_FIELDS = ("tokens", "sequences")
 
 
 class HistoryError(UserError, ValueError):
@@ -35,7 +39,7 @@ class HistoryError(UserError, ValueError):
 
 def _as_list(name: str, values: Any, k: int) -> list:
     values = per_domain_list(values, k, name, HistoryError)
-    if name == "tokens":
+    if name in INTEGER_FIELDS:
         return [int(v) for v in values]
     return [float(v) for v in values]
 
@@ -112,9 +116,10 @@ class WeightHistory:
     def append(self, record: Mapping[str, Any]) -> dict:
         """Write one step's record and flush it.
 
-        Required keys: `step` (after the last one logged), `weights`, `excess`, `proxy_loss`,
-        `ref_loss`, `tokens` (one value per domain: tensors, arrays or lists) and `domains`
-        (optional when given to the constructor). Other keys are written as they are.
+        Required keys: `step` (after the last one logged), `weights` and `tokens` (one value per
+        domain: tensors, arrays or lists) and `domains` (optional when given to the
+        constructor). The other `PER_DOMAIN_FIELDS` are checked and converted when present;
+        other keys are written as they are.
         """
         try:
             step = operator.index(record.get("step"))
@@ -130,7 +135,9 @@ class WeightHistory:
         rec: dict[str, Any] = {**record, "step": step, "domains": self.domains}
         for name in PER_DOMAIN_FIELDS:
             if name not in record:
-                raise HistoryError(f"{self.path}: step {step}: missing per-domain field {name!r}")
+                if name in REQUIRED_FIELDS:
+                    raise HistoryError(f"{self.path}: step {step}: missing per-domain field {name!r}")
+                continue
             rec[name] = _as_list(name, record[name], k)
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()

@@ -20,7 +20,7 @@ from data.weights_file import WEIGHTS_FILE, write_weights_file
 from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
 from doremi.history import average_weights, read_history
-from doremi.proxy_signals import SignalsLoggedHook
+from doremi.methods.doremi import DoReMi
 from doremi.reference import CachedReference, OnlineReference, load_frozen, run_dir_of
 from doremi.reference_cache import create_arrays, open_for_scoring, publish, reference_stamp, staging_dir
 from doremi.validate import check_stage
@@ -30,6 +30,7 @@ from trainer.config import load_config
 from trainer.configtools import ConfigError, read_yaml
 from trainer.evaluate import evaluate_domains
 from trainer.feed import DataFeed
+from trainer.hooks import MethodContext
 from trainer.loop import Trainer
 from trainer.parallel.pipeline_schedule import forward_only
 
@@ -106,20 +107,18 @@ def train_proxy(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
-    """The proxy's trainer, its DoReMi hook and reference in place.
+    """The proxy's trainer, DoReMi and its reference (online or cached) plugged in."""
+    return Trainer(cfg, desc="proxy", stage="proxy", method=lambda ctx: doremi_method(cfg, ctx))
 
-    The exact update needs every forward of the step before any backward, so the proxy runs
-    the all-forward-all-backward schedule (and the stage split counts its in-flight batches)."""
-    if cfg.doremi.update == "exact" and cfg.doremi.mode == "reweight":
-        cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, pp_schedule="afab"))
-    trainer = Trainer(cfg, desc="proxy", stage="proxy")
-    sampling = resolve_weights(cfg.doremi.proxy_sampling, trainer.feed.manifest, "doremi.proxy_sampling")
+
+def doremi_method(cfg: ExperimentConfig, ctx: MethodContext) -> DoReMi:
+    sampling = resolve_weights(cfg.doremi.proxy_sampling, read_manifest(cfg.data.store_dir), "doremi.proxy_sampling")
     if cfg.doremi.reference_cache:
         ref = CachedReference(
             cfg.doremi.reference_cache,
-            trainer.feed.domains,
+            ctx.domains,
             cfg.data.seq_len,
-            trainer.pc.device,
+            ctx.device,
             steps=cfg.train.steps,
             global_batch_size=cfg.train.global_batch_size,
             seed=cfg.data.seed,
@@ -129,10 +128,9 @@ def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
     else:
         ck = _require_reference(cfg)
         ref_cfg = reference_config(cfg, ck)
-        ref_facts = RunFacts.resolve(ref_cfg, trainer.pc)
-        ref = OnlineReference(load_frozen(ref_cfg, ck, trainer.pc, ref_facts), ref_facts, trainer.pc)
-    trainer.hook = SignalsLoggedHook(cfg.doremi, trainer.feed.domains, trainer.pc, trainer.run_dir, sampling, ref)
-    return trainer
+        ref_facts = RunFacts.resolve(ref_cfg, ctx.pc)
+        ref = OnlineReference(load_frozen(ref_cfg, ck, ctx.pc, ref_facts), ref_facts, ctx.pc)
+    return DoReMi(cfg.doremi, ctx, sampling, ref)
 
 
 def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:

@@ -72,9 +72,14 @@ def domain_excess_sums(
         raise ValueError(
             f"ref_loss: expected shape {tuple(proxy_loss.shape)} like proxy_loss, got {tuple(ref_loss.shape)}"
         )
+    return domain_sums(token_excess(proxy_loss, ref_loss), domain_ids, mask, k)
+
+
+def token_excess(proxy_loss: torch.Tensor, ref_loss: torch.Tensor) -> torch.Tensor:
+    """Per-token excess loss max(loss_proxy - loss_ref, 0), in the wider of the two dtypes
+    (at least fp32)."""
     dtype = torch.promote_types(_float_dtype(proxy_loss), _float_dtype(ref_loss))
-    excess = (proxy_loss.to(dtype) - ref_loss.to(dtype)).clamp_min(0)
-    return domain_sums(excess, domain_ids, mask, k)
+    return (proxy_loss.to(dtype) - ref_loss.to(dtype)).clamp_min(0)
 
 
 def per_domain_mean_loss(

@@ -12,11 +12,14 @@ from data.config import DataConfig
 from data.dataset import PackedDomains
 from data.errors import DataError
 from data.holdout import holdout_split
-from data.sampler import DomainBatchSampler
+from data.sampler import DomainBatchSampler, interleave
 from data.store import open_stores
 from data.validation import validation_items
 from trainer.configtools import ConfigError
 from trainer.parallel.context import ParallelContext
+
+#: Separates the generator of target draws from the sampler's.
+TARGET_DRAWS = 0x7A6E
 
 
 class DataFeed:
@@ -30,6 +33,7 @@ class DataFeed:
         expect_tokenizer: dict | None = None,
     ):
         self.pc = pc
+        self.seed = seed
         self.micro_batches = micro_batches
         self.stores = open_stores(data.store_dir, expect_tokenizer=expect_tokenizer)
         self.manifest = self.stores.manifest
@@ -57,9 +61,10 @@ class DataFeed:
     def k(self) -> int:
         return len(self.domains)
 
-    def step_batches(self, step: int, weights: np.ndarray) -> list[dict]:
-        """This rank's micro-batches of global batch `step` (1-based), on the device."""
-        local = self.sampler.local(step - 1, weights, self.pc.dp_rank, self.pc.dp, self.micro_batches)
+    def step_batches(self, step: int, weights: np.ndarray, draws: str = "exact") -> list[dict]:
+        """This rank's micro-batches of global batch `step` (1-based), on the device, drawn as
+        exact counts or random draws (`data.sampler`)."""
+        local = self.sampler.local(step - 1, weights, self.pc.dp_rank, self.pc.dp, self.micro_batches, draws)
         return [collate(self.train, items, device=self.pc.device) for items in local]
 
     def validation(self, batch_size: int, sequences: int) -> list[list[dict]]:
@@ -81,6 +86,29 @@ class DataFeed:
                 )
             self._val_cache[key] = per_domain
         return self._val_cache[key]
+
+    def target_batches(self, step: int, weights: np.ndarray, sequences: int, batch_size: int) -> list[dict]:
+        """This rank's part of `sequences` validation sequences drawn for `step` from the mixture
+        `weights` (a method's target, e.g. DoGE's): counts multinomial, each index uniform over
+        its domain's validation sequences, from `default_rng([seed, TARGET_DRAWS, step])`, so the
+        draw depends on the seed and step only; split over dp ranks like a training batch, in
+        micro-batches of at most `batch_size`."""
+        if sequences % self.pc.dp:
+            raise ConfigError(f"target sequences: {sequences} is not a multiple of dp = {self.pc.dp}")
+        rng = np.random.default_rng([self.seed, TARGET_DRAWS, step])
+        counts = rng.multinomial(sequences, weights)
+        picks = {}
+        for d, c in enumerate(counts):
+            n = self._val.num_sequences(d)
+            if c and not n:
+                raise DataError(f"target mixture: domain {self.domains[d]!r} has no validation sequences")
+            picks[d] = iter(rng.integers(0, max(n, 1), size=int(c)).tolist())
+        items = [(d, next(picks[d])) for d in interleave([int(c) for c in counts])]
+        per_rank = sequences // self.pc.dp
+        mine = items[self.pc.dp_rank * per_rank : (self.pc.dp_rank + 1) * per_rank]
+        return [
+            collate(self._val, mine[j : j + batch_size], device=self.pc.device) for j in range(0, len(mine), batch_size)
+        ]
 
     @property
     def holdout(self) -> int:

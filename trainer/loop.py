@@ -4,6 +4,7 @@ update -> metrics, eval and checkpoints. Knows nothing of data mixing beyond `Mi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -17,13 +18,14 @@ import torch
 from data.atomic import atomic_write_text
 from data.weights import resolve_weights
 from trainer import run_dir as rundir
+from trainer.alignment import aligned_step
 from trainer.build import RunFacts, build_model, init_parallel, seed_everything
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError, dump_yaml, to_dict
 from trainer.evaluate import evaluate_domains, evaluate_domains_with_error
 from trainer.feed import DataFeed
-from trainer.hooks import FixedMixture, MixingHook
+from trainer.hooks import FixedMixture, MethodContext, MethodFactory, MixingHook, StepSignals
 from trainer.interrupt import Interrupted, StopRequests
 from trainer.metrics import MetricsLogger, read_jsonl
 from trainer.model.flops import flops_per_token
@@ -33,6 +35,7 @@ from trainer.parallel.tensor import sync_sequence_parallel_grads
 from trainer.parallel.tied import sync_tied_grads
 from trainer.run_report import cpu_build_note, decision_line, say, startup_line, summary_lines
 from trainer.schedule_extension import Extension, plan_extension, scheduled_lr
+from trainer.signals import MethodWeighting
 from trainer.step import StepStats, domain_token_counts, forward_backward
 
 #: bf16 dense peak of an H100/H200 from the datasheet, for MFU.
@@ -48,10 +51,12 @@ class Trainer:
         desc: str = "train",
         result_ignore: tuple[str, ...] = (),
         stage: str = "train",
+        method: MethodFactory | None = None,
     ):
         """`result_ignore`: config sections or keys this run does not read (`doremi` for a plain
         training run), left out of the fingerprint that a resume must match. `stage` (train,
-        reference, proxy) is recorded in `run.json`: another stage refuses the directory."""
+        reference, proxy) is recorded in `run.json`: another stage refuses the directory.
+        `method`: the data-mixing method (`trainer.hooks`); None trains on `data.domain_weights`."""
         self.cfg = cfg
         if not (run_dir or cfg.train.run_dir):
             raise ConfigError("train.run_dir: required (the directory this run writes), got nothing")
@@ -67,13 +72,23 @@ class Trainer:
             cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, self.pc, seed=cfg.data.seed
         )
         self.feed.check_vocab(cfg.model.vocab_size)
+        self.hook: MixingHook = (
+            FixedMixture(resolve_weights(cfg.data.domain_weights, self.feed.manifest))
+            if method is None
+            else method(self.method_context())
+        )
+        if self.hook.needs.stats_before_backward and cfg.parallelism.pp_schedule != "afab":
+            # The weights need every forward of the step before any backward; the stage split
+            # then counts the in-flight batches of that schedule.
+            cfg = self.cfg = dataclasses.replace(
+                cfg, parallelism=dataclasses.replace(cfg.parallelism, pp_schedule="afab")
+            )
         self.facts = RunFacts.resolve(cfg, self.pc)
         self.model = build_model(cfg, self.pc, self.facts)
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer(
             self.named_params, cfg.train, self.pc, cfg.parallelism.zero1, param_dtype=self.facts.param_dtype
         )
-        self.hook: MixingHook = FixedMixture(resolve_weights(cfg.data.domain_weights, self.feed.manifest))
         self.step = 0
         self.last: dict[str, Any] = {}  # the last logged row, merged with the last evaluation
         # Non-masked label tokens drawn per domain since step 1 (on the device: no host sync per step).
@@ -83,12 +98,27 @@ class Trainer:
         if cfg.train.eval_every:
             self.feed.validation(self.facts.micro_batch_size, cfg.train.eval_sequences)  # fail before any step
 
+    def method_context(self) -> MethodContext:
+        cfg = self.cfg
+        return MethodContext(
+            domains=list(self.feed.domains),
+            run_dir=self.run_dir,
+            is_main=self.pc.is_main,
+            device=self.pc.device,
+            seed=cfg.data.seed,
+            steps=cfg.train.steps,
+            global_batch_size=cfg.train.global_batch_size,
+            seq_len=cfg.data.seq_len,
+            train_tokens=[int(d.train.tokens) for d in self.feed.manifest.domains],
+            pc=self.pc,
+        )
+
     # -- state ---------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "data": self.feed.state_dict(),
-            "hook": self.hook.state_dict(),
+            "method": self.hook.state_dict(),
             "realised_tokens": self.realised_tokens.tolist(),
             "run": self.record,
             "config": to_dict(self.cfg),
@@ -141,28 +171,46 @@ class Trainer:
                 f"(written by an older version); start the run again"
             )
         self.realised_tokens = torch.tensor(extra["realised_tokens"], dtype=torch.float64, device=self.pc.device)
-        self.hook.load_state_dict(extra.get("hook", {}))
+        self.hook.load_state_dict(extra.get("method", extra.get("hook", {})))
         return True
 
     # -- one step ------------------------------------------------------------------------
     def train_step(self) -> tuple[StepStats, dict[str, Any]]:
         self.step += 1
-        step, pc, hook = self.step, self.pc, self.hook
-        batches = self.feed.step_batches(step, hook.sampling_weights(step))
+        step, pc, hook, k = self.step, self.pc, self.hook, self.feed.k
+        weights = hook.sampling_weights(step)
+        batches = self.feed.step_batches(step, weights, hook.needs.draws)
         hook.prepare_batches(step, batches)
-        domain_tokens = domain_token_counts(batches, self.feed.k, pc)
+        domain_tokens = domain_token_counts(batches, k, pc)
         self.realised_tokens += domain_tokens
-        weighting = hook.weighting(step, batches, domain_tokens)
-        schedule = "afab" if weighting.needs_forward_losses else self.cfg.parallelism.pp_schedule
-        with self.autocast:
-            stats = forward_backward(self.model, batches, weighting, pc, schedule, self.feed.k)
-        sync_sequence_parallel_grads(self.model, pc)
-        sync_tied_grads(self.model, pc)
+        signals = StepSignals(weights=weights, sequences=np.array(self.feed.sampler.counts), tokens=domain_tokens)
+        if hook.needs.alignment is not None:
+            with self.autocast:
+                stats = aligned_step(self.model, self.named_params, batches, signals, step, hook, self.feed, pc)
+        else:
+            weighting = MethodWeighting(hook, step, signals, pc, k)
+            schedule = "afab" if weighting.needs_forward_losses else self.cfg.parallelism.pp_schedule
+            with self.autocast:
+                stats = forward_backward(self.model, batches, weighting, pc, schedule, k)
+            weighting.finish(stats.local_losses, batches)
+            sync_sequence_parallel_grads(self.model, pc)
+            sync_tied_grads(self.model, pc)
+        signals.loss_sum = stats.domain_loss_sum
         self.optimizer.reduce_gradients()
         stats.grad_norm = self.optimizer.clip_grad_norm(self.cfg.train.grad_clip)
         self.optimizer.step(self.lr(step))
         self.optimizer.zero_grad()
-        return stats, hook.after_step(step, stats)
+        extra = hook.after_step(step, signals)
+        if hook.needs.validation and hook.validation_due(step):
+            extra["method_eval_s"] = self.method_validation(step)
+        return stats, extra
+
+    def method_validation(self, step: int) -> float:
+        """The method's validation losses at `step`; returns the seconds they took."""
+        t0 = time.perf_counter()
+        batches = self.feed.validation(self.facts.micro_batch_size, self.cfg.train.eval_sequences)
+        self.hook.observe_validation(step, evaluate_domains(self.model, batches, self.pc, self.autocast))
+        return time.perf_counter() - t0
 
     def lr(self, step: int) -> float:
         return scheduled_lr(step, self.cfg.train, self.extension)
@@ -247,6 +295,8 @@ class Trainer:
         )
         if pc.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pc.device)
+        if not resumed and self.hook.needs.validation and self.hook.validation_due(0):
+            self.method_validation(0)
         stops = StopRequests()
         try:
             with stops.installed():

@@ -46,3 +46,20 @@ class MeanTokenLoss:
     def token_weights(self, index: int, batch: dict) -> torch.Tensor:
         mask = batch["labels"] != IGNORE_INDEX
         return mask.to(torch.float32) * self.scale.to(mask.device)
+
+
+class DomainWeights:
+    """sum_i w_i * (mean loss over domain i's tokens in the global batch): weight w_d / n_d on
+    each non-masked token of domain d, n_d its token count over the global batch."""
+
+    needs_forward_losses = False
+
+    def __init__(self, weights: torch.Tensor, domain_tokens: torch.Tensor):
+        self.per_domain = (weights / domain_tokens.clamp_min(1)).to(torch.float32)
+
+    def prepare(self, losses: list[torch.Tensor], batches: list[dict]) -> None:
+        pass
+
+    def token_weights(self, index: int, batch: dict) -> torch.Tensor:
+        mask = batch["labels"] != IGNORE_INDEX
+        return mask.to(torch.float32) * self.per_domain.to(mask.device)[batch["domain_ids"]][:, None]

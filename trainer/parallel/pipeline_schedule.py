@@ -30,11 +30,14 @@ from trainer.weighting import LossWeighting
 SCHEDULES = ("1f1b", "afab")
 
 
-def check_schedule(num_micro_batches: int, pc: ParallelContext, schedule: str, weighting: LossWeighting) -> None:
-    """Raise a one-line ValueError for a schedule that cannot run as asked."""
+def check_schedule(
+    num_micro_batches: int, pc: ParallelContext, schedule: str, weighting: LossWeighting, few_ok: bool = False
+) -> None:
+    """Raise a one-line ValueError for a schedule that cannot run as asked. `few_ok`: fewer
+    micro-batches than stages are allowed (a part of a step, such as one domain's sequences)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"parallelism.pp_schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    if num_micro_batches < max(pc.pp, 1):
+    if num_micro_batches < max(pc.pp, 1) and not few_ok:
         raise ValueError(
             f"train.micro_batches: pipeline parallel with pp={pc.pp} needs at least {pc.pp} "
             f"micro-batches per step, got {num_micro_batches}"
@@ -112,13 +115,18 @@ def _backward_released(out: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def train_schedule(
-    stage: torch.nn.Module, micro_batches: list[dict], pc: ParallelContext, schedule: str, weighting: LossWeighting
+    stage: torch.nn.Module,
+    micro_batches: list[dict],
+    pc: ParallelContext,
+    schedule: str,
+    weighting: LossWeighting,
+    few_ok: bool = False,
 ) -> list[torch.Tensor]:
     """Forwards and backwards of all local micro-batches; gradients summed into `.grad`.
 
     Returns the detached per-token losses [b, s] of each micro-batch on the last stage, []
     elsewhere. With pp == 1, 1F1B is forward + backward per micro-batch."""
-    check_schedule(len(micro_batches), pc, schedule, weighting)
+    check_schedule(len(micro_batches), pc, schedule, weighting, few_ok)
     steps = _Steps(stage, micro_batches, pc, weighting)
     if schedule == "afab":
         _all_forward_all_backward(steps)

@@ -7,7 +7,7 @@ micro-batch) it times, in this order:
 - plain: our Llama (compiled: at tp = 1 the whole model with its head and cross entropy is one
   graph), bf16 parameters with fp32 master weights (`trainer.optim.master_weights`), `trainer.step.forward_backward` with the
   mean-token weighting, clipping at 1.0, AdamW;
-- doremi-cached: the DoReMi proxy step (exact mode, `doremi.objective.DoReMiHook`) with reference
+- doremi-cached: the DoReMi proxy step (exact mode, `doremi.methods.doremi.DoReMi`) with reference
   losses from `doremi.reference.CachedReference` (a cache written for the bench);
 - doremi-online: the same with `OnlineReference`: a bf16 reference model forwarded under
   inference mode before the proxy step;
@@ -59,10 +59,11 @@ import plain_llama  # noqa: E402
 from data.config import DataConfig  # noqa: E402
 from doremi import reference_cache  # noqa: E402
 from doremi.config import DoReMiConfig  # noqa: E402
-from doremi.objective import DoReMiHook  # noqa: E402
+from doremi.methods.doremi import DoReMi  # noqa: E402
 from doremi.reference import CachedReference, OnlineReference, freeze  # noqa: E402
 from trainer.build import RunFacts  # noqa: E402
 from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
+from trainer.hooks import MethodContext, StepSignals  # noqa: E402
 from trainer.model import rope  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
 from trainer.model.kernels import Kernels  # noqa: E402
@@ -73,12 +74,14 @@ from trainer.optim.interface import Optimizer  # noqa: E402
 from trainer.parallel import clip  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
 from trainer.plan import gpu_param_precision, plan_memory  # noqa: E402
+from trainer.signals import MethodWeighting  # noqa: E402
 from trainer.step import domain_token_counts, forward_backward  # noqa: E402
 from trainer.weighting import MeanTokenLoss  # noqa: E402
 
 DATASHEET_TFLOPS = 989.0
 GIB = 2**30
 K_DOMAINS = 4
+UNIFORM = np.full(K_DOMAINS, 1.0 / K_DOMAINS)
 #: baseline preset -> (our preset, micro-batch)
 SHAPES = {name: (f"bench-{name}", shape.micro_batch) for name, shape in plain_llama.PRESETS.items()}
 #: timing windows per configuration (the median is reported)
@@ -375,12 +378,13 @@ class FrameworkStep:
     (forward and backward under the trainer's autocast for the config's `facts`)."""
 
     def __init__(
-        self, facts: RunFacts, model, opt: Optimizer, pc: ParallelContext, batch: dict, hook: DoReMiHook | None = None
+        self, facts: RunFacts, model, opt: Optimizer, pc: ParallelContext, batch: dict, hook: DoReMi | None = None
     ):
         self.model, self.opt, self.pc, self.batch, self.hook = model, opt, pc, batch, hook
         self.amp = facts.autocast()
         self.step_no = 0
         self._stats = None
+        self._signals: StepSignals | None = None
 
     def phases(self) -> list[tuple[str, Callable[[], None]]]:
         out = []
@@ -401,9 +405,13 @@ class FrameworkStep:
         if self.hook is None:
             weighting, schedule = MeanTokenLoss(tokens.sum()), "1f1b"
         else:
-            weighting, schedule = self.hook.weighting(self.step_no, batches, tokens), "afab"
+            self._signals = StepSignals(weights=UNIFORM, sequences=np.zeros(K_DOMAINS, dtype=np.int64), tokens=tokens)
+            weighting, schedule = MethodWeighting(self.hook, self.step_no, self._signals, self.pc, K_DOMAINS), "afab"
         with self.amp:
             self._stats = forward_backward(self.model, batches, weighting, self.pc, schedule, K_DOMAINS)
+        if self._signals is not None:
+            weighting.finish(self._stats.local_losses, batches)
+            self._signals.loss_sum = self._stats.domain_loss_sum
 
     def _optimizer(self) -> None:
         self.opt.reduce_gradients()
@@ -412,17 +420,27 @@ class FrameworkStep:
         self.opt.zero_grad()
 
     def _after(self) -> None:
-        self.hook.after_step(self.step_no, self._stats)
+        self.hook.after_step(self.step_no, self._signals)
 
     def __call__(self) -> None:
         for _, fn in self.phases():
             fn()
 
 
-def make_hook(run_dir: Path, pc: ParallelContext, reference) -> DoReMiHook:
-    return DoReMiHook(
-        DoReMiConfig(), [f"d{i}" for i in range(K_DOMAINS)], pc, run_dir, np.full(K_DOMAINS, 1.0 / K_DOMAINS), reference
+def make_hook(run_dir: Path, pc: ParallelContext, reference) -> DoReMi:
+    ctx = MethodContext(
+        domains=[f"d{i}" for i in range(K_DOMAINS)],
+        run_dir=run_dir,
+        is_main=pc.is_main,
+        device=pc.device,
+        seed=0,
+        steps=0,
+        global_batch_size=0,
+        seq_len=0,
+        train_tokens=[0] * K_DOMAINS,
+        pc=pc,
     )
+    return DoReMi(DoReMiConfig(), ctx, UNIFORM, reference)
 
 
 def measure(

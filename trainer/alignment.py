@@ -1,0 +1,144 @@
+"""One training step with per-domain gradients weighted by their alignment with a target
+gradient (DoGE, Fan, Pagliardini and Jaggi 2024, Algorithm 1), for a method that declares
+`Needs.alignment` (trainer/hooks.py).
+
+    g_T  = gradient of the mean loss on a target batch (validation sequences of the target mixture)
+    g_i  = gradient of the mean loss over domain i's tokens in the global batch
+    a_i  = <g_i, g_T>
+    update direction  sum_i m_i g_i / sum_i m_i,   m_i = hook.alignment_weight(t, i, a_i)
+
+The method sees a_i and returns m_i one domain at a time, so one gradient of the whole model is
+kept besides the step's own: the target gradient g_T (all-reduced over dp, so that every rank's
+partial dot products add up to the full one) and the running sum of m_i g_i. Each domain's
+gradient is computed into the model's gradient buffers by the ordinary micro-batch schedule
+over that domain's sequences of this rank (regrouped by domain, in micro-batches of the run's
+size), its tp and tied syncs applied, its inner product with g_T taken parameter by parameter in
+fp64 on the ranks that count each element once (`trainer.parallel.clip.counts_here`, less the
+dp owner: before the dp reduction every rank's gradient is a partial sum) and summed over the
+world as one number: no gradient is flattened or copied to the host. A domain absent from the
+batch has gradient 0, so a_i = 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from data.batch import IGNORE_INDEX, collate
+from trainer.feed import DataFeed
+from trainer.hooks import MixingHook, StepSignals
+from trainer.parallel.context import ParallelContext
+from trainer.parallel.main_grad import grad_of, reset_main_grads
+from trainer.parallel.pipeline_schedule import train_schedule
+from trainer.parallel.shard import get_shard_spec
+from trainer.parallel.tensor import sync_sequence_parallel_grads
+from trainer.parallel.tied import is_tied_duplicate, sync_tied_grads
+from trainer.step import StepStats, global_stats
+from trainer.weighting import DomainWeights, MeanTokenLoss
+
+
+def counts_before_dp_reduction(name: str, param: torch.Tensor, pc: ParallelContext) -> bool:
+    """Whether this rank's (unreduced) gradient of `param` enters a whole-model sum: not the
+    tied duplicate, and sharded over tp or on tp rank 0; every dp rank holds its own part."""
+    if is_tied_duplicate(name, pc):
+        return False
+    return pc.tp == 1 or get_shard_spec(param) is not None or pc.tp_rank == 0
+
+
+def _grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out = []
+    for p in params:
+        g = grad_of(p)
+        out.append(torch.zeros_like(p, dtype=torch.float32) if g is None else g)
+    return out
+
+
+def _clear(params: Sequence[torch.Tensor]) -> None:
+    reset_main_grads(params)
+    for p in params:
+        p.grad = None
+
+
+def _synced_grads(model: torch.nn.Module, params: Sequence[torch.Tensor], pc: ParallelContext) -> list[torch.Tensor]:
+    sync_sequence_parallel_grads(model, pc)
+    sync_tied_grads(model, pc)
+    return _grads(params)
+
+
+def aligned_step(
+    model: torch.nn.Module,
+    named_params: Sequence[tuple[str, torch.Tensor]],
+    micro_batches: list[dict],
+    signals: StepSignals,
+    step: int,
+    hook: MixingHook,
+    feed: DataFeed,
+    pc: ParallelContext,
+) -> StepStats:
+    """Leaves sum_i m_i g_i / sum_i m_i in the gradient buffers (tp and tied syncs done, dp
+    reduction not) and fills `signals.alignment`; returns the step's statistics."""
+    spec = hook.needs.alignment
+    assert spec is not None
+    k = feed.k
+    params = [p for _, p in named_params]
+    counted = [counts_before_dp_reduction(n, p, pc) for n, p in named_params]
+    size = max(b["input_ids"].shape[0] for b in micro_batches)
+    schedule = "afab" if pc.pp > 1 else "1f1b"
+
+    target = feed.target_batches(step, np.asarray(spec.weights, dtype=np.float64), spec.sequences, size)
+    target_tokens = torch.zeros((), dtype=torch.float64, device=pc.device)
+    for b in target:
+        target_tokens += (b["labels"] != IGNORE_INDEX).sum()
+    if pc.dp > 1:
+        dist.all_reduce(target_tokens, group=pc.dp_group)
+    _clear(params)
+    if target:
+        train_schedule(model, target, pc, schedule, MeanTokenLoss(target_tokens), few_ok=True)
+    g_target = [g.detach().clone() for g in _synced_grads(model, params, pc)]
+    if pc.dp > 1:
+        for g in g_target:
+            dist.all_reduce(g, group=pc.dp_group)
+    _clear(params)
+
+    items = torch.cat([b["items"] for b in micro_batches]).tolist()
+    by_domain: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    for d, i in items:
+        by_domain[d].append((d, i))
+    total = [torch.zeros_like(g) for g in g_target]
+    norm = torch.zeros((), dtype=torch.float64, device=pc.device)
+    alignment = torch.zeros(k, dtype=torch.float64, device=pc.device)
+    losses: list[torch.Tensor] = []
+    batches: list[dict] = []
+    for d in range(k):
+        group = [
+            collate(feed.train, by_domain[d][j : j + size], device=pc.device) for j in range(0, len(by_domain[d]), size)
+        ]
+        if group:
+            one_hot = torch.zeros(k, dtype=torch.float64, device=pc.device)
+            one_hot[d] = 1.0
+            losses += train_schedule(model, group, pc, schedule, DomainWeights(one_hot, signals.tokens), few_ok=True)
+            batches += group
+        grads = _synced_grads(model, params, pc)
+        dot = torch.zeros((), dtype=torch.float64, device=pc.device)
+        for g, t, c in zip(grads, g_target, counted):
+            if c:
+                dot += torch.sum(g.to(torch.float64) * t.to(torch.float64))
+        if pc.world_size > 1:
+            dist.all_reduce(dot)
+        alignment[d] = dot
+        m = hook.alignment_weight(step, d, dot).to(torch.float64)
+        norm += m
+        for acc, g in zip(total, grads):
+            acc.add_(g * m.to(g.dtype))
+        _clear(params)
+    for p, acc in zip(params, total):
+        acc.div_(norm.to(acc.dtype))
+        if getattr(p, "main_grad", None) is not None:
+            grad_of(p).copy_(acc)
+        else:
+            p.grad = acc.to(p.dtype)
+    signals.alignment = alignment
+    return global_stats(losses, batches, k, pc)
