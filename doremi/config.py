@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from data.config import PathOrName, PathStr, Weights
+from doremi.methods.doge import DoGEConfig
 from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError
 
@@ -58,6 +59,25 @@ class DoReMiConfig:
             raise ConfigError(f"{path}.rounds: expected >= 1, got {self.rounds}")
         if self.average_from_step < 1:
             raise ConfigError(f"{path}.average_from_step: expected >= 1, got {self.average_from_step}")
+
+
+#: The mixing methods by name (doremi/methods/registry.py builds them); DoReMi needs a reference,
+#: so it is not offered online on the main model.
+METHODS = ("doremi", "doge", "odm", "aioli", "ado")
+ONLINE_METHODS = ("doge", "odm", "aioli", "ado")
+
+
+@dataclass
+class MixingConfig:
+    """Which data-mixing method a run uses, and each method's options (DoReMi's are in `doremi`)."""
+
+    # The method `doremi train-proxy` runs; `doremi average` turns its per-step weights into a mixture.
+    method: Literal["doremi", "doge", "odm", "aioli", "ado"] = "doremi"
+    # The method `doremi train` runs online on the main model; None: the main model trains on
+    # data.domain_weights.
+    main: Literal["doge", "odm", "aioli", "ado"] | None = None
+    # DoGE (Fan et al. 2024).
+    doge: DoGEConfig = field(default_factory=DoGEConfig)
 
 
 @dataclass
@@ -123,4 +143,5 @@ class ExperimentConfig(TrainerConfig):
     """An experiment file: the trainer's sections, `doremi` and `pipeline`."""
 
     doremi: DoReMiConfig = field(default_factory=DoReMiConfig)
+    mixing: MixingConfig = field(default_factory=MixingConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

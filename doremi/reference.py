@@ -4,6 +4,7 @@ run through the proxy's own parallel layout (online), or from a cache written by
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +12,13 @@ import torch
 
 from data.batch import to_device
 from data.store import MANIFEST_FILE, read_manifest
+from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
 from doremi.reference_cache import CACHE_VERSION, open_cache  # noqa: F401 (CACHE_VERSION: imported from here by tests)
 from trainer.build import RunFacts, build_model
-from trainer.checkpoint import load_checkpoint
-from trainer.config import TrainerConfig
+from trainer.checkpoint import load_checkpoint, resolve_checkpoint
+from trainer.config import TrainerConfig, load_config
+from trainer.configtools import ConfigError
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import forward_only
 
@@ -52,6 +55,39 @@ def load_frozen(
     model = build_model(cfg, pc, facts)
     load_checkpoint(checkpoint, model, None, pc, data=stores_identity(cfg.data.store_dir))
     return freeze(model, facts)
+
+
+def reference_config(cfg: ExperimentConfig, checkpoint: Path) -> ExperimentConfig:
+    """The proxy's layout and data with the reference run's model shape."""
+    saved = run_dir_of(checkpoint) / "config.yaml"
+    if not saved.is_file():
+        raise DoReMiError(f"{saved}: the reference run's config.yaml is missing")
+    ref = load_config(saved, cls=ExperimentConfig)
+    if ref.data.seq_len != cfg.data.seq_len:
+        raise DoReMiError(
+            f"{saved}: reference data.seq_len={ref.data.seq_len} differs from the proxy's {cfg.data.seq_len}"
+        )
+    tokenizer = read_manifest(cfg.data.store_dir).tokenizer
+    if ref.model.vocab_size < int(tokenizer["vocab_size"]):
+        raise DoReMiError(
+            f"{saved}: reference model.vocab_size={ref.model.vocab_size} is smaller than the "
+            f"proxy's tokenizer ({tokenizer['vocab_size']} ids)"
+        )
+    if Path(ref.data.store_dir).joinpath("manifest.json").is_file():
+        ref_tokenizer = read_manifest(ref.data.store_dir).tokenizer
+        if ref_tokenizer.get("hash") != tokenizer.get("hash"):
+            raise DoReMiError(
+                f"{saved}: the reference was trained with tokenizer {ref_tokenizer.get('name')} "
+                f"({ref_tokenizer.get('hash')}), the proxy's stores use {tokenizer.get('name')} "
+                f"({tokenizer.get('hash')})"
+            )
+    return dataclasses.replace(cfg, model=ref.model)
+
+
+def require_reference(cfg: ExperimentConfig) -> Path:
+    if not cfg.doremi.reference:
+        raise ConfigError("doremi.reference: required (the reference run directory or checkpoint), got nothing")
+    return resolve_checkpoint(cfg.doremi.reference)
 
 
 class OnlineReference:

@@ -14,23 +14,21 @@ import numpy as np
 import torch
 
 from data.batch import collate
-from data.store import read_manifest
 from data.weights import resolve_weights
 from data.weights_file import WEIGHTS_FILE, write_weights_file
 from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
 from doremi.history import average_weights, read_history
-from doremi.methods.doremi import DoReMi
-from doremi.reference import CachedReference, OnlineReference, load_frozen, run_dir_of
+from doremi.methods.registry import method_factory
+from doremi.reference import load_frozen, reference_config, require_reference, run_dir_of
 from doremi.reference_cache import create_arrays, open_for_scoring, publish, reference_stamp, staging_dir
-from doremi.validate import check_stage
+from doremi.validate import check_online, check_stage
 from trainer.build import RunFacts, init_parallel
 from trainer.checkpoint import resolve_checkpoint
 from trainer.config import load_config
 from trainer.configtools import ConfigError, read_yaml
 from trainer.evaluate import evaluate_domains
 from trainer.feed import DataFeed
-from trainer.hooks import MethodContext
 from trainer.loop import Trainer
 from trainer.parallel.pipeline_schedule import forward_only
 
@@ -57,9 +55,16 @@ def with_weights(cfg: ExperimentConfig, weights: Any) -> ExperimentConfig:
 
 
 def train(cfg: ExperimentConfig, desc: str = "train", stage: str = "train") -> dict[str, Any]:
-    """Plain training on `data.domain_weights` (the large run with tuned weights). The
-    `doremi` section does not enter its results, so changing it does not stop a resume."""
-    return Trainer(cfg, desc=desc, result_ignore=("doremi",), stage=stage).fit()
+    """Training on `data.domain_weights` (the large run with tuned weights), or with the
+    method `mixing.main` online. The `doremi` section (and `mixing`, unless a method runs) does
+    not enter its results, so changing it does not stop a resume."""
+    online = cfg.mixing.main if stage == "train" else None
+    if online is None:
+        return Trainer(cfg, desc=desc, result_ignore=("doremi", "mixing"), stage=stage).fit()
+    check_online(cfg)
+    return Trainer(
+        cfg, desc=f"{desc}:{online}", result_ignore=("doremi",), stage=stage, method=method_factory(online, cfg)
+    ).fit()
 
 
 def train_reference(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -67,70 +72,18 @@ def train_reference(cfg: ExperimentConfig) -> dict[str, Any]:
     return train(with_weights(cfg, cfg.doremi.reference_weights), desc="reference", stage="reference")
 
 
-def reference_config(cfg: ExperimentConfig, checkpoint: Path) -> ExperimentConfig:
-    """The proxy's layout and data with the reference run's model shape."""
-    saved = run_dir_of(checkpoint) / "config.yaml"
-    if not saved.is_file():
-        raise DoReMiError(f"{saved}: the reference run's config.yaml is missing")
-    ref = load_config(saved, cls=ExperimentConfig)
-    if ref.data.seq_len != cfg.data.seq_len:
-        raise DoReMiError(
-            f"{saved}: reference data.seq_len={ref.data.seq_len} differs from the proxy's {cfg.data.seq_len}"
-        )
-    tokenizer = read_manifest(cfg.data.store_dir).tokenizer
-    if ref.model.vocab_size < int(tokenizer["vocab_size"]):
-        raise DoReMiError(
-            f"{saved}: reference model.vocab_size={ref.model.vocab_size} is smaller than the "
-            f"proxy's tokenizer ({tokenizer['vocab_size']} ids)"
-        )
-    if Path(ref.data.store_dir).joinpath("manifest.json").is_file():
-        ref_tokenizer = read_manifest(ref.data.store_dir).tokenizer
-        if ref_tokenizer.get("hash") != tokenizer.get("hash"):
-            raise DoReMiError(
-                f"{saved}: the reference was trained with tokenizer {ref_tokenizer.get('name')} "
-                f"({ref_tokenizer.get('hash')}), the proxy's stores use {tokenizer.get('name')} "
-                f"({tokenizer.get('hash')})"
-            )
-    return dataclasses.replace(cfg, model=ref.model)
-
-
-def _require_reference(cfg: ExperimentConfig) -> Path:
-    if not cfg.doremi.reference:
-        raise ConfigError("doremi.reference: required (the reference run directory or checkpoint), got nothing")
-    return resolve_checkpoint(cfg.doremi.reference)
-
-
 def train_proxy(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The DoReMi proxy: Group DRO over domains against the frozen reference."""
+    """The proxy of `mixing.method` (DoReMi: Group DRO over domains against the frozen
+    reference); its per-step weights are what `average` averages."""
     check_stage(cfg, "train-proxy")  # refuses a data.domain_weights it would ignore
     return proxy_trainer(cfg).fit()
 
 
 def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
-    """The proxy's trainer, DoReMi and its reference (online or cached) plugged in."""
-    return Trainer(cfg, desc="proxy", stage="proxy", method=lambda ctx: doremi_method(cfg, ctx))
-
-
-def doremi_method(cfg: ExperimentConfig, ctx: MethodContext) -> DoReMi:
-    sampling = resolve_weights(cfg.doremi.proxy_sampling, read_manifest(cfg.data.store_dir), "doremi.proxy_sampling")
-    if cfg.doremi.reference_cache:
-        ref = CachedReference(
-            cfg.doremi.reference_cache,
-            ctx.domains,
-            cfg.data.seq_len,
-            ctx.device,
-            steps=cfg.train.steps,
-            global_batch_size=cfg.train.global_batch_size,
-            seed=cfg.data.seed,
-            sampling=sampling.tolist(),
-            reference=cfg.doremi.reference,
-        )
-    else:
-        ck = _require_reference(cfg)
-        ref_cfg = reference_config(cfg, ck)
-        ref_facts = RunFacts.resolve(ref_cfg, ctx.pc)
-        ref = OnlineReference(load_frozen(ref_cfg, ck, ctx.pc, ref_facts), ref_facts, ctx.pc)
-    return DoReMi(cfg.doremi, ctx, sampling, ref)
+    """The proxy's trainer, its method (and, for DoReMi, the reference) plugged in."""
+    name = cfg.mixing.method
+    desc = "proxy" if name == "doremi" else f"proxy:{name}"
+    return Trainer(cfg, desc=desc, stage="proxy", method=method_factory(name, cfg))
 
 
 def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
@@ -143,7 +96,7 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     if cfg.doremi.mode == "resample":
         raise ConfigError("doremi.mode: a reference cache needs a fixed proxy data stream; got 'resample'")
     out = Path(out_dir)
-    ck = _require_reference(cfg)
+    ck = require_reference(cfg)
     ref_cfg = reference_config(cfg, ck)
     pc = init_parallel(cfg)
     feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)

@@ -62,6 +62,13 @@ def check_stage(cfg: ExperimentConfig, stage: str) -> None:
     """Refuse `data.domain_weights` in a stage that does not read it (unless it equals the key
     the stage does read, as in a reference's own saved config.yaml), and check that key's
     weights against the domains."""
+    if stage == "train-proxy" and cfg.mixing.method != "doremi":
+        if cfg.data.domain_weights != "uniform":
+            raise ConfigError(
+                f"data.domain_weights: doremi train-proxy with mixing.method={cfg.mixing.method} does "
+                f"not read this key (the method chooses the mixture); got {cfg.data.domain_weights!r}"
+            )
+        return
     key, verb = STAGE_WEIGHTS[stage]
     used, given = _get(cfg, key), cfg.data.domain_weights
     if given != "uniform" and given != used:
@@ -70,6 +77,16 @@ def check_stage(cfg: ExperimentConfig, stage: str) -> None:
             f"got {given!r} (set {key} instead)"
         )
     check_spec(used, known_domains(cfg.data), key)
+
+
+def check_online(cfg: ExperimentConfig) -> None:
+    """A method online on the main model chooses the data itself: refuse a
+    `data.domain_weights` it would record and never read."""
+    if cfg.data.domain_weights != "uniform":
+        raise ConfigError(
+            f"data.domain_weights: doremi train with mixing.main={cfg.mixing.main} does not read "
+            f"this key (the method chooses the mixture); got {cfg.data.domain_weights!r}"
+        )
 
 
 def _has(raw: Any, dotted: str) -> bool:

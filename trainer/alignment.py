@@ -5,7 +5,7 @@ gradient (DoGE, Fan, Pagliardini and Jaggi 2024, Algorithm 1), for a method that
     g_T  = gradient of the mean loss on a target batch (validation sequences of the target mixture)
     g_i  = gradient of the mean loss over domain i's tokens in the global batch
     a_i  = <g_i, g_T>
-    update direction  sum_i m_i g_i / sum_i m_i,   m_i = hook.alignment_weight(t, i, a_i)
+    update direction  sum_i m_i g_i / sum_i m_i,   m_i = hook.alignment_weight(t, i, a_i, lr_t)
 
 The method sees a_i and returns m_i one domain at a time, so one gradient of the whole model is
 kept besides the step's own: the target gradient g_T (all-reduced over dp, so that every rank's
@@ -129,7 +129,7 @@ def aligned_step(
         if pc.world_size > 1:
             dist.all_reduce(dot)
         alignment[d] = dot
-        m = hook.alignment_weight(step, d, dot).to(torch.float64)
+        m = hook.alignment_weight(step, d, dot, signals.lr).to(torch.float64)
         norm += m
         for acc, g in zip(total, grads):
             acc.add_(g * m.to(g.dtype))

@@ -20,7 +20,7 @@ layout. Each step t the loop calls, on every rank:
    then all-forward-all-backward; on the pipeline stages without the losses the call comes
    after the step, with the same signals, so that every rank's state stays the same).
 4. Under `needs.alignment`, the step is DoGE's (`trainer.alignment`): one gradient per domain,
-   each weighted by `alignment_weight(t, i, a_i)` as soon as its inner product a_i with the
+   each weighted by `alignment_weight(t, i, a_i, lr_t)` as soon as its inner product a_i with the
    target gradient is known.
 5. `after_step(t, signals)` after the update, with the step's `StepSignals`; what it returns is
    merged into the step's `metrics.jsonl` row.
@@ -108,6 +108,8 @@ class StepSignals:
     sequences: np.ndarray
     #: Non-masked tokens per domain [k] float64.
     tokens: torch.Tensor
+    #: The model's learning rate at this step.
+    lr: float = 0.0
     #: Sums of the per-token training loss per domain [k] float64 (None before the backward of
     #: a step whose weights come from its losses: use `stats` there).
     loss_sum: torch.Tensor | None = None
@@ -137,9 +139,10 @@ class MixingHook(Protocol):
 
     def loss_weights(self, step: int, signals: StepSignals | None) -> torch.Tensor | None: ...
 
-    def alignment_weight(self, step: int, domain: int, alignment: torch.Tensor) -> torch.Tensor:
+    def alignment_weight(self, step: int, domain: int, alignment: torch.Tensor, lr: float) -> torch.Tensor:
         """Unnormalised weight of domain `domain`'s gradient in this step's update, from its
-        inner product with the target gradient (0-dim tensors on the device). The update is
+        inner product with the target gradient (0-dim tensors on the device) and the step's
+        learning rate `lr`. The update is
         sum_i m_i g_i / sum_i m_i over all domains (an absent domain's gradient is 0, and so
         is its inner product)."""
         ...
@@ -175,7 +178,7 @@ class MethodBase:
     def loss_weights(self, step: int, signals: StepSignals | None) -> torch.Tensor | None:
         return None
 
-    def alignment_weight(self, step: int, domain: int, alignment: torch.Tensor) -> torch.Tensor:
+    def alignment_weight(self, step: int, domain: int, alignment: torch.Tensor, lr: float) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not ask for gradient alignment")
 
     def validation_due(self, step: int) -> bool:

@@ -183,7 +183,9 @@ class Trainer:
         hook.prepare_batches(step, batches)
         domain_tokens = domain_token_counts(batches, k, pc)
         self.realised_tokens += domain_tokens
-        signals = StepSignals(weights=weights, sequences=np.array(self.feed.sampler.counts), tokens=domain_tokens)
+        signals = StepSignals(
+            weights=weights, sequences=np.array(self.feed.sampler.counts), tokens=domain_tokens, lr=self.lr(step)
+        )
         if hook.needs.alignment is not None:
             with self.autocast:
                 stats = aligned_step(self.model, self.named_params, batches, signals, step, hook, self.feed, pc)
