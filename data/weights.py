@@ -1,6 +1,7 @@
 """Domain weights from the `data.domain_weights` forms, checked and normalised to sum 1.
 
-The same forms are read by `doremi.reference_weights` and `doremi.proxy_sampling`; every error
+The named forms (`uniform`, `tokens`, `temperature:T`, `unimax:E`) are `data.mixtures`'. The same
+forms are read by `doremi.reference_weights` and `doremi.proxy_sampling`; every error
 names the key (or file) it came from. A weight is a number: `true` or `"0.5"` is refused, not
 read as 1 or 0.5, since a mixture typed wrongly must not train silently on something else.
 """
@@ -14,14 +15,16 @@ from typing import Any
 
 import numpy as np
 
+from data import mixtures
 from data.errors import DataError
 from data.store import Manifest
 from data.weights_file import read_mixture_file
 
 WHERE = "data.domain_weights"
 
-#: The mixtures named by a word rather than given as numbers or a weights file.
-NAMED_MIXTURES = ("uniform", "tokens")
+#: The mixtures named by a word rather than given as numbers or a weights file: `value in
+#: NAMED_MIXTURES` is true for any string in a named form (`data.mixtures.is_mixture_name`).
+NAMED_MIXTURES = mixtures.NAMED_MIXTURES
 
 
 def is_number(value: Any) -> bool:
@@ -96,9 +99,11 @@ def weights_from_file(path: str | Path, domains: list[str], where: str = WHERE) 
 
 def check_spec(spec: Any, domains: list[str] | None, where: str = WHERE) -> None:
     """Check a weights value before any work: its form always, its domains when known (from
-    the config, or the stores). `tokens` needs the stores' counts, so only its name is checked."""
+    the config, or the stores). A named mixture needs the stores' counts (and `unimax` the run's
+    budget), so only its form is checked."""
     if isinstance(spec, str):
         if spec in NAMED_MIXTURES:
+            mixtures.parse_mixture(spec, where)
             return
         if domains is None:
             mixture_from_file(spec, where)
@@ -118,15 +123,18 @@ def check_spec(spec: Any, domains: list[str] | None, where: str = WHERE) -> None
             check_weights(spec, [str(i) for i in range(len(spec))], where)
 
 
-def resolve_weights(spec: str | list[float] | dict[str, float], manifest: Manifest, where: str = WHERE) -> np.ndarray:
-    """`uniform`, `tokens` (proportional to train tokens), a weights-JSON path, a list in domain
-    order, or a mapping name -> value; normalised to sum 1. `where`: the key it was read from."""
+def resolve_weights(
+    spec: str | list[float] | dict[str, float], manifest: Manifest, where: str = WHERE, budget_tokens: int | None = None
+) -> np.ndarray:
+    """A named mixture (`uniform`, `tokens`: proportional to train tokens, `temperature:T`,
+    `unimax:E`: see `data.mixtures`), a weights-JSON path, a list in domain order, or a mapping
+    name -> value; normalised to sum 1. `where`: the key it was read from. `budget_tokens`: the
+    run's token budget (steps x global batch x seq_len), which `unimax` needs (without it,
+    `unimax` is a DataError naming `where`); the other forms ignore it."""
     domains = manifest.domain_names
     if isinstance(spec, str):
-        if spec == "uniform":
-            return check_weights(np.ones(len(domains)), domains, where)
-        if spec == "tokens":
-            return check_weights([d.train.tokens for d in manifest.domains], domains, where)
+        if spec in NAMED_MIXTURES:
+            return mixtures.resolve_named(spec, [d.train.tokens for d in manifest.domains], budget_tokens, where)
         return weights_from_file(spec, domains, where)
     if isinstance(spec, dict):
         check_numbers(spec, where)

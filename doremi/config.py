@@ -6,7 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from data.config import PathOrName, PathStr, Weights
+from doremi.methods.ado import ADOConfig
+from doremi.methods.aioli import AioliConfig
 from doremi.methods.doge import DoGEConfig
+from doremi.methods.odm import ODMConfig
 from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError
 
@@ -78,6 +81,12 @@ class MixingConfig:
     main: Literal["doge", "odm", "aioli", "ado"] | None = None
     # DoGE (Fan et al. 2024).
     doge: DoGEConfig = field(default_factory=DoGEConfig)
+    # ODM (Albalak et al. 2023).
+    odm: ODMConfig = field(default_factory=ODMConfig)
+    # Aioli (Chen et al. 2025).
+    aioli: AioliConfig = field(default_factory=AioliConfig)
+    # ADO (Jiang et al. 2024).
+    ado: ADOConfig = field(default_factory=ADOConfig)
 
 
 @dataclass
@@ -123,7 +132,13 @@ class PipelineConfig:
     proxy: dict[str, Any] = field(default_factory=dict)
     # Overrides applied to the main runs (typically a larger model, more steps).
     main: dict[str, Any] = field(default_factory=dict)
-    # Mixtures the main runs train on besides DoReMi's: `uniform`, `tokens`, or weight JSON paths.
+    # Mixing methods run as proxies, each giving a mixture for a main run of its name (`doremi`:
+    # reference, proxy and rounds; the others: a proxy under methods/<name>/).
+    methods: list[str] = field(default_factory=lambda: ["doremi"])
+    # Mixing methods run online on the main model, each a main run `<name>-online`.
+    online: list[str] = field(default_factory=list)
+    # Mixtures the main runs train on besides the methods': `uniform`, `tokens`, `temperature:T`,
+    # `unimax:E`, or weight JSON paths.
     baselines: list[PathOrName] = field(default_factory=lambda: ["uniform", "tokens"])
     # Skip the main runs (only tune the weights).
     skip_main: bool = False
@@ -133,6 +148,13 @@ class PipelineConfig:
     strict: bool = False
 
     def validate(self, path: str = "pipeline") -> None:
+        for key, allowed in (("methods", METHODS), ("online", ONLINE_METHODS)):
+            names = getattr(self, key)
+            for i, m in enumerate(names):
+                if m not in allowed:
+                    raise ConfigError(f"{path}.{key}[{i}]: expected one of {', '.join(allowed)}, got {m!r}")
+                if names.index(m) != i:
+                    raise ConfigError(f"{path}.{key}[{i}]: {m!r} is listed twice")
         for i, b in enumerate(self.baselines):
             if not isinstance(b, str):
                 raise ConfigError(f"{path}.baselines[{i}]: expected a name or a path, got {b!r}")

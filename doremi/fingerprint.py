@@ -31,11 +31,12 @@ NOT_STAGE_KEYS = ("logging", "pipeline", "train.run_dir", "doremi.rounds", "dore
 DEPENDENCY_KEYS = ("data.domain_weights", "doremi.reference_weights", "doremi.reference")
 
 #: The sections a stage does not read. The reference reads `doremi.reference_weights` only
-#: (its mixture); a main run and its evaluation nothing of `doremi`; the proxy and its average
-#: all of it.
-REFERENCE_IGNORES = ("doremi",)
+#: (its mixture); a main run and its evaluation nothing of `doremi` or `mixing` (an online one
+#: `mixing.main` and its method's options); DoReMi's proxy and its average all of `doremi` and
+#: nothing of `mixing`; another method's proxy `mixing.method` and its options.
+REFERENCE_IGNORES = ("doremi", "mixing")
 REFERENCE_READS = ("doremi.reference_weights",)
-MAIN_IGNORES = ("doremi",)
+MAIN_IGNORES = ("doremi", "mixing")
 
 
 def _digest(text: str | bytes) -> str:

@@ -4,22 +4,48 @@ the validation that refuses clashing names and the summary that reads them back 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
+from data.errors import DataError
+from data.mixtures import parse_mixture
 from data.weights import NAMED_MIXTURES
+from data.weights_file import WEIGHTS_FILE
 
 #: DoReMi's own main run, trained on the tuned weights.
 DOREMI_RUN = "doremi"
 
 
 def main_run_name(baseline: str) -> str:
-    """A baseline's main run: its name (`uniform`, `tokens`) or its weights file's stem."""
-    return baseline if baseline in NAMED_MIXTURES else Path(baseline).stem
+    """A baseline's main run: its name (`uniform`, `tokens`, `temperature2`, `temperature1.5`,
+    `unimax4`: `data.mixtures.MixtureSpec.run_name`) or its weights file's stem. A named form
+    that does not parse gets its text without colons here; `check_spec` refuses it with its key."""
+    if baseline not in NAMED_MIXTURES:
+        return Path(baseline).stem
+    try:
+        return parse_mixture(baseline, "pipeline.baselines").run_name
+    except DataError:
+        return baseline.replace(":", "")
 
 
-def mixtures(weights_path: str | os.PathLike, baselines: list[str]) -> dict[str, str]:
-    """Main-run name -> `data.domain_weights` value: DoReMi's weights file, then the baselines."""
-    mix = {DOREMI_RUN: str(weights_path)}
+def method_dir(root: str | os.PathLike, method: str) -> Path:
+    """Where a mixing method other than DoReMi runs its proxy and writes its weights."""
+    return Path(root) / "methods" / method
+
+
+def online_run_name(method: str) -> str:
+    """The main run of a method run online on the main model."""
+    return f"{method}-online"
+
+
+def mixtures(
+    weights_path: str | os.PathLike, baselines: list[str], methods: Sequence[str] = (DOREMI_RUN,)
+) -> dict[str, str]:
+    """Main-run name -> `data.domain_weights` value: each method's weights file (DoReMi's is
+    `weights_path`, beside which the others' `methods/<name>/weights.json` lie), then the
+    baselines."""
+    root = Path(weights_path).parent
+    mix = {m: str(weights_path if m == DOREMI_RUN else method_dir(root, m) / WEIGHTS_FILE) for m in methods}
     for b in baselines:
         mix[main_run_name(b)] = b
     return mix

@@ -38,7 +38,7 @@ from doremi.fingerprint import (  # noqa: F401 (store_fingerprint: imported from
     store_fingerprint,
     store_keys,
 )
-from doremi.main_runs import mixtures
+from doremi.main_runs import DOREMI_RUN, method_dir, mixtures, online_run_name
 from doremi.stage_markers import (
     EVAL_OUTPUT,
     done_marker,
@@ -161,10 +161,11 @@ class Pipeline:
             if is_launch_main():
                 write_started(marker, name, fp)
             self.say(f"[{self._elapsed()}] {name} ...")
+            t0 = time.perf_counter()
             result = fn() if is_launch_main() or not main_only else None
             barrier()
             if is_launch_main():
-                write_done(marker, name, fp, result, keys)
+                write_done(marker, name, fp, result, keys, seconds=time.perf_counter() - t0)
             barrier()
         return result
 
@@ -217,8 +218,11 @@ class Pipeline:
             clean=False,
             main_only=True,
         )
-        weights_path = self.tune_weights()
-        results: dict[str, Any] = {"weights": str(weights_path)}
+        weights_path = self.root / WEIGHTS_FILE
+        tuned: dict[str, str] = {}
+        for name in self.p.methods:
+            tuned[name] = str(self.tune_weights() if name == DOREMI_RUN else self.method_proxy(name))
+        results: dict[str, Any] = {"weights": tuned}
         results["guardrails"] = self.guard(main=False)
         if not self.p.skip_main:
             results["main"] = self.main_runs(weights_path)
@@ -268,14 +272,14 @@ class Pipeline:
             self._run_stage(
                 f"round {r}: proxy",
                 rdir / "proxy",
-                stage_keys(proxy_cfg),
+                stage_keys(proxy_cfg, ("mixing",)),
                 lambda: (stages.train_proxy(proxy_cfg), None)[1],
             )
             avg_path = rdir / WEIGHTS_FILE
             self._run_stage(
                 f"round {r}: average",
                 avg_path,
-                stage_keys(proxy_cfg),
+                stage_keys(proxy_cfg, ("mixing",)),
                 lambda: str(stages.average(rdir / "proxy", avg_path, proxy_cfg.doremi.average_from_step)),
                 main_only=True,
             )
@@ -292,15 +296,44 @@ class Pipeline:
             previous = weights
         return weights_path
 
+    def method_proxy(self, name: str) -> Path:
+        """A mixing method other than DoReMi as a proxy (no reference): its run and its
+        averaged weights under `methods/<name>/`."""
+        mdir = method_dir(self.root, name)
+        cfg = self.stage_config(self.p.proxy, train__run_dir=str(mdir / "proxy"), mixing__method=name)
+        keys = stage_keys(cfg, ("doremi", "mixing"), ("mixing.method", f"mixing.{name}"))
+        self._run_stage(f"{name}: proxy", mdir / "proxy", keys, lambda: (stages.train_proxy(cfg), None)[1])
+        avg = mdir / WEIGHTS_FILE
+        self._run_stage(f"{name}: average", avg, keys, lambda: str(stages.average(mdir / "proxy", avg)), main_only=True)
+        tuned = read_weights_file(avg)
+        self.say("           weights: " + ", ".join(f"{d}={w:.3f}" for d, w in zip(tuned["domains"], tuned["weights"])))
+        return avg
+
     def mixtures(self, weights_path: Path) -> dict[str, str]:
-        return mixtures(weights_path, self.p.baselines)
+        return mixtures(weights_path, self.p.baselines, self.p.methods)
 
     def main_runs(self, weights_path: Path) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for name, weights in self.mixtures(weights_path).items():
-            run_dir = self.root / "main" / name
-            cfg = self.stage_config(self.p.main, train__run_dir=str(run_dir), data__domain_weights=weights)
-            keys = stage_keys(cfg, MAIN_IGNORES)
+        runs = [
+            (
+                name,
+                self.stage_config(self.p.main, train__run_dir=str(self.root / "main" / name), data__domain_weights=w),
+            )
+            for name, w in self.mixtures(weights_path).items()
+        ]
+        runs += [
+            (
+                online_run_name(m),
+                self.stage_config(
+                    self.p.main, train__run_dir=str(self.root / "main" / online_run_name(m)), mixing__main=m
+                ),
+            )
+            for m in self.p.online
+        ]
+        for name, cfg in runs:
+            run_dir = Path(cfg.train.run_dir)
+            online = cfg.mixing.main
+            keys = stage_keys(cfg, ("doremi", "mixing"), ("mixing.main", f"mixing.{online}") if online else ())
             self._run_stage(
                 f"main run: {name}", run_dir, keys, lambda: (stages.train(cfg, desc=f"main:{name}"), None)[1]
             )

@@ -205,6 +205,52 @@ def plot_weight_history(path: Path, domains: Sequence[str], weight_history: Sequ
     _save(fig, path)
 
 
+def plot_weight_histories(path: Path, domains: Sequence[str], histories: Mapping[str, Sequence[Vector]]) -> None:
+    """One row per method: its logged domain weights over its steps, and their running mean
+    (the mixture it hands on if it stopped at t)."""
+    from matplotlib.figure import Figure
+
+    k = len(domains)
+    fig = Figure(figsize=(11, 2.6 * len(histories) + 0.6), layout="constrained")
+    axes = fig.subplots(len(histories), 2, sharey=True, squeeze=False)
+    for (name, history), (ax_w, ax_m) in zip(histories.items(), axes):
+        steps = list(range(1, len(history) + 1))
+        for i, (d, c) in enumerate(zip(domains, _colors(k))):
+            series = np.asarray([float(w[i]) for w in history])
+            ax_w.plot(steps, series, color=c, label=d, lw=1.2)
+            ax_m.plot(steps, np.cumsum(series) / np.arange(1, len(series) + 1), color=c, label=d, lw=1.2)
+        ax_w.set(title=f"{name}: domain weights", ylabel="weight")
+        ax_m.set(title=f"{name}: running mean")
+        ax_w.grid(alpha=0.3)
+        ax_m.grid(alpha=0.3)
+    axes[-1][0].set_xlabel("step")
+    axes[-1][1].set_xlabel("step")
+    axes[0][1].legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+    _save(fig, path)
+
+
+def format_compute(ledger: Mapping[str, Mapping[str, float | None]]) -> str:
+    """The compute each method spent to find its mixture (doremi/ledger.py), a markdown table."""
+    rows = []
+    for name, c in ledger.items():
+        secs = c.get("seconds")
+        rows.append(
+            [name]
+            + [f"{(c.get(key) or 0.0) / 1e15:.4g}" for key in ("train", "reference", "target", "validation", "total")]
+            + ["" if secs is None else f"{secs:.1f}"]
+        )
+    header = [
+        "method",
+        "training PFLOP",
+        "reference PFLOP",
+        "target PFLOP",
+        "validation PFLOP",
+        "total PFLOP",
+        "seconds",
+    ]
+    return markdown_table(header, rows)
+
+
 def plot_val_loss(
     path: Path,
     domains: Sequence[str],
@@ -339,7 +385,7 @@ def plot_differences(path: Path, domains: Sequence[str], final_losses: Mapping[s
 def write_report(
     out_dir: str | os.PathLike,
     domains: Sequence[str],
-    weight_history: Sequence[Vector],
+    weight_history: Sequence[Vector] | Mapping[str, Sequence[Vector]],
     main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
     final_losses: Mapping[str, Vector],
     mixtures: Mapping[str, Vector],
@@ -350,11 +396,13 @@ def write_report(
     warnings: Sequence[str] | None = None,
     guardrail_table: str | None = None,
     setup_table: str | None = None,
+    compute_table: str | None = None,
 ) -> Path:
     """Write `out_dir/report.md` and its PNGs; return the report's path.
 
     Args:
-        weight_history: alpha_t per proxy step t = 1..T (empty: no weights plot).
+        weight_history: alpha_t per proxy step t = 1..T (empty: no weights plot), or method
+            name -> its logged weights per step (one row of plots each).
         main_runs: run name -> [(step, per-domain validation loss)] (runs without points are
             left out; none: no curves plot).
         final_losses: run name -> final per-domain validation loss (the table's loss columns).
@@ -366,13 +414,17 @@ def write_report(
         warnings: guardrail warnings, one line each (None: no guardrails were run).
         guardrail_table: the per-domain guardrail measures, a markdown table.
         setup_table: what was run (sizes, steps, tokens, the method's keys), a markdown table.
+        compute_table: the compute each method spent to find its mixture, a markdown table.
     """
     out = Path(out_dir)
     k = len(domains)
     ent = list(entropy) if entropy is not None else [None] * k
     _check_len("entropy", ent, k)
-    for t, w in enumerate(weight_history, start=1):
-        _check_len(f"weight_history[step {t}]", w, k)
+    histories = dict(weight_history) if isinstance(weight_history, Mapping) else {"doremi": weight_history}
+    histories = {name: h for name, h in histories.items() if len(h)}
+    for name, history in histories.items():
+        for t, w in enumerate(history, start=1):
+            _check_len(f"weight_history[step {t}]", w, k)
     for name, points in main_runs.items():
         for step, l in points:
             _check_len(f"main_runs[{name!r}] at step {step}", l, k)
@@ -389,6 +441,16 @@ def write_report(
         parts += [""]
     if setup_table:
         parts += ["## What was run", "", setup_table]
+    if compute_table:
+        parts += [
+            "## Compute spent to find each mixture",
+            "",
+            compute_table,
+            "Model FLOPs (6N + attention per trained token; a forward is a third): training steps, "
+            "the reference's forwards, DoGE's target gradients and the validation passes a method "
+            "asked for (doremi/ledger.py); seconds as measured by the pipeline.",
+            "",
+        ]
     parts += [
         "## Mixtures and final validation loss",
         "",
@@ -432,9 +494,12 @@ def write_report(
             "proxy minus reference final validation loss; final - best: main run's final minus "
             "lowest validation loss (nats per token).",
         ]
-    if weight_history:
-        plot_weight_history(out / WEIGHTS_PNG, domains, weight_history)
+    if list(histories) == ["doremi"]:
+        plot_weight_history(out / WEIGHTS_PNG, domains, histories["doremi"])
         parts += ["", "## Domain weights during the proxy run", "", f"![domain weights]({WEIGHTS_PNG})"]
+    elif histories:
+        plot_weight_histories(out / WEIGHTS_PNG, domains, histories)
+        parts += ["", "## Each method's domain weights over its steps", "", f"![domain weights]({WEIGHTS_PNG})"]
     if main_runs:
         plot_val_loss(out / VAL_LOSS_PNG, domains, main_runs, ent)
         parts += ["", "## Validation loss during the main runs", "", f"![validation loss]({VAL_LOSS_PNG})"]

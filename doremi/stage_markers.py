@@ -48,12 +48,22 @@ def write_started(marker: Path, stage: str, fingerprint: str) -> None:
     atomic_write_text(started_marker(marker), json.dumps({"stage": stage, "fingerprint": fingerprint}))
 
 
-def write_done(marker: Path, stage: str, fingerprint: str, result: Any, keys: dict[str, Any] | None = None) -> None:
+def write_done(
+    marker: Path,
+    stage: str,
+    fingerprint: str,
+    result: Any,
+    keys: dict[str, Any] | None = None,
+    seconds: float | None = None,
+) -> None:
     """Mark the stage done (with its `result`) and drop its started marker. `keys`: the config
-    keys the fingerprint hashes, so that a rerun under other keys can say which changed."""
+    keys the fingerprint hashes, so that a rerun under other keys can say which changed.
+    `seconds`: the wall-clock time of this run of the stage (a resumed stage: since the resume)."""
     done = {"stage": stage, "fingerprint": fingerprint, "result": result}
     if keys is not None:
         done["keys"] = keys
+    if seconds is not None:
+        done["seconds"] = seconds
     atomic_write_text(marker, json.dumps(done, default=str))
     started_marker(marker).unlink(missing_ok=True)
 

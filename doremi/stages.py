@@ -100,7 +100,7 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     ref_cfg = reference_config(cfg, ck)
     pc = init_parallel(cfg)
     feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
-    weights = resolve_weights(cfg.doremi.proxy_sampling, feed.manifest, "doremi.proxy_sampling")
+    weights = resolve_weights(cfg.doremi.proxy_sampling, feed.manifest, "doremi.proxy_sampling", cfg.budget_tokens)
     visited: list[set[int]] = [set() for _ in feed.domains]
     for step in range(1, cfg.train.steps + 1):
         for d, i in feed.sampler.global_batch(step - 1, weights):
@@ -150,39 +150,38 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
 
 
 def average(run_dir: str | Path, out: str | Path | None = None, from_step: int | None = None) -> Path:
-    """Mean of alpha_t over the proxy's steps t >= from_step, written as the weights JSON.
+    """Mean of the logged weights (DoReMi's alpha_t, or another method's) over the run's steps
+    t >= from_step, written as the weights JSON with the method and its keys.
 
-    `from_step` None: the run's own `doremi.average_from_step` (its config.yaml), so that
+    `from_step` None: a DoReMi proxy's own `doremi.average_from_step` (its config.yaml), so that
     `doremi average RUN` averages what the experiment asked for, not silently from step 1."""
     run = Path(run_dir)
     history = read_history(run)
     if not history:
-        raise DoReMiError(f"{run}/domain_weights.jsonl: no DoReMi weight history (is this a proxy run?)")
+        raise DoReMiError(f"{run}/domain_weights.jsonl: no weight history (is this a proxy run?)")
     cfg_path = run / "config.yaml"
-    doremi_cfg = read_yaml(cfg_path).get("doremi") if cfg_path.is_file() else None
-    doremi_cfg = doremi_cfg if isinstance(doremi_cfg, dict) else {}
+    saved = read_yaml(cfg_path) if cfg_path.is_file() else {}
+    mixing = saved.get("mixing") if isinstance(saved.get("mixing"), dict) else {}
+    method = mixing.get("main") or mixing.get("method") or "doremi"
+    options = saved.get("doremi") if method == "doremi" else mixing.get(method)
+    options = options if isinstance(options, dict) else {}
     if from_step is None:
-        from_step = doremi_cfg.get("average_from_step", 1)
+        from_step = options.get("average_from_step", 1) if method == "doremi" else 1
         if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 1:
             raise DoReMiError(f"{cfg_path}: doremi.average_from_step: expected an int >= 1, got {from_step!r}")
     weights = average_weights(history, from_step=from_step)
     out_path = Path(out) if out else run / WEIGHTS_FILE
     steps = [h["step"] for h in history if h["step"] >= from_step]
-    write_weights_file(
-        out_path,
-        history[0]["domains"],
-        weights,
-        {
-            "source": str(run),
-            "from_step": from_step,
-            "steps_averaged": len(steps),
-            "last_step": steps[-1] if steps else None,
-            "eta": doremi_cfg.get("eta"),
-            "smoothing": doremi_cfg.get("smoothing"),
-            "update": doremi_cfg.get("update"),
-            "mode": doremi_cfg.get("mode"),
-        },
-    )
+    provenance: dict[str, Any] = {
+        "source": str(run),
+        "method": method,
+        "from_step": from_step,
+        "steps_averaged": len(steps),
+        "last_step": steps[-1] if steps else None,
+    }
+    keys = ("eta", "smoothing", "update", "mode") if method == "doremi" else tuple(options)
+    provenance.update({k: options.get(k) for k in keys})
+    write_weights_file(out_path, history[0]["domains"], weights, provenance)
     return out_path
 
 

@@ -14,9 +14,10 @@ from data.weights_file import WEIGHTS_FILE
 from doremi.config import GuardrailConfig
 from doremi.guardrails import findings, format_guardrail_table, measure_pipeline, warnings
 from doremi.history import HistoryError, read_history
-from doremi.main_runs import DOREMI_RUN
+from doremi.ledger import compute_ledger
+from doremi.main_runs import DOREMI_RUN, method_dir, online_run_name
 from doremi.main_runs import mixtures as mixture_specs
-from doremi.report import format_table, markdown_table, write_report
+from doremi.report import format_compute, format_table, markdown_table, write_report
 from doremi.stage_markers import eval_result
 from trainer.metrics import read_jsonl
 
@@ -73,7 +74,12 @@ def setup_table(root: Path) -> str | None:
     pipeline wrote no configs (nothing ran)."""
     import yaml
 
-    runs = [*sorted(root.glob("round*/reference")), *sorted(root.glob("round*/proxy")), *sorted(root.glob("main/*"))]
+    runs = [
+        *sorted(root.glob("round*/reference")),
+        *sorted(root.glob("round*/proxy")),
+        *sorted(root.glob("methods/*/proxy")),
+        *sorted(root.glob("main/*")),
+    ]
     configs = {r: yaml.safe_load((r / "config.yaml").read_text()) for r in runs if (r / "config.yaml").is_file()}
     if not configs:
         return None
@@ -99,35 +105,86 @@ def setup_table(root: Path) -> str | None:
     return table
 
 
+def tuned_methods(root: Path) -> list[str]:
+    """The mixing methods whose weights a pipeline root holds: DoReMi (`weights.json`), then the
+    others (`methods/<name>/weights.json`) in name order."""
+    found = [DOREMI_RUN] if (root / WEIGHTS_FILE).is_file() else []
+    methods = root / "methods"
+    if methods.is_dir():
+        found += sorted(d.name for d in methods.iterdir() if (d / WEIGHTS_FILE).is_file())
+    return found
+
+
+def online_runs(root: Path) -> list[str]:
+    """Main runs of methods run online (`main/<name>-online`)."""
+    main = root / "main"
+    return sorted(d.name for d in main.glob(online_run_name("*")) if d.is_dir()) if main.is_dir() else []
+
+
+def _budget(run: Path) -> int | None:
+    """The token budget of a run from its config.yaml (for `unimax:E`); None without one."""
+    import yaml
+
+    path = run / "config.yaml"
+    if not path.is_file():
+        return None
+    c = yaml.safe_load(path.read_text())
+    return c["train"]["steps"] * c["train"]["global_batch_size"] * c["data"]["seq_len"]
+
+
+def _history(run: Path) -> list[list[float]]:
+    try:
+        return [h["weights"] for h in read_history(run)]
+    except HistoryError:
+        return []
+
+
+def weight_histories(root: Path) -> dict[str, list[list[float]]]:
+    """Each method's logged weights over its steps: DoReMi's last round's proxy, the other
+    methods' proxies, and the methods run online (their sampling weights)."""
+    out: dict[str, list[list[float]]] = {}
+    rounds = sorted(root.glob("round*/proxy"), key=lambda p: int(p.parent.name.removeprefix("round")))
+    if rounds:
+        out[DOREMI_RUN] = _history(rounds[-1])
+    for m in tuned_methods(root):
+        if m != DOREMI_RUN:
+            out[m] = _history(method_dir(root, m) / "proxy")
+    for name in online_runs(root):
+        out[name] = _history(root / "main" / name)
+    return {k: v for k, v in out.items() if v}
+
+
 def collect_run(
     root: Path, manifest: Manifest, baselines: list[str], guardrails: GuardrailConfig | None = None
 ) -> dict[str, Any]:
     """The same from a pipeline's run directory alone (e.g. one copied off the machine that ran
-    it) and the manifest of its stores: domains, mixture weights, final and per-eval validation
-    losses of the main runs, the last round's alpha_t history, the domains' entropies and tokens
-    per byte, and the guardrails' measures and findings over every run."""
+    it) and the manifest of its stores: domains, mixture weights (each method's averaged
+    weights, the baselines, and for a method run online the mean of its sampling weights),
+    final and per-eval validation losses of the main runs, each method's weight history (DoReMi's
+    last round's alpha_t as `history`), the domains' entropies and tokens per byte, the compute
+    each method spent, and the guardrails' measures and findings over every run."""
     root = Path(root)
     domains = manifest.domain_names
+    methods = tuned_methods(root)
+    histories = weight_histories(root)
     mixtures: dict[str, np.ndarray] = {}
-    for name, spec in mixture_specs(root / WEIGHTS_FILE, baselines).items():
-        mixtures[name] = resolve_weights(spec, manifest)
+    for name, spec in mixture_specs(root / WEIGHTS_FILE, baselines, methods).items():
+        mixtures[name] = resolve_weights(spec, manifest, budget_tokens=_budget(root / "main" / name))
+    for name in online_runs(root):
+        if histories.get(name):
+            mixtures[name] = np.mean(np.asarray(histories[name], dtype=np.float64), axis=0)
     final: dict[str, list[float]] = {}
     curves: dict[str, list[tuple[int, list[float]]]] = {}
-    for name in mixtures:
+    for name in [*mixtures, *(n for n in online_runs(root) if n not in mixtures)]:
         run = root / "main" / name
         result = eval_result(run)
         if result is not None:
             final[name] = result["val_loss"]
         curves[name] = [
             (r["step"], [r["val_loss"][d] for d in domains])
-            for r in read_jsonl(run / "metrics.jsonl")
+            for r in (read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else [])
             if "val_loss" in r
         ]
-    rounds = sorted(root.glob("round*/proxy"), key=lambda p: int(p.parent.name.removeprefix("round")))
-    try:
-        history = read_history(rounds[-1]) if rounds else []
-    except HistoryError:
-        history = []
     entropy = manifest.entropies
     measures = measure_pipeline(root)
     cfg = guardrails or GuardrailConfig()
@@ -137,12 +194,14 @@ def collect_run(
         "mixtures": mixtures,
         "final": final,
         "curves": curves,
-        "history": [h["weights"] for h in history],
+        "history": histories.get(DOREMI_RUN, []),
+        "histories": histories,
+        "compute": compute_ledger(root, methods, online_runs(root)),
         "entropy": entropy,
         "tokens_per_byte": tokens_per_byte(manifest),
         "measures": measures,
         "findings": found,
-        "baselines": [n for n in mixtures if n != DOREMI_RUN],
+        "baselines": [n for n in mixtures if n not in methods and n not in online_runs(root)],
     }
 
 
@@ -154,7 +213,7 @@ def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: Guar
     report = write_report(
         root,
         c["domains"],
-        c["history"],
+        c["histories"],
         c["curves"],
         c["final"],
         c["mixtures"],
@@ -164,6 +223,7 @@ def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: Guar
         warnings=[f.message for f in warnings(c["findings"])],
         guardrail_table=format_guardrail_table(c["domains"], c["measures"]),
         setup_table=setup_table(root),
+        compute_table=format_compute(c["compute"]) if c["compute"] else None,
     )
     table = format_table(c["domains"], c["mixtures"], c["final"], c["entropy"], c["tokens_per_byte"])
     n = len(warnings(c["findings"]))

@@ -294,6 +294,11 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
+    @property
+    def budget_tokens(self) -> int:
+        """Tokens the run trains on: what a `unimax:E` mixture caps its epochs against."""
+        return self.train.steps * self.train.global_batch_size * self.data.seq_len
+
     def validate(self, path: str = "") -> None:
         m, p, t = self.model, self.parallelism, self.train
         if m.vocab_size == "auto":

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from data.atomic import atomic_write_text
+from data.batch import IGNORE_INDEX
 from data.weights import resolve_weights
 from trainer import run_dir as rundir
 from trainer.alignment import aligned_step
@@ -73,7 +74,7 @@ class Trainer:
         )
         self.feed.check_vocab(cfg.model.vocab_size)
         self.hook: MixingHook = (
-            FixedMixture(resolve_weights(cfg.data.domain_weights, self.feed.manifest))
+            FixedMixture(resolve_weights(cfg.data.domain_weights, self.feed.manifest, budget_tokens=cfg.budget_tokens))
             if method is None
             else method(self.method_context())
         )
@@ -90,6 +91,8 @@ class Trainer:
             self.named_params, cfg.train, self.pc, cfg.parallelism.zero1, param_dtype=self.facts.param_dtype
         )
         self.step = 0
+        #: Validation passes a method asked for since step 0: passes, tokens, seconds.
+        self.method_evals: dict[str, float] = {"passes": 0, "tokens": 0, "seconds": 0.0}
         self.last: dict[str, Any] = {}  # the last logged row, merged with the last evaluation
         # Non-masked label tokens drawn per domain since step 1 (on the device: no host sync per step).
         self.realised_tokens = torch.zeros(self.feed.k, dtype=torch.float64, device=self.pc.device)
@@ -120,6 +123,7 @@ class Trainer:
             "data": self.feed.state_dict(),
             "method": self.hook.state_dict(),
             "realised_tokens": self.realised_tokens.tolist(),
+            "method_evals": dict(self.method_evals),
             "run": self.record,
             "config": to_dict(self.cfg),
             "lr_extension": None if self.extension is None else self.extension.state_dict(),
@@ -172,6 +176,7 @@ class Trainer:
             )
         self.realised_tokens = torch.tensor(extra["realised_tokens"], dtype=torch.float64, device=self.pc.device)
         self.hook.load_state_dict(extra.get("method", extra.get("hook", {})))
+        self.method_evals = {**self.method_evals, **extra.get("method_evals", {})}
         return True
 
     # -- one step ------------------------------------------------------------------------
@@ -203,16 +208,21 @@ class Trainer:
         self.optimizer.step(self.lr(step))
         self.optimizer.zero_grad()
         extra = hook.after_step(step, signals)
-        if hook.needs.validation and hook.validation_due(step):
-            extra["method_eval_s"] = self.method_validation(step)
+        if hook.needs.validation:
+            if hook.validation_due(step):
+                self.method_validation(step)
+            extra["method_evals"] = dict(self.method_evals)
         return stats, extra
 
-    def method_validation(self, step: int) -> float:
-        """The method's validation losses at `step`; returns the seconds they took."""
+    def method_validation(self, step: int) -> None:
+        """The method's validation losses at `step`, counted with the seconds they took (the
+        cost of the method's signal, apart from the training step's)."""
         t0 = time.perf_counter()
         batches = self.feed.validation(self.facts.micro_batch_size, self.cfg.train.eval_sequences)
         self.hook.observe_validation(step, evaluate_domains(self.model, batches, self.pc, self.autocast))
-        return time.perf_counter() - t0
+        self.method_evals["passes"] += 1
+        self.method_evals["tokens"] += sum(int((b["labels"] != IGNORE_INDEX).sum()) for d in batches for b in d)
+        self.method_evals["seconds"] += time.perf_counter() - t0
 
     def lr(self, step: int) -> float:
         return scheduled_lr(step, self.cfg.train, self.extension)

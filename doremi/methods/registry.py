@@ -30,7 +30,7 @@ def _doremi(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
     from trainer.build import RunFacts
 
     manifest = read_manifest(cfg.data.store_dir)
-    sampling = resolve_weights(cfg.doremi.proxy_sampling, manifest, "doremi.proxy_sampling")
+    sampling = resolve_weights(cfg.doremi.proxy_sampling, manifest, "doremi.proxy_sampling", cfg.budget_tokens)
     if cfg.doremi.reference_cache:
         ref = CachedReference(
             cfg.doremi.reference_cache,
@@ -56,8 +56,8 @@ def _doge(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
 
     manifest = read_manifest(cfg.data.store_dir)
     d = cfg.mixing.doge
-    sampling = resolve_weights(d.sampling, manifest, "mixing.doge.sampling")
-    target = resolve_weights(d.target, manifest, "mixing.doge.target")
+    sampling = resolve_weights(d.sampling, manifest, "mixing.doge.sampling", cfg.budget_tokens)
+    target = resolve_weights(d.target, manifest, "mixing.doge.target", cfg.budget_tokens)
     return DoGE(d, ctx, sampling, target)
 
 

@@ -1,0 +1,95 @@
+"""The compute each mixing method spent to find its mixture, read back from a pipeline root.
+
+Per method, the runs it needed (DoReMi: every round's reference and proxy; another method: its
+proxy; a method run online: its main run) and, per run, model FLOPs by the count of
+`trainer.model.flops.flops_per_token` (6 N + attention per trained token, forward and backward;
+a forward alone is a third of it):
+
+    training                 flops_per_token x steps x global batch x seq_len
+    DoReMi's reference       a forward of the reference per proxy token (online or cached: the
+                             cache is computed once, by the same forward)
+    DoGE's target gradient   flops_per_token x target_sequences x seq_len per step
+    validation passes        a forward over the validation tokens of every pass the method
+                             asked for (the trainer counts them: `method_evals` in metrics.jsonl)
+
+and the measured wall-clock seconds its stages took (the pipeline's stage markers, `seconds`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from doremi.main_runs import DOREMI_RUN, method_dir
+from doremi.stage_markers import dir_marker
+from trainer.metrics import read_jsonl
+
+
+def _config(run: Path) -> dict[str, Any] | None:
+    import yaml
+
+    path = run / "config.yaml"
+    return yaml.safe_load(path.read_text()) if path.is_file() else None
+
+
+def _flops_per_token(cfg: dict[str, Any]) -> int:
+    from trainer.config import ModelConfig
+    from trainer.configtools import from_dict
+    from trainer.model.flops import flops_per_token
+
+    return flops_per_token(from_dict(ModelConfig, cfg["model"], "model"), cfg["data"]["seq_len"])
+
+
+def run_cost(run: Path, kind: str) -> dict[str, float] | None:
+    """{train, reference, target, validation, total} FLOPs and `seconds` of one run; None when
+    the run has no config. `kind`: reference, proxy (DoReMi's), method (another proxy) or online."""
+    cfg = _config(run)
+    if cfg is None:
+        return None
+    t, seq = cfg["train"], cfg["data"]["seq_len"]
+    fpt = _flops_per_token(cfg)
+    tokens = t["steps"] * t["global_batch_size"] * seq
+    cost = {"train": float(fpt * tokens), "reference": 0.0, "target": 0.0, "validation": 0.0}
+    method = cfg.get("mixing", {}).get("method" if kind == "method" else "main")
+    if kind == "proxy":
+        cost["reference"] = fpt / 3 * tokens
+    if method == "doge" and kind in ("method", "online"):
+        cost["target"] = float(fpt * cfg["mixing"]["doge"]["target_sequences"] * seq * t["steps"])
+    rows = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+    evals = next((r["method_evals"] for r in reversed(rows) if "method_evals" in r), None)
+    if evals:
+        cost["validation"] = fpt / 3 * evals["tokens"]
+    cost["total"] = sum(cost.values())
+    marker = dir_marker(run)
+    if marker.is_file():
+        import json
+
+        cost["seconds"] = json.loads(marker.read_text()).get("seconds")
+    return cost
+
+
+def method_runs(root: Path, method: str, online: bool = False) -> list[tuple[str, Path]]:
+    """(kind, run directory) of the runs a method needed to find its mixture."""
+    if online:
+        return [("online", root / "main" / method)]
+    if method == DOREMI_RUN:
+        rounds = sorted(root.glob("round*"), key=lambda p: int(p.name.removeprefix("round") or 0))
+        return [(kind, r / kind) for r in rounds if r.name[5:].isdigit() for kind in ("reference", "proxy")]
+    return [("method", method_dir(root, method) / "proxy")]
+
+
+def compute_ledger(root: Path, methods: list[str], online: list[str]) -> dict[str, dict[str, float]]:
+    """Method (or online run) -> summed FLOPs by part, total and measured seconds over its runs."""
+    out: dict[str, dict[str, float]] = {}
+    for name, is_online in [*((m, False) for m in methods), *((m, True) for m in online)]:
+        costs = [c for kind, run in method_runs(root, name, is_online) if (c := run_cost(run, kind)) is not None]
+        if not costs:
+            continue
+        total = {
+            key: sum(c.get(key) or 0.0 for c in costs)
+            for key in ("train", "reference", "target", "validation", "total")
+        }
+        secs = [c.get("seconds") for c in costs]
+        total["seconds"] = sum(secs) if all(x is not None for x in secs) else None
+        out[name] = total
+    return out

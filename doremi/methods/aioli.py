@@ -1,0 +1,337 @@
+"""Aioli: online estimation of a linear mixing law (Chen, Hu, Lourie, Cho and Re 2025, "Aioli: A
+Unified Optimization Framework for Language Model Data Mixing", ICLR; Algorithms 1 and 2).
+
+Linear Mixing Optimization models the per-domain validation losses L_t [k] under the mixture
+p_t as L_{t+1} = L_t - A_t p_t. Aioli splits the run into rounds; each round r
+
+1. LearnParams (Algorithm 2): `sweeps` passes over the k domains, each pass one probe interval
+   of `delta` steps per domain j, drawn with the smoothed one-hot mixture
+       q_j = (1 - eps) e_j + eps / (k - 1) (1 - e_j)                     (eps = `one_hot_eps`)
+   With L^- and L^+ the validation losses at the interval's two ends (the end of one interval is
+   the start of the next), the loss drops accumulate into
+       D[:, j] += L^- - L^+,          D /= sweeps,
+   and the mixing-law parameters solve D[i, j] = sum_m q_j[m] A[i, m], i.e. A^T = Q^{-1} D^T with
+   Q's rows the q_j (Q = I when eps = 0).
+2. Normalisation and smoothing: A <- (A - min(A, 0)) / sum(A - min(A, 0)) (all entries >= 0,
+   summing to 1), then Abar_r = ema Abar_{r-1} + (1 - ema) A (Abar_1 = A).
+3. The exponentiated-gradient step of Algorithm 1:
+       p_r[j] proportional to p_{r-1}[j] exp(eta sum_i Abar_r[i, j]),     p_0 uniform,
+   and the rest of the round trains on p_r.
+
+Round length is ceil(steps / rounds) (or `round_steps`); the last round may be shorter, and a
+round too short to hold all its probes plus one step on p trains on p throughout. Validation losses are
+asked for exactly at the probe intervals' ends and at each probing round's start (t = 0 for the
+first), so the schedule depends only on the config, the run's steps and k; the probe order within
+a sweep on the run's seed too (`shuffle`).
+
+The authors' code (github HazyResearch/aioli, `trainer/aioli_trainer.py`; LearnParams is its
+`learn_params_subroutine`) fixes the details Algorithms 1 and 2 leave to the implementation: the
+smoothing puts (1 - one_hot_factor) / (k - 1) on the other domains (one_hot_eps =
+1 - one_hot_factor), the normalisation is their `--aioli_normalize_A`, `ema` weights the old
+average as theirs does, and each sweep's probe order is a fresh random permutation. Where it differs, the variant is an
+option:
+- `anchor: initial`: with `--ema` set their code restarts each round from the uniform prior,
+  p_r proportional to exp(eta sum_i Abar_r[i, :]), instead of multiplying onto p_{r-1}.
+- `diagonal`: their `--aioli_diagonal`: A = diag(D[i, i] / (1 - eps)), no cross-domain terms.
+- `normalize: false`: the raw estimate (their flag unset).
+- `shuffle: false`: the probes in domain order in every sweep.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from doremi.methods.log import MethodLog
+from trainer.configtools import ConfigError
+from trainer.hooks import MethodBase, MethodContext, Needs, StepSignals
+
+
+@dataclass
+class AioliConfig:
+    """Aioli (Chen et al. 2025): mixing-law parameters estimated online from short probes, and an
+    exponentiated-gradient step on the mixture each round."""
+
+    # Step size eta of the exponentiated-gradient update of the mixture (the authors' examples:
+    # 0.1 to 0.5).
+    eta: float = 0.2
+    # Number of rounds T: each re-estimates A and updates the mixture (round length
+    # ceil(train.steps / rounds)).
+    rounds: int = 20
+    # The authors' `--update_steps`: steps per round; when set, `rounds` is ignored.
+    round_steps: int | None = None
+    # Steps of each probe interval (the authors' `--lp_steps`).
+    delta: int = 4
+    # Passes over the k domains in each round's LearnParams (the authors' `--lp_rounds`).
+    sweeps: int = 4
+    # Mass a probe mixture spreads evenly over the other domains (the authors' 1 - one_hot_factor;
+    # 0: exact one-hot probes). Must be below (k - 1) / k.
+    one_hot_eps: float = 0.25
+    # Weight of the previous smoothed A in its exponential moving average (0: no smoothing).
+    ema: float = 0.1
+    # Shift A to be non-negative and scale it to sum 1 before smoothing (the authors' `--aioli_normalize_A`).
+    normalize: bool = True
+    # `previous`: p_r proportional to p_{r-1} exp(eta colsum(Abar_r)) (Algorithm 1). `initial`:
+    # p_r proportional to exp(eta colsum(Abar_r)) from the uniform prior (the authors' code with --ema).
+    anchor: Literal["previous", "initial"] = "previous"
+    # Keep only A's diagonal, estimated as D[i, i] / (1 - one_hot_eps) (the authors' `--aioli_diagonal`).
+    diagonal: bool = False
+    # Each sweep probes the domains in a random order drawn from the run's seed and the round (the
+    # authors' code); false: in domain order.
+    shuffle: bool = True
+
+    def validate(self, path: str = "mixing.aioli") -> None:
+        if not 0 <= self.eta < float("inf"):
+            raise ConfigError(f"{path}.eta: expected a finite value >= 0, got {self.eta}")
+        if self.rounds < 1:
+            raise ConfigError(f"{path}.rounds: expected >= 1, got {self.rounds}")
+        if self.round_steps is not None and self.round_steps < 2:
+            raise ConfigError(f"{path}.round_steps: expected >= 2 or null, got {self.round_steps}")
+        if self.delta < 1:
+            raise ConfigError(f"{path}.delta: expected >= 1, got {self.delta}")
+        if self.sweeps < 1:
+            raise ConfigError(f"{path}.sweeps: expected >= 1, got {self.sweeps}")
+        if not 0 <= self.one_hot_eps < 1:
+            raise ConfigError(f"{path}.one_hot_eps: expected a value in [0, 1), got {self.one_hot_eps}")
+        if not 0 <= self.ema < 1:
+            raise ConfigError(f"{path}.ema: expected a value in [0, 1), got {self.ema}")
+        if self.anchor not in ("previous", "initial"):
+            raise ConfigError(f"{path}.anchor: expected 'previous' or 'initial', got {self.anchor!r}")
+
+
+def probe_mixture(k: int, domain: int, eps: float) -> np.ndarray:
+    """The smoothed one-hot mixture q_j = (1 - eps) e_j + eps/(k-1) (1 - e_j) of Algorithm 2
+    (the authors' `one_hot_factor` = 1 - eps); [1] when k = 1."""
+    if k == 1:
+        return np.ones(1, dtype=np.float64)
+    q = np.full(k, eps / (k - 1), dtype=np.float64)
+    q[domain] = 1.0 - eps
+    return q
+
+
+def probe_matrix(k: int, eps: float) -> np.ndarray:
+    """Q [k, k]: row j is the probe mixture of domain j."""
+    return np.stack([probe_mixture(k, j, eps) for j in range(k)])
+
+
+def estimate_mixing_law(drops: np.ndarray, eps: float, diagonal: bool = False) -> np.ndarray:
+    """A_t from the mean loss drops D [k, k] (D[i, j]: drop of validation domain i over a probe of
+    domain j): under L_{t+1} = L_t - A_t q_j (the LMO mixing law), D[i, j] = sum_m A[i, m] q_j[m],
+    so A^T = Q^{-1} D^T (Algorithm 2). `diagonal`: the authors' variant A = diag(D[i, i] / q_i[i])."""
+    d = np.asarray(drops, dtype=np.float64)
+    k = d.shape[0]
+    q = probe_matrix(k, eps)
+    if diagonal:
+        return np.diag(np.diag(d) / np.diag(q))
+    return np.linalg.solve(q, d.T).T
+
+
+def normalize_mixing_law(a: np.ndarray) -> np.ndarray:
+    """A - min(A) when some entry is negative, then divided by its sum (the authors'
+    `--aioli_normalize_A`); all zeros when nothing is left (no direction to move in)."""
+    a = np.asarray(a, dtype=np.float64)
+    lo = a.min()
+    if lo < 0:
+        a = a - lo
+    total = a.sum()
+    if not total > 0:
+        return np.zeros_like(a)
+    return a / total
+
+
+def smooth_mixing_law(previous: np.ndarray | None, a: np.ndarray, ema: float) -> np.ndarray:
+    """Abar_r = ema Abar_{r-1} + (1 - ema) A_r, Abar_1 = A_1 (the authors' `--ema`)."""
+    a = np.asarray(a, dtype=np.float64)
+    if previous is None:
+        return a.copy()
+    return ema * np.asarray(previous, dtype=np.float64) + (1.0 - ema) * a
+
+
+def mixture_update(log_p: np.ndarray, a_bar: np.ndarray, eta: float) -> np.ndarray:
+    """log p_r = log softmax(log p + eta sum_i Abar[i, :]) (Algorithm 1's exponentiated-gradient
+    step on the LMO objective sum_i L_i: its gradient in p is -sum_i A[i, :])."""
+    z = np.asarray(log_p, dtype=np.float64) + eta * np.asarray(a_bar, dtype=np.float64).sum(axis=0)
+    m = z.max()
+    return z - (m + math.log(np.exp(z - m).sum()))
+
+
+@dataclass(frozen=True)
+class ProbeSchedule:
+    """Which steps of a run of `steps` steps probe which domain, and when validation is due.
+
+    Round r holds steps r R + 1 .. min((r + 1) R, steps); a probing round starts with k sweeps
+    intervals of `delta` steps (P = k sweeps delta steps) and needs r R + P < steps."""
+
+    k: int
+    steps: int
+    round_len: int
+    delta: int
+    sweeps: int
+    shuffle: bool
+    seed: int
+
+    @property
+    def probe_steps(self) -> int:
+        return self.k * self.sweeps * self.delta
+
+    def probing(self, r: int) -> bool:
+        return r * self.round_len + self.probe_steps < self.steps
+
+    def order(self, r: int) -> list[int]:
+        """Round r's probe domains, interval by interval."""
+        if not self.shuffle:
+            return list(range(self.k)) * self.sweeps
+        rng = np.random.default_rng([self.seed, r])
+        return [int(j) for _ in range(self.sweeps) for j in rng.permutation(self.k)]
+
+    def probe_at(self, step: int) -> tuple[int, int] | None:
+        """(round, interval) that step `step` (1-based) trains in, None when it trains on p."""
+        r, offset = divmod(step - 1, self.round_len)
+        if self.probing(r) and offset < self.probe_steps:
+            return r, offset // self.delta
+        return None
+
+    def boundary(self, step: int) -> tuple[int, int] | None:
+        """(round, intervals done) when validation is due after step `step` (0: before any)."""
+        r, offset = divmod(step, self.round_len)
+        if self.probing(r) and offset % self.delta == 0 and offset <= self.probe_steps:
+            return r, offset // self.delta
+        return None
+
+
+def round_length(steps: int, rounds: int, round_steps: int | None) -> int:
+    """R = round_steps when set, else ceil(steps / rounds)."""
+    return round_steps if round_steps is not None else max(1, -(-steps // rounds))
+
+
+class Aioli(MethodBase):
+    """Owns log p, the smoothed A, and the current round's loss drops and last validation losses."""
+
+    def __init__(self, cfg: AioliConfig, ctx: MethodContext, path: str = "mixing.aioli"):
+        cfg.validate(path)
+        k = ctx.k
+        if k > 1 and not cfg.one_hot_eps < (k - 1) / k:
+            raise ConfigError(
+                f"{path}.one_hot_eps: expected a value below (k-1)/k = {(k - 1) / k:g} for {k} domains "
+                f"(else the probes cannot be told apart), got {cfg.one_hot_eps}"
+            )
+        self.cfg = cfg
+        self.domains = ctx.domains
+        self.k = k
+        self.needs = Needs(validation=True)
+        rl = round_length(ctx.steps, cfg.rounds, cfg.round_steps)
+        self.schedule = ProbeSchedule(k, ctx.steps, rl, cfg.delta, cfg.sweeps, cfg.shuffle, ctx.seed)
+        if self.schedule.probe_steps >= rl:
+            key = "round_steps" if cfg.round_steps is not None else "rounds"
+            raise ConfigError(
+                f"{path}.{key}: expected rounds longer than their probes (k*sweeps*delta = "
+                f"{self.schedule.probe_steps} steps), got rounds of {rl} steps"
+            )
+        self.log_p0 = np.full(k, -math.log(k), dtype=np.float64)
+        self.log_p = self.log_p0.copy()
+        self.a_bar: np.ndarray | None = None
+        self.a_last: np.ndarray | None = None
+        self.drops = np.zeros((k, k), dtype=np.float64)
+        self.last_val: np.ndarray | None = None
+        self._orders: dict[int, list[int]] = {}
+        self.log = MethodLog(ctx)
+
+    @property
+    def weights(self) -> np.ndarray:
+        """p: the mixture trained on outside the probes."""
+        return np.exp(self.log_p)
+
+    def _order(self, r: int) -> list[int]:
+        if r not in self._orders:
+            self._orders = {r: self.schedule.order(r)}
+        return self._orders[r]
+
+    def probe_domain(self, step: int) -> int | None:
+        at = self.schedule.probe_at(step)
+        return None if at is None else self._order(at[0])[at[1]]
+
+    def sampling_weights(self, step: int) -> np.ndarray:
+        j = self.probe_domain(step)
+        if j is None:
+            return self.weights
+        return probe_mixture(self.k, j, self.cfg.one_hot_eps)
+
+    def validation_due(self, step: int) -> bool:
+        return self.schedule.boundary(step) is not None
+
+    def observe_validation(self, step: int, losses: torch.Tensor) -> None:
+        at = self.schedule.boundary(step)
+        if at is None:
+            return
+        r, done = at
+        val = np.asarray(losses.tolist(), dtype=np.float64)
+        if done == 0:
+            self.drops = np.zeros((self.k, self.k), dtype=np.float64)
+        elif self.last_val is not None:
+            j = self._order(r)[done - 1]
+            self.drops[:, j] += self.last_val - val
+            if done == self.k * self.cfg.sweeps:
+                self._update()
+        self.last_val = val
+
+    def _update(self) -> None:
+        """End of LearnParams: A from the round's mean drops, then the mixture step."""
+        cfg = self.cfg
+        a = estimate_mixing_law(self.drops / cfg.sweeps, cfg.one_hot_eps, cfg.diagonal)
+        self.a_last = a
+        if cfg.normalize:
+            a = normalize_mixing_law(a)
+        self.a_bar = smooth_mixing_law(self.a_bar, a, cfg.ema)
+        base = self.log_p if cfg.anchor == "previous" else self.log_p0
+        self.log_p = mixture_update(base, self.a_bar, cfg.eta)
+
+    def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]:
+        p = self.weights.tolist()
+        j = self.probe_domain(step)
+        self.log.append(
+            step,
+            {
+                "weights": p,
+                "sampling": np.asarray(signals.weights, dtype=np.float64).tolist(),
+                "sequences": np.asarray(signals.sequences).tolist(),
+                "tokens": signals.tokens.tolist(),
+                "loss": signals.domain_loss.tolist(),
+                "probe": None if j is None else self.domains[j],
+            },
+        )
+        row: dict[str, Any] = {"domain_weights": dict(zip(self.domains, p)), "aioli_probe": int(j is not None)}
+        if self.a_last is not None:
+            row["aioli_A"] = self.a_last.ravel().tolist()
+        return row
+
+    def state_dict(self) -> dict[str, Any]:
+        def as_list(x: np.ndarray | None) -> list | None:
+            return None if x is None else x.tolist()
+
+        return {
+            "log_p": self.log_p.tolist(),
+            "a_bar": as_list(self.a_bar),
+            "a_last": as_list(self.a_last),
+            "drops": self.drops.tolist(),
+            "last_val": as_list(self.last_val),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+
+        def as_array(x: list | None) -> np.ndarray | None:
+            return None if x is None else np.asarray(x, dtype=np.float64)
+
+        self.log_p = np.asarray(state["log_p"], dtype=np.float64)
+        self.a_bar = as_array(state["a_bar"])
+        self.a_last = as_array(state["a_last"])
+        self.drops = np.asarray(state["drops"], dtype=np.float64)
+        self.last_val = as_array(state["last_val"])
+
+    def close(self) -> None:
+        self.log.close()
