@@ -9,6 +9,7 @@ when a report is written.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -216,9 +217,10 @@ def plot_weight_histories(path: Path, domains: Sequence[str], histories: Mapping
     for (name, history), (ax_w, ax_m) in zip(histories.items(), axes):
         steps = list(range(1, len(history) + 1))
         for i, (d, c) in enumerate(zip(domains, _colors(k))):
-            series = np.asarray([float(w[i]) for w in history])
+            series = [float(w[i]) for w in history]
+            running = list(itertools.accumulate(series))
             ax_w.plot(steps, series, color=c, label=d, lw=1.2)
-            ax_m.plot(steps, np.cumsum(series) / np.arange(1, len(series) + 1), color=c, label=d, lw=1.2)
+            ax_m.plot(steps, [x / t for t, x in enumerate(running, start=1)], color=c, label=d, lw=1.2)
         ax_w.set(title=f"{name}: domain weights", ylabel="weight")
         ax_m.set(title=f"{name}: running mean")
         ax_w.grid(alpha=0.3)
@@ -424,7 +426,7 @@ def write_report(
     histories = {name: h for name, h in histories.items() if len(h)}
     for name, history in histories.items():
         for t, w in enumerate(history, start=1):
-            _check_len(f"weight_history[step {t}]", w, k)
+            _check_len(f"weight_history[{name}, step {t}]" if len(histories) > 1 else f"weight_history[step {t}]", w, k)
     for name, points in main_runs.items():
         for step, l in points:
             _check_len(f"main_runs[{name!r}] at step {step}", l, k)
