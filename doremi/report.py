@@ -238,7 +238,7 @@ def format_compute(ledger: Mapping[str, Mapping[str, float | None]]) -> str:
         secs = c.get("seconds")
         rows.append(
             [name]
-            + [f"{(c.get(key) or 0.0) / 1e15:.4g}" for key in ("train", "reference", "target", "validation", "total")]
+            + [f"{c.get(key) or 0.0:.3g}" for key in ("train", "reference", "target", "validation", "total")]
             + ["" if secs is None else f"{secs:.1f}"]
         )
     header = [

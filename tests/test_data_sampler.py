@@ -180,3 +180,34 @@ def test_sampler_errors():
     other = DomainBatchSampler([10, 0], 8, seed=1)
     with pytest.raises(DataError, match="sampler state: seed is 0 in the checkpoint but 1 now"):
         other.load_state_dict(s.state_dict())
+
+
+def test_random_draws_depend_on_seed_and_step_only_and_follow_the_weights():
+    """Random draws: multinomial counts from (seed, step), the same for a sampler resumed at any
+    step and for every dp x micro-batch split; over many steps the shares approach the weights."""
+    w = [0.5, 0.3, 0.1, 0.1]
+    a = DomainBatchSampler(NUM, 12, seed=5)
+    run = [a.global_batch(t, w, "random") for t in range(200)]
+    counts = np.array([counts_of(b, 4) for b in run])
+    assert len({tuple(c) for c in counts}) > 10  # not one apportioned count every step
+    assert counts.sum(axis=1).tolist() == [12] * 200
+    assert np.abs(counts.sum(axis=0) / counts.sum() - w).max() < 0.02
+    b = DomainBatchSampler(NUM, 12, seed=5)
+    for t in range(7):
+        b.global_batch(t, w, "random")
+    resumed = DomainBatchSampler(NUM, 12, seed=5)
+    resumed.load_state_dict(b.state_dict())
+    assert [resumed.global_batch(t, w, "random") for t in range(7, 20)] == run[7:20]
+    assert DomainBatchSampler(NUM, 12, seed=6).global_batch(0, w, "random") != run[0]
+    parts = [DomainBatchSampler(NUM, 12, seed=5).local(0, w, r, 2, 3, "random") for r in range(2)]
+    assert [i for rank in parts for mb in rank for i in mb] == run[0]
+
+
+def test_a_step_redrawn_in_another_mode_is_refused():
+    s = DomainBatchSampler(NUM, 12, seed=5)
+    w = [0.5, 0.25, 0.125, 0.125]
+    s.global_batch(0, w)
+    with pytest.raises(DataError, match=r"\(exact\), now asked with .* \(random\)"):
+        s.global_batch(0, w, "random")
+    with pytest.raises(DataError, match="sampler draws: expected one of exact, random, got 'some'"):
+        DomainBatchSampler(NUM, 12, seed=5).global_batch(0, w, "some")

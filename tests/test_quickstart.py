@@ -25,7 +25,15 @@ SMALL = [
     "pipeline.main.model.d_model=48",
     "pipeline.main.model.n_layers=2",
     "pipeline.main.model.ffn_dim=96",
+    # 12 proxy steps: one Aioli round probing each of the 6 domains for one step; ADO's fits from step 2
+    "mixing.aioli.rounds=1",
+    "mixing.aioli.delta=1",
+    "mixing.ado.warmup=2",
+    "mixing.ado.refit_every=2",
+    "mixing.ado.record_every=1",
 ]
+METHODS = ("doremi", "doge", "odm", "aioli", "ado")
+BASELINES = ("uniform", "tokens", "temperature2", "unimax4")
 
 
 def table_rows(report: str) -> dict[str, list[str]]:
@@ -65,7 +73,7 @@ def test_every_stage_ran_and_report_matches_the_runs(pipeline_run, capsys):
     weights = json.loads((run / "weights.json").read_text())
     for domain, w in zip(weights["domains"], weights["weights"]):
         assert float(rows[domain][header.index("weight: doremi")]) == pytest.approx(w, abs=5e-5)
-    for mixture in ("doremi", "uniform", "tokens"):
+    for mixture in (*METHODS, *BASELINES):
         final = [r for r in read_jsonl(run / "main" / mixture / "metrics.jsonl") if "val_loss" in r][-1]
         assert final["step"] == 8
         losses = [final["val_loss"][d] for d in weights["domains"]]
@@ -74,9 +82,25 @@ def test_every_stage_ran_and_report_matches_the_runs(pipeline_run, capsys):
         assert float(rows["average"][header.index(f"loss: {mixture}")]) == pytest.approx(np.mean(losses), abs=5e-5)
         assert float(rows["worst case"][header.index(f"loss: {mixture}")]) == pytest.approx(max(losses), abs=5e-5)
         assert results["main"][mixture]["val_loss"] == pytest.approx(losses, abs=1e-9)
-    history = read_jsonl(run / "round1" / "proxy" / "domain_weights.jsonl")
-    assert [h["step"] for h in history] == list(range(1, 13))
-    assert weights["weights"] == pytest.approx(np.mean([h["weights"] for h in history], axis=0), abs=1e-12)
+    for method in METHODS:
+        proxy = run / "round1" / "proxy" if method == "doremi" else run / "methods" / method / "proxy"
+        tuned = json.loads((proxy.parent / "weights.json").read_text())
+        history = read_jsonl(proxy / "domain_weights.jsonl")
+        assert [h["step"] for h in history] == list(range(1, 13))
+        assert tuned["weights"] == pytest.approx(np.mean([h["weights"] for h in history], axis=0), abs=1e-12)
+        for domain, w in zip(tuned["domains"], tuned["weights"]):
+            assert float(rows[domain][header.index(f"weight: {method}")]) == pytest.approx(w, abs=5e-5)
+        assert f"{method}: domain weights" in _plot_titles(run)
+    ledger = report[report.index("## Compute spent to find each mixture") :]
+    assert all(f"| {m} |" in ledger for m in METHODS)
+
+
+def _plot_titles(run: Path) -> str:
+    """The methods named in the weights figure, read back from the report's source data: the
+    summary that drew it (doremi.summary.weight_histories)."""
+    from doremi.summary import weight_histories
+
+    return " ".join(f"{name}: domain weights" for name in weight_histories(run))
 
 
 def test_changed_stage_is_redone(pipeline_run):
@@ -99,6 +123,7 @@ def test_iterated_rounds_feed_weights_forward_and_stop_on_tolerance(tmp_path):
         f"pipeline.run_dir={run}",
         f"data.store_dir={tmp_path / 'stores'}",
         "pipeline.skip_main=true",
+        "pipeline.methods=[doremi]",
         "doremi.rounds=3",
         "doremi.rounds_tolerance=1.0",
         "train.steps=4",

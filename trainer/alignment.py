@@ -13,7 +13,7 @@ partial dot products add up to the full one) and the running sum of m_i g_i. Eac
 gradient is computed into the model's gradient buffers by the ordinary micro-batch schedule
 over that domain's sequences of this rank (regrouped by domain, in micro-batches of the run's
 size), its tp and tied syncs applied, its inner product with g_T taken parameter by parameter in
-fp64 on the ranks that count each element once (`trainer.parallel.clip.counts_here`, less the
+fp32 (added over parameters in fp64) on the ranks that count each element once (`trainer.parallel.clip.counts_here`, less the
 dp owner: before the dp reduction every rank's gradient is a partial sum) and summed over the
 world as one number: no gradient is flattened or copied to the host. A domain absent from the
 batch has gradient 0, so a_i = 0.
@@ -124,15 +124,15 @@ def aligned_step(
         grads = _synced_grads(model, params, pc)
         dot = torch.zeros((), dtype=torch.float64, device=pc.device)
         for g, t, c in zip(grads, g_target, counted):
-            if c:
-                dot += torch.sum(g.to(torch.float64) * t.to(torch.float64))
+            if c:  # BLAS dot per parameter (no temporary the size of the gradient), fp64 across them
+                dot += torch.dot(g.reshape(-1), t.reshape(-1).to(g.dtype)).to(torch.float64)
         if pc.world_size > 1:
             dist.all_reduce(dot)
         alignment[d] = dot
         m = hook.alignment_weight(step, d, dot, signals.lr).to(torch.float64)
         norm += m
         for acc, g in zip(total, grads):
-            acc.add_(g * m.to(g.dtype))
+            acc.addcmul_(g, m.to(acc.dtype))
         _clear(params)
     for p, acc in zip(params, total):
         acc.div_(norm.to(acc.dtype))
