@@ -100,7 +100,7 @@ def cmd_train_proxy(args):
         print(
             f"domain weights per step in {run}/domain_weights.jsonl; `doremi average {run}` writes {run}/weights.json"
         )
-    _guard(cfg, "proxy", "train-proxy")
+    _guard(cfg, "proxy" if cfg.mixing.method == "doremi" else "method", "train-proxy")
 
 
 def cmd_score(args):

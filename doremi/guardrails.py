@@ -244,7 +244,7 @@ def measure(
             m.ref_batches_gap = difference(base, reference_on_batches(history or []))
         else:
             m.notes.append(f"{run}: no validation loss of the proxy or of its reference; proxy-lag check skipped")
-        if history:
+        if history and all("excess" in h for h in history):
             m.snr = lambda_snr([h["excess"] for h in history])
             m.steps = len(history)
             m.concentration, m.concentrated_domain = concentration(
@@ -432,7 +432,8 @@ def check_run(
 
 def pipeline_runs(root: str | Path, main: bool = True) -> list[tuple[str, str, Path]]:
     """(name, kind, directory) of a pipeline's runs that exist: every round's reference and
-    proxy, then (with `main`) the main runs."""
+    DoReMi proxy, the other methods' proxies (kind `method`: the checks of any run, epochs and
+    realised mixture), then (with `main`) the main runs."""
     root = Path(root)
     runs: list[tuple[str, str, Path]] = []
     rounds = sorted(
@@ -442,6 +443,9 @@ def pipeline_runs(root: str | Path, main: bool = True) -> list[tuple[str, str, P
         for kind in ("reference", "proxy"):
             if (r / kind / "metrics.jsonl").is_file():
                 runs.append((f"{r.name}/{kind}", kind, r / kind))
+    for proxy in sorted(root.glob("methods/*/proxy")):
+        if (proxy / "metrics.jsonl").is_file():
+            runs.append((f"methods/{proxy.parent.name}/proxy", "method", proxy))
     if main and (root / "main").is_dir():
         for d in sorted(p for p in (root / "main").iterdir() if (p / "metrics.jsonl").is_file()):
             runs.append((f"main/{d.name}", "main", d))

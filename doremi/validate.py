@@ -133,6 +133,25 @@ def _stage(pipe: Any, section: str, **sets: Any) -> ExperimentConfig:
         raise type(e)(f"{section}: {e}") from None
 
 
+def _check_methods(pipe: Any, domains: list[str] | None) -> None:
+    """Each method of `pipeline.methods` (as a proxy) and `pipeline.online` (on the main model)
+    built for the run it will get, its errors prefixed by the section whose run it is."""
+    from doremi.methods.registry import preflight
+
+    if domains is None:  # domains known only from the stores, which are not built yet
+        return
+    for section, key, names in (
+        ("pipeline.proxy", "method", pipe.p.methods),
+        ("pipeline.main", "main", pipe.p.online),
+    ):
+        for name in names:
+            cfg = _stage(pipe, section, train__run_dir=str(pipe.root / "preflight"), **{f"mixing__{key}": name})
+            try:
+                preflight(name, cfg, domains)
+            except (ConfigError, DataError) as e:
+                raise type(e)(f"{section}: {e}") from None
+
+
 def validate_pipeline(pipe: Any) -> None:
     """Everything `doremi pipeline` will read, checked before its first stage (see module doc).
     `pipe` is a `doremi.pipeline.Pipeline` with its raw and top-level configs loaded."""
@@ -159,6 +178,7 @@ def validate_pipeline(pipe: Any) -> None:
     )
     _stage(pipe, "pipeline.main", train__run_dir=str(pipe.root / "main" / "uniform"), data__domain_weights="uniform")
     domains = known_domains(cfg.data)
+    _check_methods(pipe, domains)
     check_spec(cfg.doremi.reference_weights, domains, "doremi.reference_weights")
     in_proxy = _has(p.proxy, "doremi.proxy_sampling")
     check_spec(

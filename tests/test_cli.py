@@ -107,6 +107,8 @@ def test_pipeline_under_torchrun(tmp_path):
         "--set",
         "pipeline.baselines=[uniform]",
         "--set",
+        "pipeline.methods=[doremi,odm]",
+        "--set",
         "logging.progress=false",
         "--set",
         "checkpoint.every=0",
@@ -125,5 +127,6 @@ def test_pipeline_under_torchrun(tmp_path):
     assert "| **worst case**" in out and (run / "report.md").is_file()
     assert [len(alphas(run / "round1" / "proxy"))] == [6]
     again = sh(*torchrun)
-    # preprocess, reference, proxy, average, and a main run and its eval for doremi and uniform
-    assert again.count("done already") == 8
+    # preprocess, reference, proxy, average, ODM's proxy and average, and a main run and its
+    # eval for doremi, odm and uniform
+    assert again.count("done already") == 12

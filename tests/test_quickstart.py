@@ -183,3 +183,32 @@ def test_the_closing_comparison_goes_to_wandb_in_the_pipeline_group(pipeline_run
     assert [r[2] for r in doremi_rows] == pytest.approx(final, abs=1e-12)
     assert [r[3] for r in doremi_rows] == pytest.approx(weights["weights"], abs=1e-12)
     assert summary["doremi/worst_val_loss"] == pytest.approx(max(final), abs=1e-12)
+
+
+def test_methods_online_on_the_main_model_join_the_report(tmp_path):
+    """`pipeline.online`: a method trained on the main model itself is a main run of its own
+    (`<name>-online`), its mixture the mean of its sampling weights, its cost in the ledger."""
+    run = tmp_path / "run"
+    sets = [
+        *SMALL,
+        f"pipeline.run_dir={run}",
+        f"data.store_dir={tmp_path / 'stores'}",
+        "pipeline.methods=[odm]",
+        "pipeline.online=[ado]",
+        "pipeline.baselines=[uniform]",
+    ]
+    run_pipeline(QUICKSTART, sets)
+    assert sorted(p.name for p in (run / "main").iterdir()) == ["ado-online", "odm", "uniform"]
+    assert not (run / "round1").exists()
+    history = read_jsonl(run / "main" / "ado-online" / "domain_weights.jsonl")
+    assert [h["step"] for h in history] == list(range(1, 9))
+    report = (run / "report.md").read_text()
+    rows = table_rows(report)
+    header = [
+        c.strip() for c in next(l for l in report.splitlines() if l.startswith("| domain")).strip("|").split("|")
+    ][1:]
+    mean = np.mean([h["weights"] for h in history], axis=0)
+    for i, domain in enumerate(history[0]["domains"]):
+        assert float(rows[domain][header.index("weight: ado-online")]) == pytest.approx(mean[i], abs=5e-5)
+    ledger = report[report.index("## Compute spent to find each mixture") :]
+    assert "| odm |" in ledger and "| ado-online |" in ledger

@@ -176,6 +176,18 @@ def weights_file(path, domains, weights):
         ),
         (["data.domain_weights=tokens"], "data.domain_weights: doremi pipeline does not read this key"),
         (["pipeline.baselines=[uniform, missing.json]"], "pipeline.baselines[1]: weights file missing.json not found"),
+        (["pipeline.methods=[doremi, foo]"], "pipeline.methods[1]: expected one of doremi, doge, odm, aioli, ado"),
+        (["pipeline.online=[doremi]"], "pipeline.online[0]: expected one of doge, odm, aioli, ado, got 'doremi'"),
+        (
+            ["pipeline.methods=[aioli]", "mixing.aioli.sweeps=4"],
+            "pipeline.proxy: mixing.aioli.rounds: expected rounds longer than their probes",
+        ),
+        (["pipeline.online=[ado]", "mixing.ado.floor=0.9"], "pipeline.main: mixing.ado.floor: expected at most 1/2"),
+        (
+            ["pipeline.methods=[doge]", "mixing.doge.target_sequences=3", "parallelism.dp=2"],
+            "pipeline.proxy: mixing.doge.target_sequences: expected a multiple of parallelism.dp = 2, got 3",
+        ),
+        (["pipeline.baselines=[temperature:0]"], "pipeline.baselines[0]: expected uniform, tokens, temperature:T"),
     ],
 )
 def test_pipeline_config_is_validated_before_any_work(tmp_path, capsys, sets, expect):

@@ -17,6 +17,7 @@ reference, so it runs as a proxy only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from data.store import read_manifest
 from data.weights import resolve_weights
@@ -92,3 +93,36 @@ def method_factory(name: str, cfg: ExperimentConfig) -> MethodFactory:
     """The factory the trainer calls with its `MethodContext`."""
     build = BUILDERS[name]
     return lambda ctx: build(cfg, ctx)
+
+
+def preflight(name: str, cfg: ExperimentConfig, domains: list[str]) -> None:
+    """Build method `name` for a run of `cfg` over `domains`, without the run, so that what the
+    method refuses (a probe schedule longer than the run's rounds, a floor above 1/k, a target
+    batch that does not split over dp) stops a pipeline before its first stage rather than
+    after hours of others. DoReMi is checked by its stages (it needs its reference)."""
+    import torch
+
+    from trainer.configtools import ConfigError
+    from trainer.parallel.context import ParallelContext
+
+    if name == "doremi":
+        return
+    if name == "doge" and cfg.mixing.doge.target_sequences % cfg.parallelism.dp:
+        raise ConfigError(
+            f"mixing.doge.target_sequences: expected a multiple of parallelism.dp = {cfg.parallelism.dp}, "
+            f"got {cfg.mixing.doge.target_sequences}"
+        )
+    ctx = MethodContext(
+        domains=list(domains),
+        run_dir=Path(cfg.train.run_dir or "."),
+        is_main=False,
+        device=torch.device("cpu"),
+        seed=cfg.data.seed,
+        steps=cfg.train.steps,
+        global_batch_size=cfg.train.global_batch_size,
+        seq_len=cfg.data.seq_len,
+        train_tokens=[1] * len(domains),
+        pc=ParallelContext.single(),
+    )
+    if name != "doge":  # DoGE's builder reads the stores' manifest; its keys are checked above
+        BUILDERS[name](cfg, ctx)
