@@ -8,7 +8,7 @@ a forward alone is a third of it):
     training                 flops_per_token x steps x global batch x seq_len
     DoReMi's reference       a forward of the reference per proxy token (online or cached: the
                              cache is computed once, by the same forward)
-    DoGE's target gradient   flops_per_token x target_sequences x seq_len per step
+    DoGE's target gradient   flops_per_token x the target sequences x seq_len per step
     validation passes        a forward over the validation tokens of every pass the method
                              asked for (the trainer counts them: `method_evals` in metrics.jsonl)
 
@@ -54,7 +54,11 @@ def run_cost(run: Path, kind: str) -> dict[str, float] | None:
     if kind == "proxy":
         cost["reference"] = fpt / 3 * tokens
     if method == "doge" and kind in ("method", "online"):
-        cost["target"] = float(fpt * cfg["mixing"]["doge"]["target_sequences"] * seq * t["steps"])
+        from doremi.methods.doge import DoGEConfig, target_sequences
+
+        doge = DoGEConfig(target_sequences=cfg["mixing"]["doge"].get("target_sequences"))
+        target = target_sequences(doge, t["global_batch_size"], cfg["parallelism"]["dp"])
+        cost["target"] = float(fpt * target * seq * t["steps"])
     rows = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
     evals = next((r["method_evals"] for r in reversed(rows) if "method_evals" in r), None)
     if evals:

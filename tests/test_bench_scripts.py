@@ -185,3 +185,39 @@ def test_the_bench_reference_cache_is_one_the_proxy_reads(bench_modules, tmp_pat
     per_domain = -(-mb // sb.K_DOMAINS)
     assert [a.shape for a in ref.arrays] == [(per_domain, seq)] * sb.K_DOMAINS
     assert all(9.0 <= a.min() and a.max() <= 11.0 for a in ref.arrays)
+
+
+def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(tmp_path):
+    """`method_bench.main` on the `tiny` preset (CPU): one table row per variant with positive
+    numbers and `vs plain` computed; Aioli's validation passes and ADO's refits fall inside the
+    timed steps, and the run writes nothing but its two reports."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        mb = importlib.import_module("method_bench")
+    finally:
+        sys.path.remove(str(BENCH))
+    out = tmp_path / "out"
+    result = mb.main(["--presets", "tiny", "--steps", "4", "--warmup", "1", "--device", "cpu", "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["method_bench.json", "method_bench.md"]
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == list(mb.VARIANTS) == ["plain", "odm", "ado", "aioli", "doge"]
+    for r in rows.values():
+        assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and len(r["steps_s"]) == 4, r
+        assert r["grad_bytes"] == 4 * r["params"] > 0
+    assert rows["aioli"]["val_passes"] > 0 and rows["aioli"]["val_s_per_step"] > 0
+    assert all(rows[v]["val_passes"] == 0 for v in ("plain", "odm", "ado", "doge"))
+    assert rows["ado"]["refits"], "no ADO refit in the timed steps"
+    text = (out / "method_bench.md").read_text()
+    assert "tiny" in text and "CPU: not a result" in text and "--presets tiny" in text
+    table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
+    assert [line.split("|")[1].strip() for line in table] == list(mb.VARIANTS)
+    head = next(line for line in text.splitlines() if line.startswith("| variant")).split("|")
+    vs = head.index(" vs plain ")
+    for line in table:
+        cells = line.split("|")
+        step_ms, tokens = float(cells[2]), float(cells[3].replace(",", ""))
+        ratio = float(cells[vs])
+        assert step_ms > 0 and tokens > 0 and ratio > 0, line
+        variant = cells[1].strip()
+        assert ratio == pytest.approx(rows["plain"]["step_s"] / rows[variant]["step_s"], abs=1e-3)
+    assert float(table[0].split("|")[vs]) == 1.0

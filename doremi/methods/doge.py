@@ -53,8 +53,10 @@ class DoGEConfig:
     # The target mixture whose held-out (validation) gradient the domains align with: `uniform`,
     # `tokens`, a weights file or values.
     target: Weights = "uniform"
-    # Validation sequences drawn each step for the target gradient (a multiple of parallelism.dp).
-    target_sequences: int = 8
+    # Validation sequences drawn each step for the target gradient (a multiple of parallelism.dp);
+    # None: an eighth of train.global_batch_size (at least dp), which keeps the target's forward
+    # and backward within an eighth of the step (experiments/notes/PERFORMANCE.md).
+    target_sequences: int | None = None
     # The distribution the proxy draws its data from (the paper: uniform over domains).
     sampling: Weights = "uniform"
     # The authors' variant: clip lr_t * W_t[i] into lr_t * [low, high] (their code: [0, 5]); None
@@ -64,10 +66,18 @@ class DoGEConfig:
     def validate(self, path: str = "mixing.doge") -> None:
         if not 0 < self.mu < float("inf"):
             raise ConfigError(f"{path}.mu: expected a finite value > 0, got {self.mu}")
-        if self.target_sequences < 1:
+        if self.target_sequences is not None and self.target_sequences < 1:
             raise ConfigError(f"{path}.target_sequences: expected >= 1, got {self.target_sequences}")
         if self.score_clip is not None and (len(self.score_clip) != 2 or self.score_clip[0] > self.score_clip[1]):
             raise ConfigError(f"{path}.score_clip: expected [low, high] with low <= high, got {self.score_clip}")
+
+
+def target_sequences(cfg: DoGEConfig, global_batch_size: int, dp: int) -> int:
+    """The target batch of a run: `cfg.target_sequences`, or an eighth of the global batch
+    rounded down to a multiple of dp (at least dp)."""
+    if cfg.target_sequences is not None:
+        return cfg.target_sequences
+    return max(dp, global_batch_size // 8 // dp * dp)
 
 
 def doge_scores(alignment: torch.Tensor, lr: float, mu: float, clip: list[float] | None = None) -> torch.Tensor:
@@ -84,11 +94,14 @@ def doge_update(log_alpha: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 
 
 class DoGE(MethodBase):
-    def __init__(self, cfg: DoGEConfig, ctx: MethodContext, sampling: np.ndarray, target: np.ndarray):
+    def __init__(
+        self, cfg: DoGEConfig, ctx: MethodContext, sampling: np.ndarray, target: np.ndarray, target_batch: int
+    ):
+        """`target_batch`: validation sequences of the target gradient per step (`target_sequences`)."""
         self.cfg = cfg
         self.domains = ctx.domains
         self.sampling = np.asarray(sampling, dtype=np.float64)
-        self.needs = Needs(alignment=Alignment(tuple(float(x) for x in target), cfg.target_sequences))
+        self.needs = Needs(alignment=Alignment(tuple(float(x) for x in target), target_batch))
         self.log_alpha = torch.full((ctx.k,), -float(np.log(ctx.k)), dtype=torch.float64, device=ctx.device)
         self.log = MethodLog(ctx)
 

@@ -53,13 +53,13 @@ def _doremi(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
 
 
 def _doge(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
-    from doremi.methods.doge import DoGE
+    from doremi.methods.doge import DoGE, target_sequences
 
     manifest = read_manifest(cfg.data.store_dir)
     d = cfg.mixing.doge
     sampling = resolve_weights(d.sampling, manifest, "mixing.doge.sampling", cfg.budget_tokens)
     target = resolve_weights(d.target, manifest, "mixing.doge.target", cfg.budget_tokens)
-    return DoGE(d, ctx, sampling, target)
+    return DoGE(d, ctx, sampling, target, target_sequences(d, cfg.train.global_batch_size, cfg.parallelism.dp))
 
 
 def _odm(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
@@ -107,7 +107,7 @@ def preflight(name: str, cfg: ExperimentConfig, domains: list[str]) -> None:
 
     if name == "doremi":
         return
-    if name == "doge" and cfg.mixing.doge.target_sequences % cfg.parallelism.dp:
+    if name == "doge" and (cfg.mixing.doge.target_sequences or 0) % cfg.parallelism.dp:
         raise ConfigError(
             f"mixing.doge.target_sequences: expected a multiple of parallelism.dp = {cfg.parallelism.dp}, "
             f"got {cfg.mixing.doge.target_sequences}"

@@ -1,0 +1,562 @@
+"""The mixing methods' training step against the plain step, on one GPU, in one invocation.
+
+For each preset (`280m`, `1b`: step_bench's shapes, `bench-280m` and `bench-1b` with the same
+micro-batch and sequence length, through `step_bench.SHAPES` and `step_bench.trainer_config`;
+`tiny`: a small model for a CPU smoke run) it builds, one after another in this process, a
+`trainer.loop.Trainer` for each variant and times `Trainer.train_step()` itself, so that every
+row pays what a run pays (drawing and collating the batch, the method's hooks and host syncs,
+the step, clipping, the optimizer):
+- plain: no method (`FixedMixture` on uniform weights);
+- odm, ado, aioli, doge: `doremi.methods.registry.method_factory(name, cfg)` with the
+  `mixing` section of an `ExperimentConfig` (`mixing_config`): ODM's defaults (random draws,
+  EXP3); ADO past its warm-up from step 2, a history point every step and a power-law refit
+  every 4 steps (steps 5, 9, ...; a run's default refits every 1000): the median step is one
+  without a fit, and the steps with one are reported apart (their median, and that cost spread
+  over the default 1000 steps); Aioli with probe intervals of 2 steps, one sweep, rounds of
+  k * 2 + 2 steps, so that a validation pass follows every other timed step; DoGE with its
+  default target batch (`target_sequences` None: an eighth of the global batch, at least one). `train.steps` (what the methods' schedules see) is that of a
+  1000-step run; the bench runs only the first warm-up + timed steps of it.
+The config is the GPU configs' (experiments/configs/gpu_scale.yaml, pile_280m.yaml): on CUDA
+bf16 compute with bf16 parameters and fp32 master weights and main gradients
+(`precision: bf16`, `param_dtype: auto`) and `model.compile: true`; on the CPU fp32, eager.
+
+Data: four synthetic domains (`data.synthetic`: noise, repeat, two Markov chains), preprocessed
+once into token stores in a temporary directory (`data.preprocess.preprocess`, byte tokenizer;
+the model's vocabulary is the preset's, larger than the tokenizer's 257 ids, which changes no
+cost). Each domain's train split holds at least (warm-up + timed steps) x global batch x
+seq_len + 1 tokens, so no run reads a domain twice even when a method draws its whole batch
+from one domain; its validation split holds `eval_sequences` sequences of the longest preset.
+
+Timing: `--warmup` untimed steps (compilation happens there), then `--steps` steps back to back,
+synchronised before the first and after the last only (a synchronisation per step would hide
+the host-device overlap that a method's own syncs, e.g. a `.tolist()` in `after_step`, cost).
+On CUDA each step's time is the span between CUDA events recorded at the start of consecutive
+steps (the GPU's timeline, idle gaps included); on the CPU its wall time. The seconds of the
+method's validation passes (`Trainer.method_evals["seconds"]`, which the trainer measures
+around `method_validation`) are subtracted from the step they fall in and reported apart, per
+step and per pass. The row's step time is the median over the timed steps; tokens/s =
+global batch x seq_len / that; `vs plain` = plain step time / the variant's.
+
+FLOPs per token: step_bench's (the baseline's) convention, `trainer.model.flops`: 6 N + 6 L d s,
+causal attention counted half, for the training tokens only: DoGE's extra target forward and
+backward are not counted, so its TFLOP/s is useful throughput, not hardware utilisation.
+
+Memory (CUDA): peak = `torch.cuda.max_memory_allocated` over the timed steps (reset after the
+warm-up) minus what was allocated before the variant's trainer was built; each trainer is
+freed (del, gc.collect, torch.cuda.empty_cache) before the next. A gradient copy is the model's
+parameters x 4 bytes (the fp32 main gradients); `peak - plain` is given in such copies, so that
+DoGE's bound (plain + 2 copies: its target gradient and its running weighted sum) reads off.
+
+Acceptance (the issue): ODM, ADO and Aioli at least 0.98x a plain step (validation apart), DoGE
+at least 0.8x with a peak of at most plain + 2 gradient copies. DoGE's compute floor is
+B / (B + T) of a plain step (B sequences per step, T target sequences): printed per preset.
+
+Run dirs (`train.run_dir`: the methods' `domain_weights.jsonl`) are written under the
+temporary directory; no checkpoint is written (the bench calls `train_step`, never `fit`).
+
+Usage (repository root):
+    python experiments/tools/bench/method_bench.py [--presets 280m,1b] [--steps 8] [--warmup 3] \
+        [--deadline SECONDS] [--out DIR] [--device cuda|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import platform
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import step_bench  # noqa: E402
+
+from data.config import DataConfig, DomainSource, SyntheticSpec  # noqa: E402
+from data.preprocess import preprocess  # noqa: E402
+from doremi.config import ExperimentConfig  # noqa: E402
+from doremi.methods.ado import ADOConfig  # noqa: E402
+from doremi.methods.aioli import AioliConfig  # noqa: E402
+from doremi.methods.doge import DoGEConfig, target_sequences  # noqa: E402
+from doremi.methods.odm import ODMConfig  # noqa: E402
+from doremi.methods.registry import method_factory  # noqa: E402
+from trainer.config import TrainerConfig  # noqa: E402
+from trainer.configtools import from_dict, to_dict  # noqa: E402
+from trainer.loop import Trainer  # noqa: E402
+from trainer.parallel.context import ParallelContext  # noqa: E402
+
+GIB = 2**30
+VARIANTS = ("plain", "odm", "ado", "aioli", "doge")
+#: bench preset -> (model preset, micro-batch = global batch): step_bench's shapes, and `tiny`.
+SHAPES: dict[str, tuple[str, int]] = {**step_bench.SHAPES, "tiny": ("tiny", 8)}
+#: `tiny`'s changes to the `tiny` model preset: a vocabulary that holds the byte tokenizer's
+#: 257 ids, and short sequences.
+TINY_MODEL = {"vocab_size": 320, "max_seq_len": 64}
+#: Validation sequences per domain of a method's validation pass (train.eval_sequences).
+EVAL_SEQUENCES = {"280m": 64, "1b": 64, "tiny": 8}
+#: Seconds a preset's first variant (compilation included) is assumed to take, for --deadline.
+FIRST_COST = {"280m": 60.0, "1b": 90.0, "tiny": 5.0}
+#: Aioli's probe interval (steps) and sweeps in the bench: validation every 2 steps while probing.
+AIOLI_DELTA, AIOLI_SWEEPS = 2, 1
+#: ADO's refit interval in the bench (steps), and the default it stands for.
+ADO_REFIT, ADO_DEFAULT_REFIT = 4, ADOConfig().refit_every
+#: The run length the methods' schedules see (`train.steps`, at least warm-up + timed steps).
+NOMINAL_STEPS = 1000
+#: Tokens per synthetic document.
+DOC_TOKENS = 512
+ODM_MIN, ADO_MIN, AIOLI_MIN, DOGE_MIN, DOGE_COPIES = 0.98, 0.98, 0.98, 0.8, 2.0
+THRESHOLDS = {"odm": ODM_MIN, "ado": ADO_MIN, "aioli": AIOLI_MIN, "doge": DOGE_MIN}
+
+
+@dataclass
+class Row:
+    preset: str
+    variant: str
+    #: median seconds per timed step, the method's validation passes subtracted
+    step_s: float = 0.0
+    #: the timed window's wall seconds per step, validation subtracted (synchronised at its ends)
+    window_s: float = 0.0
+    tokens_per_s: float = 0.0
+    tflops: float = 0.0
+    #: the method's validation seconds per timed step, and passes in the timed steps
+    val_s_per_step: float = 0.0
+    val_passes: int = 0
+    #: peak over the timed steps minus what was allocated before the trainer was built
+    #: (CUDA; None on the CPU), and the peak from the build on
+    peak_gib: float | None = None
+    peak_all_gib: float | None = None
+    grad_bytes: int = 0
+    params: int = 0
+    build_s: float = 0.0
+    warmup_s: float = 0.0
+    steps_s: list[float] = field(default_factory=list)
+    val_s: list[float] = field(default_factory=list)
+    #: timed steps (0-based) after which ADO refitted its power laws
+    refits: list[int] = field(default_factory=list)
+    note: str = ""
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+def domains(num_tokens: int) -> list[DomainSource]:
+    """Four synthetic domains of `num_tokens` tokens each, in documents of DOC_TOKENS."""
+    specs = [
+        ("noise", SyntheticSpec(kind="noise", vocab=256, seed=1)),
+        ("repeat", SyntheticSpec(kind="repeat", vocab=64, seed=2)),
+        ("markov2", SyntheticSpec(kind="markov", vocab=64, order=2, branching=4, seed=3)),
+        ("markov1", SyntheticSpec(kind="markov", vocab=128, order=1, branching=8, seed=4)),
+    ]
+    return [
+        DomainSource(name=n, synthetic=dataclasses.replace(s, num_tokens=num_tokens, doc_tokens=DOC_TOKENS))
+        for n, s in specs
+    ]
+
+
+def store_config(root: Path, train_tokens: int, val_tokens: int) -> DataConfig:
+    """Stores whose every domain has at least `train_tokens` train and `val_tokens` validation
+    tokens: whole documents, the validation share chosen so that the split (`data.split`, a
+    rounded count of documents) gives exactly `val_docs` of them."""
+    train_docs = -(-train_tokens // DOC_TOKENS) + 1
+    val_docs = -(-val_tokens // DOC_TOKENS) + 1
+    docs = train_docs + val_docs
+    return DataConfig(
+        domains=domains(docs * DOC_TOKENS),
+        store_dir=str(root / "stores"),
+        validation_fraction=val_docs / docs,
+        num_proc=1,
+    )
+
+
+def make_stores(root: Path, train_tokens: int, val_tokens: int) -> DataConfig:
+    cfg = store_config(root, train_tokens, val_tokens)
+    manifest = preprocess(cfg, progress=False)
+    for d in manifest.domains:
+        if d.train.tokens < train_tokens or d.validation.tokens < val_tokens:
+            raise RuntimeError(
+                f"method_bench: domain {d.name} has {d.train.tokens} train / {d.validation.tokens} validation "
+                f"tokens, expected at least {train_tokens} / {val_tokens}"
+            )
+    return cfg
+
+
+# -- configs ---------------------------------------------------------------------------------
+
+
+def base_config(name: str, device: torch.device) -> TrainerConfig:
+    """step_bench's config of the preset (model, micro-batch = global batch, seq_len = the
+    model's, bf16, compiled); fp32 on the CPU (where compile is ignored)."""
+    preset, mb = SHAPES[name]
+    cfg = step_bench.trainer_config(preset, mb, "none")
+    if name == "tiny":
+        model = dataclasses.replace(cfg.model, **TINY_MODEL)
+        cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, seq_len=model.max_seq_len))
+    if device.type != "cuda":
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="auto"))
+    return cfg
+
+
+def mixing_config(k: int) -> dict[str, Any]:
+    """The `mixing` section: each method's defaults but for the schedules that must fall inside a
+    few steps (Aioli's probes and validation passes, ADO's fits)."""
+    aioli = AioliConfig(delta=AIOLI_DELTA, sweeps=AIOLI_SWEEPS, round_steps=k * AIOLI_SWEEPS * AIOLI_DELTA + 2)
+    ado = ADOConfig(warmup=1, refit_every=ADO_REFIT, record_every=1, min_points=3)
+    return {"odm": to_dict(ODMConfig()), "aioli": to_dict(aioli), "ado": to_dict(ado), "doge": to_dict(DoGEConfig())}
+
+
+def experiment_config(
+    name: str, variant: str, device: torch.device, data: DataConfig, run_dir: Path, total_steps: int
+) -> ExperimentConfig:
+    """The variant's experiment, validated as a YAML file would be (`from_dict`)."""
+    raw = to_dict(base_config(name, device))
+    raw["data"].update(
+        domains=to_dict(data.domains),
+        store_dir=data.store_dir,
+        validation_fraction=data.validation_fraction,
+    )
+    raw["train"].update(
+        steps=max(total_steps, NOMINAL_STEPS),
+        run_dir=str(run_dir),
+        device=device.type,
+        eval_every=0,
+        eval_sequences=EVAL_SEQUENCES[name],
+        warmup_steps=1,
+    )
+    raw["checkpoint"] = {"every": 10**9, "resume": False}
+    raw["logging"] = {"progress": False, "wandb": False}
+    raw["mixing"] = mixing_config(len(data.domains))
+    if variant != "plain":
+        raw["mixing"]["method"] = variant
+    return from_dict(ExperimentConfig, raw)
+
+
+# -- measuring -------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> int:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return 0
+
+
+def timed_steps(
+    trainer: Trainer, steps: int, device: torch.device
+) -> tuple[list[float], list[float], float, list[int]]:
+    """(seconds of each step, the method's validation seconds in each step, the window's wall
+    seconds, the steps that refitted ADO's power laws): steps back to back, synchronised at the
+    window's ends only."""
+    cuda = device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
+    host: list[float] = []
+    val: list[float] = []
+    refits: list[int] = []
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        if cuda:
+            events[i].record()
+        v0, h0 = trainer.method_evals["seconds"], time.perf_counter()
+        _, extra = trainer.train_step()
+        host.append(time.perf_counter() - h0)
+        val.append(trainer.method_evals["seconds"] - v0)
+        if "ado_alpha" in extra:
+            refits.append(i)
+    if cuda:
+        events[steps].record()
+    sync(device)
+    window = time.perf_counter() - t0
+    spans = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)] if cuda else host
+    return spans, val, window, refits
+
+
+def refit_note(row: Row) -> str:
+    """ADO's steps with a refit against those without, and the refit's cost spread over the
+    default interval."""
+    fits = [s for i, s in enumerate(row.steps_s) if i in row.refits]
+    rest = [s for i, s in enumerate(row.steps_s) if i not in row.refits]
+    if not fits or not rest:
+        return f"{len(fits)} of {len(row.steps_s)} timed steps refit"
+    fit, other = float(np.median(fits)), float(np.median(rest))
+    return (
+        f"{len(fits)} of {len(row.steps_s)} timed steps refit: {fit * 1e3:.2f} ms against {other * 1e3:.2f} ms; "
+        f"a refit every {ADO_DEFAULT_REFIT} steps (the default) adds {(fit - other) * 1e3 / ADO_DEFAULT_REFIT:.3f} "
+        f"ms per step"
+    )
+
+
+def run_variant(
+    name: str,
+    variant: str,
+    device: torch.device,
+    data: DataConfig,
+    tmp: Path,
+    steps: int,
+    warmup: int,
+) -> Row:
+    cuda = device.type == "cuda"
+    base = free(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    run_dir = tmp / "runs" / f"{name}-{variant}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = experiment_config(name, variant, device, data, run_dir, warmup + steps)
+    method = None if variant == "plain" else method_factory(variant, cfg)
+    trainer = Trainer(
+        cfg,
+        pc=ParallelContext.single(device),
+        run_dir=str(run_dir),
+        desc=f"bench:{variant}",
+        stage="proxy",
+        method=method,
+    )
+    try:
+        params = sum(p.numel() for _, p in trainer.named_params)
+        row = Row(name, variant, params=params, grad_bytes=4 * params)
+        sync(device)
+        row.build_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for _ in range(warmup):
+            trainer.train_step()
+        sync(device)
+        row.warmup_s = time.perf_counter() - t1
+        peak_warmup = torch.cuda.max_memory_allocated(device) if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        passes0 = trainer.method_evals["passes"]
+        spans, val, window, row.refits = timed_steps(trainer, steps, device)
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(device)
+            row.peak_gib = (peak - base) / GIB
+            row.peak_all_gib = (max(peak, peak_warmup) - base) / GIB
+        row.steps_s = [s - v for s, v in zip(spans, val)]
+        row.val_s = val
+        row.val_passes = int(trainer.method_evals["passes"] - passes0)
+        row.val_s_per_step = sum(val) / steps
+        row.step_s = float(np.median(row.steps_s))
+        row.window_s = (window - sum(val)) / steps
+        tokens = cfg.train.global_batch_size * cfg.data.seq_len
+        row.tokens_per_s = tokens / row.step_s if row.step_s > 0 else 0.0
+        row.tflops = row.tokens_per_s * trainer.flops_per_token / 1e12
+        if variant == "ado":
+            row.note = refit_note(row)
+        if variant == "aioli":
+            row.note = f"probes of {AIOLI_DELTA} steps: a validation pass after every {AIOLI_DELTA}nd step"
+        return row
+    finally:
+        trainer.hook.close()
+        del trainer, method
+        free(device)
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def doge_floor(name: str) -> tuple[int, int, float]:
+    """(B, T, B / (B + T)): DoGE's step against a plain one by FLOPs alone."""
+    b = SHAPES[name][1]
+    t = target_sequences(DoGEConfig(), b, 1)
+    return b, t, b / (b + t)
+
+
+def verdict(row: Row, plain: Row | None, cpu: bool) -> str:
+    if row.variant == "plain" or plain is None or not row.step_s:
+        return "-"
+    ratio = plain.step_s / row.step_s
+    need = THRESHOLDS[row.variant]
+    ok = ratio >= need
+    text = f">= {need}x: {'met' if ok else 'NOT met'}"
+    if row.variant == "doge" and row.peak_gib is not None and plain.peak_gib is not None:
+        copies = (row.peak_gib - plain.peak_gib) * GIB / row.grad_bytes
+        text += f"; <= {DOGE_COPIES:g} copies: {'met' if copies <= DOGE_COPIES else 'NOT met'}"
+    return text + (" (CPU)" if cpu else "")
+
+
+def preset_table(name: str, rows: list[Row], cpu: bool, steps: int, warmup: int) -> str:
+    preset, mb = SHAPES[name]
+    seq = base_config(name, torch.device("cpu")).data.seq_len
+    plain = next((r for r in rows if r.variant == "plain" and r.step_s), None)
+    lines = [
+        f"### {name}: `{preset}`, {mb} sequences x {seq} tokens per step, "
+        f"{steps} timed steps after {warmup} warm-up{' (CPU: not a result)' if cpu else ''}",
+        "",
+        "| variant | step ms (median) | tokens/s | TFLOP/s | vs plain | method val ms/step (passes) "
+        "| peak GiB | peak - plain (grad copies) | acceptance |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r.step_s:
+            lines.append(f"| {r.variant} | - | - | - | - | - | - | - | {r.note or 'not run'} |")
+            continue
+        vs = f"{plain.step_s / r.step_s:.3f}" if plain else "-"
+        peak = "-" if r.peak_gib is None else f"{r.peak_gib:.2f}"
+        copies = (
+            f"{(r.peak_gib - plain.peak_gib) * GIB / r.grad_bytes:+.2f}"
+            if plain and r.peak_gib is not None and plain.peak_gib is not None
+            else "-"
+        )
+        lines.append(
+            f"| {r.variant} | {r.step_s * 1e3:.2f} | {r.tokens_per_s:,.0f} | {r.tflops:.2f} | {vs} "
+            f"| {r.val_s_per_step * 1e3:.2f} ({r.val_passes}) | {peak} | {copies} | {verdict(r, plain, cpu)} |"
+        )
+    b, t, floor = doge_floor(name)
+    if rows:
+        g = rows[0].grad_bytes
+        lines += [
+            "",
+            f"Gradient copy: {rows[0].params:,} parameters x 4 B = {g / GIB:.2f} GiB. DoGE's FLOP floor against "
+            f"plain: B / (B + T) = {b} / ({b} + {t}) = {floor:.2f}x (before its k per-domain backward passes "
+            f"on smaller micro-batches and its per-domain dot product and axpy over all parameters).",
+        ]
+    notes = [f"{r.variant}: {r.note}" for r in rows if r.note and r.step_s]
+    lines += [""] + notes if notes else []
+    return "\n".join(lines)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def report(result: dict[str, Any], rows: list[Row], presets: list[str], args: argparse.Namespace) -> str:
+    cpu = result["device_type"] != "cuda"
+    parts = [
+        "## Mixing methods' step cost (method_bench.py)",
+        "",
+        f"Command: `{result['command']}`",
+        f"Device: {result['device']}; torch {result['torch']}",
+        "",
+    ]
+    for name in presets:
+        mine = [r for r in rows if r.preset == name]
+        if mine:
+            parts += [preset_table(name, mine, cpu, args.steps, args.warmup), ""]
+    if result["notes"]:
+        parts += ["Notes:", *[f"- {n}" for n in result["notes"]], ""]
+    return "\n".join(parts)
+
+
+def write(out: Path | None, result: dict[str, Any], text: str) -> None:
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "method_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "method_bench.md").write_text(text + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", default="280m,1b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant (compilation)")
+    p.add_argument("--deadline", type=float, default=540.0, help="seconds: skip variants that would end later")
+    p.add_argument("--out", type=Path, default=None, help="directory for method_bench.md and method_bench.json")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    args = p.parse_args(argv)
+    presets = [s for s in args.presets.split(",") if s]
+    unknown = [s for s in presets if s not in SHAPES]
+    if unknown or args.steps < 1 or args.warmup < 0:
+        p.error(f"expected presets of {', '.join(SHAPES)}, --steps >= 1, --warmup >= 0 (got {args})")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("method_bench: --device cuda, but no CUDA device")
+        device = torch.device("cuda", torch.cuda.current_device())
+        # Ten trainers of one process compile the same code objects (train and eval, the
+        # target's batch shape): more entries than dynamo's default limit of 8, past which it
+        # would silently run the rest eagerly.
+        torch._dynamo.config.recompile_limit = 128
+    command = shlex.join(
+        ["python", "experiments/tools/bench/method_bench.py", *(sys.argv[1:] if argv is None else argv)]
+    )
+    t0 = time.perf_counter()
+    rows: list[Row] = []
+    notes: list[str] = []
+    result: dict[str, Any] = {
+        "command": command,
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "mixing": mixing_config(4),
+        "rows": [],
+        "notes": notes,
+    }
+
+    def emit(row: Row) -> None:
+        rows.append(row)
+        result["rows"] = [asdict(r) for r in rows]
+        peak = "-" if row.peak_gib is None else f"{row.peak_gib:.2f} GiB"
+        print(
+            f"{row.preset} {row.variant}: {row.step_s * 1e3:.2f} ms/step, {row.tokens_per_s:,.0f} tok/s, "
+            f"validation {row.val_s_per_step * 1e3:.2f} ms/step ({row.val_passes} passes), peak {peak}, "
+            f"build {row.build_s:.1f}s warm-up {row.warmup_s:.1f}s {row.note} (t={time.perf_counter() - t0:.0f}s)",
+            flush=True,
+        )
+        write(args.out, result, report(result, rows, presets, args))
+
+    total = args.warmup + args.steps
+    with tempfile.TemporaryDirectory(prefix="method_bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        seqs = {n: base_config(n, device).data.seq_len for n in presets}
+        train_tokens = max(total * SHAPES[n][1] * seqs[n] + 1 for n in presets)
+        val_tokens = max(EVAL_SEQUENCES[n] * seqs[n] + 1 for n in presets)
+        data = make_stores(tmp, train_tokens, val_tokens)
+        notes.append(
+            f"stores: 4 synthetic domains, >= {train_tokens:,} train and {val_tokens:,} validation tokens each, "
+            f"built in {time.perf_counter() - t0:.1f}s"
+        )
+        for name in presets:
+            last = FIRST_COST[name]
+            for variant in VARIANTS:
+                estimate = last * (2 if variant == "doge" else 1)
+                if time.perf_counter() - t0 + estimate > args.deadline:
+                    notes.append(f"{name} {variant}: skipped (deadline {args.deadline:g}s)")
+                    print(notes[-1], flush=True)
+                    rows.append(Row(name, variant, note="skipped: deadline"))
+                    continue
+                started = time.perf_counter()
+                try:
+                    row = run_variant(name, variant, device, data, tmp, args.steps, args.warmup)
+                except Exception as e:  # noqa: BLE001 - keep the other variants' numbers
+                    traceback.print_exc()
+                    msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                    notes.append(f"{name} {variant} failed: {type(e).__name__}: {msg}")
+                    row = Row(name, variant, note=f"failed: {type(e).__name__}")
+                    free(device)
+                emit(row)
+                last = max(time.perf_counter() - started, 1.0)
+    if device.type == "cuda":
+        counters = torch._dynamo.utils.counters
+        notes.append(f"dynamo graph breaks: {dict(counters['graph_break'])}")
+    result["rows"] = [asdict(r) for r in rows]
+    text = report(result, rows, presets, args)
+    print("\n" + text, flush=True)
+    write(args.out, result, text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
