@@ -24,8 +24,11 @@ import numpy as np
 from doremi.config import GuardrailConfig
 from doremi.errors import DoReMiError
 
-Kind = Literal["reference", "proxy", "main"]
-KINDS: tuple[str, ...] = ("reference", "proxy", "main")
+#: reference and proxy: DoReMi's; method: another method's proxy (the checks of any run).
+Kind = Literal["reference", "proxy", "method", "main"]
+KINDS: tuple[str, ...] = ("reference", "proxy", "method", "main")
+#: Random draws: the realised mixture is compared with the nominal beyond this many standard errors.
+RANDOM_DRAW_SIGMAS = 3.0
 #: A weight above this is "concentrated": one domain gets most of the proxy's loss.
 CONCENTRATED = 0.5
 
@@ -73,14 +76,27 @@ def epochs_read(rows: Rows) -> PerDomain:
 
 def mixture_deviation(rows: Rows, global_batch_size: int) -> PerDomain:
     """Realised minus nominal share of the sequences drawn since step 1, per domain:
-    (realised_sequences - nominal_sequences) / (steps * B), from the last row with `realised`."""
+    (realised_sequences - nominal_sequences) / (steps * B), from the last row with `realised`.
+
+    A run that draws at random (`realised.draws` is `random`: a bandit's true draws) deviates by
+    sampling noise alone; its deviation is counted only beyond RANDOM_DRAW_SIGMAS binomial
+    standard errors sqrt(p (1 - p) / n) of the share, p the nominal share and n the sequences
+    drawn, so that what is flagged is a sampler that does not follow its weights."""
     last = [r for r in rows if isinstance(r.get("realised"), dict)]
     if not last:
         return {}
     row = last[-1]
     total = float(row["step"] * global_batch_size)
     drawn, nominal = row["realised"]["sequences"], row["realised"]["nominal_sequences"]
-    return {d: (float(drawn[d]) - float(nominal[d])) / total for d in nominal}
+    dev = {d: (float(drawn[d]) - float(nominal[d])) / total for d in nominal}
+    if row["realised"].get("draws") != "random":
+        return dev
+    out = {}
+    for d, x in dev.items():
+        p = min(max(float(nominal[d]) / total, 0.0), 1.0)
+        slack = RANDOM_DRAW_SIGMAS * math.sqrt(p * (1 - p) / total)
+        out[d] = math.copysign(max(abs(x) - slack, 0.0), x)
+    return out
 
 
 def memorisation(row: Mapping[str, Any]) -> tuple[PerDomain, PerDomain] | None:
@@ -426,7 +442,7 @@ def check_run(
     name: str | None = None,
     reference: str | Path | None = None,
 ) -> list[Finding]:
-    """The findings of one run directory of `kind` (reference, proxy, main)."""
+    """The findings of one run directory of `kind` (reference, proxy, method, main)."""
     return findings(measure_run(run_dir, kind, name, reference), cfg or GuardrailConfig())
 
 

@@ -69,6 +69,20 @@ def test_mixture_deviation_is_realised_minus_nominal_share():
     assert mixture_deviation(ROWS, 8) == {"a": 2 / 32, "b": -2 / 32}
 
 
+def test_random_draws_deviate_only_beyond_their_sampling_noise():
+    """32 random draws at nominal shares 1/4 and 3/4: a standard error of the share is
+    sqrt(0.25 * 0.75 / 32) = 0.0765, so 3 of them (0.2296) are sampling noise, not a finding."""
+
+    def rows(drawn_a: int) -> list[dict]:
+        realised = {"sequences": {"a": drawn_a, "b": 32 - drawn_a}, "nominal_sequences": {"a": 8.0, "b": 24.0}}
+        return [{"step": 4, "realised": {**realised, "draws": "random"}}]
+
+    assert mixture_deviation(rows(14), 8) == {"a": 0.0, "b": -0.0}  # 6 / 32 = 0.1875 < 0.2296
+    slack = 3 * (0.25 * 0.75 / 32) ** 0.5
+    got = mixture_deviation(rows(20), 8)  # 12 / 32 = 0.375
+    assert got["a"] == pytest.approx(0.375 - slack) and got["b"] == pytest.approx(-(0.375 - slack))
+
+
 def test_memorisation_gap_and_shift():
     gap, shift = memorisation(ROWS[-1])
     assert gap == {"a": 2.75, "b": 0.0625}

@@ -384,6 +384,7 @@ class Trainer:
                 "sequences": dict(zip(self.feed.domains, self.feed.sampler.drawn())),
                 "tokens": dict(zip(self.feed.domains, (int(x) for x in self.realised_tokens.tolist()))),
                 "nominal_sequences": dict(zip(self.feed.domains, self.feed.sampler.nominal)),
+                "draws": self.hook.needs.draws,
             },
         }
         if self.pc.device.type == "cuda":
