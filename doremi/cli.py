@@ -127,6 +127,36 @@ def cmd_eval(args):
         _print_losses(domains, losses)
 
 
+def cmd_export(args):
+    from doremi.hf import export
+
+    files = export(args.checkpoint, args.out_dir, args.max_shard_size, not args.no_tokenizer, args.force)
+    print(f"exported {args.checkpoint} to {args.out_dir}: {', '.join(files)}")
+
+
+def cmd_import(args):
+    from doremi.hf import import_yaml
+
+    print(import_yaml(args.hf_dir, args.out), end="")
+
+
+def _hf_parsers(sub) -> None:
+    """`doremi export` and `doremi import`: the Hugging Face Llama format (doremi/hf.py)."""
+    sp = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama directory")
+    sp.add_argument(
+        "checkpoint", metavar="RUN_OR_CHECKPOINT", help="run directory (its latest checkpoint) or checkpoint"
+    )
+    sp.add_argument("out_dir", metavar="OUT_DIR", help="the Hugging Face directory to write")
+    sp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file before sharding (default 5GB)")
+    sp.add_argument("--no-tokenizer", action="store_true", help="write the model without the run's tokenizer")
+    sp.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    sp.set_defaults(fn=cmd_export)
+    sp = sub.add_parser("import", help="the model section of a run that starts from a Hugging Face Llama")
+    sp.add_argument("hf_dir", metavar="HF_DIR", help="a Hugging Face Llama directory (config.json, safetensors)")
+    sp.add_argument("--out", help="also write the sections to this YAML file")
+    sp.set_defaults(fn=cmd_import)
+
+
 def cmd_plan(args):
     from doremi.plan_stages import plan_groups
     from trainer.config import require_vocab_size
@@ -189,6 +219,13 @@ def cmd_pipeline(args):
     from doremi.pipeline import run_pipeline
 
     run_pipeline(args.config, args.set)
+
+
+def cmd_sweep(args):
+    from doremi.sweep import run_sweep
+
+    root = run_sweep(_config(args))
+    print(f"sweep tables in {root}: mixtures.csv, losses.csv, final.csv")
 
 
 def cmd_compare(args):
@@ -281,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _plan_parser(with_config("plan", cmd_plan, "predict memory per rank and stage; search the layouts that fit"))
     with_config("pipeline", cmd_pipeline, "run every stage of an experiment, skipping finished ones")
+    with_config("sweep", cmd_sweep, "train a small model on each of many designed mixtures (RegMix, mixing laws)")
 
     sp = sub.add_parser("average", help="average a proxy's per-step domain weights")
     sp.add_argument("run_dir")
@@ -301,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     sp.set_defaults(fn=cmd_eval)
     _config_parsers(sub)
+    _hf_parsers(sub)
     _debug_after_command(sub)
     return p
 

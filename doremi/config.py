@@ -90,6 +90,61 @@ class MixingConfig:
 
 
 @dataclass
+class SweepConfig:
+    """`doremi sweep`: a small run on each of many designed mixtures, the data of the offline
+    methods (RegMix, Data Mixing Laws; doremi/sweep.py, doremi/fit/)."""
+
+    # The sweep's directory: its tables (mixtures.csv, losses.csv, final.csv) and sweep.json.
+    run_dir: PathStr = "runs/sweep"
+    # The designs, concatenated in this order: `dirichlet` (around `prior`), `grid` (weights in
+    # multiples of 1 / grid_steps), `one_hot`, `smoothed_one_hot`.
+    designs: list[Literal["dirichlet", "grid", "one_hot", "smoothed_one_hot"]] = field(
+        default_factory=lambda: ["dirichlet"]
+    )
+    # Mixtures the Dirichlet design draws.
+    runs: int = 64
+    # The Dirichlet design's centre: a mixture (`tokens`, `uniform`, `temperature:T`, a file, values).
+    prior: Weights = "tokens"
+    # Range [low, high] of the Dirichlet concentration, drawn log-uniformly per mixture (RegMix: 0.1 to 5).
+    concentration: list[float] = field(default_factory=lambda: [0.1, 5.0])
+    # The prior raised to this power before the draw (RegMix tempers the token distribution by 0.5).
+    temperature: float = 1.0
+    # A mixture with a nonzero weight below this is drawn again.
+    min_weight: float = 0.0
+    # No run reads a domain more than this many epochs (weights capped at max_epochs x tokens /
+    # the run's budget); None: no cap.
+    max_epochs: float | None = None
+    # The grid design's resolution.
+    grid_steps: int = 4
+    # The smoothed one-hot design: 1 - eps on one domain, eps spread over the others.
+    one_hot_eps: float = 0.1
+    # Seed of the Dirichlet draws.
+    seed: int = 0
+    # Train the runs stacked, many small models in one process (tp = pp = dp = 1, trainer/stacked/),
+    # or one by one with the ordinary trainer; the losses agree to rounding.
+    stacked: bool = True
+    # Stacked runs trained at once.
+    chunk_size: int = 16
+
+    def validate(self, path: str = "sweep") -> None:
+        if self.runs < 1:
+            raise ConfigError(f"{path}.runs: expected >= 1, got {self.runs}")
+        lo_hi = self.concentration
+        if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1] < float("inf"):
+            raise ConfigError(f"{path}.concentration: expected [low, high] with 0 < low <= high, got {lo_hi}")
+        if not self.designs:
+            raise ConfigError(f"{path}.designs: expected at least one design, got none")
+        if self.max_epochs is not None and not 0 < self.max_epochs < float("inf"):
+            raise ConfigError(f"{path}.max_epochs: expected a finite value > 0, got {self.max_epochs}")
+        if not 0 <= self.min_weight < 1:
+            raise ConfigError(f"{path}.min_weight: expected a value in [0, 1), got {self.min_weight}")
+        if self.grid_steps < 1 or self.chunk_size < 1:
+            raise ConfigError(f"{path}.grid_steps/chunk_size: expected >= 1, got {self.grid_steps}/{self.chunk_size}")
+        if not 0 <= self.one_hot_eps < 1:
+            raise ConfigError(f"{path}.one_hot_eps: expected a value in [0, 1), got {self.one_hot_eps}")
+
+
+@dataclass
 class GuardrailConfig:
     """Thresholds of the per-domain checks of doremi/guardrails.py (docs/design.md section 4b).
 
@@ -166,4 +221,5 @@ class ExperimentConfig(TrainerConfig):
 
     doremi: DoReMiConfig = field(default_factory=DoReMiConfig)
     mixing: MixingConfig = field(default_factory=MixingConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

@@ -57,7 +57,7 @@ def run_cost(run: Path, kind: str) -> dict[str, float] | None:
         from doremi.methods.doge import DoGEConfig, target_sequences
 
         doge = DoGEConfig(target_sequences=cfg["mixing"]["doge"].get("target_sequences"))
-        target = target_sequences(doge, t["global_batch_size"], cfg["parallelism"]["dp"])
+        target = target_sequences(doge, t["global_batch_size"])
         cost["target"] = float(fpt * target * seq * t["steps"])
     rows = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
     evals = next((r["method_evals"] for r in reversed(rows) if "method_evals" in r), None)

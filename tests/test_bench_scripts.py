@@ -221,3 +221,19 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(tmp_path):
         variant = cells[1].strip()
         assert ratio == pytest.approx(rows["plain"]["step_s"] / rows[variant]["step_s"], abs=1e-3)
     assert float(table[0].split("|")[vs]) == 1.0
+
+
+def test_stacked_bench_runs_both_sides_on_a_tiny_shape_on_the_cpu(capsys):
+    """`stacked_bench.main` at a tiny shape on the CPU: the ordinary runs one by one and the
+    stacked models both step, and the speed-up is the ratio of their step times."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        sb = importlib.import_module("stacked_bench")
+    finally:
+        sys.path.remove(str(BENCH))
+    args = "--models 3 --single 2 --chunk-size 2 --d-model 32 --layers 1 --heads 2 --ffn 64 --vocab 128"
+    result = sb.main([*args.split(), "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1", "--device", "cpu"])
+    assert result["models"] == 3 and result["params_per_model"] > 0
+    assert result["single_step_s"] > 0 and result["stacked_step_s"] > 0
+    assert result["speedup"] == pytest.approx(3 * result["single_step_s"] / result["stacked_step_s"])
+    assert "CPU: not a result" in capsys.readouterr().out

@@ -22,7 +22,8 @@ COMMON = ["train.decay=constant", "train.warmup_steps=0", "train.eps=1e-4", "tra
 
 #: Method -> the keys that make a 5-step proxy of it move its weights.
 METHODS: dict[str, list[str]] = {
-    "doge": ["mixing.method=doge", "mixing.doge.mu=0.01"],
+    # 3 target sequences: split 2 + 1 over dp = 2
+    "doge": ["mixing.method=doge", "mixing.doge.mu=0.01", "mixing.doge.target_sequences=3"],
     "odm": ["mixing.method=odm"],
     "aioli": ["mixing.method=aioli", "mixing.aioli.rounds=1", "mixing.aioli.delta=1", "mixing.aioli.sweeps=1"],
     "ado": [

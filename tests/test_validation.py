@@ -183,10 +183,6 @@ def weights_file(path, domains, weights):
             "pipeline.proxy: mixing.aioli.rounds: expected rounds longer than their probes",
         ),
         (["pipeline.online=[ado]", "mixing.ado.floor=0.9"], "pipeline.main: mixing.ado.floor: expected at most 1/2"),
-        (
-            ["pipeline.methods=[doge]", "mixing.doge.target_sequences=3", "parallelism.dp=2"],
-            "pipeline.proxy: mixing.doge.target_sequences: expected a multiple of parallelism.dp = 2, got 3",
-        ),
         (["pipeline.baselines=[temperature:0]"], "pipeline.baselines[0]: expected uniform, tokens, temperature:T"),
     ],
 )

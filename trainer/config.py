@@ -69,6 +69,9 @@ class ModelConfig:
     attention: Literal["auto", "sdpa", "flash"] = "auto"
     # torch.compile (GPU only; ignored on CPU): see trainer.model.llama.compile_scope.
     compile: bool = False
+    # Initial weights from a Hugging Face Llama directory (`doremi import` prints the matching
+    # model section); None: random (init_std). Not read when the run resumes or loads a checkpoint.
+    init_from_hf: PathStr | None = None
 
     @property
     def head_dim(self) -> int:

@@ -91,10 +91,9 @@ class DataFeed:
         """This rank's part of `sequences` validation sequences drawn for `step` from the mixture
         `weights` (a method's target, e.g. DoGE's): counts multinomial, each index uniform over
         its domain's validation sequences, from `default_rng([seed, TARGET_DRAWS, step])`, so the
-        draw depends on the seed and step only; split over dp ranks like a training batch, in
-        micro-batches of at most `batch_size`."""
-        if sequences % self.pc.dp:
-            raise ConfigError(f"target sequences: {sequences} is not a multiple of dp = {self.pc.dp}")
+        draw depends on the seed and step only; cut into dp contiguous parts as equal as they can
+        be (a rank may get none: the gradient is a sum over ranks), in micro-batches of at most
+        `batch_size`."""
         rng = np.random.default_rng([self.seed, TARGET_DRAWS, step])
         counts = rng.multinomial(sequences, weights)
         picks = {}
@@ -104,8 +103,8 @@ class DataFeed:
                 raise DataError(f"target mixture: domain {self.domains[d]!r} has no validation sequences")
             picks[d] = iter(rng.integers(0, max(n, 1), size=int(c)).tolist())
         items = [(d, next(picks[d])) for d in interleave([int(c) for c in counts])]
-        per_rank = sequences // self.pc.dp
-        mine = items[self.pc.dp_rank * per_rank : (self.pc.dp_rank + 1) * per_rank]
+        start, stop = (sequences * r // self.pc.dp for r in (self.pc.dp_rank, self.pc.dp_rank + 1))
+        mine = items[start:stop]
         return [
             collate(self._val, mine[j : j + batch_size], device=self.pc.device) for j in range(0, len(mine), batch_size)
         ]

@@ -26,6 +26,7 @@ from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError, dump_yaml, to_dict
 from trainer.evaluate import evaluate_domains, evaluate_domains_with_error
 from trainer.feed import DataFeed
+from trainer.hf_init import init_from_hf
 from trainer.hooks import FixedMixture, MethodContext, MethodFactory, MixingHook, StepSignals
 from trainer.interrupt import Interrupted, StopRequests
 from trainer.metrics import MetricsLogger, read_jsonl
@@ -86,6 +87,7 @@ class Trainer:
             )
         self.facts = RunFacts.resolve(cfg, self.pc)
         self.model = build_model(cfg, self.pc, self.facts)
+        init_from_hf(self.model, cfg, self.pc, self.run_dir)  # model.init_from_hf, before the optimizer
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer(
             self.named_params, cfg.train, self.pc, cfg.parallelism.zero1, param_dtype=self.facts.param_dtype

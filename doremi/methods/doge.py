@@ -53,9 +53,9 @@ class DoGEConfig:
     # The target mixture whose held-out (validation) gradient the domains align with: `uniform`,
     # `tokens`, a weights file or values.
     target: Weights = "uniform"
-    # Validation sequences drawn each step for the target gradient (a multiple of parallelism.dp);
-    # None: an eighth of train.global_batch_size (at least dp), which keeps the target's forward
-    # and backward within an eighth of the step (experiments/notes/PERFORMANCE.md).
+    # Validation sequences drawn each step for the target gradient; None: an eighth of
+    # train.global_batch_size (at least 1), which keeps the target's forward and backward within
+    # an eighth of the step (experiments/notes/PERFORMANCE.md).
     target_sequences: int | None = None
     # The distribution the proxy draws its data from (the paper: uniform over domains).
     sampling: Weights = "uniform"
@@ -72,12 +72,12 @@ class DoGEConfig:
             raise ConfigError(f"{path}.score_clip: expected [low, high] with low <= high, got {self.score_clip}")
 
 
-def target_sequences(cfg: DoGEConfig, global_batch_size: int, dp: int) -> int:
-    """The target batch of a run: `cfg.target_sequences`, or an eighth of the global batch
-    rounded down to a multiple of dp (at least dp)."""
+def target_sequences(cfg: DoGEConfig, global_batch_size: int) -> int:
+    """The target batch of a run: `cfg.target_sequences`, or an eighth of the global batch (at
+    least one sequence). A property of the run, never of its layout."""
     if cfg.target_sequences is not None:
         return cfg.target_sequences
-    return max(dp, global_batch_size // 8 // dp * dp)
+    return max(1, global_batch_size // 8)
 
 
 def doge_scores(alignment: torch.Tensor, lr: float, mu: float, clip: list[float] | None = None) -> torch.Tensor:

@@ -59,7 +59,7 @@ def _doge(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
     d = cfg.mixing.doge
     sampling = resolve_weights(d.sampling, manifest, "mixing.doge.sampling", cfg.budget_tokens)
     target = resolve_weights(d.target, manifest, "mixing.doge.target", cfg.budget_tokens)
-    return DoGE(d, ctx, sampling, target, target_sequences(d, cfg.train.global_batch_size, cfg.parallelism.dp))
+    return DoGE(d, ctx, sampling, target, target_sequences(d, cfg.train.global_batch_size))
 
 
 def _odm(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
@@ -97,21 +97,14 @@ def method_factory(name: str, cfg: ExperimentConfig) -> MethodFactory:
 
 def preflight(name: str, cfg: ExperimentConfig, domains: list[str]) -> None:
     """Build method `name` for a run of `cfg` over `domains`, without the run, so that what the
-    method refuses (a probe schedule longer than the run's rounds, a floor above 1/k, a target
-    batch that does not split over dp) stops a pipeline before its first stage rather than
+    method refuses (a probe schedule longer than the run's rounds, a floor above 1/k) stops a pipeline before its first stage rather than
     after hours of others. DoReMi is checked by its stages (it needs its reference)."""
     import torch
 
-    from trainer.configtools import ConfigError
     from trainer.parallel.context import ParallelContext
 
     if name == "doremi":
         return
-    if name == "doge" and (cfg.mixing.doge.target_sequences or 0) % cfg.parallelism.dp:
-        raise ConfigError(
-            f"mixing.doge.target_sequences: expected a multiple of parallelism.dp = {cfg.parallelism.dp}, "
-            f"got {cfg.mixing.doge.target_sequences}"
-        )
     ctx = MethodContext(
         domains=list(domains),
         run_dir=Path(cfg.train.run_dir or "."),
@@ -124,5 +117,5 @@ def preflight(name: str, cfg: ExperimentConfig, domains: list[str]) -> None:
         train_tokens=[1] * len(domains),
         pc=ParallelContext.single(),
     )
-    if name != "doge":  # DoGE's builder reads the stores' manifest; its keys are checked above
+    if name != "doge":  # DoGE's builder reads the stores' manifest; its config checks its keys
         BUILDERS[name](cfg, ctx)

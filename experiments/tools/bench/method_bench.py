@@ -375,7 +375,7 @@ def run_variant(
 def doge_floor(name: str) -> tuple[int, int, float]:
     """(B, T, B / (B + T)): DoGE's step against a plain one by FLOPs alone."""
     b = SHAPES[name][1]
-    t = target_sequences(DoGEConfig(), b, 1)
+    t = target_sequences(DoGEConfig(), b)
     return b, t, b / (b + t)
 
 

@@ -1,0 +1,110 @@
+"""`doremi sweep` (doremi/sweep.py): the tables of a sweep killed mid-way and resumed equal an
+uninterrupted sweep's; a sweep directory made under other keys is refused with the keys named;
+stacked runs give the tables of runs one by one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from doremi.cli import main
+from doremi.sweep import FINAL_FILE, LOSSES_FILE, MIXTURES_FILE, read_table, run_sweep
+from tests.runs import config, config_path
+from trainer.checkpoint import checkpoint_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+SETS = [
+    "train.steps=4",
+    "train.eval_every=2",
+    "train.eval_sequences=4",
+    "train.decay=constant",
+    "train.warmup_steps=0",
+    "train.eps=1e-4",
+    "sweep.runs=3",
+    "sweep.designs=[dirichlet, one_hot]",
+]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def sweep_sets(root: Path, *more: str) -> list[str]:
+    return [*SETS, f"sweep.run_dir={root}", *more]
+
+
+def tables(root: Path) -> dict[str, list[dict[str, str]]]:
+    return {name: read_table(root / name) for name in (MIXTURES_FILE, LOSSES_FILE, FINAL_FILE)}
+
+
+@pytest.fixture(scope="module")
+def whole(stores, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sweep") / "whole"
+    run_sweep(config(stores, root / "cfg", *sweep_sets(root, "sweep.stacked=false")))
+    return root
+
+
+def test_tables_hold_every_run_and_evaluation(whole):
+    t = tables(whole)
+    assert [r["design"] for r in t[MIXTURES_FILE]] == ["dirichlet"] * 3 + ["one_hot"] * 3
+    assert [(r["run"], r["step"]) for r in t[LOSSES_FILE]] == [(str(i), s) for i in range(6) for s in ("2", "4")]
+    final = t[FINAL_FILE]
+    assert len(final) == 6
+    for row in final:
+        losses = [float(row[d]) for d in ("noise", "easy", "markov")]
+        assert float(row["mean"]) == pytest.approx(np.mean(losses), abs=1e-12)
+        assert float(row["worst"]) == max(losses)
+    assert [float(final[3][f"w:{d}"]) for d in ("noise", "easy", "markov")] == [1.0, 0.0, 0.0]
+
+
+def test_a_sweep_killed_mid_run_resumes_to_the_same_tables(stores, whole, tmp_path):
+    """SIGKILL once run 1 has written a checkpoint: the resumed sweep keeps run 0, resumes run 1
+    from its checkpoint and ends with the uninterrupted sweep's tables, byte for byte."""
+    root = tmp_path / "killed"
+    sets = sweep_sets(root, "sweep.stacked=false", "checkpoint.every=1", "checkpoint.keep=10")
+    path = config_path(stores, tmp_path / "cfg")
+    args = [a for s in sets for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "doremi", "sweep", str(path), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not checkpoint_dir(root / "runs" / "0001", 2).exists():
+        assert proc.poll() is None and time.time() < deadline, "the sweep ended before it could be killed"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(read_table(root / FINAL_FILE)) < 6  # killed mid-way
+    assert main(["sweep", str(path), *args]) == 0
+    for name in (MIXTURES_FILE, LOSSES_FILE, FINAL_FILE):
+        assert (root / name).read_text() == (whole / name).read_text(), name
+
+
+def test_a_sweep_under_changed_keys_is_refused(stores, whole, tmp_path, capsys):
+    root = tmp_path / "copy"
+    shutil.copytree(whole, root)
+    path = config_path(stores, tmp_path / "cfg")
+    args = [a for s in sweep_sets(root, "sweep.stacked=false", "train.lr=0.01") for a in ("--set", s)]
+    before = {p: p.read_bytes() for p in root.rglob("*.csv")}
+    assert main(["sweep", str(path), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a sweep made under other keys is there: train.lr" in err[0]
+    assert {p: p.read_bytes() for p in root.rglob("*.csv")} == before  # nothing touched
+
+
+def test_stacked_runs_give_the_tables_of_runs_one_by_one(stores, whole, tmp_path):
+    """The same sweep trained stacked, in chunks of 4 and 2 (trainer/stacked/): the same
+    mixtures, and every loss within 1e-5 relative of the runs one by one."""
+    root = tmp_path / "stacked"
+    run_sweep(config(stores, root / "cfg", *sweep_sets(root, "sweep.stacked=true", "sweep.chunk_size=4")))
+    want, got = tables(whole), tables(root)
+    assert got[MIXTURES_FILE] == want[MIXTURES_FILE]
+    for name in (LOSSES_FILE, FINAL_FILE):
+        assert [r["run"] for r in got[name]] == [r["run"] for r in want[name]]
+        for a, b in zip(want[name], got[name]):
+            for col in ("noise", "easy", "markov", "mean", "worst"):
+                assert float(b[col]) == pytest.approx(float(a[col]), rel=1e-5), (name, a["run"], col)
