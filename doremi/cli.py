@@ -9,6 +9,7 @@ quietly."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -228,6 +229,22 @@ def cmd_sweep(args):
     print(f"sweep tables in {root}: mixtures.csv, losses.csv, final.csv")
 
 
+def cmd_fit(args):
+    from doremi.propose import propose
+
+    cfg = _config(args)
+    sweep = Path(args.sweep or cfg.sweep.run_dir)
+    out = propose(cfg, args.method, args.out or sweep / f"{args.method}.json", sweep)
+    doc = json.loads(out.read_text())
+    print(f"{args.method} weights: " + ", ".join(f"{d}={w:.3f}" for d, w in zip(doc["domains"], doc["weights"])))
+    held = doc.get("held_out")
+    if doc.get("held_out_skipped"):
+        print(f"not checked on held-out runs: {doc['held_out_skipped']}")
+    if held:
+        print(f"held out ({held['folds']} folds): Spearman {held['spearman']:.3f}, mean abs error {held['mae']:.4f}")
+    print(f"written to {out}")
+
+
 def cmd_compare(args):
     from doremi.compare import compare_roots
 
@@ -319,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_parser(with_config("plan", cmd_plan, "predict memory per rank and stage; search the layouts that fit"))
     with_config("pipeline", cmd_pipeline, "run every stage of an experiment, skipping finished ones")
     with_config("sweep", cmd_sweep, "train a small model on each of many designed mixtures (RegMix, mixing laws)")
+    sp = with_config("fit", cmd_fit, "propose a mixture from a sweep's table (RegMix or a data mixing law)")
+    sp.add_argument("--method", required=True, choices=["regmix", "mixing_law"], help="the offline method")
+    sp.add_argument("--sweep", help="the sweep directory (default: sweep.run_dir)")
+    sp.add_argument("--out", help="weights JSON path (default: SWEEP/<method>.json)")
 
     sp = sub.add_parser("average", help="average a proxy's per-step domain weights")
     sp.add_argument("run_dir")

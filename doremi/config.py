@@ -68,6 +68,8 @@ class DoReMiConfig:
 #: so it is not offered online on the main model.
 METHODS = ("doremi", "doge", "odm", "aioli", "ado")
 ONLINE_METHODS = ("doge", "odm", "aioli", "ado")
+#: Methods that fit a sweep of small runs (doremi/sweep.py, doremi/propose.py): pipeline.methods only.
+OFFLINE_METHODS = ("regmix", "mixing_law")
 
 
 @dataclass
@@ -145,6 +147,39 @@ class SweepConfig:
 
 
 @dataclass
+class FitConfig:
+    """`doremi fit` and the pipeline's offline methods: how a sweep's table becomes a mixture
+    (doremi/propose.py, doremi/fit/)."""
+
+    # The loss the mixture minimises: sum_i w_i L_i over the domains' validation losses, with w
+    # this mixture form (`uniform`: the mean over domains; a mapping such as {code: 1}: one domain).
+    target: Weights = "uniform"
+    # RegMix's regressor: gradient-boosted trees (`lightgbm`, the paper's) or `ridge` (linear).
+    regressor: Literal["lightgbm", "ridge"] = "lightgbm"
+    # RegMix: mixtures simulated around the sweep's prior ...
+    simulations: int = 100_000
+    # ... and how many with the best predicted loss are averaged into the proposal.
+    top_k: int = 128
+    # The proposal reads no domain more than this many epochs of the main run's token budget;
+    # None: no cap.
+    max_epochs: float | None = None
+    # Folds of the held-out evaluation (rank correlation and error on runs the fit did not see).
+    folds: int = 5
+    # Seed of the folds and the simulations.
+    seed: int = 42
+
+    def validate(self, path: str = "fit") -> None:
+        if self.simulations < 1 or not 1 <= self.top_k <= self.simulations:
+            raise ConfigError(
+                f"{path}.top_k: expected 1 <= top_k <= simulations = {self.simulations}, got {self.top_k}"
+            )
+        if self.max_epochs is not None and not 0 < self.max_epochs < float("inf"):
+            raise ConfigError(f"{path}.max_epochs: expected a finite value > 0, got {self.max_epochs}")
+        if self.folds < 2:
+            raise ConfigError(f"{path}.folds: expected >= 2, got {self.folds}")
+
+
+@dataclass
 class GuardrailConfig:
     """Thresholds of the per-domain checks of doremi/guardrails.py (docs/design.md section 4b).
 
@@ -187,8 +222,9 @@ class PipelineConfig:
     proxy: dict[str, Any] = field(default_factory=dict)
     # Overrides applied to the main runs (typically a larger model, more steps).
     main: dict[str, Any] = field(default_factory=dict)
-    # Mixing methods run as proxies, each giving a mixture for a main run of its name (`doremi`:
-    # reference, proxy and rounds; the others: a proxy under methods/<name>/).
+    # Mixing methods, each giving a mixture for a main run of its name: `doremi` (reference, proxy
+    # and rounds), `doge`, `odm`, `aioli`, `ado` (a proxy under methods/<name>/), `regmix` and
+    # `mixing_law` (a fit of one shared sweep of small runs, sweep/).
     methods: list[str] = field(default_factory=lambda: ["doremi"])
     # Mixing methods run online on the main model, each a main run `<name>-online`.
     online: list[str] = field(default_factory=list)
@@ -203,7 +239,7 @@ class PipelineConfig:
     strict: bool = False
 
     def validate(self, path: str = "pipeline") -> None:
-        for key, allowed in (("methods", METHODS), ("online", ONLINE_METHODS)):
+        for key, allowed in (("methods", METHODS + OFFLINE_METHODS), ("online", ONLINE_METHODS)):
             names = getattr(self, key)
             for i, m in enumerate(names):
                 if m not in allowed:
@@ -222,4 +258,5 @@ class ExperimentConfig(TrainerConfig):
     doremi: DoReMiConfig = field(default_factory=DoReMiConfig)
     mixing: MixingConfig = field(default_factory=MixingConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    fit: FitConfig = field(default_factory=FitConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

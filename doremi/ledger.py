@@ -1,7 +1,7 @@
 """The compute each mixing method spent to find its mixture, read back from a pipeline root.
 
 Per method, the runs it needed (DoReMi: every round's reference and proxy; another method: its
-proxy; a method run online: its main run) and, per run, model FLOPs by the count of
+proxy; a method run online: its main run; RegMix and the mixing law: the sweep they share) and, per run, model FLOPs by the count of
 `trainer.model.flops.flops_per_token` (6 N + attention per trained token, forward and backward;
 a forward alone is a third of it):
 
@@ -20,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from doremi.main_runs import DOREMI_RUN, method_dir
+from doremi.config import OFFLINE_METHODS
+from doremi.main_runs import DOREMI_RUN, SWEEP_DIR, method_dir
 from doremi.stage_markers import dir_marker
 from trainer.metrics import read_jsonl
 
@@ -82,10 +83,31 @@ def method_runs(root: Path, method: str, online: bool = False) -> list[tuple[str
     return [("method", method_dir(root, method) / "proxy")]
 
 
+def sweep_cost(root: Path) -> dict[str, float] | None:
+    """The offline methods' cost: their shared sweep (`sweep.json`'s compute: every small run's
+    training and evaluations) and its measured seconds; None before the sweep ran."""
+    meta = root / SWEEP_DIR / "sweep.json"
+    if not meta.is_file():
+        return None
+    import json
+
+    compute = json.loads(meta.read_text()).get("compute", {})
+    cost = {"train": float(compute.get("train_flops", 0.0)), "reference": 0.0, "target": 0.0}
+    cost["validation"] = float(compute.get("eval_flops", 0.0))
+    cost["total"] = cost["train"] + cost["validation"]
+    marker = dir_marker(root / SWEEP_DIR)
+    cost["seconds"] = json.loads(marker.read_text()).get("seconds") if marker.is_file() else None
+    return cost
+
+
 def compute_ledger(root: Path, methods: list[str], online: list[str]) -> dict[str, dict[str, float]]:
-    """Method (or online run) -> summed FLOPs by part, total and measured seconds over its runs."""
+    """Method (or online run) -> summed FLOPs by part, total and measured seconds over its runs
+    (the offline methods each show the sweep they share)."""
     out: dict[str, dict[str, float]] = {}
-    for name, is_online in [*((m, False) for m in methods), *((m, True) for m in online)]:
+    for name in methods:
+        if name in OFFLINE_METHODS and (cost := sweep_cost(root)) is not None:
+            out[name] = cost
+    for name, is_online in [*((m, False) for m in methods if m not in OFFLINE_METHODS), *((m, True) for m in online)]:
         costs = [c for kind, run in method_runs(root, name, is_online) if (c := run_cost(run, kind)) is not None]
         if not costs:
             continue

@@ -28,6 +28,10 @@ def main_run_name(baseline: str) -> str:
         return baseline.replace(":", "")
 
 
+#: The sweep of small runs the offline methods (RegMix, mixing laws) fit, under a pipeline root.
+SWEEP_DIR = "sweep"
+
+
 def method_dir(root: str | os.PathLike, method: str) -> Path:
     """Where a mixing method other than DoReMi runs its proxy and writes its weights."""
     return Path(root) / "methods" / method

@@ -28,7 +28,7 @@ import numpy as np
 
 from data.weights_file import WEIGHTS_FILE, copy_weights_file, read_weights_file
 from doremi import stages
-from doremi.config import ExperimentConfig
+from doremi.config import OFFLINE_METHODS, ExperimentConfig
 from doremi.fingerprint import (  # noqa: F401 (store_fingerprint: imported from here by tests)
     MAIN_IGNORES,
     REFERENCE_IGNORES,
@@ -38,7 +38,8 @@ from doremi.fingerprint import (  # noqa: F401 (store_fingerprint: imported from
     store_fingerprint,
     store_keys,
 )
-from doremi.main_runs import DOREMI_RUN, method_dir, mixtures, online_run_name
+from doremi.main_runs import DOREMI_RUN, SWEEP_DIR, method_dir, mixtures, online_run_name
+from doremi.propose import propose
 from doremi.stage_markers import (
     EVAL_OUTPUT,
     done_marker,
@@ -50,6 +51,7 @@ from doremi.stage_markers import (
     write_started,
 )
 from doremi.summary import log_comparison, summarize
+from doremi.sweep import run_sweep, sweep_keys
 from doremi.validate import validate_pipeline
 from trainer import run_dir as rundir
 from trainer.config import apply_preset
@@ -221,7 +223,12 @@ class Pipeline:
         weights_path = self.root / WEIGHTS_FILE
         tuned: dict[str, str] = {}
         for name in self.p.methods:
-            tuned[name] = str(self.tune_weights() if name == DOREMI_RUN else self.method_proxy(name))
+            if name == DOREMI_RUN:
+                tuned[name] = str(self.tune_weights())
+            elif name in OFFLINE_METHODS:
+                tuned[name] = str(self.offline(name))
+            else:
+                tuned[name] = str(self.method_proxy(name))
         results: dict[str, Any] = {"weights": tuned}
         results["guardrails"] = self.guard(main=False)
         if not self.p.skip_main:
@@ -308,6 +315,32 @@ class Pipeline:
         tuned = read_weights_file(avg)
         self.say("           weights: " + ", ".join(f"{d}={w:.3f}" for d, w in zip(tuned["domains"], tuned["weights"])))
         return avg
+
+    def sweep(self) -> Path:
+        """The sweep of small runs the offline methods share (`sweep/`, the proxy's model and
+        steps under `pipeline.proxy`), run once whatever the number of methods fitting it."""
+        out = self.root / SWEEP_DIR
+        cfg = self.stage_config(self.p.proxy, sweep__run_dir=str(out))
+        self._run_stage("sweep", out, sweep_keys(cfg), lambda: (run_sweep(cfg), None)[1])
+        return out
+
+    def offline(self, name: str) -> Path:
+        """An offline method: the shared sweep, then its fit, the proposal capped against the
+        main runs' token budget, in `methods/<name>/weights.json`."""
+        sweep = self.sweep()
+        out = method_dir(self.root, name) / WEIGHTS_FILE
+        cfg = self.stage_config(self.p.proxy, sweep__run_dir=str(sweep))
+        budget = self.stage_config(self.p.main).budget_tokens
+        keys = {
+            **sweep_keys(cfg),
+            **{k: v for k, v in stage_keys(cfg).items() if k.startswith("fit.")},
+            "method": name,
+            "main budget": budget,
+        }
+        self._run_stage(f"{name}: fit", out, keys, lambda: str(propose(cfg, name, out, sweep, budget)), main_only=True)
+        tuned = read_weights_file(out)
+        self.say("           weights: " + ", ".join(f"{d}={w:.3f}" for d, w in zip(tuned["domains"], tuned["weights"])))
+        return out
 
     def mixtures(self, weights_path: Path) -> dict[str, str]:
         return mixtures(weights_path, self.p.baselines, self.p.methods)

@@ -18,7 +18,7 @@ from typing import Any
 from data.errors import DataError
 from data.sources import known_domains
 from data.weights import check_spec
-from doremi.config import ExperimentConfig
+from doremi.config import OFFLINE_METHODS, ExperimentConfig
 from doremi.fingerprint import SAMPLING_KEYS
 from doremi.main_runs import DOREMI_RUN, main_run_name
 from trainer.configtools import ConfigError
@@ -133,6 +133,16 @@ def _stage(pipe: Any, section: str, **sets: Any) -> ExperimentConfig:
         raise type(e)(f"{section}: {e}") from None
 
 
+def _check_sweep(cfg: ExperimentConfig, section: str) -> None:
+    """The sweep the offline methods share: stacked runs need one process per run."""
+    p = cfg.parallelism
+    if cfg.sweep.stacked and (p.tp, p.pp, p.dp) != (1, 1, 1):
+        raise ConfigError(
+            f"{section}: sweep.stacked: stacked runs train at tp = pp = dp = 1; got tp={p.tp}, pp={p.pp}, "
+            f"dp={p.dp} (or set sweep.stacked: false)"
+        )
+
+
 def _check_methods(pipe: Any, domains: list[str] | None) -> None:
     """Each method of `pipeline.methods` (as a proxy) and `pipeline.online` (on the main model)
     built for the run it will get, its errors prefixed by the section whose run it is."""
@@ -145,6 +155,9 @@ def _check_methods(pipe: Any, domains: list[str] | None) -> None:
         ("pipeline.main", "main", pipe.p.online),
     ):
         for name in names:
+            if name in OFFLINE_METHODS:
+                _check_sweep(_stage(pipe, section, sweep__run_dir=str(pipe.root / "sweep")), section)
+                continue
             cfg = _stage(pipe, section, train__run_dir=str(pipe.root / "preflight"), **{f"mixing__{key}": name})
             try:
                 preflight(name, cfg, domains)

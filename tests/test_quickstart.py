@@ -2,6 +2,7 @@
 table and report.md show the numbers the runs wrote, and a second run skips every stage."""
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -212,3 +213,56 @@ def test_methods_online_on_the_main_model_join_the_report(tmp_path):
         assert float(rows[domain][header.index("weight: ado-online")]) == pytest.approx(mean[i], abs=5e-5)
     ledger = report[report.index("## Compute spent to find each mixture") :]
     assert "| odm |" in ledger and "| ado-online |" in ledger
+
+
+def test_offline_methods_fit_one_shared_sweep(tmp_path):
+    """`pipeline.methods: [regmix, mixing_law]`: one sweep of small runs (stacked), two fits of
+    it, a main run on each proposal, and the sweep's compute in the ledger of both."""
+    run = tmp_path / "run"
+    sets = [
+        *SMALL,
+        f"pipeline.run_dir={run}",
+        f"data.store_dir={tmp_path / 'stores'}",
+        "pipeline.methods=[regmix, mixing_law]",
+        "pipeline.baselines=[uniform]",
+        "sweep.runs=10",
+        "sweep.designs=[dirichlet, one_hot]",
+        "fit.simulations=2000",
+        "fit.top_k=20",
+    ]
+    messages: list[str] = []
+    Pipeline(QUICKSTART, sets, say=messages.append).run()
+    assert sum("] sweep ..." in m for m in messages) == 1
+    assert sorted(p.name for p in (run / "main").iterdir()) == ["mixing_law", "regmix", "uniform"]
+    final = (run / "sweep" / "final.csv").read_text().splitlines()
+    assert len(final) == 1 + 16  # 10 Dirichlet mixtures and the 6 one-hot ones
+    for method in ("regmix", "mixing_law"):
+        doc = json.loads((run / "methods" / method / "weights.json").read_text())
+        assert doc["method"] == method and doc["n_runs"] == 16 and doc["compute"]["runs"] == 16
+        assert sum(doc["weights"]) == pytest.approx(1.0)
+    summary = run_pipeline(QUICKSTART, sets)  # everything done already: prints the table
+    assert set(summary["main"]) == {"regmix", "mixing_law", "uniform"}
+    ledger = (run / "report.md").read_text().split("## Compute spent to find each mixture")[1].split("\n## ")[0]
+    rows = {line.split("|")[1].strip(): line for line in ledger.splitlines() if line.startswith("| ")}
+    assert rows["regmix"].split("|")[2:6] == rows["mixing_law"].split("|")[2:6]  # one sweep, shown for both
+
+
+def test_readme_sweep_and_fit_commands(tmp_path):
+    """README's `doremi preprocess / sweep / fit` lines on the quickstart config, through the
+    console script, at this module's small size."""
+    import subprocess
+
+    sets = [*SMALL, f"data.store_dir={tmp_path / 'stores'}", f"sweep.run_dir={tmp_path / 'sweep'}"]
+    extra = [a for s in sets for a in ("--set", s)]
+    doremi = str(Path(sys.executable).parent / "doremi")
+    for line in (
+        "doremi preprocess experiments/configs/quickstart.yaml",
+        "doremi sweep experiments/configs/quickstart.yaml --set sweep.runs=32",
+        "doremi fit experiments/configs/quickstart.yaml --method mixing_law",
+    ):
+        assert line in (ROOT / "README.md").read_text()
+        args = line.split()[1:]
+        done = subprocess.run([doremi, *args, *extra], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert len((tmp_path / "sweep" / "final.csv").read_text().splitlines()) == 33
+    assert json.loads((tmp_path / "sweep" / "mixing_law.json").read_text())["n_runs"] == 32

@@ -108,3 +108,37 @@ def test_stacked_runs_give_the_tables_of_runs_one_by_one(stores, whole, tmp_path
         for a, b in zip(want[name], got[name]):
             for col in ("noise", "easy", "markov", "mean", "worst"):
                 assert float(b[col]) == pytest.approx(float(a[col]), rel=1e-5), (name, a["run"], col)
+
+
+@pytest.mark.parametrize(
+    "method, sets", [("mixing_law", []), ("regmix", ["fit.regressor=ridge", "fit.simulations=500"])]
+)
+def test_fit_proposes_a_capped_mixture_with_its_provenance(stores, whole, tmp_path, capsys, method, sets):
+    """`doremi fit`: the proposal within the epoch caps of the run's budget, its held-out metrics
+    and the sweep's compute in the weights file."""
+    import json
+
+    path = config_path(stores, tmp_path / "cfg")
+    out = tmp_path / f"{method}.json"
+    args = [a for s in [*sweep_sets(whole), "fit.max_epochs=0.5", "fit.folds=2", *sets] for a in ("--set", s)]
+    assert main(["fit", str(path), "--method", method, "--out", str(out), *args]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["method"] == method and doc["n_runs"] == 6
+    if method == "regmix":
+        assert doc["held_out"]["folds"] == 2 and "held_out_skipped" not in doc
+    else:  # a fold's 3 runs cannot fit a law of 3 domains: said, not hidden
+        assert "held_out" not in doc and doc["held_out_skipped"].startswith("mixing law: 3 runs are too few")
+    assert doc["compute"]["runs"] == 6 and doc["compute"]["flops"] > 0
+    assert all(w <= c + 1e-9 for w, c in zip(doc["weights"], doc["caps"]))
+    assert f"{method} weights:" in capsys.readouterr().out
+
+
+def test_fit_of_too_few_runs_is_one_line(stores, whole, tmp_path, capsys):
+    path = config_path(stores, tmp_path / "cfg")
+    root = tmp_path / "small"
+    run_sweep(config(stores, root / "cfg", *sweep_sets(root, "sweep.designs=[dirichlet]")))
+    args = [a for s in sweep_sets(root) for a in ("--set", s)]
+    assert main(["fit", str(path), "--method", "mixing_law", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["doremi fit: error: mixing law: 3 runs are too few for 3 domains; expected at least 5"]
+    assert not (root / "mixing_law.json").exists()

@@ -103,7 +103,7 @@ def preflight(name: str, cfg: ExperimentConfig, domains: list[str]) -> None:
 
     from trainer.parallel.context import ParallelContext
 
-    if name == "doremi":
+    if name not in BUILDERS or name == "doremi":
         return
     ctx = MethodContext(
         domains=list(domains),

@@ -1,0 +1,104 @@
+"""`doremi fit CONFIG --method regmix|mixing_law`: a mixture proposed from a sweep's table
+(`doremi/sweep.py` `final.csv`) by one of the offline methods, written as the common weights JSON
+with the fit's provenance: its held-out rank correlation and error on runs it did not see, and
+the compute the sweep spent.
+
+- `regmix` (Liu et al. 2025): a regressor (`fit.regressor`) from mixture to the target loss;
+  the mean of the `fit.top_k` best of `fit.simulations` mixtures drawn around the sweep's prior.
+- `mixing_law` (Ye et al. 2025): per-domain laws L_i(r) = c_i + k_i exp(sum_j t_ij r_j); the
+  minimiser of the target sum_i w_i L_i(r) over the simplex.
+Both keep every weight within `fit.max_epochs` epochs of the main run's token budget.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from data.store import read_manifest
+from data.weights import resolve_weights
+from doremi.config import OFFLINE_METHODS, ExperimentConfig
+from doremi.errors import DoReMiError
+from doremi.fit.checks import FitError
+from doremi.fit.design import epoch_caps
+from doremi.fit.evaluate import HeldOut, held_out, target_of
+from doremi.fit.mixing_law import fit_mixing_law, mixing_law_fit_predict, propose_mixing_law
+from doremi.fit.provenance import proposal_provenance, write_proposal
+from doremi.fit.regmix import RegMixOptions, fit_regressor, propose_regmix, regmix_fit_predict
+from doremi.sweep import SWEEP_FILE, final_table
+
+
+def propose(
+    cfg: ExperimentConfig, method: str, out: str | Path, sweep_dir: str | Path | None = None, budget: int | None = None
+) -> Path:
+    """Fit `method` to the sweep in `sweep_dir` (default `sweep.run_dir`) and write its mixture
+    to `out`. `budget`: the token budget of the run the mixture is for (default the config's),
+    against which `fit.max_epochs` caps the weights."""
+    if method not in OFFLINE_METHODS:
+        raise DoReMiError(f"--method: expected one of {', '.join(OFFLINE_METHODS)}, got {method!r}")
+    root = Path(sweep_dir or cfg.sweep.run_dir)
+    domains, weights, losses = final_table(root)
+    manifest = read_manifest(cfg.data.store_dir)
+    if manifest.domain_names != domains:
+        raise DoReMiError(f"{root}: the sweep's domains {domains} are not the stores' {manifest.domain_names}")
+    f = cfg.fit
+    budget = budget or cfg.budget_tokens
+    per_domain = np.stack([losses[d] for d in domains], axis=1)
+    target = resolve_weights(f.target, manifest, "fit.target", budget)
+    tokens = [d.train.tokens for d in manifest.domains]
+    caps = epoch_caps(tokens, budget, f.max_epochs) if f.max_epochs is not None else None
+    n = len(weights)
+    folds = min(f.folds, n // 2)
+    held: HeldOut | None = None
+    skipped: str | None = None if folds >= 2 else f"{n} runs are too few for 2 folds"
+    prior = None
+    if method == "regmix":
+        y = target_of(per_domain, target)
+        model = fit_regressor(weights, y, f.regressor)
+        if skipped is None:
+            held, skipped = _held_out(
+                lambda: held_out(regmix_fit_predict(f.regressor), weights, y, folds=folds, seed=f.seed)
+            )
+        prior = resolve_weights(cfg.sweep.prior, manifest, "sweep.prior", budget)
+        options = RegMixOptions(n_simulations=f.simulations, top_k=f.top_k, seed=f.seed)
+        proposal = propose_regmix(model, prior, caps=caps, options=options)
+        weights_out, predicted = proposal.weights, proposal.predicted
+    else:
+        law = fit_mixing_law(weights, per_domain)
+        if skipped is None:
+            held, skipped = _held_out(
+                lambda: held_out(
+                    mixing_law_fit_predict(), weights, per_domain, folds=folds, seed=f.seed, target_weights=target
+                )
+            )
+        proposal = propose_mixing_law(law, target_weights=target, caps=caps)
+        weights_out, predicted = proposal.weights, proposal.predicted
+    sweep = json.loads((root / SWEEP_FILE).read_text())
+    provenance = proposal_provenance(
+        method=method,
+        n_runs=n,
+        held_out=held,
+        seed=f.seed,
+        regressor=f.regressor if method == "regmix" else None,
+        prior=prior,
+        top_k=f.top_k if method == "regmix" else None,
+        n_simulations=f.simulations if method == "regmix" else None,
+        caps=caps,
+        max_epochs=f.max_epochs,
+        target_weights=target,
+        predicted_loss=predicted,
+        extra={"sweep": str(root), "compute": sweep.get("compute"), "held_out_skipped": skipped},
+    )
+    return write_proposal(out, domains, weights_out, provenance)
+
+
+def _held_out(evaluate: Callable[[], HeldOut]) -> tuple[HeldOut | None, str | None]:
+    """(the held-out evaluation, None), or (None, why not) when the folds leave too few runs to
+    fit: the proposal is still made from all runs, and says it was not checked."""
+    try:
+        return evaluate(), None
+    except FitError as e:
+        return None, str(e)
