@@ -12,7 +12,8 @@ a forward alone is a third of it):
     validation passes        a forward over the validation tokens of every pass the method
                              asked for (the trainer counts them: `method_evals` in metrics.jsonl)
 
-and the measured wall-clock seconds its stages took (the pipeline's stage markers, `seconds`).
+the tokens those passes processed, and the measured wall-clock seconds its stages took (the
+pipeline's stage markers, `seconds`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def run_cost(run: Path, kind: str) -> dict[str, float] | None:
     if evals:
         cost["validation"] = fpt / 3 * evals["tokens"]
     cost["total"] = sum(cost.values())
+    # Tokens processed: trained, forwarded by the reference, DoGE's target (trained) and validated.
+    target_tokens = cost["target"] / fpt if fpt else 0.0
+    cost["tokens"] = tokens + (tokens if kind == "proxy" else 0) + target_tokens + (evals or {}).get("tokens", 0)
     marker = dir_marker(run)
     if marker.is_file():
         import json
@@ -95,6 +99,7 @@ def sweep_cost(root: Path) -> dict[str, float] | None:
     cost = {"train": float(compute.get("train_flops", 0.0)), "reference": 0.0, "target": 0.0}
     cost["validation"] = float(compute.get("eval_flops", 0.0))
     cost["total"] = cost["train"] + cost["validation"]
+    cost["tokens"] = float(compute.get("train_tokens", 0) + compute.get("eval_tokens", 0))
     marker = dir_marker(root / SWEEP_DIR)
     cost["seconds"] = json.loads(marker.read_text()).get("seconds") if marker.is_file() else None
     return cost
@@ -113,7 +118,7 @@ def compute_ledger(root: Path, methods: list[str], online: list[str]) -> dict[st
             continue
         total = {
             key: sum(c.get(key) or 0.0 for c in costs)
-            for key in ("train", "reference", "target", "validation", "total")
+            for key in ("train", "reference", "target", "validation", "total", "tokens")
         }
         secs = [c.get("seconds") for c in costs]
         total["seconds"] = sum(secs) if all(x is not None for x in secs) else None

@@ -238,16 +238,17 @@ def format_compute(ledger: Mapping[str, Mapping[str, float | None]]) -> str:
         secs = c.get("seconds")
         rows.append(
             [name]
-            + [f"{c.get(key) or 0.0:.3g}" for key in ("train", "reference", "target", "validation", "total")]
+            + [f"{c.get(key) or 0.0:.3g}" for key in ("train", "reference", "target", "validation", "total", "tokens")]
             + ["" if secs is None else f"{secs:.1f}"]
         )
     header = [
         "method",
-        "training PFLOP",
-        "reference PFLOP",
-        "target PFLOP",
-        "validation PFLOP",
-        "total PFLOP",
+        "training FLOPs",
+        "reference FLOPs",
+        "target FLOPs",
+        "validation FLOPs",
+        "total FLOPs",
+        "tokens",
         "seconds",
     ]
     return markdown_table(header, rows)
@@ -450,7 +451,7 @@ def write_report(
             compute_table,
             "Model FLOPs (6N + attention per trained token; a forward is a third): training steps, "
             "the reference's forwards, DoGE's target gradients and the validation passes a method "
-            "asked for (doremi/ledger.py); seconds as measured by the pipeline.",
+            "asked for (doremi/ledger.py); the tokens those passes processed; seconds as measured by the pipeline.",
             "",
         ]
     parts += [

@@ -39,6 +39,27 @@ def test_arm_commands_carry_seed_baselines_and_ablation():
     assert len(domains) == 12 and domains[0] == {"name": "c", "paths": ["/c/c.jsonl.xz"]}
 
 
+def test_comparison_arms_are_a_valid_pipeline(tmp_path):
+    """The comparison's arms (experiments/notes/COMPARISON.md) load as an experiment config with
+    every method, the baselines and their options, and the methods' checks pass for 12 domains
+    (Aioli's probes fit its rounds, ADO's floor is below 1/12)."""
+    from doremi.config import ExperimentConfig
+    from doremi.methods.registry import preflight
+    from trainer.config import load_config
+
+    natural = tmp_path / "natural.json"
+    names = [f"d{i}" for i in range(12)]
+    natural.write_text(json.dumps({"domains": names, "weights": [1 / 12] * 12}))
+    domains = json.dumps([{"name": n, "paths": [str(tmp_path / f"{n}.jsonl")]} for n in names])
+    cmd = run_study.arm_command("compare-s2", run_study.ARMS["compare-s2"], tmp_path, natural, [])
+    sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"] + [f"data.domains={domains}"]
+    cfg = load_config(run_study.CONFIG, sets, cls=ExperimentConfig)
+    assert cfg.pipeline.methods == ["doremi", "doge", "odm", "aioli", "ado", "regmix", "mixing_law"]
+    assert cfg.train.seed == 2 and cfg.pipeline.baselines == ["uniform", str(natural), "unimax:2"]
+    for name in ("odm", "aioli", "ado"):
+        preflight(name, cfg, names)
+
+
 @pytest.mark.parametrize(
     "args, expect",
     [

@@ -1,4 +1,5 @@
-"""Run the arms of the real-data DoReMi study side by side on one GPU (issue 17).
+"""Run the arms of the real-data studies side by side on one GPU: DoReMi (issue 17) and the
+comparison of every mixing method (issue 21, the `compare-s*` arms).
 
 Every arm is one `doremi pipeline` (its own reference, proxy, averaged weights and main runs)
 with its own seed; all share one store directory, preprocessed once. ARMS is the whole design:
@@ -54,6 +55,22 @@ ARMS: dict[str, Arm] = {
     "natref-s1": Arm(1, (), ("doremi.reference_weights={natural}",)),
     "natref-s2": Arm(2, (), ("doremi.reference_weights={natural}",)),
 }
+
+#: The comparison of every method (issue 21; the design and its rule: experiments/notes/COMPARISON.md).
+COMPARE_SETS = (
+    "pipeline.methods=[doremi, doge, odm, aioli, ado, regmix, mixing_law]",
+    "mixing.doge.target_sequences=30",
+    "mixing.aioli.rounds=4",
+    "mixing.aioli.delta=2",
+    "mixing.aioli.sweeps=1",
+    "mixing.ado.warmup=40",
+    "mixing.ado.refit_every=20",
+    "mixing.ado.record_every=5",
+    "sweep.runs=48",
+    "sweep.designs=[dirichlet, one_hot]",
+    "sweep.prior={natural}",
+)
+ARMS.update({f"compare-s{s}": Arm(s, ("uniform", "{natural}", "unimax:2"), COMPARE_SETS) for s in (1, 2, 3, 4)})
 
 
 def die(msg: str) -> None:
