@@ -266,3 +266,35 @@ def test_readme_sweep_and_fit_commands(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
     assert len((tmp_path / "sweep" / "final.csv").read_text().splitlines()) == 33
     assert json.loads((tmp_path / "sweep" / "mixing_law.json").read_text())["n_runs"] == 32
+
+
+def test_the_quickstart_main_model_exports_and_generates(pipeline_run, tmp_path):
+    """Issue 22's smoke test: the quickstart's main model (DoReMi's mixture) exported with its
+    BPE tokenizer loads in `transformers` and generates; its logits equal the framework's."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from doremi.hf import export
+    from doremi.reference import load_frozen
+    from trainer.checkpoint import resolve_checkpoint
+    from trainer.config import load_config
+    from trainer.parallel.context import ParallelContext
+
+    run, _, _ = pipeline_run
+    out = tmp_path / "hf"
+    export(run / "main" / "doremi", out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    ids = tok("def main():\n    return", return_tensors="pt").input_ids
+    gen = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert gen.shape[1] > ids.shape[1] and isinstance(tok.decode(gen[0]), str)
+    ck = resolve_checkpoint(run / "main" / "doremi")
+    from doremi.config import ExperimentConfig
+
+    cfg = load_config(run / "main" / "doremi" / "config.yaml", cls=ExperimentConfig)
+    ours = load_frozen(cfg, ck, ParallelContext.single())
+    batch = {"input_ids": ids, "labels": torch.zeros_like(ids)}
+    with torch.no_grad():
+        want = ours.logits(None, batch)[..., : model.config.vocab_size]
+        got = model(ids).logits
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
