@@ -11,7 +11,7 @@ import yaml
 
 from doremi.config import ExperimentConfig
 from trainer.config import ModelConfig, load_config
-from trainer.configtools import absolute_paths, to_dict
+from trainer.configtools import absolute_paths, from_dict, to_dict
 from trainer.model.flops import param_count
 from trainer.model.presets import PRESETS
 
@@ -31,7 +31,7 @@ def format_presets() -> str:
     shape_keys = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
     rows = []
     for name, shape in PRESETS.items():
-        m = ModelConfig(**shape)
+        m = from_dict(ModelConfig, dict(shape), f"model (preset {name})")
         rows.append((name, _size(param_count(m)), *(getattr(m, k) for k in shape_keys)))
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [head, *rows]) + "\n"

@@ -237,3 +237,61 @@ def test_stacked_bench_runs_both_sides_on_a_tiny_shape_on_the_cpu(capsys):
     assert result["single_step_s"] > 0 and result["stacked_step_s"] > 0
     assert result["speedup"] == pytest.approx(3 * result["single_step_s"] / result["stacked_step_s"])
     assert "CPU: not a result" in capsys.readouterr().out
+
+
+def test_mamba_bench_runs_the_layer_and_the_hybrid_step_on_the_cpu(tmp_path):
+    """`mamba_bench.main` at the `hybrid-tiny` shape on the CPU: the mixer's fwd+bwd and the
+    hybrid step are timed, and the step's MFU is tokens/s x the counted FLOPs / 989e12."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        bench = importlib.import_module("mamba_bench")
+    finally:
+        sys.path.remove(str(BENCH))
+    argv = ["--preset", "hybrid-tiny", "--micro-batch", "2", "--seq", "20", "--steps", "2", "--warmup", "1"]
+    result = bench.main([*argv, "--device", "cpu", "--no-compile", "--out", str(tmp_path)])
+    layer, step = result["rows"]
+    assert layer["variant"] == "eager" and layer["ms"] > 0 and layer["tflops"] > 0
+    assert step["mfu"] == pytest.approx(step["tokens_per_s"] * step["flops_per_token"] / 989e12)
+    assert (tmp_path / "mamba_bench.json").exists()
+
+
+def test_moe_bench_runs_both_moe_implementations_and_the_step_on_the_cpu(tmp_path):
+    """`moe_bench.main` at the `moe-tiny` shape on the CPU: the framework's dropless MoE and the
+    plain per-expert loop compute the same outputs and are both timed; the step's MFU is
+    tokens/s x the counted (active) FLOPs / 989e12."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        bench = importlib.import_module("moe_bench")
+    finally:
+        sys.path.remove(str(BENCH))
+    argv = ["--preset", "moe-tiny", "--micro-batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1"]
+    result = bench.main([*argv, "--device", "cpu", "--out", str(tmp_path)])
+    ours, plain, step = result["rows"]
+    assert ours["variant"] == "framework" and plain["variant"] == "plain" and ours["ms"] > 0 and plain["ms"] > 0
+    assert ours["max_abs_diff"] < 1e-5
+    assert step["mfu"] == pytest.approx(step["tokens_per_s"] * step["flops_per_token"] / 989e12)
+    assert (tmp_path / "moe_bench.json").exists()
+
+
+def test_fp8_bench_runs_the_gemms_and_the_step_emulated_on_the_cpu(tmp_path):
+    """`fp8_bench.main` at the `tiny` shape on the CPU (FP8 emulated): every linear in bf16 and
+    both FP8 scalings, their error against fp32 that of FP8 (a few percent, not zero), and the
+    step with FP8 off and on."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        bench = importlib.import_module("fp8_bench")
+    finally:
+        sys.path.remove(str(BENCH))
+    argv = ["--preset", "tiny", "--micro-batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1"]
+    result = bench.main([*argv, "--device", "cpu", "--out", str(tmp_path)])
+    gemms = [r for r in result["rows"] if r["part"] == "gemm"]
+    assert {(r["linear"], r["variant"]) for r in gemms} == {
+        (n, v) for n in ("qkv", "proj", "gate_up", "down") for v in ("bf16", "tensorwise", "rowwise")
+    }
+    for r in gemms:
+        assert r["ms"] > 0 and r["tflops"] > 0
+        assert (r["rel_err_out"] < 1e-2) if r["variant"] == "bf16" else (1e-3 < r["rel_err_out"] < 0.1)
+    steps = [r for r in result["rows"] if r["part"] == "step"]
+    assert [r["variant"] for r in steps] == ["bf16", "tensorwise", "rowwise"]
+    assert all(r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / 989e12) for r in steps)
+    assert result["native_fp8"] is False and (tmp_path / "fp8_bench.json").exists()

@@ -175,7 +175,9 @@ def build_model(cfg: TrainerConfig, pc: ParallelContext, facts: RunFacts | None 
     """This rank's pipeline stage of the Llama model, tp-sharded, on pc.device, its blocks
     `facts.stage_layers` (the run's facts; resolved from `cfg` when not given)."""
     from trainer.model.llama import build_stage
+    from trainer.model.moe import set_global_batch
 
     facts = facts or RunFacts.resolve(cfg, pc)
     stage = build_stage(cfg.model, cfg.parallelism, pc, facts.stage_layers[pc.pp_rank], seed=cfg.train.seed)
+    set_global_batch(stage, cfg.train.global_batch_size)
     return stage.to(pc.device)

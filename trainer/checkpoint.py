@@ -65,8 +65,10 @@ import xxhash
 
 from data.atomic import atomic_path, atomic_write_text
 from data.errors import UserError
+from trainer.model.mamba_config import mamba_arch
 from trainer.optim.interface import Optimizer
 from trainer.parallel.context import ParallelContext
+from trainer.parallel.expert import ep_full_shape, ep_gather, ep_gather_state, ep_slice, ep_slice_state
 from trainer.parallel.shard import ShardSpec, full_shape, get_shard_spec, shard, unshard
 from trainer.parallel.tied import is_tied_duplicate
 
@@ -262,13 +264,15 @@ def _write_rank_files(
     pp, tp, dp = pc.pp_rank, pc.tp_rank, pc.dp_rank
     entry: dict[str, Any] = {"pp": pp, "tp": tp, "params": {}, "optim": None, "files": {}}
     files = entry["files"]
+    # Expert-parallel weights are written whole (all experts), so the files do not depend on ep.
+    named = [(n, p) for n, p in model.named_parameters() if not is_tied_duplicate(n, pc)]
+    values = {n: ep_gather(p.detach(), p) for n, p in named}
     if dp == 0:
         file = f"model_pp{pp}_tp{tp}.pt"
-        named = [(n, p) for n, p in model.named_parameters() if not is_tied_duplicate(n, pc)]
-        files[file] = _save(tmp / file, {n: _own_storage(p) for n, p in named})
+        files[file] = _save(tmp / file, {n: _own_storage(values[n]) for n, _ in named})
         entry["params"] = {
             n: {
-                "shape": list(full_shape(p)),
+                "shape": list(ep_full_shape(p, full_shape(p))),
                 "spec": _spec_json(get_shard_spec(p)),
                 "dtype": str(p.dtype).removeprefix("torch."),
                 "stage": pp,
@@ -276,9 +280,11 @@ def _write_rank_files(
             }
             for n, p in named
         }
+    sd = optimizer.state_dict() if optimizer is not None else {}
+    if optimizer is not None:
+        sd = {**sd, "state": ep_gather_state(sd["state"], dict(model.named_parameters()))}
     if optimizer is not None and (optimizer.zero1 or dp == 0):
         file = f"optim_pp{pp}_tp{tp}_dp{dp}.pt"
-        sd = optimizer.state_dict()
         state = {
             n: {k: _own_storage(v) for k, v in s.items()}
             for n, s in sd["state"].items()
@@ -507,6 +513,12 @@ def _check_model_config(ck: Path, saved: dict[str, Any] | None, current: dict[st
         for k in ARCH_KEYS
         if saved.get(k) != current.get(k)
     ]
+    was, now = mamba_arch(saved), mamba_arch(current)
+    diff += [
+        f"model.{k} is {_show(was.get(k))} in the checkpoint but {_show(now.get(k))} now"
+        for k in sorted(set(was) | set(now))
+        if was.get(k) != now.get(k)
+    ]
     if diff:
         raise CheckpointError(f"checkpoint {ck}: {'; '.join(diff)}")
 
@@ -543,7 +555,7 @@ def _check_param_set(ck: Path, saved: dict[str, Any], params: dict[str, torch.Te
 
 
 def _check_param(name: str, param: torch.Tensor, info: dict[str, Any], ck: Path, pc: ParallelContext) -> None:
-    want = list(full_shape(param))
+    want = list(ep_full_shape(param, full_shape(param)))
     if list(info["shape"]) != want:
         raise CheckpointError(
             f"{ck}: parameter {name!r} has shape {tuple(info['shape'])} in the checkpoint, "
@@ -557,9 +569,9 @@ def _load_param(
     saved, spec = _spec_from_json(info["spec"]), get_shard_spec(param)
     if not _moves(saved, spec, saved_tp, pc):
         own = read(info["files"][_own_source(saved, saved_tp, pc)])[name]
-        return shard(own, spec, pc.tp_rank, pc.tp) if _is_full(saved, saved_tp) else own
+        return ep_slice(shard(own, spec, pc.tp_rank, pc.tp) if _is_full(saved, saved_tp) else own, param)
     full = unshard([read(f)[name] for f in info["files"]], saved)
-    return shard(full, spec, pc.tp_rank, pc.tp)
+    return ep_slice(shard(full, spec, pc.tp_rank, pc.tp), param)
 
 
 def _load_state(
@@ -608,7 +620,7 @@ def _load_optimizer(
     state: dict[str, dict[str, torch.Tensor]] = {}
     for name in optimizer.owned_names():
         param = params[name]
-        state[name] = _load_state(name, get_shard_spec(param), meta, read, ck, pc)
+        state[name] = ep_slice_state(_load_state(name, get_shard_spec(param), meta, read, ck, pc), param)
         if optimizer.keeps_master and "master" not in state[name]:
             state[name]["master"] = _load_param(name, param, meta["params"][name], meta["layout"]["tp"], read, pc)
     # Tensors read from a checkpoint are memory-mapped from its files: give the optimizer its own.
@@ -626,7 +638,8 @@ def _param_value(
     from_master: bool,
 ) -> torch.Tensor:
     if from_master and name in meta["optim_files"]:
-        return _load_state(name, get_shard_spec(param), meta, read, ck, pc, keys=("master",))["master"]
+        master = _load_state(name, get_shard_spec(param), meta, read, ck, pc, keys=("master",))
+        return ep_slice_state(master, param)["master"]
     return _load_param(name, param, meta["params"][name], meta["layout"]["tp"], read, pc)
 
 

@@ -14,6 +14,10 @@ from typing import Any, Literal, TypeVar
 from data.config import DataConfig, PathStr
 from data.store import MANIFEST_FILE, read_manifest
 from trainer.configtools import ConfigError, apply_overrides, from_dict, read_yaml
+from trainer.model.fp8 import Fp8Config
+from trainer.model.mamba_config import MambaConfig, check_block_pattern, check_mamba_tp
+from trainer.model.moe_config import MoEConfig, check_moe_layout
+from trainer.model.mup import MupConfig
 from trainer.model.presets import PRESETS
 from trainer.parallel.launch_env import launch_world_size
 
@@ -72,6 +76,17 @@ class ModelConfig:
     # Initial weights from a Hugging Face Llama directory (`doremi import` prints the matching
     # model section); None: random (init_std). Not read when the run resumes or loads a checkpoint.
     init_from_hf: PathStr | None = None
+    # Mixer of each layer, tiled over n_layers: A attention, M Mamba-2 (e.g. `MMMA`); empty: all
+    # attention (trainer/model/mamba_config.py).
+    block_pattern: str = ""
+    # The Mamba-2 mixer of the M layers.
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    # Mixture-of-experts MLPs (trainer/model/moe.py); None: dense SwiGLU in every block.
+    moe: MoEConfig | None = None
+    # FP8 GEMMs in chosen linears (trainer/model/fp8.py); None: all in the parameters' precision.
+    fp8: Fp8Config | None = None
+    # Spectral muP relative to a base width (trainer/model/mup.py); None: standard parametrization.
+    mup: MupConfig | None = None
 
     @property
     def head_dim(self) -> int:
@@ -89,6 +104,13 @@ class ModelConfig:
             raise ConfigError(f"{path}.n_kv_heads: expected a divisor of n_heads={self.n_heads}, got {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"{path}.d_model: head dimension {self.head_dim} must be even for RoPE")
+        check_block_pattern(self, path)
+        if self.moe is not None:
+            self.moe.validate(f"{path}.moe")
+        if self.fp8 is not None:
+            self.fp8.validate(f"{path}.fp8")
+        if self.mup is not None:
+            self.mup.validate(f"{path}.mup")
 
 
 @dataclass
@@ -213,6 +235,9 @@ class ParallelismConfig:
     pp_schedule: Literal["1f1b", "afab"] = "1f1b"
     # Layers per pipeline stage; empty: chosen by the compute-and-memory cost model.
     pp_layers: list[int] = field(default_factory=list)
+    # Expert-parallel degree: the MoE experts split over groups of this many data-parallel
+    # ranks (a divisor of dp and of model.moe.num_experts; trainer/parallel/expert.py).
+    ep: int = 1
     # Shard the optimizer state over the data-parallel ranks (ZeRO-1).
     zero1: bool = True
     # Activation recomputation: `selective` (attention), `full` (each block), or `none`.
@@ -308,6 +333,8 @@ class TrainerConfig:
             m.vocab_size = stores_vocab_size(self.data.store_dir) or "auto"
         if m.n_kv_heads % p.tp:
             raise ConfigError(f"parallelism.tp: expected a divisor of model.n_kv_heads={m.n_kv_heads}, got {p.tp}")
+        check_mamba_tp(m, p.tp)
+        check_moe_layout(m.moe, m.n_layers, m.ffn_dim, p.tp, p.dp, p.ep)
         if m.ffn_dim % p.tp:
             raise ConfigError(f"parallelism.tp: expected a divisor of model.ffn_dim={m.ffn_dim}, got {p.tp}")
         if p.pp > m.n_layers:
@@ -364,7 +391,9 @@ def apply_preset(raw: dict[str, Any]) -> None:
     model = raw.get("model")
     if isinstance(model, dict) and isinstance(model.get("preset"), str) and model["preset"] in PRESETS:
         merged = dict(PRESETS[model["preset"]])
-        merged.update(model)
+        for key, value in model.items():
+            nested = isinstance(value, dict) and isinstance(merged.get(key), dict)
+            merged[key] = {**merged[key], **value} if nested else value
         raw["model"] = merged
 
 

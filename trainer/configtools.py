@@ -105,6 +105,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         same = [a for a in args if kind and typing.get_origin(a) in ((list, tuple) if kind is list else (dict,))]
         if len(same) == 1:
             return _coerce(value, same[0], path)
+        # Likewise a mapping for the union's one dataclass (`model.moe: MoEConfig | None`).
+        classes = [a for a in args if dataclasses.is_dataclass(a)]
+        if kind is dict and not same and len(classes) == 1:
+            return _coerce(value, classes[0], path)
         # Try exact-type members first so that "1" stays a str in `int | str`.
         ordered = sorted(args, key=lambda a: 0 if isinstance(a, type) and type(value) is a else 1)
         for arg in ordered:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from data.batch import IGNORE_INDEX
 from trainer.parallel.context import ParallelContext
+from trainer.parallel.expert import uses_expert_parallel
 from trainer.parallel.pipeline_schedule import broadcast_from_last_stage, forward_only
 
 
@@ -26,12 +27,16 @@ def _domain_sums(
     sums = torch.zeros(5, k, dtype=torch.float64, device=pc.device)
     was_training = stage.training
     stage.eval()
+    # Expert-parallel blocks exchange tokens with their dp peers: every dp rank runs as many
+    # forwards, the ones beyond its share on a batch whose losses are dropped.
+    lockstep = uses_expert_parallel(stage)
     for d, batches in enumerate(batches_per_domain):
         mine = [b for j, b in enumerate(batches) if j % pc.dp == pc.dp_rank]
-        if not mine:
+        padding = -(-len(batches) // pc.dp) - len(mine) if lockstep and batches else 0
+        if not mine and not padding:
             continue
         with autocast or contextlib.nullcontext():
-            losses = forward_only(stage, mine, pc)
+            losses = forward_only(stage, mine + [batches[0]] * padding, pc)[: len(mine)]
         if pc.is_last_stage:
             for loss, b in zip(losses, mine):
                 mask = b["labels"] != IGNORE_INDEX

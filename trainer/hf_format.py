@@ -151,6 +151,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def to_hf_config(cfg: Any, dtype: torch.dtype, eos_id: int | None) -> dict[str, Any]:
     """transformers' LlamaConfig (config.json) of our model config. RoPE is written both as
     `rope_theta`/`rope_scaling` (transformers 4) and `rope_parameters` (transformers 5)."""
+    if getattr(cfg, "mup", None) is not None:
+        raise HFFormatError("model.mup: a Llama config.json has no muP logit and attention multipliers, expected none")
     scaling = cfg.rope_scaling
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     legacy = None

@@ -31,6 +31,8 @@ from trainer.hooks import FixedMixture, MethodContext, MethodFactory, MixingHook
 from trainer.interrupt import Interrupted, StopRequests
 from trainer.metrics import MetricsLogger, read_jsonl
 from trainer.model.flops import flops_per_token
+from trainer.model.fp8 import end_fp8_step
+from trainer.model.moe import moe_metrics
 from trainer.optim.build import build_optimizer
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import sync_sequence_parallel_grads
@@ -209,6 +211,7 @@ class Trainer:
         stats.grad_norm = self.optimizer.clip_grad_norm(self.cfg.train.grad_clip)
         self.optimizer.step(self.lr(step))
         self.optimizer.zero_grad()
+        end_fp8_step(self.model, pc)
         extra = hook.after_step(step, signals)
         if hook.needs.validation:
             if hook.validation_due(step):
@@ -393,6 +396,7 @@ class Trainer:
             achieved = tokens_per_s * self.flops_per_token / self.pc.world_size
             row["mfu"] = achieved / DATASHEET_PEAK_FLOPS
             row["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.pc.device) / 2**30
+        row.update(moe_metrics(self.model, self.cfg.model, self.pc))
         row.update(extra)
         return row
 

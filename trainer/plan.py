@@ -17,6 +17,7 @@ import torch
 from trainer.build import micro_batch_size, param_precision
 from trainer.config import ModelConfig, TrainerConfig
 from trainer.configtools import ConfigError
+from trainer.model.moe_plan import MoEMemory, moe_stage_memory
 from trainer.model.presets import PRESETS
 from trainer.parallel.cost_model import CostModel, StageMemory
 from trainer.parallel.stage_split import split_layers, split_policy
@@ -32,10 +33,12 @@ class StagePlan:
     flops_per_micro_batch: float
     #: the proxy's frozen online reference model on this stage (bf16 or fp32 weights, no grads)
     frozen: float = 0.0
+    #: what the stage's MoE blocks add (experts, their state, all-to-all buffers); None: dense
+    moe: MoEMemory | None = None
 
     @property
     def total(self) -> float:
-        return self.memory.total + self.frozen
+        return self.memory.total + self.frozen + (self.moe.total if self.moe else 0.0)
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,12 @@ def plan_memory(
     how = split_policy(par.pp_layers, split)
     stages = [
         StagePlan(
-            p, r, cm.stage_memory(p, len(r)), cm.stage_flops(p, len(r)), frozen_bytes * cm.stage_params(p, len(r))
+            p,
+            r,
+            cm.stage_memory(p, len(r), r.start),
+            cm.stage_flops(p, len(r), r.start),
+            frozen_bytes * cm.stage_params(p, len(r), r.start),
+            moe_stage_memory(cfg.model, par, r, mbs, cfg.data.seq_len, param_precision, train.optimizer),
         )
         for p, r in enumerate(layers)
     ]
@@ -258,5 +266,12 @@ def format_plan(plan: Plan, title: str = "") -> str:
         "",
         f"peak {_gib(p.peak_bytes)} GiB on stage {p.peak_stage}; usable {_gib(p.usable_bytes)} GiB "
         f"({p.gpu_memory_gb:g} GiB less {p.headroom:.0%} headroom): {verdict}",
+    ]
+    tail[1:1] = [
+        f"stage {s.stage} MoE ({s.moe.blocks} blocks, in the total): {s.moe.expert_params / 1e9:.2f}B expert params "
+        f"on this rank, weights {_gib(s.moe.weights)} / grads {_gib(s.moe.grads)} / optim {_gib(s.moe.optimizer)} "
+        f"GiB beyond the dense columns, all-to-all buffers {_gib(s.moe.all_to_all)} GiB"
+        for s in p.stages
+        if s.moe is not None
     ]
     return "\n".join(head + [line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows] + tail)

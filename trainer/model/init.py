@@ -8,7 +8,8 @@ and last pipeline stages (`trainer.parallel.tied`) start equal.
 
 Scheme: normal(0, init_std) for every matrix; the output projections (attention out, FFN down)
 scaled by 1/sqrt(2 n_layers) when `depth_scaled_init` (GPT-2, Radford et al. 2019: one residual
-branch per sublayer); norm weights one; padded vocabulary rows zero.
+branch per sublayer); norm weights one; padded vocabulary rows zero. Mamba-2's convolution,
+dt_bias, A_log and D as mamba_ssm draws them (`trainer.model.mamba.mamba_full_tensor`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,18 @@ import math
 import torch
 import torch.nn as nn
 
+from trainer.model.mamba import mamba_full_tensor
+from trainer.model.mup import init_multiplier
+from trainer.parallel.expert import ep_full_shape, ep_slice
 from trainer.parallel.shard import full_shape, get_shard_spec, shard
 
-_OUTPUT_PROJECTIONS = ("attn.out.weight", "mlp.down.weight")
+_OUTPUT_PROJECTIONS = (
+    "attn.out.weight",
+    "mlp.down.weight",
+    "mamba.out_proj.weight",
+    "mlp.experts.down",
+    "shared.down.weight",
+)
 _VOCAB_MATRICES = ("embed.weight", "head.weight")
 
 
@@ -45,8 +55,12 @@ def full_tensor(name: str, shape: tuple[int, ...], cfg, seed: int, device: torch
     std = init_std(name, cfg)
     if std is None:
         return torch.ones(shape, device=device)
+    std *= init_multiplier(name, shape, cfg)
     gen = torch.Generator(device=device)
     gen.manual_seed(name_seed(seed, name))
+    special = mamba_full_tensor(name, shape, cfg, gen, device)
+    if special is not None:
+        return special
     rows = cfg.vocab_size if name in _VOCAB_MATRICES else shape[0]
     out = torch.zeros(shape, device=device)
     out[:rows].normal_(0.0, std, generator=gen)
@@ -57,5 +71,5 @@ def full_tensor(name: str, shape: tuple[int, ...], cfg, seed: int, device: torch
 def init_parameters(module: nn.Module, cfg, seed: int, tp_rank: int, tp: int) -> None:
     """Fill every parameter of `module` (named with global names) with its tp slice."""
     for name, param in module.named_parameters():
-        full = full_tensor(name, full_shape(param), cfg, seed, param.device)
-        param.copy_(shard(full, get_shard_spec(param), tp_rank, tp))
+        full = full_tensor(name, ep_full_shape(param, full_shape(param)), cfg, seed, param.device)
+        param.copy_(shard(ep_slice(full, param), get_shard_spec(param), tp_rank, tp))

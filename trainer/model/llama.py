@@ -12,8 +12,10 @@ as [b, s] in fp32.
 
 Parameter names are the single-process ones whatever the layout: `embed.weight`,
 `layers.<global index>.{attn_norm,attn.qkv,attn.out,mlp_norm,mlp.gate_up,mlp.down}.weight`,
-`norm.weight`, `head.weight`. With tied embeddings the head is `embed.weight` (a copy on the
-last stage when pp > 1: `trainer.parallel.tied`). Every weight's tensor-parallel layout is
+`norm.weight`, `head.weight`; a MoE block's MLP (`model.moe`, `trainer.model.moe`) is
+`mlp.router.weight`, `mlp.experts.{gate_up,down}` and `mlp.shared.{gate_up,down}.weight`. With
+tied embeddings the head is `embed.weight` (a copy on the last stage when pp > 1:
+`trainer.parallel.tied`). Every weight's tensor-parallel layout is
 `trainer.model.tp_plan.TP_PLAN`, which builds the modules.
 """
 
@@ -25,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from data.batch import IGNORE_INDEX
 from trainer.configtools import ConfigError
+from trainer.model.fp8 import apply_fp8
 from trainer.model.init import init_parameters
 from trainer.model.kernels import Kernels
 from trainer.model.layers import (
@@ -32,9 +35,14 @@ from trainer.model.layers import (
     resolve_attention,
     rope_tables,
 )
+from trainer.model.mamba import Mamba2Mixer
+from trainer.model.mamba_config import ATTENTION, MAMBA, check_mamba_tp, layer_mixers
+from trainer.model.moe import MoE, is_moe_layer
+from trainer.model.mup import apply_mup
 from trainer.model.swiglu import swiglu
 from trainer.model.tp_plan import tp_module
 from trainer.parallel.context import ParallelContext
+from trainer.parallel.expert import ExpertParallel
 from trainer.parallel.tensor import (
     TensorParallel,
     column_parallel_linear,
@@ -62,6 +70,7 @@ class Attention(nn.Module):
         self.local_kv_heads = cfg.n_kv_heads // tp.size
         self.impl = impl
         self.recompute_core = False
+        self.softmax_scale: float | None = None  # muP's 1/d_head (`trainer.model.mup`); None: 1/sqrt(d_head)
         self.qkv = tp_module(
             "attn.qkv", tp, (cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd), cfg.d_model, device=device
         )
@@ -70,7 +79,8 @@ class Attention(nn.Module):
     def core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE and causal attention: [s, b, (h + 2 kv) hd / tp] -> [s, b, h hd / tp]."""
         q, k, v = self.kernels.rope_qkv(qkv, cos, sin, self.local_heads, self.local_kv_heads)
-        return causal_attention(q, k, v, self.impl, self.kernels.sdpa_priority)
+        scale = {} if self.softmax_scale is None else {"scale": self.softmax_scale}
+        return causal_attention(q, k, v, self.impl, self.kernels.sdpa_priority, **scale)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -106,7 +116,9 @@ def compile_scope(compiled: bool, tp: int, recompute: str) -> str:
 
 class Block(nn.Module):
     """Pre-norm attention + SwiGLU. `recompute` (per block): `none`; `selective` recomputes the
-    attention core (RoPE + attention) in backward; `full` keeps only the block input."""
+    attention core (RoPE + attention) in backward; `full` keeps only the block input.
+    `mixer` "mamba": a Mamba-2 mixer (`trainer.model.mamba`) in place of attention (`mamba_norm`,
+    `mamba`); selective recompute then recomputes its convolution, scan and gated norm."""
 
     def __init__(
         self,
@@ -117,12 +129,20 @@ class Block(nn.Module):
         compile: bool = False,
         device=None,
         kernels: Kernels | None = None,
+        mixer: str = ATTENTION,
+        layer: int = 0,
+        ep: ExpertParallel | None = None,
     ):
         super().__init__()
-        self.attn_norm = tp_module("attn_norm", tp, (cfg.d_model,), eps=cfg.norm_eps, device=device)
-        self.attn = Attention(cfg, tp, impl, device=device, kernels=kernels)
+        self.mixer = mixer
+        if mixer == MAMBA:
+            self.mamba_norm = tp_module("mamba_norm", tp, (cfg.d_model,), eps=cfg.norm_eps, device=device)
+            self.mamba = Mamba2Mixer(cfg, tp, device=device)
+        else:
+            self.attn_norm = tp_module("attn_norm", tp, (cfg.d_model,), eps=cfg.norm_eps, device=device)
+            self.attn = Attention(cfg, tp, impl, device=device, kernels=kernels)
         self.mlp_norm = tp_module("mlp_norm", tp, (cfg.d_model,), eps=cfg.norm_eps, device=device)
-        self.mlp = MLP(cfg, tp, device=device)
+        self.mlp = MoE(cfg, tp, ep, device=device) if is_moe_layer(cfg, layer) else MLP(cfg, tp, device=device)
         self.recompute = recompute
         self.compile_body(compile)
 
@@ -139,10 +159,13 @@ class Block(nn.Module):
         if mode not in RECOMPUTE_MODES:
             raise ValueError(f"parallelism.recompute: expected one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
         self._recompute = mode
-        self.attn.recompute_core = mode == "selective"
+        (self.mamba if self.mixer == MAMBA else self.attn).recompute_core = mode == "selective"
 
     def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+        if self.mixer == MAMBA:
+            x = x + self.mamba(self.mamba_norm(x))
+        else:
+            x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -164,6 +187,7 @@ class LlamaStage(nn.Module):
         recompute: str = "none",
         device: torch.device | str | None = None,
         kernels: Kernels | None = None,
+        ep: ExpertParallel | None = None,
     ):
         super().__init__()
         device = torch.device(device or "cpu")
@@ -179,14 +203,23 @@ class LlamaStage(nn.Module):
         self._fused_loss = self._compiled and tp.size == 1
         if holds_embedding(cfg.tie_embeddings, is_first, is_last):
             self.embed = tp_module("embed", tp, (self.padded_vocab,), cfg.d_model, device=device)
+        mixers = layer_mixers(getattr(cfg, "block_pattern", ""), cfg.n_layers)
         self.layers = nn.ModuleDict(
-            {str(i): Block(cfg, tp, impl, recompute, device=device, kernels=self.kernels) for i in layers}
+            {
+                str(i): Block(
+                    cfg, tp, impl, recompute, device=device, kernels=self.kernels, mixer=mixers[i], layer=i, ep=ep
+                )
+                for i in layers
+            }
         )
         if is_last:
             self.norm = tp_module("norm", tp, (cfg.d_model,), eps=cfg.norm_eps, device=device)
             if holds_head(cfg.tie_embeddings, is_last):
                 self.head = tp_module("head", tp, (self.padded_vocab,), cfg.d_model, device=device)
         self.set_recompute(recompute)
+        self.logit_scale = 1.0  # muP's readout multiplier (`trainer.model.mup`)
+        apply_mup(self, cfg)
+        apply_fp8(self, getattr(cfg, "fp8", None))
         cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -245,7 +278,9 @@ class LlamaStage(nn.Module):
 
     def _local_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, padded_vocab / tp]: this rank's vocabulary slice over the full sequence."""
-        return column_parallel_linear(self.norm(x), head_weight(self), self.tp)
+        h = self.norm(x)
+        h = h if self.logit_scale == 1.0 else h * self.logit_scale
+        return column_parallel_linear(h, head_weight(self), self.tp)
 
     def head_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Final norm, head and per-token cross entropy: [s(/tp), b, d], [b, s] -> [b, s] fp32."""
@@ -275,6 +310,7 @@ def _check_layout(cfg, tp: int, layers: range) -> None:
     for name in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(cfg, name) % tp:
             raise ConfigError(f"parallelism.tp: expected a divisor of model.{name}={getattr(cfg, name)}, got {tp}")
+    check_mamba_tp(cfg, tp)
     if layers.step != 1 or layers.start < 0 or layers.stop > cfg.n_layers or layers.start > layers.stop:
         raise ConfigError(
             f"build_stage: layers {layers} are not a contiguous range within model.n_layers={cfg.n_layers}"
@@ -286,7 +322,8 @@ def build_stage(cfg, par, pc: ParallelContext, layers: range, seed: int = 0) -> 
     tp slice of the single-process model with the same seed."""
     _check_layout(cfg, pc.tp, layers)
     tp = TensorParallel.from_config(par, pc)
-    stage = LlamaStage(cfg, tp, layers, pc.is_first_stage, pc.is_last_stage, par.recompute, pc.device)
+    ep = ExpertParallel.from_context(pc, getattr(par, "ep", 1))
+    stage = LlamaStage(cfg, tp, layers, pc.is_first_stage, pc.is_last_stage, par.recompute, pc.device, ep=ep)
     init_parameters(stage, cfg, seed, tp.rank, tp.size)
     return stage
 

@@ -16,6 +16,14 @@ this table is the single statement of the layout; the collectives each style imp
 | `mlp.down`    | down                  | row        | FFN (input columns)            |
 | `norm`        | final RMSNorm         | replicated | (sequence shard under SP)      |
 | `head`        | LM head               | column     | vocabulary rows                |
+| `mamba_norm`  | RMSNorm (Mamba block) | replicated | (sequence shard under SP)      |
+| `mamba.in_proj` | z, x, B, C, dt (fused) | column  | groups of each part (whole heads) |
+| `mamba.out_proj` | Mamba-2 output      | row        | heads (input columns)          |
+| `mamba.conv_*`, `.dt_bias`, `.A_log`, `.D`, `.norm` | per channel / head | channel | as in_proj's part |
+| `mlp.router`  | MoE router            | replicated | (sequence shard under SP)      |
+| `mlp.experts.gate_up` | each expert's gate, up | column | FFN rows per expert (`trainer.model.moe`) |
+| `mlp.experts.down` | each expert's down   | row        | FFN (input columns) per expert |
+| `mlp.shared.*` | shared experts' SwiGLU | column, row | as `mlp.gate_up`, `mlp.down`   |
 
 - column: the input is replicated, or under sequence parallel all-gathered along the sequence;
   the output stays split (a fused projection is cut per part, so a rank holds whole heads). The
@@ -27,6 +35,8 @@ this table is the single statement of the layout; the collectives each style imp
 - replicated: the whole weight on every rank. Under sequence parallel a norm sees only this
   rank's part of the sequence, so its gradient is summed over tp after the backwards
   (`trainer.parallel.tensor.sync_sequence_parallel_grads`).
+- channel: Mamba-2's per-channel and per-head parameters (`trainer.model.mamba`), split along
+  dim 0 like the in_proj part they act on; no collective (the gated norm's groups lie on one rank).
 - With tied embeddings there is no `head`: the head is `embed`'s weight (`trainer.parallel.tied`),
   split the same way.
 """
@@ -57,6 +67,9 @@ TP_PLAN: dict[str, str] = {
     "mlp.down": ROW,
     "norm": REPLICATED,
     "head": COLUMN,
+    "mamba_norm": REPLICATED,
+    "mamba.in_proj": COLUMN,
+    "mamba.out_proj": ROW,
 }
 
 

@@ -62,17 +62,18 @@ from trainer.optim.adamw_update import (
     uses_triton,
 )
 from trainer.optim.multi_tensor import TensorBlocks, aligned
-from trainer.optim.param_groups import decay_first
+from trainer.optim.param_groups import decay_first, lr_scale
 from trainer.parallel.clip import clip_coefficient, global_grad_norm
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.data_parallel import (
     DEFAULT_BUCKET_NUMEL,
     broadcast_from_owners,
-    partition_params,
+    param_owners,
     reduce_grads,
     set_dp_owner,
     sums_gradients,
 )
+from trainer.parallel.expert import expert_parallel_of
 from trainer.parallel.main_grad import attach_main_grad, reset_main_grads
 
 #: Each parameter's view starts at a multiple of this many elements (128 bytes in bf16): compiled
@@ -82,6 +83,10 @@ ALIGN_ELEMENTS = 64
 
 class MasterWeightStateError(UserError, ValueError):
     """An optimizer state that does not fit this optimizer: one line naming the parameter."""
+
+
+def _is_dense(named: tuple[str, Parameter]) -> bool:
+    return expert_parallel_of(named[1]) is None
 
 
 def _aligned_offsets(numels: Sequence[int], multiple: int = ALIGN_ELEMENTS) -> list[int]:
@@ -123,11 +128,13 @@ class MasterWeightAdamW:
         self.bucket_numel = bucket_numel
         # The model's order: the gradient norm sums in it, so it does not depend on the layout.
         self.named_params = named
-        owners = partition_params([p.numel() for _, p in named], pc.dp)
+        owners = param_owners([p for _, p in named], pc.dp)
         for (_, p), o in zip(named, owners):
             set_dp_owner(p, o)
         groups = self._groups(named, owners)
-        self.layout = [x for _, g in groups for x in decay_first(g)]
+        # Expert-parallel weights first in each group: a span of the flat buffer reduced over dp
+        # never covers them, nor one reduced over their replica group the dense ones.
+        self.layout = [x for _, g in groups for x in decay_first(sorted(g, key=_is_dense))]
         self.params = [p for _, p in self.layout]
         self.owners = [o for o, g in groups for _ in g]
         self.numels = [p.numel() for p in self.params]
@@ -137,6 +144,10 @@ class MasterWeightAdamW:
         self.local = self.layout[self._first : self._first + len(groups[mine][1])]
         self._span = self._local_span()
         self.n_decay = self._decay_elements()
+        # Per-parameter lr multipliers (muP, `trainer.optim.param_groups.lr_scale`): when they are
+        # not all 1 the update runs per parameter, each with its own lr.
+        self._lr_scales = [lr_scale(p) for _, p in self.local]
+        self._uniform_lr = all(s == 1.0 for s in self._lr_scales)
         device = self.params[0].device
         self.remainder = torch.zeros(self._span[1] - self._span[0], dtype=torch.int16, device=device)
         self.flat_params = torch.zeros(self.offsets[-1] + self.numels[-1], dtype=torch.bfloat16, device=device)
@@ -251,6 +262,9 @@ class MasterWeightAdamW:
 
     def _update_flat(self) -> None:
         c = self.cfg
+        if not self._uniform_lr:
+            self._update_each(self._local_views(self._local(self.main_grad)))
+            return
         self._update(
             self.remainder,
             self._local(self.main_grad),
@@ -276,7 +290,7 @@ class MasterWeightAdamW:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for _, p in self.local]
-        if self._blocks is not None and aligned(grads):
+        if self._blocks is not None and self._uniform_lr and aligned(grads):
             coefficients = self._coefficients(self._lr, self._step, self._grad_scale, c.beta1, c.beta2, c.weight_decay)
             adamw_update_tensors(
                 self.remainder,
@@ -292,6 +306,11 @@ class MasterWeightAdamW:
                 c.eps,
             )
             return
+        self._update_each(grads)
+
+    def _update_each(self, grads: Sequence[torch.Tensor]) -> None:
+        """The flat update per local parameter, eagerly, each with lr x its `_lr_scales` entry."""
+        c = self.cfg
         a = self._span[0]
         views = zip(
             self._local_views(self.remainder),
@@ -299,7 +318,8 @@ class MasterWeightAdamW:
             self._local_views(self.exp_avg_sq),
             self._local_views(self._local(self.flat_params)),
         )
-        for i, g, (r, m, v, p) in zip(range(self._first, self._first + len(self.local)), grads, views):
+        local = range(self._first, self._first + len(self.local))
+        for i, scale, g, (r, m, v, p) in zip(local, self._lr_scales, grads, views):
             decayed = p.numel() if self.offsets[i] - a < self.n_decay else 0
             adamw_update(
                 r.view(-1),
@@ -307,7 +327,7 @@ class MasterWeightAdamW:
                 m.view(-1),
                 v.view(-1),
                 p.view(-1),
-                self._lr,
+                self._lr if scale == 1.0 else self._lr * scale,
                 self._step,
                 self._grad_scale,
                 decayed,

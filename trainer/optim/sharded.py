@@ -17,7 +17,7 @@ from trainer.parallel.context import ParallelContext
 from trainer.parallel.data_parallel import (
     DEFAULT_BUCKET_NUMEL,
     broadcast_from_owners,
-    partition_params,
+    param_owners,
     reduce_grads,
     set_dp_owner,
 )
@@ -25,6 +25,8 @@ from trainer.parallel.data_parallel import (
 
 def _torch_optimizer(named: Sequence[tuple[str, Parameter]], cfg: TrainConfig) -> torch.optim.Optimizer:
     groups = param_groups(named, cfg.weight_decay)
+    for g in groups:
+        g["lr"] = cfg.lr * g["lr_scale"]
     on_cuda = all(p.device.type == "cuda" for _, p in named)
     if cfg.optimizer == "adamw":
         accel = {"fused": True} if on_cuda else {"foreach": True}
@@ -56,7 +58,7 @@ class ShardedOptimizer:
         self.bucket_numel = bucket_numel
         self.named_params = list(named_params)
         self.params = [p for _, p in self.named_params]
-        self.owners = partition_params([p.numel() for p in self.params], pc.dp)
+        self.owners = param_owners(self.params, pc.dp)
         for p, o in zip(self.params, self.owners):
             set_dp_owner(p, o)
         if self.zero1:
@@ -82,7 +84,7 @@ class ShardedOptimizer:
 
     def set_lr(self, lr: float) -> None:
         for g in self.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
 
     @torch.no_grad()
     def step(self, lr: float | None = None) -> None:

@@ -16,6 +16,12 @@ Memory: see `layer_activation_bytes` for the per-block formula (Korthikanti et a
 RMSNorm/SwiGLU/GQA and to our model) and `StageMemory` for what each stage holds. Under 1F1B,
 stage p holds min(pp - p, M) micro-batches in flight; under afab all M. The first stage holds
 the embedding, the last the final norm, the head and the loss.
+
+Hybrid stacks (`model.block_pattern`): a stage's blocks are counted by kind (attention or
+Mamba-2; `trainer.model.mamba_config.layer_mixers`), from the stage's first layer when the
+caller gives it (`first`: the split and the plan do) and otherwise in the pattern's proportions.
+A Mamba-2 block's compute adds the chunked scan and its memory the scan's saved tensors,
+including the per-chunk states H P N (`mamba_activation_bytes`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from trainer.config import ModelConfig, ParallelismConfig
+from trainer.model.mamba_config import ATTENTION, MAMBA, layer_mixers, mamba_mixer_params, ssd_flops_per_token
 from trainer.parallel.data_parallel import sums_gradients
 from trainer.parallel.tied import holds_embedding, holds_head
 
@@ -186,39 +193,69 @@ class CostModel:
     def block_params(self) -> int:
         return self.block_matmul_params() // self.tp + 2 * self.model.d_model
 
+    def mamba_block_params(self) -> int:
+        """A Mamba-2 block on one rank: the mixer split over tp (every part is), the MLP's
+        matmuls over tp, two norms."""
+        m = self.model
+        return (mamba_mixer_params(m) + 3 * m.d_model * m.ffn_dim) // self.tp + 2 * m.d_model
+
+    def block_kinds(self, n_blocks: int, first: int | None = None) -> dict[str, float]:
+        """How many of a stage's `n_blocks` blocks are attention and Mamba-2: those of layers
+        first..first+n_blocks-1, or with `first` None the pattern's proportions."""
+        mixers = layer_mixers(getattr(self.model, "block_pattern", ""), self.model.n_layers)
+        if MAMBA not in mixers:
+            return {ATTENTION: n_blocks}
+        if first is not None:
+            own = mixers[first : first + n_blocks]
+            return {ATTENTION: own.count(ATTENTION), MAMBA: own.count(MAMBA)}
+        share = mixers.count(MAMBA) / len(mixers)
+        return {ATTENTION: n_blocks * (1 - share), MAMBA: n_blocks * share}
+
+    def _blocks_params(self, n_blocks: int, first: int | None) -> int:
+        kinds = self.block_kinds(n_blocks, first)
+        return round(kinds[ATTENTION] * self.block_params() + kinds.get(MAMBA, 0) * self.mamba_block_params())
+
     def vocab_matrix_params(self) -> int:
         """The embedding's or the head's (vocabulary x d_model, this rank's vocabulary slice)."""
         return self.local_vocab * self.model.d_model
 
-    def stage_params(self, stage: int, n_blocks: int) -> int:
+    def stage_params(self, stage: int, n_blocks: int, first: int | None = None) -> int:
         """Blocks, the embedding where the stage holds it (the last stage too when tied and pp > 1:
         `trainer.parallel.tied`), the head where untied, and the final norm on the last stage."""
-        first, last = stage == 0, stage == self.pp - 1
+        first_layer, first, last = first, stage == 0, stage == self.pp - 1
         tie = self.model.tie_embeddings
         return (
-            n_blocks * self.block_params()
+            self._blocks_params(n_blocks, first_layer)
             + (self.vocab_matrix_params() if holds_embedding(tie, first, last) else 0)
             + (self.vocab_matrix_params() if holds_head(tie, last) else 0)
             + (self.model.d_model if last else 0)
         )
 
-    def stage_tensor_shapes(self, stage: int, n_blocks: int) -> list[tuple[int, ...]]:
+    def stage_tensor_shapes(self, stage: int, n_blocks: int, first: int | None = None) -> list[tuple[int, ...]]:
         """This rank's parameter shapes on the stage (`trainer.model.tp_plan`: fused qkv and
         gate|up column-parallel, out and down row-parallel, norms replicated)."""
         m, t = self.model, self.tp
         h, kv = m.d_model, m.n_kv_heads * m.head_dim
         block = [(h,), ((h + 2 * kv) // t, h), (h, h // t), (h,), (2 * m.ffn_dim // t, h), (h, m.ffn_dim // t)]
+        blocks = block * n_blocks
+        kinds = self.block_kinds(n_blocks, first if first is not None else 0)
+        if kinds.get(MAMBA):
+            mc = m.mamba
+            di, heads, bc = mc.d_inner(h) // t, mc.n_heads(h) // t, mc.ngroups * mc.d_state // t
+            mixer = [(h,), (2 * di + 2 * bc + heads, h), (di + 2 * bc, mc.d_conv), (di + 2 * bc,)]
+            mixer += [(heads,)] * 3 + [(di,), (h, di)]
+            blocks = block * int(kinds[ATTENTION]) + (mixer + block[3:]) * int(kinds[MAMBA])
         first, last = stage == 0, stage == self.pp - 1
         tie = m.tie_embeddings
         vocab = [(self.local_vocab, h)]
         return (
-            block * n_blocks
+            blocks
             + (vocab if holds_embedding(tie, first, last) else [])
             + (vocab if holds_head(tie, last) else [])
             + ([(h,)] if last else [])
         )
 
-    def optimizer_state_bytes(self, stage: int, n_blocks: int) -> float:
+    def optimizer_state_bytes(self, stage: int, n_blocks: int, first: int | None = None) -> float:
         """Optimizer state on one rank, sharded over dp by ZeRO-1. AdamW: fp32 m and v (and the
         bf16 path's master remainder), `bytes_per_param`. Adafactor (`torch.optim.Adafactor`,
         checked by tests/test_plan_search.py against what it allocates): no first moment; an
@@ -227,9 +264,9 @@ class CostModel:
         shards = self.dp if self.zero1 else 1
         if self.optimizer == "adamw":
             per = bytes_per_param(self.param_precision, self.dp, self.zero1)
-            return self.stage_params(stage, n_blocks) * per.optimizer
+            return self.stage_params(stage, n_blocks, first) * per.optimizer
         total = sum(
-            4.0 * (s[0] + s[1]) if len(s) == 2 else 4.0 * s[0] for s in self.stage_tensor_shapes(stage, n_blocks)
+            4.0 * (s[0] + s[1]) if len(s) == 2 else 4.0 * s[0] for s in self.stage_tensor_shapes(stage, n_blocks, first)
         )
         return total / shards
 
@@ -243,11 +280,27 @@ class CostModel:
         extra = {"none": 0.0, "selective": attention, "full": matmul + attention}[self.recompute]
         return 3 * (matmul + attention) + extra
 
+    def mamba_block_flops(self) -> float:
+        """Training FLOPs of one Mamba-2 block for one micro-batch on one rank: the in/out
+        projections and the MLP as matmuls, the chunked scan (`ssd_flops_per_token`); selective
+        recompute redoes the scan, full the whole forward."""
+        m, t = self.model, self.tokens
+        mc = m.mamba
+        di, bc, heads = mc.d_inner(m.d_model), mc.ngroups * mc.d_state, mc.n_heads(m.d_model)
+        proj = m.d_model * (2 * di + 2 * bc + heads) + di * m.d_model + 3 * m.d_model * m.ffn_dim
+        matmul = 2 * t * proj / self.tp
+        scan = t * ssd_flops_per_token(m) / 3 / self.tp
+        extra = {"none": 0.0, "selective": scan, "full": matmul + scan}[self.recompute]
+        return 3 * (matmul + scan) + extra
+
     def head_flops(self) -> float:
         return 3 * 2 * self.tokens * self.model.d_model * self.local_vocab
 
-    def stage_flops(self, stage: int, n_blocks: int) -> float:
-        return n_blocks * self.block_flops() + (self.head_flops() if stage == self.pp - 1 else 0.0)
+    def stage_flops(self, stage: int, n_blocks: int, first: int | None = None) -> float:
+        kinds = self.block_kinds(n_blocks, first)
+        mamba = kinds[MAMBA] * self.mamba_block_flops() if MAMBA in kinds else 0.0
+        blocks = kinds[ATTENTION] * self.block_flops() + mamba
+        return blocks + (self.head_flops() if stage == self.pp - 1 else 0.0)
 
     # --- memory -----------------------------------------------------------------------------
 
@@ -301,6 +354,40 @@ class CostModel:
                 per_token += 4 * heads / t
         return per_token * self.tokens
 
+    def mamba_activation_bytes(self, recompute: str | None = None) -> float:
+        """Bytes one Mamba-2 block saves for backward, per micro-batch, on one rank (eager; B = 2,
+        fp32 = 4; d_i = expand h, c = d_i + 2 G N, H heads, chunk Q), per token:
+          none:      2 (B h + 4) / t_sp + 2 B h / t_ag      the two norms' and linears' inputs
+                   + B (d_i + c + H) / t                    in_proj's output (conv input, z, dt)
+                   + 2 B c / t + 4 H / t                    conv output and its silu; fp32 dt
+                   + 4 H (Q + P N / Q) / t + B G Q / t      the chunk's decays, the per-chunk
+                                                            states, the C B^T scores
+                   + 3 B d_i / t                            scan output, gated input, out_proj input
+                   + 3 B f / t                              SwiGLU as in the attention block
+          selective: the convolution, scan and gated norm recomputed: in_proj's output and the
+                     core's output kept, + B (d_i + c + H) / t + B d_i / t instead
+          full:      B h / t_sp                             the block input only
+        """
+        recompute = recompute or self.recompute
+        m, t, b = self.model, self.tp, ACT_BYTES
+        h, f, mc = m.d_model, m.ffn_dim, m.mamba
+        di, heads, q = mc.d_inner(h), mc.n_heads(h), mc.chunk_size
+        c = di + 2 * mc.ngroups * mc.d_state
+        if recompute == "full":
+            return b * h / self._sp * self.tokens
+        shared = 2 * (b * h + 4) / self._sp + 2 * b * h / self._gathered + 3 * b * f / t + b * (di + c + heads) / t
+        if recompute == "selective":
+            per_token = shared + b * di / t
+        else:
+            states = 4 * heads * (q + mc.head_dim * mc.d_state / q) + b * mc.ngroups * q
+            per_token = shared + (2 * b * c + 4 * heads + states + 3 * b * di) / t
+        return per_token * self.tokens
+
+    def blocks_activation_bytes(self, n_blocks: int, first: int | None = None, recompute: str | None = None) -> float:
+        kinds = self.block_kinds(n_blocks, first)
+        attn = kinds[ATTENTION] * self.layer_activation_bytes(recompute)
+        return attn + (kinds[MAMBA] * self.mamba_activation_bytes(recompute) if MAMBA in kinds else 0.0)
+
     def head_activation_bytes(self) -> float:
         """Saved by the last stage per micro-batch. Eager (the vocabulary-parallel cross
         entropy): final-norm input and rstd, the head input, and the fp32 softmax kept for
@@ -324,11 +411,11 @@ class CostModel:
             return self.micro_batches
         return min(self.pp - stage, self.micro_batches)
 
-    def stage_memory(self, stage: int, n_blocks: int) -> StageMemory:
-        params = self.stage_params(stage, n_blocks)
+    def stage_memory(self, stage: int, n_blocks: int, first: int | None = None) -> StageMemory:
+        params = self.stage_params(stage, n_blocks, first)
         summed = sums_gradients(self.micro_batches, self.tp * self.pp * self.dp)
         per = bytes_per_param(self.param_precision, self.dp, self.zero1, summed_grads=summed, optimizer=self.optimizer)
-        acts = n_blocks * self.layer_activation_bytes()
+        acts = self.blocks_activation_bytes(n_blocks, first)
         transient = 0.0
         if stage == self.pp - 1:
             acts += self.head_activation_bytes()
@@ -338,12 +425,15 @@ class CostModel:
         if stage == 0:
             transient = max(transient, 4.0 * self.tokens * self.model.d_model)  # fp32 embedding output
         if self.recompute == "full" and n_blocks:
-            transient += self.layer_activation_bytes("none")  # the block rebuilt for its backward
+            kinds = self.block_kinds(n_blocks, first)
+            rebuilt = [self.layer_activation_bytes("none")] if kinds[ATTENTION] else []
+            rebuilt += [self.mamba_activation_bytes("none")] if kinds.get(MAMBA) else []
+            transient += max(rebuilt)  # the block rebuilt for its backward
         return StageMemory(
             params=params,
             weights=params * per.weight,
             grads=params * per.grad,
-            optimizer=self.optimizer_state_bytes(stage, n_blocks),
+            optimizer=self.optimizer_state_bytes(stage, n_blocks, first),
             cast=params * per.cast,
             activations_per_micro_batch=acts,
             in_flight=self.in_flight(stage),

@@ -14,6 +14,10 @@ make the optimizer state in a checkpoint per parameter, so it reshards by name.
 Gradients are read through `trainer.parallel.main_grad.grad_of` (the fp32 main grad where one
 is attached).
 
+Expert-parallel parameters (`trainer.parallel.expert`: dim 0 split over an ep group carved from
+dp) are reduced and broadcast over their replica group only, and owned by one of its ranks
+(`param_owners`): the ep ranks of a replica hold different experts under the same name.
+
 Tensors that are consecutive views of one storage (the flat buffers of
 `trainer.optim.master_weights`) are reduced and broadcast in place as one span of that storage, gaps
 included (there they are zero padding), instead of through a flattened copy.
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.parallel.context import ParallelContext, grid_rank
+from trainer.parallel.expert import expert_parallel_of
 from trainer.parallel.main_grad import grad_of
 
 #: Elements per flattened bucket (64 MiB of fp32).
@@ -46,6 +51,28 @@ def partition_params(sizes: Sequence[int], parts: int) -> list[int]:
         owners[i] = owner
         load[owner] += sizes[i]
     return owners
+
+
+def param_owners(params: Sequence[torch.Tensor], dp: int) -> list[int]:
+    """Each parameter's owning dp rank: `partition_params` over dp for the dense ones; over the
+    replica group for the expert-parallel ones (as the dp rank of that replica member)."""
+    eps = [expert_parallel_of(p) for p in params]
+    owners = [0] * len(params)
+    dense = [i for i, e in enumerate(eps) if e is None]
+    for i, o in zip(dense, partition_params([params[i].numel() for i in dense], dp)):
+        owners[i] = o
+    experts = [i for i, e in enumerate(eps) if e is not None]
+    if experts:
+        ep = eps[experts[0]]
+        for i, o in zip(experts, partition_params([params[i].numel() for i in experts], ep.replicas)):
+            owners[i] = o * ep.size + ep.rank
+    return owners
+
+
+def _split_experts(params: Sequence[torch.Tensor], owners: Sequence[int]) -> tuple[list, list, list, list]:
+    dense = [(p, o) for p, o in zip(params, owners) if expert_parallel_of(p) is None]
+    experts = [(p, o) for p, o in zip(params, owners) if expert_parallel_of(p) is not None]
+    return [p for p, _ in dense], [o for _, o in dense], [p for p, _ in experts], [o for _, o in experts]
 
 
 def set_dp_owner(param: torch.Tensor, owner: int | None) -> None:
@@ -182,10 +209,43 @@ def reduce_grads(
     bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> None:
     """An optimizer's dp reduction: to each gradient's owner under ZeRO-1, to every rank without."""
+    params, owners, expert_params, expert_owners = _split_experts(params, owners)
     if zero1:
         reduce_grads_to_owners(params, owners, pc, bucket_numel)
     else:
         all_reduce_grads(params, pc, bucket_numel)
+    if expert_params:
+        _reduce_expert_grads(expert_params, expert_owners, zero1, bucket_numel)
+
+
+def _reduce_expert_grads(params: list[torch.Tensor], owners: list[int], zero1: bool, bucket_numel: int) -> None:
+    """`reduce_grads` of expert-parallel parameters, over their replica group."""
+    ep = expert_parallel_of(params[0])
+    if ep.replicas == 1:
+        return
+    if not zero1:
+
+        def launch(bucket):
+            flat = _flat_grads(bucket)
+            return flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ep.replica_group, async_op=True)
+
+        _pipelined(buckets(params, bucket_numel), launch, _copy_into_grads)
+        return
+    for j, dst in enumerate(ep.replica_ranks):
+        mine = [p for p, o in zip(params, owners) if o == j * ep.size + ep.rank]
+
+        def launch(bucket, dst=dst):
+            flat = _flat_grads(bucket)
+            return flat, dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=ep.replica_group, async_op=True)
+
+        def finish(bucket, flat, j=j):
+            if j == ep.replica_rank:
+                _copy_into_grads(bucket, flat)
+            else:
+                for p in bucket:
+                    p.grad = None
+
+        _pipelined(buckets(mine, bucket_numel), launch, finish)
 
 
 def reduce_grads_to_owners(
@@ -219,17 +279,24 @@ def broadcast_from_owners(
     """After the owners' update, every dp rank receives each parameter from its owner."""
     if pc.dp == 1:
         return
-    for owner, mine in enumerate(_by_owner(params, owners, pc.dp)):
-        src = owner_global_rank(owner, pc)
-        sending = owner == pc.dp_rank
+    params, owners, expert_params, expert_owners = _split_experts(params, owners)
+    groups = [
+        (owner_global_rank(o, pc), o == pc.dp_rank, pc.dp_group, mine)
+        for o, mine in enumerate(_by_owner(params, owners, pc.dp))
+    ]
+    if expert_params and (ep := expert_parallel_of(expert_params[0])).replicas > 1:
+        for j, src in enumerate(ep.replica_ranks):
+            mine = [p for p, o in zip(expert_params, expert_owners) if o == j * ep.size + ep.rank]
+            groups.append((src, j == ep.replica_rank, ep.replica_group, mine))
+    for src, sending, group, mine in groups:
 
-        def launch(bucket, src=src, sending=sending):
+        def launch(bucket, src=src, sending=sending, group=group):
             flat = _span(bucket)
             if flat is None and sending:
                 flat = torch.cat([p.detach().reshape(-1) for p in bucket])
             elif flat is None:
                 flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-            return flat, dist.broadcast(flat, src=src, group=pc.dp_group, async_op=True)
+            return flat, dist.broadcast(flat, src=src, group=group, async_op=True)
 
         def finish(bucket, flat, sending=sending):
             if not sending and not _aliases(flat, bucket[0]):

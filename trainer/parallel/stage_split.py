@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from trainer.config import ModelConfig, ParallelismConfig
 from trainer.configtools import ConfigError
+from trainer.model.mamba_config import has_mamba
 from trainer.parallel.cost_model import CostModel
 
 POLICIES = ("memory", "compute")
@@ -27,12 +28,25 @@ def ranges_from_counts(counts: list[int]) -> list[range]:
     return [range(s, s + n) for s, n in zip(starts, counts)]
 
 
-def min_max_split(n_blocks: int, stages: int, cost: Callable[[int, int], float]) -> list[int]:
+def min_max_split(n_blocks: int, stages: int, cost: Callable[[int, int], float], by_start: bool = False) -> list[int]:
     """Blocks per stage (each >= 1, summing to n_blocks) minimising max_p cost(p, n_p); ties
-    broken by the smaller sum of squared costs. Dynamic programming, O(stages x n_blocks^2)."""
+    broken by the smaller sum of squared costs. Dynamic programming, O(stages x n_blocks^2).
+    `by_start`: cost(p, n_p, first block of p), for stacks whose blocks differ (hybrids)."""
     if not 1 <= stages <= n_blocks:
         raise ValueError(f"parallelism.pp: expected 1 <= pp <= n_layers={n_blocks}, got {stages}")
-    table = [[cost(p, n) for n in range(n_blocks + 1)] for p in range(stages)]
+    if by_start:
+        memo: dict[tuple[int, int, int], float] = {}
+
+        def at(p: int, used: int, n: int) -> float:
+            if (p, used, n) not in memo:
+                memo[p, used, n] = cost(p, n, used)  # type: ignore[call-arg]
+            return memo[p, used, n]
+    else:
+        table = [[cost(p, n) for n in range(n_blocks + 1)] for p in range(stages)]
+
+        def at(p: int, used: int, n: int) -> float:
+            return table[p][n]
+
     # best[used] = (rounded max, sum of squares, counts) over the stages placed so far
     best: dict[int, tuple[float, float, tuple[int, ...]]] = {0: (0.0, 0.0, ())}
     for p in range(stages):
@@ -40,7 +54,7 @@ def min_max_split(n_blocks: int, stages: int, cost: Callable[[int, int], float])
         nxt: dict[int, tuple[float, float, tuple[int, ...]]] = {}
         for used, (worst, squares, counts) in best.items():
             for n in range(1, n_blocks - used - left_after + 1):
-                c = table[p][n]
+                c = at(p, used, n)
                 cand = (_rounded(max(worst, c)), squares + c * c, counts + (n,))
                 key = used + n
                 if key not in nxt or cand[:2] < nxt[key][:2]:
@@ -112,13 +126,16 @@ def check_policy(policy: str, memory_weight: float) -> None:
 def split_counts(cm: CostModel, policy: str = "memory", memory_weight: float = 0.5) -> list[int]:
     check_policy(policy, memory_weight)
     n, pp = cm.model.n_layers, cm.pp
-    balanced = min_max_split(n, pp, cm.stage_flops)
+    hybrid = has_mamba(cm.model)
+    balanced = min_max_split(n, pp, cm.stage_flops, by_start=hybrid)
     if policy == "compute" or memory_weight == 0.0:
         return balanced
-    c_ref = sum(cm.stage_flops(p, k) for p, k in enumerate(balanced)) / pp
-    m_ref = sum(cm.stage_memory(p, k).total for p, k in enumerate(balanced)) / pp
+    starts = [r.start for r in ranges_from_counts(balanced)]
+    c_ref = sum(cm.stage_flops(p, k, starts[p] if hybrid else None) for p, k in enumerate(balanced)) / pp
+    m_ref = sum(cm.stage_memory(p, k, starts[p] if hybrid else None).total for p, k in enumerate(balanced)) / pp
 
-    def cost(p: int, k: int) -> float:
-        return (1 - memory_weight) * cm.stage_flops(p, k) / c_ref + memory_weight * cm.stage_memory(p, k).total / m_ref
+    def cost(p: int, k: int, first: int | None = None) -> float:
+        flops, memory = cm.stage_flops(p, k, first), cm.stage_memory(p, k, first).total
+        return (1 - memory_weight) * flops / c_ref + memory_weight * memory / m_ref
 
-    return min_max_split(n, pp, cost)
+    return min_max_split(n, pp, cost, by_start=hybrid)

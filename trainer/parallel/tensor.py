@@ -246,14 +246,15 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
+    # `mm`: the GEMMs in another precision (`trainer.model.fp8.Fp8Matmul`); None: torch.matmul.
     @staticmethod
-    def forward(ctx, x, weight, tp):
+    def forward(ctx, x, weight, tp, mm=None):
         if tp.sequence_parallel:
             full = gather_sequence(x, tp, "input" if tp.recompute_allgather else None)
         else:
             full = x
-        out = torch.matmul(full, weight.t())
-        ctx.tp = tp
+        out = mm.forward(full, weight) if mm is not None else torch.matmul(full, weight.t())
+        ctx.tp, ctx.mm = tp, mm
         ctx.save_for_backward(x if tp.recompute_allgather else full, weight)
         return out
 
@@ -268,31 +269,32 @@ class _ColumnParallelLinear(torch.autograd.Function):
             full = tp.buffer.get("input", _gathered_shape(saved, tp), saved.dtype, saved.device)
             gather_work = _all_gather(full, saved, tp, async_op=tp.async_comm)
         grad_x = comm = None
+        mm = ctx.mm
         if need_x:
-            grad_x = torch.matmul(g, weight)
+            grad_x = mm.grad_input(g, weight) if mm is not None else torch.matmul(g, weight)
             if tp.sequence_parallel:
                 grad_x, comm = _reduce_scatter_start(grad_x, tp, async_op=tp.async_comm)
-            else:
+            elif tp.size > 1:
                 comm = _all_reduce(grad_x, tp, async_op=tp.async_comm)
         grad_w = None
         if need_w:
             if gather_work is not None:
                 gather_work.wait()
-            grad_w = _flat(g).t().matmul(_flat(full))
+            grad_w = mm.grad_weight(g, full) if mm is not None else _flat(g).t().matmul(_flat(full))
         if comm is not None:
             comm.wait()
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 class _RowParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, tp):
-        out = torch.matmul(x, weight.t())
+    def forward(ctx, x, weight, tp, mm=None):
+        out = mm.forward(x, weight) if mm is not None else torch.matmul(x, weight.t())
         if tp.sequence_parallel:
             out = reduce_scatter_sequence(out, tp)
-        else:
+        elif tp.size > 1:
             _all_reduce(out, tp)
-        ctx.tp = tp
+        ctx.tp, ctx.mm = tp, mm
         ctx.save_for_backward(x, weight)
         return out
 
@@ -302,31 +304,35 @@ class _RowParallelLinear(torch.autograd.Function):
         tp = ctx.tp
         if tp.sequence_parallel:
             g = gather_sequence(g, tp, "grad")
-        grad_x = torch.matmul(g, weight) if ctx.needs_input_grad[0] else None
-        grad_w = _flat(g).t().matmul(_flat(x)) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+        mm = ctx.mm
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = mm.grad_input(g, weight) if mm is not None else torch.matmul(g, weight)
+        if ctx.needs_input_grad[1]:
+            grad_w = mm.grad_weight(g, x) if mm is not None else _flat(g).t().matmul(_flat(x))
+        return grad_x, grad_w, None, None
 
 
 @_no_compile
-def _column_tp(x, weight, tp):
+def _column_tp(x, weight, tp, mm=None):
     dt = _compute_dtype(x)
-    return _ColumnParallelLinear.apply(x.to(dt), weight.to(dt), tp)
+    return _ColumnParallelLinear.apply(x.to(dt), weight.to(dt), tp, mm)
 
 
 @_no_compile
-def _row_tp(x, weight, tp):
+def _row_tp(x, weight, tp, mm=None):
     dt = _compute_dtype(x)
-    return _RowParallelLinear.apply(x.to(dt), weight.to(dt), tp)
+    return _RowParallelLinear.apply(x.to(dt), weight.to(dt), tp, mm)
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """x [s(/tp under sequence parallel), b, in] -> [s, b, out/tp]."""
-    return F.linear(x, weight) if tp.size == 1 else _column_tp(x, weight, tp)
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, mm=None) -> torch.Tensor:
+    """x [s(/tp under sequence parallel), b, in] -> [s, b, out/tp]. `mm`: FP8 GEMMs (any tp)."""
+    return F.linear(x, weight) if tp.size == 1 and mm is None else _column_tp(x, weight, tp, mm)
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """x [s, b, in/tp] -> [s(/tp under sequence parallel), b, out]."""
-    return F.linear(x, weight) if tp.size == 1 else _row_tp(x, weight, tp)
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, mm=None) -> torch.Tensor:
+    """x [s, b, in/tp] -> [s(/tp under sequence parallel), b, out]. `mm`: FP8 GEMMs (any tp)."""
+    return F.linear(x, weight) if tp.size == 1 and mm is None else _row_tp(x, weight, tp, mm)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -346,9 +352,10 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(sum(spec.local_parts(tp.size)), in_features, device=device, dtype=dtype))
         set_shard_spec(self.weight, spec)
+        self.fp8 = None  # `trainer.model.fp8.apply_fp8`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel_linear(x, self.weight, self.tp)
+        return column_parallel_linear(x, self.weight, self.tp, self.fp8)
 
 
 class RowParallelLinear(nn.Module):
@@ -365,9 +372,10 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, spec.local_parts(tp.size)[0], device=device, dtype=dtype))
         set_shard_spec(self.weight, spec)
+        self.fp8 = None  # `trainer.model.fp8.apply_fp8`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_parallel_linear(x, self.weight, self.tp)
+        return row_parallel_linear(x, self.weight, self.tp, self.fp8)
 
 
 # -- vocabulary parallel ----------------------------------------------------------------------

@@ -1,0 +1,200 @@
+"""FP8 linears against bf16 (issue 23): each linear of a preset, and the whole training step.
+
+Two measurements, one invocation:
+- gemm: each of the preset's block linears (qkv, proj, gate_up, down) at [seq x micro_batch]
+  tokens, forward + backward (three GEMMs) through `trainer.parallel.tensor.column_parallel_linear`
+  / `row_parallel_linear`, in bf16 (`F.linear`) and with `trainer.model.fp8.Fp8Matmul`
+  (tensorwise e5m2 gradients, rowwise e4m3); ms per call, TFLOP/s by 6 x tokens x in x out, the
+  speedup over bf16, and the relative error of the output and weight gradient against fp32;
+- step: the whole model (`trainer.model.llama.Llama`, bf16 autocast over fp32 parameters, fused
+  AdamW, one process), with `model.fp8` off and on; tokens/s and MFU = tokens/s x
+  `trainer.model.flops.flops_per_token` / 989e12 (the FP8 run counts the same FLOPs: MFU stays
+  against the bf16 peak).
+
+On a CUDA device of compute capability >= 8.9 the FP8 GEMMs are `torch._scaled_mm`; elsewhere
+the emulation (quantise, upcast, fp32 matmul): on the CPU a smoke run, not a result. The
+quantisation (amaxes, casts) is eager: its cost is part of what is measured.
+
+Usage (repository root):
+    python experiments/tools/bench/fp8_bench.py [--preset bench-1b] [--micro-batch 4] [--seq 2048] \\
+        [--steps 10] [--warmup 3] [--device cuda|cpu] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from trainer.config import ModelConfig, apply_preset  # noqa: E402
+from trainer.configtools import from_dict  # noqa: E402
+from trainer.model.flops import flops_per_token  # noqa: E402
+from trainer.model.fp8 import COLUMN, ROW, Fp8Config, Fp8Matmul, native_fp8  # noqa: E402
+from trainer.parallel.tensor import TensorParallel, column_parallel_linear, row_parallel_linear  # noqa: E402
+
+PEAK_BF16 = 989e12
+VARIANTS = {"tensorwise": ("tensorwise", "e5m2"), "rowwise": ("rowwise", "e4m3")}
+
+
+def model_config(preset: str) -> ModelConfig:
+    raw = {"model": {"preset": preset}}
+    apply_preset(raw)
+    return from_dict(ModelConfig, raw["model"], "model")
+
+
+def timed(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
+    """Seconds of each of `steps` calls after `warmup` untimed ones (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        torch.cuda.synchronize()
+        for i in range(steps):
+            marks[i].record()
+            fn()
+        marks[-1].record()
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """name -> (style, in_features, out_features) of the block's linears."""
+    hd = cfg.head_dim
+    return {
+        "qkv": (COLUMN, cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd),
+        "proj": (ROW, cfg.n_heads * hd, cfg.d_model),
+        "gate_up": (COLUMN, cfg.d_model, 2 * cfg.ffn_dim),
+        "down": (ROW, cfg.ffn_dim, cfg.d_model),
+    }
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref).norm() / ref.norm())
+
+
+def bench_gemms(cfg: ModelConfig, args, device: torch.device) -> list[dict]:
+    tp = TensorParallel()
+    tokens = args.seq * args.micro_batch
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    for name, (style, k, n) in linear_shapes(cfg).items():
+        fn = column_parallel_linear if style == COLUMN else row_parallel_linear
+        x32 = torch.randn(args.seq, args.micro_batch, k, generator=gen).to(device)
+        w32 = (torch.randn(n, k, generator=gen) * k**-0.5).to(device)
+        g32 = torch.randn(args.seq, args.micro_batch, n, generator=gen).to(device)
+        ref_w = w32.clone().requires_grad_()
+        ref_y = F.linear(x32, ref_w)
+        ref_y.backward(g32)
+        x = x32.to(torch.bfloat16).requires_grad_()
+        w, g = w32.to(torch.bfloat16).requires_grad_(), g32.to(torch.bfloat16)
+        mms = {"bf16": None} | {v: Fp8Matmul(style, tp, *VARIANTS[v]) for v in VARIANTS}
+        base_ms = None
+        for label, mm in mms.items():
+
+            def call(mm=mm):
+                fn(x, w, tp, mm).backward(g)
+
+            secs = sorted(timed(call, args.steps, args.warmup, device))
+            ms = secs[len(secs) // 2] * 1e3
+            w.grad = None
+            y = fn(x, w, tp, mm)
+            y.backward(g)
+            base_ms = base_ms or ms
+            rows.append(
+                {
+                    "part": "gemm",
+                    "linear": name,
+                    "shape": [tokens, k, n],
+                    "variant": label,
+                    "ms": ms,
+                    "tflops": 6.0 * tokens * k * n / (ms / 1e3) / 1e12,
+                    "speedup_vs_bf16": base_ms / ms,
+                    "rel_err_out": rel_err(y.detach(), ref_y.detach()),
+                    "rel_err_grad_w": rel_err(w.grad, ref_w.grad),
+                }
+            )
+            w.grad = None
+    return rows
+
+
+def bench_step(cfg: ModelConfig, args, device: torch.device, label: str) -> dict:
+    from trainer.model.llama import Llama
+    from trainer.parallel.context import ParallelContext
+
+    model = Llama(cfg, pc=ParallelContext.single(device)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq), generator=gen).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step():
+        with autocast:
+            loss = model(None, batch).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    secs = sorted(timed(step, args.steps, args.warmup, device))
+    median = secs[len(secs) // 2]
+    tokens_per_s = args.seq * args.micro_batch / median
+    fpt = flops_per_token(cfg, args.seq)
+    return {
+        "part": "step",
+        "variant": label,
+        "ms": median * 1e3,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": fpt,
+        "mfu": tokens_per_s * fpt / PEAK_BF16,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="bench-1b")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-step", action="store_true", help="only the GEMMs")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    cfg = replace(model_config(args.preset), max_seq_len=max(args.seq, 16))
+    rows = bench_gemms(cfg, args, device)
+    if not args.no_step:
+        rows.append(bench_step(cfg, args, device, "bf16"))
+        for v, (scaling, grad) in VARIANTS.items():
+            rows.append(bench_step(replace(cfg, fp8=Fp8Config(scaling=scaling, grad_dtype=grad)), args, device, v))
+    native = native_fp8(device)
+    result = {"preset": args.preset, "device": str(device), "native_fp8": native, "rows": rows}
+    print(f"{args.preset} on {device} ({'torch._scaled_mm' if native else 'EMULATED: not a result'})")
+    for r in rows:
+        what = r.get("linear", "step")
+        speed = (
+            f"{r['tflops']:.1f} TFLOP/s x{r['speedup_vs_bf16']:.2f}" if r["part"] == "gemm" else f"MFU {r['mfu']:.3f}"
+        )
+        print(f"  {r['part']:5s} {what:8s} {r['variant']:10s} {r['ms']:9.3f} ms  {speed}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fp8_bench.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

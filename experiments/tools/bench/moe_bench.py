@@ -1,0 +1,193 @@
+"""The MoE block against a plain PyTorch MoE loop, and a MoE model's training step (issue 24).
+
+Two measurements, one invocation:
+- layer: one MoE MLP at the preset's shape (`model.moe`: E experts of F, top-k, shared experts)
+  forward + backward on [seq, micro_batch, d_model], two implementations on the same weights
+  and tokens:
+  * `framework`: `trainer.model.moe.MoE`, dropless: assignments sorted by expert, one grouped
+    matmul per projection (`torch._grouped_mm` on CUDA in bf16, else a loop over the sorted
+    slices), routing and balance losses included;
+  * `plain`: the loop most MoE code starts from: for each expert, `nonzero` on the routing mask,
+    gather its tokens, SwiGLU, `index_add_` the weighted output (Mixtral's reference style);
+  ms per call and TFLOP/s by the active FLOPs (6 x tokens x (k + shared) x 3 d F, the router's
+  6 x tokens x E d), and the outputs' max difference (the two compute the same function);
+- step: the whole MoE model (`trainer.model.llama.Llama`, bf16 autocast, fused AdamW, one
+  process: ep = 1), `--steps` steps after `--warmup`; tokens/s and MFU = tokens/s x
+  `trainer.model.flops.flops_per_token` (active parameters: 6 N_active + attention) / 989e12.
+
+On CUDA times are CUDA-event spans over back-to-back calls; on the CPU wall time (a smoke run,
+not a result). Expert parallelism is measured by the trainer itself under torchrun
+(`parallelism.ep`), not here.
+
+Usage (repository root):
+    python experiments/tools/bench/moe_bench.py [--preset moe-1b-active] [--micro-batch 4] [--seq 2048] \\
+        [--steps 10] [--warmup 3] [--device cuda|cpu] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from trainer.config import ModelConfig, apply_preset  # noqa: E402
+from trainer.configtools import from_dict  # noqa: E402
+from trainer.model.flops import flops_per_token  # noqa: E402
+from trainer.model.init import init_parameters  # noqa: E402
+from trainer.model.moe import MoE, set_global_batch  # noqa: E402
+from trainer.parallel.tensor import TensorParallel  # noqa: E402
+
+PEAK_BF16 = 989e12
+
+
+def model_config(preset: str) -> ModelConfig:
+    raw = {"model": {"preset": preset}}
+    apply_preset(raw)
+    cfg = from_dict(ModelConfig, raw["model"], "model")
+    if cfg.moe is None:
+        raise SystemExit(f"--preset {preset}: not a MoE preset (no model.moe)")
+    return cfg
+
+
+def timed(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
+    """Seconds of each of `steps` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        torch.cuda.synchronize()
+        for i in range(steps):
+            marks[i].record()
+            fn()
+        marks[-1].record()
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def plain_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The per-expert mask-and-gather loop on `moe`'s weights (same routing, no auxiliary losses)."""
+    cfg = moe.moe
+    s, b, d = x.shape
+    flat = x.reshape(-1, d)
+    logits = F.linear(flat, moe.router.weight).float()
+    probs = logits.softmax(-1)
+    top, experts = probs.topk(cfg.top_k, dim=-1)
+    weights = (top / top.sum(-1, keepdim=True) if cfg.normalize_top_k else top).to(x.dtype)
+    out = torch.zeros_like(flat)
+    for e in range(cfg.num_experts):
+        token, slot = (experts == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = flat[token] @ moe.experts.gate_up[e].t()
+        gate, up = h.chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ moe.experts.down[e].t()
+        out.index_add_(0, token, y * weights[token, slot, None])
+    if moe.shared is not None:
+        gate, up = moe.shared["gate_up"](flat).chunk(2, dim=-1)
+        out = out + moe.shared["down"](F.silu(gate) * up)
+    return out.view(s, b, d)
+
+
+def active_flops(cfg: ModelConfig, tokens: int) -> float:
+    moe = cfg.moe
+    f = moe.ffn_dim(cfg.ffn_dim)
+    return 6.0 * tokens * ((moe.top_k + moe.shared_experts) * 3 * cfg.d_model * f + moe.num_experts * cfg.d_model)
+
+
+def bench_layer(cfg: ModelConfig, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    moe = MoE(cfg, TensorParallel(), device=device)
+    init_parameters(torch.nn.ModuleDict({"mlp": moe}), cfg, 0, 0, 1)
+    moe.to(dtype)
+    set_global_batch(moe, args.micro_batch)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(args.seq, args.micro_batch, cfg.d_model, generator=gen).to(device, dtype).requires_grad_()
+    with torch.no_grad():
+        diff = (moe(x) - plain_moe(moe, x)).abs().max().item()
+    rows = []
+    for label, fn in (("framework", moe), ("plain", lambda t: plain_moe(moe, t))):
+
+        def call(fn=fn):
+            fn(x).float().square().mean().backward()
+
+        secs = sorted(timed(call, args.steps, args.warmup, device))
+        median = secs[len(secs) // 2]
+        flops = active_flops(cfg, args.seq * args.micro_batch)
+        rows.append({"part": "layer", "variant": label, "ms": median * 1e3, "tflops": flops / median / 1e12})
+    speedup = rows[1]["ms"] / rows[0]["ms"]
+    rows[0].update(speedup_vs_plain=speedup, max_abs_diff=diff)
+    return rows
+
+
+def bench_step(cfg: ModelConfig, args, device: torch.device, dtype: torch.dtype) -> dict:
+    from trainer.model.llama import Llama
+    from trainer.parallel.context import ParallelContext
+
+    model = Llama(cfg, pc=ParallelContext.single(device)).to(device)
+    set_global_batch(model, args.micro_batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq), generator=gen).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(None, batch).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    secs = sorted(timed(step, args.steps, args.warmup, device))
+    median = secs[len(secs) // 2]
+    tokens_per_s = args.seq * args.micro_batch / median
+    fpt = flops_per_token(cfg, args.seq)
+    return {
+        "part": "step",
+        "preset": args.preset,
+        "ms": median * 1e3,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": fpt,
+        "mfu": tokens_per_s * fpt / PEAK_BF16,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="moe-1b-active")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = model_config(args.preset)
+    rows = bench_layer(cfg, args, device, dtype)
+    rows.append(bench_step(cfg, args, device, dtype))
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if device.type != "cuda":
+        print("CPU: not a result (a smoke run of the script)")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "moe_bench.json").write_text(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

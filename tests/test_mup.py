@@ -1,0 +1,196 @@
+"""Spectral muP (trainer/model/mup.py): the rules as numbers, the base-width model equal to the
+model without muP, per-layer learning rates through both optimizers, a coordinate check (the
+RMS of every layer's activations after 10 Adam steps, widths 128 to 2048), and a tp2 x pp2 run
+with muP equal to one process."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from doremi import stages
+from tests.distributed import spawn
+from tests.runs import config, final_params, losses, run_stage
+from trainer.config import ModelConfig, TrainConfig
+from trainer.configtools import ConfigError
+from trainer.model.llama import Llama
+from trainer.model.mup import (
+    MupConfig,
+    attention_scale,
+    init_multiplier,
+    logit_multiplier,
+    lr_multiplier,
+    spectral_sigma,
+)
+from trainer.optim.master_weights import MasterWeightAdamW
+from trainer.optim.param_groups import param_groups
+from trainer.optim.sharded import ShardedOptimizer
+from trainer.parallel.context import ParallelContext
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def model_cfg(d: int, base: int | None, **kw) -> ModelConfig:
+    mup = MupConfig(base_width=base) if base else None
+    shape = {"vocab_size": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 2 * d, "max_seq_len": 64}
+    return ModelConfig(**{**shape, "d_model": d, "mup": mup, **kw})
+
+
+def test_rules_as_numbers():
+    assert spectral_sigma(64, 256) == pytest.approx(1 / 8)  # fan_out > fan_in: 1/sqrt(fan_in)
+    assert spectral_sigma(256, 64) == pytest.approx(1 / 16 * 0.5)  # fan_out < fan_in: times sqrt(ratio)
+    cfg = model_cfg(256, 64)  # r = 4
+    assert init_multiplier("layers.0.attn.qkv.weight", (512, 256), cfg) == pytest.approx(0.5)
+    assert init_multiplier("layers.0.mlp.down.weight", (256, 512), cfg) == pytest.approx(0.5)
+    assert init_multiplier("embed.weight", (256, 256), cfg) == 1.0
+    assert init_multiplier("head.weight", (256, 256), cfg) == 1.0
+    assert init_multiplier("layers.0.attn_norm.weight", (256,), cfg) == 1.0
+    assert lr_multiplier("layers.0.mlp.gate_up.weight", (1024, 256), cfg) == pytest.approx(0.25)
+    assert lr_multiplier("embed.weight", (256, 256), cfg) == 1.0
+    assert lr_multiplier("head.weight", (256, 256), cfg) == 1.0
+    assert logit_multiplier(cfg) == pytest.approx(0.25)
+    assert attention_scale(cfg) == pytest.approx(math.sqrt(16) / 64)  # head_dim 64, base 16
+    assert attention_scale(model_cfg(256, 256)) == pytest.approx(1 / math.sqrt(64))
+    assert attention_scale(model_cfg(256, None)) is None
+    with pytest.raises(ConfigError, match=r"model.mup.base_width: expected a positive int, got 0"):
+        MupConfig(base_width=0).validate()
+
+
+def test_base_width_model_equals_the_model_without_mup():
+    batch = {"input_ids": torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))}
+    batch["labels"] = batch["input_ids"]
+    plain, mup = Llama(model_cfg(64, None)), Llama(model_cfg(64, 64))
+    for (n, p), (_, q) in zip(plain.named_parameters(), mup.named_parameters()):
+        assert torch.equal(p, q), n
+    torch.testing.assert_close(mup(None, batch), plain(None, batch), rtol=1e-6, atol=1e-6)
+    wide = Llama(model_cfg(256, 64))
+    assert float(wide.layers["0"].attn.qkv.weight.detach().std()) == pytest.approx(0.02 / 2, rel=0.05)
+    assert float(wide.embed.weight.detach()[:256].std()) == pytest.approx(0.02, rel=0.05)
+
+
+def test_param_groups_keep_order_and_scale_lr_in_both_optimizers():
+    model = Llama(model_cfg(128, 32))  # r = 4
+    named = list(model.named_parameters())
+    groups = param_groups(named, 0.1)
+    order = [id(p) for g in groups for p in g["params"]]
+    from trainer.optim.param_groups import decay_first
+
+    assert order == [id(p) for _, p in decay_first(named)]
+    assert sorted({g["lr_scale"] for g in groups}) == [0.25, 1.0]
+    train = TrainConfig(lr=1e-2, weight_decay=0.1)
+    fp32 = ShardedOptimizer(named, train, ParallelContext.single(), zero1=False)
+    fp32.set_lr(2e-2)
+    by_param = {id(p): g["lr"] for g in fp32.param_groups for p in g["params"]}
+    assert by_param[id(model.layers["0"].mlp.down.weight)] == pytest.approx(5e-3)
+    assert by_param[id(model.embed.weight)] == pytest.approx(2e-2)
+    assert by_param[id(model.norm.weight)] == pytest.approx(2e-2)
+
+
+def test_master_weight_adamw_applies_per_parameter_lr():
+    """The bf16 master-weight optimizer against torch AdamW with the muP param groups, on the
+    same (bf16-representable) gradients: the fp32 masters agree."""
+    gen = torch.Generator().manual_seed(0)
+    ref_model, model = Llama(model_cfg(64, 16)), Llama(model_cfg(64, 16))
+    train = TrainConfig(lr=1e-2, weight_decay=0.1)
+    named = list(model.named_parameters())
+    opt = MasterWeightAdamW(named, train, ParallelContext.single())
+    ref_named = list(ref_model.named_parameters())
+    with torch.no_grad():
+        start = opt.master_weights()
+        for name, r in ref_named:
+            r.copy_(start[name])
+    groups = param_groups(ref_named, train.weight_decay)
+    for g in groups:
+        g["lr"] = train.lr * g["lr_scale"]
+    ref = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps)
+    for _ in range(2):
+        for (_, r), (_, p) in zip(ref_named, named):
+            grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            p.grad, r.grad = grad, grad.float()
+        opt.step(train.lr)
+        ref.step()
+    masters = opt.master_weights()
+    for name, r in ref_named:
+        torch.testing.assert_close(masters[name], r.detach(), rtol=1e-6, atol=1e-6, msg=name)
+    assert {g["lr_scale"] for g in groups} == {0.25, 1.0}
+
+
+# -- coordinate check ---------------------------------------------------------------------------
+
+
+def activation_rms(d: int, base: int | None, steps: int = 10, lr: float = 1e-2) -> dict[str, float]:
+    """RMS of the embedding output, each block's output and the logits after `steps` Adam steps
+    on a fixed random batch (4 x 16 tokens)."""
+    torch.manual_seed(0)
+    model = Llama(model_cfg(d, base, init_std=0.02, depth_scaled_init=False))
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)}
+    opt = ShardedOptimizer(
+        list(model.named_parameters()), TrainConfig(lr=lr, weight_decay=0.0), ParallelContext.single(), zero1=False
+    )
+    for _ in range(steps):
+        model(None, batch).mean().backward()
+        opt.step(lr)
+        opt.zero_grad()
+    rms: dict[str, float] = {}
+    hooks = [model.embed.register_forward_hook(lambda m, i, o: rms.__setitem__("embed", float(o.pow(2).mean().sqrt())))]
+    for name, block in model.layers.items():
+        hook = (lambda n: lambda m, i, o: rms.__setitem__(f"block{n}", float(o.pow(2).mean().sqrt())))(name)
+        hooks.append(block.register_forward_hook(hook))
+    with torch.no_grad():
+        rms["logits"] = float(model.logits(None, batch).pow(2).mean().sqrt())
+    for h in hooks:
+        h.remove()
+    return rms
+
+
+def test_coordinate_check_mup_keeps_activations_width_independent():
+    """Widths 128 and 2048 (n_heads 4, ffn 2 d, 2 layers), 10 Adam steps at lr 1e-2. With muP
+    (base width 128) every layer's activation RMS changes by less than 2x; without, the hidden
+    layers and the logits change by far more."""
+    narrow_mup, wide_mup = activation_rms(128, 128), activation_rms(2048, 128)
+    narrow_sp, wide_sp = activation_rms(128, None), activation_rms(2048, None)
+    mup_ratio = {k: max(wide_mup[k] / narrow_mup[k], narrow_mup[k] / wide_mup[k]) for k in narrow_mup}
+    sp_ratio = {k: max(wide_sp[k] / narrow_sp[k], narrow_sp[k] / wide_sp[k]) for k in narrow_sp}
+    assert set(mup_ratio) == {"embed", "block0", "block1", "logits"}
+    assert max(mup_ratio.values()) < 2.0, mup_ratio
+    assert sp_ratio["logits"] > 2.0, sp_ratio  # 3.5 measured
+    assert min(sp_ratio[k] for k in ("block0", "block1")) > 100.0, sp_ratio  # > 3000 measured
+
+
+# -- a tp2 x pp2 run with muP -------------------------------------------------------------------
+
+COMMON = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=1", "train.eval_every=3"]
+MUP = ["model.mup.base_width=32", "train.micro_batches=4"]
+LAYOUT = ["parallelism.tp=2", "parallelism.pp=2", "parallelism.sequence_parallel=true"]
+
+
+@pytest.fixture(scope="module")
+def runs(stores, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mup")
+    stages.train(config(stores, root / "single", *COMMON, *MUP))
+    stages.train(config(stores, root / "plain", *COMMON, "train.micro_batches=4"))
+    spawn(run_stage, 4, "train", str(stores), [(str(root / "tp2-pp2-sp"), [*COMMON, *MUP, *LAYOUT])])
+    return root
+
+
+def test_mup_tp2_pp2_matches_single_process(runs, stores):
+    assert losses(runs / "tp2-pp2-sp") == pytest.approx(losses(runs / "single"), rel=1e-5)
+    assert losses(runs / "single") != pytest.approx(losses(runs / "plain"), rel=1e-4)  # muP does change the run
+    want, got = final_params(stores, runs / "single"), final_params(stores, runs / "tp2-pp2-sp")
+    for p in want:
+        torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-5, msg=p)
+
+
+def test_paths_without_the_multipliers_refuse_a_mup_model(stores, tmp_path):
+    from trainer.hf_format import HFFormatError, to_hf_config
+    from trainer.stacked.train import check_stackable
+
+    cfg = config(stores, tmp_path / "run", "model.mup.base_width=32")
+    with pytest.raises(ConfigError, match=r"model.mup: stacked training runs the plain Llama"):
+        check_stackable(cfg)
+    with pytest.raises(HFFormatError, match=r"model.mup: a Llama config.json has no muP"):
+        to_hf_config(cfg.model, torch.float32, None)

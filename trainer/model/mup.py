@@ -1,0 +1,118 @@
+"""Spectral muP (`model.mup`): width-independent feature learning, so that a learning rate and an
+init tuned at `base_width` transfer to wider models (Yang, Simon & Bernstein 2023, "A Spectral
+Condition for Feature Learning", arXiv:2310.17813; Yang & Hu 2021, Tensor Programs IV/V for
+the readout and attention rules).
+
+The spectral condition (paper, Condition 1): every weight W_l [fan_out, fan_in] and its update
+should have spectral norm Theta(sqrt(fan_out / fan_in)). The rules used here, as multipliers
+of the configured base values (init_std, train.lr) at width ratio r = d_model / base_width, so
+that the model at r = 1 is exactly the model without muP (muTransfer's base model):
+
+- init of a hidden matrix (q/k/v, o, gate/up, down; any 2-D weight but the embedding and the
+  head): std proportional to sigma(fan_in, fan_out) = (1 / sqrt(fan_in)) * min(1, sqrt(fan_out
+  / fan_in)) (paper, Parametrization 1); multiplier sigma(fans) / sigma(fans / r),
+  i.e. 1 / sqrt(r) when both fans grow with the width. The GPT-2 depth scaling still applies.
+- Adam learning rate of a hidden matrix: proportional to 1 / fan_in, multiplier 1 / r. Adam's
+  update is sign-like, so its spectral norm is about lr * sqrt(fan_in * fan_out); setting that
+  to sqrt(fan_out / fan_in) (Condition 1 for the update) gives lr ~ 1 / fan_in, the muP
+  Adam rule of TP-V Table 3. The paper's SGD rule lr ~ fan_out / fan_in (its Parametrization 1)
+  is not what an Adam run needs: under Adam it would leave hidden updates growing like r.
+- embedding (one-hot inputs, fan_in = vocabulary fixed): the condition asks for Theta(1) entries,
+  so init and lr are the base ones (multiplier 1).
+- readout (head): logits multiplied by 1 / r; init and lr multipliers 1, so the effective head
+  weight W / r has std ~ 1 / fan_in and Adam step ~ 1 / fan_in (TP-V Table 3, the output
+  multiplier form, as the `mup` package's MuReadout). With tied embeddings the same multiplier
+  applies to the shared weight.
+- attention logits scaled by 1 / d_head instead of 1 / sqrt(d_head) (TP-V Section 4: q and k
+  become correlated during training, so q.k grows like d_head): sqrt(base_head_dim) / head_dim,
+  which is 1 / sqrt(head_dim) at the base width (n_heads fixed, head_dim = d_model / n_heads).
+- norms and other vectors: multiplier 1.
+
+Learning-rate multipliers are set on the parameters (`_lr_scale`) and read by the optimizers'
+param groups (`trainer.optim.param_groups`). Checkpoints hold the same tensors; the muP
+multipliers are part of the function the weights compute, so a muP checkpoint must be loaded
+with the same `model.mup`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from trainer.configtools import ConfigError
+
+_VOCAB_MATRICES = ("embed.weight", "head.weight")
+
+
+@dataclass
+class MupConfig:
+    """Spectral muP: init, per-layer learning rates and multipliers relative to a base width."""
+
+    # The d_model at which init_std and train.lr were tuned (the model there equals the model
+    # without muP).
+    base_width: int = 256
+
+    def validate(self, path: str = "model.mup") -> None:
+        if self.base_width < 1:
+            raise ConfigError(f"{path}.base_width: expected a positive int, got {self.base_width}")
+
+
+def spectral_sigma(fan_in: float, fan_out: float) -> float:
+    """The spectral init scale (1 / sqrt(fan_in)) * min(1, sqrt(fan_out / fan_in))."""
+    return (1.0 / math.sqrt(fan_in)) * min(1.0, math.sqrt(fan_out / fan_in))
+
+
+def width_ratio(cfg) -> float:
+    return cfg.d_model / cfg.mup.base_width
+
+
+def is_hidden_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 2 and not name.endswith(_VOCAB_MATRICES)
+
+
+def init_multiplier(name: str, shape: tuple[int, ...], cfg) -> float:
+    """Multiplier of the base init std of parameter `name` (single-process `shape` [out, in])."""
+    if getattr(cfg, "mup", None) is None or not is_hidden_matrix(name, shape):
+        return 1.0
+    r = width_ratio(cfg)
+    fan_out, fan_in = shape
+    return spectral_sigma(fan_in, fan_out) / spectral_sigma(fan_in / r, fan_out / r)
+
+
+def lr_multiplier(name: str, shape: tuple[int, ...], cfg) -> float:
+    """Multiplier of train.lr for parameter `name`: Adam lr ~ 1 / fan_in for hidden matrices."""
+    if getattr(cfg, "mup", None) is None or not is_hidden_matrix(name, shape):
+        return 1.0
+    fan_in = shape[1]
+    return (1.0 / fan_in) / (1.0 / (fan_in / width_ratio(cfg)))
+
+
+def logit_multiplier(cfg) -> float:
+    return 1.0 if getattr(cfg, "mup", None) is None else 1.0 / width_ratio(cfg)
+
+
+def attention_scale(cfg) -> float | None:
+    """The softmax scale of q.k: sqrt(base_head_dim) / head_dim under muP, None (SDPA's
+    1 / sqrt(head_dim)) without."""
+    if getattr(cfg, "mup", None) is None:
+        return None
+    base_head_dim = cfg.head_dim / width_ratio(cfg)
+    return math.sqrt(base_head_dim) / cfg.head_dim
+
+
+def apply_mup(stage: nn.Module, cfg) -> None:
+    """Set the muP multipliers on a built stage: each parameter's `_lr_scale`, the attention
+    softmax scale, the readout's logit multiplier. No-op without `model.mup`."""
+    if getattr(cfg, "mup", None) is None:
+        return
+    from trainer.parallel.shard import full_shape
+
+    for name, p in stage.named_parameters():
+        p._lr_scale = lr_multiplier(name, full_shape(p), cfg)
+    scale = attention_scale(cfg)
+    for module in stage.modules():
+        if hasattr(module, "softmax_scale"):
+            module.softmax_scale = scale
+    stage.logit_scale = logit_multiplier(cfg)
