@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,41 +33,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from trainer.config import ModelConfig, apply_preset  # noqa: E402
-from trainer.configtools import from_dict  # noqa: E402
-from trainer.model.flops import flops_per_token  # noqa: E402
+from trainer.config import ModelConfig  # noqa: E402
 from trainer.model.fp8 import COLUMN, ROW, Fp8Config, Fp8Matmul, native_fp8  # noqa: E402
 from trainer.parallel.tensor import TensorParallel, column_parallel_linear, row_parallel_linear  # noqa: E402
 
-PEAK_BF16 = 989e12
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import model_config, model_step_row, timed  # noqa: E402
+
 VARIANTS = {"tensorwise": ("tensorwise", "e5m2"), "rowwise": ("rowwise", "e4m3")}
-
-
-def model_config(preset: str) -> ModelConfig:
-    raw = {"model": {"preset": preset}}
-    apply_preset(raw)
-    return from_dict(ModelConfig, raw["model"], "model")
-
-
-def timed(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
-    """Seconds of each of `steps` calls after `warmup` untimed ones (CUDA events on a GPU)."""
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        torch.cuda.synchronize()
-        for i in range(steps):
-            marks[i].record()
-            fn()
-        marks[-1].record()
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
-    out = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
@@ -136,31 +108,10 @@ def bench_step(cfg: ModelConfig, args, device: torch.device, label: str) -> dict
     from trainer.parallel.context import ParallelContext
 
     model = Llama(cfg, pc=ParallelContext.single(device)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq), generator=gen).to(device)
-    batch = {"input_ids": ids, "labels": ids}
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-    def step():
-        with autocast:
-            loss = model(None, batch).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    secs = sorted(timed(step, args.steps, args.warmup, device))
-    median = secs[len(secs) // 2]
-    tokens_per_s = args.seq * args.micro_batch / median
-    fpt = flops_per_token(cfg, args.seq)
-    return {
-        "part": "step",
-        "variant": label,
-        "ms": median * 1e3,
-        "tokens_per_s": tokens_per_s,
-        "flops_per_token": fpt,
-        "mfu": tokens_per_s * fpt / PEAK_BF16,
-    }
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    row = model_step_row(model, cfg, "", args.micro_batch, args.seq, args.steps, args.warmup, device, dtype)
+    del row["preset"]
+    return {"part": "step", "variant": label, **{k: v for k, v in row.items() if k != "part"}}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from trainer.config import ModelConfig, apply_preset  # noqa: E402
 from trainer.configtools import from_dict  # noqa: E402
-from trainer.model.flops import flops_per_token  # noqa: E402
 from trainer.model.init import init_parameters  # noqa: E402
 from trainer.model.moe import MoE, set_global_batch  # noqa: E402
 from trainer.parallel.tensor import TensorParallel  # noqa: E402
 
-PEAK_BF16 = 989e12
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import model_step_row, timed  # noqa: E402
 
 
 def model_config(preset: str) -> ModelConfig:
@@ -54,27 +53,6 @@ def model_config(preset: str) -> ModelConfig:
     if cfg.moe is None:
         raise SystemExit(f"--preset {preset}: not a MoE preset (no model.moe)")
     return cfg
-
-
-def timed(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
-    """Seconds of each of `steps` calls after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        torch.cuda.synchronize()
-        for i in range(steps):
-            marks[i].record()
-            fn()
-        marks[-1].record()
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
-    out = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def plain_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -137,30 +115,7 @@ def bench_step(cfg: ModelConfig, args, device: torch.device, dtype: torch.dtype)
 
     model = Llama(cfg, pc=ParallelContext.single(device)).to(device)
     set_global_batch(model, args.micro_batch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq), generator=gen).to(device)
-    batch = {"input_ids": ids, "labels": ids}
-
-    def step():
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(None, batch).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    secs = sorted(timed(step, args.steps, args.warmup, device))
-    median = secs[len(secs) // 2]
-    tokens_per_s = args.seq * args.micro_batch / median
-    fpt = flops_per_token(cfg, args.seq)
-    return {
-        "part": "step",
-        "preset": args.preset,
-        "ms": median * 1e3,
-        "tokens_per_s": tokens_per_s,
-        "flops_per_token": fpt,
-        "mfu": tokens_per_s * fpt / PEAK_BF16,
-    }
+    return model_step_row(model, cfg, args.preset, args.micro_batch, args.seq, args.steps, args.warmup, device, dtype)
 
 
 def main(argv: list[str] | None = None) -> dict:

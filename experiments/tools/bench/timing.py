@@ -1,0 +1,90 @@
+"""What the model-feature benches share (fp8_bench, mamba_bench, moe_bench): a preset's model
+config, the timer (CUDA events on a GPU, wall clock elsewhere), and one optimizer step of a
+whole single-process model timed into a row with its MFU against the datasheet peak."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from trainer.config import ModelConfig, apply_preset  # noqa: E402
+from trainer.configtools import from_dict  # noqa: E402
+from trainer.model.flops import flops_per_token  # noqa: E402
+
+#: bf16 dense peak of an H100/H200 from the datasheet (FLOP/s), for MFU.
+PEAK_BF16 = 989e12
+
+
+def model_config(preset: str, **overrides) -> ModelConfig:
+    """A model preset as a ModelConfig, with `overrides` (model keys) on top."""
+    raw = {"model": {"preset": preset, **overrides}}
+    apply_preset(raw)
+    return from_dict(ModelConfig, raw["model"], "model")
+
+
+def timed(fn: Callable[[], object], steps: int, warmup: int, device: torch.device) -> list[float]:
+    """Seconds of each of `steps` calls after `warmup` untimed ones (CUDA events on a GPU, so
+    that a call's host syncs are part of its time and nothing else is)."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        torch.cuda.synchronize()
+        for i in range(steps):
+            marks[i].record()
+            fn()
+        marks[-1].record()
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def model_step_row(
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    preset: str,
+    micro_batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict:
+    """The median time of a forward, backward and fused AdamW step of `model` (the mean token
+    loss of one random micro-batch, under autocast to `dtype`), its tokens/s and MFU
+    (`trainer.model.flops.flops_per_token`: 6N + attention, and what the model's blocks add)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq), generator=gen).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(None, batch).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    secs = sorted(timed(step, steps, warmup, device))
+    median = secs[len(secs) // 2]
+    tokens_per_s = seq * micro_batch / median
+    fpt = flops_per_token(cfg, seq)
+    return {
+        "part": "step",
+        "preset": preset,
+        "ms": median * 1e3,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": fpt,
+        "mfu": tokens_per_s * fpt / PEAK_BF16,
+    }
