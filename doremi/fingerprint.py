@@ -33,10 +33,16 @@ DEPENDENCY_KEYS = ("data.domain_weights", "doremi.reference_weights", "doremi.re
 #: The sections a stage does not read. The reference reads `doremi.reference_weights` only
 #: (its mixture); a main run and its evaluation nothing of `doremi` or `mixing` (an online one
 #: `mixing.main` and its method's options); DoReMi's proxy and its average all of `doremi` and
-#: nothing of `mixing`; another method's proxy `mixing.method` and its options.
-REFERENCE_IGNORES = ("doremi", "mixing")
+#: nothing of `mixing`; another method's proxy `mixing.method` and its options; none of them the
+#: offline methods' `sweep` and `fit`.
+#: The offline methods' sections: only the sweep and its fits read them.
+OFFLINE_SECTIONS = ("sweep", "fit")
+REFERENCE_IGNORES = ("doremi", "mixing", *OFFLINE_SECTIONS)
 REFERENCE_READS = ("doremi.reference_weights",)
-MAIN_IGNORES = ("doremi", "mixing")
+MAIN_IGNORES = ("doremi", "mixing", *OFFLINE_SECTIONS)
+#: DoReMi's proxy reads all of `doremi`; another method's proxy its `mixing` keys.
+PROXY_IGNORES = ("mixing", *OFFLINE_SECTIONS)
+METHOD_IGNORES = ("doremi", "mixing", *OFFLINE_SECTIONS)
 
 
 def _digest(text: str | bytes) -> str:

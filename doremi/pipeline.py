@@ -31,6 +31,8 @@ from doremi import stages
 from doremi.config import OFFLINE_METHODS, ExperimentConfig
 from doremi.fingerprint import (  # noqa: F401 (store_fingerprint: imported from here by tests)
     MAIN_IGNORES,
+    METHOD_IGNORES,
+    PROXY_IGNORES,
     REFERENCE_IGNORES,
     REFERENCE_READS,
     fingerprint,
@@ -279,14 +281,14 @@ class Pipeline:
             self._run_stage(
                 f"round {r}: proxy",
                 rdir / "proxy",
-                stage_keys(proxy_cfg, ("mixing",)),
+                stage_keys(proxy_cfg, PROXY_IGNORES),
                 lambda: (stages.train_proxy(proxy_cfg), None)[1],
             )
             avg_path = rdir / WEIGHTS_FILE
             self._run_stage(
                 f"round {r}: average",
                 avg_path,
-                stage_keys(proxy_cfg, ("mixing",)),
+                stage_keys(proxy_cfg, PROXY_IGNORES),
                 lambda: str(stages.average(rdir / "proxy", avg_path, proxy_cfg.doremi.average_from_step)),
                 main_only=True,
             )
@@ -308,7 +310,7 @@ class Pipeline:
         averaged weights under `methods/<name>/`."""
         mdir = method_dir(self.root, name)
         cfg = self.stage_config(self.p.proxy, train__run_dir=str(mdir / "proxy"), mixing__method=name)
-        keys = stage_keys(cfg, ("doremi", "mixing"), ("mixing.method", f"mixing.{name}"))
+        keys = stage_keys(cfg, METHOD_IGNORES, ("mixing.method", f"mixing.{name}"))
         self._run_stage(f"{name}: proxy", mdir / "proxy", keys, lambda: (stages.train_proxy(cfg), None)[1])
         avg = mdir / WEIGHTS_FILE
         self._run_stage(f"{name}: average", avg, keys, lambda: str(stages.average(mdir / "proxy", avg)), main_only=True)
@@ -366,7 +368,7 @@ class Pipeline:
         for name, cfg in runs:
             run_dir = Path(cfg.train.run_dir)
             online = cfg.mixing.main
-            keys = stage_keys(cfg, ("doremi", "mixing"), ("mixing.main", f"mixing.{online}") if online else ())
+            keys = stage_keys(cfg, MAIN_IGNORES, ("mixing.main", f"mixing.{online}") if online else ())
             self._run_stage(
                 f"main run: {name}", run_dir, keys, lambda: (stages.train(cfg, desc=f"main:{name}"), None)[1]
             )

@@ -18,6 +18,7 @@ from data.weights import resolve_weights
 from data.weights_file import WEIGHTS_FILE, write_weights_file
 from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
+from doremi.fingerprint import MAIN_IGNORES, OFFLINE_SECTIONS
 from doremi.history import average_weights, read_history
 from doremi.methods.registry import method_factory
 from doremi.reference import load_frozen, reference_config, require_reference, run_dir_of
@@ -60,10 +61,14 @@ def train(cfg: ExperimentConfig, desc: str = "train", stage: str = "train") -> d
     not enter its results, so changing it does not stop a resume."""
     online = cfg.mixing.main if stage == "train" else None
     if online is None:
-        return Trainer(cfg, desc=desc, result_ignore=("doremi", "mixing"), stage=stage).fit()
+        return Trainer(cfg, desc=desc, result_ignore=MAIN_IGNORES, stage=stage).fit()
     check_online(cfg)
     return Trainer(
-        cfg, desc=f"{desc}:{online}", result_ignore=("doremi",), stage=stage, method=method_factory(online, cfg)
+        cfg,
+        desc=f"{desc}:{online}",
+        result_ignore=("doremi", *OFFLINE_SECTIONS),
+        stage=stage,
+        method=method_factory(online, cfg),
     ).fit()
 
 
@@ -83,7 +88,7 @@ def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
     """The proxy's trainer, its method (and, for DoReMi, the reference) plugged in."""
     name = cfg.mixing.method
     desc = "proxy" if name == "doremi" else f"proxy:{name}"
-    return Trainer(cfg, desc=desc, stage="proxy", method=method_factory(name, cfg))
+    return Trainer(cfg, desc=desc, stage="proxy", method=method_factory(name, cfg), result_ignore=OFFLINE_SECTIONS)
 
 
 def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:

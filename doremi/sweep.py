@@ -58,8 +58,17 @@ MIXTURES_FILE = "mixtures.csv"
 LOSSES_FILE = "losses.csv"
 FINAL_FILE = "final.csv"
 
-#: Keys that do not change a sweep's numbers: where it writes, how it batches the runs.
-NOT_RESULT_KEYS = ("sweep.run_dir", "sweep.stacked", "sweep.chunk_size", "mixing", "doremi", "data.domain_weights")
+#: Keys that do not change a sweep's numbers: where it writes, how it batches the runs, what
+#: fits it afterwards, the other methods' sections.
+NOT_RESULT_KEYS = (
+    "sweep.run_dir",
+    "sweep.stacked",
+    "sweep.chunk_size",
+    "fit",
+    "mixing",
+    "doremi",
+    "data.domain_weights",
+)
 
 
 def design(cfg: ExperimentConfig, manifest: Manifest) -> Design:

@@ -115,6 +115,22 @@ def test_changed_stage_is_redone(pipeline_run):
     assert any("round 1: proxy: done already" in m for m in messages)
 
 
+def test_sections_a_stage_does_not_read_do_not_redo_it(pipeline_run):
+    """The offline methods' `sweep` and `fit` keys (and another method's options) are no key of
+    DoReMi's stages, the other proxies or the main runs: changing them redoes nothing."""
+    run, sets, _ = pipeline_run
+    sets = [*sets, "pipeline.main.train.steps=9", "pipeline.baselines=[uniform]"]  # as the test above left it
+    Pipeline(QUICKSTART, sets, say=lambda m: None).run()
+    messages: list[str] = []
+    changed = ["sweep.runs=5", "fit.top_k=7", "mixing.odm.smoothing=0.5"]
+    Pipeline(QUICKSTART, [*sets, *changed[:2]], say=messages.append).run()
+    assert messages and all("done already" in m or "weights:" in m or "guardrails" in m for m in messages)
+    messages.clear()
+    Pipeline(QUICKSTART, [*sets, changed[2]], say=messages.append).run()
+    redone = [m for m in messages if " ..." in m and "guardrails" not in m]
+    assert redone == [m for m in redone if "odm" in m] and any("odm: proxy ..." in m for m in redone)
+
+
 def test_iterated_rounds_feed_weights_forward_and_stop_on_tolerance(tmp_path):
     from trainer.configtools import read_yaml
 
