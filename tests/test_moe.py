@@ -307,3 +307,20 @@ def test_plan_counts_experts_per_ep_rank_and_all_to_all_buffers():
     assert eight.weights == pytest.approx(20 * per_expert * 2.0 + delta * 2.0)
     assert eight.optimizer == pytest.approx(20 * per_expert * 10.0 + delta * 10.0 / 8)
     assert one.optimizer == pytest.approx((20 * 8 * per_expert + delta) * 10.0 / 8)
+
+
+def test_doge_under_expert_parallelism_is_refused_before_any_work(tmp_path):
+    """DoGE's per-domain micro-batches differ between dp ranks; the experts' all-to-all needs
+    every rank in every forward: one line, not a hang."""
+    from doremi.methods.registry import preflight
+
+    cfg = config(
+        tmp_path / "stores",
+        tmp_path / "run",
+        "model.moe.num_experts=4",
+        "parallelism.dp=2",
+        "parallelism.ep=2",
+        "mixing.method=doge",
+    )
+    with pytest.raises(ConfigError, match=r"^mixing.doge: DoGE's per-domain gradients do not run under expert"):
+        preflight("doge", cfg, ["a", "b", "c"])

@@ -55,11 +55,25 @@ def _doremi(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
 def _doge(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
     from doremi.methods.doge import DoGE, target_sequences
 
+    check_doge_layout(cfg)
     manifest = read_manifest(cfg.data.store_dir)
     d = cfg.mixing.doge
     sampling = resolve_weights(d.sampling, manifest, "mixing.doge.sampling", cfg.budget_tokens)
     target = resolve_weights(d.target, manifest, "mixing.doge.target", cfg.budget_tokens)
     return DoGE(d, ctx, sampling, target, target_sequences(d, cfg.train.global_batch_size))
+
+
+def check_doge_layout(cfg: ExperimentConfig) -> None:
+    """DoGE's step runs each domain's sequences of a rank as their own micro-batches, so dp ranks
+    run different numbers of forwards; expert parallelism's all-to-all needs every rank of its
+    group in every forward, so the two would wait on each other for ever: refused."""
+    from trainer.configtools import ConfigError
+
+    if cfg.parallelism.ep > 1:
+        raise ConfigError(
+            f"mixing.doge: DoGE's per-domain gradients do not run under expert parallelism "
+            f"(parallelism.ep = {cfg.parallelism.ep}); expected parallelism.ep: 1"
+        )
 
 
 def _odm(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
@@ -105,6 +119,8 @@ def preflight(name: str, cfg: ExperimentConfig, domains: list[str]) -> None:
 
     if name not in BUILDERS or name == "doremi":
         return
+    if name == "doge":
+        check_doge_layout(cfg)
     ctx = MethodContext(
         domains=list(domains),
         run_dir=Path(cfg.train.run_dir or "."),
