@@ -233,19 +233,27 @@ def _reduce_expert_grads(params: list[torch.Tensor], owners: list[int], zero1: b
         return
     for j, dst in enumerate(ep.replica_ranks):
         mine = [p for p, o in zip(params, owners) if o == j * ep.size + ep.rank]
+        _reduce_onto(mine, dst, ep.replica_group, j == ep.replica_rank, bucket_numel)
 
-        def launch(bucket, dst=dst):
-            flat = _flat_grads(bucket)
-            return flat, dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=ep.replica_group, async_op=True)
 
-        def finish(bucket, flat, j=j):
-            if j == ep.replica_rank:
-                _copy_into_grads(bucket, flat)
-            else:
-                for p in bucket:
-                    p.grad = None
+def _reduce_onto(
+    params: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup, is_dst: bool, bucket_numel: int
+) -> None:
+    """Sum `params`' gradients over `group` onto global rank `dst`; the other ranks drop their
+    (partial) `.grad`s."""
 
-        _pipelined(buckets(mine, bucket_numel), launch, finish)
+    def launch(bucket):
+        flat = _flat_grads(bucket)
+        return flat, dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def finish(bucket, flat):
+        if is_dst:
+            _copy_into_grads(bucket, flat)
+        else:
+            for p in bucket:
+                p.grad = None
+
+    _pipelined(buckets(params, bucket_numel), launch, finish)
 
 
 def reduce_grads_to_owners(
@@ -256,20 +264,7 @@ def reduce_grads_to_owners(
     if pc.dp == 1:
         return
     for owner, mine in enumerate(_by_owner(params, owners, pc.dp)):
-        dst = owner_global_rank(owner, pc)
-
-        def launch(bucket, dst=dst):
-            flat = _flat_grads(bucket)
-            return flat, dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=pc.dp_group, async_op=True)
-
-        def finish(bucket, flat, owner=owner):
-            if owner == pc.dp_rank:
-                _copy_into_grads(bucket, flat)
-            else:
-                for p in bucket:
-                    p.grad = None
-
-        _pipelined(buckets(mine, bucket_numel), launch, finish)
+        _reduce_onto(mine, owner_global_rank(owner, pc), pc.dp_group, owner == pc.dp_rank, bucket_numel)
 
 
 @torch.no_grad()
