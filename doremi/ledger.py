@@ -12,7 +12,9 @@ a forward alone is a third of it):
     validation passes        a forward over the validation tokens of every pass the method
                              asked for (the trainer counts them: `method_evals` in metrics.jsonl)
 
-the tokens those passes processed, and the measured wall-clock seconds its stages took (the
+the tokens those passes processed (nominal: steps x batch x sequence length), beside the
+non-masked tokens the training steps measured (`realised` in metrics.jsonl; none for a stacked
+sweep), and the measured wall-clock seconds its stages took (the
 pipeline's stage markers, `seconds`).
 """
 
@@ -67,6 +69,8 @@ def run_cost(run: Path, kind: str) -> dict[str, float] | None:
         cost["validation"] = fpt / 3 * evals["tokens"]
     cost["total"] = sum(cost.values())
     # Tokens processed: trained, forwarded by the reference, DoGE's target (trained) and validated.
+    realised = next((r["realised"]["tokens"] for r in reversed(rows) if isinstance(r.get("realised"), dict)), None)
+    cost["trained_measured"] = float(sum(realised.values())) if realised else None
     target_tokens = cost["target"] / fpt if fpt else 0.0
     cost["tokens"] = tokens + (tokens if kind == "proxy" else 0) + target_tokens + (evals or {}).get("tokens", 0)
     marker = dir_marker(run)
@@ -120,6 +124,8 @@ def compute_ledger(root: Path, methods: list[str], online: list[str]) -> dict[st
             key: sum(c.get(key) or 0.0 for c in costs)
             for key in ("train", "reference", "target", "validation", "total", "tokens")
         }
+        measured = [c.get("trained_measured") for c in costs]
+        total["trained_measured"] = sum(measured) if all(m is not None for m in measured) else None
         secs = [c.get("seconds") for c in costs]
         total["seconds"] = sum(secs) if all(x is not None for x in secs) else None
         out[name] = total

@@ -235,11 +235,11 @@ def format_compute(ledger: Mapping[str, Mapping[str, float | None]]) -> str:
     """The compute each method spent to find its mixture (doremi/ledger.py), a markdown table."""
     rows = []
     for name, c in ledger.items():
-        secs = c.get("seconds")
+        secs, measured = c.get("seconds"), c.get("trained_measured")
         rows.append(
             [name]
             + [f"{c.get(key) or 0.0:.3g}" for key in ("train", "reference", "target", "validation", "total", "tokens")]
-            + ["" if secs is None else f"{secs:.1f}"]
+            + ["" if measured is None else f"{measured:.3g}", "" if secs is None else f"{secs:.1f}"]
         )
     header = [
         "method",
@@ -248,7 +248,8 @@ def format_compute(ledger: Mapping[str, Mapping[str, float | None]]) -> str:
         "target FLOPs",
         "validation FLOPs",
         "total FLOPs",
-        "tokens",
+        "tokens (nominal)",
+        "trained tokens (measured)",
         "seconds",
     ]
     return markdown_table(header, rows)
@@ -451,7 +452,8 @@ def write_report(
             compute_table,
             "Model FLOPs (6N + attention per trained token; a forward is a third): training steps, "
             "the reference's forwards, DoGE's target gradients and the validation passes a method "
-            "asked for (doremi/ledger.py); the tokens those passes processed; seconds as measured by the pipeline.",
+            "asked for (doremi/ledger.py); the tokens those passes processed (nominal), beside the "
+            "non-masked tokens the training steps drew (measured); seconds as measured by the pipeline.",
             "",
         ]
     parts += [
