@@ -67,6 +67,39 @@ def test_checkpoint_of_another_model_config_is_refused(tmp_path, overrides, mess
     load_checkpoint(ck, llama("model.attention=sdpa", "model.init_std=0.1"), None, PC)  # not architecture
 
 
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
+HYBRID = ["model.block_pattern=MA", "model.mamba.head_dim=16"]
+
+
+@pytest.mark.parametrize(
+    "base, overrides, message",
+    [
+        (MOE, ["model.moe.top_k=1"], "model.moe.top_k is 2 in the checkpoint but 1 now"),
+        (MOE, ["model.moe.gating=sigmoid"], "model.moe.gating is softmax in the checkpoint but sigmoid now"),
+        (
+            MOE,
+            ["model.moe.normalize_top_k=false"],
+            "model.moe.normalize_top_k is true in the checkpoint but false now",
+        ),
+        (MOE, ["model.moe.layers=[0]"], "model.moe.layers is [0, 1] in the checkpoint but [0] now"),
+        (
+            ["model.mup.base_width=32"],
+            ["model.mup.base_width=16"],
+            "model.mup.base_width is 32 in the checkpoint but 16 now",
+        ),
+        (["model.mup.base_width=32"], ["model.mup=null"], "model.mup.base_width is 32 in the checkpoint but null now"),
+        (HYBRID, ["model.mamba.ngroups=2"], "model.mamba.ngroups is 1 in the checkpoint but 2 now"),
+    ],
+)
+def test_checkpoint_of_another_moe_mamba_or_mup_model_is_refused(tmp_path, base, overrides, message):
+    """Keys of the optional parts that change the function, some without changing any shape."""
+    ck = save_checkpoint(tmp_path, 1, llama(*base), None, PC, {"step": 1})
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(ck, llama(*base, *overrides), None, PC)
+    assert str(err.value) == f"checkpoint {ck}: {message}"
+    load_checkpoint(ck, llama(*base, "model.moe.aux_loss_coef=0.5") if base is MOE else llama(*base), None, PC)
+
+
 def toy(names_from: dict, drop: tuple[str, ...] = ()) -> torch.nn.Module:
     specs = {n: s for n, s in names_from.items() if not n.startswith(drop)}
     return build_stage(full_tensors(specs, 0), specs, list(specs), 1, 0)

@@ -121,6 +121,25 @@ def test_delayed_scaling_uses_the_history_max_and_rolls_per_step():
     assert torch.equal(mm.forward(x3, w), torch.full((2, 8), 32.0))
 
 
+def test_delayed_histories_record_training_gemms_through_the_linear_not_evaluation():
+    """Through the autograd Function (where grad mode is always off), a training forward and
+    backward record all three roles; a forward under no_grad records none."""
+    tp = TensorParallel()
+    mm = Fp8Matmul(COLUMN, tp, "tensorwise", "e5m2", amax_history=2)
+    lin = torch.nn.Module()
+    lin.fp8 = mm
+    w = torch.full((8, 16), 0.25, requires_grad=True)
+    with torch.no_grad():
+        column_parallel_linear(torch.full((2, 16), 3.0), w, tp, mm)
+    assert mm.delayed.pending == {}
+    column_parallel_linear(torch.full((2, 16), 2.0), w, tp, mm).sum().backward()
+    assert {r: float(a) for r, a in mm.delayed.pending.items()} == {"x": 2.0, "w": 0.25, "g": 1.0}
+    end_fp8_step(lin, ParallelContext.single())
+    with torch.no_grad():
+        column_parallel_linear(torch.full((2, 16), 3.0), w, tp, mm)  # scaled from the history, not recorded
+    assert mm.delayed.pending == {}
+
+
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"model.fp8.layers: expected a non-empty list"):
         Fp8Config(layers=["qkv", "head"]).validate()
@@ -321,3 +340,48 @@ def test_fp8_runs_differ_from_high_precision_but_little(runs):
         got = losses(runs / f"single-{name}")
         assert got != pytest.approx(plain, rel=1e-6)
         assert got == pytest.approx(plain, rel=2e-2)
+
+
+# -- delayed scaling across a resume --------------------------------------------------------------
+
+
+def test_delayed_scaling_resumes_exactly_from_its_saved_histories(stores, tmp_path):
+    """A crash after step 3's checkpoint: the resumed steps 4-6 must scale with the amaxes of
+    steps 1-3 (saved in the checkpoint), as the uninterrupted run did, not dynamically."""
+    import shutil
+
+    from trainer.checkpoint import checkpoint_dir
+
+    sets = [*COMMON, *FP8["delayed"], "train.steps=6", "checkpoint.every=1", "checkpoint.keep=10"]
+    whole = tmp_path / "whole"
+    stages.train(config(stores, whole, *sets))
+    crashed = tmp_path / "crashed"
+    shutil.copytree(whole, crashed)
+    for step in (4, 5, 6):
+        shutil.rmtree(checkpoint_dir(crashed, step))
+    stages.train(config(stores, crashed, *sets))
+    assert losses(crashed) == losses(whole)
+
+    extra = torch.load(checkpoint_dir(crashed, 3) / "extra.pt")
+    saved = extra["fp8"]["layers.0.attn.qkv"]
+    assert saved["steps"] == 3 and [len(h) for h in saved["history"].values()] == [4, 4, 4]
+
+    from trainer.build import build_model
+    from trainer.model.fp8 import load_amax_histories
+
+    model = build_model(config(stores, crashed, *sets), ParallelContext.single())
+    with pytest.raises(ConfigError, match=r"^checkpoint ck: no FP8 amax history for layers\.0\.attn\.qkv "):
+        load_amax_histories(model, {}, torch.device("cpu"), "ck")  # a checkpoint written before they were saved
+    short = {n: {"steps": 3, "history": {r: [1.0, 2.0] for r in "xwg"}} for n in extra["fp8"]}
+    with pytest.raises(ConfigError, match="has 2 steps but model.fp8.amax_history is 4"):
+        load_amax_histories(model, short, torch.device("cpu"), "ck")
+
+
+def test_pipeline_checkpoint_holds_every_stage_histories(runs):
+    """Rank 0 writes the extra state; the pp4 run's must hold the histories of all four stages."""
+    from trainer.checkpoint import latest_checkpoint
+
+    extra = torch.load(latest_checkpoint(runs / "delayed-pp4-afab-full") / "extra.pt")
+    layers = {name.split(".")[1] for name in extra["fp8"]}
+    assert layers == {str(i) for i in range(4)}
+    assert all(state["steps"] == 3 for state in extra["fp8"].values())

@@ -17,7 +17,7 @@ Integrity: each file's XXH3-64 hash (xxhash; about 10x the speed of zlib's CRC-3
 quarter of the load time: experiments/notes/CHECKPOINTS.md) is computed over its bytes as they are
 written (torch's own per-record zip CRC, which a memory-mapped load never checks, is turned off
 for these writes) and checked when a rank first reads the file. Loading checks
-the model config's architecture keys (`ARCH_KEYS`) and the parameter set both ways (names the
+the model config's architecture keys (`trainer.model.architecture`) and the parameter set both ways (names the
 model lacks, names the checkpoint lacks) before any tensor is copied, so a checkpoint of
 another model never loads into the parameters they happen to share.
 
@@ -65,7 +65,7 @@ import xxhash
 
 from data.atomic import atomic_path, atomic_write_text
 from data.errors import UserError
-from trainer.model.mamba_config import mamba_arch
+from trainer.model.architecture import architecture_diff
 from trainer.optim.interface import Optimizer
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.expert import ep_full_shape, ep_gather, ep_gather_state, ep_slice, ep_slice_state
@@ -76,21 +76,6 @@ FORMAT_VERSION = 2
 META = "meta.json"
 _STEP_DIR = re.compile(r"step_(\d{7,})")
 _OLD = ".old.tmp"
-
-#: The `model` config keys that decide which function the parameters compute. Others (init,
-#: attention kernel, compile, max_seq_len: the RoPE table's length) may change on resume.
-ARCH_KEYS = (
-    "vocab_size",
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "tie_embeddings",
-    "rope_theta",
-    "rope_scaling",
-    "norm_eps",
-)
 
 
 class CheckpointError(UserError, ValueError):
@@ -509,15 +494,8 @@ def _check_model_config(ck: Path, saved: dict[str, Any] | None, current: dict[st
     if saved is None or current is None:
         return
     diff = [
-        f"model.{k} is {_show(saved.get(k))} in the checkpoint but {_show(current.get(k))} now"
-        for k in ARCH_KEYS
-        if saved.get(k) != current.get(k)
-    ]
-    was, now = mamba_arch(saved), mamba_arch(current)
-    diff += [
-        f"model.{k} is {_show(was.get(k))} in the checkpoint but {_show(now.get(k))} now"
-        for k in sorted(set(was) | set(now))
-        if was.get(k) != now.get(k)
+        f"model.{k} is {_show(was)} in the checkpoint but {_show(now)} now"
+        for k, was, now in architecture_diff(saved, current)
     ]
     if diff:
         raise CheckpointError(f"checkpoint {ck}: {'; '.join(diff)}")

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import ARCH_KEYS, latest_checkpoint
+from trainer.checkpoint import latest_checkpoint
 from trainer.hf_files import CONFIG, HFDir
 from trainer.hf_format import HFFormatError, model_keys_from_hf, our_tensor
+from trainer.model.architecture import ARCH_KEYS
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.shard import full_shape, get_shard_spec, shard
 

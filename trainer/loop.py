@@ -31,7 +31,7 @@ from trainer.hooks import FixedMixture, MethodContext, MethodFactory, MixingHook
 from trainer.interrupt import Interrupted, StopRequests
 from trainer.metrics import MetricsLogger, read_jsonl
 from trainer.model.flops import flops_per_token
-from trainer.model.fp8 import end_fp8_step
+from trainer.model.fp8 import amax_histories, end_fp8_step, load_amax_histories
 from trainer.model.moe import moe_metrics
 from trainer.optim.build import build_optimizer
 from trainer.parallel.context import ParallelContext
@@ -102,6 +102,7 @@ class Trainer:
         self.realised_tokens = torch.zeros(self.feed.k, dtype=torch.float64, device=self.pc.device)
         self.autocast = self.facts.autocast()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.delayed_fp8 = cfg.model.fp8 is not None and cfg.model.fp8.amax_history > 0
         if cfg.train.eval_every:
             self.feed.validation(self.facts.micro_batch_size, cfg.train.eval_sequences)  # fail before any step
 
@@ -131,6 +132,7 @@ class Trainer:
             "run": self.record,
             "config": to_dict(self.cfg),
             "lr_extension": None if self.extension is None else self.extension.state_dict(),
+            "fp8": amax_histories(self.model, self.pc) if self.delayed_fp8 else {},
         }
 
     def save(self) -> None:
@@ -181,6 +183,8 @@ class Trainer:
         self.realised_tokens = torch.tensor(extra["realised_tokens"], dtype=torch.float64, device=self.pc.device)
         self.hook.load_state_dict(extra.get("method", extra.get("hook", {})))
         self.method_evals = {**self.method_evals, **extra.get("method_evals", {})}
+        if own and self.delayed_fp8:
+            load_amax_histories(self.model, extra.get("fp8", {}), self.pc.device, str(path))
         return True
 
     # -- one step ------------------------------------------------------------------------

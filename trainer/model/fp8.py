@@ -16,7 +16,8 @@ Scaling (`model.fp8.scaling`):
   Engine's recipe: the scale of step t is known before step t, so it is the same for every
   micro-batch and for a recomputed forward; the first step has no history and is dynamic).
   The step's amaxes are rolled into the history by `end_fp8_step`, max-reduced over tp and dp
-  so that every replica uses the same scales.
+  so that every replica uses the same scales. Only training GEMMs record (not evaluation or a
+  frozen reference's forwards); the histories go into checkpoints (`amax_histories`).
 - rowwise: one scale per row of A and per column of B, i.e. along the dims that are not
   contracted (a scale on the contracted dim would not factor out of the dot product): per token
   for activations and their gradients in the forward and input-gradient GEMMs, per output
@@ -37,7 +38,7 @@ exact in fp32); only the accumulation order differs from the tensor cores'.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -111,8 +112,6 @@ class AmaxHistory:
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def record(self, role: str, amax: torch.Tensor) -> None:
-        if not torch.is_grad_enabled() and role != "g":
-            return  # evaluation forwards do not move the scales
         prev = self.pending.get(role)
         self.pending[role] = amax.float() if prev is None else torch.maximum(prev, amax.float())
 
@@ -129,6 +128,17 @@ class AmaxHistory:
             self.history[role] = torch.cat([a.reshape(1), h[:-1]])
         self.pending.clear()
         self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "history": {role: h.tolist() for role, h in sorted(self.history.items())}}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """float32 amaxes round-trip exactly through the JSON floats of `state_dict`."""
+        self.steps = int(state["steps"])
+        self.history = {
+            role: torch.tensor(h, dtype=torch.float32, device=device) for role, h in state["history"].items()
+        }
+        self.pending.clear()
 
 
 class Fp8Matmul:
@@ -158,24 +168,26 @@ class Fp8Matmul:
             dist.all_reduce(a, op=dist.ReduceOp.MAX, group=self.tp.group)
         return a
 
-    def _scale(self, op: Operand, contracted: int) -> torch.Tensor:
+    def _scale(self, op: Operand, contracted: int, record: bool) -> torch.Tensor:
         if self.scaling == "rowwise":
             return scale_from_amax(self._amax(op, contracted), op.dtype)
         if self.delayed is not None:
             past = self.delayed.amax(op.role)
-            local = op.t.detach().abs().amax()
             if past is not None:
-                self.delayed.record(op.role, local)
+                if record:
+                    self.delayed.record(op.role, op.t.detach().abs().amax())
                 return scale_from_amax(past, op.dtype)
             current = self._amax(op, None)
-            self.delayed.record(op.role, current)
+            if record:
+                self.delayed.record(op.role, current)
             return scale_from_amax(current, op.dtype)
         return scale_from_amax(self._amax(op, None), op.dtype)
 
     # -- one GEMM -----------------------------------------------------------------------------
-    def gemm(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
-        """A [M, K] @ B [K, N] with both operands in FP8 -> [M, N] in `out_dtype`."""
-        sa, sb = self._scale(a, 1), self._scale(b, 0)
+    def gemm(self, a: Operand, b: Operand, out_dtype: torch.dtype, record: bool = True) -> torch.Tensor:
+        """A [M, K] @ B [K, N] with both operands in FP8 -> [M, N] in `out_dtype`. `record`:
+        the operands' amaxes go into this step's delayed-scaling history (training GEMMs)."""
+        sa, sb = self._scale(a, 1, record), self._scale(b, 0, record)
         qa, qb = quantise(a.t, sa, a.dtype), quantise(b.t, sb, b.dtype)
         m, k = a.t.shape
         n = b.t.shape[1]
@@ -191,12 +203,15 @@ class Fp8Matmul:
         return (dequantise(qa, sa) @ dequantise(qb, sb)).to(out_dtype)
 
     # -- the linear's three products (x [..., in_local], w [out_local, in_local], g [..., out_local])
-    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, w: torch.Tensor, record: bool = True) -> torch.Tensor:
+        """`record` False for a forward without a backward (evaluation, a frozen reference):
+        it does not move the scales. The caller decides, outside the autograd Function, where
+        grad mode is always off."""
         col = self.style == COLUMN
         e4m3 = torch.float8_e4m3fn
         a = Operand(_flat(x), e4m3, None if col else 1, "x")
         b = Operand(w.t(), e4m3, 1 if col else 0, "w")
-        return self.gemm(a, b, x.dtype).view(*x.shape[:-1], w.shape[0])
+        return self.gemm(a, b, x.dtype, record).view(*x.shape[:-1], w.shape[0])
 
     def grad_input(self, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         col = self.style == COLUMN
@@ -269,6 +284,44 @@ def end_fp8_step(model: nn.Module, pc) -> None:
         reduced[id(d)][role] = a
     for d in delayed:
         d.roll(reduced[id(d)])
+
+
+def _delayed_by_name(model: nn.Module) -> dict[str, AmaxHistory]:
+    return {
+        name: m.fp8.delayed
+        for name, m in model.named_modules()
+        if getattr(m, "fp8", None) is not None and m.fp8.delayed is not None
+    }
+
+
+def amax_histories(model: nn.Module, pc) -> dict[str, Any]:
+    """Every delayed-scaling linear's amax history, by the linear's (global) module name, over
+    all pipeline stages: what a resume needs to scale its next step as the uninterrupted run
+    would. Collective over pp; the histories are already equal over tp and dp (`end_fp8_step`)."""
+    local = {name: d.state_dict() for name, d in _delayed_by_name(model).items()}
+    if pc.pp == 1:
+        return local
+    parts: list[Any] = [None] * pc.pp
+    dist.all_gather_object(parts, local, group=pc.pp_group)
+    return {name: state for part in parts for name, state in part.items()}
+
+
+def load_amax_histories(model: nn.Module, state: dict[str, Any], device: torch.device, source: str) -> None:
+    """Restore this stage's histories from `amax_histories`' output; a linear missing from it
+    (a checkpoint written before histories were saved, or without delayed scaling) is refused:
+    its first resumed step would scale dynamically where the uninterrupted run did not."""
+    for name, delayed in _delayed_by_name(model).items():
+        if name not in state:
+            raise ConfigError(
+                f"checkpoint {source}: no FP8 amax history for {name} (model.fp8.amax_history is "
+                f"{delayed.length}); resume it with the amax_history it was written with, or start again"
+            )
+        if len(state[name]["history"].get("x", [])) not in (0, delayed.length):
+            raise ConfigError(
+                f"checkpoint {source}: FP8 amax history of {name} has {len(state[name]['history']['x'])} "
+                f"steps but model.fp8.amax_history is {delayed.length}"
+            )
+        delayed.load_state_dict(state[name], device)
 
 
 @dataclass

@@ -248,12 +248,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 class _ColumnParallelLinear(torch.autograd.Function):
     # `mm`: the GEMMs in another precision (`trainer.model.fp8.Fp8Matmul`); None: torch.matmul.
     @staticmethod
-    def forward(ctx, x, weight, tp, mm=None):
+    def forward(ctx, x, weight, tp, mm=None, record=True):
         if tp.sequence_parallel:
             full = gather_sequence(x, tp, "input" if tp.recompute_allgather else None)
         else:
             full = x
-        out = mm.forward(full, weight) if mm is not None else torch.matmul(full, weight.t())
+        out = mm.forward(full, weight, record) if mm is not None else torch.matmul(full, weight.t())
         ctx.tp, ctx.mm = tp, mm
         ctx.save_for_backward(x if tp.recompute_allgather else full, weight)
         return out
@@ -283,13 +283,13 @@ class _ColumnParallelLinear(torch.autograd.Function):
             grad_w = mm.grad_weight(g, full) if mm is not None else _flat(g).t().matmul(_flat(full))
         if comm is not None:
             comm.wait()
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 class _RowParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, tp, mm=None):
-        out = mm.forward(x, weight) if mm is not None else torch.matmul(x, weight.t())
+    def forward(ctx, x, weight, tp, mm=None, record=True):
+        out = mm.forward(x, weight, record) if mm is not None else torch.matmul(x, weight.t())
         if tp.sequence_parallel:
             out = reduce_scatter_sequence(out, tp)
         elif tp.size > 1:
@@ -310,19 +310,19 @@ class _RowParallelLinear(torch.autograd.Function):
             grad_x = mm.grad_input(g, weight) if mm is not None else torch.matmul(g, weight)
         if ctx.needs_input_grad[1]:
             grad_w = mm.grad_weight(g, x) if mm is not None else _flat(g).t().matmul(_flat(x))
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 @_no_compile
 def _column_tp(x, weight, tp, mm=None):
     dt = _compute_dtype(x)
-    return _ColumnParallelLinear.apply(x.to(dt), weight.to(dt), tp, mm)
+    return _ColumnParallelLinear.apply(x.to(dt), weight.to(dt), tp, mm, torch.is_grad_enabled())
 
 
 @_no_compile
 def _row_tp(x, weight, tp, mm=None):
     dt = _compute_dtype(x)
-    return _RowParallelLinear.apply(x.to(dt), weight.to(dt), tp, mm)
+    return _RowParallelLinear.apply(x.to(dt), weight.to(dt), tp, mm, torch.is_grad_enabled())
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, mm=None) -> torch.Tensor:
