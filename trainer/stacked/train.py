@@ -62,9 +62,17 @@ def check_stackable(cfg: TrainerConfig) -> None:
         raise ConfigError("train.param_dtype: stacked training keeps fp32 parameters, got 'bf16' (use fp32 or auto)")
     if cfg.model.init_from_hf:
         raise ConfigError("model.init_from_hf: stacked training initialises every model from its seed, got a path")
-    for key in ("fp8", "mup"):
+    for key in ("fp8", "mup", "moe"):
         if getattr(cfg.model, key, None) is not None:
-            raise ConfigError(f"model.{key}: stacked training runs the plain Llama (no FP8, no muP), expected none")
+            raise ConfigError(
+                f"model.{key}: stacked training runs the plain Llama (no FP8, muP or MoE), expected none "
+                f"(or set sweep.stacked: false)"
+            )
+    if "M" in cfg.model.block_pattern:
+        raise ConfigError(
+            f"model.block_pattern: stacked training runs attention blocks only, got {cfg.model.block_pattern!r} "
+            f"(or set sweep.stacked: false)"
+        )
 
 
 def check_mixtures(mixtures: np.ndarray, domains: Sequence[str]) -> np.ndarray:
