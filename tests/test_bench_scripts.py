@@ -295,3 +295,44 @@ def test_fp8_bench_runs_the_gemms_and_the_step_emulated_on_the_cpu(tmp_path):
     assert [r["variant"] for r in steps] == ["bf16", "tensorwise", "rowwise"]
     assert all(r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / 989e12) for r in steps)
     assert result["native_fp8"] is False and (tmp_path / "fp8_bench.json").exists()
+
+
+class _Parsed(Exception):
+    """Raised in place of running a bench once its command line has parsed."""
+
+
+def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monkeypatch):
+    """Each call of experiments/tools/bench/gpu_queue.sh: every command line parses with its
+    bench's own parser, names presets that exist, writes only under $OUT (nothing else comes back
+    from the device machine), and the timeouts of one call fit the tool's 600 s."""
+    import argparse
+    import subprocess
+
+    from trainer.model.presets import PRESETS
+
+    queue = BENCH / "gpu_queue.sh"
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.syspath_prepend(str(BENCH))
+    for call in (1, 2, 3):
+        lines = subprocess.run(["bash", str(queue), "--print", str(call)], capture_output=True, text=True, check=True)
+        rows = [line.split() for line in lines.stdout.splitlines()]
+        assert sum(int(r[1]) for r in rows) <= 600 - 20, call
+        for name, _, _, script, *argv in rows:
+            assert Path(script).name == f"{name}.py"
+            module = importlib.import_module(name)
+            with pytest.raises(_Parsed) as parsed:
+                module.main(argv)
+            args = vars(parsed.value.args[0])
+            if args.get("out") is not None:
+                assert str(args["out"]).startswith("$OUT/"), name
+            if args.get("preset") is not None:
+                assert args["preset"] in PRESETS, name
+    bad = subprocess.run(
+        ["bash", str(queue), "4"], capture_output=True, text=True, env={"OUT": "/tmp/x", "PATH": "/usr/bin:/bin"}
+    )
+    assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1, 2 or 3, got '4'"

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU measurements pending since sessions without a device, as device-tool calls of at most
+# 600 s each (30 device minutes a session: calls 1-3 fit one session with the machine's start).
+# Every bench writes under $OUT (the only folder that comes back from the device machine) and
+# its log is teed there; each runs under its own timeout so a slow one cannot starve the next.
+#
+#   bash experiments/tools/bench/gpu_queue.sh 1   # issue 20: mixing methods' step cost, 280M and 1B
+#   bash experiments/tools/bench/gpu_queue.sh 2   # issue 21: 64 stacked runs vs 8 one by one; issue 23: FP8
+#   bash experiments/tools/bench/gpu_queue.sh 3   # issue 24: MoE vs a plain loop; issue 25: Mamba-2, 1B hybrid
+#   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
+#
+# Then the comparison study (experiments/notes/COMPARISON.md), repeated until done:
+#   python3 experiments/launch/doremi_real.py --out $OUT --work runs/compare --arms compare-s1,compare-s2 --deadline 580
+set -u
+PY=${PYTHON:-python3}
+B=experiments/tools/bench
+
+commands() {
+    case "$1" in
+    1) echo "method_bench 575 $PY $B/method_bench.py --presets 280m,1b --deadline 540 --out \$OUT/method_bench" ;;
+    2)
+        echo "stacked_bench 250 $PY $B/stacked_bench.py --device cuda --compile --models 64 --single 8"
+        echo "fp8_bench 320 $PY $B/fp8_bench.py --preset bench-1b --micro-batch 4 --seq 2048 --steps 10 --warmup 3 --out \$OUT/fp8_bench"
+        ;;
+    3)
+        echo "moe_bench 280 $PY $B/moe_bench.py --preset moe-1b-active --micro-batch 4 --seq 2048 --steps 10 --warmup 3 --out \$OUT/moe_bench"
+        echo "mamba_bench 290 $PY $B/mamba_bench.py --preset hybrid-1b --micro-batch 4 --seq 2048 --steps 10 --warmup 3 --out \$OUT/mamba_bench"
+        ;;
+    *)
+        echo "gpu_queue.sh: expected a call number 1, 2 or 3, got '$1'" >&2
+        return 2
+        ;;
+    esac
+}
+
+if [ "${1:-}" = "--print" ]; then
+    commands "${2:-}"
+    exit $?
+fi
+: "${OUT:?gpu_queue.sh: set OUT to the folder that comes back (the device tool sets it)}"
+list=$(commands "${1:-}") || exit 2
+status=0
+while read -r name limit cmd; do
+    cmd=${cmd//\$OUT/$OUT}
+    echo "== $name (at most $limit s): $cmd"
+    mkdir -p "$OUT"
+    timeout "$limit" $cmd 2>&1 | tee "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc"
+    [ "$rc" = 0 ] || status=1
+done <<<"$list"
+exit $status
