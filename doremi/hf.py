@@ -33,9 +33,16 @@ from data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from data.tokenizer_export import tokenizer_files
 from trainer.checkpoint import META, load_checkpoint, resolve_checkpoint
 from trainer.config import ModelConfig
-from trainer.configtools import from_dict, read_yaml
+from trainer.configtools import ConfigError, from_dict, read_yaml
 from trainer.hf_files import CONFIG, HFDir, write_weights
-from trainer.hf_format import HFFormatError, hf_names, model_keys_from_hf, our_names, to_hf_config, to_hf_state
+from trainer.hf_format import (
+    HFFormatError,
+    check_plain_llama,
+    hf_shapes,
+    model_keys_from_hf,
+    to_hf_config,
+    to_hf_state,
+)
 from trainer.parallel.context import ParallelContext
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -88,6 +95,7 @@ def hf_directory_files(ck: Path, with_tokenizer: bool = True) -> tuple[dict[str,
     """The weights (HF names) and the JSON/text files of the export of checkpoint `ck`."""
     meta = json.loads((ck / META).read_text())
     cfg = checkpoint_model_config(meta, ck)
+    check_plain_llama(cfg, "doremi export")
     tok = run_tokenizer(ck, meta) if with_tokenizer else None
     from trainer.model.llama import Llama
 
@@ -114,13 +122,21 @@ def _check_out(out: Path, force: bool) -> None:
 def _replace_dir(staging: Path, out: Path) -> None:
     """Rename `staging` to `out`; an existing `out` is moved aside first and removed after."""
     old = None
-    if out.exists():
+    if out.exists() or out.is_symlink():
         old = out.with_name(f".{out.name}.old.tmp")
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         out.rename(old)
     staging.rename(out)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Remove `path`, a directory tree or a single file (an OUT_DIR replaced with --force may be a file)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def export(
@@ -154,15 +170,20 @@ def export(
 
 
 def check_tensors(hf: HFDir, cfg: ModelConfig) -> None:
-    """The directory holds every tensor of the model and none that does not map."""
-    wanted = {n for name in our_names(cfg) for n in hf_names(name)}
-    missing = sorted(wanted - hf.names)
+    """The directory holds every tensor of the model, each of the shape its config.json implies,
+    and none that does not map (shapes from the files' headers: no weight is read)."""
+    shapes = hf_shapes(cfg)
+    missing = sorted(set(shapes) - hf.names)
     if missing:
         raise HFFormatError(f"{hf.path}: no tensor {missing[0]!r} in the weights ({len(missing)} missing)")
     tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    extra = sorted(n for n in hf.names - wanted - tied_head if not n.endswith(_IGNORED_SUFFIXES))
+    extra = sorted(n for n in hf.names - set(shapes) - tied_head if not n.endswith(_IGNORED_SUFFIXES))
     if extra:
         raise HFFormatError(f"{hf.path}: tensor {extra[0]!r} does not map onto this framework's Llama")
+    for name, want in sorted(shapes.items()):
+        got = hf.shape(name)
+        if got != want:
+            raise HFFormatError(f"{hf.path}: tensor {name!r} has shape {list(got)}, {CONFIG} implies {list(want)}")
 
 
 def _tokenizer_section(path: Path) -> dict[str, Any] | None:
@@ -183,7 +204,10 @@ def import_sections(hf_dir: str | Path) -> dict[str, Any]:
     """The config sections of a run that starts from the Hugging Face directory `hf_dir`."""
     hf = HFDir(Path(hf_dir).resolve())
     keys = model_keys_from_hf(hf.config, str(hf.path / CONFIG))
-    cfg = from_dict(ModelConfig, keys, "model")
+    try:
+        cfg = from_dict(ModelConfig, keys, "model")
+    except ConfigError as e:
+        raise HFFormatError(f"{hf.path / CONFIG}: {e}") from None
     check_tensors(hf, cfg)
     sections: dict[str, Any] = {"model": {**keys, "init_from_hf": str(hf.path)}}
     tokenizer = _tokenizer_section(hf.path)

@@ -48,13 +48,14 @@ def alphas(run: Path) -> list[list[float]]:
     return [r["weights"] for r in read_jsonl(Path(run) / "domain_weights.jsonl")]
 
 
-def final_params(store: Path, run: Path) -> dict[str, torch.Tensor]:
-    """Parameters of a run's last checkpoint, reassembled into a single-process model."""
+def final_params(store: Path, run: Path, *model_sets: str) -> dict[str, torch.Tensor]:
+    """Parameters of a run's last checkpoint, reassembled into a single-process model of the
+    default test config with `model_sets` (the run's architecture keys: the load checks them)."""
     from trainer.build import build_model
     from trainer.checkpoint import latest_checkpoint, load_checkpoint
     from trainer.parallel.context import ParallelContext
 
-    cfg = config(store, Path(str(run) + "-load"))
+    cfg = config(store, Path(str(run) + "-load"), *model_sets)
     model = build_model(cfg, ParallelContext.single())
     load_checkpoint(latest_checkpoint(run), model, None, ParallelContext.single())
     return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -103,6 +103,12 @@ def test_import_prints_the_model_section(tmp_path):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_map_both_ways(name):
     cfg = from_dict(ModelConfig, PRESETS[name])
+    if cfg.moe is not None or "M" in cfg.block_pattern:
+        with pytest.raises(
+            HFFormatError, match=r"^model\.(moe|block_pattern): a Llama config.json maps the plain Llama"
+        ):
+            to_hf_config(cfg, torch.bfloat16, 0)
+        return
     keys = model_keys_from_hf(to_hf_config(cfg, torch.bfloat16, 0))
     ours = dataclasses.asdict(cfg)
     assert {k: ours[k] for k in keys} == keys

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from doremi import stages
 from tests.distributed import spawn
-from tests.runs import alphas, config, losses, run_stage
+from tests.runs import alphas, config, final_params, losses, run_stage
 from trainer.config import ModelConfig, apply_preset
 from trainer.configtools import ConfigError, from_dict
 from trainer.model.flops import flops_per_token, non_embedding_params, param_count
@@ -207,17 +207,6 @@ LAYOUTS: dict[str, list[str]] = {
 PROXY = ["parallelism.tp=2", "parallelism.pp=2", "parallelism.dp=2", "train.micro_batches=2"]
 
 
-def final_params(store: Path, run: Path) -> dict[str, torch.Tensor]:
-    """A run's last checkpoint read into a single-process hybrid (`tests.runs.final_params`)."""
-    from trainer.build import build_model
-    from trainer.checkpoint import latest_checkpoint, load_checkpoint
-    from trainer.parallel.context import ParallelContext
-
-    model = build_model(config(store, Path(str(run) + "-load"), *HYBRID), ParallelContext.single())
-    load_checkpoint(latest_checkpoint(run), model, None, ParallelContext.single())
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 @pytest.fixture(scope="module")
 def runs(stores, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mamba-layouts")
@@ -239,7 +228,7 @@ def _run_all(rank: int, world: int, store: str, train_jobs: list, proxy_jobs: li
 def test_hybrid_layout_matches_single_process(runs, stores, name):
     assert len(losses(runs / name)) == 3
     assert losses(runs / name) == pytest.approx(losses(runs / "single"), rel=1e-5)
-    want, got = final_params(stores, runs / "single"), final_params(stores, runs / name)
+    want, got = final_params(stores, runs / "single", *HYBRID), final_params(stores, runs / name, *HYBRID)
     assert any(".mamba.A_log" in p for p in want)
     for p in want:
         torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-5, msg=p)

@@ -52,6 +52,16 @@ def test_rules_as_numbers():
     assert lr_multiplier("embed.weight", (256, 256), cfg) == 1.0
     assert lr_multiplier("head.weight", (256, 256), cfg) == 1.0
     assert logit_multiplier(cfg) == pytest.approx(0.25)
+    # MoE: each expert's slice is a hidden matrix; the router's fan_out (8 experts) is fixed
+    assert init_multiplier("layers.0.mlp.experts.gate_up", (8, 1024, 256), cfg) == pytest.approx(0.5)
+    assert init_multiplier("layers.0.mlp.experts.down", (8, 256, 512), cfg) == pytest.approx(0.5)
+    assert lr_multiplier("layers.0.mlp.experts.down", (8, 256, 512), cfg) == pytest.approx(0.25)
+    assert init_multiplier("layers.0.mlp.router.weight", (8, 256), cfg) == pytest.approx(0.25)
+    assert lr_multiplier("layers.0.mlp.router.weight", (8, 256), cfg) == pytest.approx(0.25)
+    # Mamba-2: the depthwise convolution's taps are per channel, not a matrix over the width
+    assert init_multiplier("layers.0.mamba.conv_weight", (640, 4), cfg) == 1.0
+    assert lr_multiplier("layers.0.mamba.conv_weight", (640, 4), cfg) == 1.0
+    assert lr_multiplier("layers.0.mamba.in_proj.weight", (1200, 256), cfg) == pytest.approx(0.25)
     assert attention_scale(cfg) == pytest.approx(math.sqrt(16) / 64)  # head_dim 64, base 16
     assert attention_scale(model_cfg(256, 256)) == pytest.approx(1 / math.sqrt(64))
     assert attention_scale(model_cfg(256, None)) is None
@@ -180,7 +190,7 @@ def runs(stores, tmp_path_factory) -> Path:
 def test_mup_tp2_pp2_matches_single_process(runs, stores):
     assert losses(runs / "tp2-pp2-sp") == pytest.approx(losses(runs / "single"), rel=1e-5)
     assert losses(runs / "single") != pytest.approx(losses(runs / "plain"), rel=1e-4)  # muP does change the run
-    want, got = final_params(stores, runs / "single"), final_params(stores, runs / "tp2-pp2-sp")
+    want, got = final_params(stores, runs / "single", *MUP), final_params(stores, runs / "tp2-pp2-sp", *MUP)
     for p in want:
         torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-5, msg=p)
 
@@ -192,5 +202,5 @@ def test_paths_without_the_multipliers_refuse_a_mup_model(stores, tmp_path):
     cfg = config(stores, tmp_path / "run", "model.mup.base_width=32")
     with pytest.raises(ConfigError, match=r"model.mup: stacked training runs the plain Llama"):
         check_stackable(cfg)
-    with pytest.raises(HFFormatError, match=r"model.mup: a Llama config.json has no muP"):
+    with pytest.raises(HFFormatError, match=r"^model.mup: a Llama config.json maps the plain Llama only, without muP"):
         to_hf_config(cfg.model, torch.float32, None)

@@ -46,11 +46,9 @@ class HFDir:
         config = self.path / CONFIG
         if not config.is_file():
             raise HFFormatError(f"{config}: missing (not a Hugging Face model directory)")
-        try:
-            self.config: dict[str, Any] = json.loads(config.read_text())
-        except json.JSONDecodeError as e:
-            raise HFFormatError(f"{config}: not valid JSON ({e})") from None
+        self.config: dict[str, Any] = _read_json(config)
         self._open: dict[str, Any] = {}
+        self._keys: dict[str, set[str]] = {}
 
     @functools.cached_property
     def _files(self) -> dict[str, str]:
@@ -58,29 +56,62 @@ class HFDir:
         first, so that a model of another architecture is named as such)."""
         index, single = self.path / INDEX, self.path / WEIGHTS
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise HFFormatError(f"{index}: no weight_map")
             for f in sorted(set(weight_map.values())):
                 if not (self.path / f).is_file():
                     raise HFFormatError(f"{self.path / f}: missing (listed in {INDEX})")
             return dict(weight_map)
         if single.is_file():
-            with _safetensors().safe_open(str(single), framework="pt") as f:
-                return dict.fromkeys(f.keys(), WEIGHTS)
+            return dict.fromkeys(self._file(WEIGHTS).keys(), WEIGHTS)
         raise HFFormatError(f"{self.path}: no {WEIGHTS} or {INDEX} (only safetensors weights are read)")
 
     @property
     def names(self) -> set[str]:
         return set(self._files)
 
-    def get(self, name: str) -> torch.Tensor:
+    def _file(self, file: str):
+        """The safetensors file `file`, opened once; one line when it is not a readable one."""
+        if file not in self._open:
+            safetensors = _safetensors()
+            try:
+                self._open[file] = safetensors.safe_open(str(self.path / file), framework="pt")
+            except (safetensors.SafetensorError, OSError) as e:
+                raise HFFormatError(f"{self.path / file}: not a readable safetensors file ({e})") from None
+        return self._open[file]
+
+    def _handle(self, name: str):
         if name not in self._files:
             raise HFFormatError(f"{self.path}: no tensor {name!r} in the weights")
         file = self._files[name]
-        if file not in self._open:
-            self._open[file] = _safetensors().safe_open(str(self.path / file), framework="pt")
-        return self._open[file].get_tensor(name)
+        handle = self._file(file)
+        if file not in self._keys:
+            self._keys[file] = set(handle.keys())
+        if name not in self._keys[file]:
+            raise HFFormatError(f"{self.path / self._files[name]}: no tensor {name!r} (listed in {INDEX})")
+        return handle
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._handle(name).get_tensor(name)
+        except _safetensors().SafetensorError as e:
+            raise HFFormatError(f"{self.path / self._files[name]}: tensor {name!r} cannot be read ({e})") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name`, from the file's header (no data read)."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file; one line when it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFFormatError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise HFFormatError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_size: int | str) -> list[str]:

@@ -21,7 +21,9 @@ What maps, and how:
   head is `head.weight` <-> `lm_head.weight`.
 
 What does not map is one `HFFormatError` line: another architecture, biases, another
-activation, a head dimension other than hidden_size / num_attention_heads, another RoPE type.
+activation, a head dimension other than hidden_size / num_attention_heads, another RoPE type;
+and on our side, a model that is not the plain Llama (`check_plain_llama`: MoE MLPs, Mamba-2
+mixers, muP multipliers).
 """
 
 from __future__ import annotations
@@ -88,6 +90,47 @@ def split_sizes(name: str, cfg: Any) -> list[int]:
     return []
 
 
+def check_plain_llama(cfg: Any, what: str) -> None:
+    """One line when model config `cfg` is not the plain Llama that transformers'
+    `LlamaForCausalLM` computes: its MoE MLPs and Mamba-2 mixers have no Llama tensors, and
+    muP's logit and attention multipliers change the function of the same tensors (so a muP
+    model would load and compute something else, silently)."""
+    if getattr(cfg, "moe", None) is not None:
+        raise HFFormatError(f"model.moe: {what} maps the plain Llama only, not mixture-of-experts MLPs")
+    if "M" in (getattr(cfg, "block_pattern", "") or ""):
+        raise HFFormatError(
+            f"model.block_pattern: {what} maps the plain Llama only, not Mamba-2 layers, got {cfg.block_pattern!r}"
+        )
+    if getattr(cfg, "mup", None) is not None:
+        raise HFFormatError(
+            f"model.mup: {what} maps the plain Llama only, without muP's logit and attention multipliers"
+        )
+
+
+def hf_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """The shape of every HF tensor of the model of `cfg` (unpadded vocabulary; no `lm_head`
+    when tied), as transformers' `LlamaForCausalLM` holds them."""
+    d, hd = cfg.d_model, cfg.head_dim
+    full = {
+        "embed.weight": (cfg.vocab_size, d),
+        "head.weight": (cfg.vocab_size, d),
+        "norm.weight": (d,),
+        "attn_norm.weight": (d,),
+        "mlp_norm.weight": (d,),
+        "attn.qkv.weight": ((cfg.n_heads + 2 * cfg.n_kv_heads) * hd, d),
+        "attn.out.weight": (d, cfg.n_heads * hd),
+        "mlp.gate_up.weight": (2 * cfg.ffn_dim, d),
+        "mlp.down.weight": (d, cfg.ffn_dim),
+    }
+    out: dict[str, tuple[int, ...]] = {}
+    for name in our_names(cfg):
+        rows, *rest = full[_template(name)[0].removeprefix("layers.{i}.")]
+        sizes = split_sizes(name, cfg) or [rows]
+        for hf, part in zip(hf_names(name), sizes, strict=True):
+            out[hf] = (part, *rest)
+    return out
+
+
 def our_names(cfg: Any) -> list[str]:
     """Every parameter name of the single-process model of `cfg`."""
     layer = [t for t in HF_NAMES if t.startswith("layers.")]
@@ -151,8 +194,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def to_hf_config(cfg: Any, dtype: torch.dtype, eos_id: int | None) -> dict[str, Any]:
     """transformers' LlamaConfig (config.json) of our model config. RoPE is written both as
     `rope_theta`/`rope_scaling` (transformers 4) and `rope_parameters` (transformers 5)."""
-    if getattr(cfg, "mup", None) is not None:
-        raise HFFormatError("model.mup: a Llama config.json has no muP logit and attention multipliers, expected none")
+    check_plain_llama(cfg, "a Llama config.json")
     scaling = cfg.rope_scaling
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     legacy = None
@@ -199,8 +241,12 @@ def to_hf_config(cfg: Any, dtype: torch.dtype, eos_id: int | None) -> dict[str, 
 def _rope_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """`rope_theta` and `rope_scaling` from either transformers 4 or 5 keys."""
     params = hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise HFFormatError(f"{where}: rope_parameters is {params!r}, expected a mapping")
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    if not isinstance(scaling, dict | None):
+        raise HFFormatError(f"{where}: rope_scaling is {scaling!r}, expected a mapping or null")
+    theta = _number(hf, "rope_theta", float, where, _number(params, "rope_theta", float, where, 10000.0))
     if scaling is None:
         return {"rope_theta": float(theta), "rope_scaling": None}
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -211,10 +257,12 @@ def _rope_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
     return {
         "rope_theta": float(theta),
         "rope_scaling": {
-            "factor": float(scaling["factor"]),
-            "low_freq_factor": float(scaling["low_freq_factor"]),
-            "high_freq_factor": float(scaling["high_freq_factor"]),
-            "original_max_position": int(scaling["original_max_position_embeddings"]),
+            "factor": _number(scaling, "factor", float, f"{where}: rope_scaling"),
+            "low_freq_factor": _number(scaling, "low_freq_factor", float, f"{where}: rope_scaling"),
+            "high_freq_factor": _number(scaling, "high_freq_factor", float, f"{where}: rope_scaling"),
+            "original_max_position": _number(
+                scaling, "original_max_position_embeddings", int, f"{where}: rope_scaling"
+            ),
         },
     }
 
@@ -222,6 +270,28 @@ def _rope_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
 def _require(hf: dict[str, Any], key: str, want: Any, where: str) -> None:
     if hf.get(key, want) != want:
         raise HFFormatError(f"{where}: {key} is {hf[key]!r}; only {want!r} maps onto this framework's Llama")
+
+
+def _number(hf: dict[str, Any], key: str, kind: type, where: str, default: Any = None) -> Any:
+    """`hf[key]` as an int or float (`default` when absent or null; required without one)."""
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise HFFormatError(f"{where}: missing key {key!r} of a Llama config")
+        return default
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not integral):
+        raise HFFormatError(f"{where}: {key} is {value!r}, expected {'an integer' if kind is int else 'a number'}")
+    return kind(value)
+
+
+def _flag(hf: dict[str, Any], key: str, where: str) -> bool:
+    value = hf.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise HFFormatError(f"{where}: {key} is {value!r}, expected true or false")
+    return value
 
 
 def model_keys_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
@@ -233,23 +303,20 @@ def model_keys_from_hf(hf: dict[str, Any], where: str = "config.json") -> dict[s
         )
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         _require(hf, key, want, where)
-    try:
-        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        keys = {
-            "vocab_size": int(hf["vocab_size"]),
-            "d_model": d,
-            "n_layers": int(hf["num_hidden_layers"]),
-            "n_heads": heads,
-            "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
-            "ffn_dim": int(hf["intermediate_size"]),
-            "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        }
-    except KeyError as e:
-        raise HFFormatError(f"{where}: missing key {e.args[0]!r} of a Llama config") from None
+    d, heads = _number(hf, "hidden_size", int, where), _number(hf, "num_attention_heads", int, where)
+    keys = {
+        "vocab_size": _number(hf, "vocab_size", int, where),
+        "d_model": d,
+        "n_layers": _number(hf, "num_hidden_layers", int, where),
+        "n_heads": heads,
+        "n_kv_heads": _number(hf, "num_key_value_heads", int, where, heads),
+        "ffn_dim": _number(hf, "intermediate_size", int, where),
+        "max_seq_len": _number(hf, "max_position_embeddings", int, where, 2048),
+        "norm_eps": _number(hf, "rms_norm_eps", float, where, 1e-6),
+        "tie_embeddings": _flag(hf, "tie_word_embeddings", where),
+    }
     head_dim = hf.get("head_dim")
-    if head_dim is not None and int(head_dim) * heads != d:
+    if head_dim is not None and _number(hf, "head_dim", int, where) * heads != d:
         raise HFFormatError(
             f"{where}: head_dim {head_dim} x num_attention_heads {heads} != hidden_size {d} (does not map)"
         )

@@ -19,7 +19,7 @@ import torch
 
 from trainer.checkpoint import latest_checkpoint
 from trainer.hf_files import CONFIG, HFDir
-from trainer.hf_format import HFFormatError, model_keys_from_hf, our_tensor
+from trainer.hf_format import HFFormatError, check_plain_llama, model_keys_from_hf, our_tensor
 from trainer.model.architecture import ARCH_KEYS
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.shard import full_shape, get_shard_spec, shard
@@ -44,6 +44,7 @@ def will_resume(cfg: Any, run_dir: Path) -> bool:
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, cfg: Any, hf_dir: str | Path, pc: ParallelContext) -> None:
     """Fill this rank's stage `model` (config `cfg`, the `model` section) from `hf_dir`."""
+    check_plain_llama(cfg, "model.init_from_hf")
     hf = HFDir(hf_dir)
     check_model_config(cfg, model_keys_from_hf(hf.config, str(hf.path / CONFIG)), str(hf.path / CONFIG))
     for name, param in model.named_parameters():

@@ -243,7 +243,7 @@ def format_plan(plan: Plan, title: str = "") -> str:
             [
                 str(s.stage),
                 layers,
-                f"{m.params / 1e9:.2f}B",
+                f"{(m.params + (s.moe.params_delta if s.moe else 0)) / 1e9:.2f}B",
                 _gib(m.weights),
                 _gib(m.grads),
                 _gib(m.optimizer),
@@ -268,7 +268,7 @@ def format_plan(plan: Plan, title: str = "") -> str:
         f"({p.gpu_memory_gb:g} GiB less {p.headroom:.0%} headroom): {verdict}",
     ]
     tail[1:1] = [
-        f"stage {s.stage} MoE ({s.moe.blocks} blocks, in the total): {s.moe.expert_params / 1e9:.2f}B expert params "
+        f"stage {s.stage} MoE ({s.moe.blocks} blocks, in params and the total): {s.moe.expert_params / 1e9:.2f}B expert params "
         f"on this rank, weights {_gib(s.moe.weights)} / grads {_gib(s.moe.grads)} / optim {_gib(s.moe.optimizer)} "
         f"GiB beyond the dense columns, all-to-all buffers {_gib(s.moe.all_to_all)} GiB"
         for s in p.stages

@@ -130,18 +130,3 @@ def ssd_flops_per_token(model_cfg) -> int:
     heads = m.n_heads(d)
     within = m.chunk_size * (m.ngroups * m.d_state + heads * m.head_dim)
     return 3 * (within + 4 * heads * m.head_dim * m.d_state)
-
-
-#: The `model.mamba` keys that decide the function (the rest: initialisation and chunk size).
-MAMBA_ARCH_KEYS = ("d_state", "d_conv", "expand", "head_dim", "ngroups")
-
-
-def mamba_arch(model: dict) -> dict:
-    """A saved model config's (`dataclasses.asdict`) architecture keys of its Mamba-2 layers,
-    flattened (`block_pattern`, `mamba.d_state`, ...); empty for a model without them (so that
-    checkpoints of attention-only models, written before these keys existed, still compare equal)."""
-    pattern = model.get("block_pattern") or ""
-    if "M" not in pattern:
-        return {}
-    mamba = model.get("mamba") or {}
-    return {"block_pattern": pattern, **{f"mamba.{k}": mamba.get(k) for k in MAMBA_ARCH_KEYS}}

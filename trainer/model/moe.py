@@ -130,15 +130,17 @@ def grouped_swiglu(
 ) -> torch.Tensor:
     """[N, d] tokens sorted by expert (counts[e] rows for expert e) -> [N, d]:
     row block e through down[e] @ swiglu(gate_up[e] @ x). `torch._grouped_mm` on CUDA for bf16
-    with 16-byte-aligned rows; elsewhere one matmul per expert's slice."""
+    with 16-byte-aligned rows; elsewhere one matmul per expert's slice. An expert with no rows
+    still goes through its (empty) matmuls: the output must stay connected to `x` and the
+    weights even when every local expert is idle, or under expert parallelism the backward of
+    the return all-to-all would run on the ranks that received tokens and not on this one (a
+    collective called by some ranks only: a hang, and a gradient cut)."""
     if _grouped_mm_applies(x, gate_up, down):
         offs = torch.as_tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(swiglu(h), down.transpose(-2, -1), offs=offs)
     sizes = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-    outs = []
-    for e, rows in enumerate(torch.split(x, sizes)):
-        outs.append(swiglu(rows @ gate_up[e].t()) @ down[e].t() if rows.shape[0] else rows.new_zeros(0, down.shape[1]))
+    outs = [swiglu(rows @ gate_up[e].t()) @ down[e].t() for e, rows in enumerate(torch.split(x, sizes))]
     return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
 
 

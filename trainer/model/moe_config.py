@@ -26,7 +26,8 @@ class MoEConfig:
     layers: list[int] = field(default_factory=list)
     # Router scores: `softmax` over the experts, or `sigmoid` per expert (DeepSeek-V3).
     gating: Literal["softmax", "sigmoid"] = "softmax"
-    # Rescale the top-k scores of a token to sum to one (always on for sigmoid gating).
+    # Rescale the top-k scores of a token to sum to one (always on for sigmoid gating; never with
+    # softmax and top_k 1, where it would make every weight 1 and cut the router off the loss).
     normalize_top_k: bool = True
     # Coefficient of the load-balancing loss num_experts * sum_e f_e P_e, per sequence (see trainer.model.moe).
     aux_loss_coef: float = 0.01
@@ -44,6 +45,11 @@ class MoEConfig:
             raise ConfigError(f"{path}.num_experts: expected >= 1, got {self.num_experts}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"{path}.top_k: expected 1 <= top_k <= num_experts={self.num_experts}, got {self.top_k}")
+        if self.gating == "sigmoid" and self.top_k == 1:
+            raise ConfigError(
+                f"{path}.top_k: sigmoid gating rescales the top-k scores to sum to one, so with top_k=1 every "
+                "weight is 1 and the router learns nothing from the loss; expected top_k >= 2, or gating: softmax"
+            )
         if self.expert_ffn_dim is not None and self.expert_ffn_dim < 1:
             raise ConfigError(f"{path}.expert_ffn_dim: expected a positive int or null, got {self.expert_ffn_dim}")
         if self.shared_experts < 0:

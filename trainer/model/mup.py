@@ -26,7 +26,12 @@ that the model at r = 1 is exactly the model without muP (muTransfer's base mode
 - attention logits scaled by 1 / d_head instead of 1 / sqrt(d_head) (TP-V Section 4: q and k
   become correlated during training, so q.k grows like d_head): sqrt(base_head_dim) / head_dim,
   which is 1 / sqrt(head_dim) at the base width (n_heads fixed, head_dim = d_model / n_heads).
-- norms and other vectors: multiplier 1.
+- norms and other vectors: multiplier 1; so is the Mamba-2 depthwise convolution
+  (`mamba.conv_weight` [channels, d_conv]: each channel's own d_conv taps, a fan-in that does
+  not grow with the width, not a matrix acting on a width-sized vector).
+- MoE: each expert's [fan_out, fan_in] slice of `mlp.experts.gate_up` / `mlp.experts.down` is a
+  hidden matrix; the router [experts, d] is one whose fan_out (the expert count) stays fixed, so
+  its init multiplier is sigma(d, E) / sigma(d / r, E) (1 / r for E < d / r) and its lr 1 / r.
 
 Learning-rate multipliers are set on the parameters (`_lr_scale`) and read by the optimizers'
 param groups (`trainer.optim.param_groups`). Checkpoints hold the same tensors; the muP
@@ -44,6 +49,12 @@ import torch.nn as nn
 from trainer.configtools import ConfigError
 
 _VOCAB_MATRICES = ("embed.weight", "head.weight")
+#: 2-D parameters that are not matrices acting on a width-sized vector (see the module docstring).
+_NOT_MATRICES = ("mamba.conv_weight",)
+#: Stacked per-expert matrices [experts, fan_out, fan_in].
+_EXPERT_MATRICES = ("mlp.experts.gate_up", "mlp.experts.down")
+#: Matrices whose fan_out is a count that does not grow with the width.
+_FIXED_FAN_OUT = ("mlp.router.weight",)
 
 
 @dataclass
@@ -68,25 +79,42 @@ def width_ratio(cfg) -> float:
     return cfg.d_model / cfg.mup.base_width
 
 
+def matrix_fans(name: str, shape: tuple[int, ...]) -> tuple[int, int, bool] | None:
+    """(fan_out, fan_in, whether fan_out grows with the width) of a hidden matrix (`shape`: the
+    single-process one); None for the embedding, the head, vectors and `_NOT_MATRICES`. fan_in
+    always grows: every hidden matrix reads a width-sized vector."""
+    if name.endswith(_VOCAB_MATRICES + _NOT_MATRICES):
+        return None
+    if len(shape) == 3 and name.endswith(_EXPERT_MATRICES):
+        fan_out, fan_in = shape[1:]
+    elif len(shape) == 2:
+        fan_out, fan_in = shape
+    else:
+        return None
+    return fan_out, fan_in, not name.endswith(_FIXED_FAN_OUT)
+
+
 def is_hidden_matrix(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) == 2 and not name.endswith(_VOCAB_MATRICES)
+    return matrix_fans(name, shape) is not None
 
 
 def init_multiplier(name: str, shape: tuple[int, ...], cfg) -> float:
-    """Multiplier of the base init std of parameter `name` (single-process `shape` [out, in])."""
-    if getattr(cfg, "mup", None) is None or not is_hidden_matrix(name, shape):
+    """Multiplier of the base init std of parameter `name` (single-process `shape` [out, in]):
+    sigma of its fans over sigma of the base model's (the growing fans divided by r)."""
+    fans = matrix_fans(name, shape) if getattr(cfg, "mup", None) is not None else None
+    if fans is None:
         return 1.0
     r = width_ratio(cfg)
-    fan_out, fan_in = shape
-    return spectral_sigma(fan_in, fan_out) / spectral_sigma(fan_in / r, fan_out / r)
+    fan_out, fan_in, out_grows = fans
+    return spectral_sigma(fan_in, fan_out) / spectral_sigma(fan_in / r, fan_out / r if out_grows else fan_out)
 
 
 def lr_multiplier(name: str, shape: tuple[int, ...], cfg) -> float:
     """Multiplier of train.lr for parameter `name`: Adam lr ~ 1 / fan_in for hidden matrices."""
-    if getattr(cfg, "mup", None) is None or not is_hidden_matrix(name, shape):
+    fans = matrix_fans(name, shape) if getattr(cfg, "mup", None) is not None else None
+    if fans is None:
         return 1.0
-    fan_in = shape[1]
-    return (1.0 / fan_in) / (1.0 / (fan_in / width_ratio(cfg)))
+    return 1.0 / width_ratio(cfg)
 
 
 def logit_multiplier(cfg) -> float:

@@ -21,6 +21,11 @@ h belongs to group h // (H / G)), as in the paper's multi-value / grouped-head f
 [b, T, G, N], D [H]; the output is [b, T, H, P]. A sequence length that is not a multiple of the
 chunk is padded at the end with dt = 0 (a decay of exp(0) = 1 and no input), which cannot change
 an earlier token's output, and cut back.
+
+Precision: `ssd_chunked` computes in fp32 whatever its inputs' dtype and the autocast state, and
+returns fp32 (the caller casts back): with bf16 parameters x, B, C and D arrive in bf16 while dt
+and A are fp32 (einsum refuses the mix), and the decays exp(segsum) and the state recurrence are
+what mamba_ssm's kernels also keep in fp32.
 """
 
 from __future__ import annotations
@@ -73,7 +78,20 @@ def ssd_chunked(
 ) -> torch.Tensor:
     """The chunked scan (SSD), equal to `ssd_reference` up to rounding. Shapes: see the module
     docstring. Indices below: b batch, c chunk, l / s position in a chunk, g group, r head
-    within the group, p head dim, n state."""
+    within the group, p head dim, n state. fp32 (module docstring)."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return _ssd_chunked(*(t.float() for t in (x, dt, A, B, C, D)), chunk_size)
+
+
+def _ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+) -> torch.Tensor:
     b, T, H, P = x.shape
     G = B.shape[-2]
     pad = -T % chunk_size
