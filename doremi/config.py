@@ -152,15 +152,18 @@ class FitConfig:
     (doremi/propose.py, doremi/fit/)."""
 
     # The loss the mixture minimises: sum_i w_i L_i over the domains' validation losses, with w
-    # this mixture form (`uniform`: the mean over domains; a mapping such as {code: 1}: one domain).
+    # this mixture form (`uniform`: the mean over domains; a mapping of every domain to its
+    # weight, e.g. code 1 and the others 0: one domain).
     target: Weights = "uniform"
-    # RegMix's regressor: gradient-boosted trees (`lightgbm`, the paper's) or `ridge` (linear).
+    # RegMix's regressor: gradient-boosted trees (`lightgbm`, the paper's; needs a sweep of at
+    # least 40 runs, two leaves of 20) or `ridge` (linear; at least as many runs as domains).
     regressor: Literal["lightgbm", "ridge"] = "lightgbm"
     # RegMix: mixtures simulated around the sweep's prior ...
     simulations: int = 100_000
     # ... and how many with the best predicted loss are averaged into the proposal.
     top_k: int = 128
-    # The proposal reads no domain more than this many epochs of the main run's token budget;
+    # The proposal reads no domain more than this many epochs of the main run's token budget
+    # (in `doremi pipeline`, pipeline.main's train section; with `doremi fit`, this config's);
     # None: no cap.
     max_epochs: float | None = None
     # Folds of the held-out evaluation (rank correlation and error on runs the fit did not see).

@@ -277,6 +277,7 @@ class Pipeline:
                 train__run_dir=str(rdir / "proxy"),
                 doremi__reference=str(rdir / "reference"),
                 doremi__reference_weights=ref_weights,
+                mixing__method="doremi",
             )
             self._run_stage(
                 f"round {r}: proxy",
@@ -352,7 +353,12 @@ class Pipeline:
         runs = [
             (
                 name,
-                self.stage_config(self.p.main, train__run_dir=str(self.root / "main" / name), data__domain_weights=w),
+                self.stage_config(
+                    self.p.main,
+                    train__run_dir=str(self.root / "main" / name),
+                    data__domain_weights=w,
+                    mixing__main=None,
+                ),
             )
             for name, w in self.mixtures(weights_path).items()
         ]

@@ -28,7 +28,8 @@ from doremi.fit.evaluate import HeldOut, held_out, target_of
 from doremi.fit.mixing_law import fit_mixing_law, mixing_law_fit_predict, propose_mixing_law
 from doremi.fit.provenance import proposal_provenance, write_proposal
 from doremi.fit.regmix import RegMixOptions, fit_regressor, propose_regmix, regmix_fit_predict
-from doremi.sweep import SWEEP_FILE, final_table
+from doremi.sweep import SWEEP_FILE, final_table, sweep_keys
+from trainer.run_dir import changed_keys
 
 
 def propose(
@@ -56,6 +57,7 @@ def propose(
     skipped: str | None = None if folds >= 2 else f"{n} runs are too few for 2 folds"
     prior = None
     if method == "regmix":
+        check_prior(cfg, root)
         y = target_of(per_domain, target)
         model = fit_regressor(weights, y, f.regressor)
         if skipped is None:
@@ -90,9 +92,34 @@ def propose(
         max_epochs=f.max_epochs,
         target_weights=target,
         predicted_loss=predicted,
-        extra={"sweep": str(root), "compute": sweep.get("compute"), "held_out_skipped": skipped},
+        extra={
+            "sweep": str(root),
+            "sweep_runs": len(sweep.get("design", [])),
+            "compute": sweep.get("compute"),
+            "held_out_skipped": skipped,
+        },
     )
     return write_proposal(out, domains, weights_out, provenance)
+
+
+def check_prior(cfg: ExperimentConfig, root: Path) -> None:
+    """Refuse a RegMix fit whose `sweep.prior` is not the one the sweep in `root` drew its
+    mixtures around: the proposer simulates around the config's prior, and a regressor fitted on
+    mixtures near one prior ranks mixtures near another by extrapolation, silently."""
+    saved = json.loads((root / SWEEP_FILE).read_text()).get("keys", {})
+    if not any(k == "sweep.prior" or k.startswith("sweep.prior.") for k in saved):
+        return  # a sweep recorded without its keys: nothing to compare
+    here = json.loads(json.dumps(sweep_keys(cfg), default=str))
+
+    def prior_of(keys: dict) -> dict:
+        return {k: v for k, v in keys.items() if k == "sweep.prior" or k.startswith("sweep.prior.")}
+
+    if prior_of(saved) != prior_of(here):
+        raise DoReMiError(
+            f"{root}: the sweep was drawn around another sweep.prior than this config's "
+            f"({changed_keys(prior_of(saved), prior_of(here))}); RegMix simulates around the sweep's prior: "
+            "set sweep.prior as the sweep had it"
+        )
 
 
 def _held_out(evaluate: Callable[[], HeldOut]) -> tuple[HeldOut | None, str | None]:

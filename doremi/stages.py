@@ -32,6 +32,7 @@ from trainer.evaluate import evaluate_domains
 from trainer.feed import DataFeed
 from trainer.loop import Trainer
 from trainer.parallel.pipeline_schedule import forward_only
+from trainer.run_dir import recorded_stage
 
 #: Training stage -> the directory name of its default run directory, and the stage its run
 #: directory records (trainer.run_dir.check_stage).
@@ -154,6 +155,17 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     return out
 
 
+def _run_method(mixing: dict[str, Any], stage: str | None) -> str | None:
+    """The method whose weights a run logged: a proxy's `mixing.method`, an online main run's
+    `mixing.main` (a proxy's config may name a main method it did not run); for a run without
+    a record of its stage, the main method if any."""
+    if stage == "proxy":
+        return mixing.get("method")
+    if stage == "train":
+        return mixing.get("main")
+    return mixing.get("main") or mixing.get("method")
+
+
 def average(run_dir: str | Path, out: str | Path | None = None, from_step: int | None = None) -> Path:
     """Mean of the logged weights (DoReMi's alpha_t, or another method's) over the run's steps
     t >= from_step, written as the weights JSON with the method and its keys.
@@ -167,7 +179,7 @@ def average(run_dir: str | Path, out: str | Path | None = None, from_step: int |
     cfg_path = run / "config.yaml"
     saved = read_yaml(cfg_path) if cfg_path.is_file() else {}
     mixing = saved.get("mixing") if isinstance(saved.get("mixing"), dict) else {}
-    method = mixing.get("main") or mixing.get("method") or "doremi"
+    method = _run_method(mixing, recorded_stage(run)) or "doremi"
     options = saved.get("doremi") if method == "doremi" else mixing.get(method)
     options = options if isinstance(options, dict) else {}
     if from_step is None:

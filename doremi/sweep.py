@@ -59,7 +59,9 @@ LOSSES_FILE = "losses.csv"
 FINAL_FILE = "final.csv"
 
 #: Keys that do not change a sweep's numbers: where it writes, how it batches the runs, what
-#: fits it afterwards, the other methods' sections.
+#: fits it afterwards, the other methods' sections, and how a run checkpoints and resumes (a
+#: sweep resumed with `checkpoint.every` changed, or once with `checkpoint.start_over`, is the
+#: same sweep; the stores are in the keys by their fingerprint, not their path).
 NOT_RESULT_KEYS = (
     "sweep.run_dir",
     "sweep.stacked",
@@ -68,6 +70,13 @@ NOT_RESULT_KEYS = (
     "mixing",
     "doremi",
     "data.domain_weights",
+    "data.store_dir",
+    "data.num_proc",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "checkpoint.resume",
+    "checkpoint.resume_changed",
+    "checkpoint.start_over",
 )
 
 
@@ -75,6 +84,7 @@ def design(cfg: ExperimentConfig, manifest: Manifest) -> Design:
     """The sweep's mixtures: its designs in the configured order, each within the epoch caps of
     the run's token budget when `sweep.max_epochs` is set."""
     s, k = cfg.sweep, len(manifest.domains)
+    check_design_keys(cfg, k)
     tokens = [d.train.tokens for d in manifest.domains]
     caps = epoch_caps(tokens, cfg.budget_tokens, s.max_epochs) if s.max_epochs is not None else None
     parts = []
@@ -102,6 +112,19 @@ def design(cfg: ExperimentConfig, manifest: Manifest) -> Design:
     if len(out) == 0:
         raise DoReMiError("sweep.designs: the designs give no mixture within the caps (sweep.max_epochs)")
     return out
+
+
+def check_design_keys(cfg: ExperimentConfig, k: int) -> None:
+    """The design keys whose range depends on the number of domains, or that the config's own
+    check leaves open, refused with their key (the design functions name only their argument)."""
+    s = cfg.sweep
+    if not (math.isfinite(s.temperature) and s.temperature > 0):
+        raise DoReMiError(f"sweep.temperature: expected a finite value > 0, got {s.temperature}")
+    if "dirichlet" in s.designs and s.min_weight > 1.0 / k:
+        raise DoReMiError(
+            f"sweep.min_weight: expected at most 1/k = {1.0 / k:.6g} for the dirichlet design over {k} domains "
+            f"(its rule renormalises after zeroing the weights below it), got {s.min_weight}"
+        )
 
 
 def sweep_keys(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -180,11 +203,14 @@ class Sweep:
     def todo(self) -> list[int]:
         return [i for i in range(len(self.design)) if i not in self.evals]
 
-    def record(self, run: int, evals: list[tuple[int, list[float]]]) -> None:
-        """A finished run's evaluations, written into the tables at once."""
-        if not evals or evals[-1][0] != self.cfg.train.steps:
-            raise DoReMiError(f"sweep run {run}: no evaluation at its last step {self.cfg.train.steps}")
-        self.evals[run] = evals
+    def record(self, finished: dict[int, list[tuple[int, list[float]]]]) -> None:
+        """Finished runs' evaluations, written into the tables at once: a stacked chunk's runs
+        together, so that a kill never leaves part of a chunk recorded (its rest would then be
+        trained in another chunk, whose batched arithmetic rounds differently)."""
+        for run, evals in finished.items():
+            if not evals or evals[-1][0] != self.cfg.train.steps:
+                raise DoReMiError(f"sweep run {run}: no evaluation at its last step {self.cfg.train.steps}")
+        self.evals.update(finished)
         self._write()
 
     def _write(self) -> None:
@@ -266,15 +292,16 @@ class Sweep:
         cfg = run_config(self.cfg, self.design.weights[i], run_dir)
         Trainer(cfg, desc=f"sweep {i + 1}/{len(self.design)}", result_ignore=NOT_RESULT_KEYS).fit()
         rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in r]
-        self.record(i, [(r["step"], [r["val_loss"][d] for d in self.domains]) for r in rows])
+        self.record({i: [(r["step"], [r["val_loss"][d] for d in self.domains]) for r in rows]})
 
     def run_stacked(self, runs: list[int]) -> None:
         """`runs` trained at once (`trainer/stacked/`); a killed chunk is trained again."""
         from trainer.stacked.train import train_stacked
 
         result = train_stacked(self.cfg, self.design.weights[runs], eval_every=self.cfg.train.eval_every)
-        for j, i in enumerate(runs):
-            self.record(i, [(step, [float(x) for x in losses[j]]) for step, losses in result.evals])
+        self.record(
+            {i: [(step, [float(x) for x in losses[j]]) for step, losses in result.evals] for j, i in enumerate(runs)}
+        )
 
     def run(self) -> Path:
         self.open()
@@ -306,17 +333,36 @@ def run_sweep(cfg: ExperimentConfig) -> Path:
 
 def final_table(root: str | Path) -> tuple[list[str], np.ndarray, dict[str, np.ndarray]]:
     """(domains, mixtures [n, k], {"mean", "worst", <domain>: final losses [n]}) of a sweep's
-    finished runs, read from `final.csv`."""
+    finished runs, read from `final.csv`. A table that is not a sweep's (unreadable, a column
+    missing, a value not a number) or that holds a non-finite loss is one error naming the file
+    and the run: a fit must not see a diverged run's loss, nor silently skip it."""
     root = Path(root)
     meta = root / SWEEP_FILE
     if not meta.is_file():
         raise DoReMiError(f"{meta}: not a sweep directory (no {SWEEP_FILE})")
-    domains = json.loads(meta.read_text())["domains"]
-    rows = read_table(root / FINAL_FILE)
+    try:
+        domains = json.loads(meta.read_text())["domains"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DoReMiError(f"{meta}: expected a sweep's JSON with its 'domains' ({type(e).__name__}: {e})") from None
+    path = root / FINAL_FILE
+    rows = read_table(path)
     if not rows:
-        raise DoReMiError(f"{root / FINAL_FILE}: no finished run yet")
-    weights = np.array([[float(r[f"w:{d}"]) for d in domains] for r in rows])
-    losses = {key: np.array([float(r[key]) for r in rows]) for key in [*domains, "mean", "worst"]}
-    if not all(math.isfinite(x) for v in losses.values() for x in v):
-        raise DoReMiError(f"{root / FINAL_FILE}: a loss is not finite")
-    return domains, weights, losses
+        raise DoReMiError(f"{path}: no finished run yet")
+    columns = ["run", *(f"w:{d}" for d in domains), *domains, "mean", "worst"]
+    missing = [c for c in columns if c not in rows[0]]
+    if missing:
+        raise DoReMiError(f"{path}: expected the columns of the sweep's domains {domains}; missing {missing}")
+    try:
+        table = {c: np.array([float(r[c]) for r in rows]) for c in columns}
+    except (TypeError, ValueError) as e:
+        raise DoReMiError(f"{path}: expected numbers in every column ({e})") from None
+    for key in [*domains, "mean", "worst"]:
+        bad = np.flatnonzero(~np.isfinite(table[key]))
+        if bad.size:
+            run = rows[int(bad[0])]["run"]
+            raise DoReMiError(
+                f"{path}: run {run}'s final {key} loss is {table[key][bad[0]]} (the run diverged); "
+                "a fit needs every run's loss: lower train.lr and sweep again"
+            )
+    weights = np.stack([table[f"w:{d}"] for d in domains], axis=1)
+    return domains, weights, {key: table[key] for key in [*domains, "mean", "worst"]}

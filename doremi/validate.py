@@ -19,8 +19,9 @@ from data.errors import DataError
 from data.sources import known_domains
 from data.weights import check_spec
 from doremi.config import OFFLINE_METHODS, ExperimentConfig
+from doremi.errors import DoReMiError
 from doremi.fingerprint import SAMPLING_KEYS
-from doremi.main_runs import DOREMI_RUN, main_run_name
+from doremi.main_runs import DOREMI_RUN, main_run_name, online_run_name
 from trainer.configtools import ConfigError
 
 #: Stage -> (the key it takes its mixture from, what it does with it).
@@ -38,11 +39,20 @@ PIPELINE_SETS = {
         "later rounds on the previous round's weights",
         "data.domain_weights": "the reference trains on doremi.reference_weights, the proxy samples "
         "doremi.proxy_sampling",
+        "mixing.method": "each proxy runs its method of pipeline.methods",
+        "mixing.main": "the proxies run no method on a main model",
     },
     "pipeline.main": {
         "train.run_dir": "each run's directory is under pipeline.run_dir",
         "data.domain_weights": "the main runs train on DoReMi's weights and on pipeline.baselines",
+        "mixing.main": "each online run runs its method of pipeline.online, the others none",
     },
+}
+
+#: Top-level keys the pipeline replaces for every stage, and where their value belongs instead.
+PIPELINE_TOP_LEVEL = {
+    "mixing.method": ("doremi", "list the method in pipeline.methods"),
+    "mixing.main": (None, "list the method in pipeline.online"),
 }
 
 DOMAIN_WEIGHTS_IN_PIPELINE = (
@@ -99,7 +109,16 @@ def _has(raw: Any, dotted: str) -> bool:
 
 def _refuse_overridden(raw: dict[str, Any]) -> None:
     """Keys of the pipeline sections that the pipeline replaces, and store-building `data` keys
-    there (the pipeline builds one set of stores, from the top-level `data`)."""
+    there (the pipeline builds one set of stores, from the top-level `data`); top-level keys
+    the pipeline replaces (a `mixing.main` that would turn every main run into an online one,
+    or that the pipeline would silently drop)."""
+    for key, (default, instead) in PIPELINE_TOP_LEVEL.items():
+        section, name = key.split(".")
+        value = raw.get(section, {}).get(name, default) if isinstance(raw.get(section), dict) else default
+        if value != default:
+            raise ConfigError(
+                f"{key}: doremi pipeline sets this key for each of its runs, so {value!r} would be ignored; {instead}"
+            )
     pipeline = raw.get("pipeline") if isinstance(raw.get("pipeline"), dict) else {}
     for section, sets in PIPELINE_SETS.items():
         name = section.split(".")[1]
@@ -133,8 +152,17 @@ def _stage(pipe: Any, section: str, **sets: Any) -> ExperimentConfig:
         raise type(e)(f"{section}: {e}") from None
 
 
-def _check_sweep(cfg: ExperimentConfig, section: str) -> None:
-    """The sweep the offline methods share: stacked runs need one process per run."""
+def _check_sweep(cfg: ExperimentConfig, section: str, domains: list[str]) -> None:
+    """The sweep the offline methods share: its design keys and prior (which otherwise fail only
+    when the sweep stage starts, after the DoReMi stages); stacked runs need one process per run."""
+    from doremi.sweep import check_design_keys
+
+    try:
+        check_design_keys(cfg, len(domains))
+        if "dirichlet" in cfg.sweep.designs:
+            check_spec(cfg.sweep.prior, domains, "sweep.prior")
+    except (ConfigError, DataError, DoReMiError) as e:
+        raise type(e)(f"{section}: {e}") from None
     p = cfg.parallelism
     if cfg.sweep.stacked and (p.tp, p.pp, p.dp) != (1, 1, 1):
         raise ConfigError(
@@ -156,7 +184,7 @@ def _check_methods(pipe: Any, domains: list[str] | None) -> None:
     ):
         for name in names:
             if name in OFFLINE_METHODS:
-                _check_sweep(_stage(pipe, section, sweep__run_dir=str(pipe.root / "sweep")), section)
+                _check_sweep(_stage(pipe, section, sweep__run_dir=str(pipe.root / "sweep")), section, domains)
                 continue
             cfg = _stage(pipe, section, train__run_dir=str(pipe.root / "preflight"), **{f"mixing__{key}": name})
             try:
@@ -199,14 +227,15 @@ def validate_pipeline(pipe: Any) -> None:
         domains,
         "pipeline.proxy.doremi.proxy_sampling" if in_proxy else "doremi.proxy_sampling",
     )
-    names: dict[str, int] = {}
+    taken: dict[str, str] = {DOREMI_RUN: "DoReMi's own run"}
+    taken.update({m: f"pipeline.methods' {m} run" for m in p.methods if m != DOREMI_RUN})
+    taken.update({online_run_name(m): f"pipeline.online's {m} run" for m in p.online})
     for i, b in enumerate(p.baselines):
         where = f"pipeline.baselines[{i}]"
         name = main_run_name(b)
-        if name == DOREMI_RUN or name in names:
-            taken = "DoReMi's own run" if name == DOREMI_RUN else f"pipeline.baselines[{names[name]}]"
+        if name in taken:
             raise ConfigError(
-                f"{where}: main run name {name!r} (the file's stem) is taken by {taken}; got {b!r} (rename the file)"
+                f"{where}: main run name {name!r} (the file's stem) is taken by {taken[name]}; got {b!r} (rename the file)"
             )
-        names[name] = i
+        taken[name] = where
         check_spec(b, domains, where)

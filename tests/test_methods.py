@@ -117,3 +117,17 @@ def test_a_proxy_averages_into_a_weights_file_naming_its_method(runs, name):
     history = [r["weights"] for r in read_history(runs / f"{name}-single")]
     mean = [sum(w[i] for w in history) / len(history) for i in range(3)]
     assert out["weights"] == pytest.approx(mean, abs=1e-12)
+
+
+def test_a_proxy_averages_under_its_own_method_whatever_mixing_main_says(runs, tmp_path):
+    """A proxy's config may also name a method for main runs (`mixing.main`); the weights it
+    logged are its `mixing.method`'s, and the average says so."""
+    import yaml
+
+    run = tmp_path / "odm-proxy"
+    shutil.copytree(runs / "odm-single", run)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["mixing"]["main"] = "aioli"
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    out = json.loads(stages.average(run, tmp_path / "w.json").read_text())
+    assert out["method"] == "odm" and out["reward"] == "loss" and "rounds" not in out  # ODM's keys, not Aioli's

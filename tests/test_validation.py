@@ -184,6 +184,16 @@ def weights_file(path, domains, weights):
         ),
         (["pipeline.online=[ado]", "mixing.ado.floor=0.9"], "pipeline.main: mixing.ado.floor: expected at most 1/2"),
         (["pipeline.baselines=[temperature:0]"], "pipeline.baselines[0]: expected uniform, tokens, temperature:T"),
+        # the pipeline sets the methods per run: a top-level one would make every run that method
+        (["mixing.main=odm"], "mixing.main: doremi pipeline sets this key for each of its runs, so 'odm' would"),
+        (["mixing.method=odm"], "mixing.method: doremi pipeline sets this key for each of its runs"),
+        (["pipeline.main.mixing.main=odm"], "pipeline.main.mixing.main: set by the pipeline"),
+        (
+            ["pipeline.methods=[regmix]", "sweep.temperature=0"],
+            "pipeline.proxy: sweep.temperature: expected a finite value > 0, got 0",
+        ),
+        (["pipeline.methods=[regmix]", "sweep.prior={noise: 1}"], "pipeline.proxy: sweep.prior: "),
+        (["pipeline.proxy.mixing.method=doge"], "pipeline.proxy.mixing.method: set by the pipeline"),
     ],
 )
 def test_pipeline_config_is_validated_before_any_work(tmp_path, capsys, sets, expect):
@@ -207,6 +217,14 @@ def test_pipeline_baseline_and_reference_files_are_checked_first(tmp_path, capsy
     taken = weights_file(tmp_path / "doremi.json", ["noise", "easy"], [0.5, 0.5])
     assert pipeline_error(tmp_path, capsys, f"pipeline.baselines=[{taken}]").startswith(
         "pipeline.baselines[0]: main run name 'doremi' (the file's stem) is taken by DoReMi's own run"
+    )
+    odm = weights_file(tmp_path / "odm.json", ["noise", "easy"], [0.5, 0.5])
+    assert pipeline_error(tmp_path, capsys, "pipeline.methods=[doremi, odm]", f"pipeline.baselines=[{odm}]").startswith(
+        "pipeline.baselines[0]: main run name 'odm' (the file's stem) is taken by pipeline.methods' odm run"
+    )
+    online = weights_file(tmp_path / "ado-online.json", ["noise", "easy"], [0.5, 0.5])
+    assert pipeline_error(tmp_path, capsys, "pipeline.online=[ado]", f"pipeline.baselines=[{online}]").startswith(
+        "pipeline.baselines[0]: main run name 'ado-online' (the file's stem) is taken by pipeline.online's ado run"
     )
 
 

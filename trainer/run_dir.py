@@ -186,16 +186,22 @@ def without(rec: dict[str, Any], *keys: str) -> dict[str, Any]:
     return {**rec, "keys": kept, "fingerprint": fingerprint(kept)}
 
 
+def recorded_stage(run_dir: str | os.PathLike) -> str | None:
+    """The stage (`train`, `proxy`, `reference`, ...) a run directory's record names; None
+    without a readable record."""
+    path = Path(run_dir) / RECORD_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("stage")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+
+
 def check_stage(run_dir: str | os.PathLike, stage: str) -> None:
     """A run directory holds one stage's run: a plain training run resuming a proxy's directory
     (or the other way round) would report one model as the other."""
-    path = Path(run_dir) / RECORD_FILE
-    if not path.is_file():
-        return
-    try:
-        other = json.loads(path.read_text()).get("stage")
-    except (json.JSONDecodeError, AttributeError):
-        other = None
+    other = recorded_stage(run_dir)
     if other is not None and other != stage:
         raise ConfigError(
             f"{run_dir}: holds a {other} run, not a {stage} run; give this stage its own "

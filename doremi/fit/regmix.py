@@ -131,8 +131,14 @@ def fit_ridge(weights: Any, target: Any, options: RidgeOptions | None = None) ->
         raise FitError(f"target: expected one loss per run [{r.shape[0]}], got shape {y.shape}")
     if not (math.isfinite(options.alpha) and options.alpha >= 0):
         raise FitError(f"alpha: expected a non-negative number, got {options.alpha}")
-    if r.shape[0] < 2:
-        raise FitError(f"ridge: expected at least 2 runs, got {r.shape[0]}")
+    n, k = r.shape
+    need = k if options.degree == 1 else k * (k + 1) // 2
+    if n < max(need, 2):
+        # On the simplex an intercept and k weights (or the k(k+1)/2 products) have this many
+        # free parameters: fewer runs leave a direction the penalty alone decides.
+        raise FitError(
+            f"ridge: {n} runs are too few for degree {options.degree} over {k} domains; expected at least {max(need, 2)}"
+        )
     x = ridge_features(r, options.degree)
     xm, ym = x.mean(axis=0), y.mean()
     xc = x - xm
@@ -149,6 +155,18 @@ def _lightgbm() -> Any:
     return lightgbm
 
 
+def check_splittable(n_train: int, min_data_in_leaf: int) -> None:
+    """Refuse a tree fit that cannot split: with fewer than 2 x min_data_in_leaf runs every tree
+    is one leaf, the booster predicts the mean loss for every mixture, and the proposal would
+    be the average of the first top_k simulated draws (the prior), not a fitted optimum."""
+    if n_train < 2 * min_data_in_leaf:
+        raise FitError(
+            f"lightgbm: {n_train} runs are too few for trees with min_data_in_leaf {min_data_in_leaf} "
+            f"(no split below {2 * min_data_in_leaf} runs: the fit would be a constant); "
+            "use more runs or fit.regressor: ridge"
+        )
+
+
 def fit_lightgbm(weights: Any, target: Any, options: LightGBMOptions | None = None) -> LightGBMModel:
     """Gradient-boosted trees from weights to target (RegMix's regressor, the authors' settings)."""
     options = options or LightGBMOptions()
@@ -161,6 +179,7 @@ def fit_lightgbm(weights: Any, target: Any, options: LightGBMOptions | None = No
     n_valid = int(round(options.valid_fraction * r.shape[0]))
     if r.shape[0] - n_valid < 2 or (options.valid_fraction > 0 and n_valid < 1):
         raise FitError(f"lightgbm: {r.shape[0]} runs are too few for valid_fraction {options.valid_fraction}")
+    check_splittable(r.shape[0] - n_valid, options.min_data_in_leaf)
     lgb = _lightgbm()
     params = {
         "objective": "regression",
@@ -230,6 +249,11 @@ def propose_regmix(
     pred = np.asarray(model.predict(sims), dtype=np.float64)
     if pred.shape != (sims.shape[0],) or not np.all(np.isfinite(pred)):
         raise FitError(f"regmix: the regressor returned {pred.shape} predictions (or non-finite ones)")
+    if np.ptp(pred) == 0:
+        raise FitError(
+            f"regmix: the regressor predicts the same loss for all {sims.shape[0]} simulated mixtures, "
+            "so it ranks none above another; the sweep's losses do not vary with the mixture it saw"
+        )
     top = np.argsort(pred, kind="stable")[: options.top_k]
     w = sims[top].mean(axis=0)
     w = w / w.sum()

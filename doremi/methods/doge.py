@@ -31,6 +31,7 @@ or stated limits here:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,8 +69,9 @@ class DoGEConfig:
             raise ConfigError(f"{path}.mu: expected a finite value > 0, got {self.mu}")
         if self.target_sequences is not None and self.target_sequences < 1:
             raise ConfigError(f"{path}.target_sequences: expected >= 1, got {self.target_sequences}")
-        if self.score_clip is not None and (len(self.score_clip) != 2 or self.score_clip[0] > self.score_clip[1]):
-            raise ConfigError(f"{path}.score_clip: expected [low, high] with low <= high, got {self.score_clip}")
+        clip = self.score_clip
+        if clip is not None and (len(clip) != 2 or any(math.isnan(x) for x in clip) or clip[0] > clip[1]):
+            raise ConfigError(f"{path}.score_clip: expected [low, high] with low <= high, got {clip}")
 
 
 def target_sequences(cfg: DoGEConfig, global_batch_size: int) -> int:
