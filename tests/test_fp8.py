@@ -151,6 +151,26 @@ def test_config_errors_name_the_key():
         Fp8Config(amax_history=-1).validate()
 
 
+def test_fp8_layers_the_model_lacks_are_refused_not_skipped():
+    """MoE experts have no FP8 path, and a model without attention no qkv: refused in one line
+    rather than FP8 silently applied to some blocks only (or none)."""
+    from trainer.config import ModelConfig
+    from trainer.model.moe_config import MoEConfig
+
+    moe = ModelConfig(moe=MoEConfig(num_experts=4, layers=[1]), fp8=Fp8Config(layers=["qkv", "gate_up"]))
+    with pytest.raises(
+        ConfigError, match=r"^model.fp8.layers: the MoE experts' grouped GEMMs have no FP8 path, so \['gate_up'\]"
+    ):
+        moe.validate()
+    ModelConfig(moe=MoEConfig(num_experts=4), fp8=Fp8Config(layers=["qkv", "proj"])).validate()
+    mamba = ModelConfig(block_pattern="M", fp8=Fp8Config(layers=["qkv", "down"]))
+    with pytest.raises(
+        ConfigError, match=r"^model.fp8.layers: \['qkv'\] are attention linears and model.block_pattern 'M'"
+    ):
+        mamba.validate()
+    ModelConfig(block_pattern="MA", fp8=Fp8Config(layers=["qkv", "down"])).validate()
+
+
 def test_only_the_named_linears_run_in_fp8_and_state_dict_is_unchanged():
     from trainer.config import ModelConfig
     from trainer.model.llama import Llama

@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 from data.config import DataConfig, PathStr
 from data.store import MANIFEST_FILE, read_manifest
 from trainer.configtools import ConfigError, apply_overrides, from_dict, read_yaml
-from trainer.model.fp8 import Fp8Config
+from trainer.model.fp8 import Fp8Config, check_fp8_layers
 from trainer.model.mamba_config import MambaConfig, check_block_pattern, check_mamba_tp
 from trainer.model.moe_config import MoEConfig, check_moe_layout
 from trainer.model.mup import MupConfig
@@ -109,6 +109,7 @@ class ModelConfig:
             self.moe.validate(f"{path}.moe")
         if self.fp8 is not None:
             self.fp8.validate(f"{path}.fp8")
+            check_fp8_layers(self, path)
         if self.mup is not None:
             self.mup.validate(f"{path}.mup")
 

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from trainer.configtools import ConfigError
+from trainer.model.mamba_config import ATTENTION, layer_mixers
 
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -284,6 +285,27 @@ def end_fp8_step(model: nn.Module, pc) -> None:
         reduced[id(d)][role] = a
     for d in delayed:
         d.roll(reduced[id(d)])
+
+
+def check_fp8_layers(model_cfg, path: str = "model") -> None:
+    """`model.fp8.layers` names linears the model has, each in every block of its kind: the MoE
+    experts' grouped GEMMs have no FP8 path, so `gate_up`/`down` on a MoE model would run only
+    its dense MLPs in FP8 and the experts silently not; `qkv`/`proj` need an attention layer."""
+    fp8 = getattr(model_cfg, "fp8", None)
+    if fp8 is None:
+        return
+    mlp = [name for name in fp8.layers if name in ("gate_up", "down")]
+    if getattr(model_cfg, "moe", None) is not None and mlp:
+        raise ConfigError(
+            f"{path}.fp8.layers: the MoE experts' grouped GEMMs have no FP8 path, so {mlp} would run in FP8 "
+            f"in the dense MLPs only; leave them out for a MoE model, got {fp8.layers}"
+        )
+    attn = [name for name in fp8.layers if name in ("qkv", "proj")]
+    if attn and ATTENTION not in layer_mixers(model_cfg.block_pattern, model_cfg.n_layers):
+        raise ConfigError(
+            f"{path}.fp8.layers: {attn} are attention linears and model.block_pattern "
+            f"{model_cfg.block_pattern!r} has no attention layer"
+        )
 
 
 def _delayed_by_name(model: nn.Module) -> dict[str, AmaxHistory]:
