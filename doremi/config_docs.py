@@ -169,7 +169,19 @@ def experiment_keys() -> list[KeyDoc]:
     return config_keys(ExperimentConfig)
 
 
-if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else DOCS_PAGE
+def main(argv: list[str]) -> int:
+    """`python -m doremi.config_docs [OUT.md]`: write the page (default docs/config.md)."""
+    if len(argv) > 1 or (argv and argv[0].startswith("-")):
+        print(
+            f"usage: python -m doremi.config_docs [OUT.md] (writes {DOCS_PAGE.name} by default); got {' '.join(argv)}",
+            file=sys.stderr,
+        )
+        return 2
+    target = Path(argv[0]) if argv else DOCS_PAGE
     target.write_text(markdown(experiment_keys()))
     print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
