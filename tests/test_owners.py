@@ -214,3 +214,19 @@ def test_layers_import_downwards_only():
         (m, d) for m, deps in graph.items() for d in deps if layer[d.split(".")[0]] > layer[m.split(".")[0]]
     )
     assert upward == []
+
+
+def test_every_module_is_named_in_the_readme_layout():
+    """A reader finds a feature by its module's name in the README's layout block."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout") :]
+    block = layout[layout.index("```") + 3 :]
+    block = block[: block.index("```")]
+    modules = [
+        p.relative_to(ROOT)
+        for pkg in ("doremi", "trainer", "data")
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+        if p.name != "__init__.py" and "__pycache__" not in p.parts
+    ]
+    missing = [str(m) for m in modules if m.name not in block]
+    assert not missing, f"modules the README layout does not name: {missing}"
