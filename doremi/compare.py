@@ -27,11 +27,20 @@ COMPARE_PNG = "compare.png"
 
 @dataclass
 class MainRun:
-    """A main run's final per-domain validation loss and its mean-loss curve."""
+    """A main run's final per-domain validation loss and its mean-loss curve; `step`: the step
+    its final numbers are at, `planned`: the steps its config asks for (None: unknown)."""
 
     domains: list[str]
     final: list[float]
     curve: list[tuple[int, float]] = field(default_factory=list)
+    step: int | None = None
+    planned: int | None = None
+    # (train.seed, data.seed) of its config; None: unknown.
+    seeds: tuple[int, int] | None = None
+
+    @property
+    def unfinished(self) -> bool:
+        return self.step is not None and self.planned is not None and self.step < self.planned
 
 
 # -- statistics (pure) -----------------------------------------------------------------------
@@ -106,16 +115,35 @@ def pair(
 # -- reading roots -------------------------------------------------------------------------
 
 
+def _planned(run: Path) -> tuple[int | None, tuple[int, int] | None]:
+    """train.steps and (train.seed, data.seed) of the run's saved config.yaml; None without one."""
+    import yaml
+
+    path = run / "config.yaml"
+    if not path.is_file():
+        return None, None
+    cfg = yaml.safe_load(path.read_text()) or {}
+    train, data = cfg.get("train", {}), cfg.get("data", {})
+    steps = train.get("steps")
+    seeds = (train.get("seed"), data.get("seed"))
+    return (int(steps) if isinstance(steps, int) else None), (seeds if None not in seeds else None)
+
+
 def read_main_run(run: Path) -> MainRun | None:
-    """The run's eval result (the pipeline's eval stage), else its last validation row; the
-    curve from its validation rows. None when it has neither."""
-    rows = [r for r in read_jsonl(run / "metrics.jsonl") if isinstance(r.get("val_loss"), dict)]
+    """The run's eval result (the pipeline's eval stage, of its last checkpoint: at its last
+    logged step), else its last validation row; the curve from its validation rows. None when
+    it has neither."""
+    all_rows = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+    rows = [r for r in all_rows if isinstance(r.get("val_loss"), dict)]
     curve = [(int(r["step"]), sum(r["val_loss"].values()) / len(r["val_loss"])) for r in rows]
+    planned, seeds = _planned(run)
     result = eval_result(run)
     if result is not None:
-        return MainRun(list(result["domains"]), [float(x) for x in result["val_loss"]], curve)
+        last = max((int(r["step"]) for r in all_rows if "step" in r), default=None)
+        return MainRun(list(result["domains"]), [float(x) for x in result["val_loss"]], curve, last, planned, seeds)
     if rows:
-        return MainRun(list(rows[-1]["val_loss"]), [float(x) for x in rows[-1]["val_loss"].values()], curve)
+        final = rows[-1]["val_loss"]
+        return MainRun(list(final), [float(x) for x in final.values()], curve, int(rows[-1]["step"]), planned, seeds)
     return None
 
 
@@ -148,6 +176,15 @@ def compare(roots: dict[str, dict[str, MainRun]], baseline: str) -> tuple[list[P
         )
     notes = [f"{r}: no main/{baseline}; left out of every comparison" for r in names if r not in with_base]
     domains = roots[with_base[0]][baseline].domains
+    for r in list(with_base):
+        if roots[r][baseline].unfinished:
+            with_base.remove(r)
+            notes.append(
+                f"{r}: main/{baseline} is unfinished ({_at(roots[r][baseline])}); left out of every comparison"
+            )
+    if not with_base:
+        raise DoReMiError(f"--baseline {baseline}: unfinished in every root ({'; '.join(notes)})")
+    notes += _same_seeds({r: roots[r][baseline] for r in with_base}, baseline)
     for r in names:
         for m, run in roots[r].items():
             if run.domains != domains:
@@ -157,12 +194,42 @@ def compare(roots: dict[str, dict[str, MainRun]], baseline: str) -> tuple[list[P
     mixtures = sorted({m for r in with_base for m in roots[r] if m != baseline})
     out = []
     for m in mixtures:
-        have = [r for r in with_base if m in roots[r]]
+        have = []
+        for r in (r for r in with_base if m in roots[r]):
+            run, base = roots[r][m], roots[r][baseline]
+            if run.unfinished:
+                notes.append(f"{r}/main/{m}: unfinished ({_at(run)}); left out")
+            elif None not in (run.step, base.step) and run.step != base.step:
+                notes.append(f"{r}/main/{m}: final loss at step {run.step}, {baseline}'s at {base.step}; left out")
+            else:
+                have.append(r)
+        if not have:
+            continue
         if len(have) < len(with_base):
-            missing = [r for r in with_base if r not in have]
-            notes.append(f"{m}: compared over {len(have)} of {len(with_base)} roots (missing in {', '.join(missing)})")
+            missing = [r for r in with_base if m not in roots[r]]
+            where = f" (missing in {', '.join(missing)})" if missing else ""
+            notes.append(f"{m}: compared over {len(have)} of {len(with_base)} roots{where}")
         out.append(pair(m, baseline, have, [roots[r][m] for r in have], [roots[r][baseline] for r in have]))
     return out, notes
+
+
+def _same_seeds(bases: dict[str, MainRun], baseline: str) -> list[str]:
+    """Roots whose baselines ran the same seeds: their differences are not independent draws,
+    so the standard error over them understates the seed-to-seed noise."""
+    by_seeds: dict[tuple[int, int], list[str]] = {}
+    for r, run in bases.items():
+        if run.seeds is not None:
+            by_seeds.setdefault(run.seeds, []).append(r)
+    return [
+        f"{', '.join(rs)}: main/{baseline} ran the same seeds (train.seed {t}, data.seed {d}): not independent "
+        "seeds, so the standard error understates the noise"
+        for (t, d), rs in by_seeds.items()
+        if len(rs) > 1
+    ]
+
+
+def _at(run: MainRun) -> str:
+    return f"final loss at step {run.step} of {run.planned}"
 
 
 # -- output --------------------------------------------------------------------------------

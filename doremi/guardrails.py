@@ -24,9 +24,10 @@ import numpy as np
 from doremi.config import GuardrailConfig
 from doremi.errors import DoReMiError
 
-#: reference and proxy: DoReMi's; method: another method's proxy (the checks of any run).
-Kind = Literal["reference", "proxy", "method", "main"]
-KINDS: tuple[str, ...] = ("reference", "proxy", "method", "main")
+#: reference and proxy: DoReMi's; method: another method's proxy; sweep: a small run of the
+#: offline methods' sweep (the checks of any run: epochs and, when logged, realised mixture).
+Kind = Literal["reference", "proxy", "method", "sweep", "main"]
+KINDS: tuple[str, ...] = ("reference", "proxy", "method", "sweep", "main")
 #: Random draws: the realised mixture is compared with the nominal beyond this many standard errors.
 RANDOM_DRAW_SIGMAS = 3.0
 #: A weight above this is "concentrated": one domain gets most of the proxy's loss.
@@ -468,13 +469,89 @@ def pipeline_runs(root: str | Path, main: bool = True) -> list[tuple[str, str, P
     return runs
 
 
-def measure_pipeline(root: str | Path, main: bool = True) -> list[RunMeasures]:
-    """The measures of every run of a pipeline root; a proxy is compared with its own round's
-    reference."""
-    return [
+def measure_pipeline(root: str | Path, main: bool = True, manifest: Any = None) -> list[RunMeasures]:
+    """The measures of every run of a pipeline root (a proxy compared with its own round's
+    reference), then those of the offline methods' sweep (`measure_sweep`). `manifest`: the
+    stores' (default: that of the store_dir a run's config.yaml names)."""
+    root = Path(root)
+    out = [
         measure_run(path, kind, name, path.parent / "reference" if kind == "proxy" else None)
         for name, kind, path in pipeline_runs(root, main)
     ]
+    from doremi.main_runs import SWEEP_DIR
+
+    return out + measure_sweep(root / SWEEP_DIR, manifest or _root_manifest(root))
+
+
+def _root_manifest(root: Path) -> Any:
+    """The manifest of the stores a pipeline root's runs read (the first config.yaml that names
+    one); None when no run saved a config or the stores are gone."""
+    from data.store import read_manifest
+    from doremi.errors import DoReMiError as _Err
+    from trainer.configtools import read_yaml
+
+    for cfg in sorted(root.glob("*/*/config.yaml")) + sorted(root.glob("methods/*/proxy/config.yaml")):
+        store = read_yaml(cfg).get("data", {}).get("store_dir")
+        if store:
+            try:
+                return read_manifest(store)
+            except (_Err, OSError, ValueError):
+                continue
+    return None
+
+
+def sweep_pools(train_tokens: Sequence[int], seq_len: int, holdout: int) -> list[int]:
+    """Sequences each domain's sampler draws from: the packed train sequences
+    ((tokens - 1) // seq_len, as data.dataset.PackedDomains) less those held out."""
+    pools = []
+    for t in train_tokens:
+        n = max(int(t) - 1, 0) // seq_len
+        pools.append(n - holdout if holdout and n > holdout else n)
+    return pools
+
+
+def nominal_epochs(weights: Sequence[float], sequences: int, pools: Sequence[int]) -> list[float]:
+    """Epochs a run of `sequences` sequences reads of each domain under `weights` (the exact-count
+    sampler draws every domain's share to within one sequence)."""
+    return [float(w) * sequences / n if n else 0.0 for w, n in zip(weights, pools)]
+
+
+def measure_sweep(sweep: Path, manifest: Any) -> list[RunMeasures]:
+    """One measure per run of a finished sweep (`sweep.json`, `mixtures.csv`): the epochs it
+    read of each domain. Runs trained one by one (`runs/<i>/metrics.jsonl`) are measured from
+    what they logged; stacked runs log no draws, so their epochs are the mixture's (steps x
+    batch x weight / the domain's pool), as the guardrail table says. None before the sweep ran."""
+    import csv
+    import json
+
+    meta = sweep / "sweep.json"
+    if not meta.is_file() or not (sweep / "mixtures.csv").is_file():
+        return []
+    keys = json.loads(meta.read_text()).get("keys", {})
+    finished = set(json.loads(meta.read_text()).get("finished", []))
+    rows = list(csv.DictReader((sweep / "mixtures.csv").read_text().splitlines()))
+    out: list[RunMeasures] = []
+    for row in rows:
+        i, name = int(row["run"]), f"sweep/run {row['run']}"
+        if finished and i not in finished:
+            continue
+        logged = sweep / "runs" / row["run"]
+        if (logged / "metrics.jsonl").is_file():
+            out.append(measure_run(logged, "sweep", name))
+            continue
+        if manifest is None:
+            missing = RunMeasures("sweep", "sweep", keys.get("train.global_batch_size"))
+            missing.notes.append("sweep: the stores' manifest was not found; its runs' epochs check skipped")
+            return [*out, missing]
+        m = RunMeasures(name, "sweep", keys.get("train.global_batch_size"))
+        domains = [d.name for d in manifest.domains]
+        pools = sweep_pools(
+            [d.train.tokens for d in manifest.domains], int(keys["data.seq_len"]), int(keys["data.holdout_sequences"])
+        )
+        sequences = int(keys["train.steps"]) * int(keys["train.global_batch_size"])
+        m.epochs = dict(zip(domains, nominal_epochs([float(row[d]) for d in domains], sequences, pools)))
+        out.append(m)
+    return out
 
 
 # -- the report's guardrail table ------------------------------------------------------------
@@ -498,12 +575,25 @@ def format_guardrail_table(domains: Sequence[str], measures: Sequence[RunMeasure
     that the report's only rows named by a domain are those of its loss table.)"""
     from doremi.report import fmt, markdown_table
 
+    runs = [m for m in measures if m.kind != "sweep"]
+    sweep = [m for m in measures if m.kind == "sweep" and m.epochs]
     rows = [
         [f"{label}: {m.run}"] + [fmt(getattr(m, attr).get(d)) for d in domains]
         for attr, label in COLUMNS
-        for m in measures
+        for m in runs
         if getattr(m, attr)
     ]
+    if sweep:
+        rows.append(
+            [f"epochs, most over the sweep's {len(sweep)} runs: sweep"]
+            + [fmt(max(m.epochs.get(d, 0.0) for m in sweep)) for d in domains]
+        )
+    note = (
+        "\nsweep: its stacked runs log no draws; their epochs are their mixtures' (weight x steps x batch "
+        "/ the domain's training sequences).\n"
+        if any(m.kind == "sweep" and not (m.mixture) for m in sweep)
+        else ""
+    )
     text = markdown_table(["check: run", *domains], rows) if rows else ""
     for m in measures:
         if m.kind == "proxy" and (m.snr is not None or m.concentration is not None):
@@ -517,4 +607,4 @@ def format_guardrail_table(domains: Sequence[str], measures: Sequence[RunMeasure
             text += (
                 f"\n{m.run}: lambda signal-to-noise {snr}; share of steps with a weight above {CONCENTRATED}: {conc}\n"
             )
-    return text
+    return text + note

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from data.store import read_manifest
 from data.weights_file import WEIGHTS_FILE, copy_weights_file, read_weights_file
 from doremi import stages
 from doremi.config import OFFLINE_METHODS, ExperimentConfig
@@ -244,7 +245,8 @@ class Pipeline:
         proxy stop the pipeline (GuardrailError, exit status 2) before any main run starts."""
         from doremi.guardrails import GuardrailError, findings, measure_pipeline, print_findings, warnings
 
-        measures = [m for m in measure_pipeline(self.root, main=main) if (m.kind == "main") == main]
+        manifest = read_manifest(self.cfg.data.store_dir)
+        measures = [m for m in measure_pipeline(self.root, main=main, manifest=manifest) if (m.kind == "main") == main]
         found = [f for m in measures for f in findings(m, self.p.guardrails)]
         if self.p.strict and not main and warnings(found):
             raise GuardrailError(warnings(found))

@@ -252,7 +252,19 @@ def format_compute(ledger: Mapping[str, Mapping[str, float | None]]) -> str:
         "trained tokens (measured)",
         "seconds",
     ]
-    return markdown_table(header, rows)
+    from doremi.config import OFFLINE_METHODS
+
+    table = markdown_table(header, rows)
+    shared = [n for n in ledger if n in OFFLINE_METHODS]
+    if shared:
+        unmeasured = [n for n in shared if ledger[n].get("trained_measured") is None]
+        table += (
+            f"\n{' and '.join(shared)}: the fit of one shared sweep of small runs; "
+            + ("each row shows the whole sweep (count it once)" if len(shared) > 1 else "the row shows the whole sweep")
+            + ("; its stacked runs log no draws, so no tokens are measured." if unmeasured else ".")
+            + "\n"
+        )
+    return table
 
 
 def plot_val_loss(

@@ -132,11 +132,15 @@ def _budget(run: Path) -> int | None:
     return c["train"]["steps"] * c["train"]["global_batch_size"] * c["data"]["seq_len"]
 
 
-def _history(run: Path) -> list[list[float]]:
+def _history(run: Path, field: str = "weights") -> list[list[float]]:
+    """A run's logged `field` per step. A method run online logs, besides the policy it proposes
+    for the next step (`weights`), the weights it sampled this step with (`sampling`); the
+    latter is what the run trained on, so it is what the report shows for an online run."""
     try:
-        return [h["weights"] for h in read_history(run)]
+        records = read_history(run)
     except HistoryError:
         return []
+    return [h[field] if field in h else h["weights"] for h in records]
 
 
 def weight_histories(root: Path) -> dict[str, list[list[float]]]:
@@ -150,7 +154,7 @@ def weight_histories(root: Path) -> dict[str, list[list[float]]]:
         if m != DOREMI_RUN:
             out[m] = _history(method_dir(root, m) / "proxy")
     for name in online_runs(root):
-        out[name] = _history(root / "main" / name)
+        out[name] = _history(root / "main" / name, "sampling")
     return {k: v for k, v in out.items() if v}
 
 
@@ -186,7 +190,7 @@ def collect_run(
             if "val_loss" in r
         ]
     entropy = manifest.entropies
-    measures = measure_pipeline(root)
+    measures = measure_pipeline(root, manifest=manifest)
     cfg = guardrails or GuardrailConfig()
     found = [f for m in measures for f in findings(m, cfg)]
     return {

@@ -224,7 +224,7 @@ def test_methods_online_on_the_main_model_join_the_report(tmp_path):
     header = [
         c.strip() for c in next(l for l in report.splitlines() if l.startswith("| domain")).strip("|").split("|")
     ][1:]
-    mean = np.mean([h["weights"] for h in history], axis=0)
+    mean = np.mean([h["sampling"] for h in history], axis=0)  # what it drew with, not its next policy
     for i, domain in enumerate(history[0]["domains"]):
         assert float(rows[domain][header.index("weight: ado-online")]) == pytest.approx(mean[i], abs=5e-5)
     ledger = report[report.index("## Compute spent to find each mixture") :]
