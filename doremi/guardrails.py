@@ -487,7 +487,6 @@ def _root_manifest(root: Path) -> Any:
     """The manifest of the stores a pipeline root's runs read (the first config.yaml that names
     one); None when no run saved a config or the stores are gone."""
     from data.store import read_manifest
-    from doremi.errors import DoReMiError as _Err
     from trainer.configtools import read_yaml
 
     for cfg in sorted(root.glob("*/*/config.yaml")) + sorted(root.glob("methods/*/proxy/config.yaml")):
@@ -495,7 +494,7 @@ def _root_manifest(root: Path) -> Any:
         if store:
             try:
                 return read_manifest(store)
-            except (_Err, OSError, ValueError):
+            except (DoReMiError, OSError, ValueError):
                 continue
     return None
 
