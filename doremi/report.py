@@ -183,8 +183,8 @@ def _save(fig, path: Path) -> None:
 
 
 def plot_weight_history(path: Path, domains: Sequence[str], weight_history: Sequence[Vector]) -> None:
-    """alpha_t per domain over the proxy's steps, and its running mean (the tuned weights if
-    the run stopped at t)."""
+    """alpha_t per domain over the proxy's steps, and its running mean from step 1 (the tuned
+    weights if the run stopped at t and averaged from step 1, `doremi.average_from_step`)."""
     from matplotlib.figure import Figure
 
     k, steps = len(domains), list(range(1, len(weight_history) + 1))
@@ -199,7 +199,7 @@ def plot_weight_history(path: Path, domains: Sequence[str], weight_history: Sequ
         ax_w.plot(steps, series, color=c, label=d, lw=1.2)
         ax_m.plot(steps, running, color=c, label=d, lw=1.2)
     ax_w.set(title="domain weights $\\alpha_t$", xlabel="proxy step", ylabel="weight")
-    ax_m.set(title="running mean of $\\alpha_t$ (tuned weights)", xlabel="proxy step")
+    ax_m.set(title="running mean of $\\alpha_t$ from step 1", xlabel="proxy step")
     ax_w.grid(alpha=0.3)
     ax_m.grid(alpha=0.3)
     ax_m.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
