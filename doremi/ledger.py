@@ -69,8 +69,7 @@ def run_cost(run: Path, kind: str) -> dict[str, float] | None:
         cost["validation"] = fpt / 3 * evals["tokens"]
     cost["total"] = sum(cost.values())
     # Tokens processed: trained, forwarded by the reference, DoGE's target (trained) and validated.
-    realised = next((r["realised"]["tokens"] for r in reversed(rows) if isinstance(r.get("realised"), dict)), None)
-    cost["trained_measured"] = float(sum(realised.values())) if realised else None
+    cost["trained_measured"] = trained_measured(rows)
     target_tokens = cost["target"] / fpt if fpt else 0.0
     cost["tokens"] = tokens + (tokens if kind == "proxy" else 0) + target_tokens + (evals or {}).get("tokens", 0)
     marker = dir_marker(run)
@@ -91,6 +90,13 @@ def method_runs(root: Path, method: str, online: bool = False) -> list[tuple[str
     return [("method", method_dir(root, method) / "proxy")]
 
 
+def trained_measured(rows: list[dict]) -> float | None:
+    """The tokens a run drew, from its metrics rows (the last `realised` counts, cumulative);
+    None for a run that logged none."""
+    realised = next((r["realised"]["tokens"] for r in reversed(rows) if isinstance(r.get("realised"), dict)), None)
+    return float(sum(realised.values())) if realised else None
+
+
 def sweep_cost(root: Path) -> dict[str, float] | None:
     """The offline methods' cost: their shared sweep (`sweep.json`'s compute: every small run's
     training and evaluations) and its measured seconds; None before the sweep ran."""
@@ -104,6 +110,9 @@ def sweep_cost(root: Path) -> dict[str, float] | None:
     cost["validation"] = float(compute.get("eval_flops", 0.0))
     cost["total"] = cost["train"] + cost["validation"]
     cost["tokens"] = float(compute.get("train_tokens", 0) + compute.get("eval_tokens", 0))
+    runs = sorted((root / SWEEP_DIR / "runs").glob("*/metrics.jsonl"))
+    measured = [trained_measured(read_jsonl(m)) for m in runs]
+    cost["trained_measured"] = sum(measured) if runs and all(m is not None for m in measured) else None
     marker = dir_marker(root / SWEEP_DIR)
     cost["seconds"] = json.loads(marker.read_text()).get("seconds") if marker.is_file() else None
     return cost

@@ -268,3 +268,22 @@ def test_compare_says_when_two_roots_ran_the_same_seeds(tmp_path):
         "- a, b: main/uniform ran the same seeds (train.seed 3, data.seed 0): not independent seeds, "
         "so the standard error understates the noise" in text
     )
+
+
+def test_a_sweep_trained_one_by_one_has_its_drawn_tokens_measured(tmp_path):
+    """The ledger's measured tokens of an unstacked sweep: each run's last cumulative `realised`
+    counts, summed; a stacked sweep (no run logs) leaves the cell empty."""
+    import json as _json
+
+    from doremi.ledger import sweep_cost
+    from doremi.main_runs import SWEEP_DIR
+
+    sweep = tmp_path / SWEEP_DIR
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text(_json.dumps({"compute": {"train_flops": 6.0, "train_tokens": 10}}))
+    assert sweep_cost(tmp_path)["trained_measured"] is None
+    for i, counts in enumerate(({"a": 3, "b": 1}, {"a": 2, "b": 2})):
+        rows = [{"step": 1, "realised": {"tokens": {"a": 1, "b": 0}}}, {"step": 2, "realised": {"tokens": counts}}]
+        (sweep / "runs" / str(i)).mkdir(parents=True)
+        (sweep / "runs" / str(i) / "metrics.jsonl").write_text("".join(_json.dumps(r) + "\n" for r in rows))
+    assert sweep_cost(tmp_path)["trained_measured"] == 8.0
