@@ -218,6 +218,32 @@ def test_resume_is_bitwise(tmp_path):
         assert [r["weights"] for r in read_history(tmp_path / "b")] == full
 
 
+def test_authors_variant_time_average_weights_by_hand(tmp_path):
+    """The authors' code (`AdoSelector.curr_dist` at its 0-based step itr = t - 1): p = 0.9 p_avg +
+    0.1 dist, then p_avg = (1 - 1/(itr + 1)) p_avg + dist / (itr + 1), p_avg starting at mu; so with
+    fits from step 1 on, p_avg after step 1 is dist(1) and pi(3) = 0.1 dist(2) + 0.9 dist(1)."""
+    kw = dict(warmup=0, floor=0.01, count="total", credit="counts", average="preference", floor_on="preference")
+    method = ADO(small_cfg(**kw), make_ctx(tmp_path))
+    method.params = [list(law) for law in LAWS]
+    mu = np.array([0.5, 0.3, 0.2])
+    h, total, dists, seen = mu.copy(), 0, [], np.zeros(3, dtype=np.int64)
+    for t in (1, 2):
+        w = method.sampling_weights(t)
+        sig = signals_for(t, w, seen)
+        c = np.asarray(sig.sequences, dtype=np.float64)
+        seen += np.asarray(sig.sequences)
+        method.after_step(t, sig)
+        total += c.sum()
+        h = 0.9 * h + 0.1 * c / c.sum()
+        slope = np.array([a * b * total ** (-a - 1.0) for b, a, _ in LAWS])
+        d = slope * mu * h**0.5
+        d = np.maximum(d / d.sum(), 0.01)
+        dists.append(d / d.sum())
+    assert np.allclose(method.average, dists[1] / 2 + dists[0] / 2, rtol=0, atol=1e-15)
+    assert np.allclose(method.sampling_weights(3), 0.1 * dists[1] + 0.9 * dists[0], rtol=0, atol=1e-15)
+    method.close()
+
+
 def test_log_is_written_and_readable(tmp_path):
     method = ADO(small_cfg(), make_ctx(tmp_path))
     drive(method, 1, 12, np.zeros(3, dtype=np.int64))

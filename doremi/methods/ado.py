@@ -44,14 +44,21 @@ is an option:
 - `credit: counts`: h is the moving average of the realised count distribution of each batch,
   not of the policy.
 - `average: preference`: pibar averages the (floored) preferences rho, with mu standing for the
-  steps before the first fit and counted once more at the start (their `p_avg`, weight
-  1/(t+1)), and pi(t+1) = gamma2 rho(t) + (1 - gamma2) pibar(t-1).
+  steps before the first fit (their `p_avg`: its update at their 0-based step itr = t - 1 gives
+  rho(t) the weight 1/(itr + 1) = 1/t), and pi(t+1) = gamma2 rho(t) + (1 - gamma2) pibar(t-1).
 - `floor_on: preference`: the floor is applied to rho as max(rho, delta) / sum (their
   `clip_min_probability`), not to the policy.
 - `huber_delta`: a Huber loss on the log residuals (theirs: 1e-3), by iteratively reweighted
   least squares. They also fit with L-BFGS from a grid of 512 starting points with soft bounds
   (alpha <= 0.8, log beta <= 6.5, log eps >= 0.5) and floor alpha at 0.05 in the derivative;
   we keep alpha <= `alpha_max` and eps >= 0 only.
+Not offered (stated here because they change the weights): their history holds every step's
+loss (a domain absent from the batch repeats its previous loss), smoothed by a Savitzky-Golay
+filter (window 101, order 3) and taken every 10th step; they refit at their 0-based steps
+itr >= start_step with itr a multiple of update_interval (our steps 1001, 2001, ... with their
+defaults), so their first fit sees a single point after `ignore_steps`, while ours waits for
+`min_points` points (warmup + refit_every); and they draw each batch's domains at random from
+the policy (a multinomial), not exact counts.
 """
 
 from __future__ import annotations
@@ -390,7 +397,7 @@ class ADO(MethodBase):
         self.params: list[list[float] | None] = [None] * k
         self.h = self.mu.copy()
         self.average = self.mu.copy()
-        self.average_count = 1 if cfg.average == "preference" else 0
+        self.average_count = 0
         self.policy = self.mu.copy()
         self.rho: np.ndarray | None = None
 

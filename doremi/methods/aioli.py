@@ -35,6 +35,11 @@ option:
 - `diagonal`: their `--aioli_diagonal`: A = diag(D[i, i] / (1 - eps)), no cross-domain terms.
 - `normalize: false`: the raw estimate (their flag unset).
 - `shuffle: false`: the probes in domain order in every sweep.
+Also different, not offered: their code runs LearnParams at the start of every round, the last
+(possibly short) one included, where a round here too short for its probes trains on p; and
+their `--aioli_diagonal` applies only with one_hot_factor != 1 (with exact one-hot probes they
+keep the full D), where `diagonal` here always keeps the diagonal. All their scripts set `--ema`,
+so their runs are `anchor: initial`.
 """
 
 from __future__ import annotations

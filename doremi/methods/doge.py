@@ -27,6 +27,13 @@ or stated limits here:
   any is weighted (k gradient copies), so they are not offered.
 - It clips each domain's gradient norm before the products (`max_grad_norm`); here the step's
   usual clipping applies to the combined gradient.
+- Its W_t[i] is the sum of g_i's products with each target domain's own gradient (the paper's
+  sum over j of <g_i, g_j>); here g_T is the gradient of the mean loss over the target batch, so
+  for a target spread evenly over m domains W_t is about 1/m of theirs, and the same step
+  corresponds to mu / m here (the defaults' mu = 0.05 is theirs, on their norm-divided scores).
+- A domain absent from the batch keeps the gradient it had when last present in its score
+  (a stale row of its `flat_grad_mat`); here its score is 0. Both leave it out of the combined
+  gradient.
 """
 
 from __future__ import annotations
