@@ -92,3 +92,19 @@ def test_one_step_matches_per_domain_gradients_by_autograd(stores, tmp_path):
     for (name, _), *gs in zip(twin.named_params, *per_domain):
         want = sum(a * g for a, g in zip(alpha, gs))
         torch.testing.assert_close(seen[name], want.float(), rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_alignment_dot_accumulates_bf16_gradients_in_fp32(monkeypatch):
+    """bf16 gradients (a bf16 model at one micro-batch) give an fp32-accurate inner product, in
+    chunks (no temporary the size of the parameter); fp32 ones one BLAS dot."""
+    import trainer.alignment as alignment
+
+    gen = torch.Generator().manual_seed(0)
+    g, t = (torch.randn(10_000, generator=gen).to(torch.bfloat16) for _ in range(2))
+    exact = float((g.double() * t.double()).sum())
+    monkeypatch.setattr(alignment, "_DOT_CHUNK", 999)  # 11 chunks
+    got = alignment.fp32_dot(g.view(100, 100), t.view(100, 100))
+    assert got.dtype == torch.float64 and float(got) == pytest.approx(exact, rel=1e-6)
+    assert float(torch.dot(g, t)) != pytest.approx(exact, rel=1e-4)  # what a bf16 dot gives
+    f, u = g.float(), t.float()
+    assert float(alignment.fp32_dot(f, u)) == float(torch.dot(f, u))

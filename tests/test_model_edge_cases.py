@@ -193,3 +193,20 @@ def test_moe_ep2_resumes_at_ep1_dp2_and_hybrid_tp2_at_tp1(stores, tmp_path):
         a, b = _params(stores, tmp_path / want, sets), _params(stores, tmp_path / got, sets)
         for name in a:
             torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_grouped_experts_take_the_autocast_dtype(monkeypatch):
+    """fp32 expert weights under bf16 autocast reach the grouped-GEMM check in bf16 (on CUDA:
+    the grouped kernel, not the per-expert loop in fp32)."""
+    import trainer.model.moe as moe
+
+    seen: list[torch.dtype] = []
+    monkeypatch.setattr(
+        moe, "_grouped_mm_applies", lambda x, gu, d: seen.extend([x.dtype, gu.dtype, d.dtype]) and False
+    )
+    x, gate_up, down = torch.randn(6, 8), torch.randn(2, 32, 8), torch.randn(2, 8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe.grouped_swiglu(x, gate_up, down, [4, 2])
+    assert seen == [torch.bfloat16] * 3 and out.dtype == torch.bfloat16
+    seen.clear()
+    assert moe.grouped_swiglu(x, gate_up, down, [4, 2]).dtype == torch.float32 and seen == [torch.float32] * 3

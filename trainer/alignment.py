@@ -16,7 +16,9 @@ size), its tp and tied syncs applied, its inner product with g_T taken parameter
 fp32 (added over parameters in fp64) on the ranks that count each element once (`trainer.parallel.clip.counts_here`, less the
 dp owner: before the dp reduction every rank's gradient is a partial sum) and summed over the
 world as one number: no gradient is flattened or copied to the host. A domain absent from the
-batch has gradient 0, so a_i = 0.
+batch has gradient 0, so a_i = 0. g_T and the running sum are kept in the gradients' dtype (fp32
+main grads, or bf16 gradients of a bf16 model at one micro-batch: two gradient copies of that
+size); only the dot products are always accumulated in fp32 (`fp32_dot`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,24 @@ def counts_before_dp_reduction(name: str, param: torch.Tensor, pc: ParallelConte
     if is_tied_duplicate(name, pc):
         return False
     return pc.tp == 1 or get_shard_spec(param) is not None or pc.tp_rank == 0
+
+
+#: Elements per chunk of a low-precision dot product (a bounded fp32 temporary, 64 MiB).
+_DOT_CHUNK = 1 << 24
+
+
+def fp32_dot(g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """<g, t> as an fp64 scalar, accumulated in fp32 whatever the gradients' dtype: bf16
+    gradients (a bf16 model without fp32 main grads, one micro-batch) would otherwise give a
+    bf16 dot, 3 significant digits. fp32 inputs take one BLAS dot; others are upcast chunk by
+    chunk, so no temporary the size of the parameter is made."""
+    g, t = g.reshape(-1), t.reshape(-1)
+    if g.dtype == torch.float32 and t.dtype == torch.float32:
+        return torch.dot(g, t).to(torch.float64)
+    out = torch.zeros((), dtype=torch.float64, device=g.device)
+    for gc, tc in zip(g.split(_DOT_CHUNK), t.split(_DOT_CHUNK)):
+        out += torch.dot(gc.float(), tc.float()).to(torch.float64)
+    return out
 
 
 def _grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -124,8 +144,8 @@ def aligned_step(
         grads = _synced_grads(model, params, pc)
         dot = torch.zeros((), dtype=torch.float64, device=pc.device)
         for g, t, c in zip(grads, g_target, counted):
-            if c:  # BLAS dot per parameter (no temporary the size of the gradient), fp64 across them
-                dot += torch.dot(g.reshape(-1), t.reshape(-1).to(g.dtype)).to(torch.float64)
+            if c:  # fp32 dot per parameter (no temporary the size of the gradient), fp64 across them
+                dot += fp32_dot(g, t)
         if pc.world_size > 1:
             dist.all_reduce(dot)
         alignment[d] = dot

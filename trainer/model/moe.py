@@ -134,7 +134,12 @@ def grouped_swiglu(
     still goes through its (empty) matmuls: the output must stay connected to `x` and the
     weights even when every local expert is idle, or under expert parallelism the backward of
     the return all-to-all would run on the ranks that received tokens and not on this one (a
-    collective called by some ranks only: a hang, and a gradient cut)."""
+    collective called by some ranks only: a hang, and a gradient cut). Under autocast the
+    operands are cast to its dtype first, as for every other matmul of the model: fp32
+    parameters under bf16 autocast reach the grouped kernel in bf16, not the loop in fp32."""
+    if torch.is_autocast_enabled(x.device.type):
+        dt = torch.get_autocast_dtype(x.device.type)
+        x, gate_up, down = x.to(dt), gate_up.to(dt), down.to(dt)
     if _grouped_mm_applies(x, gate_up, down):
         offs = torch.as_tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)

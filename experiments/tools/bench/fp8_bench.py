@@ -38,7 +38,7 @@ from trainer.model.fp8 import COLUMN, ROW, Fp8Config, Fp8Matmul, native_fp8  # n
 from trainer.parallel.tensor import TensorParallel, column_parallel_linear, row_parallel_linear  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import model_config, model_step_row, timed  # noqa: E402
+from timing import model_config, model_step_row, run_part, timed  # noqa: E402
 
 VARIANTS = {"tensorwise": ("tensorwise", "e5m2"), "rowwise": ("rowwise", "e4m3")}
 
@@ -127,15 +127,20 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cfg = replace(model_config(args.preset), max_seq_len=max(args.seq, 16))
-    rows = bench_gemms(cfg, args, device)
+    rows: list[dict] = []
+    ok = run_part(rows, "gemm", lambda: bench_gemms(cfg, args, device))
     if not args.no_step:
-        rows.append(bench_step(cfg, args, device, "bf16"))
+        ok &= run_part(rows, "step/bf16", lambda: [bench_step(cfg, args, device, "bf16")])
         for v, (scaling, grad) in VARIANTS.items():
-            rows.append(bench_step(replace(cfg, fp8=Fp8Config(scaling=scaling, grad_dtype=grad)), args, device, v))
+            fp8_cfg = replace(cfg, fp8=Fp8Config(scaling=scaling, grad_dtype=grad))
+            ok &= run_part(rows, f"step/{v}", lambda c=fp8_cfg, v=v: [bench_step(c, args, device, v)])
     native = native_fp8(device)
     result = {"preset": args.preset, "device": str(device), "native_fp8": native, "rows": rows}
     print(f"{args.preset} on {device} ({'torch._scaled_mm' if native else 'EMULATED: not a result'})")
     for r in rows:
+        if "error" in r:
+            print(f"  {r['part']:5s} FAILED: {r['error']}")
+            continue
         what = r.get("linear", "step")
         speed = (
             f"{r['tflops']:.1f} TFLOP/s x{r['speedup_vs_bf16']:.2f}" if r["part"] == "gemm" else f"MFU {r['mfu']:.3f}"
@@ -144,6 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "fp8_bench.json").write_text(json.dumps(result, indent=1))
+    if not ok:
+        raise SystemExit(1)
     return result
 
 

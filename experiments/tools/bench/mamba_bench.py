@@ -38,7 +38,7 @@ from trainer.model.mamba_config import ssd_flops_per_token  # noqa: E402
 from trainer.parallel.tensor import TensorParallel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import model_step_row, timed  # noqa: E402
+from timing import model_step_row, run_part, timed  # noqa: E402
 
 
 def model_config(preset: str, compile: bool) -> ModelConfig:
@@ -94,14 +94,17 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = model_config(args.preset, args.compile and device.type == "cuda")
-    rows = bench_layer(cfg, args, device, dtype)
-    rows.append(bench_step(cfg, args, device, dtype))
+    rows: list[dict] = []
+    ok = run_part(rows, "layer", lambda: bench_layer(cfg, args, device, dtype))
+    ok &= run_part(rows, "step", lambda: [bench_step(cfg, args, device, dtype)])
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "mamba_bench.json").write_text(text)
+    if not ok:
+        raise SystemExit(1)
     return result
 
 

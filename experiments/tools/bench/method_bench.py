@@ -44,7 +44,9 @@ backward are not counted, so its TFLOP/s is useful throughput, not hardware util
 Memory (CUDA): peak = `torch.cuda.max_memory_allocated` over the timed steps (reset after the
 warm-up) minus what was allocated before the variant's trainer was built; each trainer is
 freed (del, gc.collect, torch.cuda.empty_cache) before the next. A gradient copy is the model's
-parameters x 4 bytes (the fp32 main gradients); `peak - plain` is given in such copies, so that
+parameters x the bytes of one gradient element as the step keeps it (`gradient_bytes`: fp32 main
+gradients where the step sums gradients, else autograd's gradient in the parameters' dtype: bf16
+on CUDA here, one micro-batch on one GPU); `peak - plain` is given in such copies, so that
 DoGE's bound (plain + 2 copies: its target gradient and its running weighted sum) reads off.
 
 Acceptance (the issue): ODM, ADO and Aioli at least 0.98x a plain step (validation apart), DoGE
@@ -96,6 +98,7 @@ from trainer.config import TrainerConfig  # noqa: E402
 from trainer.configtools import from_dict, to_dict  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
+from trainer.parallel.data_parallel import sums_gradients  # noqa: E402
 
 GIB = 2**30
 VARIANTS = ("plain", "odm", "ado", "aioli", "doge")
@@ -289,6 +292,16 @@ def timed_steps(
     return spans, val, window, refits
 
 
+def gradient_bytes(trainer: Trainer) -> int:
+    """Bytes per element of the gradient a step keeps: `trainer.optim.master_weights` attaches
+    fp32 main gradients only where the step sums gradients (micro-batches, ranks); otherwise the
+    step (and DoGE's per-domain and target gradients, `trainer.alignment`) holds autograd's
+    gradient in the parameters' dtype."""
+    if sums_gradients(trainer.cfg.train.micro_batches, trainer.pc.world_size):
+        return 4
+    return trainer.facts.param_dtype.itemsize
+
+
 def refit_note(row: Row) -> str:
     """ADO's steps with a refit against those without, and the refit's cost spread over the
     default interval."""
@@ -332,7 +345,7 @@ def run_variant(
     )
     try:
         params = sum(p.numel() for _, p in trainer.named_params)
-        row = Row(name, variant, params=params, grad_bytes=4 * params)
+        row = Row(name, variant, params=params, grad_bytes=gradient_bytes(trainer) * params)
         sync(device)
         row.build_s = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -424,7 +437,8 @@ def preset_table(name: str, rows: list[Row], cpu: bool, steps: int, warmup: int)
         g = rows[0].grad_bytes
         lines += [
             "",
-            f"Gradient copy: {rows[0].params:,} parameters x 4 B = {g / GIB:.2f} GiB. DoGE's FLOP floor against "
+            f"Gradient copy: {rows[0].params:,} parameters x {g // max(rows[0].params, 1)} B = {g / GIB:.2f} GiB. "
+            f"DoGE's FLOP floor against "
             f"plain: B / (B + T) = {b} / ({b} + {t}) = {floor:.2f}x (before its k per-domain backward passes "
             f"on smaller micro-batches and its per-domain dot product and axpy over all parameters).",
         ]

@@ -11,8 +11,9 @@ Two measurements, one invocation:
     gather its tokens, SwiGLU, `index_add_` the weighted output (Mixtral's reference style);
   ms per call and TFLOP/s by the active FLOPs (6 x tokens x (k + shared) x 3 d F, the router's
   6 x tokens x E d), and the outputs' max difference (the two compute the same function);
-- step: the whole MoE model (`trainer.model.llama.Llama`, bf16 autocast, fused AdamW, one
-  process: ep = 1), `--steps` steps after `--warmup`; tokens/s and MFU = tokens/s x
+- step: the whole MoE model (`trainer.model.llama.Llama`, fused AdamW, one process: ep = 1; on
+  CUDA bf16 parameters without autocast, as the trainer runs them, so that the experts take the
+  grouped GEMM), `--steps` steps after `--warmup`; tokens/s and MFU = tokens/s x
   `trainer.model.flops.flops_per_token` (active parameters: 6 N_active + attention) / 989e12.
 
 On CUDA times are CUDA-event spans over back-to-back calls; on the CPU wall time (a smoke run,
@@ -43,7 +44,7 @@ from trainer.model.moe import MoE, set_global_batch  # noqa: E402
 from trainer.parallel.tensor import TensorParallel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import model_step_row, timed  # noqa: E402
+from timing import model_step_row, run_part, timed  # noqa: E402
 
 
 def model_config(preset: str) -> ModelConfig:
@@ -110,10 +111,16 @@ def bench_layer(cfg: ModelConfig, args, device: torch.device, dtype: torch.dtype
 
 
 def bench_step(cfg: ModelConfig, args, device: torch.device, dtype: torch.dtype) -> dict:
+    """The trainer's GPU precision: parameters (not buffers) in `dtype`, no autocast (what
+    `trainer.optim.master_weights` leaves the model with), so that the experts take
+    `torch._grouped_mm`, which needs bf16 weights: fp32 parameters under autocast would time
+    the loop over slices instead."""
     from trainer.model.llama import Llama
     from trainer.parallel.context import ParallelContext
 
     model = Llama(cfg, pc=ParallelContext.single(device)).to(device)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
     set_global_batch(model, args.micro_batch)
     return model_step_row(model, cfg, args.preset, args.micro_batch, args.seq, args.steps, args.warmup, device, dtype)
 
@@ -131,8 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = model_config(args.preset)
-    rows = bench_layer(cfg, args, device, dtype)
-    rows.append(bench_step(cfg, args, device, dtype))
+    rows: list[dict] = []
+    ok = run_part(rows, "layer", lambda: bench_layer(cfg, args, device, dtype))
+    ok &= run_part(rows, "step", lambda: [bench_step(cfg, args, device, dtype)])
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows}
     text = json.dumps(result, indent=1)
     print(text)
@@ -141,6 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "moe_bench.json").write_text(text)
+    if not ok:
+        raise SystemExit(1)
     return result
 
 

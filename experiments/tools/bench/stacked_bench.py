@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.single = min(args.single, args.models)
     batches = synthetic_batches(args.models, args, device)
     single = statistics.median(one_by_one(cfg, batches, args))
+    print(f"one run's step: {single * 1e3:.2f} ms (median of {args.single} runs x {args.steps} steps)", flush=True)
     together = statistics.median(stacked(cfg, batches, args))
     params = sum(p.numel() for p in build_model(cfg, ParallelContext.single("cpu")).parameters())
     result = {

@@ -4,8 +4,10 @@ whole single-process model timed into a row with its MFU against the datasheet p
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,15 +64,18 @@ def model_step_row(
     dtype: torch.dtype,
 ) -> dict:
     """The median time of a forward, backward and fused AdamW step of `model` (the mean token
-    loss of one random micro-batch, under autocast to `dtype`), its tokens/s and MFU
+    loss of one random micro-batch, under autocast to `dtype` when the parameters are fp32: bf16
+    parameters run without it, as the trainer's `trainer.build._autocast`), its tokens/s and MFU
     (`trainer.model.flops.flops_per_token`: 6N + attention, and what the model's blocks add)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq), generator=gen).to(device)
     batch = {"input_ids": ids, "labels": ids}
+    fp32_params = next(model.parameters()).dtype == torch.float32
+    use_autocast = dtype != torch.float32 and fp32_params
 
     def step() -> None:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast(device.type, dtype=dtype, enabled=use_autocast):
             loss = model(None, batch).mean()
         loss.backward()
         opt.step()
@@ -88,3 +93,20 @@ def model_step_row(
         "flops_per_token": fpt,
         "mfu": tokens_per_s * fpt / PEAK_BF16,
     }
+
+
+def run_part(rows: list[dict], part: str, fn: Callable[[], list[dict]]) -> bool:
+    """Append `fn()`'s rows, or on an exception its traceback on stderr and one row
+    {"part": part, "error": ...}, so that a crash in a later part of a bench (a step after its
+    layer rows) still leaves the earlier parts' numbers in the output; False on an exception.
+    The rows are also printed at once, one JSON line, so that the log holds them when a timeout
+    kills the bench before it writes its result."""
+    try:
+        new = fn()
+        rows.extend(new)
+        print(json.dumps({"done": part, "rows": new}), flush=True)
+        return True
+    except Exception as e:  # noqa: BLE001 - keep the other parts' rows
+        traceback.print_exc()
+        rows.append({"part": part, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
+        return False
