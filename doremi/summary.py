@@ -135,7 +135,9 @@ def _budget(run: Path) -> int | None:
 def _history(run: Path, field: str = "weights") -> list[list[float]]:
     """A run's logged `field` per step. A method run online logs, besides the policy it proposes
     for the next step (`weights`), the weights it sampled this step with (`sampling`); the
-    latter is what the run trained on, so it is what the report shows for an online run."""
+    latter is what the run trained on, so it is what the report shows for an online run. A
+    method that reweights the loss over a fixed sampling mixture instead (DoGE) logs no
+    `sampling`: its loss weights `weights` are what it trained on, in expectation, and are shown."""
     try:
         records = read_history(run)
     except HistoryError:
