@@ -26,7 +26,10 @@ Scaling (`model.fp8.scaling`):
 Layout invariance: a tp shard's amax is not the full tensor's, so an amax over a dim that tp
 splits is max-all-reduced over tp (a scalar for tensorwise, a row/column vector for rowwise).
 Then every element is quantised with the single-process scale, to the single-process FP8
-value, and the sharded GEMMs differ from one process only by fp32 summation order.
+value, and the sharded GEMMs differ from one process only by fp32 summation order. A dynamic
+scale (and a delayed one's first step) is the amax of one micro-batch, so runs are comparable
+at the same micro-batch size (global batch / (dp x micro-batches)), whatever else the layout
+(experiments/results/layouts_cpu.md).
 
 Execution: `torch._scaled_mm` (torch >= 2.5: mat1 row-major, mat2 column-major, dims multiple
 of 16, fp32 dequantisation scales 1/s: one element, or [M, 1] and [1, N] rowwise) on CUDA devices
