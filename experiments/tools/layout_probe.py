@@ -22,27 +22,16 @@ from pathlib import Path
 
 import torch
 
+from tests.test_fp8 import COMMON
+from tests.test_mamba import HYBRID
+from tests.test_moe import MOE
+
 ROOT = Path(os.environ.get("LAYOUT_PROBE_ROOT", "runs/layout_probe")).resolve()
 STORE = ROOT / "stores"
 R = ROOT / "runs"
 
-MOE = [
-    "model.moe.num_experts=4",
-    "model.moe.top_k=2",
-    "model.moe.layers=[1,3]",
-    "model.moe.shared_experts=1",
-    "model.moe.aux_loss_coef=0.1",
-    "model.moe.z_loss_coef=0.01",
-    "train.eps=1e-4",
-    "train.decay=constant",
-    "train.warmup_steps=0",
-    "checkpoint.keep=1",
-    "train.eval_every=3",
-    "train.eval_sequences=10",
-]
 MOE_SIG = [*MOE, "model.moe.gating=sigmoid"]
-COMMON = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=1", "train.eval_every=3"]
-HYB = ["model.preset=hybrid-tiny", "model.mamba.chunk_size=12"]
+HYB = HYBRID
 HYB6 = [*HYB, "model.n_layers=6", "model.block_pattern=MMAMAA"]
 FP8D = ["model.fp8.layers=[qkv,proj,gate_up,down]", "model.fp8.amax_history=4"]
 FP8R = ["model.fp8.scaling=rowwise", "model.fp8.grad_dtype=e4m3"]

@@ -38,7 +38,7 @@ from trainer.model.fp8 import COLUMN, ROW, Fp8Config, Fp8Matmul, native_fp8  # n
 from trainer.parallel.tensor import TensorParallel, column_parallel_linear, row_parallel_linear  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import model_config, model_step_row, run_part, timed  # noqa: E402
+from timing import add_model_args, model_config, model_step_row, run_part, timed  # noqa: E402
 
 VARIANTS = {"tensorwise": ("tensorwise", "e5m2"), "rowwise": ("rowwise", "e4m3")}
 
@@ -116,14 +116,8 @@ def bench_step(cfg: ModelConfig, args, device: torch.device, label: str) -> dict
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="bench-1b")
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_args(p, "bench-1b")
     p.add_argument("--no-step", action="store_true", help="only the GEMMs")
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cfg = replace(model_config(args.preset), max_seq_len=max(args.seq, 16))

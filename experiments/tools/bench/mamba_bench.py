@@ -38,7 +38,7 @@ from trainer.model.mamba_config import ssd_flops_per_token  # noqa: E402
 from trainer.parallel.tensor import TensorParallel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import model_step_row, run_part, timed  # noqa: E402
+from timing import add_model_args, model_step_row, run_part, timed  # noqa: E402
 
 
 def model_config(preset: str, compile: bool) -> ModelConfig:
@@ -82,14 +82,8 @@ def bench_step(cfg: ModelConfig, args, device: torch.device, dtype: torch.dtype)
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="hybrid-1b")
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_args(ap, "hybrid-1b")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

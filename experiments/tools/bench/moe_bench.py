@@ -44,7 +44,7 @@ from trainer.model.moe import MoE, set_global_batch  # noqa: E402
 from trainer.parallel.tensor import TensorParallel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import model_step_row, run_part, timed  # noqa: E402
+from timing import add_model_args, model_step_row, run_part, timed  # noqa: E402
 
 
 def model_config(preset: str) -> ModelConfig:
@@ -127,13 +127,7 @@ def bench_step(cfg: ModelConfig, args, device: torch.device, dtype: torch.dtype)
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="moe-1b-active")
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", type=Path, default=None)
+    add_model_args(ap, "moe-1b-active")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

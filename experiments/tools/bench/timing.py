@@ -95,6 +95,17 @@ def model_step_row(
     }
 
 
+def add_model_args(ap, preset: str) -> None:
+    """The arguments every single-model bench takes: the preset, the micro-batch, timing, device, --out."""
+    ap.add_argument("--preset", default=preset)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=None)
+
+
 def run_part(rows: list[dict], part: str, fn: Callable[[], list[dict]]) -> bool:
     """Append `fn()`'s rows, or on an exception its traceback on stderr and one row
     {"part": part, "error": ...}, so that a crash in a later part of a bench (a step after its
