@@ -136,6 +136,13 @@ class DataConfig:
     # a run's final evaluation measures memorisation (loss on held-back vs on as many trained-on
     # sequences); 0: off. The gap's noise falls as 1/sqrt(this): hundreds for a 0.05-nat check.
     holdout_sequences: int = 0
+    # `none`: every consumer reads the whole validation split. `dev_test`: each domain's
+    # validation documents are split by document (fixed by split_seed) into a dev half that
+    # methods, sweeps and fits read and a test half the verdict is computed on
+    # (data/validation_split.py, docs/design.md 3b).
+    validation_split: Literal["none", "dev_test"] = "none"
+    # `dev_test`: share of each domain's validation documents in the dev half.
+    dev_fraction: float = 0.5
 
     def validate(self, path: str = "data") -> None:
         names = [d.name for d in self.domains]
@@ -173,6 +180,8 @@ class DataConfig:
             raise DataError(f"{path}.seq_len: expected >= 2, got {self.seq_len}")
         if self.holdout_sequences < 0:
             raise DataError(f"{path}.holdout_sequences: expected >= 0, got {self.holdout_sequences}")
+        if not 0.0 < self.dev_fraction < 1.0:
+            raise DataError(f"{path}.dev_fraction: expected a value in (0, 1), got {self.dev_fraction}")
         if tok.train_max_bytes < 1:
             raise DataError(f"{path}.tokenizer.train_max_bytes: expected >= 1, got {tok.train_max_bytes}")
         if isinstance(tok.train_shares, str) and tok.train_shares != "equal":

@@ -45,6 +45,7 @@ from data.store import (
     DomainEntry,
     Manifest,
     SplitWriter,
+    TokenStores,
     open_stores,
     read_manifest,
     split_paths,
@@ -111,6 +112,45 @@ def changed_inputs(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return parts
 
 
+class StoresMismatchError(DataError):
+    """A stage given stores built from other inputs than its config's `data` section names."""
+
+
+def _readable_inputs(cfg: DataConfig) -> dict[str, Any] | None:
+    try:
+        return fingerprint_inputs(cfg, plan_domains(cfg))
+    except DataError:
+        return None  # a source not readable here (the stores were copied without it)
+
+
+def check_stores_match(cfg: DataConfig, manifest: Manifest) -> None:
+    """The stores a stage reads were built from the inputs its config's `data` section names
+    (docs/design.md section 6b): domains reordered after preprocessing would give a weights
+    list to the wrong domains, a removed domain would still be trained on, a changed tokenizer
+    or source would train on the old stores. Where a source cannot be read here, the domain
+    names and order, tokenizer, split and dtype are compared. Stores of versions that did not
+    record their inputs are not checked."""
+    if not manifest.inputs:
+        return
+    inputs = _readable_inputs(cfg)
+    if inputs is not None and digest(inputs) == manifest.fingerprint:
+        return
+    if inputs is None:
+        names = [d.name for d in cfg.domains]
+        inputs = {**manifest.inputs, "tokenizer": tokenizer_fingerprint(cfg.tokenizer)}
+        inputs |= {"split": [cfg.validation_fraction, cfg.split_seed], "token_dtype": cfg.token_dtype}
+        before = dict(map(tuple, manifest.inputs.get("domains", [])))
+        inputs["domains"] = [[n, before.get(n, "?")] for n in names]
+        if inputs == manifest.inputs:
+            return
+    changed = changed_inputs(manifest.inputs, inputs) or ["fingerprint"]
+    raise StoresMismatchError(
+        f"{cfg.store_dir}: stores built from other inputs than the config's data section (changed: "
+        f"{', '.join(changed)}; stores {manifest.fingerprint[:12]}, config {digest(inputs)[:12]}); run "
+        f"`doremi preprocess CONFIG` into another data.store_dir, or restore the data section they were built from"
+    )
+
+
 def preprocess(cfg: DataConfig, force: bool = False, progress: bool = True) -> Manifest:
     """Build the stores in `cfg.store_dir`; return the existing manifest when its fingerprint
     matches and the files are intact. Stores built from other inputs are never replaced
@@ -126,6 +166,7 @@ def preprocess(cfg: DataConfig, force: bool = False, progress: bool = True) -> M
             log.info("%s: stores up to date (fingerprint %s)", store, fp[:12])
             return current
         _refuse_other_inputs(store, fp, inputs)
+    _refuse_foreign(store)
     store.mkdir(parents=True, exist_ok=True)
     _remove_orphans(store)
     staging = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}-", dir=store))
@@ -137,6 +178,25 @@ def preprocess(cfg: DataConfig, force: bool = False, progress: bool = True) -> M
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
+
+
+_SPLIT_FILES = {f"{split}.{ext}" for split in ("train", "validation") for ext in ("bin", "idx")}
+_OWN_NAMES = {TOKENIZER_FILE, ".lock", "stage.json", "stage.started.json"}
+
+
+def _refuse_foreign(store: Path) -> None:
+    """A store directory without a manifest (none yet, or a build cut short) may hold only what
+    preprocessing and the pipeline put there: its domain folders would otherwise replace a
+    folder of the same name that is not ours (docs/design.md section 6b)."""
+    if not store.is_dir() or (store / MANIFEST_FILE).is_file():
+        return
+    for e in sorted(store.iterdir()):
+        own = e.name in _OWN_NAMES or e.name.startswith((".staging-", ".old-")) or e.name.endswith(".tmp")
+        if not own and not (e.is_dir() and {f.name for f in e.iterdir()} <= _SPLIT_FILES):
+            raise DataError(
+                f"{store}: data.store_dir holds {e.name!r}, which is not part of token stores (no manifest.json); "
+                f"choose an empty or new data.store_dir"
+            )
 
 
 def _remove_orphans(store: Path) -> None:
@@ -152,8 +212,12 @@ def _remove_orphans(store: Path) -> None:
 
 def _up_to_date(store: Path, fp: str) -> Manifest | None:
     try:
-        if read_manifest(store).fingerprint != fp:
+        built = read_manifest(store)
+        if built.fingerprint != fp:
             return None
+        if built.artifact is None:  # built before per-file hashes: add them (sizes are checked)
+            TokenStores(store, built).validate()
+            write_manifest(store, built)
         return open_stores(store).manifest
     except DataError:
         return None

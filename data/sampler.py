@@ -142,6 +142,11 @@ class DomainBatchSampler:
         self._last = (step, w, draws, batch)
         return list(batch)
 
+    @property
+    def last_batch(self) -> list[Item]:
+        """The global batch drawn last (empty before the first step)."""
+        return [] if self._last is None else list(self._last[3])
+
     def local(
         self,
         step: int,

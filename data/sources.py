@@ -95,28 +95,73 @@ def jsonl_opener(path: str) -> Callable[..., Any] | None:
     return next((o for suffix, o in JSONL_OPENERS.items() if name.endswith(suffix)), None)
 
 
+_DECOMPRESS: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open}
+
+
+def _open_binary(path: str) -> Any:
+    """A file's bytes, decompressed by its suffix (`.gz`, `.xz`, `.bz2`)."""
+    name = path.lower()
+    opener = next((o for suffix, o in _DECOMPRESS.items() if name.endswith(suffix)), open)
+    return opener(path, "rb")
+
+
+def _decode(raw: bytes, n: int) -> str:
+    """Line `n` as text; a byte that is not UTF-8 is one error naming the line and the byte (a
+    decoder's own message gives a position in a buffer, not a line)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line); "
+            "re-encode the file as UTF-8"
+        ) from None
+
+
+def first_non_utf8(path: str) -> str | None:
+    """`path: line N: not UTF-8 (...)` for the first line of `path` that is not UTF-8; None when
+    all are."""
+    try:
+        with _open_binary(path) as f:
+            for n, raw in enumerate(f, start=1):
+                _decode(raw, n)
+    except DataError as e:
+        return f"{path}: {e}"
+    except (OSError, EOFError):
+        return None
+    return None
+
+
 def read_jsonl_rows(files: list[str], text_field: str, where: str) -> list[Any]:
     """`text_field` of every line of JSON-lines files, in order (None where a line lacks it, as
-    `datasets` gives); an error naming the file when no line has the field or a line is not JSON."""
+    `datasets` gives); an error naming the file when no line has the field, and the file and its
+    line (counted from 1, blank lines included) when a line is not UTF-8, not JSON or not an object."""
     texts: list[Any] = []
     fields: dict[str, None] = {}
     found = False
     for path in files:
-        opener = jsonl_opener(path)
-        assert opener is not None
+        assert jsonl_opener(path) is not None
         try:
-            with opener(path, "rt", encoding="utf-8") as f:
-                for n, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    row = json.loads(line)
-                    if not isinstance(row, dict):
-                        raise ValueError(f"line {n} is not a JSON object")
+            with _open_binary(path) as f:
+                for n, raw in enumerate(f, start=1):
+                    try:
+                        line = _decode(raw, n)
+                        if not line.strip():
+                            continue
+                        try:
+                            row = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise DataError(f"line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+                        if not isinstance(row, dict):
+                            raise DataError(f"line {n}: expected a JSON object, got {type(row).__name__}")
+                    except DataError as e:
+                        raise DataError(f"{where}: could not read {path} as JSON lines: {e}") from None
                     if text_field in row:
                         found = True
                     elif not found:
                         fields.update(dict.fromkeys(row))
                     texts.append(row.get(text_field))
+        except DataError:
+            raise
         except (ValueError, OSError, EOFError) as e:
             raise DataError(
                 f"{where}: could not read {path} as JSON lines ({type(e).__name__}: "
@@ -337,6 +382,9 @@ class SourceReader:
                 **kwargs,
             )
         except Exception as e:  # datasets raises many types; report the first line
+            bad = next((b for f in files if (b := first_non_utf8(f))), None) if fmt in ("text", "csv", "json") else None
+            if bad is not None:  # the file and line, not a position in datasets' buffer
+                raise DataError(f"{where}: {bad}") from None
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"{where}: could not read {', '.join(files)} as {fmt} ({msg})") from None
 

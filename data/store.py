@@ -2,7 +2,9 @@
 
 Layout of a store directory:
 
-    manifest.json            Manifest (written last; its presence means the stores are complete)
+    manifest.json            Manifest (written last; its presence means the stores are complete),
+                             with the stores' artifact header: every file's size and XXH3-64 hash
+                             (data.artifact; checked once per file per process at open)
     tokenizer.json           the tokenizer the stores were built with
     <domain>/<split>.bin     flat little-endian uint16/uint32 tokens: doc0 EOS doc1 EOS ...
     <domain>/<split>.idx     little-endian int64 offsets, documents + 1 entries: document i is
@@ -16,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from data.atomic import atomic_write_text
+from data import artifact
 from data.errors import DataError
 
 FORMAT_VERSION = 1
@@ -84,6 +87,9 @@ class Manifest:
     # What the fingerprint hashes, by part (data.preprocess.fingerprint_inputs), so that a
     # rebuild from other inputs can name what changed; empty for stores of older versions.
     inputs: dict[str, Any] = field(default_factory=dict)
+    # The artifact header (data.artifact.Header as JSON): the files' sizes and hashes; None for
+    # stores built before headers.
+    artifact: dict[str, Any] | None = None
 
     @property
     def domain_names(self) -> list[str]:
@@ -134,6 +140,7 @@ class Manifest:
                 split=raw.get("split", {}),
                 version=raw["version"],
                 inputs=raw.get("inputs", {}),
+                artifact=raw.get(artifact.HEADER_KEY),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise DataError(f"{where}: not a valid manifest ({type(e).__name__}: {e})") from None
@@ -161,8 +168,45 @@ def read_manifest(store_dir: str | os.PathLike) -> Manifest:
     return manifest
 
 
+def store_files(manifest: Manifest) -> list[str]:
+    """The files of the stores, relative to the store directory."""
+    names = [f"{d.name}/{split}.{ext}" for d in manifest.domains for split in SPLITS for ext in ("bin", "idx")]
+    return [*names, "tokenizer.json"]
+
+
 def write_manifest(store_dir: Path, manifest: Manifest) -> None:
-    atomic_write_text(store_dir / MANIFEST_FILE, manifest.to_json())
+    """Write the manifest with the stores' header: the files in place are hashed now."""
+    present = [n for n in store_files(manifest) if (store_dir / n).is_file()]
+    header = artifact.Header("stores", fingerprint=manifest.fingerprint, files=artifact.hash_files(store_dir, present))
+    manifest.artifact = header.to_json()
+    artifact.write(store_dir / MANIFEST_FILE, header, {k: v for k, v in dataclasses.asdict(manifest).items() if k != "artifact"})
+
+
+_unhashed_noted: set[str] = set()
+
+
+def verify_contents(stores: TokenStores, once: bool = True) -> int:
+    """Check every file's hash against the manifest's header (once per file per process with
+    `once`) and every token id against the vocabulary; returns the bytes hashed. Stores built
+    before hashes are not verified: one note per process says how to add them."""
+    header = artifact.read(stores.store_dir)
+    if header is None or not header.files:
+        where = str(stores.store_dir)
+        if where not in _unhashed_noted:
+            _unhashed_noted.add(where)
+            print(
+                f"{where}: stores built before per-file hashes, contents not verified; "
+                f"`doremi preprocess CONFIG` adds them",
+                file=sys.stderr,
+            )
+        return 0
+    fresh = [n for n in header.files if not (once and artifact.verified(stores.store_dir / n, header.files[n]))]
+    hashed = artifact.verify_files(stores.store_dir, header.files, "stores", once=once)
+    for name in fresh:
+        if name.endswith(".bin"):
+            domain, split = name.removesuffix(".bin").split("/")
+            stores.check_ids(domain, split)
+    return hashed
 
 
 def check_tokenizer(manifest: Manifest, expect: dict[str, Any], where: str) -> None:
@@ -250,6 +294,18 @@ class TokenStores:
         idx = self.documents(domain, split)
         return np.asarray(self.tokens(domain, split)[idx[i] : idx[i + 1] - 1])
 
+    def check_ids(self, domain: str, split: str) -> None:
+        """Every token id of one split below the tokenizer's vocabulary size (an id beyond it
+        would fail inside the embedding, far from its cause)."""
+        tokens = self.tokens(domain, split)
+        vocab = int(self.manifest.tokenizer.get("vocab_size", 0) or 0)
+        if len(tokens) and vocab and int(tokens.max()) >= vocab:
+            bad = int(np.argmax(tokens >= vocab))
+            raise DataError(
+                f"{split_paths(self.store_dir, domain, split)[0]}: domain {domain!r}: token id {int(tokens[bad])} "
+                f"at position {bad} is outside the vocabulary ({vocab} ids); re-run `doremi preprocess --force`"
+            )
+
     def validate(self) -> None:
         """Every file present with the size the manifest implies, index ends where tokens end."""
         itemsize = DTYPES[self.manifest.dtype].itemsize
@@ -289,4 +345,5 @@ def open_stores(store_dir: str | os.PathLike, expect_tokenizer: dict[str, Any] |
         check_tokenizer(manifest, expect_tokenizer, str(store))
     stores = TokenStores(store, manifest)
     stores.validate()
+    verify_contents(stores)
     return stores

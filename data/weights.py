@@ -1,5 +1,11 @@
 """Domain weights from the `data.domain_weights` forms, checked and normalised to sum 1.
 
+Given numbers (a list, a mapping, a weights file) must already be a distribution, up to the
+rounding of published mixtures (`SUM_TOLERANCE`), or be whole-number ratios (`[2, 1, 1]`), or
+come from a weights file that says `"normalize": true`; anything else (a file summing to 0.7) is
+refused naming its sum (`check_sum`; docs/design.md section 3), since a mixture that silently
+became another is a wrong result.
+
 The named forms (`uniform`, `tokens`, `temperature:T`, `unimax:E`) are `data.mixtures`'. The same
 forms are read by `doremi.reference_weights` and `doremi.proxy_sampling`; every error
 names the key (or file) it came from. A weight is a number: `true` or `"0.5"` is refused, not
@@ -18,9 +24,14 @@ import numpy as np
 from data import mixtures
 from data.errors import DataError
 from data.store import Manifest
-from data.weights_file import read_mixture_file
+from data.weights_file import asks_to_normalize, read_mixture_file
 
 WHERE = "data.domain_weights"
+
+#: How far given fractions may sum from 1 and still be read as a distribution (then rescaled):
+#: published mixtures are rounded (the Pile's weights in experiments/configs/pile_280m.yaml, four
+#: decimals each, sum to 1.0016).
+SUM_TOLERANCE = 0.01
 
 #: The mixtures named by a word rather than given as numbers or a weights file: `value in
 #: NAMED_MIXTURES` is true for any string in a named form (`data.mixtures.is_mixture_name`).
@@ -48,6 +59,24 @@ def check_numbers(values: Any, where: str, keys: list[str] | None = None) -> Non
 
 def check_weights(values: Any, domains: list[str], where: str = WHERE) -> np.ndarray:
     """One finite, non-negative number per domain, not all zero -> normalised float64 array."""
+    w = _as_weights(values, domains, where)
+    return w / w.sum()
+
+
+def check_sum(values: Any, domains: list[str], where: str = WHERE, normalize: bool = False) -> np.ndarray:
+    """`check_weights` for numbers a user gave: they must sum to 1 (within `SUM_TOLERANCE`)
+    unless they are whole-number ratios or `normalize` says to rescale them."""
+    w = _as_weights(values, domains, where)
+    total = float(w.sum())
+    if not (normalize or all(float(x).is_integer() for x in w) or abs(total - 1.0) <= SUM_TOLERANCE):
+        raise DataError(
+            f"{where}: weights sum to {total:.6g}, not 1: give a distribution, whole-number ratios "
+            f'(such as [2, 1, 1]), or a weights file with "normalize": true to rescale them'
+        )
+    return w / total
+
+
+def _as_weights(values: Any, domains: list[str], where: str) -> np.ndarray:
     check_numbers(values, where)
     try:
         w = np.asarray(values)
@@ -64,10 +93,9 @@ def check_weights(values: Any, domains: list[str], where: str = WHERE) -> np.nda
     bad = [f"{d}={v}" for d, v in zip(domains, w) if not math.isfinite(v) or v < 0]
     if bad:
         raise DataError(f"{where}: weights must be finite and >= 0, got {', '.join(bad)}")
-    total = w.sum()
-    if total <= 0:
+    if w.sum() <= 0:
         raise DataError(f"{where}: weights are all zero")
-    return w / total
+    return w
 
 
 def _by_name(mapping: dict[str, Any], domains: list[str], where: str) -> list[Any]:
@@ -87,14 +115,14 @@ def mixture_from_file(path: str | Path, where: str = WHERE) -> dict[str, float]:
     names, values = read_mixture_file(path, where)
     p = Path(path)
     check_numbers(values, f"{p}: weights", names)
-    check_weights(values, names, str(p))
+    check_sum(values, names, str(p), asks_to_normalize(p))
     return dict(zip(names, values))
 
 
 def weights_from_file(path: str | Path, domains: list[str], where: str = WHERE) -> np.ndarray:
     """A weights file named as a mixture, matched to `domains` by name."""
     p = Path(path)
-    return check_weights(_by_name(mixture_from_file(p, where), domains, str(p)), domains, str(p))
+    return check_sum(_by_name(mixture_from_file(p, where), domains, str(p)), domains, str(p), asks_to_normalize(p))
 
 
 def check_spec(spec: Any, domains: list[str] | None, where: str = WHERE) -> None:
@@ -112,15 +140,15 @@ def check_spec(spec: Any, domains: list[str] | None, where: str = WHERE) -> None
     elif isinstance(spec, dict):
         check_numbers(spec, where)
         if domains is None:
-            check_weights(list(spec.values()), list(spec), where)
+            check_sum(list(spec.values()), list(spec), where)
         else:
-            check_weights(_by_name(spec, domains, where), domains, where)
+            check_sum(_by_name(spec, domains, where), domains, where)
     else:
         check_numbers(spec, where)
         if domains is not None:
-            check_weights(spec, domains, where)
+            check_sum(spec, domains, where)
         elif isinstance(spec, (list, tuple)):
-            check_weights(spec, [str(i) for i in range(len(spec))], where)
+            check_sum(spec, [str(i) for i in range(len(spec))], where)
 
 
 def resolve_weights(
@@ -128,7 +156,7 @@ def resolve_weights(
 ) -> np.ndarray:
     """A named mixture (`uniform`, `tokens`: proportional to train tokens, `temperature:T`,
     `unimax:E`: see `data.mixtures`), a weights-JSON path, a list in domain order, or a mapping
-    name -> value; normalised to sum 1. `where`: the key it was read from. `budget_tokens`: the
+    name -> value; normalised to sum 1 (given numbers: `check_sum`'s rule). `where`: the key it was read from. `budget_tokens`: the
     run's token budget (steps x global batch x seq_len), which `unimax` needs (without it,
     `unimax` is a DataError naming `where`); the other forms ignore it."""
     domains = manifest.domain_names
@@ -138,5 +166,5 @@ def resolve_weights(
         return weights_from_file(spec, domains, where)
     if isinstance(spec, dict):
         check_numbers(spec, where)
-        return check_weights(_by_name(spec, domains, where), domains, where)
-    return check_weights(spec, domains, where)
+        return check_sum(_by_name(spec, domains, where), domains, where)
+    return check_sum(spec, domains, where)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from data.errors import UserError
+from doremi.study.cli import add_parser as study_parser
 from trainer.interrupt import Interrupted
 from trainer.parallel.launch_env import is_launch_main
 
@@ -75,10 +76,43 @@ def _stage_config(args: argparse.Namespace, stage: str):
     return stages.with_run_dir(_config(args), args.config, stage)
 
 
+def _pipeline_main_config(args: argparse.Namespace):
+    """The config with `pipeline.main` applied as `doremi pipeline` applies it to its main runs
+    (the file, `--set`, then the section on top); its default run directory `runs/<stem>/main`."""
+    import dataclasses
+
+    from doremi import stages
+    from doremi.pipeline import Pipeline, deep_merge
+    from trainer.configtools import apply_overrides, read_yaml
+
+    _config(args)  # the file as given, validated first: an error names the key as written
+    raw = apply_overrides(read_yaml(args.config), list(args.set))
+    cfg = Pipeline._load(deep_merge(raw, (raw.get("pipeline") or {}).get("main") or {}))
+    if cfg.train.run_dir:
+        return cfg
+    run_dir = str(Path(stages.default_run_dir(args.config, "train")).parent / "main")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=run_dir))
+
+
+def _model_words(cfg) -> str:
+    m = cfg.model
+    return f"d_model {m.d_model}, {m.n_layers} layers, {cfg.train.steps} steps"
+
+
 def cmd_train(args):
     from doremi import stages
 
-    cfg = _stage_config(args, "train")
+    if args.pipeline_main:
+        cfg = _pipeline_main_config(args)
+    else:
+        cfg = _stage_config(args, "train")
+        if cfg.pipeline.main and is_launch_main():
+            print(
+                f"doremi train: note: {args.config} has a pipeline.main section, not applied: this trains the "
+                f"config's own model ({_model_words(cfg)}); --pipeline-main trains the pipeline's main model",
+                file=sys.stderr,
+                flush=True,
+            )
     stages.train(cfg)
     _guard(cfg, "main", "train")
 
@@ -117,7 +151,7 @@ def cmd_score(args):
 def cmd_average(args):
     from doremi import stages
 
-    print(stages.average(args.run_dir, args.out, args.from_step))
+    print(stages.average(args.run_dir, args.out, args.from_step, args.allow_unfinished))
 
 
 def cmd_eval(args):
@@ -133,6 +167,13 @@ def cmd_export(args):
 
     files = export(args.checkpoint, args.out_dir, args.max_shard_size, not args.no_tokenizer, args.force)
     print(f"exported {args.checkpoint} to {args.out_dir}: {', '.join(files)}")
+
+
+def cmd_verify(args):
+    from doremi.verify import verify
+
+    for line in verify(args.path):
+        print(line)
 
 
 def cmd_import(args):
@@ -248,7 +289,7 @@ def cmd_fit(args):
 def cmd_compare(args):
     from doremi.compare import compare_roots
 
-    print(compare_roots(args.roots, args.out, args.baseline))
+    print(compare_roots(args.roots, args.out, args.baseline, args.allow_differences))
 
 
 def _plan_parser(sp: argparse.ArgumentParser) -> None:
@@ -327,7 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="rebuild even when the inputs are unchanged, and replace stores built from other inputs",
     )
-    with_config("train", cmd_train, "train on data.domain_weights")
+    with_config("train", cmd_train, "train on data.domain_weights").add_argument(
+        "--pipeline-main",
+        action="store_true",
+        help="apply the config's pipeline.main section, as `doremi pipeline` does for its main runs",
+    )
     with_config("train-reference", cmd_train_reference, "train the DoReMi reference model")
     with_config("train-proxy", cmd_train_proxy, "train the DoReMi proxy (Group DRO over domains)")
     with_config("score", cmd_score, "cache per-token reference losses for the proxy's data").add_argument(
@@ -347,12 +392,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-step", type=int, default=None, help="first step averaged (default: the run's doremi.average_from_step)"
     )
     sp.add_argument("--out", help="weights JSON path (default RUN_DIR/weights.json)")
+    sp.add_argument(
+        "--allow-unfinished", action="store_true", help="average a run that did not finish (its header records it)"
+    )
     sp.set_defaults(fn=cmd_average)
+
+    sp = sub.add_parser("verify", help="check an artifact fully: stores, run, checkpoint, cache, weights, export")
+    sp.add_argument("path", metavar="PATH")
+    sp.set_defaults(fn=cmd_verify)
 
     sp = sub.add_parser("compare", help="paired multi-seed comparison of pipeline runs' mixtures")
     sp.add_argument("roots", nargs="+", metavar="ROOT", help="pipeline run directories, one per seed")
     sp.add_argument("--out", required=True, help="directory for compare.md and compare.png")
     sp.add_argument("--baseline", default="uniform", help="the main run every other is compared with")
+    sp.add_argument(
+        "--allow-differences",
+        action="store_true",
+        help="compare roots that differ in more than their seeds (the differences are listed)",
+    )
     sp.set_defaults(fn=cmd_compare)
 
     sp = sub.add_parser("eval", help="per-domain validation loss of a checkpoint")
@@ -361,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_eval)
     _config_parsers(sub)
     _hf_parsers(sub)
+    study_parser(sub)
     _debug_after_command(sub)
     return p
 

@@ -5,21 +5,32 @@ root, a mixture and the baseline share the seed, so the comparison is paired: pe
 difference of mean (and worst-case) validation loss over domains; over seeds, its mean and
 standard error (sample std / sqrt(n)). One seed's difference says little; the standard error
 says how much the mean would move with other seeds.
+
+Pooling is only sound when the roots differ in their seeds alone: roots run with another eta or
+other main-run steps pooled as "2 seeds" give a standard error of something else. So every
+run's saved `config.yaml` is compared across the roots (`settings`, `differences`), seeds and the
+keys that change no result (`trainer.run_dir.NOT_RESULT_KEYS`) aside, paths inside a root read
+relative to it; a difference is refused naming the keys, or, with `allow_differences`, listed in
+the output. The output also shows each root's seeds and the weights each main run trained on
+(docs/design.md section 4b).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from data.atomic import atomic_write_text
 from doremi.errors import DoReMiError
 from doremi.report import _save, domains_better, markdown_table, speedup, steps_to_target
 from doremi.stage_markers import eval_result
 from trainer.metrics import read_jsonl
+from trainer.run_dir import NOT_RESULT_KEYS
 
 COMPARE_MD = "compare.md"
 COMPARE_PNG = "compare.png"
@@ -37,6 +48,9 @@ class MainRun:
     planned: int | None = None
     # (train.seed, data.seed) of its config; None: unknown.
     seeds: tuple[int, int] | None = None
+    # The weights it trained on, one per domain (an online run: the mean of its sampling
+    # weights); None: unknown.
+    weights: list[float] | None = None
 
     @property
     def unfinished(self) -> bool:
@@ -140,11 +154,145 @@ def read_main_run(run: Path) -> MainRun | None:
     result = eval_result(run)
     if result is not None:
         last = max((int(r["step"]) for r in all_rows if "step" in r), default=None)
-        return MainRun(list(result["domains"]), [float(x) for x in result["val_loss"]], curve, last, planned, seeds)
+        domains = list(result["domains"])
+        final = [float(x) for x in result["val_loss"]]
+        return MainRun(domains, final, curve, last, planned, seeds, weights_used(run, domains))
     if rows:
-        final = rows[-1]["val_loss"]
-        return MainRun(list(final), [float(x) for x in final.values()], curve, int(rows[-1]["step"]), planned, seeds)
+        val = rows[-1]["val_loss"]
+        domains = list(val)
+        return MainRun(
+            domains,
+            [float(x) for x in val.values()],
+            curve,
+            int(rows[-1]["step"]),
+            planned,
+            seeds,
+            weights_used(run, domains),
+        )
     return None
+
+
+def weights_used(run: Path, domains: list[str]) -> list[float] | None:
+    """The weights a main run trained on: the mean of the sampling weights it logged (a method
+    run online), else its config's `data.domain_weights` resolved against its stores; None
+    when neither can be read (the table then says so)."""
+    import yaml
+
+    from data.errors import UserError
+    from data.store import read_manifest
+    from data.weights import resolve_weights
+    from doremi.summary import logged_weights, run_budget
+
+    history = logged_weights(run, "sampling") if (run / "domain_weights.jsonl").is_file() else []
+    if history:
+        return [float(x) for x in (sum(h[i] for h in history) / len(history) for i in range(len(domains)))]
+    path = run / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        cfg = yaml.safe_load(path.read_text()) or {}
+        data = cfg.get("data", {})
+        manifest = read_manifest(data["store_dir"])
+        if manifest.domain_names != domains:
+            return None
+        try:
+            budget = run_budget(run)  # only `unimax:E` needs it
+        except (KeyError, TypeError):
+            budget = None
+        return [float(x) for x in resolve_weights(data["domain_weights"], manifest, budget_tokens=budget)]
+    except (UserError, OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+
+
+# -- settings: roots must differ in their seeds only -------------------------------------------
+
+#: The runs of a root whose saved configs are compared (the sweep's many runs are not: its
+#: `sweep.json` keys are the stage's own check).
+SETTING_RUNS = ("round*/reference", "round*/proxy", "methods/*/proxy", "main/*")
+
+
+def is_seed(key: str) -> bool:
+    """A key that is a seed (`train.seed`, `data.seed`, `data.split_seed`, `sweep.seed`, ...):
+    the one thing the roots of a comparison are meant to differ in."""
+    return key.rsplit(".", 1)[-1].endswith("seed")
+
+
+def _flat(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flat(v, f"{prefix}.{k}" if prefix else str(k), out)
+    else:
+        out[prefix] = value
+
+
+def _relative(value: Any, root: str) -> Any:
+    """A path inside `root` as `<root>/...`, so that a root's own files compare equal."""
+    if isinstance(value, str) and (value == root or value.startswith(root + os.sep)):
+        return "<root>" + value[len(root) :]
+    if isinstance(value, list):
+        return [_relative(v, root) for v in value]
+    return value
+
+
+def settings(root: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Run (relative to the root) -> its saved config's keys that can change a result, flat
+    (`doremi.eta`), seeds left out, paths inside the root relative to it."""
+    import yaml
+
+    base = Path(root).resolve()
+    out: dict[str, dict[str, Any]] = {}
+    for pattern in SETTING_RUNS:
+        for run in sorted(base.glob(pattern)):
+            path = run / "config.yaml"
+            if not path.is_file():
+                continue
+            flat: dict[str, Any] = {}
+            _flat(yaml.safe_load(path.read_text()) or {}, "", flat)
+            out[str(run.relative_to(base))] = {
+                k: _relative(v, str(base))
+                for k, v in flat.items()
+                if not is_seed(k) and not any(k == p or k.startswith(p + ".") for p in NOT_RESULT_KEYS)
+            }
+    return out
+
+
+@dataclass
+class Difference:
+    """A key whose value differs between roots: the runs it differs in, its value per root."""
+
+    key: str
+    runs: list[str]
+    values: dict[str, Any]
+
+    def describe(self, total_runs: int) -> str:
+        where = "" if len(self.runs) == total_runs else " in " + _some(self.runs)
+        return f"{self.key}{where} (" + ", ".join(f"{r}: {_short(v)}" for r, v in self.values.items()) + ")"
+
+
+def differences(by_root: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[Difference]:
+    """The keys whose values differ between roots, over the runs the roots have in common
+    (`settings` per root); a key absent from a run reads as `<absent>`."""
+    roots = list(by_root)
+    if len(roots) < 2:
+        return []
+    common = [r for r in by_root[roots[0]] if all(r in by_root[x] for x in roots[1:])]
+    found: dict[str, Difference] = {}
+    for run in common:
+        keys = sorted(set().union(*(by_root[x][run] for x in roots)))
+        for key in keys:
+            values = {x: by_root[x][run].get(key, "<absent>") for x in roots}
+            if len({json.dumps(v, sort_keys=True, default=str) for v in values.values()}) > 1:
+                found.setdefault(key, Difference(key, [], values)).runs.append(run)
+    return list(found.values())
+
+
+def _short(value: Any, width: int = 40) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _some(items: Sequence[str], n: int = 3) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 def read_root(root: str | os.PathLike) -> dict[str, MainRun]:
@@ -243,8 +391,44 @@ def _speed(s: float | None) -> str:
     return "not reached" if s is None else f"{s:.2f}x"
 
 
-def format_compare(results: Sequence[Paired], notes: Sequence[str], baseline: str) -> str:
-    """The summary table (one row per mixture), the per-seed table, and the notes."""
+def roots_table(roots: Mapping[str, Mapping[str, MainRun]], diffs: Sequence[Difference], baseline: str) -> str:
+    """One row per root: its seeds (its baseline's config) and its value of each key the roots
+    differ in."""
+    rows = []
+    for label, runs in roots.items():
+        any_run = runs.get(baseline) or next(iter(runs.values()))
+        seeds = any_run.seeds or ("?", "?")
+        rows.append([label, str(seeds[0]), str(seeds[1]), *(_short(d.values[label]) for d in diffs)])
+    return markdown_table(["root", "train.seed", "data.seed", *(d.key for d in diffs)], rows)
+
+
+def weights_table(roots: Mapping[str, Mapping[str, MainRun]]) -> str | None:
+    """Per mixture and root, the weights its main run trained on (None: no domains known)."""
+    first = next((run for runs in roots.values() for run in runs.values()), None)
+    if first is None:
+        return None
+    mixtures = sorted({m for runs in roots.values() for m in runs})
+    rows = [
+        [m, label, *(f"{w:.4f}" for w in run.weights)]
+        if run.weights is not None
+        else [m, label, *(["?"] * len(first.domains))]
+        for m in mixtures
+        for label, runs in roots.items()
+        if (run := runs.get(m)) is not None
+    ]
+    return markdown_table(["mixture", "root", *first.domains], rows)
+
+
+def format_compare(
+    results: Sequence[Paired],
+    notes: Sequence[str],
+    baseline: str,
+    roots: str | None = None,
+    weights: str | None = None,
+) -> str:
+    """The summary table (one row per mixture), the per-seed table, the roots' seeds and
+    differing keys (`roots`), the weights each seed trained on (`weights`; `?`: unknown), and
+    the notes."""
     summary = markdown_table(
         [
             "mixture",
@@ -296,6 +480,10 @@ def format_compare(results: Sequence[Paired], notes: Sequence[str], baseline: st
         "",
         per_seed,
     ]
+    if roots:
+        parts += ["## Roots", "", roots, "Seeds of each root, and its value of every key the roots differ in.", ""]
+    if weights:
+        parts += ["## Weights per seed", "", weights, "The weights each main run trained on.", ""]
     if notes:
         parts += ["## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(parts) + "\n"
@@ -323,10 +511,16 @@ def plot_compare(path: Path, results: Sequence[Paired], baseline: str) -> None:
     _save(fig, path)
 
 
-def compare_roots(roots: Sequence[str | os.PathLike], out: str | os.PathLike, baseline: str = "uniform") -> str:
+def compare_roots(
+    roots: Sequence[str | os.PathLike],
+    out: str | os.PathLike,
+    baseline: str = "uniform",
+    allow_differences: bool = False,
+) -> str:
     """Read every root, compare, write `out/compare.md` and `out/compare.png`; return the
     markdown. Roots are named by their directory names (their paths when two share a name).
-    Every input is checked before anything is written."""
+    Every input is checked before anything is written: roots that differ in anything but their
+    seeds are refused, naming the keys, unless `allow_differences` (then listed in the output)."""
     if not roots:
         raise DoReMiError("compare: expected at least one pipeline run root, got none")
     paths = [str(r) for r in roots]
@@ -334,10 +528,28 @@ def compare_roots(roots: Sequence[str | os.PathLike], out: str | os.PathLike, ba
         raise DoReMiError(f"compare: a root is given twice ({', '.join(paths)})")
     names = [Path(r).resolve().name for r in roots]
     labels = names if len(set(names)) == len(names) else paths
-    results, notes = compare({label: read_root(r) for label, r in zip(labels, roots)}, baseline)
+    read = {label: read_root(r) for label, r in zip(labels, roots)}
+    by_root = {label: settings(r) for label, r in zip(labels, roots)}
+    diffs = differences(by_root)
+    runs = len([r for r in by_root[labels[0]] if all(r in by_root[x] for x in labels[1:])])
+    if diffs and not allow_differences:
+        raise DoReMiError(
+            "compare: the roots differ in more than their seeds: "
+            + "; ".join(d.describe(runs) for d in diffs)
+            + "; pooling them measures those differences, not seed noise (--allow-differences compares them anyway)"
+        )
+    results, notes = compare(read, baseline)
     if not results:
         raise DoReMiError(f"compare: no mixture besides {baseline} in {', '.join(labels)}")
-    text = format_compare(results, notes, baseline)
+    if diffs:
+        notes.append(
+            f"the roots differ in {len(diffs)} key(s) besides their seeds (table 'Roots'): the standard "
+            "error mixes those differences with seed noise"
+        )
+    unknown = [x for x in labels if not by_root[x]]
+    if unknown and len(labels) > 1:
+        notes.append(f"{', '.join(unknown)}: no saved config.yaml; settings not compared")
+    text = format_compare(results, notes, baseline, roots_table(read, diffs, baseline), weights_table(read))
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_compare(out_dir / COMPARE_PNG, results, baseline)

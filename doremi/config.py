@@ -205,6 +205,11 @@ class GuardrailConfig:
     concentration: float = 0.5
     # Main runs: final minus best validation loss (nats/token).
     overfit: float = 0.02
+    # Offline fits (regmix, mixing_law): the lowest K-fold held-out Spearman rank correlation
+    # whose proposal a main run trains on; below it the pipeline stops (-1: any fit, even one
+    # too small to check). 0.3: a weak correlation, below which the fit ranks unseen mixtures
+    # little better than chance and its optimum is the noise's.
+    min_fit_spearman: float = 0.3
 
     def validate(self, path: str = "pipeline.guardrails") -> None:
         for name in ("max_epochs", "mixture_tolerance", "memorisation_gap", "proxy_lag", "lambda_snr", "overfit"):
@@ -213,6 +218,8 @@ class GuardrailConfig:
                 raise ConfigError(f"{path}.{name}: expected a finite value >= 0, got {v}")
         if not 0 <= self.concentration <= 1:
             raise ConfigError(f"{path}.concentration: expected a value in [0, 1], got {self.concentration}")
+        if not -1 <= self.min_fit_spearman <= 1:
+            raise ConfigError(f"{path}.min_fit_spearman: expected a value in [-1, 1], got {self.min_fit_spearman}")
 
 
 @dataclass

@@ -21,7 +21,15 @@ from trainer.configtools import to_dict
 from trainer.run_dir import flatten_keys
 
 #: `data` keys that change how batches are drawn from the stores, not the stores' bytes.
-SAMPLING_KEYS = ("seed", "domain_weights", "seq_len", "num_proc", "holdout_sequences")
+SAMPLING_KEYS = (
+    "seed",
+    "domain_weights",
+    "seq_len",
+    "num_proc",
+    "holdout_sequences",
+    "validation_split",
+    "dev_fraction",
+)
 
 #: Keys no stage's output depends on: logging, the pipeline's own section, where a stage writes
 #: (the pipeline places it), and how many rounds run (which does not change any one round).

@@ -30,6 +30,10 @@ Kind = Literal["reference", "proxy", "method", "sweep", "main"]
 KINDS: tuple[str, ...] = ("reference", "proxy", "method", "sweep", "main")
 #: Random draws: the realised mixture is compared with the nominal beyond this many standard errors.
 RANDOM_DRAW_SIGMAS = 3.0
+#: The memorisation gap warns only when gap - this many standard errors > memorisation_gap
+#: (issue 34: at 512 held-back sequences a 0.05-nat limit is about one standard deviation of
+#: the gap's own noise, so a plain comparison warned on noise most of the time).
+MEMORISATION_SES = 2.0
 #: A weight above this is "concentrated": one domain gets most of the proxy's loss.
 CONCENTRATED = 0.5
 
@@ -123,6 +127,14 @@ def memorisation_se(row: Mapping[str, Any]) -> PerDomain:
     return {
         d: math.hypot(float(seen[d]), float(held[d])) for d in held if held[d] is not None and seen.get(d) is not None
     }
+
+
+def beyond_noise(value: float, se: float, threshold: float, multiple: float = MEMORISATION_SES) -> bool:
+    """Whether a measured value exceeds `threshold` by more than `multiple` of its standard
+    error: value - multiple x se > threshold (issue 34, ../shared/study-design.md: a guardrail
+    gates only beyond its own noise; at 2 SE a true value at the threshold warns about 2.3% of
+    the time, a one-sided normal test)."""
+    return value - multiple * se > threshold
 
 
 def difference(a: Mapping[str, float], b: Mapping[str, float]) -> PerDomain:
@@ -245,7 +257,8 @@ def measure(
     if kind == "reference":
         mem = memorisation(evals[-1]) if evals else None
         if mem is None:
-            m.notes.append(f"{run}: no held-out evaluation (data.holdout_sequences = 0); memorisation check skipped")
+            why = "data.holdout_sequences = 0" if evals else "no evaluation logged: the run did not reach its end"
+            m.notes.append(f"{run}: no held-out evaluation ({why}); memorisation check skipped")
         else:
             m.gap, m.shift = mem
             m.gap_se = memorisation_se(evals[-1])
@@ -322,11 +335,17 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
         " nats",
     ):
         se = m.gap_se.get(f.domain or "")
-        out.append(
-            f
-            if se is None
-            else replace(f, message=f.message.replace(" nats >", f" ± {se:.2g} nats (standard error) >", 1))
-        )
+        if se is None:
+            out.append(f)
+            continue
+        f = replace(f, message=f.message.replace(" nats >", f" ± {se:.2g} nats (standard error) >", 1))
+        if not beyond_noise(float(f.value or 0.0), se, cfg.memorisation_gap):
+            f = replace(
+                f,
+                level="info",
+                message=f"{f.message}, within {MEMORISATION_SES:g} standard errors: not a warning",
+            )
+        out.append(f)
     out += [
         Finding(
             m.run,

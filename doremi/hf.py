@@ -27,11 +27,12 @@ from typing import Any
 import torch
 import yaml
 
+from data import artifact
 from data.atomic import atomic_write_text
 from data.errors import UserError
 from data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from data.tokenizer_export import tokenizer_files
-from trainer.checkpoint import META, load_checkpoint, resolve_checkpoint
+from trainer.checkpoint import META, checkpoint_fingerprint, load_checkpoint, resolve_checkpoint
 from trainer.config import ModelConfig
 from trainer.configtools import ConfigError, from_dict, read_yaml
 from trainer.hf_files import CONFIG, HFDir, write_weights
@@ -115,28 +116,11 @@ def hf_directory_files(ck: Path, with_tokenizer: bool = True) -> tuple[dict[str,
 
 
 def _check_out(out: Path, force: bool) -> None:
+    """An existing, non-empty OUT_DIR is replaced only with --force and only if it is an export
+    (its `artifact.json`; docs/design.md section 6b): never a run, a file or a folder of files."""
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise HFFormatError(f"{out}: exists and is not empty (choose another OUT_DIR, or --force to replace it)")
-
-
-def _replace_dir(staging: Path, out: Path) -> None:
-    """Rename `staging` to `out`; an existing `out` is moved aside first and removed after."""
-    old = None
-    if out.exists() or out.is_symlink():
-        old = out.with_name(f".{out.name}.old.tmp")
-        _remove(old)
-        out.rename(old)
-    staging.rename(out)
-    if old is not None:
-        _remove(old)
-
-
-def _remove(path: Path) -> None:
-    """Remove `path`, a directory tree or a single file (an OUT_DIR replaced with --force may be a file)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    artifact.check_replaceable(out, "export", "doremi export --force")
 
 
 def export(
@@ -158,8 +142,15 @@ def export(
         for name, text in files.items():
             (staging / name).write_text(text)
         written = write_weights(state, staging, max_shard_size)
+        header = artifact.Header(
+            "export",
+            fingerprint=checkpoint_fingerprint(ck),
+            sources=[artifact.Source("checkpoint", str(ck), checkpoint_fingerprint(ck))],
+            files=artifact.hash_files(staging, [*files, *written]),
+        )
+        artifact.write(staging, header)
         _check_out(out, force)
-        _replace_dir(staging, out)
+        artifact.replace_dir(staging, out, "export", "doremi export --force")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -16,6 +16,11 @@ the tokens those passes processed (nominal: steps x batch x sequence length), be
 non-masked tokens the training steps measured (`realised` in metrics.jsonl; none for a stacked
 sweep), and the measured wall-clock seconds its stages took (the
 pipeline's stage markers, `seconds`).
+
+A study's ledger (`study_run_cost`, `arm_ledger`; docs/design.md section 4e) counts every stage
+of an arm, main run included, with its periodic evaluations and the GPU-seconds of its training
+steps measured from metrics.jsonl, so that a report shows each method's total cost beside its
+result.
 """
 
 from __future__ import annotations
@@ -139,3 +144,97 @@ def compute_ledger(root: Path, methods: list[str], online: list[str]) -> dict[st
         total["seconds"] = sum(secs) if all(x is not None for x in secs) else None
         out[name] = total
     return out
+
+
+# -- a study's stages: every run's FLOPs and GPU-seconds (issue 34) ---------------------------
+
+#: The parts of a run's cost, in the order a study's ledger shows them.
+STUDY_PARTS = ("train", "reference", "target", "validation", "evaluation")
+
+
+def evaluation_tokens(cfg: dict[str, Any], passes: int, run: Path | None = None) -> float | None:
+    """Tokens the run's periodic evaluations forwarded: passes x (train.eval_sequences x
+    domains x seq_len); with `eval_sequences: 0` (the whole split, the same sequences every
+    pass) passes x the sequences of the run's per-sequence file (eval_sequences/*.npz, section
+    3b) x seq_len, else the stores' validation tokens (their manifest, where the stores are
+    still there and the run read the whole split); None when unknown."""
+    if passes == 0:
+        return 0.0
+    n, seq = cfg.get("train", {}).get("eval_sequences"), cfg["data"]["seq_len"]
+    domains = cfg["data"].get("domains") or []
+    if isinstance(n, int) and n > 0 and domains:
+        return float(passes * n * len(domains) * seq)
+    if n != 0:
+        return None
+    files = sorted((run / "eval_sequences").glob("step_*.npz")) if run is not None else []
+    if files:
+        import numpy as np
+
+        with np.load(files[-1], allow_pickle=False) as z:
+            return float(passes * len(z["tokens"]) * seq)
+    store = cfg["data"].get("store_dir")
+    whole = cfg["data"].get("validation_split", "none") == "none"  # dev_test: a half, by documents
+    if whole and store and (Path(store) / "manifest.json").is_file():
+        from data.store import read_manifest
+
+        return float(passes * sum(d.validation.tokens for d in read_manifest(store).domains))
+    return None
+
+
+def holdout_tokens(cfg: dict[str, Any], rows: list[dict]) -> float:
+    """Tokens of the final memorisation evaluation (`seen_loss`, `heldout_loss`): as many
+    trained-on as held-back sequences, `data.holdout_sequences` of each domain."""
+    if not any(isinstance(r.get("seen_loss"), dict) for r in rows):
+        return 0.0
+    data = cfg["data"]
+    return float(2 * int(data.get("holdout_sequences") or 0) * len(data.get("domains") or []) * data["seq_len"])
+
+
+def study_run_cost(run: Path, kind: str) -> dict[str, float | None] | None:
+    """One run of a study, for its arm's ledger: `run_cost`'s parts (training, DoReMi's
+    reference forward for a proxy, DoGE's target, a method's validation passes) plus
+    `evaluation`, the forward FLOPs of its periodic evaluations and its final memorisation
+    evaluation (the same for every arm of a stage; None when their tokens are unknown), `total` (all parts known), and `gpu_seconds`,
+    the training steps' time measured from metrics.jsonl (each logged interval's tokens over
+    its tokens_per_s; a stage marker's wall-clock `seconds` where a pipeline wrote one).
+    None without a config.yaml. `kind`: reference, proxy, method, online or main."""
+    from doremi.study.runs import train_seconds
+
+    cost: dict[str, float | None] | None = run_cost(run, "online" if kind == "main" else kind)  # type: ignore[assignment]
+    cfg = _config(run)
+    if cost is None or cfg is None:
+        return None
+    rows = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+    passes = sum(1 for r in rows if isinstance(r.get("val_loss"), dict) or isinstance(r.get("test_loss"), dict))
+    tokens = evaluation_tokens(cfg, passes, run)
+    if tokens is not None:
+        tokens += holdout_tokens(cfg, rows)
+    cost["evaluation"] = None if tokens is None else _flops_per_token(cfg) / 3 * tokens
+    cost["total"] = None if tokens is None else float(cost["total"] or 0.0) + float(cost["evaluation"] or 0.0)
+    cost["train_flops_total"] = sum(float(cost[p] or 0.0) for p in ("train", "reference", "target", "validation"))
+    per_step = cfg["train"]["global_batch_size"] * cfg["data"]["seq_len"]
+    cost["gpu_seconds"] = train_seconds(rows, per_step)
+    return cost
+
+
+def sum_costs(costs: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Part by part over an arm's runs; a part is None when any run lacks it."""
+    keys = (*STUDY_PARTS, "total", "train_flops_total", "gpu_seconds", "seconds")
+    out: dict[str, float | None] = {}
+    for key in keys:
+        values = [c.get(key) for c in costs]
+        out[key] = sum(float(v) for v in values if v is not None) if all(v is not None for v in values) else None
+    return out
+
+
+def arm_ledger(runs: list[tuple[str, Path]]) -> dict[str, Any]:
+    """An arm's compute for one seed: per stage (`kind`, run directory), then summed; a stage
+    whose directory has no config.yaml is listed under `missing` and left out of the sums."""
+    stages, missing = {}, []
+    for kind, run in runs:
+        c = study_run_cost(run, kind)
+        if c is None:
+            missing.append(f"{kind}: {run}")
+        else:
+            stages[kind] = c
+    return {"stages": stages, "sum": sum_costs(list(stages.values())), "missing": missing}

@@ -42,7 +42,7 @@ from doremi.fingerprint import (  # noqa: F401 (store_fingerprint: imported from
     store_keys,
 )
 from doremi.main_runs import DOREMI_RUN, SWEEP_DIR, method_dir, mixtures, online_run_name
-from doremi.propose import propose
+from doremi.propose import check_fit_quality, describe_quality, fit_quality, propose
 from doremi.stage_markers import (
     EVAL_OUTPUT,
     done_marker,
@@ -345,6 +345,10 @@ class Pipeline:
         self._run_stage(f"{name}: fit", out, keys, lambda: str(propose(cfg, name, out, sweep, budget)), main_only=True)
         tuned = read_weights_file(out)
         self.say("           weights: " + ", ".join(f"{d}={w:.3f}" for d, w in zip(tuned["domains"], tuned["weights"])))
+        if self.p.skip_main:
+            self.say(f"           {describe_quality(fit_quality(out))}")
+        else:  # before any main run trains on it (docs/design.md section 4d)
+            self.say(f"           {check_fit_quality(name, out, self.p.guardrails.min_fit_spearman)}")
         return out
 
     def mixtures(self, weights_path: Path) -> dict[str, str]:

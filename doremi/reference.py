@@ -21,6 +21,7 @@ from trainer.config import TrainerConfig, load_config
 from trainer.configtools import ConfigError
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import forward_only
+from trainer.run_dir import RECORD_FILE, require_finished
 
 
 def run_dir_of(checkpoint: Path) -> Path:
@@ -85,8 +86,13 @@ def reference_config(cfg: ExperimentConfig, checkpoint: Path) -> ExperimentConfi
 
 
 def require_reference(cfg: ExperimentConfig) -> Path:
+    """The reference checkpoint. A reference named by its run directory must have finished and
+    not be training still (`trainer.run_dir.require_finished`; docs/design.md section 6b); a
+    checkpoint directory named explicitly is read as it is."""
     if not cfg.doremi.reference:
         raise ConfigError("doremi.reference: required (the reference run directory or checkpoint), got nothing")
+    if (Path(cfg.doremi.reference) / RECORD_FILE).is_file():
+        require_finished(cfg.doremi.reference, "reference")
     return resolve_checkpoint(cfg.doremi.reference)
 
 

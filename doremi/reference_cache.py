@@ -9,19 +9,23 @@ train stream, so it is independent of the layout, the batch size and the step. `
 `reference_fingerprint`: a reference trained again to the same path does not pass for the one
 scored) and `sequences` (per domain, how many were scored). The cache is built in `<dir>.tmp` and
 renamed into place, so that a `doremi score` cut short leaves nothing that looks like a cache.
+
+`meta.json` carries the cache's artifact header (`data.artifact`; docs/design.md section 6b):
+`running` in the staging directory, `finished` once published, the reference checkpoint as its
+source and each array's size and hash (checked once per process when a proxy opens it). `doremi
+score` replaces a directory only if its header says it is a reference cache (`check_out`).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 
-from data.atomic import atomic_write_text
+from data import artifact
 from doremi.errors import DoReMiError
-from trainer.checkpoint import checkpoint_fingerprint, resolve_checkpoint
+from trainer.checkpoint import META, checkpoint_fingerprint, resolve_checkpoint
 
 CACHE_VERSION = 2
 META_FILE = "meta.json"
@@ -36,9 +40,20 @@ def staging_dir(out: Path) -> Path:
     return out.with_name(out.name + ".tmp")
 
 
+def check_out(out: Path) -> None:
+    """Refuse, before any scoring, an `out` or staging directory that is not a reference cache
+    (a run, a folder of files, the reference itself): `doremi score` replaces only its own."""
+    for path in (out, staging_dir(out)):
+        artifact.check_replaceable(path, "reference_cache", "doremi score")
+
+
 def create_arrays(staging: Path, domains: list[str], num_sequences: list[int], seq_len: int) -> None:
-    """One all-NaN array per domain (nothing scored yet)."""
-    staging.mkdir(parents=True, exist_ok=True)
+    """One all-NaN array per domain (nothing scored yet), in a staging directory whose header
+    says `running` (a leftover of a killed score is then known as ours)."""
+    if staging.exists():
+        artifact.remove_own(staging, "reference_cache", "doremi score")
+    staging.mkdir(parents=True)
+    artifact.write(staging / META_FILE, artifact.Header("reference_cache", status="running"))
     for name, n in zip(domains, num_sequences):
         arr = np.lib.format.open_memmap(_array_path(staging, name), mode="w+", dtype=np.float32, shape=(n, seq_len))
         arr[:] = np.nan
@@ -69,7 +84,7 @@ def publish(
     sequences: list[int],
 ) -> None:
     """Write `meta.json` (`reference`: `reference_stamp`'s) and move the cache into place,
-    replacing any cache at `out`."""
+    replacing a cache at `out` (nothing else: `check_out`)."""
     meta = {
         "version": CACHE_VERSION,
         "domains": domains,
@@ -81,10 +96,15 @@ def publish(
         "sampling": sampling,
         "sequences": sequences,
     }
-    atomic_write_text(staging / META_FILE, json.dumps(meta, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    header = artifact.Header(
+        "reference_cache",
+        fingerprint=artifact.content_hash(meta),
+        steps=steps,
+        sources=[artifact.Source("checkpoint", reference["reference"], reference["reference_fingerprint"])],
+        files=artifact.hash_files(staging, [_array_path(staging, d).name for d in domains]),
+    )
+    artifact.write(staging / META_FILE, header, meta)
+    artifact.replace_dir(staging, out, "reference_cache", "doremi score")
 
 
 def _check_fingerprint(meta_path: Path, meta: dict, checkpoint: Path) -> None:
@@ -142,4 +162,22 @@ def open_cache(
         )
     if reference is not None:
         _check_fingerprint(meta_path, meta, resolve_checkpoint(reference))
+    else:
+        _check_recorded_reference(meta_path, meta)
+    header = artifact.read(cache_dir)
+    if header is not None:
+        artifact.verify_files(cache_dir, header.files, "reference cache", once=True)
     return [np.load(_array_path(cache_dir, d), mmap_mode="r") for d in domains]
+
+
+def _check_recorded_reference(meta_path: Path, meta: dict) -> None:
+    """Without `doremi.reference`, the reference the cache records must still be there with
+    the weights it was scored with: a cache of a reference since trained again is stale, and
+    one whose reference is gone cannot be verified."""
+    recorded = Path(str(meta.get("reference")))
+    if not (recorded / META).is_file():
+        raise DoReMiError(
+            f"{meta_path}: cannot verify the cache: its reference {recorded} is gone; set doremi.reference "
+            f"to the reference it was scored with, or run `doremi score` again"
+        )
+    _check_fingerprint(meta_path, meta, recorded)

@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from data.atomic import atomic_path, atomic_write_text
 
@@ -398,6 +399,26 @@ def plot_differences(path: Path, domains: Sequence[str], final_losses: Mapping[s
     _save(fig, path)
 
 
+def format_fit_quality(fits: Mapping[str, Mapping[str, Any]], threshold: float, default: float = 0.3) -> str:
+    """One row per offline fit: runs, folds, held-out Spearman and mean absolute error, and its
+    verdict against `pipeline.guardrails.min_fit_spearman` (`threshold`; a fit below `default`,
+    the key's default, was trained on only because the key was lowered, and says so). `fits`:
+    `doremi.propose.fit_quality` per method."""
+    rows = []
+    lowered = f"trained on as pipeline.guardrails.min_fit_spearman is {threshold:g}"
+    for name, q in fits.items():
+        if "skipped" in q:
+            rows.append([name, str(q.get("n") or ""), "", "not checked", "", f"unchecked ({q['skipped']}); {lowered}"])
+            continue
+        rho = q["spearman"]
+        ok = rho is not None and rho >= max(threshold, default)
+        verdict = "passed" if ok else f"below {default:g}: {lowered}"
+        rows.append(
+            [name, str(q["n"]), str(q["folds"]), "undefined" if rho is None else f"{rho:.3f}", f"{q['mae']:.4g}", verdict]
+        )
+    return markdown_table(["fit", "runs", "folds", "held-out Spearman", "held-out MAE", "verdict"], rows)
+
+
 def write_report(
     out_dir: str | os.PathLike,
     domains: Sequence[str],
@@ -413,6 +434,7 @@ def write_report(
     guardrail_table: str | None = None,
     setup_table: str | None = None,
     compute_table: str | None = None,
+    fit_table: str | None = None,
 ) -> Path:
     """Write `out_dir/report.md` and its PNGs; return the report's path.
 
@@ -431,6 +453,7 @@ def write_report(
         guardrail_table: the per-domain guardrail measures, a markdown table.
         setup_table: what was run (sizes, steps, tokens, the method's keys), a markdown table.
         compute_table: the compute each method spent to find its mixture, a markdown table.
+        fit_table: the offline fits' held-out quality (`format_fit_quality`).
     """
     out = Path(out_dir)
     k = len(domains)
@@ -466,6 +489,17 @@ def write_report(
             "the reference's forwards, DoGE's target gradients and the validation passes a method "
             "asked for (doremi/ledger.py); the tokens those passes processed (nominal), beside the "
             "non-masked tokens the training steps drew (measured); seconds as measured by the pipeline.",
+            "",
+        ]
+    if fit_table:
+        parts += [
+            "## Offline fits: held-out quality",
+            "",
+            fit_table,
+            "K-fold cross-validation over the sweep's runs: each run's target loss predicted by a fit "
+            "that did not see it. Spearman: rank correlation of those predictions with the observed "
+            "losses (what choosing a mixture needs); a fit below pipeline.guardrails.min_fit_spearman "
+            "is not trained on unless the threshold is lowered.",
             "",
         ]
     parts += [

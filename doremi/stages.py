@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from data import artifact
 from data.batch import collate
 from data.weights import resolve_weights
 from data.weights_file import WEIGHTS_FILE, write_weights_file
@@ -22,7 +23,7 @@ from doremi.fingerprint import MAIN_IGNORES, OFFLINE_SECTIONS
 from doremi.history import average_weights, read_history
 from doremi.methods.registry import method_factory
 from doremi.reference import load_frozen, reference_config, require_reference, run_dir_of
-from doremi.reference_cache import create_arrays, open_for_scoring, publish, reference_stamp, staging_dir
+from doremi.reference_cache import check_out, create_arrays, open_for_scoring, publish, reference_stamp, staging_dir
 from doremi.validate import check_online, check_stage
 from trainer.build import RunFacts, init_parallel
 from trainer.checkpoint import resolve_checkpoint
@@ -32,7 +33,7 @@ from trainer.evaluate import evaluate_domains
 from trainer.feed import DataFeed
 from trainer.loop import Trainer
 from trainer.parallel.pipeline_schedule import forward_only
-from trainer.run_dir import recorded_stage
+from trainer.run_dir import recorded_stage, require_finished
 
 #: Training stage -> the directory name of its default run directory, and the stage its run
 #: directory records (trainer.run_dir.check_stage).
@@ -102,6 +103,7 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     if cfg.doremi.mode == "resample":
         raise ConfigError("doremi.mode: a reference cache needs a fixed proxy data stream; got 'resample'")
     out = Path(out_dir)
+    check_out(out)  # only a reference cache is replaced
     ck = require_reference(cfg)
     ref_cfg = reference_config(cfg, ck)
     pc = init_parallel(cfg)
@@ -166,13 +168,18 @@ def _run_method(mixing: dict[str, Any], stage: str | None) -> str | None:
     return mixing.get("main") or mixing.get("method")
 
 
-def average(run_dir: str | Path, out: str | Path | None = None, from_step: int | None = None) -> Path:
+def average(
+    run_dir: str | Path, out: str | Path | None = None, from_step: int | None = None, allow_unfinished: bool = False
+) -> Path:
     """Mean of the logged weights (DoReMi's alpha_t, or another method's) over the run's steps
     t >= from_step, written as the weights JSON with the method and its keys.
 
     `from_step` None: a DoReMi proxy's own `doremi.average_from_step` (its config.yaml), so that
     `doremi average RUN` averages what the experiment asked for, not silently from step 1."""
     run = Path(run_dir)
+    made_from = require_finished(  # a proxy killed at step 61 of 300 is refused
+        run, "proxy", allow=allow_unfinished, hint="; `doremi average --allow-unfinished` averages it anyway"
+    )
     history = read_history(run)
     if not history:
         raise DoReMiError(f"{run}/domain_weights.jsonl: no weight history (is this a proxy run?)")
@@ -198,12 +205,18 @@ def average(run_dir: str | Path, out: str | Path | None = None, from_step: int |
     }
     keys = ("eta", "smoothing", "update", "mode") if method == "doremi" else tuple(options)
     provenance.update({k: options.get(k) for k in keys})
-    write_weights_file(out_path, history[0]["domains"], weights, provenance)
+    sources, notes = [], []
+    if made_from is not None:
+        sources = [artifact.Source("run", str(run), made_from.fingerprint)]
+        if made_from.status != "finished":
+            notes = [f"--allow-unfinished: averaged a run that did not finish ({made_from.describe()})"]
+    write_weights_file(out_path, history[0]["domains"], weights, provenance, sources=sources, notes=notes)
     return out_path
 
 
 def evaluate(checkpoint: str | Path, overrides: list[str] | None = None) -> tuple[list[str], np.ndarray]:
-    """Per-domain validation loss of a checkpoint (its run's config, any layout via --set)."""
+    """Per-domain validation loss of a checkpoint (its run's config, any layout via --set): the
+    verdict's, on the test half under `data.validation_split: dev_test`."""
     ck = resolve_checkpoint(checkpoint)
     saved = run_dir_of(ck) / "config.yaml"
     if not saved.is_file():
@@ -211,10 +224,10 @@ def evaluate(checkpoint: str | Path, overrides: list[str] | None = None) -> tupl
     raw_overrides = ["checkpoint.resume=false", *(overrides or [])]
     cfg = load_config(saved, raw_overrides, cls=ExperimentConfig)
     pc = init_parallel(cfg)
-    feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
     facts = RunFacts.resolve(cfg, pc)
-    model = load_frozen(cfg, ck, pc, facts)
+    model = load_frozen(cfg, ck, pc, facts)  # first: a run on rebuilt stores is named as such
+    feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
     losses = evaluate_domains(
-        model, feed.validation(facts.micro_batch_size, cfg.train.eval_sequences), pc, facts.autocast()
+        model, feed.validation(facts.micro_batch_size, cfg.train.eval_sequences, "verdict"), pc, facts.autocast()
     )
     return feed.domains, losses.cpu().numpy()

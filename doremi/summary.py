@@ -17,7 +17,7 @@ from doremi.history import HistoryError, read_history
 from doremi.ledger import compute_ledger
 from doremi.main_runs import DOREMI_RUN, method_dir, online_run_name
 from doremi.main_runs import mixtures as mixture_specs
-from doremi.report import format_compute, format_table, markdown_table, write_report
+from doremi.report import format_compute, format_fit_quality, format_table, markdown_table, write_report
 from doremi.stage_markers import eval_result
 from trainer.metrics import read_jsonl
 
@@ -121,7 +121,7 @@ def online_runs(root: Path) -> list[str]:
     return sorted(d.name for d in main.glob(online_run_name("*")) if d.is_dir()) if main.is_dir() else []
 
 
-def _budget(run: Path) -> int | None:
+def run_budget(run: Path) -> int | None:
     """The token budget of a run from its config.yaml (for `unimax:E`); None without one."""
     import yaml
 
@@ -132,7 +132,7 @@ def _budget(run: Path) -> int | None:
     return c["train"]["steps"] * c["train"]["global_batch_size"] * c["data"]["seq_len"]
 
 
-def _history(run: Path, field: str = "weights") -> list[list[float]]:
+def logged_weights(run: Path, field: str = "weights") -> list[list[float]]:
     """A run's logged `field` per step. A method run online logs, besides the policy it proposes
     for the next step (`weights`), the weights it sampled this step with (`sampling`); the
     latter is what the run trained on, so it is what the report shows for an online run. A
@@ -151,12 +151,12 @@ def weight_histories(root: Path) -> dict[str, list[list[float]]]:
     out: dict[str, list[list[float]]] = {}
     rounds = sorted(root.glob("round*/proxy"), key=lambda p: int(p.parent.name.removeprefix("round")))
     if rounds:
-        out[DOREMI_RUN] = _history(rounds[-1])
+        out[DOREMI_RUN] = logged_weights(rounds[-1])
     for m in tuned_methods(root):
         if m != DOREMI_RUN:
-            out[m] = _history(method_dir(root, m) / "proxy")
+            out[m] = logged_weights(method_dir(root, m) / "proxy")
     for name in online_runs(root):
-        out[name] = _history(root / "main" / name, "sampling")
+        out[name] = logged_weights(root / "main" / name, "sampling")
     return {k: v for k, v in out.items() if v}
 
 
@@ -175,7 +175,7 @@ def collect_run(
     histories = weight_histories(root)
     mixtures: dict[str, np.ndarray] = {}
     for name, spec in mixture_specs(root / WEIGHTS_FILE, baselines, methods).items():
-        mixtures[name] = resolve_weights(spec, manifest, budget_tokens=_budget(root / "main" / name))
+        mixtures[name] = resolve_weights(spec, manifest, budget_tokens=run_budget(root / "main" / name))
     for name in online_runs(root):
         if histories.get(name):
             mixtures[name] = np.mean(np.asarray(histories[name], dtype=np.float64), axis=0)
@@ -208,7 +208,22 @@ def collect_run(
         "measures": measures,
         "findings": found,
         "baselines": [n for n in mixtures if n not in methods and n not in online_runs(root)],
+        "fits": fit_qualities(root, methods),
     }
+
+
+def fit_qualities(root: Path, methods: list[str]) -> dict[str, dict[str, Any]]:
+    """Each offline method's held-out quality (`doremi.propose.fit_quality`), from its weights file."""
+    import json
+
+    from doremi.propose import fit_quality
+
+    out = {}
+    for m in methods:
+        path = root / WEIGHTS_FILE if m == DOREMI_RUN else method_dir(root, m) / WEIGHTS_FILE
+        if json.loads(path.read_text()).get("source") == "fit":
+            out[m] = fit_quality(path)
+    return out
 
 
 def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: GuardrailConfig) -> str:
@@ -230,6 +245,11 @@ def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: Guar
         guardrail_table=format_guardrail_table(c["domains"], c["measures"]),
         setup_table=setup_table(root),
         compute_table=format_compute(c["compute"]) if c["compute"] else None,
+        fit_table=(
+            format_fit_quality(c["fits"], guardrails.min_fit_spearman, GuardrailConfig().min_fit_spearman)
+            if c["fits"]
+            else None
+        ),
     )
     table = format_table(c["domains"], c["mixtures"], c["final"], c["entropy"], c["tokens_per_byte"])
     n = len(warnings(c["findings"]))

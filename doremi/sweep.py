@@ -290,7 +290,9 @@ class Sweep:
 
         run_dir = self.root / "runs" / f"{i:04d}"
         cfg = run_config(self.cfg, self.design.weights[i], run_dir)
-        Trainer(cfg, desc=f"sweep {i + 1}/{len(self.design)}", result_ignore=NOT_RESULT_KEYS).fit()
+        Trainer(
+            cfg, desc=f"sweep {i + 1}/{len(self.design)}", result_ignore=NOT_RESULT_KEYS, evaluation="sweep_run"
+        ).fit()
         rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in r]
         self.record({i: [(r["step"], [r["val_loss"][d] for d in self.domains]) for r in rows]})
 

@@ -239,13 +239,17 @@ def test_leftovers_are_removed_at_resume_never_a_checkpoint(tmp_path):
     assert load_checkpoint(tmp_path, model, None, PC) == {"step": 1}  # a frozen load changes nothing
     assert len(list(root.iterdir())) == 5
     assert load_checkpoint(tmp_path, model, opt, PC) == {"step": 2}
-    assert sorted(d.name for d in root.iterdir()) == ["step_0000001", "step_0000002"]
+    kept = sorted(d.name for d in root.iterdir())
+    assert kept[:2] == ["step_0000001", "step_0000002"]  # a step without meta.json: set aside, not removed
+    assert len(kept) == 3 and kept[2].startswith("step_0000004.incomplete-")
 
 
 def test_leftovers_are_removed_at_save(tmp_path):
     root, model, _ = leftovers(tmp_path)
     save_checkpoint(tmp_path, 5, model, None, PC, {"step": 5})
-    assert sorted(d.name for d in root.iterdir()) == ["step_0000001", "step_0000002", "step_0000005"]
+    kept = sorted(d.name for d in root.iterdir())
+    assert [k for k in kept if ".incomplete-" not in k] == ["step_0000001", "step_0000002", "step_0000005"]
+    assert [k for k in kept if ".incomplete-" in k][0].startswith("step_0000004.incomplete-")
     assert remove_leftovers(tmp_path) == []
 
 

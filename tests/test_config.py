@@ -141,7 +141,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["checkpoint.keep=-1"], "checkpoint.keep: expected >= 1, got -1"),
         (["checkpoint.every=-5"], "checkpoint.every: expected >= 0"),
         (["train.eval_every=-1"], "train.eval_every: expected >= 0, got -1"),
-        (["doremi.eta=.inf"], "doremi.eta: expected a finite value >= 0, got inf"),
+        (["doremi.eta=.inf"], "doremi.eta: expected a finite number, got inf"),
         (["doremi.eta=-1"], "doremi.eta: expected a finite value >= 0, got -1.0"),
         (["doremi.rounds=0"], "doremi.rounds: expected >= 1, got 0"),
         (

@@ -392,7 +392,9 @@ def test_strict_pipeline_stops_before_the_main_runs(tmp_path, capsys):
     assert any(
         ": epochs read " in line and line.startswith("doremi pipeline: error: round1/reference: ") for line in err
     )
-    assert any("memorisation gap (heldout - seen loss)" in line for line in err)
+    # The reference's gap over 8 held-back sequences (notes: 0.11 ± 0.19) is within its own
+    # noise: not a warning (gap - 2 SE <= memorisation_gap, issue 34).
+    assert not any("memorisation gap (heldout - seen loss)" in line for line in err)
 
     # Not strict: the main runs go ahead, and the report carries the warnings and the table.
     assert main(["pipeline", str(exp), "--set", "pipeline.strict=false"]) == 0

@@ -57,13 +57,20 @@ def test_export_of_moe_hybrid_mup_is_one_line_and_writes_nothing(stores, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["hybrid", "moe", "mup"]
 
 
-def test_export_force_over_a_file_leaves_nothing_behind(stores, tmp_path):
+def test_export_force_replaces_only_an_export_and_leaves_nothing_behind(stores, tmp_path):
+    """--force replaces an earlier export; a file or a folder that is not one is refused and kept
+    (issue 41: the tool deletes only what it made)."""
+    from data.artifact import ArtifactError
     from doremi.hf import export
 
     stages.train(config(stores, tmp_path / "run", "train.steps=1"))
     (tmp_path / "out").write_text("a file\n")
-    export(tmp_path / "run", tmp_path / "out", with_tokenizer=False, force=True)
-    assert (tmp_path / "out" / "config.json").is_file()
+    with pytest.raises(ArtifactError, match="replaces only its own output"):
+        export(tmp_path / "run", tmp_path / "out", with_tokenizer=False, force=True)
+    assert (tmp_path / "out").read_text() == "a file\n"
+    export(tmp_path / "run", tmp_path / "hf", with_tokenizer=False)
+    export(tmp_path / "run", tmp_path / "hf", with_tokenizer=False, force=True)
+    assert (tmp_path / "hf" / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from data import artifact
 from data.errors import DataError, UserError
 from data.weights_file import WEIGHTS_FILE, read_mixture_file, read_weights_file, write_weights_file
 from doremi.cli import main
@@ -47,6 +48,8 @@ def test_weights_file_bytes_and_both_readers(tmp_path):
     provenance = {"source": "runs/proxy", "from_step": 1, "created": "2024-01-01T00:00:00+00:00"}
     write_weights_file(path, DOMAINS, torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64), provenance)
     doc = {"domains": DOMAINS, "weights": [0.5, 0.25, 0.25], **provenance}
+    header = artifact.Header("weights", fingerprint=artifact.content_hash({k: doc[k] for k in ("domains", "weights")}))
+    doc[artifact.HEADER_KEY] = header.to_json()  # its artifact header (docs/design.md section 6b)
     assert path.read_text() == json.dumps(doc, indent=2) + "\n"
     assert read_weights_file(path) == doc
     assert read_mixture_file(path, "data.domain_weights") == (DOMAINS, [0.5, 0.25, 0.25])
@@ -73,14 +76,16 @@ def test_weights_file_errors_keep_each_callers_class(tmp_path):
 # -- the reference cache ---------------------------------------------------------------------------
 
 
-def test_reference_cache_round_trip(tmp_path):
+def test_reference_cache_round_trip(tmp_path, monkeypatch):
     out = tmp_path / "cache"
     tmp = staging_dir(out)
     create_arrays(tmp, ["a", "b"], [3, 2], 4)
     stamp = {"reference": "runs/ref/checkpoints/step_0000003", "reference_fingerprint": "f" * 16}
     publish(tmp, out, ["a", "b"], 4, stamp, 5, 8, 0, [0.5, 0.5], [1, 2])
     assert not tmp.exists() and sorted(p.name for p in out.iterdir()) == ["a.npy", "b.npy", META_FILE]
-    assert (out / META_FILE).read_text() == json.dumps(
+    meta = json.loads((out / META_FILE).read_text())
+    assert artifact.Header.from_json(meta.pop(artifact.HEADER_KEY), "meta").kind == "reference_cache"
+    assert meta == (
         {
             "version": CACHE_VERSION,
             "domains": ["a", "b"],
@@ -91,9 +96,13 @@ def test_reference_cache_round_trip(tmp_path):
             "seed": 0,
             "sampling": [0.5, 0.5],
             "sequences": [1, 2],
-        },
-        indent=1,
+        }
     )
+    with pytest.raises(
+        DoReMiError, match="cannot verify the cache: its reference runs/ref/checkpoints/step_0000003 is gone"
+    ):
+        open_cache(out, ["a", "b"], 4, steps=5, global_batch_size=8, seed=0, sampling=[0.5, 0.5])
+    monkeypatch.setattr("doremi.reference_cache._check_recorded_reference", lambda *a: None)
     arrays = open_cache(out, ["a", "b"], 4, steps=5, global_batch_size=8, seed=0, sampling=[0.5, 0.5])
     assert [a.shape for a in arrays] == [(3, 4), (2, 4)] and all(np.isnan(a).all() for a in arrays)
     with pytest.raises(DoReMiError, match="cache covers 5 steps, fewer steps than the run's train.steps=6"):

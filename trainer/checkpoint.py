@@ -23,9 +23,14 @@ another model never loads into the parameters they happen to share.
 
 Atomicity: every rank writes into `step_XXXXXXX.tmp/`; after all have written, rank 0 writes
 `meta.json` and renames the directory. Only directories with `meta.json` and no `.tmp` suffix
-are checkpoints. What killed writes leave (`.tmp` directories, step directories without
-`meta.json`) is removed by `remove_leftovers`, at every save and at every resume (a load with
-optimizer state). All ranks must see one filesystem (shared storage across nodes).
+are checkpoints. What killed writes of this code leave (`.tmp` directories) is removed by
+`remove_leftovers`, at every save and at every resume (a load with optimizer state); a step
+directory without `meta.json` was not written by it (an interrupted copy of a run) and is moved
+aside to `step_NNNNNNN.incomplete-<time>`, never deleted (docs/design.md section 6b). All ranks
+must see one filesystem (shared storage across nodes).
+
+`meta.json` carries the checkpoint's artifact header (`data.artifact`: kind `checkpoint`,
+finished at its step, the stores as its source; its files are `files`).
 
 Resharding: every tensor is looked up by parameter name. When the saved tp equals the current
 tp a rank reads its own shard; otherwise it reads every saved tp shard, `unshard`s and `shard`s
@@ -49,7 +54,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import mmap
 import os
 import random
 import re
@@ -63,6 +67,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from data import artifact
+from data.artifact import HASH_KEY, file_hash
 from data.atomic import atomic_path, atomic_write_text
 from data.errors import UserError
 from trainer.model.architecture import architecture_diff
@@ -102,10 +108,40 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def incomplete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Step directories without `meta.json` (`step_NNNNNNN`, not `.tmp`): not written by this
+    code, whose own writes are `.tmp` until complete; an interrupted copy of a run, say."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return [d for d in sorted(root.iterdir()) if d.is_dir() and _STEP_DIR.fullmatch(d.name) and not (d / META).is_file()]
+
+
+def set_aside_incomplete(run_dir: str | os.PathLike, say: bool = True) -> list[Path]:
+    """Move each of `incomplete_checkpoints` to `step_NNNNNNN.incomplete-<time>`, one line on
+    stderr each; returns where they went. Never deleted: the tool removes only what it made."""
+    import sys
+
+    moved = []
+    for d in incomplete_checkpoints(run_dir):
+        dest = artifact.set_aside(d)
+        moved.append(dest)
+        if say:
+            print(f"{d}: checkpoint without {META} (incomplete copy?), moved aside to {dest}", file=sys.stderr)
+    return moved
+
+
+def set_aside_found(run_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoints set aside earlier (`step_NNNNNNN.incomplete-*`)."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(root.glob("step_*.incomplete-*")) if root.is_dir() else []
+
+
 def remove_leftovers(run_dir: str | os.PathLike) -> list[Path]:
-    """Remove what killed writes left under `RUN/checkpoints`: `.tmp` directories and step
-    directories without `meta.json`. Never a complete checkpoint: an overwrite killed between
-    its two renames gets its previous checkpoint back. Returns what was removed."""
+    """Remove what this code's killed writes left under `RUN/checkpoints` (`.tmp` directories)
+    and set step directories without `meta.json` aside (`set_aside_incomplete`). Never a
+    complete checkpoint: an overwrite killed between its two renames gets its previous
+    checkpoint back. Returns what was removed."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
@@ -113,11 +149,8 @@ def remove_leftovers(run_dir: str | os.PathLike) -> list[Path]:
         final = old.with_name(old.name.removesuffix(_OLD))
         if not final.exists() and (old / META).is_file():
             old.rename(final)
-    removed = [
-        d
-        for d in sorted(root.iterdir())
-        if d.is_dir() and d.name.startswith("step_") and (d.name.endswith(".tmp") or not (d / META).is_file())
-    ]
+    set_aside_incomplete(run_dir)
+    removed = [d for d in sorted(root.iterdir()) if d.is_dir() and d.name.startswith("step_") and d.name.endswith(".tmp")]
     for d in removed:
         shutil.rmtree(d, ignore_errors=True)
     return removed
@@ -161,8 +194,6 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-#: The per-file hash in meta.json's `files`.
-HASH_KEY = "xxh3_64"
 
 
 class _ChecksumWriter:
@@ -317,7 +348,15 @@ def _metadata(
         if e["optim"]:
             for name in e["optim"]["names"]:
                 optim_files.setdefault(name, [None] * pc.tp)[e["tp"]] = e["optim"]["file"]
+    files = dict(sorted((name, f) for e in entries for name, f in e["files"].items()))
+    header = artifact.Header(
+        "checkpoint",
+        step=step,
+        fingerprint=_fingerprint_of(step, files),
+        sources=[artifact.Source("stores", "", data.get("fingerprint"))] if data else [],
+    )
     return {
+        artifact.HEADER_KEY: header.to_json(),
         "format": FORMAT_VERSION,
         "step": step,
         "layout": {"tp": pc.tp, "pp": pc.pp, "dp": pc.dp},
@@ -328,7 +367,7 @@ def _metadata(
         "data": data,
         "params": dict(sorted(params.items())),
         "optim_files": dict(sorted(optim_files.items())),
-        "files": dict(sorted((name, f) for e in entries for name, f in e["files"].items())),
+        "files": files,
     }
 
 
@@ -382,15 +421,6 @@ def save_checkpoint(
 
 
 # -- loading ----------------------------------------------------------------------------------
-
-
-def file_hash(path: Path) -> str:
-    """The XXH3-64 hash of a file's bytes, read through a memory map (no copy)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return xxhash.xxh3_64(b"").hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return xxhash.xxh3_64(m).hexdigest()
 
 
 class _Reader:
@@ -705,6 +735,10 @@ def checkpoint_fingerprint(path_or_run_dir: str | os.PathLike) -> str:
     path gives another fingerprint; a byte-identical one the same."""
     ck = resolve_checkpoint(path_or_run_dir)
     meta = _read_meta(ck)
-    model_files = {n: f[HASH_KEY] for n, f in meta["files"].items() if n.startswith("model_")}
-    text = json.dumps({"step": meta["step"], "model_files": model_files}, sort_keys=True)
+    return _fingerprint_of(meta["step"], meta["files"])
+
+
+def _fingerprint_of(step: int, files: dict[str, Any]) -> str:
+    model_files = {n: f[HASH_KEY] for n, f in files.items() if n.startswith("model_")}
+    text = json.dumps({"step": step, "model_files": model_files}, sort_keys=True)
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()

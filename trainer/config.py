@@ -149,6 +149,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     # Seed of the initialisation and of the per-rank random states.
     seed: int = 0
+    # Deterministic kernels (trainer/determinism.py): a GPU run becomes a function of its seeds,
+    # bitwise, at about 0.8x the throughput. On for studies, where arms must differ only in the mixture.
+    deterministic: bool = False
     # `auto`: bf16 autocast on CUDA (or with param_dtype bf16), fp32 on CPU.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # Parameter storage. bf16: bf16 parameters, fp32 main grads, fp32 master weights and AdamW
@@ -161,6 +164,11 @@ class TrainConfig:
     eval_every: int = 0
     # Validation sequences per domain (0: the whole validation split), the same set whatever the layout.
     eval_sequences: int = 64
+    # Each evaluated sequence's loss sum, label tokens and documents, per domain, in
+    # `eval_sequences/step_NNNNNNN.npz` of the run directory (trainer/eval_sequences.py), for
+    # standard errors clustered by document: `off`, at the `final` evaluation, or at `every` one.
+    # When on, the logged val_loss is the exact sum of those (a last-bit difference from `off`).
+    eval_sequence_losses: Literal["off", "final", "every"] = "off"
     # None: `doremi <stage> CONFIG` uses runs/<CONFIG stem>/<stage> (doremi.stages.default_run_dir),
     # so that two stages or two configs never share a directory unless told to.
     run_dir: PathStr | None = None

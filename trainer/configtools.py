@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -85,6 +86,15 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _finite(value: float, path: str) -> float:
+    """Every float key goes through here: NaN or infinity in a config is a typo or a
+    placeholder, never a setting (`grad_clip: nan` silently meant no clipping), so it is refused
+    once for all keys, naming the key."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{path}: expected a finite number, got {value}")
+    return value
+
+
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Convert `value` to type `tp` or raise ConfigError naming `path`."""
     origin = typing.get_origin(tp)
@@ -157,12 +167,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, str):
             # YAML 1.1 reads `3e-4` (no dot) as a string.
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected float, got {_describe(value)}")
-        return float(value)
+        return _finite(float(value), path)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected str, got {_describe(value)}")

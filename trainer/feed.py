@@ -12,9 +12,11 @@ from data.config import DataConfig
 from data.dataset import PackedDomains
 from data.errors import DataError
 from data.holdout import holdout_split
+from data.preprocess import check_stores_match
 from data.sampler import DomainBatchSampler, interleave
 from data.store import open_stores
 from data.validation import validation_items
+from data.validation_split import ALL, sequence_documents, split_for, validation_view
 from trainer.configtools import ConfigError
 from trainer.parallel.context import ParallelContext
 
@@ -37,6 +39,7 @@ class DataFeed:
         self.micro_batches = micro_batches
         self.stores = open_stores(data.store_dir, expect_tokenizer=expect_tokenizer)
         self.manifest = self.stores.manifest
+        check_stores_match(data, self.manifest)
         self.domains: list[str] = list(self.stores.domains)
         self.train = PackedDomains(self.stores, "train", data.seq_len)
         counts = [self.train.num_sequences(i) for i in range(len(self.domains))]
@@ -45,8 +48,13 @@ class DataFeed:
         ]
         self.heldout = [held for _, held in splits]
         self.sampler = DomainBatchSampler(counts, global_batch_size, seed, pools=[pool for pool, _ in splits])
-        self._val = PackedDomains(self.stores, "validation", data.seq_len)
-        self._val_cache: dict[tuple[int, int], list[list[dict]]] = {}
+        self.validation_split = data.validation_split
+        self._val_args = (data.seq_len, data.dev_fraction, data.split_seed)
+        self._views: dict[str, tuple[PackedDomains, list[np.ndarray], list[np.ndarray]]] = {}
+        if data.validation_split != "none":
+            for half in ("dev", "test"):  # a domain too small to split fails here, before any step
+                self._view(half)
+        self._val_cache: dict[tuple[str, int, int], list[list[dict]]] = {}
         self._heldout_cache: dict[int, list[list[dict]]] = {}
 
     def check_vocab(self, model_vocab: int) -> None:
@@ -67,25 +75,57 @@ class DataFeed:
         local = self.sampler.local(step - 1, weights, self.pc.dp_rank, self.pc.dp, self.micro_batches, draws)
         return [collate(self.train, items, device=self.pc.device) for items in local]
 
-    def validation(self, batch_size: int, sequences: int) -> list[list[dict]]:
-        """Per domain, its first `sequences` validation sequences (0: all) in batches of
-        `batch_size`: the same tokens whatever the layout, so validation losses compare."""
-        key = (batch_size, sequences)
+    def _view(self, half: str) -> tuple[PackedDomains, list[np.ndarray], list[np.ndarray]]:
+        """(packed sequences, stream offsets, document ids) of a validation half, or of `all`."""
+        if half not in self._views:
+            seq_len, fraction, seed = self._val_args
+            self._views[half] = validation_view(self.stores, seq_len, half, fraction, seed)
+        return self._views[half]
+
+    def validation_half(self, consumer: str) -> str:
+        """The validation documents `consumer` reads: `all`, `dev` or `test`
+        (data.validation_split.CONSUMERS)."""
+        return split_for(consumer, self.validation_split)
+
+    def _num_validation(self, d: int, half: str, sequences: int) -> int:
+        n = self._view(half)[0].num_sequences(d)
+        if n == 0:
+            where = "data.validation_fraction" if half == ALL else f"data.validation_split ({half} half)"
+            raise DataError(
+                f"{where}: domain {self.domains[d]!r} has no validation sequences in "
+                f"{self.stores.store_dir}; evaluation needs some"
+            )
+        return min(n, sequences) if sequences else n
+
+    def validation(self, batch_size: int, sequences: int, consumer: str) -> list[list[dict]]:
+        """Per domain, the first `sequences` sequences (0: all) of the validation documents
+        `consumer` reads, in batches of `batch_size`: the same tokens whatever the layout, so
+        validation losses compare."""
+        half = self.validation_half(consumer)
+        key = (half, batch_size, sequences)
         if key not in self._val_cache:
-            per_domain = []
-            for d in range(self.k):
-                n = self._val.num_sequences(d)
-                if n == 0:
-                    raise DataError(
-                        f"data.validation_fraction: domain {self.domains[d]!r} has no validation "
-                        f"sequences in {self.stores.store_dir}; evaluation needs some"
-                    )
-                n = min(n, sequences) if sequences else n
-                per_domain.append(
-                    [collate(self._val, items, device=self.pc.device) for items in validation_items(n, d, batch_size)]
-                )
-            self._val_cache[key] = per_domain
+            view = self._view(half)[0]
+            self._val_cache[key] = [
+                [
+                    collate(view, items, device=self.pc.device)
+                    for items in validation_items(self._num_validation(d, half, sequences), d, batch_size)
+                ]
+                for d in range(self.k)
+            ]
         return self._val_cache[key]
+
+    def validation_documents(self, sequences: int, consumer: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per domain, the (first, last) validation document id of each sequence `validation`
+        gives `consumer` (data.validation_split.sequence_documents): what per-sequence losses
+        are clustered by."""
+        half = self.validation_half(consumer)
+        view, offsets, ids = self._view(half)
+        return [
+            sequence_documents(
+                offsets[d], ids[d], self._num_validation(d, half, sequences), view.seq_len, offsets[d][-1]
+            )
+            for d in range(self.k)
+        ]
 
     def target_batches(self, step: int, weights: np.ndarray, sequences: int, batch_size: int) -> list[dict]:
         """This rank's part of `sequences` validation sequences drawn for `step` from the mixture
@@ -97,17 +137,16 @@ class DataFeed:
         rng = np.random.default_rng([self.seed, TARGET_DRAWS, step])
         counts = rng.multinomial(sequences, weights)
         picks = {}
+        view = self._view(self.validation_half("method_target"))[0]
         for d, c in enumerate(counts):
-            n = self._val.num_sequences(d)
+            n = view.num_sequences(d)
             if c and not n:
                 raise DataError(f"target mixture: domain {self.domains[d]!r} has no validation sequences")
             picks[d] = iter(rng.integers(0, max(n, 1), size=int(c)).tolist())
         items = [(d, next(picks[d])) for d in interleave([int(c) for c in counts])]
         start, stop = (sequences * r // self.pc.dp for r in (self.pc.dp_rank, self.pc.dp_rank + 1))
         mine = items[start:stop]
-        return [
-            collate(self._val, mine[j : j + batch_size], device=self.pc.device) for j in range(0, len(mine), batch_size)
-        ]
+        return [collate(view, mine[j : j + batch_size], device=self.pc.device) for j in range(0, len(mine), batch_size)]
 
     @property
     def holdout(self) -> int:

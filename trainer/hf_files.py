@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,17 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def _as_os_error(e: Exception, path: Path) -> Exception:
+    """safetensors reports a failed write (a full disk) as its own error with the OS error's
+    number in the text (`... (os error 28) at path ...`): as an OSError naming `path`, the CLI
+    prints it as one line. Anything else is returned as it was."""
+    code = re.search(r"\(os error (\d+)\)", str(e))
+    if code is None:
+        return e
+    n = int(code.group(1))
+    return OSError(n, os.strerror(n), str(path))
+
+
 def write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_size: int | str) -> list[str]:
     """Write `state` into `out` as `model.safetensors`, or as shards of at most `max_shard_size`
     (bytes, or a string such as "5GB") with `model.safetensors.index.json`. Returns the files."""
@@ -127,7 +140,10 @@ def write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_size: int
         raise HFFormatError(f"--max-shard-size: {e}") from None
     save_file = _safetensors().torch.save_file
     for file, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, str(out / file), metadata={"format": "pt"})
+        try:
+            save_file({n: state[n] for n in names}, str(out / file), metadata={"format": "pt"})
+        except Exception as e:
+            raise _as_os_error(e, out / file) from None
     files = sorted(split.filename_to_tensors)
     if split.is_sharded:
         index = {"metadata": {**split.metadata}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}

@@ -26,7 +26,8 @@ layout. Each step t the loop calls, on every rank:
    merged into the step's `metrics.jsonl` row.
 6. Validation losses: at every step t (t = 0 before a fresh run's first step) for which
    `validation_due(t)` holds, `observe_validation(t, losses)` with the per-domain validation
-   losses; the time they take is logged apart (`method_eval_s`).
+   losses (of the dev half under `data.validation_split: dev_test`: `Needs.validation_split`);
+   the time they take is logged apart (`method_eval_s`).
 
 `state_dict` / `load_state_dict` travel in every checkpoint, so a resumed run continues the
 method exactly; `close` ends the run. Plain training is `FixedMixture`.
@@ -72,6 +73,9 @@ class Needs:
     validation: bool = False
     #: Per-domain gradient inner products with a target gradient (DoGE).
     alignment: Alignment | None = None
+    #: The validation documents the losses and the target come from: only `dev` is handed to
+    #: a method (the verdict is computed on `test`; data/validation_split.py); any other is refused.
+    validation_split: str = "dev"
 
 
 @dataclass(frozen=True)

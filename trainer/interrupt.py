@@ -2,7 +2,9 @@
 
 A preempted or interrupted job saves where it is and exits with 128 + the signal number (130
 for SIGINT, 143 for SIGTERM, as a shell reports a process killed by it), so that the same command
-resumes. Under torchrun every rank gets the signal, but not at the same step: the ranks agree,
+resumes. The signal is acknowledged at once with a line on stderr (rank 0), saying where the run
+will stop. A single process stops at the next step boundary (its flag is a host variable: free to
+read). Under torchrun every rank gets the signal, but not at the same step: the ranks agree,
 with one all-reduce at each logging step (`logging.every`, where the loop reads the device anyway),
 so that all save at the same step or none; a signal is acted on within `logging.every` steps.
 """
@@ -10,6 +12,7 @@ so that all save at the same step or none; a signal is acted on within `logging.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -32,16 +35,26 @@ class Interrupted(Exception):
 
 
 class StopRequests:
-    """The signal received since `installed()` began, if any (a second one kills as before)."""
+    """The signal received since `installed()` began, if any (a second one kills as before).
+    `every`: the steps between the boundaries where the loop acts on it (1: the next step);
+    `announce`: print the acknowledgment (rank 0)."""
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True, every: int = 1) -> None:
         self.signum = 0
+        self.announce, self.every = announce, every
+
+    def acknowledgment(self, signum: int) -> str:
+        name = signal.Signals(signum).name
+        where = "the next step" if self.every == 1 else f"the next multiple of {self.every} steps (logging.every)"
+        return f"{name} received: saving a checkpoint and stopping at {where}; {name} again stops at once, unsaved"
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
         self.signum = signum
+        if self.announce:  # os.write: safe in a handler that may interrupt a print
+            os.write(2, (self.acknowledgment(signum) + "\n").encode())
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequests]:

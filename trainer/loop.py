@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -15,17 +14,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.atomic import atomic_write_text
 from data.batch import IGNORE_INDEX
+from data.validation_split import STAGE_EVALUATION, check_method_split
 from data.weights import resolve_weights
 from trainer import run_dir as rundir
 from trainer.alignment import aligned_step
 from trainer.build import RunFacts, build_model, init_parallel, seed_everything
+from trainer.determinism import set_deterministic
+from trainer.pairing import first_batch_by_domain, rank_digests, write_pairing
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError, dump_yaml, to_dict
-from trainer.evaluate import evaluate_domains, evaluate_domains_with_error
+from trainer.eval_sequences import write_sequence_losses
+from trainer.evaluate import evaluate_domains, evaluate_domains_with_error, evaluate_sequences, sequence_means
 from trainer.feed import DataFeed
+from trainer.health import NumericHealth
 from trainer.hf_init import init_from_hf
 from trainer.hooks import FixedMixture, MethodContext, MethodFactory, MixingHook, StepSignals
 from trainer.interrupt import Interrupted, StopRequests
@@ -56,20 +59,25 @@ class Trainer:
         result_ignore: tuple[str, ...] = (),
         stage: str = "train",
         method: MethodFactory | None = None,
+        evaluation: str | None = None,
     ):
         """`result_ignore`: config sections or keys this run does not read (`doremi` for a plain
         training run), left out of the fingerprint that a resume must match. `stage` (train,
         reference, proxy) is recorded in `run.json`: another stage refuses the directory.
-        `method`: the data-mixing method (`trainer.hooks`); None trains on `data.domain_weights`."""
+        `method`: the data-mixing method (`trainer.hooks`); None trains on `data.domain_weights`.
+        `evaluation`: the consumer of this run's own evaluation (data.validation_split.CONSUMERS;
+        None: the stage's, `verdict` for a main run), which picks its validation documents."""
         self.cfg = cfg
         if not (run_dir or cfg.train.run_dir):
             raise ConfigError("train.run_dir: required (the directory this run writes), got nothing")
         self.run_dir = Path(run_dir or cfg.train.run_dir)
         self.desc = desc
         self.stage = stage
+        self.eval_consumer = evaluation or STAGE_EVALUATION[stage]
         self.extension: Extension | None = None
         self.result_ignore = result_ignore
         self.record: dict[str, Any] = {}
+        set_deterministic(cfg.train.deterministic)  # before the first CUDA kernel
         self.pc = pc or init_parallel(cfg)
         seed_everything(cfg.train.seed)
         self.feed = DataFeed(
@@ -81,6 +89,7 @@ class Trainer:
             if method is None
             else method(self.method_context())
         )
+        check_method_split(self.hook.needs.validation_split, type(self.hook).__name__)
         if self.hook.needs.stats_before_backward and cfg.parallelism.pp_schedule != "afab":
             # The weights need every forward of the step before any backward; the stage split
             # then counts the in-flight batches of that schedule.
@@ -95,16 +104,17 @@ class Trainer:
             self.named_params, cfg.train, self.pc, cfg.parallelism.zero1, param_dtype=self.facts.param_dtype
         )
         self.step = 0
+        self._init_digests: list[str] | None = None  # a fresh run's initial parameters (trainer/pairing.py)
         #: Validation passes a method asked for since step 0: passes, tokens, seconds.
         self.method_evals: dict[str, float] = {"passes": 0, "tokens": 0, "seconds": 0.0}
         self.last: dict[str, Any] = {}  # the last logged row, merged with the last evaluation
         # Non-masked label tokens drawn per domain since step 1 (on the device: no host sync per step).
         self.realised_tokens = torch.zeros(self.feed.k, dtype=torch.float64, device=self.pc.device)
+        self.health = NumericHealth(self.pc.device)
         self.autocast = self.facts.autocast()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.delayed_fp8 = cfg.model.fp8 is not None and cfg.model.fp8.amax_history > 0
-        if cfg.train.eval_every:
-            self.feed.validation(self.facts.micro_batch_size, cfg.train.eval_sequences)  # fail before any step
+        self.feed.validation(self.facts.micro_batch_size, cfg.train.eval_sequences, self.eval_consumer)  # fail now
 
     def method_context(self) -> MethodContext:
         cfg = self.cfg
@@ -213,6 +223,7 @@ class Trainer:
         signals.loss_sum = stats.domain_loss_sum
         self.optimizer.reduce_gradients()
         stats.grad_norm = self.optimizer.clip_grad_norm(self.cfg.train.grad_clip)
+        self.health.observe(step, stats.loss, stats.grad_norm)
         self.optimizer.step(self.lr(step))
         self.optimizer.zero_grad()
         end_fp8_step(self.model, pc)
@@ -227,7 +238,7 @@ class Trainer:
         """The method's validation losses at `step`, counted with the seconds they took (the
         cost of the method's signal, apart from the training step's)."""
         t0 = time.perf_counter()
-        batches = self.feed.validation(self.facts.micro_batch_size, self.cfg.train.eval_sequences)
+        batches = self.feed.validation(self.facts.micro_batch_size, self.cfg.train.eval_sequences, "method_probe")
         self.hook.observe_validation(step, evaluate_domains(self.model, batches, self.pc, self.autocast))
         self.method_evals["passes"] += 1
         self.method_evals["tokens"] += sum(int((b["labels"] != IGNORE_INDEX).sum()) for d in batches for b in d)
@@ -236,10 +247,20 @@ class Trainer:
     def lr(self, step: int) -> float:
         return scheduled_lr(step, self.cfg.train, self.extension)
 
-    def evaluate(self) -> np.ndarray:
+    def evaluate(self, step: int | None = None, final: bool = False) -> np.ndarray:
+        """Per-domain validation loss of this run's own evaluation. With
+        `train.eval_sequence_losses`, from each sequence's loss sum, written (rank 0) to
+        `eval_sequences/step_NNNNNNN.npz` at the final evaluation (`final`) or at every one."""
         t = self.cfg.train
-        batches = self.feed.validation(self.facts.micro_batch_size, t.eval_sequences)
-        return evaluate_domains(self.model, batches, self.pc, self.autocast).cpu().numpy()
+        batches = self.feed.validation(self.facts.micro_batch_size, t.eval_sequences, self.eval_consumer)
+        if t.eval_sequence_losses == "off":
+            return evaluate_domains(self.model, batches, self.pc, self.autocast).cpu().numpy()
+        per_sequence = evaluate_sequences(self.model, batches, self.pc, self.autocast)
+        if self.facts.is_main and step is not None and (final or t.eval_sequence_losses == "every"):
+            documents = self.feed.validation_documents(t.eval_sequences, self.eval_consumer)
+            half = self.feed.validation_half(self.eval_consumer)
+            write_sequence_losses(self.run_dir, step, self.feed.domains, half, per_sequence, documents)
+        return sequence_means(per_sequence)
 
     def evaluate_memorisation(self) -> tuple[np.ndarray, ...]:
         """(loss on sequences this run trained on, its standard error, loss on held-back
@@ -280,6 +301,7 @@ class Trainer:
                 )
             return
         rundir.check_stage(self.run_dir, self.stage)
+        rundir.check_incomplete(self.run_dir)
         latest = latest_checkpoint(self.run_dir)
         rundir.check_fresh_start(
             self.run_dir, None if latest is None else int(latest.name.removeprefix("step_")), ck.resume, ck.start_over
@@ -299,7 +321,8 @@ class Trainer:
         if self.facts.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.run_dir / "config.yaml")
-            atomic_write_text(self.run_dir / rundir.RECORD_FILE, json.dumps(self.record, indent=1, default=str))
+            made_from = rundir.sources(cfg)
+            rundir.write_record(self.run_dir, self.record, "running", self.step, cfg.train.steps, made_from)
         log = MetricsLogger(
             self.run_dir,
             self.facts.is_main,
@@ -318,13 +341,20 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(pc.device)
         if not resumed and self.hook.needs.validation and self.hook.validation_due(0):
             self.method_validation(0)
-        stops = StopRequests()
+        self._init_digests = None if resumed else rank_digests(self.model)
+        stops = StopRequests(announce=self.facts.is_main, every=cfg.logging.every if pc.distributed else 1)
         try:
             with stops.installed():
                 self._loop(log, stops)
+        except Interrupted:
+            if self.facts.is_main:
+                rundir.mark(self.run_dir, "interrupted", self.step)
+            raise
         finally:
             log.close()
             self.hook.close()
+        if self.facts.is_main:
+            rundir.mark(self.run_dir, "finished", self.step)
         if self.facts.is_main:
             say(summary_lines(self.run_dir, self.step, self.final_rows()), True, sys.stdout)
         return self.last
@@ -343,8 +373,15 @@ class Trainer:
         while self.step < cfg.train.steps:
             stats, extra = self.train_step()
             step = self.step
+            if step == 1 and self._init_digests is not None and self.facts.is_main:
+                first = first_batch_by_domain(self.feed.sampler.last_batch, list(self.feed.domains))
+                write_pairing(self.run_dir, self._init_digests, first, cfg.train.seed, cfg.data.seed)
             tokens_since += cfg.train.global_batch_size * cfg.data.seq_len
             is_last = step == cfg.train.steps
+            # Where the loop reads the device anyway, and before any checkpoint (trainer/health.py).
+            cadences = (cfg.logging.every, cfg.train.eval_every, cfg.checkpoint.every)
+            if is_last or any(n and step % n == 0 for n in cadences):
+                self.health.check(str(self.run_dir))
             if step % cfg.logging.every == 0 or is_last:
                 if pc.device.type == "cuda":
                     torch.cuda.synchronize(pc.device)
@@ -354,8 +391,8 @@ class Trainer:
                 log.log(row)
                 log.progress(step, loss=row["loss"], tok_s=int(row["tokens_per_s"]))
                 last = row
-            if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or is_last):
-                val = self.evaluate()
+            if is_last or (cfg.train.eval_every and step % cfg.train.eval_every == 0):  # 0: only at the end
+                val = self.evaluate(step, is_last)
                 vrow = self._val_row(step, val)
                 if self.feed.holdout and is_last:
                     seen, seen_se, held, held_se = self.evaluate_memorisation()
@@ -370,9 +407,9 @@ class Trainer:
             if saved:
                 self.save()
                 tokens_since, t0 = 0.0, time.perf_counter()
-            # The ranks agree on a signal at logging steps, where the loop reads the device anyway:
-            # no extra host sync in the steps between.
-            signum = 0 if is_last or step % cfg.logging.every else stops.agreed(pc)
+            # One process acts on a signal at the next step; ranks agree on one at logging steps,
+            # where the loop reads the device anyway: no extra host sync in the steps between.
+            signum = 0 if is_last or step % stops.every else stops.agreed(pc)
             if signum:
                 if not saved:
                     self.save()

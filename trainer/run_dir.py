@@ -7,6 +7,10 @@
 - Resume policy: what a job may do with a directory that already holds checkpoints.
 - Ownership: an advisory `fcntl.flock` on `LOCK_FILE`, held for the job's life. The OS releases
   it when the holder dies, so a killed job leaves no stale lock.
+- Status: `run.json` carries the run's artifact header (`data.artifact`; docs/design.md
+  section 6b): `running` from the start, `finished` at step N of N, `interrupted` at a signal; a
+  killed run stays `running` with its lock free. `require_finished` is what a consumer (a proxy
+  of its reference, `doremi average` of its proxy) asks before it reads a run.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from data import artifact
 from trainer.configtools import ConfigError, to_dict
 
 LOCK_FILE = ".lock"
@@ -42,8 +47,10 @@ NOT_RESULT_KEYS = (
     "train.extend",
     "train.eval_every",
     "train.eval_sequences",
+    "train.eval_sequence_losses",
     "train.device",
     "train.precision",
+    "train.deterministic",
     "train.param_dtype",
     "train.micro_batches",
     "model.attention",
@@ -186,6 +193,85 @@ def without(rec: dict[str, Any], *keys: str) -> dict[str, Any]:
     return {**rec, "keys": kept, "fingerprint": fingerprint(kept)}
 
 
+def sources(cfg: Any) -> list[artifact.Source]:
+    """What a run is made from: its stores (by the manifest's fingerprint) and what its
+    path-valued keys name (`content_id`)."""
+    from data.store import MANIFEST_FILE
+
+    out = []
+    store_dir = getattr(getattr(cfg, "data", None), "store_dir", None)
+    manifest = Path(store_dir or "") / MANIFEST_FILE
+    if store_dir and manifest.is_file():
+        out.append(artifact.Source("stores", str(store_dir), json.loads(manifest.read_text()).get("fingerprint")))
+    flat = flatten_keys(to_dict(cfg))
+    for k in PATH_KEYS:
+        value = flat.get(k)
+        if isinstance(value, str) and (cid := content_id(value)) is not None:
+            out.append(artifact.Source(k, value, cid))
+    return out
+
+
+def write_record(
+    run_dir: str | os.PathLike,
+    rec: dict[str, Any],
+    status: str,
+    step: int,
+    steps: int,
+    made_from: list[artifact.Source],
+) -> None:
+    """`run.json`: the record (`record`, with the stage) and the run's artifact header."""
+    header = artifact.Header(
+        "run", status=status, fingerprint=rec.get("fingerprint"), step=step, steps=steps, sources=made_from
+    )
+    artifact.write(Path(run_dir) / RECORD_FILE, header, rec)
+
+
+def mark(run_dir: str | os.PathLike, status: str, step: int) -> None:
+    """Update the status of `run.json`'s header (no-op without a header)."""
+    path = Path(run_dir) / RECORD_FILE
+    header = artifact.read(path)
+    if header is None:
+        return
+    header.status, header.step = status, step
+    artifact.write(path, header, {k: v for k, v in json.loads(path.read_text()).items() if k != artifact.HEADER_KEY})
+
+
+def lock_holder(run_dir: str | os.PathLike) -> str | None:
+    """The pid of the job that holds `RUN/.lock` (another process), or None when it is free."""
+    path = (Path(run_dir) / LOCK_FILE).resolve()
+    if path in _held or not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+    return None
+
+
+def require_finished(
+    run_dir: str | os.PathLike, what: str, allow: bool = False, hint: str = ""
+) -> artifact.Header | None:
+    """The header of a run a consumer reads, refused (one line) while another job trains it, or
+    when it did not finish, unless `allow`. None for a run made before headers (not checked)."""
+    run = Path(run_dir)
+    holder = lock_holder(run)
+    if holder is not None:
+        raise artifact.ArtifactError(f"{run}: the {what} is still training (pid {holder} holds {run / LOCK_FILE})")
+    header = artifact.require(run / RECORD_FILE, "run", finished=False, what=f"{what} run") if run.is_dir() else None
+    if header is not None and header.status == "running":  # killed: its progress is its last checkpoint
+        from trainer.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(run)
+        header.step = int(latest.name.removeprefix("step_")) if latest else 0
+    if header is not None and header.status != "finished" and not allow:
+        killed = "; killed?" if header.status == "running" else ""
+        raise artifact.ArtifactError(f"{run}: the {what} did not finish ({header.describe()}{killed}){hint}")
+    return header
+
+
 def recorded_stage(run_dir: str | os.PathLike) -> str | None:
     """The stage (`train`, `proxy`, `reference`, ...) a run directory's record names; None
     without a readable record."""
@@ -217,6 +303,22 @@ def check_fresh_start(run_dir: str | os.PathLike, latest_step: int | None, resum
             f"{run_dir}: checkpoint.resume is false but the run directory holds checkpoints "
             f"up to step {latest_step}; set checkpoint.start_over: true to move them aside and "
             f"start again, or use another run directory"
+        )
+
+
+def check_incomplete(run_dir: str | os.PathLike) -> None:
+    """Set aside checkpoints without `meta.json` (`trainer.checkpoint.set_aside_incomplete`,
+    one line each); when no complete checkpoint remains beside ones set aside, refuse to start
+    again from step 0 over the run's metrics (docs/design.md section 6b)."""
+    from trainer.checkpoint import latest_checkpoint, set_aside_found, set_aside_incomplete
+
+    set_aside_incomplete(run_dir)
+    aside = set_aside_found(run_dir)
+    if aside and latest_checkpoint(run_dir) is None:
+        raise ConfigError(
+            f"{run_dir}: no complete checkpoint, only {aside[-1].name} (set aside, no meta.json); "
+            f"a new start would overwrite the run's metrics: copy the checkpoint again, use another "
+            f"run directory, or set checkpoint.start_over: true to move the run aside"
         )
 
 

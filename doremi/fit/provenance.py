@@ -87,4 +87,4 @@ def write_proposal(
     """Write the proposal's weights JSON through `write_weights_file` (atomic; weights checked as a
     distribution)."""
     w = np.asarray(weights, dtype=np.float64)
-    return write_weights_file(path, domains, (w / w.sum()).tolist(), provenance)
+    return write_weights_file(path, domains, (w / w.sum()).tolist(), provenance, kind="fit")

@@ -38,7 +38,8 @@ from trainer.metrics import read_jsonl  # noqa: E402
 class Rule:
     """Decided before the runs (issue 17). The study counts only if the guardrails hold; then
     DoReMi works if every condition below holds, is inconclusive if its mean paired difference
-    is within `se_multiple` standard errors of 0, and fails otherwise."""
+    is within `se_multiple` standard errors of 0, and fails otherwise. Kept as it was for the
+    first study's write-up; the powered study's rule (issue 34) is doremi/study/design.py."""
 
     memorisation_gap: float = 0.05  # reference: held-out minus seen loss, every domain (nats)
     max_epochs: float = 2.0  # any run, any domain

@@ -25,6 +25,7 @@ from data.weights import resolve_weights
 from trainer.build import RunFacts, check_device, seed_everything
 from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError
+from trainer.determinism import set_deterministic
 from trainer.feed import DataFeed
 from trainer.parallel.context import ParallelContext
 from trainer.stacked.feed import StackedFeed
@@ -118,6 +119,7 @@ def train_stacked(
     and at the last step (0: the last step only). `keep_params`: return each model's final
     parameters. Writes nothing."""
     check_stackable(cfg)
+    set_deterministic(cfg.train.deterministic)
     device = run_device(cfg)
     pc = ParallelContext.single(device)
     facts = dataclasses.replace(RunFacts.resolve(cfg, pc), param_dtype=torch.float32)
@@ -134,7 +136,7 @@ def train_stacked(
         raise ConfigError(f"seeds: expected one per mixture ({len(arr)}), got {len(seeds)}")
     if eval_every < 0:
         raise ConfigError(f"eval_every: expected >= 0, got {eval_every}")
-    validation = feed.validation(facts.micro_batch_size, t.eval_sequences)
+    validation = feed.validation(facts.micro_batch_size, t.eval_sequences, "sweep_run")
     start = time.perf_counter()
     parts: list[ChunkResult] = []
     for part in chunks(len(arr), chunk_size):

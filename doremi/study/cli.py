@@ -1,0 +1,47 @@
+"""`doremi study calibrate ROOT` and `doremi study summarize ARCHIVE_OR_DIR --out DIR`
+(docs/design.md section 4e). Refusals (the gate's NO-GO, unfinished runs, missing partners)
+are `StudyError`s: one line, exit status 2 (doremi/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from doremi.study.calibration import run_calibration
+
+    run_calibration(args.root, args.out, args.budget_pairs)
+
+
+def cmd_summarize(args: argparse.Namespace) -> None:
+    from doremi.study.summarize import run_summary
+
+    run_summary(args.source, args.out, calibration=args.calibration)
+
+
+def add_parser(sub) -> None:
+    """The `study` command and its two subcommands, on doremi/cli.py's subparsers."""
+    sp = sub.add_parser("study", help="a powered mixture study: calibration gate, verdict table")
+    inner = sp.add_subparsers(dest="study_command", required=True)
+    cal = inner.add_parser("calibrate", help="sigma_run, sigma_D, throughput and the go/no-go gate")
+    cal.add_argument("root", metavar="ROOT", help="directory holding the calibration's <arm>-seed<k> run directories")
+    cal.add_argument("--out", help="where calibration.json and calibration.md go (default: ROOT)")
+    cal.add_argument(
+        "--budget-pairs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most pairs the study may run (default: the design's)",
+    )
+    cal.set_defaults(fn=cmd_calibrate)
+    summ = inner.add_parser("summarize", help="the study's table and verdict, recomputed from the raw logs")
+    summ.add_argument("source", metavar="ARCHIVE_OR_DIR", help="run directories, or a .tar.xz/.tar.gz/.tar of them")
+    summ.add_argument("--out", required=True, help="directory for study.md, study.json and study.png")
+    summ.add_argument(
+        "--calibration", help="the calibration's calibration.json: note arms with fewer pairs than its gate"
+    )
+    summ.set_defaults(fn=cmd_summarize)
+    for p in (cal, summ):
+        p.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for input errors"
+        )

@@ -1,0 +1,326 @@
+"""`doremi study summarize ARCHIVE_OR_DIR --out DIR`: every number of the study recomputed from
+the raw logs (issue 34; docs/design.md section 4e).
+
+The input is a directory of run directories or a .tar.xz / .tar.gz / .tar of them (the
+archive a study commits). Per arm of the design: its runs paired by seed with the baseline's
+(a seed whose partner is missing or unfinished is left out and named), the verdict row
+(doremi/study/verdict.py), its compute per seed (doremi/ledger.py: its search stages and its
+main run) and the guardrails the rule gates on (the reference's memorisation gap beyond its own
+SE; epochs read). Writes study.md, study.json and study.png.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data.atomic import atomic_write_text
+from doremi.study.design import DESIGN, Design
+from doremi.study.runs import StudyError, find_run_dirs, pair_runs, read_run
+from doremi.study.verdict import ArmResult, SequenceLosses, arm_result, baseline_result, verdict_line
+
+STUDY_MD, STUDY_JSON, STUDY_PNG = "study.md", "study.json", "study.png"
+ARCHIVES = (".tar.xz", ".tar.gz", ".tgz", ".tar")
+
+
+def unpack(archive: Path, into: Path) -> Path:
+    """Extract a tar archive of run directories (tarfile's `data` filter: no absolute paths,
+    links out of the tree or devices)."""
+    try:
+        with tarfile.open(archive) as tf:
+            tf.extractall(into, filter="data")
+    except (tarfile.TarError, EOFError) as e:
+        raise StudyError(f"{archive}: not a readable tar archive ({e})") from None
+    return into
+
+
+def read_sequences(run: Path, step: int) -> SequenceLosses | None:
+    """The run's per-sequence losses at its final evaluation `step`, where it logged them
+    (`train.eval_sequence_losses`: eval_sequences/step_NNNNNNN.npz, whose columns
+    trainer/eval_sequences.py documents): per domain, (mean loss of each sequence, the document
+    id of its first label token, the cluster). None when the file is absent."""
+    path = run / "eval_sequences" / f"step_{step:07d}.npz"
+    if not path.is_file():
+        return None
+    with np.load(path, allow_pickle=False) as z:
+        need = {"domain", "loss_sum", "tokens", "doc_first", "domains"}
+        if not need <= set(z.files):
+            raise StudyError(f"{path}: expected the columns {', '.join(sorted(need))}")
+        domain, docs = z["domain"], z["doc_first"]
+        mean = z["loss_sum"].astype(np.float64) / np.maximum(z["tokens"].astype(np.float64), 1.0)
+        return {str(d): (mean[domain == i], docs[domain == i]) for i, d in enumerate(z["domains"].tolist())}
+
+
+def compute_of(dirs: Mapping[tuple[str, int], Path], arm: str, stages: tuple[str, ...], seeds: tuple[int, ...]):
+    """Per seed the arm's ledger (its search stages and its main run), and the mean over seeds
+    of the summed parts (None where a seed's part is unknown)."""
+    from doremi.ledger import arm_ledger
+
+    per_seed, missing = {}, []
+    for s in seeds:
+        runs = [(st, dirs[(st, s)]) for st in stages if (st, s) in dirs]
+        missing += [f"{st}-seed{s}" for st in stages if (st, s) not in dirs]
+        per_seed[s] = arm_ledger([*runs, ("main", dirs[(arm, s)])])
+    sums = [c["sum"] for c in per_seed.values()]
+    keys = sums[0].keys() if sums else ()
+    mean = {k: (sum(x[k] for x in sums) / len(sums) if all(x[k] is not None for x in sums) else None) for k in keys}
+    return {"per_seed_mean": mean, "per_seed": per_seed, "missing": missing}
+
+
+def guardrail_findings(dirs: Mapping[tuple[str, int], Path], design: Design) -> list[str]:
+    """The rule's guardrails over every run: the reference's memorisation gap beyond its own SE
+    (doremi/guardrails.py) and the epochs read, at the design's thresholds; one line each."""
+    from doremi.config import GuardrailConfig
+    from doremi.guardrails import check_run, warnings
+
+    cfg = GuardrailConfig(memorisation_gap=design.guardrails.memorisation_gap, max_epochs=design.guardrails.max_epochs)
+    arms = {a.name for a in design.arms}
+    out = []
+    for (name, _), path in sorted(dirs.items()):
+        kind = name if name in ("reference", "proxy") else "main" if name in arms else None
+        if kind is None:
+            continue
+        checks = ("memorisation", "epochs") if kind == "reference" else ("epochs",)
+        out += [f.message for f in warnings(check_run(path, kind, cfg, path.name)) if f.check in checks]
+    return out
+
+
+def summarize(root: Path, design: Design = DESIGN, gate: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every arm's result against the baseline, the notes, the guardrails; a JSON-able dict
+    (with the ArmResult objects under `results`). `gate`: the calibration's decision
+    (calibration.json's `decision`); an arm with fewer pairs than it decided is noted."""
+    dirs = find_run_dirs(root)
+    arms = [a.name for a in design.arms]
+    runs = {k: read_run(p) for k, p in dirs.items() if k[0] in arms}
+    base = design.rule.baseline
+    if not any(a == base for a, _ in runs):
+        raise StudyError(f"{root}: no {base}-seed<k> run (the baseline of the rule)")
+    sequences = {k: read_sequences(r.path, r.final_step) for k, r in runs.items()}
+    results: list[ArmResult] = []
+    for arm in design.arms:
+        if arm.name == base or not any(a == arm.name for a, _ in runs):
+            continue
+        pairs = pair_runs(runs, arm.name, base, strict=False)
+        results.append(arm_result(pairs, design, sequences, compute_of(dirs, arm.name, arm.search_stages, pairs.seeds)))
+    bases = sorted((r for (a, _), r in runs.items() if a == base and not r.unfinished), key=lambda r: r.seed)
+    if not bases:
+        raise StudyError(f"{root}: every {base} run is unfinished")
+    first = bases[0]
+    baseline = baseline_result(bases, compute_of(dirs, base, (), tuple(r.seed for r in bases)))
+    return {
+        "results": [baseline, *results],
+        "guardrails": guardrail_findings(dirs, design),
+        "split": first.split,
+        "domains": list(first.domains),
+        "unfinished": sorted(r.describe_unfinished() for r in runs.values() if r.unfinished),
+        "gate": gate_notes(gate, results),
+    }
+
+
+def gate_notes(gate: Mapping[str, Any] | None, results: list[ArmResult]) -> list[str]:
+    """What the calibration's gate says of the pairs the study ran (its acceptance: at least
+    the pairs the gate decided)."""
+    if gate is None:
+        return []
+    if not gate.get("go"):
+        return [f"the calibration's gate refused the study: {gate.get('line', 'NO-GO')}"]
+    need = int(gate["pairs"])
+    return [
+        f"{r.arm}: {len(r.seeds)} pairs, fewer than the {need} the calibration's gate decided"
+        for r in results
+        if len(r.seeds) < need
+    ]
+
+
+def _f(x: float | None, digits: int = 4, sign: bool = False) -> str:
+    return "" if x is None else f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+
+
+def _pm(m: float | None, se: float | None, sign: bool = True) -> str:
+    return _f(m, sign=sign) + ("" if se is None else f" ± {se:.4f}")
+
+
+def format_markdown(summary: dict[str, Any], design: Design = DESIGN, source: str = "") -> str:
+    from doremi.report import markdown_table
+
+    rule, results = design.rule, summary["results"]
+    rows = []
+    for r in results:
+        p, t, c = r.paired, r.tost, r.compute.get("per_seed_mean", {})
+        wd = r.worst_domain
+        flops, secs = c.get("train_flops_total"), c.get("gpu_seconds")
+        rows.append(
+            [
+                r.arm,
+                str(len(r.seeds)),
+                _pm(r.mean_loss, r.mean_loss_se, sign=False),
+                "" if p is None else _pm(p.mean, p.se),
+                "" if p is None else f"[{p.ci[0]:+.4f}, {p.ci[1]:+.4f}]",
+                "baseline" if p is None else p.verdict,
+                "" if t is None else f"{t.decision} (p {t.p:.3f})",
+                "" if r.worst_case is None else _pm(*r.worst_case),
+                "" if wd is None else f"{wd.domain} {_pm(wd.mean, wd.se)}",
+                ""
+                if not r.domains
+                else f"{r.better}/{len(r.domains)} ({r.beyond(-1)} beyond 2 SE; {r.beyond(+1)} worse beyond 2 SE; "
+                f"{r.domains[0].se_kind} SE)",
+                "" if flops is None else f"{flops / 1e15:.1f} PFLOP",
+                "" if secs is None else f"{secs:.0f}",
+                "" if r.se_ok is None else ("yes" if r.se_ok else "**no**"),
+            ]
+        )
+    table = markdown_table(
+        [
+            "arm",
+            "pairs",
+            f"mean {summary['split']} loss ± SE",
+            f"minus {rule.baseline} ± SE",
+            f"{rule.ci_level:.0%} CI",
+            "verdict",
+            f"TOST ±{rule.margin:g}",
+            "worst case (max over domains) minus baseline",
+            "worst domain (largest difference)",
+            "domains better",
+            "compute per seed (search + main)",
+            "GPU-s per seed (training steps)",
+            f"SE <= {rule.max_se:g}",
+        ],
+        rows,
+    )
+    domains = summary["domains"]
+    dom_rows = [
+        [d] + [_pm(r.domains[i].mean, r.domains[i].se) for r in results if r.domains] for i, d in enumerate(domains)
+    ]
+    dom_table = markdown_table(["domain", *[f"{r.arm} - {rule.baseline}" for r in results if r.domains]], dom_rows)
+    guards = summary["guardrails"]
+    guard_text = (
+        "Every guardrail of the rule holds (memorisation gap - "
+        f"{design.guardrails.se_multiple:g} SE <= {design.guardrails.memorisation_gap:g}; epochs <= "
+        f"{design.guardrails.max_epochs:g})."
+        if not guards
+        else "**The study does not count: a guardrail of the rule failed.**\n\n" + "\n".join(f"- {g}" for g in guards)
+    )
+    notes = [n for r in results for n in r.notes] + summary["unfinished"] + summary["gate"]
+    for r in results:
+        notes += [
+            f"{r.arm}: no run directory {m}; its compute leaves that stage out" for m in r.compute.get("missing", [])
+        ]
+    lines = "\n".join(f"- {verdict_line(r, design)}" for r in results if r.paired is not None)
+    if guards:
+        lines = "**The study does not count: a guardrail of the rule failed (below).** By the numbers:\n\n" + lines
+    note_text = "\n".join(f"- {n}" for n in dict.fromkeys(notes)) or "- none"
+    return f"""# The DoReMi study: {", ".join(r.arm for r in results)}
+
+Written by `doremi study summarize{(" " + source) if source else ""}` from the raw logs; the rule is
+doremi/study/design.py's, fixed before the runs. Endpoint: mean {summary["split"]} loss over domains
+at the final step (nats/token); differences are arm minus {rule.baseline}, paired by seed (negative:
+the arm is better). Verdict: "works" if the mean < -t_(0.95,n-1) x SE, "worse" if > +t_(0.95,n-1) x SE.
+
+## Verdict
+
+{lines}
+
+{table}
+## Guardrails
+
+{guard_text}
+
+## Per domain (mean over seeds ± SE)
+
+{dom_table}
+![study](study.png)
+
+## Notes
+
+{note_text}
+"""
+
+
+def to_json(summary: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in summary.items() if k != "results"}
+    out["results"] = []
+    for r in summary["results"]:
+        d = asdict(r)
+        d["worst_domain"] = None if r.worst_domain is None else asdict(r.worst_domain)
+        d["domains_better"] = r.better
+        out["results"].append(d)
+    return out
+
+
+def plot(path: Path, summary: dict[str, Any], design: Design = DESIGN) -> None:
+    """Left: each arm's paired difference with its CI; right: the per-domain differences ± SE."""
+    from matplotlib.figure import Figure
+
+    from doremi.report import _save
+
+    results = [r for r in summary["results"] if r.paired is not None]
+    if not results:
+        return
+    domains = summary["domains"]
+    fig = Figure(figsize=(12, 4), layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[1, 3])
+    for i, r in enumerate(results):
+        p = r.paired
+        left.errorbar([i], [p.mean], yerr=[[p.mean - p.ci[0]], [p.ci[1] - p.mean]], fmt="o", capsize=4)
+        width = 0.8 / len(results)
+        x = [j + (i - (len(results) - 1) / 2) * width for j in range(len(domains))]
+        right.errorbar(
+            x,
+            [d.mean for d in r.domains],
+            yerr=[d.se or 0.0 for d in r.domains],
+            fmt="o",
+            ms=3,
+            capsize=2,
+            label=r.arm,
+        )
+    for ax in (left, right):
+        ax.axhline(0, color="k", lw=0.8)
+        ax.grid(axis="y", alpha=0.3)
+    rule = design.rule
+    left.axhspan(-rule.margin, rule.margin, color="tab:green", alpha=0.12, label=f"±{rule.margin:g} (TOST)")
+    left.set_xticks(range(len(results)), [r.arm for r in results])
+    left.set(ylabel=f"minus {rule.baseline}, mean loss (nats)", title=f"{rule.ci_level:.0%} CI, paired by seed")
+    left.legend(fontsize=8)
+    right.set_xticks(range(len(domains)), domains, rotation=30)
+    right.set(ylabel="per-domain difference (nats)", title="per domain, mean ± SE over seeds")
+    right.legend(fontsize=8)
+    _save(fig, path)
+
+
+def run_summary(
+    source: str | Path, out: str | Path, design: Design = DESIGN, calibration: str | Path | None = None
+) -> dict[str, Any]:
+    """Recompute the study from `source` (directory or archive) into `out`: study.md,
+    study.json, study.png. Prints the verdict lines. `calibration`: its calibration.json,
+    whose gate decided the pairs the study needs."""
+    source, out = Path(source), Path(out)
+    if not source.exists():
+        raise StudyError(f"{source}: not found")
+    gate = None
+    if calibration is not None:
+        try:
+            gate = json.loads(Path(calibration).read_text())["decision"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StudyError(f"{calibration}: not a calibration.json ({e})") from None
+    if source.is_file() and not source.name.endswith(ARCHIVES):
+        raise StudyError(f"{source}: expected a directory or a {', '.join(ARCHIVES)} archive")
+    with tempfile.TemporaryDirectory(prefix="doremi-study-") as tmp:
+        root = unpack(source, Path(tmp)) if source.is_file() else source
+        summary = summarize(root, design, gate)
+        out.mkdir(parents=True, exist_ok=True)
+        text = format_markdown(summary, design, str(source))
+        atomic_write_text(out / STUDY_JSON, json.dumps(to_json(summary), indent=1, default=str) + "\n")
+        plot(out / STUDY_PNG, summary, design)
+        atomic_write_text(out / STUDY_MD, text)
+    for r in summary["results"]:
+        if r.paired is not None:
+            print(verdict_line(r, design))
+    print(f"written: {out / STUDY_MD}, {out / STUDY_JSON}, {out / STUDY_PNG}")
+    return summary

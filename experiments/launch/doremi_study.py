@@ -1,0 +1,324 @@
+"""Run the powered DoReMi study's phases on one GPU, one stage after another (issue 34).
+
+    python experiments/launch/doremi_study.py PHASE --out $OUT [--seeds 1,2,3,4]
+        [--work runs/doremi_study] [--corpus runs/real_corpus] [--deadline SECONDS]
+        [--synthetic] [--steps N] [--set KEY=VALUE ...]
+
+PHASE is one of
+- `determinism`: the main shape twice with `train.deterministic` on and twice with it off, same
+  seeds (`--steps`, default 200); the table says whether each pair is bitwise equal (every
+  logged loss and gradient norm, and the final checkpoint's model files by their XXH3 hashes).
+  `--synthetic` runs it on the GPU-scale config's six embedded and synthetic domains instead of
+  the real corpus.
+- `calibrate`: the main runs of the calibration (../shared/study-design.md): uniform and the
+  first study's averaged DoReMi weights (fixed) on each seed; `doremi study calibrate` reads them.
+- `study`: per seed its reference (on `doremi.reference_weights`), its DoReMi proxy (data seed
+  offset by 1000 from its reference's, so the reference never saw the proxy's batches in the
+  same order), the averaged weights, and the main runs uniform, natural and doremi.
+
+Every stage is an ordinary `doremi` command on experiments/configs/doremi_study.yaml (main runs
+take its `pipeline.main` section as --set overrides), in its own run directory under --work; a
+finished stage is skipped by the trainer itself ("nothing to do"), an interrupted one resumes
+from its checkpoint. Arms run one after another, never side by side: with deterministic kernels
+a run is then a function of its seeds (trainer/determinism.py). --deadline sends the running
+stage SIGTERM after that many seconds (it saves a checkpoint and exits); the same command again
+resumes. The run directories, without checkpoints, and the log are packed as
+$OUT/<phase>.tar.xz, with launch.json (commands, seconds per stage, device, exit status).
+Exit status: 0 all finished, 1 a stage failed, 2 bad usage, 3 stopped at the deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+CONFIG = ROOT / "experiments" / "configs" / "doremi_study.yaml"
+SYNTHETIC_CONFIG = ROOT / "experiments" / "configs" / "gpu_scale.yaml"
+PHASES = ("determinism", "calibrate", "study")
+
+#: The fixed mixture of the calibration: the first study's DoReMi weights, mean over its 4 seeds
+#: (experiments/results/doremi_real.md, "Averaged weights"), in the config's domain order.
+FIXED_WEIGHTS = (0.0431, 0.1538, 0.0782, 0.0802, 0.0821, 0.0972, 0.0870, 0.0697, 0.0661, 0.1383, 0.0662, 0.0381)
+
+#: The data seed of a proxy is its reference's plus this (study-design.md, "Reference and proxy").
+PROXY_DATA_SEED_OFFSET = 1000
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One `doremi` command: `name` is its run directory under the phase's folder."""
+
+    name: str
+    command: str  # train, train-reference, train-proxy, average
+    sets: tuple[str, ...] = ()
+    main: bool = False  # take the config's pipeline.main overrides
+
+
+def flat_sets(section: dict, prefix: str = "") -> list[str]:
+    """A nested config section as `key.path=value` overrides (values as JSON, which YAML reads)."""
+    out = []
+    for key, value in section.items():
+        path = f"{prefix}{key}"
+        out += flat_sets(value, path + ".") if isinstance(value, dict) else [f"{path}={json.dumps(value)}"]
+    return out
+
+
+def main_sets(config: Path) -> list[str]:
+    import yaml
+
+    return flat_sets(yaml.safe_load(config.read_text())["pipeline"]["main"])
+
+
+def seeded(seed: int, data_seed: int | None = None) -> tuple[str, ...]:
+    return (f"train.seed={seed}", f"data.seed={seed if data_seed is None else data_seed}")
+
+
+def determinism_stages(steps: int) -> list[Stage]:
+    common = (f"train.steps={steps}", "train.warmup_steps=20", "train.eval_every=0", "logging.every=10")
+    on, off = ("train.deterministic=true",), ("train.deterministic=false",)
+    return [
+        Stage(name, "train", common + seeded(1) + switch, main=True)
+        for name, switch in (("on-a", on), ("on-b", on), ("off-a", off), ("off-b", off))
+    ]
+
+
+def calibration_stages(seeds: list[int]) -> list[Stage]:
+    fixed = "data.domain_weights=[" + ", ".join(str(w) for w in FIXED_WEIGHTS) + "]"
+    out = []
+    for s in seeds:
+        out.append(Stage(f"uniform-seed{s}", "train", seeded(s) + ("data.domain_weights=uniform",), main=True))
+        out.append(Stage(f"fixed-seed{s}", "train", seeded(s) + (fixed,), main=True))
+    return out
+
+
+def study_stages(seeds: list[int], work: Path) -> list[Stage]:
+    out = []
+    for s in seeds:
+        ref, proxy = work / f"reference-seed{s}", work / f"proxy-seed{s}"
+        out.append(Stage(ref.name, "train-reference", seeded(s)))
+        out.append(
+            Stage(proxy.name, "train-proxy", seeded(s, s + PROXY_DATA_SEED_OFFSET) + (f"doremi.reference={ref}",))
+        )
+        out.append(Stage(proxy.name, "average"))
+        for arm, weights in (("uniform", "uniform"), ("natural", "tokens"), ("doremi", str(proxy / "weights.json"))):
+            out.append(Stage(f"{arm}-seed{s}", "train", seeded(s) + (f"data.domain_weights={weights}",), main=True))
+    return out
+
+
+def corpus_sets(corpus: Path, config: Path) -> list[str]:
+    """--set overrides pointing the study's domains at `corpus`/<domain>.jsonl.xz."""
+    import yaml
+
+    names = [d["name"] for d in yaml.safe_load(config.read_text())["data"]["domains"]]
+    return ["data.domains=" + json.dumps([{"name": n, "paths": [str(corpus / f"{n}.jsonl.xz")]} for n in names])]
+
+
+def synthetic_sets() -> list[str]:
+    """The GPU-scale config's domains and tokenizer, in place of the real corpus."""
+    import yaml
+
+    data = yaml.safe_load(SYNTHETIC_CONFIG.read_text())["data"]
+    return [
+        "data.domains=" + json.dumps(data["domains"]),
+        "data.tokenizer=" + json.dumps(data["tokenizer"]),
+        "data.holdout_sequences=0",
+    ]
+
+
+def command(stage: Stage, folder: Path, base: list[str], main: list[str], user: list[str]) -> list[str]:
+    """The stage's command line: the data overrides, then the main runs' section, the stage's
+    own keys, the user's --set (last, so they win) and the run directory."""
+    cmd = [sys.executable, "-m", "doremi", stage.command]
+    if stage.command == "average":
+        return cmd + [str(folder / stage.name)]
+    cmd.append(str(CONFIG))
+    sets = base + (main if stage.main else []) + list(stage.sets) + user + [f"train.run_dir={folder / stage.name}"]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def model_hashes(run: Path) -> dict[str, str]:
+    """The final checkpoint's model files and their recorded XXH3 hashes (trainer/checkpoint.py)."""
+    ckpts = sorted(p for p in (run / "checkpoints").glob("step_*") if (p / "meta.json").is_file())
+    if not ckpts:
+        return {}
+    files = json.loads((ckpts[-1] / "meta.json").read_text()).get("files", {})
+    return {name: str(info) for name, info in files.items() if name.startswith("model")}
+
+
+def logged(run: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+
+
+def determinism_table(folder: Path) -> str:
+    lines = [
+        "| switch | logged steps | first differing step | losses at the last step | model files equal |",
+        "|---|---:|---|---|---|",
+    ]
+    for switch in ("on", "off"):
+        a, b = folder / f"{switch}-a", folder / f"{switch}-b"
+        la, lb = logged(a), logged(b)
+        differ = next((x[0] for x, y in zip(la, lb) if x != y), None)
+        ha, hb = model_hashes(a), model_hashes(b)
+        last = f"{la[-1][1]!r} / {lb[-1][1]!r}" if la and lb else "-"
+        lines.append(
+            f"| {switch} | {len(la)} | {differ if differ is not None else 'none'} | {last} | "
+            f"{'yes' if ha and ha == hb else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def pack(out: Path, phase: str, folder: Path, log: Path, info: dict, stores: Path) -> Path:
+    (folder / "launch.json").write_text(json.dumps(info, indent=1) + "\n")
+    archive = out / f"{phase}.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        tar.add(folder, arcname=phase, filter=lambda t: None if "/checkpoints" in t.name else t)
+        if (stores / "manifest.json").is_file():
+            tar.add(stores / "manifest.json", arcname=f"{phase}/stores/manifest.json")
+        if log.is_file():
+            tar.add(log, arcname=f"{phase}/launch.log")
+    return archive
+
+
+def run_stages(stages: list[Stage], cmds: list[list[str]], log: Path, deadline: float | None) -> Iterator[dict]:
+    """Run each command to its end (or to the deadline), yielding one record per stage."""
+    for stage, cmd in zip(stages, cmds):
+        start = time.time()
+        with open(log, "a") as f:
+            f.write(f"\n$ {shlex.join(cmd[1:])}\n")
+            f.flush()
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            stopped = False
+            while proc.poll() is None:
+                if deadline is not None and time.time() >= deadline and not stopped:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    stopped = True
+                time.sleep(1)
+        yield {
+            "stage": stage.name,
+            "command": stage.command,
+            "exit_status": proc.returncode,
+            "seconds": round(time.time() - start, 1),
+            "stopped": stopped,
+            "argv": shlex.join(cmd[1:]),
+        }
+
+
+def die(msg: str) -> None:
+    print(f"doremi_study: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("phase", choices=PHASES)
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--seeds", default="1,2,3,4")
+    ap.add_argument("--work", default="runs/doremi_study")
+    ap.add_argument("--corpus", default="runs/real_corpus")
+    ap.add_argument("--deadline", type=int, default=0)
+    ap.add_argument("--synthetic", action="store_true")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--set", action="append", default=[], dest="sets")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = ap.parse_args(argv)
+    if not args.out and not args.dry_run:
+        die("--out (or OUT) is not set: the directory the packed results go to")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        die(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if not seeds or len(set(seeds)) != len(seeds):
+        die(f"--seeds: expected distinct seeds, got {args.seeds!r}")
+    work = Path(args.work).resolve()
+    folder = work / args.phase
+    stores = work / ("stores-synthetic" if args.synthetic else "stores")
+    if args.synthetic:
+        data_sets = synthetic_sets()
+    else:
+        corpus = Path(args.corpus).resolve()
+        if not (corpus / "manifest.json").is_file() and not args.dry_run:
+            die(f"{corpus}: no corpus manifest; build it with `python experiments/tools/real_corpus.py --out {corpus}`")
+        data_sets = corpus_sets(corpus, CONFIG)
+    base = data_sets + [f"data.store_dir={stores}"]
+    stages = {
+        "determinism": lambda: determinism_stages(args.steps),
+        "calibrate": lambda: calibration_stages(seeds),
+        "study": lambda: study_stages(seeds, folder),
+    }[args.phase]()
+    main_overrides = main_sets(CONFIG)
+    cmds = [command(s, folder, base, main_overrides, args.sets) for s in stages]
+    preprocess = [sys.executable, "-m", "doremi", "preprocess", str(CONFIG)]
+    preprocess += sum((["--set", s] for s in base + args.sets), [])
+    if args.dry_run:
+        for cmd in [preprocess, *cmds]:
+            print(shlex.join(cmd[1:]))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    start = time.time()
+    deadline = start + args.deadline if args.deadline else None
+    log = folder / "launch.log"
+    say = lambda m: print(f"[{int(time.time() - start)}s] {m}", flush=True)  # noqa: E731
+    info: dict = {
+        "command": "python experiments/launch/doremi_study.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "device": device_name(),
+        "stages": [],
+    }
+    say("preprocess")
+    t0 = time.time()
+    pre = subprocess.run(preprocess, cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT)
+    info["stages"].append({"stage": "preprocess", "exit_status": pre.returncode, "seconds": round(time.time() - t0, 1)})
+    status = 0
+    if pre.returncode:
+        say("preprocess FAILED: " + " | ".join(log.read_text(errors="replace").splitlines()[-5:]))
+        status = 1
+    else:
+        for record in run_stages(stages, cmds, log, deadline):
+            info["stages"].append(record)
+            say(f"{record['stage']} ({record['command']}): exit {record['exit_status']} in {record['seconds']} s")
+            if record["stopped"]:
+                status = 3
+                break
+            if record["exit_status"]:
+                say("FAILED: " + " | ".join(log.read_text(errors="replace").splitlines()[-8:]))
+                status = 1
+                break
+    info["exit_status"] = status
+    info["elapsed_s"] = round(time.time() - start, 1)
+    if args.phase == "determinism" and status == 0:
+        table = determinism_table(folder)
+        (folder / "determinism.md").write_text(table + "\n")
+        print(table)
+    archive = pack(out, args.phase, folder, log, info, stores)
+    say(f"packed {archive} ({archive.stat().st_size / 1e6:.1f} MB); exit {status}")
+    return status
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception as e:  # noqa: BLE001 - the record names what it could not read
+        return f"unknown ({e})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""doremi/study/design.py: the pre-registered numbers of ../shared/study-design.md, and the
+study's experiment file (experiments/configs/doremi_study.yaml) equal to them."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from doremi.study.design import DESIGN, config_differences, merged
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "experiments" / "configs" / "doremi_study.yaml"
+
+
+def test_the_design_is_the_costed_one():
+    ref, main = DESIGN.reference, DESIGN.main
+    assert DESIGN.proxy.shape == ref.shape and DESIGN.proxy.schedule == ref.schedule
+    assert (ref.shape.d_model, ref.shape.n_layers, ref.shape.n_heads, ref.shape.ffn_dim) == (384, 6, 6, 1152)
+    assert (ref.schedule.steps, ref.schedule.global_batch_size, ref.schedule.seq_len) == (1000, 96, 1024)
+    assert (ref.schedule.lr, ref.schedule.warmup_steps, ref.schedule.min_lr) == (1e-3, 100, pytest.approx(1e-4))
+    assert ref.schedule.tokens == 98_304_000  # "98M tokens"
+    assert (main.shape.d_model, main.shape.n_layers, main.shape.n_heads, main.shape.ffn_dim) == (640, 10, 10, 1792)
+    s = main.schedule
+    assert (s.steps, s.global_batch_size, s.seq_len, s.lr, s.warmup_steps) == (4400, 32, 1024, 6e-4, 400)
+    assert (s.decay, s.min_lr_fraction, s.weight_decay, s.grad_clip) == ("cosine", 0.1, 0.1, 1.0)
+    assert s.tokens == 144_179_200  # "144M tokens"
+    r = DESIGN.rule
+    assert (r.baseline, r.alpha, r.ci_level, r.margin, r.mde, r.power, r.pairs, r.max_se) == (
+        "uniform",
+        0.05,
+        0.95,
+        0.01,
+        0.02,
+        0.8,
+        6,
+        0.008,
+    )
+    assert [a.name for a in DESIGN.arms] == ["uniform", "doremi", "natural"]
+    assert DESIGN.arm("natural").mixture == "tokens" and DESIGN.arm("doremi").search_stages == ("reference", "proxy")
+    assert (DESIGN.guardrails.memorisation_gap, DESIGN.guardrails.se_multiple) == (0.05, 2.0)
+    assert [(g.max_sigma_d, g.pairs) for g in DESIGN.gate.steps] == [(0.02, 6), (0.03, 10)]
+    assert DESIGN.calibration.arms == ("uniform", "fixed") and DESIGN.calibration.seeds == (1, 2, 3, 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DESIGN.rule.margin = 0.02  # type: ignore[misc]
+
+
+def test_config_differences_name_each_key():
+    cfg = {"model": {"d_model": 640, "n_layers": 10, "n_heads": 10, "ffn_dim": 1792}, "data": {"seq_len": 1024}}
+    cfg["train"] = {
+        "steps": 4400,
+        "global_batch_size": 32,
+        "lr": 1e-3,
+        "min_lr": 6e-5,
+        "warmup_steps": 400,
+        "decay": "cosine",
+        "weight_decay": 0.1,
+    }
+    assert config_differences(cfg, DESIGN.main) == [
+        "train.lr 0.001 (design 0.0006)",
+        "train.grad_clip None (design 1.0)",
+    ]
+
+
+@pytest.mark.skipif(not CONFIG.is_file(), reason="the study's experiment file is not written yet")
+def test_the_study_config_is_the_design():
+    cfg = yaml.safe_load(CONFIG.read_text())
+    assert config_differences(cfg, DESIGN.reference) == []
+    assert config_differences(merged(cfg, cfg["pipeline"]["main"]), DESIGN.main) == []
+    assert cfg["data"]["validation_fraction"] == DESIGN.validation_fraction
+    assert cfg["data"]["validation_split"] == DESIGN.validation_split
+    assert cfg["train"]["deterministic"] is DESIGN.deterministic
+    d = cfg["doremi"]
+    assert (d["eta"], d["smoothing"], d["reference_weights"]) == (
+        DESIGN.eta,
+        DESIGN.smoothing,
+        DESIGN.reference_weights,
+    )
+    # Evaluations every 5% of the main run's steps, on the whole test half.
+    main = merged(cfg, cfg["pipeline"]["main"])["train"]
+    assert main["eval_every"] * 20 == DESIGN.main.schedule.steps and main["eval_sequences"] == 0
+    assert main.get("eval_sequence_losses") in (DESIGN.sequence_losses, "every"), (
+        "main runs must log per-sequence losses (train.eval_sequence_losses: final) for clustered SEs"
+    )
+
+
+LAUNCHER = ROOT / "experiments" / "launch" / "doremi_study.py"
+
+
+@pytest.mark.skipif(not LAUNCHER.is_file(), reason="the study's launcher is not written yet")
+def test_the_launcher_names_runs_as_the_design_reads_them(monkeypatch):
+    """The launcher's run directories are the `<arm>-seed<k>` names doremi/study/runs.py pairs,
+    the calibration's arms are the plan's, and each arm trains on the design's mixture."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("doremi_study_launcher", LAUNCHER)
+    launcher = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, launcher)  # its dataclasses look their module up
+    spec.loader.exec_module(launcher)
+    seeds = list(DESIGN.calibration.seeds)
+    cal = {s.name for s in launcher.calibration_stages(seeds)}
+    assert cal == {f"{a}-seed{s}" for a in DESIGN.calibration.arms for s in seeds}
+    study = launcher.study_stages([3], Path("/w"))
+    names = {s.name for s in study}
+    assert {f"{a.name}-seed3" for a in DESIGN.arms} | {
+        f"{st}-seed3" for a in DESIGN.arms for st in a.search_stages
+    } <= names
+    natural = next(s for s in study if s.name == "natural-seed3")
+    assert f"data.domain_weights={DESIGN.arm('natural').mixture}" in natural.sets
+    assert all(s.main for s in study if s.name in {f"{a.name}-seed3" for a in DESIGN.arms})

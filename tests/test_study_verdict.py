@@ -1,0 +1,209 @@
+"""doremi/study/verdict.py and summarize.py: the study table from run directories and from an
+archive of them, its numbers against stats.py, clustered per-domain SEs, the compute ledger per
+arm and the guardrail that voids a study."""
+
+from __future__ import annotations
+
+import json
+import math
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from doremi.cli import main
+from doremi.study import stats
+from doremi.study.design import DESIGN, SMALL, SMALL_SCHEDULE
+from doremi.study.runs import find_runs, pair_runs
+from doremi.study.summarize import STUDY_JSON, STUDY_MD, STUDY_PNG, summarize
+from doremi.study.verdict import arm_result, domain_diff
+from tests.test_study_calibration import write_run
+
+DOREMI = [-0.03, -0.02, -0.025, -0.015, -0.035, -0.02]
+NATURAL = [0.05, 0.01, 0.03, -0.01, 0.06, 0.02]  # SE 0.0105 > 0.008: flagged
+DOCS = np.array([0, 0, 1, 2, 2, 3])  # six sequences of four documents, per domain
+
+
+def write_search_run(root: Path, name: str, seed: int, gap: float = 0.0, gap_se: float = 0.05) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    s = SMALL_SCHEDULE
+    cfg = {
+        "model": {"vocab_size": 2048, "max_seq_len": 1024, **vars(SMALL)},
+        "train": {"steps": s.steps, "global_batch_size": s.global_batch_size, "seed": seed, "eval_sequences": 8},
+        "data": {"seq_len": s.seq_len, "seed": seed, "domains": [{"name": "a"}, {"name": "b"}]},
+    }
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    val = {"a": 3.0, "b": 4.0}
+    rows = [
+        {"step": 500, "loss": 3.5, "tokens_per_s": 2_000_000.0},
+        {"step": 1000, "loss": 3.0, "tokens_per_s": 2_500_000.0},
+        {
+            "step": 1000,
+            "val_loss": val,
+            "seen_loss": {"a": 3.0, "b": 4.0},
+            "heldout_loss": {"a": 3.0 + gap, "b": 4.0},
+            "seen_loss_se": {"a": gap_se / math.sqrt(2), "b": 0.01},
+            "heldout_loss_se": {"a": gap_se / math.sqrt(2), "b": 0.01},
+        },
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def write_sequences(run: Path, shift: float) -> None:
+    """An eval_sequences file (trainer/eval_sequences.py's columns) at the final step: six
+    sequences per domain, losses 3 + shift + a fixed pattern."""
+    pattern = np.array([0.0, 0.01, -0.02, 0.03, 0.0, -0.01])
+    k = 2
+    (run / "eval_sequences").mkdir()
+    np.savez(
+        run / "eval_sequences" / f"step_{DESIGN.main.schedule.steps:07d}.npz",
+        domain=np.repeat(np.arange(k, dtype=np.int32), 6),
+        sequence=np.tile(np.arange(6, dtype=np.int32), k),
+        loss_sum=np.tile((3.0 + shift + pattern * shift * 100) * 1024, k),
+        tokens=np.full(6 * k, 1024, dtype=np.int32),
+        doc_first=np.tile(DOCS, k),
+        doc_last=np.tile(DOCS, k),
+        domains=np.array(["a", "b"]),
+        split=np.array("test"),
+        step=np.array(DESIGN.main.schedule.steps),
+    )
+
+
+def write_study(root: Path, big_gap: bool = False) -> None:
+    for seed, (dd, nd) in enumerate(zip(DOREMI, NATURAL), start=1):
+        u = 3.0 + 0.02 * seed
+        write_sequences(write_run(root, f"uniform-seed{seed}", u, seed), 0.0)
+        write_sequences(write_run(root, f"doremi-seed{seed}", u + dd, seed, spread=0.4), dd)
+        write_run(root, f"natural-seed{seed}", u + nd, seed)
+        write_search_run(root, f"reference-seed{seed}", seed, gap=0.3 if big_gap and seed == 2 else 0.12)
+        write_search_run(root, f"proxy-seed{seed}", seed)
+
+
+def _flops(shape, seq_len: int) -> int:
+    from trainer.config import ModelConfig
+    from trainer.configtools import from_dict
+    from trainer.model.flops import flops_per_token
+
+    return flops_per_token(
+        from_dict(ModelConfig, {"vocab_size": 2048, "max_seq_len": 1024, **vars(shape)}, "model"), seq_len
+    )
+
+
+def test_domain_diff_clusters_by_document_and_seed():
+    per_seed = [-0.01, -0.03]
+    seqs = [
+        (np.array([0.1, 0.2, -0.1, 0.0]), np.array([0, 0, 1, 2])),
+        (np.array([0.0, 0.1, 0.2, -0.2]), np.array([0, 0, 1, 2])),
+    ]
+    d = domain_diff("a", per_seed, seqs)
+    values = np.concatenate([s for s, _ in seqs])
+    assert d.mean == pytest.approx(-0.02) and d.se_kind == "clustered"
+    assert d.se == pytest.approx(stats.two_way_cluster_se(values, [0, 0, 1, 2] * 2, [0] * 4 + [1] * 4))
+    assert domain_diff("a", per_seed).se == pytest.approx(0.01)  # sd 0.01414 / sqrt(2)
+    assert domain_diff("a", [0.5]).se is None
+
+
+def test_arm_result_is_the_rule_on_the_paired_differences(tmp_path):
+    write_study(tmp_path)
+    runs = find_runs(tmp_path, ["uniform", "doremi", "natural"])
+    r = arm_result(pair_runs(runs, "doremi", "uniform"), DESIGN)
+    p = stats.paired_test(DOREMI)
+    assert r.paired.mean == pytest.approx(p.mean, abs=1e-12) and r.paired.se == pytest.approx(p.se, abs=1e-12)
+    assert r.paired.verdict == "works" and r.se_ok
+    assert r.tost.decision == "not shown"  # -0.0242 is beyond the -0.01 margin
+    # Spread 0.4 against uniform's 0.5: domain a is 0.1 worse, b 0.1 better, on every seed.
+    assert r.worst_domain.domain == "a" and r.worst_domain.mean == pytest.approx(0.1 + p.mean, abs=1e-12)
+    assert r.worst_case[0] == pytest.approx(p.mean - 0.1, abs=1e-12)
+    assert r.better == 1 and r.domains[0].se_kind == "per-seed"
+    nat = arm_result(pair_runs(runs, "natural", "uniform"), DESIGN)
+    assert nat.paired.verdict == "worse" and nat.se_ok is False
+    assert nat.paired.se == pytest.approx(stats.paired_test(NATURAL).se, abs=1e-12) and nat.paired.se > 0.008
+
+
+def test_summarize_from_an_archive_with_compute_and_clustered_ses(tmp_path, capsys):
+    study = tmp_path / "study"
+    write_study(study)
+    archive = tmp_path / "raw_logs.tar.xz"
+    with tarfile.open(archive, "w:xz") as tf:
+        tf.add(study, arcname="study")
+    out = tmp_path / "out"
+    assert main(["study", "summarize", str(archive), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("doremi vs uniform: works (-0.0242 nats, 95% CI [")
+    assert printed[1].endswith("SE 0.0105 > 0.008: the study is under-powered")
+    doc = json.loads((out / STUDY_JSON).read_text())
+    assert [r["arm"] for r in doc["results"]] == ["uniform", "doremi", "natural"]
+    dore = doc["results"][1]
+    assert dore["paired"]["mean"] == pytest.approx(np.mean(DOREMI), abs=1e-12)
+    assert dore["domains"][0]["se_kind"] == "clustered"
+    # The doremi sequences differ from uniform's by shift x (1 + 100 x pattern), the same on both
+    # domains; two-way clustered over the 6 seeds.
+    pattern = np.array([0.0, 0.01, -0.02, 0.03, 0.0, -0.01])
+    values = np.concatenate([d * (1 + 100 * pattern) for d in DOREMI])
+    want = stats.two_way_cluster_se(values, np.tile(DOCS, 6), np.repeat(np.arange(6), 6))
+    assert dore["domains"][0]["se"] == pytest.approx(want, abs=1e-9)
+    # Compute per seed: reference + proxy (training and the reference's forward) + main.
+    small, big = _flops(SMALL, 1024), _flops(DESIGN.main.shape, 1024)
+    search_tokens, main_tokens = SMALL_SCHEDULE.tokens, DESIGN.main.schedule.tokens
+    want_flops = small * search_tokens * (2 + 1 / 3) + big * main_tokens
+    assert dore["compute"]["per_seed_mean"]["train_flops_total"] == pytest.approx(want_flops, rel=1e-12)
+    assert doc["results"][0]["compute"]["per_seed_mean"]["train_flops_total"] == pytest.approx(big * main_tokens)
+    ref_seconds = 500 * 96 * 1024 / 2_000_000 + 500 * 96 * 1024 / 2_500_000
+    main_seconds = sum(1100 * 32 * 1024 / x for x in (100.0, 800_000.0, 820_000.0, 840_000.0))
+    assert dore["compute"]["per_seed_mean"]["gpu_seconds"] == pytest.approx(2 * ref_seconds + main_seconds)
+    # Periodic evaluations: 2 passes x 8 sequences x 2 domains x 1024 tokens, a forward each.
+    assert dore["compute"]["per_seed"]["1"]["stages"]["main"]["evaluation"] == pytest.approx(big / 3 * 2 * 8 * 2 * 1024)
+    md = (out / STUDY_MD).read_text()
+    assert "Every guardrail of the rule holds" in md and (out / STUDY_PNG).is_file()
+    assert "| doremi | 6 |" in md and "clustered SE" in md
+    # The same numbers from the directory itself.
+    again = summarize(study)
+    assert again["results"][1].paired.mean == pytest.approx(dore["paired"]["mean"], abs=0)
+
+
+def test_a_memorisation_gap_beyond_its_noise_voids_the_study(tmp_path, capsys):
+    write_study(tmp_path / "s", big_gap=True)  # seed 2: 0.3 - 2 x 0.05 > 0.05; the others 0.12 - 0.1 < 0.05
+    summary = summarize(tmp_path / "s")
+    assert len(summary["guardrails"]) == 1
+    assert summary["guardrails"][0].startswith("reference-seed2: a: memorisation gap (heldout - seen loss) 0.3 ± 0.05")
+
+
+def test_missing_and_unfinished_seeds_are_left_out_by_name(tmp_path):
+    write_study(tmp_path)
+    for f in (tmp_path / "natural-seed6").iterdir():
+        f.unlink()
+    (tmp_path / "natural-seed6").rmdir()
+    write_run(tmp_path, "natural-seed6", 3.0, 6, final_step=2200)
+    summary = summarize(tmp_path)
+    nat = summary["results"][2]
+    assert nat.seeds == (1, 2, 3, 4, 5) and nat.notes == (
+        "natural-seed6: unfinished (final evaluation at step 2200 of 4400)",
+    )
+
+
+def test_bad_source_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "logs.zip"
+    bad.write_text("x")
+    assert main(["study", "summarize", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"doremi study: error: {bad}: expected a directory or a .tar.xz, .tar.gz, .tgz, .tar archive"
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_calibrations_gate_is_checked(tmp_path, capsys):
+    write_study(tmp_path / "s")
+    cal = tmp_path / "calibration.json"
+    cal.write_text(json.dumps({"decision": {"go": True, "pairs": 8, "line": "GO with 8 pairs"}}))
+    out = tmp_path / "out"
+    assert main(["study", "summarize", str(tmp_path / "s"), "--out", str(out), "--calibration", str(cal)]) == 0
+    doc = json.loads((out / STUDY_JSON).read_text())
+    assert doc["gate"] == [
+        "doremi: 6 pairs, fewer than the 8 the calibration's gate decided",
+        "natural: 6 pairs, fewer than the 8 the calibration's gate decided",
+    ]
+    assert "- doremi: 6 pairs, fewer than the 8" in (out / STUDY_MD).read_text()
