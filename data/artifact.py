@@ -37,7 +37,7 @@ HASH_KEY = "xxh3_64"
 KINDS = ("stores", "run", "checkpoint", "reference_cache", "weights", "sweep", "fit", "pipeline", "export")
 STATUSES = ("running", "finished", "interrupted")
 #: The metadata file that holds a directory artifact's header, looked for in this order.
-METADATA_FILES = ("manifest.json", "run.json", "meta.json", HEADER_FILE)
+METADATA_FILES = ("manifest.json", "run.json", "meta.json", "sweep.json", HEADER_FILE)
 
 
 class ArtifactError(DataError):
@@ -65,6 +65,9 @@ class Header:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: What the command that wrote it was told to accept (an unfinished proxy, edited weights).
     notes: list[str] = field(default_factory=list)
+    #: The hash of the document holding the header, less the header (`embed`): a hand edit of
+    #: a manifest or a run.json is told apart from the file as written (`check_content`).
+    content: str | None = None
     format: int = HEADER_FORMAT
 
     def __post_init__(self) -> None:
@@ -115,7 +118,7 @@ def hash_files(root: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
 def content_hash(value: Any) -> str:
     """The hash of a JSON value (sorted keys): a weights file's domains and weights, so that a
     hand edit is told apart from the file as written."""
-    return xxhash.xxh3_64(json.dumps(value, sort_keys=True).encode()).hexdigest()
+    return xxhash.xxh3_64(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
 _verified: set[tuple[str, int, int, str]] = set()
@@ -200,8 +203,24 @@ def read(path: str | os.PathLike) -> Header | None:
 
 
 def embed(doc: Mapping[str, Any], header: Header) -> dict[str, Any]:
-    """`doc` with `header` under `artifact`: what an owner of a metadata format writes."""
-    return {**doc, HEADER_KEY: header.to_json()}
+    """`doc` with `header` under `artifact` (its `content`: the hash of `doc`): what an owner of
+    a metadata format writes."""
+    body = {k: v for k, v in doc.items() if k != HEADER_KEY}
+    header.content = content_hash(body)
+    return {**body, HEADER_KEY: header.to_json()}
+
+
+def check_content(path: str | os.PathLike, what: str) -> None:
+    """The metadata file holding a header is as written: its body hashes to the header's
+    `content` (skipped for a header without one)."""
+    held = header_file(path)
+    doc = _load(held) if held is not None else None
+    if not isinstance(doc, dict) or not isinstance(doc.get(HEADER_KEY), dict):
+        return
+    want = doc[HEADER_KEY].get("content")
+    got = content_hash({k: v for k, v in doc.items() if k != HEADER_KEY})
+    if want is not None and got != want:
+        raise ArtifactError(f"{held}: edited since it was written ({what}; content {got}, its header records {want})")
 
 
 def write(path: str | os.PathLike, header: Header, doc: Mapping[str, Any] | None = None) -> Path:

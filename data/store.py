@@ -178,8 +178,10 @@ def write_manifest(store_dir: Path, manifest: Manifest) -> None:
     """Write the manifest with the stores' header: the files in place are hashed now."""
     present = [n for n in store_files(manifest) if (store_dir / n).is_file()]
     header = artifact.Header("stores", fingerprint=manifest.fingerprint, files=artifact.hash_files(store_dir, present))
-    manifest.artifact = header.to_json()
-    artifact.write(store_dir / MANIFEST_FILE, header, {k: v for k, v in dataclasses.asdict(manifest).items() if k != "artifact"})
+    artifact.write(
+        store_dir / MANIFEST_FILE, header, {k: v for k, v in dataclasses.asdict(manifest).items() if k != "artifact"}
+    )
+    manifest.artifact = header.to_json()  # with its `content`, set by the write
 
 
 _unhashed_noted: set[str] = set()
@@ -200,6 +202,7 @@ def verify_contents(stores: TokenStores, once: bool = True) -> int:
                 file=sys.stderr,
             )
         return 0
+    artifact.check_content(stores.store_dir, "the stores' manifest")
     fresh = [n for n in header.files if not (once and artifact.verified(stores.store_dir / n, header.files[n]))]
     hashed = artifact.verify_files(stores.store_dir, header.files, "stores", once=once)
     for name in fresh:

@@ -59,7 +59,7 @@ def _content(doc: Mapping[str, Any]) -> str:
     return artifact.content_hash({"domains": doc.get("domains"), "weights": doc.get("weights")})
 
 
-def _is_weights_doc(path: Path) -> bool:
+def is_weights_doc(path: Path) -> bool:
     try:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError):
@@ -91,7 +91,7 @@ def write_weights_file(
     clash = {"domains", "weights", artifact.HEADER_KEY} & set(provenance)
     if clash:
         raise DataError(f"{path}: provenance must not set {sorted(clash)}")
-    if path.exists() and not _is_weights_doc(path):
+    if path.exists() and not is_weights_doc(path):
         raise artifact.ArtifactError(f"{path}: exists and is not a weights file; choose another path")
     doc: dict[str, Any] = {"domains": domains, "weights": w, **provenance}
     doc.setdefault("created", datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
@@ -111,7 +111,7 @@ def check_provenance(path: Path, doc: Mapping[str, Any]) -> None:
     if now != header.fingerprint and doc.get("accept_edited") is not True:
         raise artifact.ArtifactError(
             f"{path}: edited: its domains or weights are not those written by the {header.kind} step "
-            f"(content {now}, the header records {header.fingerprint}); add \"accept_edited\": true to the "
+            f'(content {now}, the header records {header.fingerprint}); add "accept_edited": true to the '
             f"file to use it as edited, or write it again"
         )
     for src in header.sources:

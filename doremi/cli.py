@@ -275,7 +275,9 @@ def cmd_fit(args):
 
     cfg = _config(args)
     sweep = Path(args.sweep or cfg.sweep.run_dir)
-    out = propose(cfg, args.method, args.out or sweep / f"{args.method}.json", sweep)
+    out = propose(
+        cfg, args.method, args.out or sweep / f"{args.method}.json", sweep, allow_unfinished=args.allow_unfinished
+    )
     doc = json.loads(out.read_text())
     print(f"{args.method} weights: " + ", ".join(f"{d}={w:.3f}" for d, w in zip(doc["domains"], doc["weights"])))
     held = doc.get("held_out")
@@ -385,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--method", required=True, choices=["regmix", "mixing_law"], help="the offline method")
     sp.add_argument("--sweep", help="the sweep directory (default: sweep.run_dir)")
     sp.add_argument("--out", help="weights JSON path (default: SWEEP/<method>.json)")
+    sp.add_argument(
+        "--allow-unfinished", action="store_true", help="fit a sweep whose runs did not all finish (recorded)"
+    )
 
     sp = sub.add_parser("average", help="average a proxy's per-step domain weights")
     sp.add_argument("run_dir")

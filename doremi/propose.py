@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from data import artifact
+from data.preprocess import check_stores_match
 from data.store import read_manifest
 from data.weights import resolve_weights
 from doremi.config import OFFLINE_METHODS, ExperimentConfig
@@ -34,7 +36,12 @@ from trainer.run_dir import changed_keys
 
 
 def propose(
-    cfg: ExperimentConfig, method: str, out: str | Path, sweep_dir: str | Path | None = None, budget: int | None = None
+    cfg: ExperimentConfig,
+    method: str,
+    out: str | Path,
+    sweep_dir: str | Path | None = None,
+    budget: int | None = None,
+    allow_unfinished: bool = False,
 ) -> Path:
     """Fit `method` to the sweep in `sweep_dir` (default `sweep.run_dir`) and write its mixture
     to `out`. `budget`: the token budget of the run the mixture is for (default the config's),
@@ -42,8 +49,10 @@ def propose(
     if method not in OFFLINE_METHODS:
         raise DoReMiError(f"--method: expected one of {', '.join(OFFLINE_METHODS)}, got {method!r}")
     root = Path(sweep_dir or cfg.sweep.run_dir)
+    made_from = _checked_sweep(root, allow_unfinished)
     domains, weights, losses = final_table(root)
     manifest = read_manifest(cfg.data.store_dir)
+    check_stores_match(cfg.data, manifest)
     if manifest.domain_names != domains:
         raise DoReMiError(f"{root}: the sweep's domains {domains} are not the stores' {manifest.domain_names}")
     f = cfg.fit
@@ -100,7 +109,26 @@ def propose(
             "held_out_skipped": skipped,
         },
     )
-    return write_proposal(out, domains, weights_out, provenance)
+    sources = [artifact.Source("sweep", str(root), made_from.fingerprint)] if made_from else []
+    notes = [f"--allow-unfinished: fitted a sweep that did not finish ({made_from.describe()})"]
+    notes = notes if made_from and made_from.status != "finished" else []
+    return write_proposal(out, domains, weights_out, provenance, sources=sources, notes=notes)
+
+
+def _checked_sweep(root: Path, allow_unfinished: bool) -> artifact.Header | None:
+    """The sweep's header (docs/design.md section 6b): its runs all finished (unless told
+    otherwise) and its tables as written. None for a sweep made before headers."""
+    header = artifact.read(root) if (root / SWEEP_FILE).is_file() else None
+    if header is None or header.kind != "sweep":
+        return None
+    artifact.check_content(root, "the sweep's record")
+    artifact.verify_files(root, header.files, "sweep")
+    if header.status != "finished" and not allow_unfinished:
+        raise artifact.ArtifactError(
+            f"{root}: the sweep did not finish ({header.step} of {header.steps} runs); run `doremi sweep` to "
+            f"finish it, or `doremi fit --allow-unfinished` to fit the runs there"
+        )
+    return header
 
 
 def check_prior(cfg: ExperimentConfig, root: Path) -> None:

@@ -414,7 +414,14 @@ def format_fit_quality(fits: Mapping[str, Mapping[str, Any]], threshold: float, 
         ok = rho is not None and rho >= max(threshold, default)
         verdict = "passed" if ok else f"below {default:g}: {lowered}"
         rows.append(
-            [name, str(q["n"]), str(q["folds"]), "undefined" if rho is None else f"{rho:.3f}", f"{q['mae']:.4g}", verdict]
+            [
+                name,
+                str(q["n"]),
+                str(q["folds"]),
+                "undefined" if rho is None else f"{rho:.3f}",
+                f"{q['mae']:.4g}",
+                verdict,
+            ]
         )
     return markdown_table(["fit", "runs", "folds", "held-out Spearman", "held-out MAE", "verdict"], rows)
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from data import artifact
 from data.atomic import atomic_write_text
 from data.store import Manifest, read_manifest
 from data.weights import resolve_weights
@@ -216,21 +217,6 @@ class Sweep:
     def _write(self) -> None:
         d, w = self.domains, self.design.weights
         atomic_write_text(
-            self.root / SWEEP_FILE,
-            json.dumps(
-                {
-                    "fingerprint": self.fp,
-                    "keys": self.keys,
-                    "domains": d,
-                    "design": self.design.rows(),
-                    "finished": sorted(self.evals),
-                    "compute": self.compute(),
-                },
-                indent=1,
-                default=str,
-            ),
-        )
-        atomic_write_text(
             self.root / MIXTURES_FILE,
             _csv(["run", "design", *d], [[i, n, *map(_fmt, w[i])] for i, n in enumerate(self.design.names)]),
         )
@@ -263,6 +249,25 @@ class Sweep:
                 ],
             ),
         )
+        # sweep.json last, with the sweep's artifact header: the tables' hashes (docs/design.md 6b)
+        header = artifact.Header(
+            "sweep",
+            status="running" if self.todo else "finished",
+            fingerprint=self.fp,
+            step=len(self.evals),
+            steps=len(self.design),
+            sources=rundir.sources(self.cfg)[:1],
+            files=artifact.hash_files(self.root, [MIXTURES_FILE, LOSSES_FILE, FINAL_FILE]),
+        )
+        doc = {
+            "fingerprint": self.fp,
+            "keys": self.keys,
+            "domains": d,
+            "design": self.design.rows(),
+            "finished": sorted(self.evals),
+            "compute": self.compute(),
+        }
+        artifact.write(self.root / SWEEP_FILE, header, doc)
 
     def compute(self) -> dict[str, float]:
         """Model FLOPs and tokens of the finished runs: training (flops_per_token per trained

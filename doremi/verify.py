@@ -1,8 +1,9 @@
 """`doremi verify PATH`: a full check of any artifact the framework writes (docs/design.md
 section 6b), by its header: every file's size and hash (stores, checkpoints, a reference cache,
 an export), the token ids of stores against their vocabulary, a weights file against its
-header (edited?) and its source run, a run directory's status and each of its checkpoints. It
-returns one line per thing checked; the first mismatch is an `ArtifactError` (exit status 2)."""
+header (edited?) and its source run, a run directory's status and each of its checkpoints, and
+each artifact inside a directory without a header of its own (a pipeline root). It returns one
+line per thing checked; the first mismatch is an `ArtifactError` (exit status 2)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from data import artifact
 from data.store import SPLITS, TokenStores, read_manifest, verify_contents
-from data.weights_file import WEIGHTS_FILE, read_mixture_file
+from data.weights_file import WEIGHTS_FILE, is_weights_doc, read_mixture_file
 from trainer.checkpoint import META, resolve_checkpoint
 from trainer.run_dir import RECORD_FILE
 
@@ -96,6 +97,8 @@ def verify(target: str | Path) -> list[str]:
     if path.is_file():
         return _weights(path)
     header = artifact.read(path)
+    if header is not None:
+        artifact.check_content(path, f"its {header.kind.replace('_', ' ')} header")
     if (path / "manifest.json").is_file():
         return _stores(path)
     if (path / RECORD_FILE).is_file():
@@ -106,6 +109,29 @@ def verify(target: str | Path) -> list[str]:
         return _checkpoint(resolve_checkpoint(path))
     if header is not None:
         return [f"ok {header.kind} {path}: {_files(path, header, header.kind)}"]
-    raise artifact.ArtifactError(
-        f"{path}: not an artifact of this framework (no header, manifest, run.json or meta.json)"
-    )
+    return _holder(path)
+
+
+class _NotAnArtifact(artifact.ArtifactError):
+    pass
+
+
+def _holder(path: Path) -> list[str]:
+    """A directory of artifacts without a header of its own (a pipeline root, `runs/`): each
+    artifact in it, in name order; refused when it holds none."""
+    out = []
+    for child in sorted(path.iterdir()):
+        if child.name.startswith("."):
+            continue
+        if child.is_dir():
+            try:
+                out += verify(child)
+            except _NotAnArtifact:
+                continue
+        elif child.suffix == ".json" and is_weights_doc(child):
+            out += _weights(child)
+    if not out:
+        raise _NotAnArtifact(
+            f"{path}: not an artifact of this framework (no header, manifest, run.json or meta.json, none inside)"
+        )
+    return out

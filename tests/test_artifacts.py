@@ -139,11 +139,16 @@ def _split(raw):
     raw["data"]["validation_fraction"] = 0.2
 
 
+def _tokenizer(raw):
+    raw["data"]["tokenizer"] = {"kind": "bpe", "vocab_size": 300}
+
+
 CONFIG_CASES = {
     "reordered": (_reorder, "order of the domains"),
     "removed": (_remove, "domain 'markov' removed"),
     "source": (_source, "domain 'noise' source"),
     "split": (_split, "changed: split"),
+    "tokenizer": (_tokenizer, "changed: tokenizer"),
 }
 STAGES = ["train", "train-reference", "train-proxy", "score"]
 
@@ -189,10 +194,17 @@ def _out_of_vocab(store: Path) -> str:
     tokens = np.fromfile(path, dtype="<u2")
     tokens[5] = 300
     tokens.tofile(path)
-    doc = json.loads((store / "manifest.json").read_text())
-    doc["artifact"]["files"]["easy/train.bin"] = artifact.file_entry(path)
-    (store / "manifest.json").write_text(json.dumps(doc))
+    header = artifact.read(store)
+    header.files["easy/train.bin"] = artifact.file_entry(path)
+    artifact.write(store / "manifest.json", header, json.loads((store / "manifest.json").read_text()))
     return "easy/train.bin: domain 'easy': token id 300 at position 5 is outside the vocabulary"
+
+
+def _edit_manifest(store: Path) -> str:
+    doc = json.loads((store / "manifest.json").read_text())
+    doc["domains"][1]["entropy"] = 0.5
+    (store / "manifest.json").write_text(json.dumps(doc))
+    return "manifest.json: edited since it was written"
 
 
 STORE_CASES = {
@@ -200,6 +212,7 @@ STORE_CASES = {
     "truncated": _truncate,
     "moved offset": _move_offset,
     "out of vocabulary": _out_of_vocab,
+    "edited manifest": _edit_manifest,
 }
 
 
@@ -277,18 +290,18 @@ def test_a_proxy_or_score_refuses_a_reference_that_did_not_finish(made, tmp_path
     assert tree(tmp_path) == before
 
 
-def test_average_refuses_an_unfinished_proxy_unless_told_and_then_records_it(made, tmp_path, capsys):
+@pytest.mark.parametrize("how", ["killed", "interrupted"])
+def test_average_refuses_an_unfinished_proxy_unless_told_and_then_records_it(made, tmp_path, capsys, how):
     proxy = copy(made["proxy"], tmp_path / "proxy")
     (proxy / "weights.json").unlink()
-    _interrupted(proxy)
+    {"killed": _killed, "interrupted": _interrupted}[how](proxy)
+    want = "run running at step 2 of 2; killed?" if how == "killed" else "run interrupted at step 1 of 2"
     before = tree(tmp_path)
-    refused(
-        capsys, ["average", proxy], "the proxy did not finish (run interrupted at step 1 of 2)", "--allow-unfinished"
-    )
+    refused(capsys, ["average", proxy], f"the proxy did not finish ({want})", "--allow-unfinished")
     assert tree(tmp_path) == before
     assert main(["average", str(proxy), "--allow-unfinished"]) == 0
     header = artifact.read(proxy / "weights.json")
-    assert header.notes == ["--allow-unfinished: averaged a run that did not finish (run interrupted at step 1 of 2)"]
+    assert header.notes == [f"--allow-unfinished: averaged a run that did not finish ({want.split(';')[0]})"]
 
 
 # -- weights: edited by hand, or made from another proxy -------------------------------------
@@ -484,6 +497,9 @@ def test_verify_checks_every_kind(made, capsys):
         assert out[0].startswith(f"{first} {made[key]}"), out
     assert main(["verify", str(latest_checkpoint(made["ref"]))]) == 0
     assert "ok checkpoint" in capsys.readouterr().out
+    assert main(["verify", str(made["root"])]) == 0  # a folder of artifacts: each one inside
+    out = capsys.readouterr().out
+    assert out.count("ok run ") == 3 and "ok reference cache" in out and "ok weights" in out
 
 
 def test_verify_refuses_an_edited_checkpoint_and_a_foreign_directory(made, tmp_path, capsys):
@@ -507,3 +523,59 @@ def test_preprocess_refuses_a_folder_that_is_not_stores(tmp_path, capsys):
     before = tree(tmp_path)
     refused(capsys, ["preprocess", cfg, "--force"], "data.store_dir holds 'easy', which is not part of token stores")
     assert tree(tmp_path) == before
+
+
+# -- sweeps and fits --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sweep(stores, tmp_path_factory) -> Path:
+    from doremi.sweep import run_sweep
+
+    root = tmp_path_factory.mktemp("sweep")
+    return run_sweep(config(stores, root / "run", f"sweep.run_dir={root / 's'}", "sweep.runs=6", STEPS))
+
+
+def _fit_argv(made, tmp_path: Path, sweep_dir: Path, edit=None) -> list:
+    cfg = write_yaml(tmp_path / "exp.yaml", made["stores"], tmp_path / "run", edit)
+    return ["fit", cfg, "--method", "mixing_law", "--sweep", sweep_dir, "--out", tmp_path / "fit.json"]
+
+
+def test_a_fit_records_its_sweep(made, sweep, tmp_path):
+    header = artifact.read(sweep)
+    assert (header.kind, header.status, header.step, header.steps) == ("sweep", "finished", 6, 6)
+    assert main([str(a) for a in _fit_argv(made, tmp_path, sweep)]) == 0
+    fit = artifact.read(tmp_path / "fit.json")
+    assert fit.kind == "fit" and fit.sources == [artifact.Source("sweep", str(sweep), header.fingerprint)]
+
+
+def _edit_table(root: Path) -> str:
+    path = root / "final.csv"
+    path.write_text(path.read_text().replace(",", ",0", 1))
+    return f"{path}: "
+
+
+def _unfinish(root: Path) -> str:
+    header = artifact.read(root)
+    header.status, header.step = "running", 4
+    artifact.write(root / "sweep.json", header, json.loads((root / "sweep.json").read_text()))
+    return "the sweep did not finish (4 of 6 runs)"
+
+
+@pytest.mark.parametrize("case", ["edited table", "unfinished", "reordered domains"])
+def test_fit_refuses_a_sweep_edited_unfinished_or_of_other_stores(made, sweep, tmp_path, capsys, case):
+    root = copy(sweep, tmp_path / "s")
+    edit = None
+    if case == "edited table":
+        needle = _edit_table(root)
+    elif case == "unfinished":
+        needle = _unfinish(root)
+    else:
+        edit, needle = _reorder, "order of the domains"
+    argv = _fit_argv(made, tmp_path, root, edit)
+    before = tree(tmp_path)
+    refused(capsys, argv, needle)
+    assert tree(tmp_path) == before
+    if case == "unfinished":
+        assert main([str(a) for a in argv] + ["--allow-unfinished"]) == 0
+        assert artifact.read(tmp_path / "fit.json").notes[0].startswith("--allow-unfinished: fitted a sweep")

@@ -165,7 +165,10 @@ def test_pipeline_does_not_train_on_a_fit_that_ranks_badly(stores, tmp_path, mon
     assert sorted(p.name for p in (root / "main").iterdir()) == ["regmix", "uniform"]
     report = (root / "report.md").read_text()
     section = report.split("## Offline fits: held-out quality")[1].split("\n## ")[0]
-    assert "| regmix | 16 | 5 | -0.740 | 0.05 | below 0.3: trained on as pipeline.guardrails.min_fit_spearman is -1 |" in section
+    assert (
+        "| regmix | 16 | 5 | -0.740 | 0.05 | below 0.3: trained on as pipeline.guardrails.min_fit_spearman is -1 |"
+        in section
+    )
 
 
 # -- doremi train on a pipeline config -----------------------------------------------------------

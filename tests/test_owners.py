@@ -49,7 +49,7 @@ def test_weights_file_bytes_and_both_readers(tmp_path):
     write_weights_file(path, DOMAINS, torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64), provenance)
     doc = {"domains": DOMAINS, "weights": [0.5, 0.25, 0.25], **provenance}
     header = artifact.Header("weights", fingerprint=artifact.content_hash({k: doc[k] for k in ("domains", "weights")}))
-    doc[artifact.HEADER_KEY] = header.to_json()  # its artifact header (docs/design.md section 6b)
+    doc = artifact.embed(doc, header)  # its artifact header (docs/design.md section 6b)
     assert path.read_text() == json.dumps(doc, indent=2) + "\n"
     assert read_weights_file(path) == doc
     assert read_mixture_file(path, "data.domain_weights") == (DOMAINS, [0.5, 0.25, 0.25])

@@ -253,7 +253,7 @@ def test_hugging_face_commands_on_the_quickstart_run(workdir, chain):
     export = argv("doremi export runs/quickstart/train runs/quickstart-hf")
     run(workdir, export)
     files = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
-    assert sorted(p.name for p in out.iterdir()) == files
+    assert sorted(p.name for p in out.iterdir()) == ["artifact.json", *files]  # and its header (design 6b)
     refused = run(workdir, export, code=2)
     assert refused.stderr.count("\n") == 1 and "--force" in refused.stderr
     run(workdir, [*export, "--force", "--no-tokenizer", "--max-shard-size", "100KB"])

@@ -196,7 +196,7 @@ def test_wandb_name_group_and_config(stores, tmp_path, fake_wandb):
     assert init["name"] == f"train:{run}"
     assert init["group"] == "g1"
     assert init["config"]["train"]["steps"] == 2 and init["config"]["train"]["run_dir"] == str(run)
-    assert [step for _, step in fake_wandb.rows] == [1, 2]
+    assert [step for _, step in fake_wandb.rows] == [1, 2, 2]  # train rows, then the final evaluation
     assert fake_wandb.rows[1][0]["loss"] == losses(run)[1]
     assert fake_wandb.rows[1][0]["realised/tokens/noise"] > 0
 
@@ -224,7 +224,7 @@ def test_wandb_logs_the_proxy_mixing_signals(stores, tmp_path, fake_wandb):
     stages.train_proxy(config(stores, proxy, *common, f"doremi.reference={ref}", "logging.wandb=true"))
     assert fake_wandb.inits[-1]["name"] == f"proxy:{proxy}"
     history = read_jsonl(proxy / "domain_weights.jsonl")
-    row, step = fake_wandb.rows[-1]
+    row, step = next((r, s) for r, s in reversed(fake_wandb.rows) if "loss" in r)  # the last train row
     assert step == 2
     domains = history[-1]["domains"]
     assert [row[f"excess_loss/{d}"] for d in domains] == history[-1]["excess"]

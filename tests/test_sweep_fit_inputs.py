@@ -180,5 +180,5 @@ def test_a_stacked_chunk_is_recorded_in_one_write(stores, tmp_path, monkeypatch)
 
 
 def test_doge_score_clip_with_nan_is_refused(stores, tmp_path):
-    with pytest.raises(ConfigError, match=r"mixing.doge.score_clip: expected \[low, high\] with low <= high"):
+    with pytest.raises(ConfigError, match=r"^mixing.doge.score_clip\[0\]: expected a finite number, got nan$"):
         config(stores, tmp_path / "run", "mixing.doge.score_clip=[.nan, 5]")

@@ -114,7 +114,9 @@ def incomplete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return [d for d in sorted(root.iterdir()) if d.is_dir() and _STEP_DIR.fullmatch(d.name) and not (d / META).is_file()]
+    return [
+        d for d in sorted(root.iterdir()) if d.is_dir() and _STEP_DIR.fullmatch(d.name) and not (d / META).is_file()
+    ]
 
 
 def set_aside_incomplete(run_dir: str | os.PathLike, say: bool = True) -> list[Path]:
@@ -150,7 +152,9 @@ def remove_leftovers(run_dir: str | os.PathLike) -> list[Path]:
         if not final.exists() and (old / META).is_file():
             old.rename(final)
     set_aside_incomplete(run_dir)
-    removed = [d for d in sorted(root.iterdir()) if d.is_dir() and d.name.startswith("step_") and d.name.endswith(".tmp")]
+    removed = [
+        d for d in sorted(root.iterdir()) if d.is_dir() and d.name.startswith("step_") and d.name.endswith(".tmp")
+    ]
     for d in removed:
         shutil.rmtree(d, ignore_errors=True)
     return removed
@@ -192,8 +196,6 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone()
     return t
-
-
 
 
 class _ChecksumWriter:

@@ -20,11 +20,10 @@ from data.weights import resolve_weights
 from trainer import run_dir as rundir
 from trainer.alignment import aligned_step
 from trainer.build import RunFacts, build_model, init_parallel, seed_everything
-from trainer.determinism import set_deterministic
-from trainer.pairing import first_batch_by_domain, rank_digests, write_pairing
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.configtools import ConfigError, dump_yaml, to_dict
+from trainer.determinism import set_deterministic
 from trainer.eval_sequences import write_sequence_losses
 from trainer.evaluate import evaluate_domains, evaluate_domains_with_error, evaluate_sequences, sequence_means
 from trainer.feed import DataFeed
@@ -37,6 +36,7 @@ from trainer.model.flops import flops_per_token
 from trainer.model.fp8 import amax_histories, end_fp8_step, load_amax_histories
 from trainer.model.moe import moe_metrics
 from trainer.optim.build import build_optimizer
+from trainer.pairing import first_batch_by_domain, rank_digests, write_pairing
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import sync_sequence_parallel_grads
 from trainer.parallel.tied import sync_tied_grads
@@ -412,6 +412,7 @@ class Trainer:
             signum = 0 if is_last or step % stops.every else stops.agreed(pc)
             if signum:
                 if not saved:
+                    self.health.check(str(self.run_dir))
                     self.save()
                 raise Interrupted(signum, step, str(self.run_dir))
         self.last = last

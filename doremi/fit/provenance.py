@@ -82,9 +82,16 @@ def proposal_provenance(
 
 
 def write_proposal(
-    path: str | os.PathLike, domains: Sequence[str], weights: Any, provenance: Mapping[str, Any]
+    path: str | os.PathLike,
+    domains: Sequence[str],
+    weights: Any,
+    provenance: Mapping[str, Any],
+    sources: Sequence[Any] = (),
+    notes: Sequence[str] = (),
 ) -> Path:
     """Write the proposal's weights JSON through `write_weights_file` (atomic; weights checked as a
-    distribution)."""
+    distribution), its header of kind `fit` made from `sources` (the sweep)."""
     w = np.asarray(weights, dtype=np.float64)
-    return write_weights_file(path, domains, (w / w.sum()).tolist(), provenance, kind="fit")
+    return write_weights_file(
+        path, domains, (w / w.sum()).tolist(), provenance, kind="fit", sources=sources, notes=notes
+    )
