@@ -125,11 +125,15 @@ class CachedReference:
         seed: int,
         sampling: list[float],
         reference: str | None = None,
+        synthetic: bool = False,
     ):
         """`steps`, `global_batch_size` and `seed` describe the run's data stream; the cache must
-        cover it (checked before any work). `reference`: the run's reference, if it names one."""
+        cover it (checked before any work). `reference`: the run's reference, if it names one;
+        `synthetic`: made-up losses of no reference (`open_cache`)."""
         self.dir = Path(cache_dir)
-        self.arrays = open_cache(self.dir, domains, seq_len, steps, global_batch_size, seed, sampling, reference)
+        self.arrays = open_cache(
+            self.dir, domains, seq_len, steps, global_batch_size, seed, sampling, reference, synthetic
+        )
         self.domains = domains
         self.device = device
 

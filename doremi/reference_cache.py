@@ -128,9 +128,12 @@ def open_cache(
     seed: int,
     sampling: list[float],
     reference: str | None = None,
+    synthetic: bool = False,
 ) -> list[np.ndarray]:
     """Each domain's array, read-only, once the cache is checked to cover the run's data stream
-    (and, when the run names its `reference`, to have been scored with it)."""
+    (and, when the run names its `reference`, to have been scored with it). `synthetic`: a cache
+    of made-up losses that no checkpoint scored (the step bench's), whose reference is therefore
+    not checked; no config reaches it."""
     meta_path = cache_dir / META_FILE
     if not meta_path.is_file():
         raise DoReMiError(f"{meta_path}: reference cache not found (run `doremi score` first)")
@@ -162,7 +165,7 @@ def open_cache(
         )
     if reference is not None:
         _check_fingerprint(meta_path, meta, resolve_checkpoint(reference))
-    else:
+    elif not synthetic:
         _check_recorded_reference(meta_path, meta)
     header = artifact.read(cache_dir)
     if header is not None:

@@ -181,6 +181,7 @@ def test_the_bench_reference_cache_is_one_the_proxy_reads(bench_modules, tmp_pat
         global_batch_size=mb,
         seed=0,
         sampling=[1.0 / sb.K_DOMAINS] * sb.K_DOMAINS,
+        synthetic=True,
     )
     per_domain = -(-mb // sb.K_DOMAINS)
     assert [a.shape for a in ref.arrays] == [(per_domain, seq)] * sb.K_DOMAINS

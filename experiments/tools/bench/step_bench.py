@@ -356,7 +356,7 @@ def write_cache(directory: Path, mb: int, seq: int) -> list[str]:
         directory,
         domains,
         seq,
-        {"reference": "step_bench (random losses)"},
+        {"reference": "step_bench (random losses)", "reference_fingerprint": "random-losses"},
         steps=10**9,
         global_batch_size=mb,
         seed=0,
@@ -503,6 +503,7 @@ def run_framework(
             global_batch_size=mb,
             seed=0,
             sampling=[1.0 / K_DOMAINS] * K_DOMAINS,
+            synthetic=True,
         )
         step = FrameworkStep(facts, model, opt, pc, batch, make_hook(tmp / f"cached-{name}", pc, ref))
         emit(measure(name, "doremi cached ref", step, steps, 2, fpt, peak, base, None))
