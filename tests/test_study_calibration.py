@@ -173,3 +173,39 @@ def test_a_setting_other_than_the_design_is_named(tmp_path):
     (tmp_path / "fixed-seed1" / "config.yaml").write_text(yaml.safe_dump(cfg))
     c = calibrate(find_runs(tmp_path, DESIGN.calibration.arms))
     assert c.setting_differs == ["fixed-seed1: train.lr 0.001 (design 0.0006)"]
+
+
+def test_fewer_pairs_than_the_plan_give_a_provisional_go_that_the_study_refuses(tmp_path, capsys):
+    import importlib.util
+    import sys
+    import tarfile
+
+    root = tmp_path / "runs"
+    write_calibration(root, [-0.02, -0.01])
+    archive = tmp_path / "calibration.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        tar.add(root, arcname="calibrate")
+    out = tmp_path / "out"
+    assert main(["study", "calibrate", str(archive), "--out", str(out)]) == 0
+    decision = json.loads((out / CALIBRATION_JSON).read_text())["decision"]
+    assert decision["go"] and decision["pairs"] == 6
+    assert decision["provisional"] == "2 of the plan's 4 pairs: seeds 3, 4 still to run before the study may start"
+    assert "## Gate: **PROVISIONAL GO with 6 pairs" in (out / CALIBRATION_MD).read_text()
+    assert main(["study", "calibrate", str(archive)]) == 2  # an archive is not written into
+    # The launcher's study phase starts only on a final GO, with at least the pairs it decided.
+    spec = importlib.util.spec_from_file_location(
+        "doremi_study", Path(__file__).parents[1] / "experiments" / "launch" / "doremi_study.py"
+    )
+    launcher = importlib.util.module_from_spec(spec)
+    sys.modules["doremi_study"] = launcher  # its dataclasses look their module up
+    spec.loader.exec_module(launcher)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        launcher.check_gate(str(out / CALIBRATION_JSON), [1, 2, 3, 4, 5, 6])
+    assert stop.value.code == 2 and "PROVISIONAL GO" in capsys.readouterr().err
+    write_calibration(tmp_path / "all", [-0.02, -0.01, 0.0, 0.01])
+    assert main(["study", "calibrate", str(tmp_path / "all")]) == 0
+    with pytest.raises(SystemExit):
+        launcher.check_gate(str(tmp_path / "all" / CALIBRATION_JSON), [1, 2, 3, 4, 5])
+    assert "the gate asks for 6 pairs, got 5 seeds" in capsys.readouterr().err
+    launcher.check_gate(str(tmp_path / "all" / CALIBRATION_JSON), [1, 2, 3, 4, 5, 6])

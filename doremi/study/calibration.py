@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,19 @@ class GateDecision:
     power_pairs: int | None
     reason: str
     change: str = ""
+    #: Fewer pairs than the calibration plan's were measured: sigma_D is known too loosely for
+    #: the study to start on it (`final`); `provisional` names the pairs still missing.
+    provisional: str = ""
+
+    @property
+    def final(self) -> bool:
+        """Whether the study may start on this decision: GO on every planned pair."""
+        return self.go and not self.provisional
 
     def line(self) -> str:
         if self.go:
-            return f"GO with {self.pairs} pairs ({self.reason})"
+            head = f"GO with {self.pairs} pairs ({self.reason})"
+            return f"PROVISIONAL {head}; {self.provisional}" if self.provisional else head
         return f"NO-GO: {self.reason}; {self.change}"
 
 
@@ -140,6 +150,15 @@ def calibrate(
     diffs = pairs.diffs
     s_run, s_d = stats.sigma_run(endpoints), stats.sigma_d(diffs)
     decision = decide(s_d, design.gate, design.rule, budget_pairs)
+    missing = [s for s in design.calibration.seeds if s not in pairs.seeds]
+    if missing and decision.go:
+        decision = replace(
+            decision,
+            provisional=(
+                f"{len(pairs.seeds)} of the plan's {len(design.calibration.seeds)} pairs: seeds "
+                f"{', '.join(map(str, missing))} still to run before the study may start"
+            ),
+        )
     n = decision.pairs or design.rule.pairs
     upper = stats.sd_upper_bound(s_d, len(diffs), 0.8)
     rates = {
@@ -238,8 +257,17 @@ def to_json(c: Calibration) -> dict[str, Any]:
 def run_calibration(root: str | Path, out: str | Path | None = None, budget_pairs: int | None = None) -> Calibration:
     """Read ROOT's runs, calibrate, write calibration.json and calibration.md to `out` (default
     ROOT), print the table; a NO-GO raises GateRefused after the files are written."""
-    c = calibrate(find_runs(root, DESIGN.calibration.arms), DESIGN, budget_pairs)
-    dest = Path(out) if out is not None else Path(root)
+    from doremi.study.summarize import ARCHIVES, unpack
+
+    source = Path(root)
+    if source.is_file() and not source.name.endswith(ARCHIVES):
+        raise StudyError(f"{source}: expected a directory or a {', '.join(ARCHIVES)} archive")
+    if source.is_file() and out is None:
+        raise StudyError(f"{source}: an archive is read, not written into: give --out")
+    with tempfile.TemporaryDirectory(prefix="doremi-calibration-") as tmp:
+        runs_root = unpack(source, Path(tmp)) if source.is_file() else source
+        c = calibrate(find_runs(runs_root, DESIGN.calibration.arms), DESIGN, budget_pairs)
+    dest = Path(out) if out is not None else source
     dest.mkdir(parents=True, exist_ok=True)
     atomic_write_text(dest / CALIBRATION_JSON, json.dumps(to_json(c), indent=1) + "\n")
     text = format_markdown(c)

@@ -218,6 +218,23 @@ def run_stages(stages: list[Stage], cmds: list[list[str]], log: Path, deadline: 
         }
 
 
+def check_gate(calibration: str | None, seeds: list[int]) -> None:
+    """The study starts only on the calibration gate's final GO (`doremi study calibrate`:
+    every planned pair measured) and with at least the pairs it decided."""
+    if not calibration:
+        die("study: --calibration is required (the calibration.json of `doremi study calibrate`)")
+    try:
+        decision = json.loads(Path(calibration).read_text())["decision"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        die(f"--calibration {calibration}: not a calibration.json ({e})")
+    if not decision.get("go") or decision.get("provisional"):
+        die(f"study: the calibration gate does not let it start: {decision.get('line')}")
+    if len(seeds) < int(decision["pairs"]):
+        die(
+            f"--seeds: the gate asks for {decision['pairs']} pairs, got {len(seeds)} seeds ({', '.join(map(str, seeds))})"
+        )
+
+
 def die(msg: str) -> None:
     print(f"doremi_study: error: {msg}", file=sys.stderr)
     sys.exit(2)
@@ -234,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--synthetic", action="store_true")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--set", action="append", default=[], dest="sets")
+    ap.add_argument("--calibration", help="study: the calibration.json whose gate lets the study start")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = ap.parse_args(argv)
     if not args.out and not args.dry_run:
@@ -244,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         die(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
     if not seeds or len(set(seeds)) != len(seeds):
         die(f"--seeds: expected distinct seeds, got {args.seeds!r}")
+    if args.phase == "study":
+        check_gate(args.calibration, seeds)
     work = Path(args.work).resolve()
     folder = work / args.phase
     stores = work / ("stores-synthetic" if args.synthetic else "stores")
