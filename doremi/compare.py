@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data import artifact
 from data.atomic import atomic_write_text
 from doremi.errors import DoReMiError
 from doremi.report import _save, domains_better, markdown_table, speedup, steps_to_target
@@ -296,7 +297,9 @@ def _some(items: Sequence[str], n: int = 3) -> str:
 
 
 def read_root(root: str | os.PathLike) -> dict[str, MainRun]:
-    """Mixture name -> its main run, for one pipeline root."""
+    """Mixture name -> its main run, for one pipeline root (a root whose artifact header says
+    it is something else, a run directory say, is refused; one made before headers is read)."""
+    artifact.require(root, "pipeline", finished=False, what="pipeline run root")
     main = Path(root) / "main"
     runs = {}
     if main.is_dir():

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from data import artifact
 from data.store import read_manifest
 from data.weights_file import WEIGHTS_FILE, copy_weights_file, read_weights_file
 from doremi import stages
@@ -204,8 +205,35 @@ class Pipeline:
             rundir.on_rank0(lambda: stack.enter_context(rundir.locked(self.root)), is_launch_main())
             if is_launch_main():
                 remove_marker_temps(self.root)
+                self._write_header("running")
             barrier()
-            return self._run()
+            try:
+                results = self._run()
+            except BaseException:
+                if is_launch_main():
+                    with contextlib.suppress(Exception):  # the error that stopped it is the one to show
+                        self._write_header("interrupted")
+                raise
+            if is_launch_main():
+                self._write_header("finished")
+            return results
+
+    def _write_header(self, status: str) -> None:
+        """The root's artifact header (`ROOT/artifact.json`, data/artifact.py): a pipeline root,
+        its status, the fingerprint of the experiment (every key but where it writes and how it
+        logs) and, once preprocessing ran, the stores it read. `doremi compare` and `doremi
+        verify` read it; a command that replaces only its own output refuses the root."""
+        keys = {k: v for k, v in self.raw.items() if k != "logging"}
+        keys["pipeline"] = {k: v for k, v in dict(keys.get("pipeline") or {}).items() if k != "run_dir"}
+        sources = []
+        manifest = Path(self.cfg.data.store_dir) / "manifest.json"
+        if manifest.is_file():
+            sources.append(artifact.Source("stores", str(manifest.parent), store_fingerprint(self.cfg)))
+        self.root.mkdir(parents=True, exist_ok=True)
+        artifact.write(
+            self.root,
+            artifact.Header("pipeline", status=status, fingerprint=artifact.content_hash(keys), sources=sources),
+        )
 
     def _run(self) -> dict[str, Any]:
         from data.preprocess import preprocess

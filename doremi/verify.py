@@ -107,6 +107,8 @@ def verify(target: str | Path) -> list[str]:
         return _cache(path, header)
     if (path / META).is_file():
         return _checkpoint(resolve_checkpoint(path))
+    if header is not None and header.kind == "pipeline":
+        return [f"ok pipeline {path}: {header.describe()}", *_holder(path)]
     if header is not None:
         return [f"ok {header.kind} {path}: {_files(path, header, header.kind)}"]
     return _holder(path)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from data import artifact
 from doremi.compare import compare_roots, differences, is_seed, settings
 from doremi.errors import DoReMiError
 
@@ -143,7 +144,7 @@ def test_check_fit_quality(tmp_path):
         check_fit_quality("regmix", other, -1)  # -1 takes any fit
 
 
-def test_pipeline_does_not_train_on_a_fit_that_ranks_badly(stores, tmp_path, monkeypatch):
+def test_pipeline_does_not_train_on_a_fit_that_ranks_badly(stores, tmp_path, monkeypatch, capsys):
     """The issue's case: a RegMix fit with held-out Spearman -0.74 proposed a 0.998 one-hot
     mixture and the pipeline trained the main run on it, the report silent about the fit. Now
     the pipeline stops before the main runs; with the threshold lowered it trains, and the
@@ -161,8 +162,18 @@ def test_pipeline_does_not_train_on_a_fit_that_ranks_badly(stores, tmp_path, mon
     with pytest.raises(FitQualityError, match=r"^regmix: fit .*held-out Spearman -0.740"):
         pipeline.run_pipeline(path, sets)
     assert not (root / "main").exists()
+    stopped = artifact.read(root)
+    assert (stopped.kind, stopped.status, stopped.sources[0].kind) == ("pipeline", "interrupted", "stores")
     pipeline.run_pipeline(path, [*sets, "pipeline.guardrails.min_fit_spearman=-1"])
     assert sorted(p.name for p in (root / "main").iterdir()) == ["regmix", "uniform"]
+    done = artifact.read(root)
+    assert done.status == "finished" and done.fingerprint != stopped.fingerprint  # another experiment
+    from doremi.cli import main
+
+    capsys.readouterr()
+    assert main(["verify", str(root)]) == 0  # the root, then every artifact inside it
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"ok pipeline {root}: pipeline finished" and sum(x.startswith("ok run ") for x in lines) >= 2
     report = (root / "report.md").read_text()
     section = report.split("## Offline fits: held-out quality")[1].split("\n## ")[0]
     assert (
@@ -194,3 +205,22 @@ def test_train_on_a_pipeline_config_says_what_it_trains_or_applies_pipeline_main
     assert not [line for line in capsys.readouterr().err.splitlines() if "note" in line]
     saved = yaml.safe_load((big / "config.yaml").read_text())
     assert saved["model"]["n_layers"] == 2 and saved["train"]["steps"] == 2
+
+
+def test_a_pipeline_root_carries_its_header_and_compare_refuses_another_kind(tmp_path):
+    """The root of `doremi pipeline` is an artifact like the others (data/artifact.py): running,
+    then finished, with the experiment's fingerprint and its stores; `doremi compare` refuses a
+    directory whose header says it is something else."""
+    from data import artifact
+    from doremi.compare import read_root
+    from doremi.errors import DoReMiError
+
+    root = tmp_path / "root"
+    root.mkdir()
+    artifact.write(root, artifact.Header("run", status="finished"))
+    with pytest.raises(artifact.ArtifactError, match="holds a run, expected a pipeline run root"):
+        read_root(root)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DoReMiError, match="not a pipeline run"):
+        read_root(empty)
