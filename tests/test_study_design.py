@@ -111,3 +111,42 @@ def test_the_launcher_names_runs_as_the_design_reads_them(monkeypatch):
     natural = next(s for s in study if s.name == "natural-seed3")
     assert f"data.domain_weights={DESIGN.arm('natural').mixture}" in natural.sets
     assert all(s.main for s in study if s.name in {f"{a.name}-seed3" for a in DESIGN.arms})
+
+
+def test_the_launcher_runs_consecutive_main_runs_side_by_side_and_everything_else_alone():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("doremi_study_batches", LAUNCHER)
+    launcher = importlib.util.module_from_spec(spec)
+    sys.modules["doremi_study_batches"] = launcher
+    spec.loader.exec_module(launcher)
+    stages = launcher.study_stages([1, 2], Path("/w"))
+    names = [[stages[i].name for i in b] for b in launcher.batches(stages, 3)]
+    assert names[:4] == [
+        ["reference-seed1"],
+        ["proxy-seed1"],
+        ["proxy-seed1"],  # its average
+        ["uniform-seed1", "natural-seed1", "doremi-seed1"],
+    ]
+    assert [len(b) for b in launcher.batches(stages, 1)] == [1] * len(stages)
+    assert [len(b) for b in launcher.batches(launcher.calibration_stages([1, 2, 3]), 4)] == [4, 2]
+
+
+def test_the_launcher_runs_a_batch_together_and_stops_after_a_failed_one(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("doremi_study_run", LAUNCHER)
+    launcher = importlib.util.module_from_spec(spec)
+    sys.modules["doremi_study_run"] = launcher
+    spec.loader.exec_module(launcher)
+    stages = [launcher.Stage(f"s{i}", "train", main=True) for i in range(3)] + [launcher.Stage("avg", "average")]
+    code = ["print('ok')", "raise SystemExit(2)", "print('ok')", "print('never')"]
+    cmds = [[sys.executable, "-c", c] for c in code]
+    records = list(launcher.run_stages(stages, cmds, tmp_path / "launch.log", None, side_by_side=3))
+    assert [(r["stage"], r["exit_status"], r["side_by_side"]) for r in records] == [
+        ("s0", 0, 3),
+        ("s1", 2, 3),
+        ("s2", 0, 3),
+    ]  # the batch ran together; the stage after a failed batch did not run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["launch-s0.log", "launch-s1.log", "launch-s2.log"]
