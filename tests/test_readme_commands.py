@@ -261,7 +261,7 @@ def test_hugging_face_commands_on_the_quickstart_run(workdir, chain):
     assert len(shards) > 1 and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
     assert not (out / "tokenizer.json").exists() and (out / "model.safetensors.index.json").is_file()
     run(workdir, [*export, "--force"])
-    assert sorted(p.name for p in out.iterdir()) == files
+    assert sorted(p.name for p in out.iterdir()) == ["artifact.json", *files]
 
     section = run(workdir, argv("doremi import runs/quickstart-hf --out runs/from-hf.yaml")).stdout
     assert (workdir / "runs" / "from-hf.yaml").read_text() == section
