@@ -260,7 +260,8 @@ def require_finished(
     holder = lock_holder(run)
     if holder is not None:
         raise artifact.ArtifactError(f"{run}: the {what} is still training (pid {holder} holds {run / LOCK_FILE})")
-    header = artifact.require(run / RECORD_FILE, "run", finished=False, what=f"{what} run") if run.is_dir() else None
+    record = run / RECORD_FILE
+    header = artifact.require(record, "run", finished=False, what=f"{what} run") if record.is_file() else None
     if header is not None and header.status == "running":  # killed: its progress is its last checkpoint
         from trainer.checkpoint import latest_checkpoint
 
