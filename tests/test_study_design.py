@@ -150,3 +150,23 @@ def test_the_launcher_runs_a_batch_together_and_stops_after_a_failed_one(tmp_pat
         ("s2", 0, 3),
     ]  # the batch ran together; the stage after a failed batch did not run
     assert sorted(p.name for p in tmp_path.iterdir()) == ["launch-s0.log", "launch-s1.log", "launch-s2.log"]
+
+
+def test_the_launcher_skips_only_stages_whose_header_says_finished(tmp_path):
+    import importlib.util
+
+    from data import artifact
+
+    spec = importlib.util.spec_from_file_location("doremi_study_done", LAUNCHER)
+    launcher = importlib.util.module_from_spec(spec)
+    sys.modules["doremi_study_done"] = launcher
+    spec.loader.exec_module(launcher)
+    done, running, average = (launcher.Stage(n, c) for n, c in (("a", "train"), ("b", "train"), ("a", "average")))
+    for name, status in (("a", "finished"), ("b", "running")):
+        (tmp_path / name).mkdir()
+        header = artifact.Header(kind="run", status=status, step=5 if status == "finished" else 2, steps=5)
+        artifact.write(tmp_path / name / "run.json", header, {"stage": "train"})
+    assert launcher.finished(done, tmp_path)
+    assert not launcher.finished(running, tmp_path)
+    assert not launcher.finished(average, tmp_path)  # no weights.json yet
+    assert not launcher.finished(launcher.Stage("c", "train"), tmp_path)

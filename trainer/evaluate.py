@@ -30,6 +30,7 @@ def _sequence_losses(
     # Expert-parallel blocks exchange tokens with their dp peers: every dp rank runs as many
     # forwards, the ones beyond its share on a batch whose losses are dropped.
     lockstep = uses_expert_parallel(stage)
+    rows = max((int(b["labels"].shape[0]) for batches in batches_per_domain for b in batches), default=0)
     try:
         for d, batches in enumerate(batches_per_domain):
             js = [j for j in range(len(batches)) if j % pc.dp == pc.dp_rank]
@@ -38,13 +39,31 @@ def _sequence_losses(
             if not mine and not padding:
                 continue
             with autocast or contextlib.nullcontext():
-                losses = forward_only(stage, mine + [batches[0]] * padding, pc)[: len(mine)]
+                losses = forward_only(stage, [padded_rows(b, rows) for b in mine + [batches[0]] * padding], pc)
             if pc.is_last_stage:
                 for j, loss, b in zip(js, losses, mine):
                     mask = b["labels"] != IGNORE_INDEX
+                    loss = loss[: mask.shape[0]]
                     yield d, j, (loss.float() * mask).sum(-1).to(torch.float64), mask.sum(-1).to(torch.float64)
     finally:
         stage.train(was_training)
+
+
+def padded_rows(batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """`batch` grown to `rows` rows by repeating its first row with every label ignored, so that
+    every evaluation forward has one shape: a compiled model then runs one graph instead of
+    recompiling for each domain's last, partial batch (past torch's recompile limit it would
+    fall back to eager). The caller drops the extra rows' losses; the real rows' are unchanged."""
+    extra = rows - int(batch["labels"].shape[0])
+    if extra <= 0:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        fill = value[:1].expand(extra, *value.shape[1:])
+        if key == "labels":
+            fill = torch.full_like(fill, IGNORE_INDEX)
+        out[key] = torch.cat([value, fill])
+    return out
 
 
 def _domain_sums(

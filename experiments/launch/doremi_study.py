@@ -18,8 +18,8 @@ PHASE is one of
 
 Every stage is an ordinary `doremi` command on experiments/configs/doremi_study.yaml (main runs
 take its `pipeline.main` section as --set overrides), in its own run directory under --work; a
-finished stage is skipped by the trainer itself ("nothing to do"), an interrupted one resumes
-from its checkpoint. Arms run one after another, never side by side: with deterministic kernels
+finished stage (its run.json or weights.json header says so) is skipped without starting a
+process, an interrupted one resumes from its checkpoint. Arms run one after another, never side by side: with deterministic kernels
 a run is then a function of its seeds (trainer/determinism.py). --deadline sends the running
 stage SIGTERM after that many seconds (it saves a checkpoint and exits); the same command again
 resumes. The run directories, without checkpoints, and the log are packed as
@@ -206,6 +206,18 @@ def batches(stages: list[Stage], side_by_side: int) -> list[list[int]]:
     return out
 
 
+def finished(stage: Stage, folder: Path) -> bool:
+    """Whether the stage's output is already there and finished (its artifact header), so a
+    resumed call starts no process for it: a trainer would build, compile and load its final
+    checkpoint only to find nothing to do."""
+    sys.path.insert(0, str(ROOT))
+    from data import artifact
+
+    record = folder / stage.name / ("weights.json" if stage.command == "average" else "run.json")
+    header = artifact.read(record) if record.is_file() else None
+    return header is not None and header.status == "finished"
+
+
 def run_stages(
     stages: list[Stage], cmds: list[list[str]], log: Path, deadline: float | None, side_by_side: int = 1
 ) -> Iterator[dict]:
@@ -344,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         say("preprocess FAILED: " + " | ".join(log.read_text(errors="replace").splitlines()[-5:]))
         status = 1
     else:
+        todo = [i for i, stage in enumerate(stages) if not finished(stage, folder)]
+        for i in sorted(set(range(len(stages))) - set(todo)):
+            say(f"{stages[i].name} ({stages[i].command}): finished before, skipped")
+            info["stages"].append({"stage": stages[i].name, "command": stages[i].command, "skipped": "finished"})
+        stages, cmds = [stages[i] for i in todo], [cmds[i] for i in todo]
         for record in run_stages(stages, cmds, log, deadline, args.side_by_side):
             info["stages"].append(record)
             say(f"{record['stage']} ({record['command']}): exit {record['exit_status']} in {record['seconds']} s")
