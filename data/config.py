@@ -130,6 +130,10 @@ class DataConfig:
     # `uniform`, `tokens` (proportional to train tokens), a weights JSON path, or a list of
     # values in domain order / a mapping from domain name to value.
     domain_weights: Weights = "uniform"
+    # No domain is read more than this many epochs of its train tokens: the main run's mixture
+    # (`domain_weights`) is capped at max_epochs x tokens / budget, the excess spread over the
+    # other domains in proportion (data/mixtures.py epoch_capped); None: the mixture as given.
+    max_epochs: float | None = None
     # Seed of the sampler's draw order.
     seed: int = 0
     # Training sequences per domain held back from every run (chosen by split_seed), on which
@@ -180,6 +184,8 @@ class DataConfig:
             raise DataError(f"{path}.seq_len: expected >= 2, got {self.seq_len}")
         if self.holdout_sequences < 0:
             raise DataError(f"{path}.holdout_sequences: expected >= 0, got {self.holdout_sequences}")
+        if self.max_epochs is not None and not 0 < self.max_epochs < float("inf"):
+            raise DataError(f"{path}.max_epochs: expected a finite value > 0, got {self.max_epochs}")
         if not 0.0 < self.dev_fraction < 1.0:
             raise DataError(f"{path}.dev_fraction: expected a value in (0, 1), got {self.dev_fraction}")
         if tok.train_max_bytes < 1:

@@ -155,6 +155,36 @@ def unimax_weights(tokens: Sequence[float] | np.ndarray, budget: float, max_epoc
     return alloc / alloc.sum()
 
 
+def epoch_capped(
+    weights: Sequence[float] | np.ndarray, tokens: Sequence[float] | np.ndarray, budget: float, max_epochs: float
+) -> np.ndarray:
+    """`weights` with no domain read more than `max_epochs` epochs of its train tokens over a
+    run of `budget` tokens: w_i <= E n_i / B. A domain over its cap is set to it and the excess
+    spread over the domains below theirs in proportion to their weights, until none is over
+    (at most k rounds; a domain with weight 0 stays 0). The guardrail of the 2-epoch rule
+    (docs/design.md 4e) as a constraint on a transferred mixture, which no method's search
+    knows about; weights already within their caps come back unchanged."""
+    if not 0 < budget < math.inf:
+        raise DataError(f"max_epochs: expected a token budget > 0, got {budget!r}")
+    if not 0 < max_epochs < math.inf:
+        raise DataError(f"max_epochs: expected a finite value > 0, got {max_epochs!r}")
+    given = np.asarray(weights, dtype=np.float64)
+    caps = max_epochs * _counts(tokens) / budget
+    if caps[given > 0].sum() < 1 - 1e-12:
+        raise DataError(
+            f"max_epochs {max_epochs:g}: the domains this mixture reads hold "
+            f"{caps[given > 0].sum() * budget / max_epochs:.4g} tokens, too few for {budget:.4g} tokens at "
+            f"{max_epochs:g} epochs each"
+        )
+    w, capped = given.copy(), np.zeros(len(given), dtype=bool)
+    while (over := ~capped & (w > caps * (1 + 1e-12))).any():
+        capped |= over
+        w[capped] = caps[capped]
+        free = ~capped
+        w[free] = given[free] * (1 - caps[capped].sum()) / given[free].sum()
+    return w
+
+
 def named_weights(
     spec: MixtureSpec, tokens: Sequence[float] | np.ndarray, budget_tokens: int | None, where: str
 ) -> np.ndarray:

@@ -200,7 +200,8 @@ def weights_used(run: Path, domains: list[str]) -> list[float] | None:
             budget = run_budget(run)  # only `unimax:E` needs it
         except (KeyError, TypeError):
             budget = None
-        return [float(x) for x in resolve_weights(data["domain_weights"], manifest, budget_tokens=budget)]
+        spec, cap = data["domain_weights"], data.get("max_epochs")
+        return [float(x) for x in resolve_weights(spec, manifest, budget_tokens=budget, max_epochs=cap)]
     except (UserError, OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
         return None
 

@@ -185,3 +185,23 @@ def test_main_run_names():
         "temperature2": "temperature:2",
         "unimax4": "unimax:4",
     }
+
+
+def test_epoch_capped_hand_cases():
+    from data.mixtures import epoch_capped
+
+    tokens, budget = [100, 400, 900], 1000  # caps at 1 epoch: 0.1, 0.4, 0.9
+    # a over: 0.1; b, c share 0.9 as 0.3 : 0.2 -> 0.54, 0.36; b over: 0.4; c takes the rest 0.5.
+    np.testing.assert_allclose(epoch_capped([0.5, 0.3, 0.2], tokens, budget, 1.0), [0.1, 0.4, 0.5], rtol=0, atol=1e-15)
+    within = np.array([0.05, 0.35, 0.6])
+    assert np.array_equal(epoch_capped(within, tokens, budget, 1.0), within)
+    np.testing.assert_allclose(epoch_capped([0.5, 0.5, 0.0], tokens, budget, 2.0), [0.2, 0.8, 0.0], atol=1e-15)
+    with pytest.raises(DataError, match="too few"):
+        epoch_capped([0.6, 0.4, 0.0], tokens, budget, 1.0)
+
+
+def test_resolve_weights_caps_at_max_epochs_with_the_budget():
+    capped = resolve_weights([0.5, 0.3, 0.2], MANIFEST, budget_tokens=1000, max_epochs=1.0)
+    np.testing.assert_allclose(capped, [0.1, 0.4, 0.5], atol=1e-15)
+    with pytest.raises(DataError, match="data.max_epochs needs the run's token budget"):
+        resolve_weights("uniform", MANIFEST, max_epochs=1.0)

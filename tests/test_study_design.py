@@ -79,6 +79,7 @@ def test_the_study_config_is_the_design():
         DESIGN.smoothing,
         DESIGN.reference_weights,
     )
+    assert merged(cfg, cfg["pipeline"]["main"])["data"]["max_epochs"] == DESIGN.guardrails.max_epochs
     # Evaluations every 5% of the main run's steps, on the whole test half.
     main = merged(cfg, cfg["pipeline"]["main"])["train"]
     assert main["eval_every"] * 20 == DESIGN.main.schedule.steps and main["eval_sequences"] == 0
