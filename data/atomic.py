@@ -37,6 +37,22 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def umask_mode(mode: int = 0o777) -> int:
+    """`mode` under the process's umask: what `mkdir` or `open` would give."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+def staging_dir(parent: str | os.PathLike, prefix: str, suffix: str = ".tmp") -> Path:
+    """A new private directory in `parent` to build a result in before renaming it into place,
+    with the mode `mkdir` would give (mkdtemp makes 0700: an export renamed from it would be
+    unreadable to the rest of a group on a shared file system)."""
+    path = Path(tempfile.mkdtemp(dir=parent, prefix=prefix, suffix=suffix))
+    os.chmod(path, umask_mode())
+    return path
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)

@@ -2,8 +2,8 @@
 
 Each root is one pipeline run (one seed) with main runs under `main/<mixture>/`. Within a
 root, a mixture and the baseline share the seed, so the comparison is paired: per seed, the
-difference of mean (and worst-case) validation loss over domains; over seeds, its mean and
-standard error (sample std / sqrt(n)). One seed's difference says little; the standard error
+difference of mean (and worst-case) validation loss over domains; over seeds, its mean,
+standard error (sample std / sqrt(n)), t-based 95% interval and paired t-test. One seed's difference says little; the standard error
 says how much the mean would move with other seeds.
 
 Pooling is only sound when the roots differ in their seeds alone: roots run with another eta or
@@ -30,6 +30,7 @@ from data.atomic import atomic_write_text
 from doremi.errors import DoReMiError
 from doremi.report import _save, domains_better, markdown_table, speedup, steps_to_target
 from doremi.stage_markers import eval_result
+from doremi.study.stats import paired_test
 from trainer.metrics import read_jsonl
 from trainer.run_dir import NOT_RESULT_KEYS
 
@@ -391,6 +392,16 @@ def _pm(mean: float, se: float | None) -> str:
     return f"{mean:+.4f}" + ("" if se is None else f" ± {se:.4f}")
 
 
+def _t_columns(diffs: Sequence[float]) -> list[str]:
+    """The t-based 95% interval of the mean difference and its paired t-test (t, two-sided p);
+    `-` with fewer than two seeds."""
+    if len(diffs) < 2:
+        return ["-", "-"]
+    test = paired_test(diffs)
+    p = min(1.0, 2 * min(test.p_lower, test.p_upper))
+    return [f"[{test.ci[0]:+.4f}, {test.ci[1]:+.4f}]", f"t {test.t:+.2f}, p {p:.3f}"]
+
+
 def _speed(s: float | None) -> str:
     return "not reached" if s is None else f"{s:.2f}x"
 
@@ -442,6 +453,8 @@ def format_compare(
             "domains better per seed",
             "domains better in the mean",
             "speed-up per seed",
+            "mean: 95% interval",
+            "mean: paired t-test",
         ],
         [
             [
@@ -452,6 +465,7 @@ def format_compare(
                 ", ".join(f"{n}/{p.k}" for n in p.improved),
                 f"{p.improved_in_mean}/{p.k}",
                 ", ".join(_speed(s) for s in p.speedups),
+                *_t_columns(p.mean_diff),
             ]
             for p in results
         ],
@@ -476,7 +490,9 @@ def format_compare(
         "",
         summary,
         "Differences are mixture minus baseline in nats per token (negative: the mixture is better), "
-        "mean ± standard error over seeds (sample std / sqrt(n)). Domains better: final validation "
+        "mean ± standard error over seeds (sample std / sqrt(n)); the mean's 95% interval is t-based "
+        "(mean ± t_{0.975,n-1} SE: with 4 seeds ± 3.18 SE, not ± 2) and its paired t-test two-sided "
+        "(doremi/study/stats.py paired_test). Domains better: final validation "
         "loss strictly lower. Speed-up: the baseline's steps over the first evaluation step where the "
         "mixture's mean loss reaches the baseline's final mean.",
         "",
@@ -494,8 +510,8 @@ def format_compare(
 
 
 def plot_compare(path: Path, results: Sequence[Paired], baseline: str) -> None:
-    """Per mixture, each seed's difference (dots) and the mean ± standard error (bar), for the
-    mean and the worst-case loss."""
+    """Per mixture, each seed's difference (dots) and the mean with its t-based 95% interval
+    (bar), for the mean and the worst-case loss."""
     from matplotlib.figure import Figure
 
     from doremi.report import _colors
@@ -506,8 +522,9 @@ def plot_compare(path: Path, results: Sequence[Paired], baseline: str) -> None:
         for i, (p, c) in enumerate(zip(results, _colors(max(len(results), 1)))):
             diffs = getattr(p, attr)
             mean, se = mean_se(diffs)
+            half = paired_test(diffs).ci[1] - mean if len(diffs) > 1 else 0.0
             ax.scatter([i + 0.15] * len(diffs), diffs, color=c, s=14, alpha=0.7)
-            ax.errorbar([i - 0.05], [mean], yerr=[se or 0.0], color=c, fmt="o", capsize=4)
+            ax.errorbar([i - 0.05], [mean], yerr=[half], color=c, fmt="o", capsize=4)
         ax.axhline(0.0, color="k", lw=0.8)
         ax.set_xticks(range(len(results)), [p.mixture for p in results])
         ax.set(title=f"{what} validation loss - {baseline}", ylabel="nats per token")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 import yaml
 
 from data import artifact
-from data.atomic import atomic_write_text
+from data.atomic import atomic_write_text, staging_dir
 from data.errors import UserError
 from data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from data.tokenizer_export import tokenizer_files
@@ -137,7 +136,7 @@ def export(
     ck = resolve_checkpoint(source)
     state, files = hf_directory_files(ck, with_tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    staging = staging_dir(out.parent, prefix=f".{out.name}.")
     try:
         for name, text in files.items():
             (staging / name).write_text(text)

@@ -73,7 +73,10 @@ def test_mixture_in_some_roots_is_compared_over_those():
     ]
     text = format_compare(results, notes, "uniform")
     assert "| doremi | 2 | -0.0417 ± 0.0417 | -0.5000 ± 0.0000 | 2/3, 2/3 | 1/3 | 1.50x, not reached |" in text
-    assert "| tokens | 1 | -0.0833 | -1.5000 | 1/3 | 1/3 | not reached |" in text
+    assert "| tokens | 1 | -0.0833 | -1.5000 | 1/3 | 1/3 | not reached | - | - |" in text
+    # 2 seeds, differences -1/12 and 0: mean -1/24, SE 1/24, t = -1 on 1 df (two-sided p 0.5), and
+    # the interval -1/24 -+ t_{0.975,1} / 24 with t_{0.975,1} = 12.7062 (not -+ 2 SE).
+    assert "| 1.50x, not reached | [-0.5711, +0.4878] | t -1.00, p 0.500 |" in text
     assert "| doremi | s2 | +0.0000 | -0.5000 | 2/3 | not reached |" in text
     assert "- tokens: compared over 1 of 2 roots (missing in s2)" in text
 

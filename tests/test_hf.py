@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,9 @@ def test_bf16_export_sharded(runs, stores, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and "model.safetensors.index.json" in files
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # as mkdir makes it, not mkdtemp's 0700
     model = transformers.LlamaForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16 and "lm_head.weight" in dict(model.named_parameters())
     back = dict(imported(out).named_parameters())

@@ -175,6 +175,7 @@ class FakeWandb(types.ModuleType):
         super().__init__("wandb")
         self.inits: list[dict] = []
         self.rows: list[tuple[dict, int]] = []
+        self.Settings = dict
 
     def init(self, **kwargs):
         self.inits.append(kwargs)
@@ -199,6 +200,46 @@ def test_wandb_name_group_and_config(stores, tmp_path, fake_wandb):
     assert [step for _, step in fake_wandb.rows] == [1, 2, 2]  # train rows, then the final evaluation
     assert fake_wandb.rows[1][0]["loss"] == losses(run)[1]
     assert fake_wandb.rows[1][0]["realised/tokens/noise"] > 0
+
+
+def test_a_stopped_and_resumed_run_is_one_wandb_run_and_one_tensorboard_log(stores, tmp_path, monkeypatch):
+    """The real wandb, offline: the run stopped by SIGTERM at step 2 and resumed by the same
+    command logs to one wandb run (its id kept in the run directory), quietly; TensorBoard's
+    scalars of both parts land in one folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    path = tmp_path / "run.yaml"
+    config(stores, run)
+    sets = ["--set", "train.steps=4", "--set", "logging.wandb=true", "--set", "logging.tensorboard=true"]
+    step = Trainer.train_step
+
+    def stopped(self):
+        out = step(self)
+        if self.step == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", stopped)
+    assert cli.main(["train", str(path), *sets]) == 143
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert cli.main(["train", str(path), *sets]) == 0
+    run_id = (run / "wandb_id").read_text().strip()
+    parts = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+    assert len(parts) == 2 and all(p.endswith(f"-{run_id}") for p in parts)  # one wandb run, synced as one
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses(run), rel=1e-6)
+
+
+def test_a_missing_logger_extra_is_one_line(stores, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    path = tmp_path / "run.yaml"
+    config(stores, tmp_path / "run")
+    assert cli.main(["train", str(path), "--set", "train.steps=1", "--set", "logging.wandb=true"]) == 2
 
 
 def test_pipeline_stages_are_grouped_under_the_pipeline_name(tmp_path):

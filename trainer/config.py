@@ -307,8 +307,11 @@ class LoggingConfig:
     # True: a progress bar when stderr is a terminal; otherwise (or false) one plain line per
     # logged step (step, loss, tokens/s), so that a log file gets lines and a run is never silent.
     progress: bool = True
-    # Also log to Weights & Biases.
+    # Also log to Weights & Biases (`pip install -e .[wandb]`); a resumed run continues the same
+    # wandb run (its id is kept in the run directory's `wandb_id`).
     wandb: bool = False
+    # Also log scalars for TensorBoard to <run_dir>/tensorboard/ (`pip install -e .[tensorboard]`).
+    tensorboard: bool = False
     # The wandb project.
     wandb_project: str = "doremi"
     # None: `<stage>:<run dir>`.

@@ -1,5 +1,5 @@
 """Run metrics: `metrics.jsonl` (one JSON object per logged step), progress on stderr (a bar on a
-terminal, plain lines in a log file), and wandb when asked. Only the global rank 0 writes; every
+terminal, plain lines in a log file), and wandb or TensorBoard when asked. Only the global rank 0 writes; every
 number it writes is already global."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic import atomic_write_text
+from trainer.metric_sinks import MetricSink, open_sinks
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -96,14 +97,16 @@ class MetricsLogger:
         resume: bool = False,
         desc: str = "train",
         group: str | None = None,
+        tensorboard: bool = False,
     ):
         """`progress`: a tqdm bar when stderr is a terminal; plain lines otherwise, or when off
         (a bar in a log file is one ever-growing line, and no output at all hides a hung run).
-        wandb: the run is named `run_name` (default `desc:run_dir`), grouped by `group` and given
-        the resolved `config`; it is imported only when asked for (it is optional)."""
+        wandb: the run is named `run_name` (default `desc:run_dir`), grouped by `group`, given
+        the resolved `config` and resumed by the id kept in the run directory; wandb and
+        tensorboard are imported only when asked for (trainer/metric_sinks.py)."""
         self.enabled = enabled
         self._bar = None
-        self._wandb = None
+        self._sinks: list[MetricSink] = []
         self._desc, self._total = desc, total_steps
         self._last_time = time.perf_counter()
         if not enabled:
@@ -115,25 +118,19 @@ class MetricsLogger:
             self._bar = tqdm(
                 total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True, file=sys.stderr, mininterval=1.0
             )
-        if wandb:
-            import wandb as wb
-
-            self._wandb = wb.init(
-                project=wandb_project,
-                name=run_name or f"{desc}:{run_dir}",
-                group=group,
-                config=config,
-                dir=str(run_dir),
-                resume="allow",
-            )
+        self._sinks = open_sinks(
+            Path(run_dir), wandb, tensorboard, wandb_project, run_name or f"{desc}:{run_dir}", group, config
+        )
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
         row = {k: _clean(v) for k, v in row.items()}
         self.writer.write(row)
-        if self._wandb is not None:
-            self._wandb.log(flatten_numbers(row), step=row.get("step"))
+        if self._sinks:
+            numbers = flatten_numbers(row)
+            for sink in self._sinks:
+                sink.log(numbers, row.get("step"))
 
     def progress(self, step: int, **postfix: Any) -> None:
         if not self.enabled:
@@ -153,5 +150,5 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
         self.writer.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for sink in self._sinks:
+            sink.close()
