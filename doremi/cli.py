@@ -149,9 +149,15 @@ def cmd_score(args):
 
 
 def cmd_average(args):
+    from data.weights_file import read_weights_file
     from doremi import stages
 
-    print(stages.average(args.run_dir, args.out, args.from_step, args.allow_unfinished))
+    out = stages.average(args.run_dir, args.out, args.from_step, args.allow_unfinished)
+    tuned = read_weights_file(out)
+    width = max(len(d) for d in tuned["domains"])
+    for d, w in zip(tuned["domains"], tuned["weights"]):
+        print(f"{d:<{width}}  {w:.4f}")
+    print(f"written: {out}")
 
 
 def cmd_eval(args):
@@ -271,7 +277,7 @@ def cmd_sweep(args):
 
 
 def cmd_fit(args):
-    from doremi.propose import propose
+    from doremi.propose import describe_laws, propose
 
     cfg = _config(args)
     sweep = Path(args.sweep or cfg.sweep.run_dir)
@@ -285,6 +291,8 @@ def cmd_fit(args):
         print(f"not checked on held-out runs: {doc['held_out_skipped']}")
     if held:
         print(f"held out ({held['folds']} folds): Spearman {held['spearman']:.3f}, mean abs error {held['mae']:.4f}")
+    if isinstance(doc.get("mixing_law"), dict):
+        print(f"mixing law: {describe_laws(doc['mixing_law'])}")
     print(f"written to {out}")
 
 
@@ -331,7 +339,11 @@ def _config_parsers(sub) -> None:
     sp.add_argument("--keys", action="store_true", help="document every config key (type, default, meaning)")
     sp.set_defaults(fn=cmd_config)
     sp = sub.add_parser("inspect", help="the token stores' summary and a few decoded documents per domain")
-    sp.add_argument("target", metavar="STORE_DIR_OR_CONFIG", help="a store directory, or a config (its data.store_dir)")
+    sp.add_argument(
+        "target",
+        metavar="STORES_RUN_OR_CONFIG",
+        help="a store directory, a run directory (the stores it trained on), or a config (its data.store_dir)",
+    )
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     sp.add_argument("--domain", help="only this domain's documents")
     sp.add_argument("-n", type=int, default=2, help="documents per domain (default 2)")
@@ -347,8 +359,23 @@ def _debug_after_command(sub) -> None:
         )
 
 
+class _Version(argparse.Action):
+    """`doremi --version`: the project's version and commit and the packages that change
+    numbers, read only when asked (it runs git)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from doremi.environment import version_line
+
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="doremi", description="DoReMi data mixing on a 3D-parallel Llama trainer")
+    p.add_argument("--version", action=_Version, help="the project's version and commit, and its packages' versions")
     p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
     sub = p.add_subparsers(dest="command", required=True)
 

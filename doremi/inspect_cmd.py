@@ -1,4 +1,4 @@
-"""`doremi inspect STORE_DIR_OR_CONFIG`: what the token stores hold, and a few of their
+"""`doremi inspect STORES_RUN_OR_CONFIG`: what the token stores hold, and a few of their
 sequences decoded, so that a wrong text field, a broken tokenizer or a mislabelled domain shows
 before any training."""
 
@@ -12,13 +12,17 @@ from doremi.errors import DoReMiError
 
 
 def store_dir_of(target: str, overrides: list[str]) -> Path:
-    """A directory with a manifest.json is the stores; anything else is read as a config."""
-    p = Path(target)
-    if p.is_dir():
-        return p
+    """A directory with a manifest.json is the stores; a run directory (its saved
+    `config.yaml`) reads the stores it trained on; anything else is read as a config."""
     from doremi.config import ExperimentConfig
     from trainer.config import load_config
 
+    p = Path(target)
+    if p.is_dir():
+        saved = p / "config.yaml"
+        if (p / MANIFEST_FILE).is_file() or not saved.is_file():
+            return p
+        return Path(load_config(saved, overrides, cls=ExperimentConfig).data.store_dir)
     return Path(load_config(p, overrides, cls=ExperimentConfig).data.store_dir)
 
 

@@ -41,9 +41,11 @@ def test_staged_doremi_chain(stores, tmp_path):
     doremi("score", cfg, *proxy, "--out", tmp_path / "cache")
     doremi("train-proxy", cfg, *proxy)
     assert len(alphas(tmp_path / "proxy")) == 4
-    out = doremi("average", tmp_path / "proxy", "--from-step", "2")
-    weights = json.loads(Path(out.strip()).read_text())
+    out = doremi("average", tmp_path / "proxy", "--from-step", "2").splitlines()
+    assert out[-1] == f"written: {tmp_path / 'proxy' / 'weights.json'}"
+    weights = json.loads((tmp_path / "proxy" / "weights.json").read_text())
     assert weights["domains"] == ["noise", "easy", "markov"] and weights["steps_averaged"] == 3
+    assert out[:3] == [f"{d:<6}  {w:.4f}" for d, w in zip(weights["domains"], weights["weights"])]
     assert sum(weights["weights"]) == pytest.approx(1.0)
     doremi(
         "train",
@@ -130,3 +132,14 @@ def test_pipeline_under_torchrun(tmp_path):
     # preprocess, reference, proxy, average, ODM's proxy and average, and a main run and its
     # eval for doremi, odm and uniform
     assert again.count("done already") == 12
+
+
+def test_version_names_the_project_its_commit_and_packages():
+    import torch
+
+    from doremi.environment import project_commit
+
+    out = doremi("--version").strip()
+    assert out.startswith("doremi 0.1.0") and f"torch {torch.__version__}" in out and "python " in out
+    commit = project_commit()
+    assert commit is None or f"(commit {commit}" in out

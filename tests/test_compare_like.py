@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from data import artifact
@@ -155,7 +156,7 @@ def test_pipeline_does_not_train_on_a_fit_that_ranks_badly(stores, tmp_path, mon
 
     (tmp_path / "sweep").mkdir()
     monkeypatch.setattr(pipeline.Pipeline, "sweep", lambda self: tmp_path / "sweep")
-    monkeypatch.setattr(pipeline, "propose", lambda cfg, name, out, sweep, budget: _bad_fit(Path(out)))
+    monkeypatch.setattr(pipeline, "propose", lambda cfg, name, out, sweep, budget, **kw: _bad_fit(Path(out)))
     root = tmp_path / "root"
     path = config_path(stores, tmp_path / "unused")
     sets = [f"pipeline.run_dir={root}", "pipeline.methods=[regmix]", "pipeline.baselines=[uniform]", "train.steps=2"]
@@ -168,6 +169,9 @@ def test_pipeline_does_not_train_on_a_fit_that_ranks_badly(stores, tmp_path, mon
     assert sorted(p.name for p in (root / "main").iterdir()) == ["regmix", "uniform"]
     done = artifact.read(root)
     assert done.status == "finished" and done.fingerprint != stopped.fingerprint  # another experiment
+    made = json.loads((root / "artifact.json").read_text())  # what made it, for a reader months later
+    assert made["command"].startswith("doremi ") and made["environment"]["torch"] == torch.__version__
+    assert "commit" in made["environment"] and made["config"]["pipeline"]["run_dir"] == str(root)
     from doremi.cli import main
 
     capsys.readouterr()

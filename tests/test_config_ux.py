@@ -207,6 +207,16 @@ def test_inspect_a_config_reads_its_store_dir(stores, tmp_path, capsys):
     assert len(out) == 6  # the summary only: stores, tokenizer, header, three domains
 
 
+def test_inspect_a_run_directory_follows_its_stores(stores, tmp_path, capsys):
+    from doremi import stages
+
+    run = tmp_path / "run"
+    stages.train(runs.config(stores, run, "train.steps=1"))
+    capsys.readouterr()
+    assert main(["inspect", str(run), "-n", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"stores: {stores}"
+
+
 def test_plan_with_vocab_size_auto_before_the_stores_is_one_line(tmp_path, capsys):
     from doremi.cli import main
 

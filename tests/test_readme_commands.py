@@ -220,8 +220,9 @@ def test_the_staged_chain_on_the_quickstart(workdir, chain):
     assert alphas(runs / "proxy-cached") == proxy  # the optional cache: the same weights
     assert alphas(runs / "quickstart" / "proxy") == proxy  # newcomer.md's line: the default run_dir
 
-    assert chain["average"].stdout.strip() == "runs/proxy/weights.json"
+    assert chain["average"].stdout.splitlines()[-1] == "written: runs/proxy/weights.json"
     weights = json.loads((runs / "proxy" / "weights.json").read_text())
+    assert [line.split()[0] for line in chain["average"].stdout.splitlines()[:-1]] == DOMAINS
     assert weights["domains"] == DOMAINS and weights["steps_averaged"] == STEPS
     assert weights["weights"] == pytest.approx([sum(col) / STEPS for col in zip(*proxy)], abs=1e-12)
 
