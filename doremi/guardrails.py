@@ -36,6 +36,41 @@ RANDOM_DRAW_SIGMAS = 3.0
 MEMORISATION_SES = 2.0
 #: A weight above this is "concentrated": one domain gets most of the proxy's loss.
 CONCENTRATED = 0.5
+#: Below this many epochs of a domain a sequence was trained on about once: a held-out minus
+#: seen gap there is what one pass teaches, not the repetition the memorisation check is about.
+MEMORISATION_MIN_EPOCHS = 0.5
+
+#: Per check: what a warning means for the result, and what to change (a key and a value).
+ADVICE: dict[str, tuple[str, str]] = {
+    "epochs": (
+        "a domain read this often can be memorised, so its validation loss flatters the mixture that repeats it",
+        "more data for the domain, fewer train.steps, or cap the mixture with data.max_epochs: 2",
+    ),
+    "mixture": (
+        "the run did not train on the mixture it reports, so its result belongs to another mixture",
+        "a larger train.global_batch_size (more draws per step), or pipeline.guardrails.mixture_tolerance",
+    ),
+    "memorisation": (
+        "the reference has memorised its training sequences, so its losses (and DoReMi's excess losses) are too low",
+        "train the reference on more data or for fewer train.steps; data.holdout_sequences: 512 for a tighter check",
+    ),
+    "proxy_lag": (
+        "the proxy is far behind its reference, so its excess losses measure its lag more than each domain's headroom",
+        "train the proxy as long as its reference (the same train.steps), or a lower doremi.eta",
+    ),
+    "lambda_snr": (
+        "the domain weights follow batch noise, so their average is close to the proxy's sampling mixture",
+        "a larger train.global_batch_size or more train.steps for the proxy",
+    ),
+    "concentration": (
+        "one domain takes most of the weight for many steps; its averaged weight may be an artefact of eta",
+        "a lower doremi.eta or a larger doremi.smoothing",
+    ),
+    "overfit": (
+        "the run got worse after its best evaluation, so its final loss understates the mixture",
+        "fewer train.steps or more data",
+    ),
+}
 
 Rows = Sequence[Mapping[str, Any]]
 PerDomain = dict[str, float]
@@ -52,6 +87,8 @@ class Finding:
     threshold: float | None
     message: str
     level: Literal["warning", "info"] = "warning"
+    #: For a warning: what it means for the result and what to change (ADVICE).
+    advice: str | None = None
 
     @property
     def is_warning(self) -> bool:
@@ -339,7 +376,15 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
             out.append(f)
             continue
         f = replace(f, message=f.message.replace(" nats >", f" ± {se:.2g} nats (standard error) >", 1))
-        if not beyond_noise(float(f.value or 0.0), se, cfg.memorisation_gap):
+        read = m.epochs.get(f.domain or "")
+        if read is not None and read < MEMORISATION_MIN_EPOCHS:
+            f = replace(
+                f,
+                level="info",
+                message=f"{f.message}: cannot be judged at this scale (the domain was read {read:.2g} epochs, "
+                f"below {MEMORISATION_MIN_EPOCHS:g}: a sequence seen about once, not repeated); not a warning",
+            )
+        elif not beyond_noise(float(f.value or 0.0), se, cfg.memorisation_gap):
             f = replace(
                 f,
                 level="info",
@@ -399,7 +444,15 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
             )
         )
     out += _over(m, "overfit", m.final_minus_best, cfg.overfit, "final minus best validation loss", "overfit", " nats")
-    return out
+    return [replace(f, advice=advice(f.check)) if f.is_warning else f for f in out]
+
+
+def advice(check: str) -> str | None:
+    """`means: ...; change: ...` for a check's warning (ADVICE)."""
+    if check not in ADVICE:
+        return None
+    means, change = ADVICE[check]
+    return f"means: {means}; change: {change}"
 
 
 def warnings(found: Iterable[Finding]) -> list[Finding]:
@@ -408,11 +461,25 @@ def warnings(found: Iterable[Finding]) -> list[Finding]:
 
 def print_findings(found: Iterable[Finding], file: IO[str] | None = None, prefix: str = "doremi") -> None:
     """One line per warning and per run-level info (the per-domain shift infos go to the
-    report's table only)."""
+    report's table only); after a check's first warning, an indented line saying what it means
+    and what to change."""
     file = file or sys.stderr
+    for f, advice_line in with_advice(f for f in found if f.is_warning or f.domain is None):
+        print(f"{prefix}: {f.level}: {f.message}", file=file, flush=True)
+        if advice_line:
+            print(f"    {advice_line}", file=file, flush=True)
+
+
+def with_advice(found: Iterable[Finding]) -> list[tuple[Finding, str | None]]:
+    """Each finding with its advice the first time its check warns (ten domains over one
+    threshold get one explanation, not ten)."""
+    said: set[str] = set()
+    out = []
     for f in found:
-        if f.is_warning or f.domain is None:
-            print(f"{prefix}: {f.level}: {f.message}", file=file, flush=True)
+        out.append((f, f.advice if f.advice and f.check not in said else None))
+        if f.advice:
+            said.add(f.check)
+    return out
 
 
 # -- reading run directories ---------------------------------------------------------------

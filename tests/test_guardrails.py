@@ -244,7 +244,30 @@ def test_print_findings_prints_warnings_and_run_level_infos(capsys):
         "doremi train-reference: info: round1/reference: no held-out evaluation "
         "(data.holdout_sequences = 0); memorisation check skipped",
         "doremi train-reference: warning: round1/reference: b: epochs read 3 > max_epochs 2",
+        "    means: a domain read this often can be memorised, so its validation loss flatters the mixture "
+        "that repeats it; change: more data for the domain, fewer train.steps, or cap the mixture with "
+        "data.max_epochs: 2",
     ]
+
+
+def test_every_check_that_warns_says_what_it_means_and_what_to_change():
+    from doremi.guardrails import ADVICE
+
+    checks = {"epochs", "mixture", "memorisation", "proxy_lag", "lambda_snr", "concentration", "overfit"}
+    assert set(ADVICE) == checks
+    for check, (means, change) in ADVICE.items():
+        assert means and "." in change or ":" in change or "_" in change, check  # names a key
+
+
+def test_memorisation_far_below_one_epoch_cannot_be_judged_and_does_not_warn():
+    from doremi.guardrails import RunMeasures
+
+    m = RunMeasures(
+        "r", "reference", epochs={"a": 0.006, "b": 3.0}, gap={"a": 0.5, "b": 0.5}, gap_se={"a": 0.01, "b": 0.01}
+    )
+    found = {f.domain: f for f in findings(m, CFG) if f.check == "memorisation"}
+    assert found["a"].level == "info" and "cannot be judged at this scale" in found["a"].message
+    assert found["b"].level == "warning" and found["b"].advice.startswith("means: the reference has memorised")
 
 
 def test_guardrail_table():
@@ -379,7 +402,7 @@ pipeline: {{run_dir: {root}/run, baselines: [uniform], strict: true, main: {{tra
 @pytest.mark.skipif(not _has_holdout(), reason="needs the trainer's held-out evaluation (data.holdout_sequences)")
 def test_strict_pipeline_stops_before_the_main_runs(tmp_path, capsys):
     from doremi.cli import main
-    from doremi.guardrails import measure_pipeline
+    from doremi.guardrails import measure_pipeline, with_advice
 
     exp = tmp_path / "tiny.yaml"
     exp.write_text(TINY_YAML.format(root=tmp_path))
@@ -402,7 +425,9 @@ def test_strict_pipeline_stops_before_the_main_runs(tmp_path, capsys):
     assert "round 1: proxy: done already" in out.out
     assert f"doremi pipeline: warning: {expected[0]}" in out.err.splitlines()
     report = (run / "report.md").read_text()
-    assert "## Warnings\n\n" + "".join(f"- {m}\n" for m in expected) in report
+    said = with_advice(f for m in measure_pipeline(run) for f in warnings(findings(m, CFG)))
+    assert "## Warnings\n\n" + "".join(f"- {f.message}\n" + (f"  {a}\n" if a else "") for f, a in said) in report
+    assert sum(a is not None for _, a in said) == len({f.check for f, _ in said})  # once per check
     assert "## Guardrails\n\n| check: run | code | docs | notes |" in report
     assert "| memorisation gap: round1/reference | " in report
     assert (run / "main" / "doremi" / "eval.json.stage.json").is_file()
