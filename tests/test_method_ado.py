@@ -51,7 +51,7 @@ def make_ctx(tmp_path, steps=40, train_tokens=(500, 300, 200), is_main=True) -> 
 
 
 def small_cfg(**kw) -> ADOConfig:
-    base = dict(warmup=4, refit_every=4, record_every=2, max_points=6, min_points=3, floor=0.05)
+    base = dict(warmup=4, refit_every=4, record_every=2, max_points=6, min_points=3, floor=0.05, variant="paper")
     base.update(kw)
     cfg = ADOConfig(**base)
     cfg.validate()

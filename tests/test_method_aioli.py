@@ -164,7 +164,7 @@ def cfg(**kw) -> AioliConfig:
 
 def test_method_recovers_a_linear_mixing_law(tmp_path):
     # 2 rounds of 20 steps; probes: 3 domains x 2 sweeps x 2 steps = 12 steps, then 8 on p
-    m = Aioli(cfg(), context(tmp_path, 40))
+    m = Aioli(cfg(variant="paper"), context(tmp_path, 40))
     run = LinearRun(m, np.array([3.0, 3.0, 3.0]))
     run.run(1, 12)
     # each interval drops L by delta * RATE * A_TRUE q_j: the estimate is delta * RATE * A_TRUE
@@ -189,8 +189,8 @@ def test_method_recovers_a_linear_mixing_law(tmp_path):
     m.close()
 
 
-def test_anchor_initial_restarts_from_uniform(tmp_path):
-    m = Aioli(cfg(anchor="initial", ema=0.0, normalize=False, shuffle=False), context(tmp_path, 40))
+def test_variant_authors_restarts_from_uniform(tmp_path):
+    m = Aioli(cfg(variant="authors", ema=0.0, normalize=False, shuffle=False), context(tmp_path, 40))
     LinearRun(m, np.array([3.0, 3.0, 3.0])).run(1, 40)
     a = 2 * RATE * A_TRUE
     expected = np.exp(mixture_update(np.full(3, -math.log(3)), a, 3.0))
@@ -248,7 +248,9 @@ def test_domain_weights_log_is_readable(tmp_path):
         ("sweeps", 0, "mixing.aioli.sweeps: expected >= 1, got 0"),
         ("one_hot_eps", 1.0, "mixing.aioli.one_hot_eps: expected a value in [0, 1), got 1.0"),
         ("ema", 1.0, "mixing.aioli.ema: expected a value in [0, 1), got 1.0"),
-        ("anchor", "last", "mixing.aioli.anchor: expected 'previous' or 'initial', got 'last'"),
+        ("variant", "last", "mixing.aioli.variant: expected 'authors' or 'paper', got 'last'"),
+        ("eval_sequences", -1, "mixing.aioli.eval_sequences: expected >= 0 or null, got -1"),
+        ("eval_budget", 0.0, "mixing.aioli.eval_budget: expected a finite value > 0, got 0.0"),
     ],
 )
 def test_config_errors(field, value, message):

@@ -42,7 +42,14 @@ def test_config_errors():
             bad.validate()
 
 
-SETS = ["train.decay=constant", "train.warmup_steps=0", "train.lr=0.01", "mixing.method=doge", "mixing.doge.mu=0.01"]
+SETS = [
+    "train.decay=constant",
+    "train.warmup_steps=0",
+    "train.lr=0.01",
+    "mixing.method=doge",
+    "mixing.doge.variant=paper",
+    "mixing.doge.mu=0.01",
+]
 
 
 def test_one_step_matches_per_domain_gradients_by_autograd(stores, tmp_path):

@@ -19,6 +19,15 @@ world as one number: no gradient is flattened or copied to the host. A domain ab
 batch has gradient 0, so a_i = 0. g_T and the running sum are kept in the gradients' dtype (fp32
 main grads, or bf16 gradients of a bf16 model at one micro-batch: two gradient copies of that
 size); only the dot products are always accumulated in fp32 (`fp32_dot`).
+
+Deferred (`Alignment.deferred`, DoGE's released code, doremi/methods/doge.py): the weights need
+every domain's gradient first (the scores are divided by the domains' mean gradient norm), so
+each domain's gradient is kept: summed over dp (its norm is not a sum of partial norms), clipped
+to `Alignment.domain_clip` like `torch.nn.utils.clip_grad_norm_` (as is g_T), its norm and its
+inner product with g_T taken on dp rank 0 of the counting ranks. Then
+`hook.alignment_weights(t, a, norms, lr_t)` gives w [k] and the update is sum_i w_i g_i, not
+renormalised. Memory: k + 2 gradient copies; communication: k + 1 dp all-reduces of the model's
+gradient (the optimizer's own dp sum then adds the zeros of dp ranks other than 0 to rank 0's sum).
 """
 
 from __future__ import annotations
@@ -88,6 +97,41 @@ def _synced_grads(model: torch.nn.Module, params: Sequence[torch.Tensor], pc: Pa
     return _grads(params)
 
 
+def _reduced_clone(grads: list[torch.Tensor], pc: ParallelContext) -> list[torch.Tensor]:
+    """A copy of this step's gradients summed over dp: the same whole-batch gradient on every
+    dp rank."""
+    out = [g.detach().clone() for g in grads]
+    if pc.dp > 1:
+        for g in out:
+            dist.all_reduce(g, group=pc.dp_group)
+    return out
+
+
+def _full_dot(a: list[torch.Tensor], b: list[torch.Tensor], counted: list[bool], pc: ParallelContext) -> torch.Tensor:
+    """<a, b> over the whole model (fp64 0-dim) of two dp-reduced gradients: each element
+    counted once, by dp rank 0 of the ranks that count it before the reduction."""
+    dot = torch.zeros((), dtype=torch.float64, device=pc.device)
+    if pc.dp_rank == 0:
+        for x, y, c in zip(a, b, counted):
+            if c:
+                dot += fp32_dot(x, y)
+    if pc.world_size > 1:
+        dist.all_reduce(dot)
+    return dot
+
+
+def _clip(grads: list[torch.Tensor], max_norm: float, counted: list[bool], pc: ParallelContext) -> torch.Tensor:
+    """Scales a dp-reduced gradient in place by `torch.nn.utils.clip_grad_norm_`'s coefficient
+    min(1, max_norm / (norm + 1e-6)) when max_norm > 0; returns its norm after the clip (fp64)."""
+    norm = _full_dot(grads, grads, counted, pc).sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        norm = norm * coef
+    return norm
+
+
 def aligned_step(
     model: torch.nn.Module,
     named_params: Sequence[tuple[str, torch.Tensor]],
@@ -117,10 +161,9 @@ def aligned_step(
     _clear(params)
     if target:
         train_schedule(model, target, pc, schedule, MeanTokenLoss(target_tokens), few_ok=True)
-    g_target = [g.detach().clone() for g in _synced_grads(model, params, pc)]
-    if pc.dp > 1:
-        for g in g_target:
-            dist.all_reduce(g, group=pc.dp_group)
+    g_target = _reduced_clone(_synced_grads(model, params, pc), pc)
+    if spec.domain_clip > 0:
+        _clip(g_target, spec.domain_clip, counted, pc)
     _clear(params)
 
     items = torch.cat([b["items"] for b in micro_batches]).tolist()
@@ -130,6 +173,8 @@ def aligned_step(
     total = [torch.zeros_like(g) for g in g_target]
     norm = torch.zeros((), dtype=torch.float64, device=pc.device)
     alignment = torch.zeros(k, dtype=torch.float64, device=pc.device)
+    norms = torch.zeros(k, dtype=torch.float64, device=pc.device)
+    kept: list[list[torch.Tensor]] = []
     losses: list[torch.Tensor] = []
     batches: list[dict] = []
     for d in range(k):
@@ -142,6 +187,12 @@ def aligned_step(
             losses += train_schedule(model, group, pc, schedule, DomainWeights(one_hot, signals.tokens), few_ok=True)
             batches += group
         grads = _synced_grads(model, params, pc)
+        if spec.deferred:
+            kept.append(_reduced_clone(grads, pc))
+            norms[d] = _clip(kept[-1], spec.domain_clip, counted, pc)
+            alignment[d] = _full_dot(kept[-1], g_target, counted, pc)
+            _clear(params)
+            continue
         dot = torch.zeros((), dtype=torch.float64, device=pc.device)
         for g, t, c in zip(grads, g_target, counted):
             if c:  # fp32 dot per parameter (no temporary the size of the gradient), fp64 across them
@@ -154,6 +205,17 @@ def aligned_step(
         for acc, g in zip(total, grads):
             acc.addcmul_(g, m.to(acc.dtype))
         _clear(params)
+    if spec.deferred:
+        w = hook.alignment_weights(step, alignment, norms, signals.lr).to(torch.float64)
+        for d, grads in enumerate(kept):
+            for acc, g in zip(total, grads):
+                acc.addcmul_(g, w[d].to(acc.dtype))
+        kept.clear()
+        if pc.dp > 1 and pc.dp_rank != 0:  # every dp rank holds the reduced sum: the optimizer's
+            for acc in total:  # dp sum of (total, 0, ..., 0) gives it back exactly
+                acc.zero_()
+        norm.fill_(1.0)
+        signals.grad_norms = norms
     for p, acc in zip(params, total):
         acc.div_(norm.to(acc.dtype))
         if getattr(p, "main_grad", None) is not None:

@@ -21,7 +21,8 @@ layout. Each step t the loop calls, on every rank:
    after the step, with the same signals, so that every rank's state stays the same).
 4. Under `needs.alignment`, the step is DoGE's (`trainer.alignment`): one gradient per domain,
    each weighted by `alignment_weight(t, i, a_i, lr_t)` as soon as its inner product a_i with the
-   target gradient is known.
+   target gradient is known (or, under `Alignment.deferred`, all at once by `alignment_weights`
+   once every domain's gradient is kept).
 5. `after_step(t, signals)` after the update, with the step's `StepSignals`; what it returns is
    merged into the step's `metrics.jsonl` row.
 6. Validation losses: at every step t (t = 0 before a fresh run's first step) for which
@@ -55,6 +56,13 @@ class Alignment:
 
     weights: tuple[float, ...]
     sequences: int
+    #: Clip each domain's gradient and the target's to this L2 norm (of the dp-reduced gradient)
+    #: before any inner product (DoGE's released code); 0: no clip.
+    domain_clip: float = 0.0
+    #: The weights need every domain's gradient first (DoGE's released code divides the scores by
+    #: the domains' mean gradient norm): the step keeps the k domain gradients and asks
+    #: `alignment_weights` once, instead of `alignment_weight` per domain.
+    deferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,8 @@ class Needs:
     draws: Literal["exact", "random"] = "exact"
     #: Per-domain validation losses on the method's schedule (`validation_due`).
     validation: bool = False
+    #: Validation sequences per domain of each of those passes; None: `train.eval_sequences`.
+    validation_sequences: int | None = None
     #: Per-domain gradient inner products with a target gradient (DoGE).
     alignment: Alignment | None = None
     #: The validation documents the losses and the target come from: only `dev` is handed to
@@ -121,6 +131,8 @@ class StepSignals:
     stats: torch.Tensor | None = None
     #: Per-domain inner products of each domain's mean-loss gradient with the target's [k].
     alignment: torch.Tensor | None = None
+    #: Under `Alignment.deferred`: each domain's gradient norm [k] float64, after its clip.
+    grad_norms: torch.Tensor | None = None
 
     @property
     def domain_loss(self) -> torch.Tensor:
@@ -149,6 +161,11 @@ class MixingHook(Protocol):
         learning rate `lr`. The update is
         sum_i m_i g_i / sum_i m_i over all domains (an absent domain's gradient is 0, and so
         is its inner product)."""
+        ...
+
+    def alignment_weights(self, step: int, alignment: torch.Tensor, norms: torch.Tensor, lr: float) -> torch.Tensor:
+        """Under `Alignment.deferred`: the weights [k] of the domains' (clipped) gradients in this
+        step's update sum_i w_i g_i, from every inner product and gradient norm [k] at once."""
         ...
 
     def validation_due(self, step: int) -> bool: ...
@@ -184,6 +201,9 @@ class MethodBase:
 
     def alignment_weight(self, step: int, domain: int, alignment: torch.Tensor, lr: float) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not ask for gradient alignment")
+
+    def alignment_weights(self, step: int, alignment: torch.Tensor, norms: torch.Tensor, lr: float) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not ask for deferred gradient alignment")
 
     def validation_due(self, step: int) -> bool:
         return False

@@ -84,11 +84,7 @@ class Trainer:
             cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, self.pc, seed=cfg.data.seed
         )
         self.feed.check_vocab(cfg.model.vocab_size)
-        self.hook: MixingHook = (
-            FixedMixture(resolve_weights(cfg.data.domain_weights, self.feed.manifest, budget_tokens=cfg.budget_tokens))
-            if method is None
-            else method(self.method_context())
-        )
+        self.hook: MixingHook = FixedMixture(self._fixed_weights()) if method is None else method(self.method_context())
         check_method_split(self.hook.needs.validation_split, type(self.hook).__name__)
         if self.hook.needs.stats_before_backward and cfg.parallelism.pp_schedule != "afab":
             # The weights need every forward of the step before any backward; the stage split
@@ -238,11 +234,26 @@ class Trainer:
         """The method's validation losses at `step`, counted with the seconds they took (the
         cost of the method's signal, apart from the training step's)."""
         t0 = time.perf_counter()
-        batches = self.feed.validation(self.facts.micro_batch_size, self.cfg.train.eval_sequences, "method_probe")
+        n = self.hook.needs.validation_sequences
+        sequences = self.cfg.train.eval_sequences if n is None else n
+        batches = self.feed.validation(self.facts.micro_batch_size, sequences, "method_probe")
         self.hook.observe_validation(step, evaluate_domains(self.model, batches, self.pc, self.autocast))
         self.method_evals["passes"] += 1
         self.method_evals["tokens"] += sum(int((b["labels"] != IGNORE_INDEX).sum()) for d in batches for b in d)
         self.method_evals["seconds"] += time.perf_counter() - t0
+
+    def _fixed_weights(self) -> np.ndarray:
+        """`data.domain_weights` as the run reads them: capped at `data.max_epochs`, with a line
+        naming each domain the cap moved (rank 0)."""
+        d, manifest = self.cfg.data, self.feed.manifest
+        given = resolve_weights(d.domain_weights, manifest, "data.domain_weights", self.cfg.budget_tokens)
+        if d.max_epochs is None:
+            return given
+        read = resolve_weights(d.domain_weights, manifest, "data.domain_weights", self.cfg.budget_tokens, d.max_epochs)
+        moved = [f"{n} {a:.4f} -> {b:.4f}" for n, a, b in zip(manifest.domain_names, given, read) if a != b]
+        if moved:
+            say([f"data.max_epochs {d.max_epochs:g}: the mixture is capped: " + ", ".join(moved)], self.pc.rank == 0)
+        return read
 
     def lr(self, step: int) -> float:
         return scheduled_lr(step, self.cfg.train, self.extension)
@@ -336,6 +347,7 @@ class Trainer:
             resume=resumed,
             desc=self.desc,
             group=cfg.logging.wandb_group,
+            tensorboard=cfg.logging.tensorboard,
         )
         if pc.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pc.device)

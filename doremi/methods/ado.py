@@ -17,48 +17,74 @@ with mu the natural mixture (each domain's share of the training tokens, `ctx.tr
 and floor_delta the projection onto {pi_k >= delta for every domain with mu_k > 0} that keeps the
 ratios of the unfloored entries. Until a domain has been fitted the policy is mu.
 
-Choices where the paper is silent (ours):
+The equations above are the paper's; two variants (`variant`) say how they are run.
+
+`variant: authors` (the default) is the released code, github yidingjiang/ado at commit
+bc3d8d0e4d6a13f40f03b2e8fb83369d773a2611, `src/data_selectors/ado.py` (lines L<n> below), driven
+by `src/dataloader/adaptive_loader.py` and `src/train.py` at its 0-based step itr = t - 1.
+Where it differs from the paper's form:
+- n is the total number of sequences seen, for every domain (`use_same_step_size=True`, the
+  default the loader keeps, L129-131), not the domain's own (`count: total`).
+- h averages each batch's realised count distribution, h = 0.9 h + 0.1 counts / sum (L135-137),
+  not the policy (`credit: counts`); lambda = h^0.5 (L105; bc3d8d0 replaced (h (1 - h))^0.5).
+- pibar averages the clipped preference (`p_avg`, L113-114: weight 1/(itr + 1) = 1/t, with mu
+  standing for the steps before the first fit), and pi(t+1) = 0.9 pibar(t-1) + 0.1 rho(t): the
+  mean before this step's rho is folded in (`average: preference`).
+- the floor clips rho: max(rho, 0.01) / sum (`clip_min_probability`, L111, L245-250; an entry
+  can end slightly under 0.01), and the policy is not floored again (`floor_on: preference`).
+- the slope is max(alpha, 0.05) (L(n) - eps) / n, L(n) at the unfloored alpha (L94-101).
+- the history is each step's mean loss per domain, stored as float32 (`task_loss_TxK`); a domain
+  absent from the batch repeats its previous value, or takes the batch mean on the first step
+  (L144-153). At a refit it is smoothed by Savitzky-Golay (window 101, order 3) and every 10th
+  step from `warmup` (their `ignore_steps`) is kept with its cumulative n (L218-224): here
+  `record_every` is that stride.
+- the fit (L253-306): sum over points of Huber(delta 1e-3) of log L - log(e^a n^-alpha + e^e),
+  plus soft bounds of slope 1: max(alpha - 0.8, 0) - min(alpha, 0.001) + max(a - 6.5, 0) +
+  max(0.5 - e, 0); jaxopt L-BFGS (tol 1e-5, 200 iterations) from each of 512 starts (a in
+  -2..5, e in -2..1.5 by 0.5, alpha in 0..0.7 by 0.1), the start of least final value kept; a
+  fit with any NaN or inf is dropped whole (`check_valid`). The eps bound binds: a Huber term
+  moves by at most 1e-3 per unit of e, the penalty by 1, so with fewer than 1000 kept points the
+  fit has eps >= e^0.5 = 1.6487 exactly.
+- refits happen after steps with itr >= `warmup` and itr % `refit_every` == 0 (L178; their
+  configs: ignore_steps 1000, start_step 500 or 1000, update_interval 1000, so steps 1001, 2001,
+  ...): every 1000 steps. The first fit sees a single kept point.
+- draws are random: each sequence's domain from the policy (adaptive_loader.py L96), so
+  `Needs(draws="random")`.
+Ours where theirs cannot be run as is: the fit is a batched L-BFGS in float64 on the run's
+device (`fit_soft_bounds`; theirs jaxopt in float32 on TPUs), same objective, starts, history,
+stopping rule and cap, with an Armijo backtracking line search (theirs zoom); the objective is
+flat along some directions, so the two can stop at different points of near-equal value, and
+so can two layouts whose float32 loss rows differ in one rounding. A history shorter than 101
+steps is smoothed with the largest odd window it holds (theirs would raise). Only rows from
+`warmup` - 100 on are kept, since earlier ones cannot reach a kept point through the window. A
+domain without training data keeps probability 0 (theirs would floor it). A domain's loss is its
+token-weighted mean (theirs the mean over sequences: the same when every sequence has seq_len
+loss tokens). Their `y_axis: val_loss` (fits to validation losses) is not offered.
+
+`variant: paper`: the paper's form, with our rules where it is silent:
 - The history: after the warmup, per domain, one point per `record_every` steps: the
   token-weighted mean of n over the steps the domain was drawn in, and its mean training loss
   over them (sum of loss sums / sum of tokens). A block mean has no lag (an EMA of the loss would
-  trail n); the authors smooth with a Savitzky-Golay filter and keep every 10th step. When a
-  domain holds more than `max_points`, adjacent pairs are merged (token-weighted), so old data
-  grows coarse while the state stays small; the fit weights each point by its tokens.
+  trail n). When a domain holds more than `max_points`, adjacent pairs are merged
+  (token-weighted), so old data grows coarse while the state stays small; the fit weights each
+  point by its tokens.
 - n counts sequences of the domain seen so far, including the step's own (never 0).
-- The fit: least squares of log L (the authors' target) from the best point of a grid over
-  alpha in (0, alpha_max] (eps, beta by linear least squares for each alpha), polished by
-  Levenberg-Marquardt in float64 with alpha in [0, alpha_max] and eps >= 0. Deterministic.
-  Losses that do not fall give beta = 0: no learning potential. A fit that fails keeps the
-  previous parameters.
+- The fit: least squares of log L from the best point of a grid over alpha in (0, alpha_max]
+  (eps, beta by linear least squares for each alpha), polished by Levenberg-Marquardt in
+  float64 with alpha in [0, alpha_max] and eps >= 0 (`huber_delta`: a Huber loss by iteratively
+  reweighted least squares). Deterministic. Losses that do not fall give beta = 0: no learning
+  potential. A fit that fails keeps the previous parameters.
 - A domain with mu_k > 0 that has no fit yet (too few points) is given the largest fitted
   learning potential (optimism, so that it gets drawn and fitted); rho falls back to mu when
   every potential is 0.
 - Draws are exact (`Needs()` default): ADO uses no importance weights, and exact counts make the
   realised mixture follow the policy within one sequence, so that n_k and the credit terms carry
   no sampling noise.
+In either variant `count`, `credit`, `average` and `floor_on` may be set to the other's choice.
 
-The authors' code (github yidingjiang/ado, `src/data_selectors/ado.py`) differs; each difference
-is an option:
-- `count: total`: their `use_same_step_size`: every domain's n is the total number of sequences
-  seen (cross-domain transfer), not the domain's own.
-- `credit: counts`: h is the moving average of the realised count distribution of each batch,
-  not of the policy.
-- `average: preference`: pibar averages the (floored) preferences rho, with mu standing for the
-  steps before the first fit (their `p_avg`: its update at their 0-based step itr = t - 1 gives
-  rho(t) the weight 1/(itr + 1) = 1/t), and pi(t+1) = gamma2 rho(t) + (1 - gamma2) pibar(t-1).
-- `floor_on: preference`: the floor is applied to rho as max(rho, delta) / sum (their
-  `clip_min_probability`), not to the policy.
-- `huber_delta`: a Huber loss on the log residuals (theirs: 1e-3), by iteratively reweighted
-  least squares. They also fit with L-BFGS from a grid of 512 starting points with soft bounds
-  (alpha <= 0.8, log beta <= 6.5, log eps >= 0.5) and floor alpha at 0.05 in the derivative;
-  we keep alpha <= `alpha_max` and eps >= 0 only.
-Not offered (stated here because they change the weights): their history holds every step's
-loss (a domain absent from the batch repeats its previous loss), smoothed by a Savitzky-Golay
-filter (window 101, order 3) and taken every 10th step; they refit at their 0-based steps
-itr >= start_step with itr a multiple of update_interval (our steps 1001, 2001, ... with their
-defaults), so their first fit sees a single point after `ignore_steps`, while ours waits for
-`min_points` points (warmup + refit_every); and they draw each batch's domains at random from
-the policy (a multinomial), not exact counts.
+Cost: per step a few operations on k numbers (and, under `authors`, one float32 row of the
+history); per refit the smoothing (k x rows x 101 multiply-adds) and the fit, whose L-BFGS over
+k x 512 starts runs on the run's device.
 """
 
 from __future__ import annotations
@@ -69,13 +95,20 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import torch
 
 from doremi.methods.log import MethodLog
 from trainer.configtools import ConfigError
-from trainer.hooks import MethodBase, MethodContext, StepSignals
+from trainer.hooks import MethodBase, MethodContext, Needs, StepSignals
 
 #: Bounds of log beta in the fit (beta n^-alpha stays finite in float64).
 LOG_BETA_BOUND = 100.0
+
+#: What `count`, `credit`, `average` and `floor_on` are when left null, per variant.
+VARIANT_CHOICES: dict[str, dict[str, str]] = {
+    "authors": {"count": "total", "credit": "counts", "average": "preference", "floor_on": "preference"},
+    "paper": {"count": "domain", "credit": "policy", "average": "policy", "floor_on": "policy"},
+}
 
 
 @dataclass
@@ -86,17 +119,19 @@ class ADOConfig:
     # Steps on the natural mixture before anything is fitted; their losses are left out of the
     # fits (the authors' `ignore_steps` and `start_step`: 1000).
     warmup: int = 1000
-    # The power laws are refit after every step t > warmup with (t - warmup) a multiple of this
-    # (the authors' `update_interval`: 1000). The first fit is at warmup + refit_every.
+    # Steps between refits (the authors' `update_interval`: 1000). `paper`: after every step
+    # t > warmup with (t - warmup) a multiple of this; `authors`: after every step t with
+    # t - 1 >= warmup and (t - 1) a multiple of this (their 0-based steps).
     refit_every: int = 1000
-    # Steps per history point (a block mean); must divide refit_every (the authors keep every
-    # 10th step).
+    # `paper`: steps per history point (a block mean); `authors`: the stride of the smoothed
+    # steps kept for the fit (theirs: 10). Must divide refit_every.
     record_every: int = 10
-    # Most history points per domain: beyond it adjacent pairs are merged.
+    # `paper`: most history points per domain: beyond it adjacent pairs are merged.
     max_points: int = 256
-    # Fewest history points a domain needs to be fitted (3 parameters).
+    # `paper`: fewest history points a domain needs to be fitted (3 parameters).
     min_points: int = 5
-    # gamma1: weight of the newest policy in the moving average h of the credit assignment.
+    # gamma1: weight of the newest policy (or counts) in the moving average h of the credit
+    # assignment (the authors' 1 - 0.9).
     credit_smoothing: float = 0.1
     # s: the credit assignment is lambda_k = h_k^s.
     credit_exponent: float = 0.5
@@ -104,22 +139,33 @@ class ADOConfig:
     policy_mix: float = 0.1
     # delta_min: smallest probability of a domain with training data (at most 1 / their number).
     floor: float = 0.01
-    # Largest exponent alpha of a fit.
+    # `paper`: largest exponent alpha of a fit (`authors`: their soft bound 0.8).
     alpha_max: float = 0.8
-    # Huber threshold on the log residuals of the fit (the authors' code: 1e-3); null: least squares.
+    # Huber threshold on the log residuals of the `paper` variant's fit; null: least squares
+    # (the `authors` fit always uses their 1e-3).
     huber_delta: float | None = None
+    # `authors`: the released code (yidingjiang/ado @ bc3d8d0): per-step history smoothed by
+    # Savitzky-Golay, their soft-bounded multi-start fit, their refit schedule, random draws and
+    # the four choices below as theirs. `paper`: section 3's form with our block-mean history and
+    # bounded fit (module docstring).
+    variant: Literal["authors", "paper"] = "authors"
     # n of a domain: `domain`: its own sequences seen (the paper); `total`: all sequences seen
-    # (the authors' `use_same_step_size`).
-    count: Literal["domain", "total"] = "domain"
+    # (the authors' `use_same_step_size`). null: the variant's (authors: total; paper: domain).
+    count: Literal["domain", "total"] | None = None
     # h averages `policy`: the policies used (the paper), or `counts`: each batch's realised
-    # count distribution (the authors' code).
-    credit: Literal["policy", "counts"] = "policy"
+    # count distribution (the authors' code). null: the variant's.
+    credit: Literal["policy", "counts"] | None = None
     # The time average pibar is of the `policy` used so far (the paper), or of the `preference`
-    # rho (the authors' `p_avg`).
-    average: Literal["policy", "preference"] = "policy"
+    # rho (the authors' `p_avg`). null: the variant's.
+    average: Literal["policy", "preference"] | None = None
     # The floor applies to the `policy` (exactly, the paper's minimum probability) or to the
-    # `preference` rho by clip-and-renormalise (the authors' code).
-    floor_on: Literal["policy", "preference"] = "policy"
+    # `preference` rho by clip-and-renormalise (the authors' code). null: the variant's.
+    floor_on: Literal["policy", "preference"] | None = None
+
+    def choice(self, name: str) -> str:
+        """`count`, `credit`, `average` or `floor_on` as set, or else the variant's."""
+        value = getattr(self, name)
+        return VARIANT_CHOICES[self.variant][name] if value is None else value
 
     def validate(self, path: str = "mixing.ado") -> None:
         for name in ("warmup", "refit_every", "record_every", "max_points", "min_points"):
@@ -148,13 +194,15 @@ class ADOConfig:
             raise ConfigError(f"{path}.alpha_max: expected a finite value > 0, got {self.alpha_max}")
         if self.huber_delta is not None and not 0 < self.huber_delta < math.inf:
             raise ConfigError(f"{path}.huber_delta: expected a finite value > 0 or null, got {self.huber_delta}")
+        if self.variant not in ("authors", "paper"):
+            raise ConfigError(f"{path}.variant: expected one of 'authors', 'paper', got {self.variant!r}")
         for name, allowed in (
             ("count", ("domain", "total")),
             ("credit", ("policy", "counts")),
             ("average", ("policy", "preference")),
             ("floor_on", ("policy", "preference")),
         ):
-            if getattr(self, name) not in allowed:
+            if getattr(self, name) not in (None, *allowed):
                 raise ConfigError(
                     f"{path}.{name}: expected one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}"
                 )
@@ -287,6 +335,208 @@ def fit_power_law(
     return beta, alpha, eps
 
 
+# --- the authors' history and fit (released code) --------------------------------------------
+
+#: Savitzky-Golay window and polynomial order of the released history smoothing
+#: (`compute_scaling_law_params`: `savgol_filter(self.task_loss_TxK.T, 101, 3, axis=-1)`).
+SAVGOL_WINDOW, SAVGOL_ORDER = 101, 3
+#: The released fit's Huber threshold on log residuals (`huber_loss`, delta=1e-3).
+SOFT_HUBER = 1e-3
+#: The released fit's soft bounds (`loss_fn`): alpha <= 0.8, log beta <= 6.5, log eps >= 0.5
+#: (eps >= e^0.5 = 1.6487...), alpha >= 0 through -min(alpha, 0.001); each penalty has slope 1.
+SOFT_ALPHA_MAX, SOFT_ALPHA_MIN, SOFT_LOG_BETA_MAX, SOFT_LOG_EPS_MIN = 0.8, 0.001, 6.5, 0.5
+#: The released derivative floors the exponent (`curr_dist`: `np.maximum(params[:, 2], 0.05)`).
+ALPHA_FLOOR = 0.05
+#: The released optimiser: jaxopt `LBFGS(loss_fn, tol=1e-5, maxiter=200)` (its defaults: history 10,
+#: at most 15 line-search steps).
+LBFGS_TOL, LBFGS_MAXITER, LBFGS_HISTORY, LBFGS_MAXLS = 1e-5, 200, 10, 15
+#: The line search's halvings 2^-lo .. 2^-(hi-1) tried together, group by group, for the rows
+#: that still fail (fewer evaluations than one by one, less work than all at once).
+LS_GROUPS = ((1, 3), (3, 7), (7, LBFGS_MAXLS))
+#: Largest number of (start, point) pairs evaluated at once in the fit (memory bound).
+FIT_CHUNK = 1 << 23
+
+
+def start_grid() -> np.ndarray:
+    """The released fit's 512 starting points (log beta, log eps, alpha) (`fit_scaling_law`:
+    a in arange(-2, 6, 1), e in arange(-2, 2, 0.5), alpha in arange(0, 0.8, 0.1), float32,
+    meshgrid 'ij' order)."""
+    a = np.arange(-2, 6, 1, dtype=np.float32)
+    e = np.arange(-2, 2, 0.5, dtype=np.float32)
+    alpha = np.arange(0, 0.8, 0.1, dtype=np.float32)
+    x, y, z = np.meshgrid(a, e, alpha, indexing="ij")
+    return np.stack((x.ravel(), y.ravel(), z.ravel()), axis=1).astype(np.float64)
+
+
+def smooth_history(loss_rows: np.ndarray) -> np.ndarray:
+    """The released smoothing of the per-step loss history [T, k] along the steps:
+    Savitzky-Golay, window 101, order 3 (scipy's `interp` edges). Ours where theirs would raise:
+    a history shorter than 101 steps takes the largest odd window it holds, and one shorter than
+    5 steps is left as it is."""
+    from scipy.signal import savgol_filter
+
+    rows = np.asarray(loss_rows, dtype=np.float64)
+    window = min(SAVGOL_WINDOW, rows.shape[0] - (1 - rows.shape[0] % 2))
+    if window <= SAVGOL_ORDER + 1:
+        return rows.copy()
+    return savgol_filter(rows, window, SAVGOL_ORDER, axis=0)
+
+
+#: The four soft bounds as over = theta @ MAP + SHIFT, each penalised by max(over, 0):
+#: alpha - 0.8, 0.001 - alpha, a - 6.5, 0.5 - e.
+_PENALTY_MAP = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, -1.0], [1.0, -1.0, 0.0, 0.0]], dtype=torch.float64)
+_PENALTY_SHIFT = torch.tensor(
+    [-SOFT_ALPHA_MAX, SOFT_ALPHA_MIN, -SOFT_LOG_BETA_MAX, SOFT_LOG_EPS_MIN], dtype=torch.float64
+)
+
+
+def _soft_value_grad(
+    theta: torch.Tensor, logn: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The released `loss_fn` and its gradient for rows theta [m, 3] = (a, e, alpha) against
+    their points logn, y = log L, w (1 real, 0 padding) [m, P]. Ties of max/min split the
+    gradient in halves, as JAX's do."""
+    a, e, alpha = theta[:, 0:1], theta[:, 1:2], theta[:, 2:3]
+    u = a - alpha * logn
+    top = torch.maximum(u, e)
+    pu, pe = torch.exp(u - top), torch.exp(e - top)
+    total = pu + pe
+    r = y - (top + torch.log(total))
+    big = r.abs() > SOFT_HUBER
+    huber = torch.where(big, SOFT_HUBER * (r.abs() - 0.5 * SOFT_HUBER), 0.5 * r * r)
+    dr = -torch.where(big, SOFT_HUBER * torch.sign(r), r) * w
+    su, se = pu / total, pe / total
+    value = (huber * w).sum(1)
+    grad = torch.stack(((dr * su).sum(1), (dr * se).sum(1), -(dr * su * logn).sum(1)), dim=1)
+
+    over = theta @ _PENALTY_MAP.to(theta.device) + _PENALTY_SHIFT.to(theta.device)
+    slope = (over > 0).to(theta.dtype) + 0.5 * (over == 0).to(theta.dtype)
+    value = value + torch.clamp(over, min=0.0).sum(1) - SOFT_ALPHA_MIN
+    return value, grad + slope @ _PENALTY_MAP.T.to(theta.device)
+
+
+def fit_soft_bounds(
+    n: np.ndarray, loss: np.ndarray, valid: np.ndarray | None = None, device: torch.device | str = "cpu"
+) -> np.ndarray:
+    """The released fit: per row of n, loss [k, P] (valid [k, P] marks real points), minimise
+    sum_j huber(log L_j - log(e^a n_j^-alpha + e^e)) plus the soft bounds (`loss_fn`) by L-BFGS
+    from each of the 512 starts of `start_grid`, and keep the start of least final value
+    (`fit_scaling_law`). Returns [k, 3] rows (beta, alpha, eps); NaN for a row with no valid point.
+
+    Theirs is jaxopt's L-BFGS (zoom line search, float32, on TPU); ours is a batched L-BFGS in
+    float64 with the same history (10), initial scaling s.y / y.y, stopping rule (gradient norm
+    <= 1e-5) and iteration cap (200), and an Armijo backtracking line search from step 1. On the
+    flat directions of this objective the two can stop at different points of near-equal value:
+    the objective, the starts and the choice are theirs, the last digits of the parameters are not.
+    Deterministic for a given device."""
+    n = np.asarray(n, dtype=np.float64)
+    loss = np.asarray(loss, dtype=np.float64)
+    k, p = n.shape
+    ok = np.ones((k, p), dtype=bool) if valid is None else np.asarray(valid, dtype=bool).copy()
+    ok &= np.isfinite(n) & np.isfinite(loss) & (n > 0) & (loss > 0)
+    out = np.full((k, 3), np.nan)
+    rows = [i for i in range(k) if ok[i].any()]
+    if not rows:
+        return out
+    dev = torch.device(device)
+    f64 = torch.float64
+    logn_k = torch.tensor(np.where(ok, np.log(np.where(ok, n, 1.0)), 0.0)[rows], dtype=f64, device=dev)
+    y_k = torch.tensor(np.where(ok, np.log(np.where(ok, loss, 1.0)), 0.0)[rows], dtype=f64, device=dev)
+    w_k = torch.tensor(ok[rows].astype(np.float64), dtype=f64, device=dev)
+    grid = torch.tensor(start_grid(), dtype=f64, device=dev)
+    g = grid.shape[0]
+    owner = torch.arange(len(rows), device=dev).repeat_interleave(g)
+    x = grid.repeat(len(rows), 1)
+    chunk = max(1, FIT_CHUNK // max(p, 1))
+
+    def evaluate(theta: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, grads = [], []
+        for lo in range(0, idx.shape[0], chunk):
+            part = idx[lo : lo + chunk]
+            d = owner[part]
+            v, gr = _soft_value_grad(theta[lo : lo + chunk], logn_k[d], y_k[d], w_k[d])
+            values.append(v)
+            grads.append(gr)
+        return torch.cat(values), torch.cat(grads)
+
+    every = torch.arange(x.shape[0], device=dev)
+    f, grad = evaluate(x, every)
+    m = LBFGS_HISTORY
+    s_hist = torch.zeros(x.shape[0], m, 3, dtype=f64, device=dev)
+    y_hist = torch.zeros_like(s_hist)
+    rho = torch.zeros(x.shape[0], m, dtype=f64, device=dev)
+    active = torch.isfinite(f) & (torch.linalg.vector_norm(grad, dim=1) > LBFGS_TOL)
+    for _ in range(LBFGS_MAXITER):
+        idx = torch.nonzero(active).squeeze(1)
+        if idx.numel() == 0:
+            break
+        q = grad[idx].clone()
+        sh, yh, rh = s_hist[idx], y_hist[idx], rho[idx]
+        alphas = []
+        for j in range(m - 1, -1, -1):
+            aj = rh[:, j] * (sh[:, j] * q).sum(1)
+            q -= aj[:, None] * yh[:, j]
+            alphas.append(aj)
+        yy = (yh[:, -1] * yh[:, -1]).sum(1)
+        gamma = torch.where(rh[:, -1] > 0, 1.0 / (rh[:, -1] * torch.where(yy > 0, yy, 1.0)), 1.0)
+        r = gamma[:, None] * q
+        for j in range(m):
+            bj = rh[:, j] * (yh[:, j] * r).sum(1)
+            r += sh[:, j] * (alphas[m - 1 - j] - bj)[:, None]
+        d = -r
+        slope = (grad[idx] * d).sum(1)
+        bad = ~(slope < 0)
+        d[bad] = -grad[idx][bad]
+        slope = torch.where(bad, -(grad[idx] * grad[idx]).sum(1), slope)
+        # Backtracking: the first of the steps 1, 1/2, ..., 2^-(maxls-1) that passes Armijo's
+        # test; step 1 for every row, then the halvings of `LS_GROUPS` for the rows still failing.
+        f0, x0 = f[idx], x[idx]
+        cand = x0 + d
+        new_f, new_g = evaluate(cand, idx)
+        done = torch.isfinite(new_f) & (new_f <= f0 + 1e-4 * slope)
+        new_x = torch.where(done[:, None], cand, x0)
+        new_f, new_g = torch.where(done, new_f, f0), torch.where(done[:, None], new_g, grad[idx])
+        for lo, hi in LS_GROUPS:
+            fail = torch.nonzero(~done).squeeze(1)
+            if fail.numel() == 0:
+                break
+            steps = 0.5 ** torch.arange(lo, hi, dtype=f64, device=dev)
+            trial = (x0[fail, None, :] + steps[None, :, None] * d[fail, None, :]).reshape(-1, 3)
+            fv, gv = evaluate(trial, idx[fail].repeat_interleave(steps.shape[0]))
+            fv, gv = fv.view(fail.shape[0], -1), gv.view(fail.shape[0], -1, 3)
+            passed = torch.isfinite(fv) & (fv <= f0[fail, None] + 1e-4 * steps[None, :] * slope[fail, None])
+            first = torch.argmax(passed.to(torch.int32), dim=1)
+            hit = passed.any(dim=1)
+            rows_hit, pick = fail[hit], first[hit]
+            new_x[rows_hit] = trial.view(fail.shape[0], -1, 3)[hit, pick]
+            new_f[rows_hit] = fv[hit, pick]
+            new_g[rows_hit] = gv[hit, pick]
+            done[rows_hit] = True
+        s = new_x - x0
+        yv = new_g - grad[idx]
+        sy = (s * yv).sum(1)
+        push = done & (sy > 1e-10)
+        s_hist[idx] = torch.where(push[:, None, None], torch.cat((sh[:, 1:], s[:, None]), 1), sh)
+        y_hist[idx] = torch.where(push[:, None, None], torch.cat((yh[:, 1:], yv[:, None]), 1), yh)
+        rho[idx] = torch.where(
+            push[:, None], torch.cat((rh[:, 1:], (1.0 / torch.where(push, sy, 1.0))[:, None]), 1), rh
+        )
+        x[idx], f[idx], grad[idx] = new_x, new_f, new_g
+        active[idx] = done & (torch.linalg.vector_norm(new_g, dim=1) > LBFGS_TOL)
+    f = torch.where(torch.isfinite(f), f, torch.full_like(f, math.inf)).view(len(rows), g)
+    best = torch.argmin(f, dim=1)
+    theta = x.view(len(rows), g, 3)[torch.arange(len(rows), device=dev), best].cpu().numpy()
+    for j, i in enumerate(rows):
+        out[i] = (math.exp(theta[j, 0]), theta[j, 2], math.exp(theta[j, 1]))
+    return out
+
+
+def released_speed(n: float, beta: float, alpha: float, eps: float) -> float:
+    """The released learning potential (`curr_dist`): max(alpha, 0.05) (L(n) - eps) / n with
+    L(n) = eps + beta n^-alpha at the unfloored alpha."""
+    return max(alpha, ALPHA_FLOOR) * (power_law(n, beta, alpha, eps) - eps) / n
+
+
 # --- the policy (section 3.2) ------------------------------------------------------------------
 
 
@@ -369,10 +619,16 @@ def merge_points(n: list[float], loss: list[float], w: list[float]) -> tuple[lis
 
 
 class ADO(MethodBase):
-    """Owns the cumulative counts, the bounded loss history, the fitted laws, h, pibar and the policy."""
+    """Owns the cumulative counts, the loss history (block means, or the authors' per-step rows),
+    the fitted laws, h, pibar and the policy."""
 
     def __init__(self, cfg: ADOConfig, ctx: MethodContext):
         self.cfg = cfg
+        self.authors = cfg.variant == "authors"
+        self.choices = {name: cfg.choice(name) for name in VARIANT_CHOICES[cfg.variant]}
+        if self.authors:
+            self.needs = Needs(draws="random")
+        self.device = ctx.device
         self.domains = list(ctx.domains)
         self.k = ctx.k
         tokens = np.asarray(ctx.train_tokens, dtype=np.float64)
@@ -400,12 +656,20 @@ class ADO(MethodBase):
         self.average_count = 0
         self.policy = self.mu.copy()
         self.rho: np.ndarray | None = None
+        # The authors' history: per-step loss rows from row0 on (the rows before it cannot reach a
+        # kept point through the smoothing window), the last row, and the kept rows with their n.
+        self.row0 = max(0, cfg.warmup - (SAVGOL_WINDOW - 1))
+        self.rows = np.zeros((max(ctx.steps - self.row0, 16) if self.authors else 0, k), dtype=np.float32)
+        self.row_count = 0
+        self.last_loss: list[float] | None = None
+        self.kept: list[int] = []
+        self.kept_n: list[list[float]] = []
 
     def sampling_weights(self, step: int) -> np.ndarray:
         return self.policy.copy()
 
     def _n(self) -> np.ndarray:
-        if self.cfg.count == "total":
+        if self.choices["count"] == "total":
             return np.full(self.k, float(self.total))
         return np.asarray(self.seen, dtype=np.float64)
 
@@ -433,7 +697,53 @@ class ADO(MethodBase):
         self.block_tokens = [0.0] * self.k
         self.block_n = [0.0] * self.k
 
+    def _record_row(self, row: int, sequences: list[int], tokens: list[float], loss_sum: list[float]) -> None:
+        """The released history (`update`): each domain's mean loss of the step, as float32 (their
+        `task_loss_TxK`); a domain absent from the batch repeats its previous loss, or takes the
+        batch's mean loss on the first step; the kept rows are row >= warmup every record_every-th
+        (their `[ignore_steps::10]`), with n as of that row (their cumulative counts)."""
+        mean = sum(loss_sum) / sum(tokens) if sum(tokens) > 0 else 0.0
+        loss = np.array(
+            [
+                loss_sum[i] / tokens[i]
+                if sequences[i] > 0 and tokens[i] > 0
+                else (self.last_loss[i] if self.last_loss is not None else mean)
+                for i in range(self.k)
+            ],
+            dtype=np.float32,
+        )
+        self.last_loss = [float(v) for v in loss]
+        if row >= self.row0:
+            if self.row_count == self.rows.shape[0]:
+                self.rows = np.concatenate((self.rows, np.zeros_like(self.rows)), axis=0)
+            self.rows[self.row_count] = loss
+            self.row_count += 1
+        if row >= self.cfg.warmup and (row - self.cfg.warmup) % self.cfg.record_every == 0:
+            self.kept.append(row)
+            self.kept_n.append(self._n().tolist())
+
+    def _refit_authors(self) -> None:
+        """The released refit (`compute_scaling_law_params`): the smoothed history at the kept
+        rows, every domain fitted at once; a fit with a NaN or inf anywhere is dropped whole
+        (`check_valid`)."""
+        if not self.kept:
+            return
+        smooth = smooth_history(self.rows[: self.row_count])
+        at = np.asarray(self.kept) - self.row0
+        loss = smooth[at].T
+        n = np.asarray(self.kept_n, dtype=np.float64).T
+        valid = np.repeat(self.mask[:, None], len(at), axis=1)
+        fit = fit_soft_bounds(n, loss, valid, self.device)
+        if not np.all(np.isfinite(fit[self.mask])):
+            return
+        for i in range(self.k):
+            if self.mask[i]:
+                self.params[i] = [float(v) for v in fit[i]]
+
     def _refit(self) -> None:
+        if self.authors:
+            self._refit_authors()
+            return
         for i in range(self.k):
             pts = self.points[i]
             if len(pts["n"]) < self.cfg.min_points:
@@ -451,7 +761,10 @@ class ADO(MethodBase):
         speed = np.zeros(self.k)
         for i in fitted:
             beta, alpha, eps = self.params[i]
-            speed[i] = float(learning_speed(max(n[i], 1.0), beta, alpha, eps))
+            if self.authors:
+                speed[i] = released_speed(max(n[i], 1.0), beta, alpha, eps)
+            else:
+                speed[i] = float(learning_speed(max(n[i], 1.0), beta, alpha, eps))
         top = float(speed[fitted].max())
         for i in range(self.k):
             if self.params[i] is None and self.mask[i]:
@@ -468,20 +781,26 @@ class ADO(MethodBase):
         for i, s in enumerate(sequences):
             self.seen[i] += s
         self.total += sum(sequences)
-        if step > cfg.warmup:
+        if self.authors:
+            self._record_row(step - 1, sequences, tokens, loss_sum)
+        elif step > cfg.warmup:
             self._record(sequences, tokens, loss_sum)
 
-        if cfg.credit == "counts" and sum(sequences) > 0:
+        if self.choices["credit"] == "counts" and sum(sequences) > 0:
             self.h = credit_update(
                 self.h, np.asarray(sequences, dtype=np.float64) / sum(sequences), cfg.credit_smoothing
             )
         else:
             self.h = credit_update(self.h, used, cfg.credit_smoothing)
-        if cfg.average == "policy":
+        if self.choices["average"] == "policy":
             self.average = running_mean(self.average, self.average_count, used)
             self.average_count += 1
 
-        refit = step > cfg.warmup and (step - cfg.warmup) % cfg.refit_every == 0
+        if self.authors:
+            # their `update` at the 0-based step itr = step - 1: itr >= start_step, itr % update_interval == 0
+            refit = step - 1 >= cfg.warmup and (step - 1) % cfg.refit_every == 0
+        else:
+            refit = step > cfg.warmup and (step - cfg.warmup) % cfg.refit_every == 0
         if refit:
             self._refit()
 
@@ -489,19 +808,19 @@ class ADO(MethodBase):
         if speed is None:
             self.rho = None
             policy = self.mu.copy()
-            if cfg.average == "preference":
+            if self.choices["average"] == "preference":
                 self.average = running_mean(self.average, self.average_count, self.mu)
                 self.average_count += 1
         else:
             rho = preference(self.mu, self.h, cfg.credit_exponent, speed)
-            if cfg.floor_on == "preference":
+            if self.choices["floor_on"] == "preference":
                 rho = floor_clip(rho, cfg.floor, self.mask)
             self.rho = rho
             policy = mix_policy(rho, self.average, cfg.policy_mix)
-            if cfg.average == "preference":
+            if self.choices["average"] == "preference":
                 self.average = running_mean(self.average, self.average_count, rho)
                 self.average_count += 1
-            if cfg.floor_on == "policy":
+            if self.choices["floor_on"] == "policy":
                 policy = floor_exact(policy / policy.sum(), cfg.floor, self.mask)
             policy = policy / policy.sum()
         self.policy = policy
@@ -542,6 +861,16 @@ class ADO(MethodBase):
             "average_count": self.average_count,
             "policy": self.policy.tolist(),
             "rho": None if self.rho is None else self.rho.tolist(),
+            **(
+                {
+                    "rows": torch.from_numpy(self.rows[: self.row_count].copy()),
+                    "last_loss": self.last_loss,
+                    "kept": list(self.kept),
+                    "kept_n": [list(v) for v in self.kept_n],
+                }
+                if self.authors
+                else {}
+            ),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -560,6 +889,14 @@ class ADO(MethodBase):
         self.average_count = int(state["average_count"])
         self.policy = np.asarray(state["policy"], dtype=np.float64)
         self.rho = None if state["rho"] is None else np.asarray(state["rho"], dtype=np.float64)
+        if self.authors:
+            rows = torch.as_tensor(state["rows"], dtype=torch.float32).numpy()
+            self.row_count = rows.shape[0]
+            self.rows = np.zeros((max(self.rows.shape[0], 2 * self.row_count), self.k), dtype=np.float32)
+            self.rows[: self.row_count] = rows
+            self.last_loss = None if state["last_loss"] is None else [float(v) for v in state["last_loss"]]
+            self.kept = [int(v) for v in state["kept"]]
+            self.kept_n = [[float(x) for x in v] for v in state["kept_n"]]
 
     def close(self) -> None:
         self.log.close()

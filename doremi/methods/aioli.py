@@ -14,8 +14,10 @@ p_t as L_{t+1} = L_t - A_t p_t. Aioli splits the run into rounds; each round r
    Q's rows the q_j (Q = I when eps = 0).
 2. Normalisation and smoothing: A <- (A - min(A, 0)) / sum(A - min(A, 0)) (all entries >= 0,
    summing to 1), then Abar_r = ema Abar_{r-1} + (1 - ema) A (Abar_1 = A).
-3. The exponentiated-gradient step of Algorithm 1:
+3. The exponentiated-gradient step of Algorithm 1 (`variant: paper`):
        p_r[j] proportional to p_{r-1}[j] exp(eta sum_i Abar_r[i, j]),     p_0 uniform,
+   or, as the authors' code runs it (`variant: authors`), from the uniform prior every round:
+       p_r[j] proportional to exp(eta sum_i Abar_r[i, j]),
    and the rest of the round trains on p_r.
 
 Round length is ceil(steps / rounds) (or `round_steps`); the last round may be shorter, and a
@@ -24,28 +26,51 @@ asked for exactly at the probe intervals' ends and at each probing round's start
 first), so the schedule depends only on the config, the run's steps and k; the probe order within
 a sweep on the run's seed too (`shuffle`).
 
-The authors' code (github HazyResearch/aioli, `trainer/aioli_trainer.py`; LearnParams is its
-`learn_params_subroutine`) fixes the details Algorithms 1 and 2 leave to the implementation: the
-smoothing puts (1 - one_hot_factor) / (k - 1) on the other domains (one_hot_eps =
-1 - one_hot_factor), the normalisation is their `--aioli_normalize_A`, `ema` weights the old
-average as theirs does, and each sweep's probe order is a fresh random permutation. Where it differs, the variant is an
-option:
-- `anchor: initial`: with `--ema` set their code restarts each round from the uniform prior,
-  p_r proportional to exp(eta sum_i Abar_r[i, :]), instead of multiplying onto p_{r-1}.
-- `diagonal`: their `--aioli_diagonal`: A = diag(D[i, i] / (1 - eps)), no cross-domain terms.
-- `normalize: false`: the raw estimate (their flag unset).
-- `shuffle: false`: the probes in domain order in every sweep.
-Also different, not offered: their code runs LearnParams at the start of every round, the last
-(possibly short) one included, where a round here too short for its probes trains on p; and
-their `--aioli_diagonal` applies only with one_hot_factor != 1 (with exact one-hot probes they
-keep the full D), where `diagonal` here always keeps the diagonal. All their scripts set `--ema`,
-so their runs are `anchor: initial`.
+Variants. `variant: authors` (the default) is the released code (github HazyResearch/aioli at
+commit a236112, `trainer/aioli_trainer.py`; LearnParams is its `learn_params_subroutine`) as
+every released script runs it (`scripts/*/aioli/run.sh`: all set `--ema` and
+`--aioli_normalize_A`); `variant: paper` is Algorithm 1 as written. They differ in step 3:
+- authors: with `--ema` set their code restarts each round from the uniform prior,
+  p_r proportional to exp(eta sum_i Abar_r[i, :]) (lines 231 and 334-340), instead of
+  multiplying onto p_{r-1} (paper; their code does that only without `--ema`, lines 342-345).
+- authors: `diagonal` applies only with one_hot_eps > 0 (their `--aioli_diagonal` with
+  one_hot_factor != 1, line 181; with exact one-hot probes they keep the full D, line 166);
+  paper: `diagonal` always keeps the diagonal.
+Shared with their code: the smoothing puts (1 - one_hot_factor) / (k - 1) on the other domains
+(one_hot_eps = 1 - one_hot_factor, lines 125-126), the drops are averaged over the sweeps
+(line 164) and solved against the probe matrix (lines 166-179), the normalisation is their
+`--aioli_normalize_A` (lines 324-331), `ema` weights the old average as theirs does (line 338),
+each sweep's probe order is a fresh random permutation (line 123), and validation runs at each
+round's start and after every probe interval (lines 310 and 154). Options: `diagonal` (their
+`--aioli_diagonal`), `normalize: false` (their flag unset), `shuffle: false` (probes in domain
+order). Not reproduced: their code runs LearnParams at the start of every round, the last
+(possibly short) one included, where a round here too short for its probes trains on p.
+
+Cost (issue 35, point 4). A probing round validates k sweeps + 1 times; each pass forwards
+`eval_sequences` sequences of each domain (a third of a training token's FLOPs each). The
+default `eval_sequences: null` takes the largest number, at least 1, that keeps the run's
+validation FLOPs within `eval_budget` (10%) of its training FLOPs:
+
+    n = max(1, floor(eval_budget x 3 x steps x global_batch_size / (passes x k)))
+
+(the quickstart's 160 steps of 32 sequences, 6 domains, 4 rounds of one sweep: 28 passes of 9
+sequences per domain, 9.8%). The authors' schedule is far above that: every pass evaluates the
+whole validation split of each domain (`get_tokenized_val_dataset`, no subset), and their
+7-domain run (`scripts/full/aioli/run.sh`: 2 sweeps, rounds of 200 steps of 8 x 2048 tokens)
+makes 15 passes a round, so its validation exceeds 10% of its training as soon as the split
+holds more than 65,536 tokens (32 sequences of 2048 over all 7 domains); on this trainer the
+1B bench measured a pass every 2nd step at five times the training time (issue 35). Their
+schedule is `eval_sequences: 0` (the whole split) with `sweeps`/`delta`/`round_steps` of the
+script; the default schedule (20 rounds, 4 sweeps of 4 steps, their 2-domain script's
+`--lp_rounds 4 --lp_steps 4` over 20 rounds) is theirs, only the validation subset is budgeted.
+The ledger (doremi/ledger.py) counts every pass's tokens (`method_evals`) as validation FLOPs.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Literal
 
 import numpy as np
@@ -61,6 +86,10 @@ class AioliConfig:
     """Aioli (Chen et al. 2025): mixing-law parameters estimated online from short probes, and an
     exponentiated-gradient step on the mixture each round."""
 
+    # `authors`: the released code as its scripts run it (--ema: each round restarts from the
+    # uniform prior, p_r proportional to exp(eta colsum(Abar_r))); `paper`: Algorithm 1 (p_r
+    # proportional to p_{r-1} exp(eta colsum(Abar_r))). doremi/methods/aioli.py lists the differences.
+    variant: Literal["authors", "paper"] = "authors"
     # Step size eta of the exponentiated-gradient update of the mixture (the authors' examples:
     # 0.1 to 0.5).
     eta: float = 0.2
@@ -80,14 +109,17 @@ class AioliConfig:
     ema: float = 0.1
     # Shift A to be non-negative and scale it to sum 1 before smoothing (the authors' `--aioli_normalize_A`).
     normalize: bool = True
-    # `previous`: p_r proportional to p_{r-1} exp(eta colsum(Abar_r)) (Algorithm 1). `initial`:
-    # p_r proportional to exp(eta colsum(Abar_r)) from the uniform prior (the authors' code with --ema).
-    anchor: Literal["previous", "initial"] = "previous"
     # Keep only A's diagonal, estimated as D[i, i] / (1 - one_hot_eps) (the authors' `--aioli_diagonal`).
     diagonal: bool = False
     # Each sweep probes the domains in a random order drawn from the run's seed and the round (the
     # authors' code); false: in domain order.
     shuffle: bool = True
+    # Validation sequences per domain of each of the method's validation passes (the same first
+    # ones every pass; 0: the whole split, as the authors' code); None: the largest number (at
+    # least 1) that keeps all passes within `eval_budget` of the run's training FLOPs.
+    eval_sequences: int | None = None
+    # The share of the run's training FLOPs its validation passes may take when eval_sequences is None.
+    eval_budget: float = 0.1
 
     def validate(self, path: str = "mixing.aioli") -> None:
         if not 0 <= self.eta < float("inf"):
@@ -104,8 +136,12 @@ class AioliConfig:
             raise ConfigError(f"{path}.one_hot_eps: expected a value in [0, 1), got {self.one_hot_eps}")
         if not 0 <= self.ema < 1:
             raise ConfigError(f"{path}.ema: expected a value in [0, 1), got {self.ema}")
-        if self.anchor not in ("previous", "initial"):
-            raise ConfigError(f"{path}.anchor: expected 'previous' or 'initial', got {self.anchor!r}")
+        if self.variant not in ("authors", "paper"):
+            raise ConfigError(f"{path}.variant: expected 'authors' or 'paper', got {self.variant!r}")
+        if self.eval_sequences is not None and self.eval_sequences < 0:
+            raise ConfigError(f"{path}.eval_sequences: expected >= 0 or null, got {self.eval_sequences}")
+        if not 0 < self.eval_budget < float("inf"):
+            raise ConfigError(f"{path}.eval_budget: expected a finite value > 0, got {self.eval_budget}")
 
 
 def probe_mixture(k: int, domain: int, eps: float) -> np.ndarray:
@@ -208,6 +244,25 @@ class ProbeSchedule:
         return None
 
 
+def validation_passes(schedule: ProbeSchedule) -> int:
+    """The run's validation passes: k sweeps + 1 in each probing round."""
+    rounds = -(-schedule.steps // schedule.round_len)
+    return sum(1 for r in range(rounds) if schedule.probing(r)) * (schedule.k * schedule.sweeps + 1)
+
+
+def eval_sequences(cfg: AioliConfig, schedule: ProbeSchedule, global_batch_size: int) -> int:
+    """Validation sequences per domain of each pass: `cfg.eval_sequences`, or the most that keep
+    passes x k x n forwarded sequences (a third of a trained one's FLOPs each) within
+    `eval_budget` of the steps x global_batch_size trained ones, at least 1."""
+    if cfg.eval_sequences is not None:
+        return cfg.eval_sequences
+    passes = validation_passes(schedule)
+    if passes == 0:
+        return 1
+    trained = Fraction(cfg.eval_budget) * 3 * schedule.steps * global_batch_size
+    return max(1, math.floor(trained / (passes * schedule.k)))
+
+
 def round_length(steps: int, rounds: int, round_steps: int | None) -> int:
     """R = round_steps when set, else ceil(steps / rounds)."""
     return round_steps if round_steps is not None else max(1, -(-steps // rounds))
@@ -227,9 +282,10 @@ class Aioli(MethodBase):
         self.cfg = cfg
         self.domains = ctx.domains
         self.k = k
-        self.needs = Needs(validation=True)
         rl = round_length(ctx.steps, cfg.rounds, cfg.round_steps)
         self.schedule = ProbeSchedule(k, ctx.steps, rl, cfg.delta, cfg.sweeps, cfg.shuffle, ctx.seed)
+        self.eval_sequences = eval_sequences(cfg, self.schedule, ctx.global_batch_size)
+        self.needs = Needs(validation=True, validation_sequences=self.eval_sequences)
         if self.schedule.probe_steps >= rl:
             key = "round_steps" if cfg.round_steps is not None else "rounds"
             raise ConfigError(
@@ -286,12 +342,13 @@ class Aioli(MethodBase):
     def _update(self) -> None:
         """End of LearnParams: A from the round's mean drops, then the mixture step."""
         cfg = self.cfg
-        a = estimate_mixing_law(self.drops / cfg.sweeps, cfg.one_hot_eps, cfg.diagonal)
+        diagonal = cfg.diagonal and (cfg.variant == "paper" or cfg.one_hot_eps > 0)
+        a = estimate_mixing_law(self.drops / cfg.sweeps, cfg.one_hot_eps, diagonal)
         self.a_last = a
         if cfg.normalize:
             a = normalize_mixing_law(a)
         self.a_bar = smooth_mixing_law(self.a_bar, a, cfg.ema)
-        base = self.log_p if cfg.anchor == "previous" else self.log_p0
+        base = self.log_p if cfg.variant == "paper" else self.log_p0
         self.log_p = mixture_update(base, self.a_bar, cfg.eta)
 
     def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]:

@@ -1,46 +1,62 @@
 """DoGE: domain reweighting with generalization estimation (Fan, Pagliardini and Jaggi 2024,
-"DoGE: Domain Reweighting with Generalization Estimation", ICML; Algorithm 1).
+"DoGE: Domain Reweighting with Generalization Estimation", ICML; Algorithm 1), in two variants.
 
 Each step t the proxy takes one gradient per domain, g_i = grad of the mean loss over domain
-i's tokens in the global batch, and the gradient g_T of the mean loss on a held-out target batch
-(validation sequences of the target mixture). With the model's learning rate lr_t and the
-Bregman coefficient mu (mirror descent on the simplex, the paper's equation 6):
+i's tokens in the global batch, and the gradient g_T of the mean loss on a target batch
+(`target_sequences` validation sequences of the `target` mixture). With the model's learning
+rate lr_t and the Bregman coefficient mu (mirror descent on the simplex, the paper's eq. 6):
+
+`variant: paper` (equation 6 as written)
 
     W_t[i]     = <g_i, g_T>
     alpha_t    = softmax(log alpha_{t-1} + lr_t W_t / mu)
-    theta_t+1  = theta_t - lr_t-step with the direction sum_i alpha_t[i] g_i
+    direction  = sum_i alpha_t[i] g_i
 
-and the output is the mean of alpha_t over the steps (the authors' `avg_dw`). The trainer
-(`trainer/alignment.py`) streams the domains: it hands each W_t[i] to `alignment_weight`, which
-returns alpha_{t-1}[i] exp(lr_t W_t[i] / mu), and divides the weighted sum by the sum of those
-weights; so the update uses alpha_t exactly with one extra gradient buffer besides the target.
-A domain absent from the batch has g_i = 0, so W_t[i] = 0 and its weight moves only through the
-normalisation.
+The trainer (`trainer/alignment.py`) streams the domains: it hands each W_t[i] to
+`alignment_weight`, which returns alpha_{t-1}[i] exp(lr_t W_t[i] / mu), and divides the weighted
+sum by the sum of those weights; so the update uses alpha_t exactly with one extra gradient
+buffer besides the target. `score_clip`, when set, clips lr_t W_t into lr_t [low, high].
 
-The authors' code (github Olivia-fsm/DoGE, `src/trainer.py`) differs in ways that are options
-or stated limits here:
-- `score_clip`: it clips lr_t W_t[i] into lr_t [dw_min, dw_max] (their defaults 0 and 5).
-- It takes the target gradient from the training batch itself when the target is the training
-  mixture, dropping each domain's product with itself; here the target is always held out.
-- It divides the scores by the mean gradient norm of the domains and can mix alpha with the
-  uniform distribution (`reweight_eps`, 0 by default): both need every domain's gradient before
-  any is weighted (k gradient copies), so they are not offered.
-- It clips each domain's gradient norm before the products (`max_grad_norm`); here the step's
-  usual clipping applies to the combined gradient.
-- Its W_t[i] is the sum of g_i's products with each target domain's own gradient (the paper's
-  sum over j of <g_i, g_j>); here g_T is the gradient of the mean loss over the target batch, so
-  for a target spread evenly over m domains W_t is about 1/m of theirs, and the same step
-  corresponds to mu / m here (the defaults' mu = 0.05 is theirs, on their norm-divided scores).
-- A domain absent from the batch keeps the gradient it had when last present in its score
-  (a stale row of its `flat_grad_mat`); here its score is 0. Both leave it out of the combined
-  gradient.
+`variant: authors` (the default; github Olivia-fsm/DoGE at commit 88400e9, `src/trainer.py`,
+`update_domain_weights_distributed`, lines 719-769, the path `config/doge.json` runs, with its
+`compute_pertoken_losses: false`), in their order:
+
+    g_i <- c_i g_i,  g_T <- c_T g_T,  c = min(1, C / (||g|| + 1e-6))     (lines 733-734, C = 5)
+    W_t[i]   = <g_i, g_T>                                                 (lines 746-756)
+    N_t      = mean_i ||g_i||                     (the clipped norms; line 758)
+    s_t[i]   = clip(lr_t W_t[i] / (N_t + 1e-6), lr_t low, lr_t high)     (lines 759-760, [0, 5])
+    alpha_t  = softmax(log alpha_{t-1} + s_t / mu)                        (lines 763-764)
+    direction = sum_i alpha_t[i] g_i              (the clipped g_i, line 769; not renormalised)
+
+with mu = 0.01 (`config/doge.json`; their trainer's own default, line 160, is 0.05), C = 5 (their
+`max_grad_norm`), [low, high] = [dw_min, dw_max] = [0, 5]: a domain whose gradient opposes the
+target's gets score 0, never a negative one. N_t and the clip need every domain's gradient
+before any is weighted, so the trainer keeps the k clipped domain gradients (k gradient copies
+besides the target; under dp each is summed over dp first, k all-reduces instead of one) and
+asks `alignment_weights` once (`Alignment.deferred`). The step then clips the combined
+gradient by `train.grad_clip` as theirs does by the same `max_grad_norm` (the HF trainer's
+loop). The output, in both variants, is the mean of alpha_t over the steps (their `avg_dw`).
+
+Differences from the released code that remain, in both variants:
+- Their target is a `mix` domain of the training batch: an equal share of each domain's
+  training split held out from the domains' own data (`src/data/utils.py`, `slim_full-mix`),
+  drawn as an eighth of every batch (8 uniformly sampled sources, `src/dataloader.py`); here it
+  is `target_sequences` (an eighth of the batch by default) validation (dev) sequences of the
+  `target` mixture, drawn on top of the training batch, so no training sequence is spent on it.
+- A domain absent from the batch keeps, in theirs, the gradient it had when last present (a
+  stale row of `flat_grad_mat`, line 737; a zero row before its first appearance) in its
+  score and in N_t; here its gradient is 0: its score is 0 and it adds 0 to the mean norm.
+- Their branch that drops a domain's product with itself when the target domains are the
+  training domains (line 753) compares sets of 0-dim tensors, which hash by identity, so it
+  never runs; with the `mix` target it would not apply anyway. Not reproduced.
+- `reweight_eps` (mixing alpha with uniform, 0 in their config) is not offered.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -56,8 +72,12 @@ class DoGEConfig:
     """DoGE (Fan et al. 2024): domain weights from each domain's gradient alignment with a
     held-out target mixture's gradient."""
 
-    # Bregman coefficient mu of the mirror-descent step (the authors' default 0.05).
-    mu: float = 0.05
+    # `authors`: the released code's update (github Olivia-fsm/DoGE, src/trainer.py): per-domain
+    # gradient clipping, scores divided by the mean gradient norm and clipped into lr_t * score_clip.
+    # `paper`: equation 6 as written (doremi/methods/doge.py says where they differ).
+    variant: Literal["authors", "paper"] = "authors"
+    # Bregman coefficient mu of the mirror-descent step (the authors' config/doge.json: 0.01).
+    mu: float = 0.01
     # The target mixture whose held-out (validation) gradient the domains align with: `uniform`,
     # `tokens`, a weights file or values.
     target: Weights = "uniform"
@@ -67,11 +87,16 @@ class DoGEConfig:
     target_sequences: int | None = None
     # The distribution the proxy draws its data from (the paper: uniform over domains).
     sampling: Weights = "uniform"
-    # The authors' variant: clip lr_t * W_t[i] into lr_t * [low, high] (their code: [0, 5]); None
-    # (the paper) does not clip.
+    # Clip the scores into lr_t * [low, high]; None: the variant's (authors: their dw_min, dw_max
+    # = [0, 5]; paper: no clip).
     score_clip: list[float] | None = field(default=None)
+    # Clip each domain's gradient and the target's to this L2 norm before the inner products
+    # (variant authors only; their max_grad_norm); None: 5.0; 0: no clip.
+    domain_grad_clip: float | None = None
 
     def validate(self, path: str = "mixing.doge") -> None:
+        if self.variant not in ("authors", "paper"):
+            raise ConfigError(f"{path}.variant: expected 'authors' or 'paper', got {self.variant!r}")
         if not 0 < self.mu < float("inf"):
             raise ConfigError(f"{path}.mu: expected a finite value > 0, got {self.mu}")
         if self.target_sequences is not None and self.target_sequences < 1:
@@ -79,6 +104,30 @@ class DoGEConfig:
         clip = self.score_clip
         if clip is not None and (len(clip) != 2 or any(math.isnan(x) for x in clip) or clip[0] > clip[1]):
             raise ConfigError(f"{path}.score_clip: expected [low, high] with low <= high, got {clip}")
+        c = self.domain_grad_clip
+        if c is not None and not 0 <= c < float("inf"):
+            raise ConfigError(f"{path}.domain_grad_clip: expected a finite value >= 0, got {c}")
+        if c and self.variant == "paper":
+            raise ConfigError(f"{path}.domain_grad_clip: applies to variant 'authors' only, got {c} with 'paper'")
+
+
+#: The released code's defaults (config/doge.json): dw_min, dw_max and max_grad_norm.
+AUTHORS_SCORE_CLIP = [0.0, 5.0]
+AUTHORS_DOMAIN_CLIP = 5.0
+
+
+def score_clip(cfg: DoGEConfig) -> list[float] | None:
+    """The clip of lr_t-scaled scores a run applies: `score_clip`, else the variant's."""
+    if cfg.score_clip is not None:
+        return list(cfg.score_clip)
+    return list(AUTHORS_SCORE_CLIP) if cfg.variant == "authors" else None
+
+
+def domain_clip(cfg: DoGEConfig) -> float:
+    """The per-domain gradient clip a run applies (0: none)."""
+    if cfg.variant != "authors":
+        return 0.0
+    return AUTHORS_DOMAIN_CLIP if cfg.domain_grad_clip is None else float(cfg.domain_grad_clip)
 
 
 def target_sequences(cfg: DoGEConfig, global_batch_size: int) -> int:
@@ -97,6 +146,18 @@ def doge_scores(alignment: torch.Tensor, lr: float, mu: float, clip: list[float]
     return scores / mu
 
 
+def authors_scores(
+    alignment: torch.Tensor, norms: torch.Tensor, lr: float, mu: float, clip: list[float] | None
+) -> torch.Tensor:
+    """s_t / mu of the released code (src/trainer.py lines 756-763): lr_t W_t divided by the mean
+    of the domains' (clipped) gradient norms plus 1e-6, clipped into lr_t [low, high]."""
+    scores = lr * alignment
+    scores = scores / (norms.mean() + 1e-6)
+    if clip is not None:
+        scores = scores.clamp(lr * clip[0], lr * clip[1])
+    return scores / mu
+
+
 def doge_update(log_alpha: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """log alpha_t = log softmax(log alpha_{t-1} + scores) (mirror descent on the simplex)."""
     return torch.log_softmax(log_alpha + scores, dim=0)
@@ -110,7 +171,10 @@ class DoGE(MethodBase):
         self.cfg = cfg
         self.domains = ctx.domains
         self.sampling = np.asarray(sampling, dtype=np.float64)
-        self.needs = Needs(alignment=Alignment(tuple(float(x) for x in target), target_batch))
+        self.clip = score_clip(cfg)
+        self.authors = cfg.variant == "authors"
+        spec = Alignment(tuple(float(x) for x in target), target_batch, domain_clip(cfg), deferred=self.authors)
+        self.needs = Needs(alignment=spec)
         self.log_alpha = torch.full((ctx.k,), -float(np.log(ctx.k)), dtype=torch.float64, device=ctx.device)
         self.log = MethodLog(ctx)
 
@@ -122,24 +186,33 @@ class DoGE(MethodBase):
         return self.sampling
 
     def alignment_weight(self, step: int, domain: int, alignment: torch.Tensor, lr: float) -> torch.Tensor:
-        """alpha_{t-1}[i] exp(lr_t W_t[i] / mu): the weight of g_i before normalisation."""
-        score = doge_scores(alignment.to(torch.float64), lr, self.cfg.mu, self.cfg.score_clip)
+        """alpha_{t-1}[i] exp(lr_t W_t[i] / mu): the weight of g_i before normalisation (paper)."""
+        score = doge_scores(alignment.to(torch.float64), lr, self.cfg.mu, self.clip)
         return torch.exp(self.log_alpha[domain] + score)
+
+    def alignment_weights(self, step: int, alignment: torch.Tensor, norms: torch.Tensor, lr: float) -> torch.Tensor:
+        """alpha_t, the weights of the clipped g_i (authors: they need N_t, every domain's norm)."""
+        return doge_update(self.log_alpha, self._scores(alignment, norms, lr)).exp()
+
+    def _scores(self, alignment: torch.Tensor, norms: torch.Tensor | None, lr: float) -> torch.Tensor:
+        if self.authors:
+            assert norms is not None
+            return authors_scores(alignment.to(torch.float64), norms.to(torch.float64), lr, self.cfg.mu, self.clip)
+        return doge_scores(alignment, lr, self.cfg.mu, self.clip)
 
     def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]:
         assert signals.alignment is not None
-        scores = doge_scores(signals.alignment, signals.lr, self.cfg.mu, self.cfg.score_clip)
-        self.log_alpha = doge_update(self.log_alpha, scores)
+        self.log_alpha = doge_update(self.log_alpha, self._scores(signals.alignment, signals.grad_norms, signals.lr))
         alpha = self.alpha.tolist()
-        self.log.append(
-            step,
-            {
-                "weights": alpha,
-                "tokens": signals.tokens.tolist(),
-                "loss": signals.domain_loss.tolist(),
-                "alignment": signals.alignment.tolist(),
-            },
-        )
+        row = {
+            "weights": alpha,
+            "tokens": signals.tokens.tolist(),
+            "loss": signals.domain_loss.tolist(),
+            "alignment": signals.alignment.tolist(),
+        }
+        if signals.grad_norms is not None:
+            row["grad_norm"] = signals.grad_norms.tolist()
+        self.log.append(step, row)
         return {"domain_weights": dict(zip(self.domains, alpha))}
 
     def state_dict(self) -> dict[str, Any]:
