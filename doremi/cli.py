@@ -216,12 +216,21 @@ def cmd_plan(args):
         print(_plan_group(group, args))
 
 
+def tied_groups(items: list, key) -> list[list]:
+    """`items` in order, those with the same displayed `key` as an earlier one gathered under
+    it: layouts a small model cannot tell apart are one line, not ten."""
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.values())
+
+
 def _plan_group(group, args) -> str:
     """Each stage of `group` as configured (dp from --gpus), the layouts that fit it (fastest
     first), and, when the configured one does not fit, one line saying what to change."""
     from trainer.configtools import ConfigError
     from trainer.layout_search import search
-    from trainer.plan import GIB, format_plan, plan_memory
+    from trainer.plan import format_plan, human_bytes, human_seconds, plan_memory
 
     out, fits = [], True
     for name, cfg, frozen in group.stages:
@@ -238,11 +247,19 @@ def _plan_group(group, args) -> str:
     fitting = [c for c in found if c.fits]
     if not args.no_search:
         out.append(f"layouts of {args.gpus} GPUs that fit {args.gpu_memory:g} GiB for {names}, fastest first:")
-        for i, c in enumerate(fitting[: args.top], 1):
+        shown = 0
+        for tied in tied_groups(fitting, lambda c: (human_bytes(c.peak_bytes), human_seconds(c.seconds))):
+            if shown >= args.top:
+                break
+            c = tied[0]
+            shown += 1
             out.append(
-                f"  #{i} {c.layout.describe()}: peak {c.peak_bytes / GIB:.1f} GiB, "
-                f"predicted step {c.seconds:.2f} s  ({' '.join('--set ' + o for o in c.layout.overrides(group.prefix))})"
+                f"  #{shown} {c.layout.describe()}: peak {human_bytes(c.peak_bytes)}, "
+                f"predicted step {human_seconds(c.seconds)}  "
+                f"({' '.join('--set ' + o for o in c.layout.overrides(group.prefix))})"
             )
+            if len(tied) > 1:
+                out.append(f"     tied with it ({len(tied) - 1}): " + "; ".join(t.layout.describe() for t in tied[1:]))
         if not fitting:
             out.append("  none")
         out.append("")
@@ -251,12 +268,12 @@ def _plan_group(group, args) -> str:
             best = fitting[0]
             out.append(
                 f"{names}: does NOT fit as configured; change to {best.layout.describe()} "
-                f"(peak {best.peak_bytes / GIB:.1f} GiB): {' '.join('--set ' + o for o in best.layout.overrides(group.prefix))}"
+                f"(peak {human_bytes(best.peak_bytes)}): {' '.join('--set ' + o for o in best.layout.overrides(group.prefix))}"
             )
         elif found:
             out.append(
                 f"{names}: no layout of {args.gpus} GPUs fits {args.gpu_memory:g} GiB (the smallest peak is "
-                f"{min(c.peak_bytes for c in found) / GIB:.1f} GiB): use more GPUs or GPUs with more memory"
+                f"{human_bytes(min(c.peak_bytes for c in found))}): use more GPUs or GPUs with more memory"
             )
         else:
             out.append(f"{names}: no valid layout of {args.gpus} GPUs for this config: change --gpus")

@@ -127,6 +127,10 @@ class SweepConfig:
     stacked: bool = True
     # Stacked runs trained at once.
     chunk_size: int = 16
+    # Evaluations along each run, every ceil(train.steps / eval_points) steps and at the last
+    # (train.eval_every does not apply to sweep runs): the points of the step law that data
+    # mixing laws extrapolate each run's losses by (fit.mixing_law, doremi/fit/nested.py).
+    eval_points: int = 10
 
     def validate(self, path: str = "sweep") -> None:
         if self.runs < 1:
@@ -140,10 +144,36 @@ class SweepConfig:
             raise ConfigError(f"{path}.max_epochs: expected a finite value > 0, got {self.max_epochs}")
         if not 0 <= self.min_weight < 1:
             raise ConfigError(f"{path}.min_weight: expected a value in [0, 1), got {self.min_weight}")
+        if self.eval_points < 1:
+            raise ConfigError(f"{path}.eval_points: expected >= 1, got {self.eval_points}")
         if self.grid_steps < 1 or self.chunk_size < 1:
             raise ConfigError(f"{path}.grid_steps/chunk_size: expected >= 1, got {self.grid_steps}/{self.chunk_size}")
         if not 0 <= self.one_hot_eps < 1:
             raise ConfigError(f"{path}.one_hot_eps: expected a value in [0, 1), got {self.one_hot_eps}")
+
+
+@dataclass
+class MixingLawFitConfig:
+    """Data mixing laws (Ye et al. 2025; doremi/fit/nested.py, mixing_law.py): how the sweep's
+    losses become the losses the mixing law is fitted to."""
+
+    # `authors`: the released pipeline, each run's losses extrapolated by a step law to the main
+    # run's tokens (and by a size law to its size, given 3 or more proxy sizes; a sweep has one)
+    # before the law is fitted with the authors' Huber loss. `direct`: the law fitted to the
+    # sweep's own final losses by least squares and applied unchanged to the main run.
+    variant: Literal["authors", "direct"] = "authors"
+    # The step law fits each run's evaluations from this fraction of its last one's tokens on
+    # (the authors: steps 10k-30k).
+    step_from: float = 0.3
+    # The step law's held-out check: the last evaluations of each run it predicts unseen (the
+    # authors hold out 5).
+    step_holdout: int = 2
+
+    def validate(self, path: str = "fit.mixing_law") -> None:
+        if not 0 <= self.step_from < 1:
+            raise ConfigError(f"{path}.step_from: expected a value in [0, 1), got {self.step_from}")
+        if self.step_holdout < 0:
+            raise ConfigError(f"{path}.step_holdout: expected >= 0, got {self.step_holdout}")
 
 
 @dataclass
@@ -170,6 +200,8 @@ class FitConfig:
     folds: int = 5
     # Seed of the folds and the simulations.
     seed: int = 42
+    # Data mixing laws' pipeline (`--method mixing_law`).
+    mixing_law: MixingLawFitConfig = field(default_factory=MixingLawFitConfig)
 
     def validate(self, path: str = "fit") -> None:
         if self.simulations < 1 or not 1 <= self.top_k <= self.simulations:

@@ -18,7 +18,9 @@ import copy
 import dataclasses
 import json
 import os
+import shlex
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,7 +61,8 @@ from doremi.sweep import run_sweep, sweep_keys
 from doremi.validate import validate_pipeline
 from trainer import run_dir as rundir
 from trainer.config import apply_preset
-from trainer.configtools import apply_overrides, from_dict, read_yaml
+from trainer.configtools import apply_overrides, from_dict, read_yaml, to_dict
+from trainer.model.flops import non_embedding_params
 from trainer.parallel.launch_env import is_launch_main, launch_world_size
 
 
@@ -91,6 +94,7 @@ class Pipeline:
         validate_pipeline(self)  # every stage's config, weights file and baseline, before any work
         self.say = say or (lambda msg: print(msg, flush=True) if is_launch_main() else None)
         self._t0 = time.perf_counter()
+        self._made: dict[str, Any] | None = None
         if launch_world_size() > 1:
             # Under torchrun: one process group for the whole pipeline, so that the stages'
             # file-system work is done by rank 0 alone and the others wait for it.
@@ -233,7 +237,21 @@ class Pipeline:
         artifact.write(
             self.root,
             artifact.Header("pipeline", status=status, fingerprint=artifact.content_hash(keys), sources=sources),
+            self._made_by(),
         )
+
+    def _made_by(self) -> dict[str, Any]:
+        """What made this root: the command line, the project's commit and the packages'
+        versions (doremi/environment.py), and the resolved config."""
+        if self._made is None:
+            from doremi.environment import environment
+
+            self._made = {
+                "command": shlex.join(["doremi", *sys.argv[1:]]) if sys.argv and sys.argv[0] else None,
+                "environment": environment(),
+                "config": to_dict(self.cfg),
+            }
+        return self._made
 
     def _run(self) -> dict[str, Any]:
         from data.preprocess import preprocess
@@ -363,14 +381,22 @@ class Pipeline:
         sweep = self.sweep()
         out = method_dir(self.root, name) / WEIGHTS_FILE
         cfg = self.stage_config(self.p.proxy, sweep__run_dir=str(sweep))
-        budget = self.stage_config(self.p.main).budget_tokens
+        main = self.stage_config(self.p.main)
+        budget, params = main.budget_tokens, non_embedding_params(main.model)
         keys = {
             **sweep_keys(cfg),
             **{k: v for k, v in stage_keys(cfg).items() if k.startswith("fit.")},
             "method": name,
             "main budget": budget,
+            **({"main params": params} if name == "mixing_law" else {}),
         }
-        self._run_stage(f"{name}: fit", out, keys, lambda: str(propose(cfg, name, out, sweep, budget)), main_only=True)
+        self._run_stage(
+            f"{name}: fit",
+            out,
+            keys,
+            lambda: str(propose(cfg, name, out, sweep, budget, main_params=params)),
+            main_only=True,
+        )
         tuned = read_weights_file(out)
         self.say("           weights: " + ", ".join(f"{d}={w:.3f}" for d, w in zip(tuned["domains"], tuned["weights"])))
         if self.p.skip_main:

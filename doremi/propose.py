@@ -6,7 +6,11 @@ the compute the sweep spent.
 - `regmix` (Liu et al. 2025): a regressor (`fit.regressor`) from mixture to the target loss;
   the mean of the `fit.top_k` best of `fit.simulations` mixtures drawn around the sweep's prior.
 - `mixing_law` (Ye et al. 2025): per-domain laws L_i(r) = c_i + k_i exp(sum_j t_ij r_j); the
-  minimiser of the target sum_i w_i L_i(r) over the simplex.
+  minimiser of the target sum_i w_i L_i(r) over the simplex. `fit.mixing_law.variant: authors`
+  (default) fits them to the runs' losses extrapolated to the main run's tokens by a step law
+  along each run (`losses.csv`), and to its size by a size law when there are proxies of 3 or more
+  sizes (a sweep has one: said so in the JSON), as the released pipeline does (fit/nested.py);
+  `direct` fits the final losses and applies the law unchanged.
 Both keep every weight within `fit.max_epochs` epochs of the main run's token budget.
 """
 
@@ -28,11 +32,16 @@ from doremi.errors import DoReMiError
 from doremi.fit.checks import FitError
 from doremi.fit.design import epoch_caps
 from doremi.fit.evaluate import HeldOut, held_out, target_of
-from doremi.fit.mixing_law import fit_mixing_law, mixing_law_fit_predict, propose_mixing_law
+from doremi.fit.mixing_law import MixingLawOptions, fit_mixing_law, mixing_law_fit_predict, propose_mixing_law
+from doremi.fit.nested import Extrapolation, NestedOptions, ProxyCurves, extrapolate
 from doremi.fit.provenance import proposal_provenance, write_proposal
 from doremi.fit.regmix import RegMixOptions, fit_regressor, propose_regmix, regmix_fit_predict
-from doremi.sweep import SWEEP_FILE, final_table, sweep_keys
+from doremi.sweep import SWEEP_FILE, final_table, loss_curves, sweep_keys
+from trainer.model.flops import non_embedding_params
 from trainer.run_dir import changed_keys
+
+#: The mixing law's Huber delta in the released code (`mix_5_domains.ipynb`, `law.fit(..., delta=0.05)`).
+AUTHORS_HUBER = 0.05
 
 
 def propose(
@@ -42,10 +51,12 @@ def propose(
     sweep_dir: str | Path | None = None,
     budget: int | None = None,
     allow_unfinished: bool = False,
+    main_params: float | None = None,
 ) -> Path:
     """Fit `method` to the sweep in `sweep_dir` (default `sweep.run_dir`) and write its mixture
     to `out`. `budget`: the token budget of the run the mixture is for (default the config's),
-    against which `fit.max_epochs` caps the weights."""
+    against which `fit.max_epochs` caps the weights and to which the mixing law's step law
+    extrapolates; `main_params`: that run's model size (default the config's model's)."""
     if method not in OFFLINE_METHODS:
         raise DoReMiError(f"--method: expected one of {', '.join(OFFLINE_METHODS)}, got {method!r}")
     root = Path(sweep_dir or cfg.sweep.run_dir)
@@ -66,6 +77,7 @@ def propose(
     held: HeldOut | None = None
     skipped: str | None = None if folds >= 2 else f"{n} runs are too few for 2 folds"
     prior = None
+    law_record: dict[str, Any] = {}
     if method == "regmix":
         check_prior(cfg, root)
         y = target_of(per_domain, target)
@@ -79,11 +91,18 @@ def propose(
         proposal = propose_regmix(model, prior, caps=caps, options=options)
         weights_out, predicted = proposal.weights, proposal.predicted
     else:
-        law = fit_mixing_law(weights, per_domain)
+        main_params = float(main_params or non_embedding_params(cfg.model))
+        fitted, options, law_record = _mixing_law_losses(cfg, root, per_domain, budget, main_params)
+        law = fit_mixing_law(weights, fitted, options)
         if skipped is None:
             held, skipped = _held_out(
                 lambda: held_out(
-                    mixing_law_fit_predict(), weights, per_domain, folds=folds, seed=f.seed, target_weights=target
+                    mixing_law_fit_predict(options),
+                    weights,
+                    fitted,
+                    folds=folds,
+                    seed=f.seed,
+                    target_weights=target,
                 )
             )
         proposal = propose_mixing_law(law, target_weights=target, caps=caps)
@@ -107,12 +126,81 @@ def propose(
             "sweep_runs": len(sweep.get("design", [])),
             "compute": sweep.get("compute"),
             "held_out_skipped": skipped,
+            **({"mixing_law": law_record} if method == "mixing_law" else {}),
         },
     )
     sources = [artifact.Source("sweep", str(root), made_from.fingerprint)] if made_from else []
     notes = [f"--allow-unfinished: fitted a sweep that did not finish ({made_from.describe()})"]
     notes = notes if made_from and made_from.status != "finished" else []
     return write_proposal(out, domains, weights_out, provenance, sources=sources, notes=notes)
+
+
+def _mixing_law_losses(
+    cfg: ExperimentConfig, root: Path, final: np.ndarray, budget: int, main_params: float
+) -> tuple[np.ndarray, MixingLawOptions | None, dict[str, Any]]:
+    """(the losses [n, m] the mixing law is fitted to, its fit options, what the JSON records):
+    under `authors`, the runs' curves extrapolated to the main run (fit/nested.py) and the
+    authors' Huber loss; under `direct`, the final losses as they are, and that said."""
+    ml = cfg.fit.mixing_law
+    proxy_params, per_step = proxy_of(cfg, root)
+    keys = json.loads((root / SWEEP_FILE).read_text()).get("keys", {})
+    proxy_tokens = int(keys.get("train.steps", cfg.train.steps)) * per_step
+    where = {
+        "proxy_params": proxy_params,
+        "proxy_tokens": proxy_tokens,
+        "main_params": main_params,
+        "main_tokens": budget,
+    }
+    if ml.variant == "direct":
+        return (
+            final,
+            None,
+            {
+                "variant": "direct",
+                **where,
+                "fitted_to": "the sweep's final losses at the proxy's size and tokens, applied unchanged to the main run",
+            },
+        )
+    steps, curves = loss_curves(root)
+    proxy = ProxyCurves(params=proxy_params, tokens=steps * per_step, losses=curves)
+    ext: Extrapolation = extrapolate(
+        [proxy], budget, main_params, NestedOptions(step_from=ml.step_from, step_holdout=ml.step_holdout)
+    )
+    return (
+        ext.losses,
+        MixingLawOptions(loss="huber", f_scale=AUTHORS_HUBER),
+        {
+            "variant": "authors",
+            **where,
+            "fitted_to": "each run's losses extrapolated by its step law to the main run's tokens"
+            + ("" if "skipped" in ext.size else " and by the size law to the main model's size"),
+            "huber_delta": AUTHORS_HUBER,
+            **ext.to_dict(),
+        },
+    )
+
+
+def proxy_of(cfg: ExperimentConfig, root: Path) -> tuple[float, int]:
+    """(model size, tokens per step) of the sweep's runs, from its `sweep.json`; a sweep written
+    before it recorded them is read with this config's, which must then be the sweep's."""
+    doc = json.loads((root / SWEEP_FILE).read_text())
+    proxy = doc.get("proxy")
+    if isinstance(proxy, dict) and {"params", "tokens_per_step"} <= set(proxy):
+        return float(proxy["params"]), int(proxy["tokens_per_step"])
+    saved = doc.get("keys", {})
+    here = json.loads(json.dumps(sweep_keys(cfg), default=str))
+
+    def of(keys: dict) -> dict:
+        return {
+            k: v for k, v in keys.items() if k.startswith("model.") or k in ("train.global_batch_size", "data.seq_len")
+        }
+
+    if of(saved) and of(saved) != of(here):
+        raise DoReMiError(
+            f"{root}: the sweep's runs are not this config's ({changed_keys(of(saved), of(here))}) and the sweep "
+            "did not record their size: fit it with the sweep's config"
+        )
+    return float(non_embedding_params(cfg.model)), cfg.train.global_batch_size * cfg.data.seq_len
 
 
 def _checked_sweep(root: Path, allow_unfinished: bool) -> artifact.Header | None:
@@ -170,9 +258,46 @@ def fit_quality(path: str | Path) -> dict[str, Any]:
     constant prediction), `mae`, `folds`, `n` when it was checked, else `skipped` (why not)."""
     doc = json.loads(Path(path).read_text())
     held = doc.get("held_out")
+    laws = {"laws": describe_laws(doc["mixing_law"])} if isinstance(doc.get("mixing_law"), dict) else {}
     if isinstance(held, dict):
-        return {k: held.get(k) for k in ("spearman", "mae", "folds", "n")}
-    return {"skipped": doc.get("held_out_skipped") or "no held-out evaluation recorded", "n": doc.get("n_runs")}
+        return {**{k: held.get(k) for k in ("spearman", "mae", "folds", "n")}, **laws}
+    return {"skipped": doc.get("held_out_skipped") or "no held-out evaluation recorded", "n": doc.get("n_runs"), **laws}
+
+
+def describe_laws(record: dict[str, Any]) -> str:
+    """What a mixing-law fit was fitted to, with each extrapolating law's held-out check, from
+    its weights file's `mixing_law` record (`_mixing_law_losses`)."""
+    where = (
+        f"proxy N {record['proxy_params']:.3g}, {record['proxy_tokens']:.3g} tokens; "
+        f"main N {record['main_params']:.3g}, {record['main_tokens']:.3g} tokens"
+    )
+    if record.get("variant") != "authors":
+        return f"direct: {record.get('fitted_to')} ({where})"
+    parts = []
+    for step in record.get("step_law", []):
+        check = step.get("held_out")
+        parts.append(
+            f"step law on {step['points']} evaluations per run, "
+            + (
+                f"held-out last {check['held']}: MAE {check['mae']:.3g}, max {check['max_abs']:.3g}"
+                if check
+                else f"not checked ({step.get('held_out_skipped')})"
+            )
+        )
+    size = record.get("size_law", {})
+    if "skipped" in size:
+        parts.append(f"size law not fitted: {size['skipped']}")
+    else:
+        check = size.get("held_out")
+        parts.append(
+            "size law, "
+            + (
+                f"held-out largest proxy: MAE {check['mae']:.3g}"
+                if check
+                else f"not checked ({size.get('held_out_skipped')})"
+            )
+        )
+    return f"authors ({where}): " + "; ".join(parts)
 
 
 def describe_quality(q: dict[str, Any]) -> str:

@@ -423,7 +423,20 @@ def format_fit_quality(fits: Mapping[str, Mapping[str, Any]], threshold: float, 
                 verdict,
             ]
         )
-    return markdown_table(["fit", "runs", "folds", "held-out Spearman", "held-out MAE", "verdict"], rows)
+    table = markdown_table(["fit", "runs", "folds", "held-out Spearman", "held-out MAE", "verdict"], rows)
+    laws = [f"- {name}: {q['laws']}" for name, q in fits.items() if q.get("laws")]
+    return table + (
+        "\nWhat each fit extrapolated, each law checked on points it did not see:\n\n" + "\n".join(laws) + "\n"
+        if laws
+        else ""
+    )
+
+
+def format_reads(reads: Mapping[str, str]) -> str:
+    """One row per method of the report: the data it read to choose its mixture
+    (`doremi.methods.registry.READS`, described), so that a reader sees which methods saw
+    validation losses (the dev half only) and which saw gradients or a sweep."""
+    return markdown_table(["method", "reads"], [[name, what] for name, what in reads.items()])
 
 
 def write_report(
@@ -442,6 +455,7 @@ def write_report(
     setup_table: str | None = None,
     compute_table: str | None = None,
     fit_table: str | None = None,
+    reads_table: str | None = None,
 ) -> Path:
     """Write `out_dir/report.md` and its PNGs; return the report's path.
 
@@ -461,6 +475,7 @@ def write_report(
         setup_table: what was run (sizes, steps, tokens, the method's keys), a markdown table.
         compute_table: the compute each method spent to find its mixture, a markdown table.
         fit_table: the offline fits' held-out quality (`format_fit_quality`).
+        reads_table: the data each method read (`format_reads`).
     """
     out = Path(out_dir)
     k = len(domains)
@@ -496,6 +511,15 @@ def write_report(
             "the reference's forwards, DoGE's target gradients and the validation passes a method "
             "asked for (doremi/ledger.py); the tokens those passes processed (nominal), beside the "
             "non-masked tokens the training steps drew (measured); seconds as measured by the pipeline.",
+            "",
+        ]
+    if reads_table:
+        parts += [
+            "## What each method read",
+            "",
+            reads_table,
+            "Validation reads are of the dev half under data.validation_split: dev_test (the verdict's "
+            "losses are the test half's); a method declaring another is refused (docs/design.md 3b).",
             "",
         ]
     if fit_table:

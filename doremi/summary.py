@@ -12,12 +12,12 @@ from data.store import Manifest, open_stores
 from data.weights import resolve_weights
 from data.weights_file import WEIGHTS_FILE
 from doremi.config import GuardrailConfig
-from doremi.guardrails import findings, format_guardrail_table, measure_pipeline, warnings
+from doremi.guardrails import findings, format_guardrail_table, measure_pipeline, warnings, with_advice
 from doremi.history import HistoryError, read_history
 from doremi.ledger import compute_ledger
 from doremi.main_runs import DOREMI_RUN, method_dir, online_run_name
 from doremi.main_runs import mixtures as mixture_specs
-from doremi.report import format_compute, format_fit_quality, format_table, markdown_table, write_report
+from doremi.report import format_compute, format_fit_quality, format_reads, format_table, markdown_table, write_report
 from doremi.stage_markers import eval_result
 from trainer.metrics import read_jsonl
 
@@ -132,6 +132,14 @@ def run_budget(run: Path) -> int | None:
     return c["train"]["steps"] * c["train"]["global_batch_size"] * c["data"]["seq_len"]
 
 
+def run_max_epochs(run: Path) -> float | None:
+    """A run's `data.max_epochs` from its config.yaml (the cap its mixture was read under)."""
+    import yaml
+
+    path = run / "config.yaml"
+    return yaml.safe_load(path.read_text()).get("data", {}).get("max_epochs") if path.is_file() else None
+
+
 def logged_weights(run: Path, field: str = "weights") -> list[list[float]]:
     """A run's logged `field` per step. A method run online logs, besides the policy it proposes
     for the next step (`weights`), the weights it sampled this step with (`sampling`); the
@@ -175,7 +183,8 @@ def collect_run(
     histories = weight_histories(root)
     mixtures: dict[str, np.ndarray] = {}
     for name, spec in mixture_specs(root / WEIGHTS_FILE, baselines, methods).items():
-        mixtures[name] = resolve_weights(spec, manifest, budget_tokens=run_budget(root / "main" / name))
+        run = root / "main" / name
+        mixtures[name] = resolve_weights(spec, manifest, budget_tokens=run_budget(run), max_epochs=run_max_epochs(run))
     for name in online_runs(root):
         if histories.get(name):
             mixtures[name] = np.mean(np.asarray(histories[name], dtype=np.float64), axis=0)
@@ -209,7 +218,20 @@ def collect_run(
         "findings": found,
         "baselines": [n for n in mixtures if n not in methods and n not in online_runs(root)],
         "fits": fit_qualities(root, methods),
+        "reads": method_reads([*methods, *online_runs(root)]),
     }
+
+
+def method_reads(runs: list[str]) -> dict[str, str]:
+    """What each method of the report read (`doremi.methods.registry.READS`, described), by its
+    run's name (`<method>-online` for one run online)."""
+    from doremi.methods.registry import READS, reads
+
+    out = {}
+    for run in runs:
+        method = run.removesuffix(online_run_name(""))
+        out[run] = reads(method).describe() if method in READS else "not declared in doremi/methods/registry.py READS"
+    return out
 
 
 def fit_qualities(root: Path, methods: list[str]) -> dict[str, dict[str, Any]]:
@@ -241,7 +263,7 @@ def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: Guar
         c["entropy"],
         tokens_per_byte=c["tokens_per_byte"],
         baselines=c["baselines"],
-        warnings=[f.message for f in warnings(c["findings"])],
+        warnings=[f.message + (f"\n  {a}" if a else "") for f, a in with_advice(warnings(c["findings"]))],
         guardrail_table=format_guardrail_table(c["domains"], c["measures"]),
         setup_table=setup_table(root),
         compute_table=format_compute(c["compute"]) if c["compute"] else None,
@@ -250,6 +272,7 @@ def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: Guar
             if c["fits"]
             else None
         ),
+        reads_table=format_reads(c["reads"]) if c["reads"] else None,
     )
     table = format_table(c["domains"], c["mixtures"], c["final"], c["entropy"], c["tokens_per_byte"])
     n = len(warnings(c["findings"]))
@@ -260,11 +283,18 @@ def log_comparison(root: Path, store_dir: str, baselines: list[str], project: st
     """The closing comparison as one wandb run in the pipeline's group (the stage runs log their
     own curves): final per-domain validation loss and weight of every mixture as a table, and
     each mixture's average and worst case over domains as summary values."""
-    import wandb
+    from trainer.metric_sinks import import_wandb
 
+    wandb = import_wandb()
     c = collect_run(root, open_stores(store_dir).manifest, baselines)
     run = wandb.init(
-        project=project, name=f"pipeline:{root}", group=group, job_type="comparison", dir=str(root), resume="allow"
+        project=project,
+        name=f"pipeline:{root}",
+        group=group,
+        job_type="comparison",
+        dir=str(root),
+        resume="allow",
+        settings=wandb.Settings(quiet=True),
     )
     rows = [
         [name, d, float(losses[i]), float(c["mixtures"][name][i])]

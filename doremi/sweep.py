@@ -9,10 +9,13 @@ stacked, many in one process with their parameters along a leading model dimensi
 same losses to rounding. Files under `sweep.run_dir`:
 
     sweep.json     the keys the results depend on (and their fingerprint), the design, the
-                   compute spent (model FLOPs and tokens of every run and its evaluations)
+                   compute spent (model FLOPs and tokens of every run and its evaluations), the
+                   runs' model size and tokens per step (`proxy`)
     mixtures.csv   run, design, one column per domain: the mixture of each run
     losses.csv     run, step, one column per domain, mean, worst: validation loss at every
-                   evaluation of every finished run (every train.eval_every steps, and the last)
+                   evaluation of every finished run (sweep.eval_points evenly spaced steps, the
+                   last at its final step): the curves the step law of data mixing laws
+                   extrapolates (`loss_curves`, fit/nested.py)
     final.csv      run, design, the mixture, the last evaluation's losses, mean, worst: the table
                    the fits read (one row per finished run)
     runs/<run>/    each run's ordinary run directory, when run one by one
@@ -133,12 +136,20 @@ def sweep_keys(cfg: ExperimentConfig) -> dict[str, Any]:
     return stage_keys(cfg, NOT_RESULT_KEYS)
 
 
+def eval_every(cfg: ExperimentConfig) -> int:
+    """The sweep runs' evaluation cadence, every ceil(steps / sweep.eval_points)-th step (and the
+    last), whatever `train.eval_every` (the ordinary runs' cadence) says: each run logs the points
+    of the step law data mixing laws fit (Ye et al. 2025 Sec. 4; fit/nested.py), not its final
+    loss alone."""
+    return max(1, math.ceil(cfg.train.steps / cfg.sweep.eval_points))
+
+
 def run_config(cfg: ExperimentConfig, weights: np.ndarray, run_dir: Path) -> ExperimentConfig:
     """The ordinary run of one mixture of the sweep."""
     return replace(
         cfg,
         data=replace(cfg.data, domain_weights=[float(x) for x in weights]),
-        train=replace(cfg.train, run_dir=str(run_dir), eval_every=cfg.train.eval_every or cfg.train.steps),
+        train=replace(cfg.train, run_dir=str(run_dir), eval_every=eval_every(cfg)),
     )
 
 
@@ -266,8 +277,19 @@ class Sweep:
             "design": self.design.rows(),
             "finished": sorted(self.evals),
             "compute": self.compute(),
+            "proxy": self.proxy(),
         }
         artifact.write(self.root / SWEEP_FILE, header, doc)
+
+    def proxy(self) -> dict[str, int]:
+        """The runs' model size (non-embedding parameters) and tokens per step: where the step and
+        size laws of data mixing laws start from (fit/nested.py)."""
+        from trainer.model.flops import non_embedding_params
+
+        return {
+            "params": non_embedding_params(self.cfg.model),
+            "tokens_per_step": self.cfg.train.global_batch_size * self.cfg.data.seq_len,
+        }
 
     def compute(self) -> dict[str, float]:
         """Model FLOPs and tokens of the finished runs: training (flops_per_token per trained
@@ -305,7 +327,7 @@ class Sweep:
         """`runs` trained at once (`trainer/stacked/`); a killed chunk is trained again."""
         from trainer.stacked.train import train_stacked
 
-        result = train_stacked(self.cfg, self.design.weights[runs], eval_every=self.cfg.train.eval_every)
+        result = train_stacked(self.cfg, self.design.weights[runs], eval_every=eval_every(self.cfg))
         self.record(
             {i: [(step, [float(x) for x in losses[j]]) for step, losses in result.evals] for j, i in enumerate(runs)}
         )
@@ -373,3 +395,31 @@ def final_table(root: str | Path) -> tuple[list[str], np.ndarray, dict[str, np.n
             )
     weights = np.stack([table[f"w:{d}"] for d in domains], axis=1)
     return domains, weights, {key: table[key] for key in [*domains, "mean", "worst"]}
+
+
+def loss_curves(root: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """(steps [p], per-domain validation losses [n, p, m]) of the finished runs in `final.csv`'s
+    order (`final_table`'s), read from `losses.csv`: the curves the step law fits. Every run must
+    have been evaluated at the same steps, with finite losses; else one error naming the file."""
+    root = Path(root)
+    runs = [r["run"] for r in read_table(root / FINAL_FILE)]
+    domains = json.loads((root / SWEEP_FILE).read_text())["domains"]
+    path = root / LOSSES_FILE
+    curves: dict[int, list[tuple[int, list[float]]]] = {}
+    try:
+        for row in read_table(path):
+            curves.setdefault(int(row["run"]), []).append((int(row["step"]), [float(row[d]) for d in domains]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise DoReMiError(f"{path}: expected run, step and the domains {domains} as numbers ({e})") from None
+    wanted = [int(r) for r in runs]
+    missing = [r for r in wanted if r not in curves]
+    if missing:
+        raise DoReMiError(f"{path}: no evaluations of run(s) {missing}")
+    steps = [s for s, _ in sorted(curves[wanted[0]])]
+    for r in wanted:
+        if [s for s, _ in sorted(curves[r])] != steps:
+            raise DoReMiError(f"{path}: run {r} was evaluated at other steps than run {wanted[0]} ({steps})")
+    losses = np.array([[v for _, v in sorted(curves[r])] for r in wanted], dtype=np.float64)
+    if not np.all(np.isfinite(losses)):
+        raise DoReMiError(f"{path}: a non-finite loss along a run (it diverged); the step law needs every point")
+    return np.array(steps, dtype=np.int64), losses

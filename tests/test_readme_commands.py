@@ -121,6 +121,8 @@ COVERED: dict[str, list[str]] = {
     "doremi eval RUN": ["tests/test_config_ux.py::test_run_saves_absolute_paths_and_evaluates_from_elsewhere"],
     "python experiments/tools/mup_transfer.py": [f"{HERE}::test_mup_transfer_sweep"],
     "pip install 'doremi-mix[hf]'": [f"{HERE}::test_the_hf_extra_exists"],
+    "pip install 'doremi-mix[wandb]'": [f"{HERE}::test_the_logger_extras_exist"],
+    "pip install 'doremi-mix[tensorboard]'": [f"{HERE}::test_the_logger_extras_exist"],
     "python -m doremi.config_docs": [f"{HERE}::test_config_docs_regenerates_docs_config_md"],
     f"doremi train-proxy {QUICKSTART} --set doremi.reference=runs/ref": [CHAIN],
 }
@@ -361,6 +363,16 @@ def test_the_hf_extra_exists():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["name"] == "doremi-mix"
     assert any(dep.startswith("safetensors") for dep in project["optional-dependencies"]["hf"])
+
+
+def test_the_logger_extras_exist():
+    """The extras the README names for logging.wandb and logging.tensorboard; the run with
+    both is tests/test_run_lifecycle.py::test_a_stopped_and_resumed_run_is_one_wandb_run_and_one_tensorboard_log."""
+    said = readme_commands()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        assert f"pip install 'doremi-mix[{extra}]'" in said
+        assert any(dep.startswith(package) for dep in extras[extra])
 
 
 def test_make_targets_run_the_readme_commands(tmp_path):

@@ -43,6 +43,7 @@ TINY = [
     "mixing.ado.refit_every=1",
     "mixing.ado.record_every=1",
     "sweep.runs=1",
+    "sweep.eval_points=2",
     "sweep.designs=[dirichlet, one_hot]",
     "fit.regressor=ridge",
     "fit.simulations=200",

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SETS = [
     "train.steps=4",
     "train.eval_every=2",
+    "sweep.eval_points=2",
     "train.eval_sequences=4",
     "train.decay=constant",
     "train.warmup_steps=0",
@@ -111,7 +112,8 @@ def test_stacked_runs_give_the_tables_of_runs_one_by_one(stores, whole, tmp_path
 
 
 @pytest.mark.parametrize(
-    "method, sets", [("mixing_law", []), ("regmix", ["fit.regressor=ridge", "fit.simulations=500"])]
+    "method, sets",
+    [("mixing_law", ["fit.mixing_law.variant=direct"]), ("regmix", ["fit.regressor=ridge", "fit.simulations=500"])],
 )
 def test_fit_proposes_a_capped_mixture_with_its_provenance(stores, whole, tmp_path, capsys, method, sets):
     """`doremi fit`: the proposal within the epoch caps of the run's budget, its held-out metrics
@@ -137,7 +139,7 @@ def test_fit_of_too_few_runs_is_one_line(stores, whole, tmp_path, capsys):
     path = config_path(stores, tmp_path / "cfg")
     root = tmp_path / "small"
     run_sweep(config(stores, root / "cfg", *sweep_sets(root, "sweep.designs=[dirichlet]")))
-    args = [a for s in sweep_sets(root) for a in ("--set", s)]
+    args = [a for s in sweep_sets(root, "fit.mixing_law.variant=direct") for a in ("--set", s)]
     assert main(["fit", str(path), "--method", "mixing_law", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["doremi fit: error: mixing law: 3 runs are too few for 3 domains; expected at least 5"]

@@ -199,9 +199,45 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.1f}"
 
 
+def memory_unit(largest: float) -> tuple[str, float]:
+    """(name, bytes) of the unit a table of sizes up to `largest` bytes reads in: GiB from 1
+    GiB, MiB from 1 MiB, else KiB (a small model's plan is not a table of 0.0)."""
+    for name, size in (("GiB", GIB), ("MiB", 2**20)):
+        if largest >= size:
+            return name, size
+    return "KiB", 2**10
+
+
+def human_bytes(x: float) -> str:
+    name, size = memory_unit(x)
+    return f"{x / size:.1f} {name}"
+
+
+def human_count(n: float) -> str:
+    """1234 -> 1.23K, 5.2e8 -> 520M, 7.05e10 -> 70.5B: parameters at any scale."""
+    for suffix, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
+def human_seconds(t: float) -> str:
+    if t >= 1:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3g} ms"
+    return f"{t * 1e6:.3g} us"
+
+
 def format_plan(plan: Plan, title: str = "") -> str:
-    """A table, one row per pipeline stage (= per rank of that stage), sizes in GiB."""
+    """A table, one row per pipeline stage (= per rank of that stage), sizes in one unit
+    chosen for the largest (`memory_unit`), named above the table."""
     p = plan
+    unit, size = memory_unit(max(s.total for s in p.stages))
+
+    def mem(x: float) -> str:
+        return f"{x / size:.1f}"
+
     params = {
         ("fp32", "adamw"): "fp32 params + bf16 autocast copy, fp32 grads, AdamW (fp32 m, v)",
         (
@@ -217,8 +253,9 @@ def format_plan(plan: Plan, title: str = "") -> str:
         f"schedule {p.schedule}, recompute {p.recompute}, sequence parallel {'on' if p.sequence_parallel else 'off'}, "
         f"recomputed all-gather {'on' if p.recompute_allgather else 'off'}",
         f"{params}; optimizer state sharded over dp={p.dp} (ZeRO-1)",
-        f"layer split: {p.split}; activations per block per micro-batch {p.layer_activation_bytes / 2**20:.0f} MiB",
+        f"layer split: {p.split}; activations per block per micro-batch {human_bytes(p.layer_activation_bytes)}",
         "",
+        f"memory per rank of each stage, in {unit}:",
     ]
     cols = [
         "stage",
@@ -243,17 +280,17 @@ def format_plan(plan: Plan, title: str = "") -> str:
             [
                 str(s.stage),
                 layers,
-                f"{(m.params + (s.moe.params_delta if s.moe else 0)) / 1e9:.2f}B",
-                _gib(m.weights),
-                _gib(m.grads),
-                _gib(m.optimizer),
-                _gib(m.cast),
-                _gib(m.activations_per_micro_batch),
+                human_count(m.params + (s.moe.params_delta if s.moe else 0)),
+                mem(m.weights),
+                mem(m.grads),
+                mem(m.optimizer),
+                mem(m.cast),
+                mem(m.activations_per_micro_batch),
                 str(m.in_flight),
-                _gib(m.activations),
-                _gib(m.transient),
-                _gib(s.frozen),
-                _gib(s.total),
+                mem(m.activations),
+                mem(m.transient),
+                mem(s.frozen),
+                mem(s.total),
             ]
         )
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
@@ -264,13 +301,13 @@ def format_plan(plan: Plan, title: str = "") -> str:
     verdict = "fits" if p.fits else "does NOT fit"
     tail = [
         "",
-        f"peak {_gib(p.peak_bytes)} GiB on stage {p.peak_stage}; usable {_gib(p.usable_bytes)} GiB "
+        f"peak {human_bytes(p.peak_bytes)} on stage {p.peak_stage}; usable {_gib(p.usable_bytes)} GiB "
         f"({p.gpu_memory_gb:g} GiB less {p.headroom:.0%} headroom): {verdict}",
     ]
     tail[1:1] = [
-        f"stage {s.stage} MoE ({s.moe.blocks} blocks, in params and the total): {s.moe.expert_params / 1e9:.2f}B expert params "
-        f"on this rank, weights {_gib(s.moe.weights)} / grads {_gib(s.moe.grads)} / optim {_gib(s.moe.optimizer)} "
-        f"GiB beyond the dense columns, all-to-all buffers {_gib(s.moe.all_to_all)} GiB"
+        f"stage {s.stage} MoE ({s.moe.blocks} blocks, in params and the total): {human_count(s.moe.expert_params)} expert "
+        f"params on this rank, weights {mem(s.moe.weights)} / grads {mem(s.moe.grads)} / optim {mem(s.moe.optimizer)} "
+        f"{unit} beyond the dense columns, all-to-all buffers {human_bytes(s.moe.all_to_all)}"
         for s in p.stages
         if s.moe is not None
     ]

@@ -6,6 +6,8 @@ losses, and the proposers that turn a fit into domain weights.
   top-k average of simulated mixtures.
 - `mixing_law`: data mixing laws (Ye et al., ICLR 2025), L_i(r) = c_i + k_i exp(sum_j t_ij r_j),
   and its minimiser over the simplex under epoch caps.
+- `power_law`, `nested`: the authors' pipeline before that law, each run's losses extrapolated by
+  a step law (in tokens) and a size law (in parameters) to the main run.
 - `evaluate`: held-out rank correlation and error of a fit, by K-fold cross-validation.
 - `provenance`: what a proposal's weights JSON records.
 

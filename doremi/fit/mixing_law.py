@@ -18,7 +18,9 @@ several deterministic starts: for each guess c0 of c below min(L), a0 is the lin
 solution of log(L - c0) = a . r; the start whose fit has the lowest cost wins. The authors'
 code (github yegcjs/mixinglaws, `law.py`) minimises a Huber loss (delta 0.05 in
 `mix_5_domains.ipynb`) with L-BFGS from a grid of random starts; `loss="huber"` with
-`f_scale=0.05` is that objective, plain least squares the default.
+`f_scale=0.05` is that objective, plain least squares the default. `fit.mixing_law.variant:
+authors` (doremi/propose.py) fits with the authors' objective, and to the losses their nested
+pipeline extrapolates to the main run (`nested.py`), not to the proxies' own.
 
 Proposer: L(r) is a positive combination of exponentials of linear functions of r, hence convex,
 so its minimum over the capped simplex {r >= 0, sum r = 1, r_i <= u_i} (caps u_i from epoch

@@ -12,17 +12,109 @@ built from an experiment config (docs/design.md section 2).
 Any of them runs as a proxy (`train-proxy`, `mixing.method`; its logged weights averaged by
 `doremi average`) or online on the main model (`train`, `mixing.main`). DoReMi needs a
 reference, so it runs as a proxy only.
+
+`READS` declares, for these and the offline fits (`regmix`, `mixing_law`, doremi/propose.py),
+the data each reads to choose a mixture (issue 35 point 3; the report lists it): its training
+batches' losses, validation losses (and through which `data.validation_split.CONSUMERS` entry,
+each of which must be a dev reader: `check_reads`), per-domain gradients, a sweep's losses, a
+reference model's losses. A built method whose `Needs` ask for more than its declaration is
+refused (`check_needs`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from data.store import read_manifest
 from data.weights import resolve_weights
 from doremi.config import ExperimentConfig
-from trainer.hooks import MethodContext, MethodFactory, MixingHook
+from trainer.hooks import MethodContext, MethodFactory, MixingHook, Needs
+
+
+@dataclass(frozen=True)
+class Reads:
+    """The data a method reads to choose its mixture. `validation`: the validation consumers
+    (`data.validation_split.CONSUMERS`) whose losses or batches it reads; every one must read the
+    dev half under `data.validation_split: dev_test`, never the verdict's test half."""
+
+    training_batches: bool = False
+    gradients: bool = False
+    sweep_losses: bool = False
+    reference_losses: bool = False
+    validation: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """`training batches' losses, dev validation (method_probe), ...` (`nothing` when empty)."""
+        parts = [
+            *(["training batches' losses"] if self.training_batches else []),
+            *([f"dev validation ({', '.join(self.validation)})"] if self.validation else []),
+            *(["per-domain gradients"] if self.gradients else []),
+            *(["a sweep's losses"] if self.sweep_losses else []),
+            *(["reference losses"] if self.reference_losses else []),
+        ]
+        return ", ".join(parts) or "nothing"
+
+
+#: What each method reads (the module's docstring). DoReMi: the proxy's and the reference's
+#: per-token losses on the training batch (excess loss). DoGE: per-domain training gradients and
+#: the gradient of target batches drawn from validation. ODM, ADO: per-domain training losses.
+#: Aioli: per-domain validation losses on its probe schedule. RegMix, mixing laws: the sweep
+#: runs' validation losses.
+READS: dict[str, Reads] = {
+    "doremi": Reads(training_batches=True, reference_losses=True),
+    "doge": Reads(training_batches=True, gradients=True, validation=("method_target",)),
+    "odm": Reads(training_batches=True),
+    "aioli": Reads(validation=("method_probe",)),
+    "ado": Reads(training_batches=True),
+    "regmix": Reads(sweep_losses=True, validation=("sweep_run",)),
+    "mixing_law": Reads(sweep_losses=True, validation=("sweep_run",)),
+}
+
+
+def reads(name: str) -> Reads:
+    """Method `name`'s declaration, its validation reads checked (`check_reads`)."""
+    if name not in READS:
+        raise KeyError(f"method {name!r} declares no reads in doremi/methods/registry.py READS")
+    check_reads(name, READS[name])
+    return READS[name]
+
+
+def check_reads(name: str, declared: Reads) -> None:
+    """Refuse (MethodSplitError) a declaration that reads validation data other than the dev
+    half: a consumer that would read the verdict's test sequences under `dev_test`."""
+    from data.validation_split import DEV, MethodSplitError, split_for
+
+    for consumer in declared.validation:
+        try:
+            half = split_for(consumer, "dev_test")
+        except ValueError:
+            raise MethodSplitError(f"method {name}: reads validation as {consumer!r}, not a known consumer") from None
+        if half != DEV:
+            raise MethodSplitError(
+                f"method {name}: reads validation as {consumer!r}, which reads the {half!r} half; a method reads "
+                "only 'dev' (the verdict is computed on 'test'; docs/design.md 3b)"
+            )
+
+
+def check_needs(name: str, needs: Needs) -> None:
+    """Refuse (MethodSplitError) a built method whose `Needs` read more than `READS` declares:
+    validation passes or target batches not declared, or any split other than dev."""
+    from data.validation_split import MethodSplitError, check_method_split
+
+    declared = reads(name)
+    check_method_split(needs.validation_split, name)
+    asked = [
+        *(["method_probe"] if needs.validation else []),
+        *(["method_target"] if needs.alignment is not None else []),
+    ]
+    extra = [c for c in asked if c not in declared.validation]
+    if extra or (needs.alignment is not None and not declared.gradients):
+        raise MethodSplitError(
+            f"method {name}: reads {', '.join(extra) or 'gradients'} beyond its declaration in "
+            f"doremi/methods/registry.py READS ({declared.describe()})"
+        )
 
 
 def _doremi(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
@@ -106,7 +198,13 @@ BUILDERS: dict[str, Callable[[ExperimentConfig, MethodContext], MixingHook]] = {
 def method_factory(name: str, cfg: ExperimentConfig) -> MethodFactory:
     """The factory the trainer calls with its `MethodContext`."""
     build = BUILDERS[name]
-    return lambda ctx: build(cfg, ctx)
+
+    def factory(ctx: MethodContext) -> MixingHook:
+        hook = build(cfg, ctx)
+        check_needs(name, getattr(hook, "needs", Needs()))
+        return hook
+
+    return factory
 
 
 def preflight(name: str, cfg: ExperimentConfig, domains: list[str]) -> None:
