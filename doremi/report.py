@@ -104,6 +104,46 @@ def format_table(
     return markdown_table(header, rows)
 
 
+def format_summary(losses: Mapping[str, Vector], baseline: str | None, width: int = 100) -> str:
+    """The closing screen: one row per mixture (best average first) with its average and
+    worst-case loss over domains and, against `baseline`, both differences and the domains
+    better; the per-domain table is in report.md. Names longer than the screen allows are cut
+    so that every line fits `width` columns."""
+    if not losses:
+        return "no main runs"
+    base = losses.get(baseline) if baseline else None
+    cols = ["mixture", "average", "worst case"]
+    if base is not None:
+        cols += [f"avg - {baseline}", f"worst - {baseline}", "domains better"]
+    rows = []
+    for name, l in sorted(losses.items(), key=lambda kv: _mean([float(x) for x in kv[1]])):
+        vals = [float(x) for x in l]
+        row = [name, f"{_mean(vals):.4f}", f"{_worst(vals):.4f}"]
+        if base is not None:
+            b = [float(x) for x in base]
+            row += [
+                f"{_mean(vals) - _mean(b):+.4f}",
+                f"{_worst(vals) - _worst(b):+.4f}",
+                f"{domains_better(vals, b)}/{len(vals)}",
+            ]
+        rows.append(row)
+    if sum(len(c) + 2 for c in cols) + 8 > width:  # a baseline's long name in the headers
+        cols = [c[: width // len(cols) - 2] for c in cols]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    room = width - sum(widths[1:]) - 2 * (len(cols) - 1)
+    widths[0] = max(8, min(widths[0], room))
+    cut = [[r[0] if len(r[0]) <= widths[0] else r[0][: widths[0] - 1] + "~", *r[1:]] for r in rows]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    lines = [line(cols)] + [line(r) for r in cut]
+    note = (
+        f"validation loss in nats per token; negative differences: better than {baseline}" if base is not None else ""
+    )
+    return "\n".join(lines + ([note] if note else []))
+
+
 def domains_better(losses: Vector, baseline: Vector) -> int:
     """The number of domains where `losses` is strictly below `baseline`."""
     _check_len("baseline", baseline, len(losses))
@@ -371,31 +411,41 @@ def summary_groups(losses: Vector) -> list[float]:
 
 
 def plot_differences(path: Path, domains: Sequence[str], final_losses: Mapping[str, Vector], baseline: str) -> None:
-    """Each run's final validation loss minus the baseline's, per domain and for the average and
-    the worst case over domains, with the values written on the bars: the differences that decide
-    a comparison are a few hundredths of a nat, invisible on bars of the losses themselves.
-    Below zero: the run is better."""
+    """Each run's final validation loss minus the baseline's, as small multiples: one panel per
+    domain and for the average and the worst case over domains, the runs as horizontal bars with
+    their values written on them (the differences that decide a comparison are a few hundredths
+    of a nat, invisible on bars of the losses themselves). Below zero: the run is better. At most
+    four panels a row, so that the figure reads at 100% zoom whatever the number of runs."""
+    import math
+
     from matplotlib.figure import Figure
 
     others = [name for name in final_losses if name != baseline]
     labels = [*domains, "average", "worst case"]
     base = summary_groups(final_losses[baseline])
+    diffs = {name: [x - b for x, b in zip(summary_groups(final_losses[name]), base)] for name in others}
     n, m = max(len(others), 1), len(labels)
-    fig = Figure(figsize=(max(6.0, 0.55 * m * n + 2), 4), layout="constrained")
-    ax = fig.subplots()
-    width = 0.8 / n
-    for j, (name, c) in enumerate(zip(others, _colors(n))):
-        diff = [x - b for x, b in zip(summary_groups(final_losses[name]), base)]
-        xs = [i - 0.4 + width * (j + 0.5) for i in range(m)]
-        bars = ax.bar(xs, diff, width=width, color=c, label=f"{name} - {baseline}")
-        ax.bar_label(bars, labels=[f"{d:+.3f}" for d in diff], fontsize=6, padding=1, rotation=90)
-    ax.axhline(0.0, color="k", lw=0.8)
-    ax.axvline(len(domains) - 0.5, color="gray", lw=0.6, ls=":")
-    ax.set_xticks(range(m), labels, rotation=30 if m > 6 else 0, ha="right" if m > 6 else "center")
-    ax.set(ylabel=f"final validation loss minus {baseline} (nats)", title=f"against {baseline} (below 0: better)")
-    ax.margins(y=0.25)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    cols = min(4, m)
+    rows = math.ceil(m / cols)
+    fig = Figure(figsize=(3.3 * cols, rows * (0.22 * n + 1.1)), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
+    colors = list(_colors(n))
+    for i, label in enumerate(labels):
+        ax = axes[i // cols][i % cols]
+        values = [diffs[name][i] for name in others]
+        bars = ax.barh(range(len(others)), values, color=colors[: len(others)])
+        ax.bar_label(bars, labels=[f"{v:+.3f}" for v in values], fontsize=7, padding=2)
+        ax.axvline(0.0, color="k", lw=0.8)
+        ax.set_title(label, fontsize=9, fontweight="bold" if i >= len(domains) else "normal")
+        ax.set_yticks(range(len(others)), others, fontsize=8)
+        if i == 0:
+            ax.invert_yaxis()  # the axes share y: once puts the first run on top in every panel
+        ax.margins(x=0.35)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    for k in range(m, rows * cols):
+        axes[k // cols][k % cols].set_visible(False)
+    fig.suptitle(f"final validation loss minus {baseline}, nats (below 0: better)", fontsize=10)
     _save(fig, path)
 
 

@@ -17,7 +17,14 @@ from doremi.history import HistoryError, read_history
 from doremi.ledger import compute_ledger
 from doremi.main_runs import DOREMI_RUN, method_dir, online_run_name
 from doremi.main_runs import mixtures as mixture_specs
-from doremi.report import format_compute, format_fit_quality, format_reads, format_table, markdown_table, write_report
+from doremi.report import (
+    format_compute,
+    format_fit_quality,
+    format_reads,
+    format_summary,
+    markdown_table,
+    write_report,
+)
 from doremi.stage_markers import eval_result
 from trainer.metrics import read_jsonl
 
@@ -274,9 +281,9 @@ def summarize(root: Path, store_dir: str, baselines: list[str], guardrails: Guar
         ),
         reads_table=format_reads(c["reads"]) if c["reads"] else None,
     )
-    table = format_table(c["domains"], c["mixtures"], c["final"], c["entropy"], c["tokens_per_byte"])
+    table = format_summary(c["final"], baselines[0] if baselines else None)
     n = len(warnings(c["findings"]))
-    return f"{table}\n\nguardrail warnings: {n}\nreport: {report}"
+    return f"{table}\n\nguardrail warnings: {n} (each explained in the report)\nreport: {report} (every domain)"
 
 
 def log_comparison(root: Path, store_dir: str, baselines: list[str], project: str, group: str | None) -> None:

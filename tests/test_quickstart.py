@@ -62,9 +62,16 @@ def test_every_stage_ran_and_report_matches_the_runs(pipeline_run, capsys):
     results = run_pipeline(QUICKSTART, sets)  # second run: skips every stage, prints the table
     out = capsys.readouterr().out
     assert "done already" in out and "..." not in out.replace("done already", "")
+    lines = out.rstrip().splitlines()
+    summary = lines[max(i for i, line in enumerate(lines) if line.startswith("mixture  ")) :]
+    assert len(summary) == 1 + len(METHODS) + len(BASELINES) + 4  # header, mixtures, note, blank, 2 lines
+    assert max(len(line) for line in summary) <= 100, "\n".join(summary)  # the closing summary
     report = (run / "report.md").read_text()
     for png in ("domain_weights.png", "val_loss.png", "loss_vs_baseline.png"):
-        assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        head = (run / png).read_bytes()[:24]
+        assert head[:8] == b"\x89PNG\r\n\x1a\n"
+        width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+        assert width <= 2000 and height <= 2000, (png, width, height)  # reads at 100% zoom
         assert png in report
 
     rows = table_rows(report)

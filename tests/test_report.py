@@ -227,3 +227,26 @@ def test_report_with_warnings_and_guardrail_sections(tmp_path):
     clean = write_report(tmp_path / "clean", DOMAINS, [], {}, LOSSES, MIXTURES, None, warnings=[]).read_text()
     assert "## Warnings\n\nNone: every guardrail passed.\n" in clean
     assert "## Warnings" not in write_report(tmp_path / "none", DOMAINS, [], {}, LOSSES, MIXTURES).read_text()
+
+
+def test_closing_summary_fits_100_columns_best_first_against_the_baseline():
+    from doremi.report import format_summary
+
+    losses = {
+        "uniform": [2.0, 3.0, 4.0],
+        "doremi": [1.5, 3.5, 3.8],
+        "a-mixture-with-a-name-far-longer-than-any-screen-would-show-in-one-line-of-a-terminal": [2.1, 3.1, 4.1],
+    }
+    text = format_summary(losses, "uniform")
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert lines[1].split() == ["doremi", "2.9333", "3.8000", "-0.0667", "-0.2000", "2/3"]
+    assert lines[2].split() == ["uniform", "3.0000", "4.0000", "+0.0000", "+0.0000", "0/3"]
+    assert lines[3].split()[0].endswith("~") and lines[3].split()[1:] == [
+        "3.1000",
+        "4.1000",
+        "+0.1000",
+        "+0.1000",
+        "0/3",
+    ]
+    assert format_summary({"doremi": [1.0]}, None).splitlines()[1].split() == ["doremi", "1.0000", "1.0000"]
