@@ -99,6 +99,11 @@ class TokenizerConfig:
     # has); or a mapping domain -> relative share. Taking the first bytes in domain order would
     # leave the later domains out of the vocabulary.
     train_shares: str | dict[str, float] = "equal"
+    # `file`/`hf`: a tokenizer whose post-processor puts a special token first (Llama 3's
+    # <|begin_of_text|>) was pretrained with it, so the stores hold it before every document
+    # and the export adds it; false: neither (the tokenizer is used without that template).
+    # No effect on `byte` and `bpe`, which have no BOS.
+    add_bos: bool = True
 
 
 @dataclass

@@ -3,10 +3,11 @@
 Steps: resolve and fingerprint the sources; stop if the stores already hold that fingerprint;
 otherwise, in a staging directory inside the store directory, read each text domain, split its
 documents into train/validation (data.split), build the tokenizer (training a BPE on the train
-documents), tokenize in `num_proc` processes, generate the synthetic domains, then move the
-files into place and write `manifest.json` last. Every input error is raised before anything
-in the store directory changes; an interrupted commit leaves no manifest, so the next run
-rebuilds.
+documents), tokenize in `num_proc` processes (local files as resumable tasks per file,
+data.tasks; other sources as one ordered stream, data.encode), generate the synthetic domains,
+then move the files into place and write `manifest.json` last. Every input error is raised
+before anything in the store directory changes; an interrupted commit leaves no manifest, so
+the next run rebuilds (reusing the finished tasks).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from data.bos import bos_token
 from data.config import DataConfig, TokenizerConfig
 from data.encode import Encoder
 from data.errors import DataError
@@ -53,6 +55,17 @@ from data.store import (
     write_manifest,
 )
 from data.synthetic import check_fits, entropy, generate_documents, symbol_ids
+from data.tasks import (
+    TASKS_PREFIX,
+    Task,
+    domain_tasks,
+    merge,
+    remove_work_dirs,
+    run_tasks,
+    split_rows,
+    task_key,
+    work_dir,
+)
 from data.tokenizer import TOKENIZER_FILE, build_tokenizer, save_tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,7 +83,16 @@ def tokenizer_fingerprint(cfg: TokenizerConfig) -> Any:
     if path.is_dir():
         path = path / TOKENIZER_FILE
     content = file_digest(str(path)) if path.is_file() else cfg.path
+    if path.is_file() and _defines_bos(path):  # the stores' bytes depend on add_bos (data.bos)
+        return [cfg.kind, content, cfg.eos_token, {"add_bos": cfg.add_bos}]
     return [cfg.kind, content, cfg.eos_token]
+
+
+def _defines_bos(path: Path) -> bool:
+    try:
+        return bos_token(path.read_text(encoding="utf-8")) is not None
+    except (ValueError, OSError):
+        return False  # not a tokenizer.json: build_tokenizer says so
 
 
 def fingerprint_inputs(cfg: DataConfig, plans: list[DomainPlan]) -> dict[str, Any]:
@@ -175,6 +197,10 @@ def preprocess(cfg: DataConfig, force: bool = False, progress: bool = True) -> M
             manifest = _build(cfg, plans, fp, staging, progress)
         manifest.inputs = inputs
         _commit(store, staging, manifest)
+        remove_work_dirs(store)
+    except DataError:  # an input to change: its finished tasks will not be resumed
+        remove_work_dirs(store)
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
@@ -191,7 +217,7 @@ def _refuse_foreign(store: Path) -> None:
     if not store.is_dir() or (store / MANIFEST_FILE).is_file():
         return
     for e in sorted(store.iterdir()):
-        own = e.name in _OWN_NAMES or e.name.startswith((".staging-", ".old-")) or e.name.endswith(".tmp")
+        own = e.name in _OWN_NAMES or e.name.startswith((".staging-", ".old-", TASKS_PREFIX)) or e.name.endswith(".tmp")
         if not own and not (e.is_dir() and {f.name for f in e.iterdir()} <= _SPLIT_FILES):
             raise DataError(
                 f"{store}: data.store_dir holds {e.name!r}, which is not part of token stores (no manifest.json); "
@@ -255,27 +281,9 @@ def _datasets_progress(enabled: bool) -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def _check_text(value: Any, domain: str, field: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise DataError(f"domain {domain!r}: field {field!r} holds {type(value).__name__}, expected text")
-    return value
-
-
 def _split_batches(source: TextSource, mask: np.ndarray, field: str) -> Iterator[tuple[list[str], list[str]]]:
-    """(train texts, validation texts) per read batch; empty and whitespace-only documents are
-    dropped (they hold no text to learn, and a domain of nothing else must be refused as empty,
-    not trained on as a stream of separators)."""
-    row = 0
-    for batch in source.batches(READ_ROWS):
-        train, val = [], []
-        for value in batch:
-            text = _check_text(value, source.name, field)
-            if text.strip():
-                (val if mask[row] else train).append(text)
-            row += 1
-        yield train, val
+    """(train texts, validation texts) per read batch (data.tasks.split_rows)."""
+    return split_rows(source.batches(READ_ROWS), mask, source.name, field)
 
 
 def byte_budgets(names: list[str], total: int, shares: str | dict[str, float]) -> list[int]:
@@ -333,10 +341,22 @@ def _build(cfg: DataConfig, plans: list[DomainPlan], fp: str, staging: Path, pro
         if p.synthetic is not None:
             check_fits(p.synthetic, tok.vocab_size, tok.eos_id, f"domain {p.name!r}")
 
+    work = work_dir(staging.parent, task_key([fp, tok.identity, dtype]))
+    remove_work_dirs(staging.parent, keep=work)
+    tasks = {p.name: domain_tasks(p.name, src.files, src.num_rows) for p, src, _ in texts if src.files is not None}
+    run_tasks(
+        [t for ts in tasks.values() for t in ts],
+        {p.name: mask for p, _, mask in texts},
+        tok,
+        dtype,
+        cfg.num_proc,
+        work,
+    )
     by_name = {p.name: (source, mask) for p, source, mask in texts}
-    with Encoder(tok, dtype, cfg.num_proc if texts else 1) as encoder:
+    pooled = any(p.name not in tasks for p, _, _ in texts)
+    with Encoder(tok, dtype, cfg.num_proc if pooled else 1) as encoder:
         entries = [
-            _write_domain(p, by_name.get(p.name), tok, dtype, encoder, cfg, staging)
+            _write_domain(p, by_name.get(p.name), tok, dtype, encoder, cfg, staging, tasks.get(p.name), work)
             for p in tqdm(plans, desc="preprocess", unit="domain", disable=not progress)
         ]
     save_tokenizer(tok, staging / TOKENIZER_FILE)
@@ -368,10 +388,17 @@ def _write_domain(
     encoder: Encoder,
     cfg: DataConfig,
     staging: Path,
+    tasks: list[Task] | None = None,
+    work: Path | None = None,
 ) -> DomainEntry:
+    """The domain's stores in `staging`: merged from its finished tasks (local files), or
+    tokenized here (other text sources), or generated (synthetic)."""
     writers = [SplitWriter(*split_paths(staging, p.name, split), dtype) for split in ("train", "validation")]
     nbytes = [0, 0]
-    if p.synthetic is not None:
+    if tasks is not None:
+        assert work is not None
+        nbytes = merge(tasks, work, dtype, writers)
+    elif p.synthetic is not None:
         docs = generate_documents(p.synthetic)
         mask = validation_mask(len(docs), cfg.validation_fraction, cfg.split_seed, p.name)
         for doc, is_val in zip(docs, mask):

@@ -1,5 +1,6 @@
-"""Where each domain's documents come from: local files read through `datasets`, one dataset
-split by a domain column, a hub dataset, the embedded corpus, or a synthetic generator.
+"""Where each domain's documents come from: local files (JSON lines, text, parquet and arrow
+streamed by data.readers, csv and whole-JSON files through `datasets`), one dataset split by a
+domain column, a hub dataset, the embedded corpus, or a synthetic generator.
 
 `plan_domains` resolves the config into one `DomainPlan` per domain (with a fingerprint of its
 inputs, cheap enough to decide whether preprocessing can be skipped) and checks that every file
@@ -9,12 +10,10 @@ batches); errors name the domain, the file and the field.
 
 from __future__ import annotations
 
-import bz2
 import glob
 import gzip
 import hashlib
 import json
-import lzma
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +21,17 @@ from typing import Any
 
 from data.config import DataConfig, DomainSource, SyntheticSpec
 from data.errors import DataError
+from data.readers import (
+    FileRows,
+    arrow_rows,
+    first_non_utf8,
+    iter_jsonl,
+    jsonl_rows,
+    open_binary,
+    parquet_rows,
+    scan_jsonl,
+    text_rows,
+)
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
@@ -81,97 +91,38 @@ def expand_paths(paths: list[str], where: str) -> list[str]:
     return out
 
 
-#: Openers of JSON-lines files read without `datasets` (which a GPU machine may lack).
-JSONL_OPENERS: dict[str, Callable[..., Any]] = {
-    ".jsonl": open,
-    ".jsonl.gz": gzip.open,
-    ".jsonl.xz": lzma.open,
-    ".jsonl.bz2": bz2.open,
-}
+#: JSON-lines files are read here (data.readers), without `datasets` (which a GPU machine may lack).
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz", ".jsonl.bz2", ".jsonl.zst")
 
 
 def jsonl_opener(path: str) -> Callable[..., Any] | None:
     name = path.lower()
-    return next((o for suffix, o in JSONL_OPENERS.items() if name.endswith(suffix)), None)
-
-
-_DECOMPRESS: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open}
-
-
-def _open_binary(path: str) -> Any:
-    """A file's bytes, decompressed by its suffix (`.gz`, `.xz`, `.bz2`)."""
-    name = path.lower()
-    opener = next((o for suffix, o in _DECOMPRESS.items() if name.endswith(suffix)), open)
-    return opener(path, "rb")
-
-
-def _decode(raw: bytes, n: int) -> str:
-    """Line `n` as text; a byte that is not UTF-8 is one error naming the line and the byte (a
-    decoder's own message gives a position in a buffer, not a line)."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line); "
-            "re-encode the file as UTF-8"
-        ) from None
-
-
-def first_non_utf8(path: str) -> str | None:
-    """`path: line N: not UTF-8 (...)` for the first line of `path` that is not UTF-8; None when
-    all are."""
-    try:
-        with _open_binary(path) as f:
-            for n, raw in enumerate(f, start=1):
-                _decode(raw, n)
-    except DataError as e:
-        return f"{path}: {e}"
-    except (OSError, EOFError):
-        return None
-    return None
+    return open_binary if name.endswith(JSONL_SUFFIXES) else None
 
 
 def read_jsonl_rows(files: list[str], text_field: str, where: str) -> list[Any]:
-    """`text_field` of every line of JSON-lines files, in order (None where a line lacks it, as
-    `datasets` gives); an error naming the file when no line has the field, and the file and its
-    line (counted from 1, blank lines included) when a line is not UTF-8, not JSON or not an object."""
-    texts: list[Any] = []
-    fields: dict[str, None] = {}
-    found = False
-    for path in files:
-        assert jsonl_opener(path) is not None
-        try:
-            with _open_binary(path) as f:
-                for n, raw in enumerate(f, start=1):
-                    try:
-                        line = _decode(raw, n)
-                        if not line.strip():
-                            continue
-                        try:
-                            row = json.loads(line)
-                        except json.JSONDecodeError as e:
-                            raise DataError(f"line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
-                        if not isinstance(row, dict):
-                            raise DataError(f"line {n}: expected a JSON object, got {type(row).__name__}")
-                    except DataError as e:
-                        raise DataError(f"{where}: could not read {path} as JSON lines: {e}") from None
-                    if text_field in row:
-                        found = True
-                    elif not found:
-                        fields.update(dict.fromkeys(row))
-                    texts.append(row.get(text_field))
-        except DataError:
-            raise
-        except (ValueError, OSError, EOFError) as e:
-            raise DataError(
-                f"{where}: could not read {path} as JSON lines ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''})"
-            ) from None
-    if texts and not found:
-        raise DataError(
-            f"{where}: {', '.join(files)} have no field {text_field!r} (fields: {', '.join(fields)}); set text_field"
-        )
-    return texts
+    """`text_field` of every line of JSON-lines files, in order, as a list (data.readers streams
+    them; this is for small files and tests)."""
+    scan_jsonl(files, text_field, where)
+    return list(iter_jsonl(files, text_field, where))
+
+
+def file_rows(fmt: str, files: list[str], plan: DomainPlan, where: str) -> FileRows | None:
+    """The domain's files read by a streaming reader (data.readers), or None where only
+    `datasets` reads them (csv, whole-JSON `.json`, `.lz4` and compressed parquet/arrow)."""
+    compressed = any(f.lower().endswith(COMPRESSION_SUFFIXES) for f in files)
+    if all(jsonl_opener(f) for f in files):
+        return jsonl_rows(files, plan.text_field, where)
+    if fmt == "text" and not any(f.lower().endswith(".lz4") for f in files):
+        assert plan.source is not None
+        return text_rows(files, plan.source.sample_by, where)
+    if fmt in ("parquet", "arrow") and not compressed:
+        nonempty = [f for f in files if Path(f).stat().st_size > 0]
+        if not nonempty:
+            raise DataError(f"{where}: empty domain ({', '.join(files)}: empty file)")
+        read = parquet_rows if fmt == "parquet" else arrow_rows
+        return read(nonempty, plan.text_field, where)
+    return None
 
 
 def file_digest(path: str) -> str:
@@ -334,6 +285,9 @@ class TextSource:
     name: str
     num_rows: int
     read: Callable[[int], Iterator[list[Any]]]
+    # Local files read by data.readers: the first `num_rows` of their rows, in file order, can
+    # be read as one task per file (data.tasks).
+    files: FileRows | None = None
 
     def batches(self, rows: int) -> Iterator[list[Any]]:
         return self.read(rows)
@@ -415,11 +369,11 @@ class SourceReader:
         if plan.kind == "embedded":
             texts: list[Any] = read_embedded(src.embedded or "")
             return self._limit(TextSource(plan.name, len(texts), _list_batches(texts)), src.max_documents)
-        if plan.kind == "files" and all(jsonl_opener(f) for f in plan.files):
-            rows = read_jsonl_rows(plan.files, plan.text_field, where)
-            if not rows:
+        rows = file_rows(file_format(plan.files[0]), plan.files, plan, where) if plan.kind == "files" else None
+        if rows is not None:
+            if not rows.num_rows:
                 raise DataError(f"{where}: empty domain ({', '.join(plan.files)}: empty file)")
-            return self._limit(TextSource(plan.name, len(rows), _list_batches(rows)), src.max_documents)
+            return self._limit(TextSource(plan.name, rows.num_rows, rows.batches, rows), src.max_documents)
         if plan.kind == "files":
             fmt = file_format(plan.files[0])
             ds = self._load(fmt, plan.files, where, src.sample_by)
@@ -466,4 +420,4 @@ class SourceReader:
                 yield batch[:left]
                 left -= len(batch)
 
-        return TextSource(source.name, max_documents, read)
+        return TextSource(source.name, max_documents, read, source.files)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from data.bos import bos_token, without_bos
 from data.config import TokenizerConfig
 from data.errors import DataError
 
@@ -91,7 +92,9 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizers.Tokenizer`, encoding without added special tokens (no BOS)."""
+    """A `tokenizers.Tokenizer`, encoding without added special tokens except the BOS that its
+    post-processor puts first (`bos_id`; data.bos): what the model sees in the stores is what
+    transformers gives with the exported tokenizer."""
 
     kind = "hf"
 
@@ -101,22 +104,29 @@ class HFTokenizer:
         self.eos_id = eos_id
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._json = tok.to_str()
+        bos = bos_token(self._json)
+        self.bos_id: int | None = bos[1] if bos else None
+        self._bos = [] if bos is None else [bos[1]]
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._bos + self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [self._bos + e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [
+            np.asarray(self._bos + e.ids, dtype=np.int64)
+            for e in self._tok.encode_batch(texts, add_special_tokens=False)
+        ]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     @property
     def identity(self) -> dict[str, Any]:
-        return {"name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id, "hash": _sha256(self._json)}
+        ident = {"name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id, "hash": _sha256(self._json)}
+        return ident if self.bos_id is None else ident | {"bos_id": self.bos_id}
 
     def spec(self) -> dict[str, Any]:
         return {"kind": "hf", "json": self._json, "name": self.name, "eos_id": self.eos_id}
@@ -192,7 +202,19 @@ def _load_file(path: Path, name: str, eos_token: str | None) -> HFTokenizer:
 def build_tokenizer(
     cfg: TokenizerConfig, texts_for_training: Iterable[str] | None = None
 ) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer that `cfg` asks for; `bpe` trains on `texts_for_training`."""
+    """The tokenizer that `cfg` asks for; `bpe` trains on `texts_for_training`. With
+    `add_bos: false`, a `file`/`hf` tokenizer's BOS-adding template is removed (data.bos)."""
+    tok = _build_tokenizer(cfg, texts_for_training)
+    if isinstance(tok, HFTokenizer) and tok.bos_id is not None and not cfg.add_bos:
+        from tokenizers import Tokenizer as RawTokenizer
+
+        return HFTokenizer(RawTokenizer.from_str(without_bos(tok.to_json())), tok.name, tok.eos_id)
+    return tok
+
+
+def _build_tokenizer(
+    cfg: TokenizerConfig, texts_for_training: Iterable[str] | None = None
+) -> ByteTokenizer | HFTokenizer:
     if cfg.kind == "byte":
         return ByteTokenizer()
     if cfg.kind == "bpe":

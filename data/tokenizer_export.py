@@ -9,7 +9,9 @@ Every tokenizer kind maps:
   Llama 2's tokenizer) and `<|endoftext|>` = 256, the same ids as `data.tokenizer.ByteTokenizer`
   for any text (except the literal text `<|endoftext|>`, which the HF one reads as the EOS).
 
-Neither adds a BOS token: the models are trained without one.
+Neither adds a BOS token, except a tokenizer whose post-processor puts one first (data.bos):
+the stores hold it before every document (unless `data.tokenizer.add_bos: false` removed the
+template from the tokenizer), so the exported file adds it as training saw it.
 """
 
 from __future__ import annotations
@@ -38,14 +40,16 @@ def tokenizer_files(tok: ByteTokenizer | HFTokenizer, max_length: int) -> dict[s
     from tokenizers import Tokenizer
 
     text = byte_tokenizer_json() if isinstance(tok, ByteTokenizer) else tok.to_json()
-    eos = Tokenizer.from_str(text).id_to_token(tok.eos_id)
+    raw = Tokenizer.from_str(text)
+    eos = raw.id_to_token(tok.eos_id)
+    bos_id = getattr(tok, "bos_id", None)
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": eos,
-        "bos_token": None,
+        "bos_token": None if bos_id is None else raw.id_to_token(bos_id),
         "pad_token": None,
         "unk_token": None,
-        "add_bos_token": False,
+        "add_bos_token": bos_id is not None,
         "add_eos_token": False,
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
