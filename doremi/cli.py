@@ -327,7 +327,7 @@ def _plan_parser(sp: argparse.ArgumentParser) -> None:
 
 
 def cmd_config(args):
-    from doremi.config_cmd import format_presets, resolved_yaml
+    from doremi.config_cmd import format_presets, resolved_yaml, stage_overview
     from doremi.config_docs import experiment_keys, format_keys
     from doremi.errors import DoReMiError
 
@@ -338,7 +338,9 @@ def cmd_config(args):
     elif args.config is None:
         raise DoReMiError("expected CONFIG, --presets or --keys")
     else:
-        print(resolved_yaml(args.config, args.set), end="")
+        text = resolved_yaml(args.config, args.set)
+        print("\n".join(f"# {line}" for line in ["what it runs:", *stage_overview(args.config, args.set)]))
+        print(text, end="")
 
 
 def cmd_inspect(args):

@@ -1,17 +1,22 @@
-"""`doremi config`: the resolved config as YAML, the model presets, or every key's doc.
+"""`doremi config`: what a config will run and the resolved config as YAML, the model
+presets, or every key's doc.
 
-A researcher reads what a run will do before it runs: the YAML printed is what the run's
-config.yaml will hold (presets merged, `--set` applied, `auto` resolved where it can be, paths
-absolute).
+A researcher reads what a run will do before it runs: first the stages and runs `doremi
+pipeline` (or a stage command) will make, each with its model, steps, tokens and directory, and
+the inputs that are missing; then the YAML that the run's config.yaml will hold (presets merged,
+`--set` applied, `auto` resolved where it can be, paths absolute). The overview is YAML comments,
+so the whole output still loads as the config.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import yaml
 
 from doremi.config import ExperimentConfig
 from trainer.config import ModelConfig, load_config
-from trainer.configtools import absolute_paths, from_dict, to_dict
+from trainer.configtools import absolute_paths, from_dict, read_yaml, to_dict
 from trainer.model.flops import param_count
 from trainer.model.presets import PRESETS
 
@@ -19,6 +24,78 @@ from trainer.model.presets import PRESETS
 def resolved_yaml(path: str, overrides: list[str]) -> str:
     cfg = load_config(path, overrides, cls=ExperimentConfig)
     return yaml.safe_dump(to_dict(absolute_paths(cfg)), sort_keys=False)
+
+
+def _run_words(cfg: ExperimentConfig) -> str:
+    m, t = cfg.model, cfg.train
+    tokens = t.steps * t.global_batch_size * cfg.data.seq_len
+    return (
+        f"{_size(param_count(m))} params (d_model {m.d_model} x {m.n_layers} layers), {t.steps} steps x "
+        f"{t.global_batch_size} x {cfg.data.seq_len} = {tokens / 1e6:.3g}M tokens"
+    )
+
+
+def stage_overview(path: str, overrides: list[str]) -> list[str]:
+    """What `doremi pipeline CONFIG` runs, stage by stage (a plain config: its one run), and each
+    input that does not exist yet, as lines."""
+    from doremi.main_runs import DOREMI_RUN, main_run_name, online_run_name
+    from doremi.pipeline import Pipeline
+
+    cfg = load_config(path, overrides, cls=ExperimentConfig)
+    out = []
+    stores = Path(cfg.data.store_dir)
+    built = (stores / "manifest.json").is_file()
+    out.append(
+        f"preprocess: {len(cfg.data.domains) or 'column'} domains -> {stores} ({'built' if built else 'to build'})"
+    )
+    missing = missing_inputs(cfg)
+    raw_doremi = "doremi" in read_yaml(path) or "pipeline" in read_yaml(path)
+    if not raw_doremi:
+        out.append(f"train: {_run_words(cfg)} -> {cfg.train.run_dir or 'runs/<config>/train'}")
+    else:
+        pipe = Pipeline(path, overrides, say=lambda m: None)
+        p, root = pipe.p, pipe.root
+        proxy = pipe.stage_config(p.proxy)
+        main = pipe.stage_config(p.main)
+        if "doremi" in p.methods:
+            for r in range(1, proxy.doremi.rounds + 1):
+                for stage in ("reference", "proxy"):
+                    out.append(f"round {r}: {stage}: {_run_words(proxy)} -> {root / f'round{r}' / stage}")
+        for m in p.methods:
+            if m in ("doge", "odm", "aioli", "ado"):
+                out.append(f"{m}: proxy: {_run_words(proxy)} -> {root / 'methods' / m / 'proxy'}")
+        offline = [m for m in p.methods if m in ("regmix", "mixing_law")]
+        if offline:
+            out.append(f"sweep: {proxy.sweep.runs} small runs for {', '.join(offline)} -> {root / 'sweep'}")
+        if not p.skip_main:
+            names = [DOREMI_RUN if m == "doremi" else m for m in p.methods]
+            names += [online_run_name(m) for m in p.online] + [main_run_name(b) for b in p.baselines]
+            out.append(f"main runs ({len(names)}): {', '.join(names)}: {_run_words(main)} each -> {root / 'main'}")
+        out.append(f"report: {root / 'report.md'}")
+    out += [f"missing input: {m}" for m in missing] or ["inputs: every file named exists"]
+    return out
+
+
+def missing_inputs(cfg: ExperimentConfig) -> list[str]:
+    """Each local file a config names that does not exist (a domain's paths, the dataset files,
+    a tokenizer file, a weights file), with its key."""
+    import glob
+
+    out = []
+    for i, d in enumerate(cfg.data.domains):
+        for j, p in enumerate(d.paths):
+            if not glob.glob(str(p)):
+                out.append(f"data.domains[{i}].paths[{j}] ({d.name}): {p}")
+    for j, p in enumerate(cfg.data.dataset):
+        if not glob.glob(str(p)):
+            out.append(f"data.dataset[{j}]: {p}")
+    tok = cfg.data.tokenizer
+    if tok.kind == "file" and tok.path and not Path(tok.path).exists():
+        out.append(f"data.tokenizer.path: {tok.path}")
+    w = cfg.data.domain_weights
+    if isinstance(w, str) and w.endswith(".json") and not Path(w).exists():
+        out.append(f"data.domain_weights: {w}")
+    return out
 
 
 def _size(n: int) -> str:

@@ -83,6 +83,26 @@ def test_config_prints_the_resolved_config(experiment, tmp_path, capsys, monkeyp
     assert cfg["doremi"]["reference_weights"] == "uniform"  # a name stays a name
 
 
+def test_config_says_what_it_runs_and_which_inputs_are_missing(tmp_path, capsys):
+    qs = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.yaml"
+    sets = [f"pipeline.run_dir={tmp_path / 'qs'}", f"data.store_dir={tmp_path / 'stores'}"]
+    assert main(["config", str(qs), *(a for s in sets for a in ("--set", s))]) == 0
+    said = [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith("# ")]
+    assert said[0] == "what it runs:"
+    assert said[1] == f"preprocess: 6 domains -> {tmp_path / 'stores'} (to build)"
+    assert said[2].startswith("round 1: reference: 0.7M params (d_model 96 x 3 layers), 160 steps x 32 x 64")
+    assert said[2].endswith(f"-> {tmp_path / 'qs' / 'round1' / 'reference'}")
+    assert any(line.startswith("ado: proxy: ") for line in said)
+    assert any(line.startswith("main runs (9): doremi, doge, odm, aioli, ado, uniform, tokens, ") for line in said)
+    assert said[-1] == "inputs: every file named exists"
+
+    missing = tmp_path / "missing.jsonl"
+    sets += [f'data.domains=[{{"name": "a", "paths": ["{missing}"]}}]', "pipeline.methods=[doremi]"]
+    assert main(["config", str(qs), *(a for s in sets for a in ("--set", s))]) == 0
+    said = [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith("# ")]
+    assert said[-1] == f"missing input: data.domains[0].paths[0] (a): {missing}"
+
+
 def test_config_lists_presets_with_sizes(capsys):
     assert main(["config", "--presets"]) == 0
     lines = capsys.readouterr().out.splitlines()
