@@ -126,7 +126,7 @@ def test_pipeline_under_torchrun(tmp_path):
         *args,
     ]
     out = sh(*torchrun)
-    assert "| **worst case**" in out and (run / "report.md").is_file()
+    assert "mixture  " in out and "worst case" in out and (run / "report.md").is_file()  # the closing summary
     assert [len(alphas(run / "round1" / "proxy"))] == [6]
     again = sh(*torchrun)
     # preprocess, reference, proxy, average, ODM's proxy and average, and a main run and its

@@ -170,7 +170,7 @@ def test_pipeline_does_not_train_on_a_fit_that_ranks_badly(stores, tmp_path, mon
     done = artifact.read(root)
     assert done.status == "finished" and done.fingerprint != stopped.fingerprint  # another experiment
     made = json.loads((root / "artifact.json").read_text())  # what made it, for a reader months later
-    assert made["command"].startswith("doremi ") and made["environment"]["torch"] == torch.__version__
+    assert made["command"].startswith("doremi") and made["environment"]["torch"] == torch.__version__
     assert "commit" in made["environment"] and made["config"]["pipeline"]["run_dir"] == str(root)
     from doremi.cli import main
 

@@ -183,7 +183,7 @@ def test_the_closing_comparison_goes_to_wandb_in_the_pipeline_group(pipeline_run
         inits.append(kwargs)
         return types.SimpleNamespace(log=logged.append, summary=summary, finish=lambda: None)
 
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, Table=Table))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, Table=Table, Settings=dict))
     run, sets, _ = pipeline_run
     store_dir = next(s.split("=", 1)[1] for s in sets if s.startswith("data.store_dir="))
     log_comparison(run, store_dir, ["uniform", "tokens"], "proj", "pipe")
@@ -195,6 +195,7 @@ def test_the_closing_comparison_goes_to_wandb_in_the_pipeline_group(pipeline_run
             "job_type": "comparison",
             "dir": str(run),
             "resume": "allow",
+            "settings": {"quiet": True},
         }
     ]
     table = logged[0]["comparison"]
