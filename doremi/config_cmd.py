@@ -17,7 +17,8 @@ import yaml
 from doremi.config import ExperimentConfig
 from trainer.config import ModelConfig, load_config
 from trainer.configtools import absolute_paths, from_dict, read_yaml, to_dict
-from trainer.model.flops import param_count
+from trainer.model.flops import blocks_params, param_count
+from trainer.model.moe_config import moe_params_delta
 from trainer.model.presets import PRESETS
 
 
@@ -29,8 +30,14 @@ def resolved_yaml(path: str, overrides: list[str]) -> str:
 def _run_words(cfg: ExperimentConfig) -> str:
     m, t = cfg.model, cfg.train
     tokens = t.steps * t.global_batch_size * cfg.data.seq_len
+    params = (
+        f"{_size(blocks_params(m) + m.d_model + moe_params_delta(m, False))} params besides the embeddings "
+        "(vocab_size auto: the stores decide)"
+        if m.vocab_size == "auto"
+        else f"{_size(param_count(m))} params"
+    )
     return (
-        f"{_size(param_count(m))} params (d_model {m.d_model} x {m.n_layers} layers), {t.steps} steps x "
+        f"{params} (d_model {m.d_model} x {m.n_layers} layers), {t.steps} steps x "
         f"{t.global_batch_size} x {cfg.data.seq_len} = {tokens / 1e6:.3g}M tokens"
     )
 

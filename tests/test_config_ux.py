@@ -96,6 +96,10 @@ def test_config_says_what_it_runs_and_which_inputs_are_missing(tmp_path, capsys)
     assert any(line.startswith("main runs (9): doremi, doge, odm, aioli, ado, uniform, tokens, ") for line in said)
     assert said[-1] == "inputs: every file named exists"
 
+    assert main(["config", str(qs), *(a for s in [*sets, "model.vocab_size=auto"] for a in ("--set", s))]) == 0
+    said = [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith("# ")]
+    assert " params besides the embeddings (vocab_size auto: the stores decide)" in said[2]
+
     missing = tmp_path / "missing.jsonl"
     sets += [f'data.domains=[{{"name": "a", "paths": ["{missing}"]}}]', "pipeline.methods=[doremi]"]
     assert main(["config", str(qs), *(a for s in sets for a in ("--set", s))]) == 0
