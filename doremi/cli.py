@@ -339,7 +339,11 @@ def cmd_config(args):
         raise DoReMiError("expected CONFIG, --presets or --keys")
     else:
         text = resolved_yaml(args.config, args.set)
-        print("\n".join(f"# {line}" for line in ["what it runs:", *stage_overview(args.config, args.set)]))
+        try:
+            overview = ["what it runs:", *stage_overview(args.config, args.set)]
+        except UserError as e:  # the config loads, but `doremi pipeline` would refuse it
+            overview = [f"what it runs: nothing; `doremi pipeline` would refuse it: {e}"]
+        print("\n".join(f"# {line}" for line in overview))
         print(text, end="")
 
 

@@ -100,6 +100,10 @@ def test_config_says_what_it_runs_and_which_inputs_are_missing(tmp_path, capsys)
     said = [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith("# ")]
     assert " params besides the embeddings (vocab_size auto: the stores decide)" in said[2]
 
+    assert main(["config", str(qs), *(a for s in [*sets, "train.steps=10"] for a in ("--set", s))]) == 0
+    said = capsys.readouterr().out.splitlines()[0]  # Aioli's rounds are shorter than its probes
+    assert said.startswith("# what it runs: nothing; `doremi pipeline` would refuse it: pipeline.proxy: mixing.aioli")
+
     missing = tmp_path / "missing.jsonl"
     sets += [f'data.domains=[{{"name": "a", "paths": ["{missing}"]}}]', "pipeline.methods=[doremi]"]
     assert main(["config", str(qs), *(a for s in sets for a in ("--set", s))]) == 0
