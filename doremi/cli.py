@@ -57,7 +57,10 @@ def cmd_preprocess(args):
     cfg = _config(args)
     if not is_launch_main():
         return  # under torchrun, one process builds the stores
+    from doremi.inspect_cmd import inspect_stores
+
     manifest = preprocess(cfg.data, force=args.force)
+    print("\n".join(inspect_stores(Path(cfg.data.store_dir), n=0).splitlines()[1:]))  # tokenizer, per-domain counts
     print(f"stores in {cfg.data.store_dir}: {len(manifest.domains)} domains")
 
 

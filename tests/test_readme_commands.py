@@ -211,6 +211,9 @@ def chain(workdir) -> dict[str, subprocess.CompletedProcess]:
 def test_the_staged_chain_on_the_quickstart(workdir, chain):
     runs = workdir / "runs"
     assert chain["preprocess"].stdout.splitlines()[-1] == "stores in runs/quickstart/stores: 6 domains"
+    said = chain["preprocess"].stdout.splitlines()  # the tokenizer, then each domain's counts
+    assert said[0].startswith("tokenizer: bpe-2048") and said[1].split()[:3] == ["domain", "train", "tokens"]
+    assert [line.split()[0] for line in said[2:8]] == DOMAINS
     assert sorted(p.name for p in (runs / "quickstart" / "stores").iterdir() if p.is_dir()) == sorted(DOMAINS)
     assert (runs / "quickstart" / "stores" / "manifest.json").is_file()
     said = chain["reference"].stderr.splitlines() + chain["reference"].stdout.splitlines()
