@@ -156,25 +156,31 @@ def unimax_weights(tokens: Sequence[float] | np.ndarray, budget: float, max_epoc
 
 
 def epoch_capped(
-    weights: Sequence[float] | np.ndarray, tokens: Sequence[float] | np.ndarray, budget: float, max_epochs: float
+    weights: Sequence[float] | np.ndarray,
+    counts: Sequence[float] | np.ndarray,
+    budget: float,
+    max_epochs: float,
+    slack: float = 0.0,
 ) -> np.ndarray:
-    """`weights` with no domain read more than `max_epochs` epochs of its train tokens over a
-    run of `budget` tokens: w_i <= E n_i / B. A domain over its cap is set to it and the excess
-    spread over the domains below theirs in proportion to their weights, until none is over
-    (at most k rounds; a domain with weight 0 stays 0). The guardrail of the 2-epoch rule
-    (docs/design.md 4e) as a constraint on a transferred mixture, which no method's search
-    knows about; weights already within their caps come back unchanged."""
+    """`weights` with no domain read more than `max_epochs` epochs of its `counts` over a run
+    that reads `budget` of the same unit: w_i <= (E n_i - slack) / B. A domain over its cap is
+    set to it and the excess spread over the domains below theirs in proportion to their weights,
+    until none is over (at most k rounds; a domain with weight 0 stays 0). The guardrail of the
+    2-epoch rule (docs/design.md 4e) as a constraint on a transferred mixture, which no method's
+    search knows about; weights already within their caps come back unchanged. A run caps in
+    the unit it reads (`sequence_capped`); `slack` is how far its realised count may run past
+    the nominal one."""
     if not 0 < budget < math.inf:
-        raise DataError(f"max_epochs: expected a token budget > 0, got {budget!r}")
+        raise DataError(f"max_epochs: expected a budget > 0, got {budget!r}")
     if not 0 < max_epochs < math.inf:
         raise DataError(f"max_epochs: expected a finite value > 0, got {max_epochs!r}")
     given = np.asarray(weights, dtype=np.float64)
-    caps = max_epochs * _counts(tokens) / budget
+    caps = np.maximum(max_epochs * _counts(counts) - slack, 0.0) / budget
     if caps[given > 0].sum() < 1 - 1e-12:
         raise DataError(
             f"max_epochs {max_epochs:g}: the domains this mixture reads hold "
-            f"{caps[given > 0].sum() * budget / max_epochs:.4g} tokens, too few for {budget:.4g} tokens at "
-            f"{max_epochs:g} epochs each"
+            f"{(caps[given > 0].sum() * budget + slack * (given > 0).sum()) / max_epochs:.4g} units "
+            f"(sequences or tokens), too few for {budget:.4g} at {max_epochs:g} epochs each"
         )
     w, capped = given.copy(), np.zeros(len(given), dtype=bool)
     while (over := ~capped & (w > caps * (1 + 1e-12))).any():
@@ -183,6 +189,18 @@ def epoch_capped(
         free = ~capped
         w[free] = given[free] * (1 - caps[capped].sum()) / given[free].sum()
     return w
+
+
+def sequence_capped(
+    weights: Sequence[float] | np.ndarray, pools: Sequence[int], run_sequences: int, max_epochs: float
+) -> np.ndarray:
+    """`data.max_epochs` as a run realises it: epochs are sequences drawn over the domain's pool
+    (its packed train sequences less the holdout, data/sampler.py `epochs`), not tokens: a
+    pool's sequences hold fewer tokens than the domain (each document's tail shorter than a
+    window is dropped), and a cap counted in tokens let a study's domain read 2.08 epochs under
+    `max_epochs: 2`. The exact sampler's count stays within one sequence of the nominal one, so
+    the cap keeps one sequence of slack: the realised epochs never pass `max_epochs`."""
+    return epoch_capped(weights, pools, run_sequences, max_epochs, slack=1.0)
 
 
 def named_weights(

@@ -156,26 +156,13 @@ def resolve_weights(
     manifest: Manifest,
     where: str = WHERE,
     budget_tokens: int | None = None,
-    max_epochs: float | None = None,
 ) -> np.ndarray:
     """A named mixture (`uniform`, `tokens`: proportional to train tokens, `temperature:T`,
     `unimax:E`: see `data.mixtures`), a weights-JSON path, a list in domain order, or a mapping
     name -> value; normalised to sum 1 (given numbers: `check_sum`'s rule). `where`: the key it was read from. `budget_tokens`: the
     run's token budget (steps x global batch x seq_len), which `unimax` needs (without it,
-    `unimax` is a DataError naming `where`); the other forms ignore it. `max_epochs`
-    (`data.max_epochs`): the mixture the run reads, capped so that no domain repeats more
-    (`mixtures.epoch_capped`; needs the budget)."""
-    weights = _resolve(spec, manifest, where, budget_tokens)
-    if max_epochs is None:
-        return weights
-    if budget_tokens is None:
-        raise DataError(f"{where}: data.max_epochs needs the run's token budget, and none is known here")
-    return mixtures.epoch_capped(weights, [d.train.tokens for d in manifest.domains], budget_tokens, max_epochs)
-
-
-def _resolve(
-    spec: str | list[float] | dict[str, float], manifest: Manifest, where: str, budget_tokens: int | None
-) -> np.ndarray:
+    `unimax` is a DataError naming `where`); the other forms ignore it. The cap of
+    `data.max_epochs` is the run's own (`mixtures.sequence_capped` over its sampler's pools)."""
     domains = manifest.domain_names
     if isinstance(spec, str):
         if spec in NAMED_MIXTURES:

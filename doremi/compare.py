@@ -176,14 +176,13 @@ def read_main_run(run: Path) -> MainRun | None:
 
 def weights_used(run: Path, domains: list[str]) -> list[float] | None:
     """The weights a main run trained on: the mean of the sampling weights it logged (a method
-    run online), else its config's `data.domain_weights` resolved against its stores; None
+    run online), else its fixed mixture (`doremi.summary.run_mixture`); None
     when neither can be read (the table then says so)."""
     import yaml
 
     from data.errors import UserError
     from data.store import read_manifest
-    from data.weights import resolve_weights
-    from doremi.summary import logged_weights, run_budget
+    from doremi.summary import logged_weights, run_mixture
 
     history = logged_weights(run, "sampling") if (run / "domain_weights.jsonl").is_file() else []
     if history:
@@ -197,12 +196,7 @@ def weights_used(run: Path, domains: list[str]) -> list[float] | None:
         manifest = read_manifest(data["store_dir"])
         if manifest.domain_names != domains:
             return None
-        try:
-            budget = run_budget(run)  # only `unimax:E` needs it
-        except (KeyError, TypeError):
-            budget = None
-        spec, cap = data["domain_weights"], data.get("max_epochs")
-        return [float(x) for x in resolve_weights(spec, manifest, budget_tokens=budget, max_epochs=cap)]
+        return [float(x) for x in run_mixture(data["domain_weights"], manifest, run)]
     except (UserError, OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
         return None
 

@@ -147,6 +147,33 @@ def run_max_epochs(run: Path) -> float | None:
     return yaml.safe_load(path.read_text()).get("data", {}).get("max_epochs") if path.is_file() else None
 
 
+def read_mixture(run: Path, domains: list[str]) -> np.ndarray | None:
+    """The fixed mixture a run read, from its last logged nominal counts (sum_t B x w_t,
+    data/sampler.py): under `data.max_epochs` the cap depends on the run's sampler pools, so
+    the run's log, not its config, says what it read. None before its first logged step."""
+    path = run / "metrics.jsonl"
+    rows = [r for r in read_jsonl(path) if "nominal_sequences" in r.get("realised", {})] if path.is_file() else []
+    if not rows:
+        return None
+    counts = np.array([float(rows[-1]["realised"]["nominal_sequences"][d]) for d in domains])
+    return counts / counts.sum()
+
+
+def run_mixture(spec: Any, manifest: Manifest, run: Path) -> np.ndarray:
+    """A main run's fixed mixture: its config's `data.domain_weights` resolved against its
+    stores, or, when it ran under `data.max_epochs`, what it logged it read (`read_mixture`;
+    the mixture as given until it has logged a step)."""
+    try:
+        budget = run_budget(run)  # only `unimax:E` needs it
+    except (KeyError, TypeError):
+        budget = None
+    given = resolve_weights(spec, manifest, budget_tokens=budget)
+    if run_max_epochs(run) is None:
+        return given
+    read = read_mixture(run, manifest.domain_names)
+    return given if read is None else read
+
+
 def logged_weights(run: Path, field: str = "weights") -> list[list[float]]:
     """A run's logged `field` per step. A method run online logs, besides the policy it proposes
     for the next step (`weights`), the weights it sampled this step with (`sampling`); the
@@ -191,7 +218,7 @@ def collect_run(
     mixtures: dict[str, np.ndarray] = {}
     for name, spec in mixture_specs(root / WEIGHTS_FILE, baselines, methods).items():
         run = root / "main" / name
-        mixtures[name] = resolve_weights(spec, manifest, budget_tokens=run_budget(run), max_epochs=run_max_epochs(run))
+        mixtures[name] = run_mixture(spec, manifest, run)
     for name in online_runs(root):
         if histories.get(name):
             mixtures[name] = np.mean(np.asarray(histories[name], dtype=np.float64), axis=0)

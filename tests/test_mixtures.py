@@ -200,8 +200,11 @@ def test_epoch_capped_hand_cases():
         epoch_capped([0.6, 0.4, 0.0], tokens, budget, 1.0)
 
 
-def test_resolve_weights_caps_at_max_epochs_with_the_budget():
-    capped = resolve_weights([0.5, 0.3, 0.2], MANIFEST, budget_tokens=1000, max_epochs=1.0)
-    np.testing.assert_allclose(capped, [0.1, 0.4, 0.5], atol=1e-15)
-    with pytest.raises(DataError, match="data.max_epochs needs the run's token budget"):
-        resolve_weights("uniform", MANIFEST, max_epochs=1.0)
+def test_sequence_capped_counts_sequences_with_one_of_slack():
+    from data.mixtures import sequence_capped
+
+    # pools of 101, 401, 900 sequences, a run of 1000: caps (E n - 1) / S = 0.1, 0.4, 0.899
+    np.testing.assert_allclose(sequence_capped([0.5, 0.3, 0.2], [101, 401, 900], 1000, 1.0), [0.1, 0.4, 0.5], atol=1e-15)
+    np.testing.assert_allclose(sequence_capped([0.05, 0.05, 0.9], [101, 401, 900], 1000, 1.0), [0.0505, 0.0505, 0.899])
+    with pytest.raises(DataError, match="too few"):
+        sequence_capped([0.5, 0.5, 0.0], [101, 401, 900], 1000, 1.0)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from data.batch import IGNORE_INDEX
+from data.mixtures import sequence_capped
 from data.validation_split import STAGE_EVALUATION, check_method_split
 from data.weights import resolve_weights
 from trainer import run_dir as rundir
@@ -249,7 +250,8 @@ class Trainer:
         given = resolve_weights(d.domain_weights, manifest, "data.domain_weights", self.cfg.budget_tokens)
         if d.max_epochs is None:
             return given
-        read = resolve_weights(d.domain_weights, manifest, "data.domain_weights", self.cfg.budget_tokens, d.max_epochs)
+        sequences = self.cfg.train.steps * self.cfg.train.global_batch_size
+        read = sequence_capped(given, self.feed.sampler.num_sequences, sequences, d.max_epochs)
         moved = [f"{n} {a:.4f} -> {b:.4f}" for n, a, b in zip(manifest.domain_names, given, read) if a != b]
         if moved:
             say([f"data.max_epochs {d.max_epochs:g}: the mixture is capped: " + ", ".join(moved)], self.pc.rank == 0)
