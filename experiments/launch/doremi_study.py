@@ -48,10 +48,6 @@ CONFIG = ROOT / "experiments" / "configs" / "doremi_study.yaml"
 SYNTHETIC_CONFIG = ROOT / "experiments" / "configs" / "gpu_scale.yaml"
 PHASES = ("determinism", "calibrate", "study")
 
-if str(ROOT) not in sys.path:  # the device runs this file with a bare python3, the package uninstalled
-    sys.path.insert(0, str(ROOT))
-from data import artifact  # noqa: E402
-
 #: The fixed mixture of the calibration: the first study's DoReMi weights, mean over its 4 seeds
 #: (experiments/results/doremi_real.md, "Averaged weights"), in the config's domain order.
 FIXED_WEIGHTS = (0.0431, 0.1538, 0.0782, 0.0802, 0.0821, 0.0972, 0.0870, 0.0697, 0.0661, 0.1383, 0.0662, 0.0381)
@@ -214,6 +210,9 @@ def finished(stage: Stage, folder: Path) -> bool:
     """Whether the stage's output is already there and finished (its artifact header), so a
     resumed call starts no process for it: a trainer would build, compile and load its final
     checkpoint only to find nothing to do."""
+    sys.path.insert(0, str(ROOT))
+    from data import artifact
+
     record = folder / stage.name / ("weights.json" if stage.command == "average" else "run.json")
     header = artifact.read(record) if record.is_file() else None
     return header is not None and header.status == "finished"
