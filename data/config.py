@@ -9,14 +9,14 @@ from typing import Annotated, Literal
 from data.errors import DataError
 
 #: A domain weight: an int or a float, never a bool or a string (the "number" tag is
-#: trainer.configtools.NUMBER; `[true, false, true]` must not train on weights 1, 0, 1).
+#: trainer.config.tools.NUMBER; `[true, false, true]` must not train on weights 1, 0, 1).
 Weight = Annotated[float, "number"]
 #: The forms of a mixture: `uniform`, `tokens`, a weights JSON path, a list in domain order, or
 #: a mapping domain -> weight (data.weights.resolve_weights).
 #: A file-system path, read against the current directory and saved absolute in a run's
-#: config.yaml (the "path" tag is trainer.configtools.PATH).
+#: config.yaml (the "path" tag is trainer.config.tools.PATH).
 PathStr = Annotated[str, "path"]
-#: A path when one exists there, else a name (`uniform`; a hub tokenizer): trainer.configtools.PATH_OR_NAME.
+#: A path when one exists there, else a name (`uniform`; a hub tokenizer): trainer.config.tools.PATH_OR_NAME.
 PathOrName = Annotated[str, "path or name"]
 Weights = PathOrName | list[Weight] | dict[str, Weight]
 
@@ -66,6 +66,16 @@ class DomainSource:
     hub: str | None = None
     # The hub dataset's split to read.
     hub_split: str = "train"
+    # The hub dataset's configuration (`datasets.load_dataset(name=...)`: `wikitext-103-raw-v1`
+    # of `wikitext`); None: its default.
+    hub_config: str | None = None
+    # The hub dataset's revision (commit, tag or branch), recorded in the stores' fingerprint: an
+    # upstream change is then a new revision, never other stores under the same fingerprint.
+    # None: whatever the default branch holds when read (not pinned).
+    hub_revision: str | None = None
+    # Read the hub dataset as a stream: nothing is downloaded whole, `max_documents` stops the
+    # reads early; the rows are read twice (a first pass counts them for the split).
+    hub_streaming: bool = False
     # None: the data section's `text_field`.
     text_field: str | None = None
     # A domain of the embedded quickstart corpus (data/corpus), by name.
@@ -115,7 +125,8 @@ class DataConfig:
     # One dataset holding every domain, split by a column instead of one source per domain:
     # files or globs, all of one format. Its domains are the column's values.
     dataset: list[PathStr] = field(default_factory=list)
-    # The column of `dataset` that names each document's domain (required with `dataset`).
+    # The column of `dataset` that names each document's domain (required with `dataset`); a
+    # dotted name is a field of a struct column (The Pile's `meta.pile_set_name`).
     domain_column: str | None = None
     # The field of a record that holds its text (a domain's `text_field` overrides it).
     text_field: str = "text"
@@ -172,6 +183,9 @@ class DataConfig:
                 )
             if d.max_documents is not None and d.max_documents < 1:
                 raise DataError(f"{where}.max_documents: expected >= 1, got {d.max_documents}")
+            hub_only = [k for k in ("hub_config", "hub_revision", "hub_streaming") if getattr(d, k)]
+            if hub_only and not d.hub:
+                raise DataError(f"{where} ({d.name}): {', '.join(hub_only)} set without a hub dataset (hub)")
         if self.dataset and not self.domain_column:
             raise DataError(f"{path}.domain_column: required when {path}.dataset is set")
         if not self.domains and not self.dataset:

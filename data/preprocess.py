@@ -29,6 +29,7 @@ from data.bos import bos_token
 from data.config import DataConfig, TokenizerConfig
 from data.encode import Encoder
 from data.errors import DataError
+from data.progress import Progress
 from data.sources import (
     DomainPlan,
     SourceReader,
@@ -59,6 +60,7 @@ from data.tasks import (
     TASKS_PREFIX,
     Task,
     domain_tasks,
+    finished,
     merge,
     remove_work_dirs,
     run_tasks,
@@ -206,6 +208,36 @@ def preprocess(cfg: DataConfig, force: bool = False, progress: bool = True) -> M
     return manifest
 
 
+def preprocess_share(cfg: DataConfig, index: int, count: int, progress: bool = True) -> tuple[int, int]:
+    """Run share `index` of `count` of the build's tasks (tasks index, index + count, ...) and
+    record them, for builds spread over nodes that see one store directory (a shared file
+    system: experiments/launch/slurm/preprocess.sbatch). Every share reads the same inputs and
+    builds the same tokenizer, hence the same work directory (data.tasks); the stores and
+    manifest are written by a later `preprocess`, which runs the tasks still missing and merges
+    them (same bytes as one process: tests/test_data_tasks.py). Returns (tasks run here, tasks
+    in the share); (0, 0) when the stores are already up to date."""
+    if not 0 <= index < count:
+        raise DataError(f"task share {index} of {count}: expected 0 <= index < count")
+    cfg.validate()
+    plans = plan_domains(cfg)
+    inputs = fingerprint_inputs(cfg, plans)
+    fp = digest(inputs)
+    store = Path(cfg.store_dir)
+    if _up_to_date(store, fp) is not None:
+        return 0, 0
+    _refuse_other_inputs(store, fp, inputs)
+    _refuse_foreign(store)
+    store.mkdir(parents=True, exist_ok=True)
+    # Not a `.staging-PID-` directory in the store: another node would take it for an orphan.
+    with tempfile.TemporaryDirectory(prefix="doremi-share-") as cache:
+        prepared = _prepare(cfg, plans, fp, store, SourceReader(cfg, Path(cache)))
+        share = prepared.all_tasks()[index::count]
+        todo = [t for t in share if finished(t, prepared.work, prepared.dtype) is None]
+        meter = Progress([p.name for p in prepared.plans]) if progress else None
+        run_tasks(todo, prepared.masks(), prepared.tok, prepared.dtype, cfg.num_proc, prepared.work, meter)
+    return len(todo), len(share)
+
+
 _SPLIT_FILES = {f"{split}.{ext}" for split in ("train", "validation") for ext in ("bin", "idx")}
 _OWN_NAMES = {TOKENIZER_FILE, ".lock", "stage.json", "stage.started.json"}
 
@@ -312,10 +344,26 @@ def tokenizer_training_texts(
                 break
 
 
-def _build(cfg: DataConfig, plans: list[DomainPlan], fp: str, staging: Path, progress: bool) -> Manifest:
-    from tqdm import tqdm
+@dataclasses.dataclass
+class Prepared:
+    """A build's inputs read and its tokenizer built: what the tasks (data.tasks) and the merge
+    need, the same on every node that prepares the same config."""
 
-    reader = SourceReader(cfg, staging / ".hf-cache")
+    plans: list[DomainPlan]
+    texts: list[tuple[DomainPlan, TextSource, np.ndarray]]
+    tok: Any
+    dtype: str
+    work: Path
+    tasks: dict[str, list[Task]]
+
+    def all_tasks(self) -> list[Task]:
+        return [t for ts in self.tasks.values() for t in ts]
+
+    def masks(self) -> dict[str, np.ndarray]:
+        return {p.name: mask for p, _, mask in self.texts}
+
+
+def _prepare(cfg: DataConfig, plans: list[DomainPlan], fp: str, store: Path, reader: SourceReader) -> Prepared:
     if needs_column_plans(cfg, plans):
         plans = plans + column_plans(cfg, reader, plans)
     for p in plans:
@@ -341,22 +389,24 @@ def _build(cfg: DataConfig, plans: list[DomainPlan], fp: str, staging: Path, pro
         if p.synthetic is not None:
             check_fits(p.synthetic, tok.vocab_size, tok.eos_id, f"domain {p.name!r}")
 
-    work = work_dir(staging.parent, task_key([fp, tok.identity, dtype]))
-    remove_work_dirs(staging.parent, keep=work)
+    work = work_dir(store, task_key([fp, tok.identity, dtype]))
+    remove_work_dirs(store, keep=work)
     tasks = {p.name: domain_tasks(p.name, src.files, src.num_rows) for p, src, _ in texts if src.files is not None}
-    run_tasks(
-        [t for ts in tasks.values() for t in ts],
-        {p.name: mask for p, _, mask in texts},
-        tok,
-        dtype,
-        cfg.num_proc,
-        work,
-    )
+    return Prepared(plans, texts, tok, dtype, work, tasks)
+
+
+def _build(cfg: DataConfig, plans: list[DomainPlan], fp: str, staging: Path, progress: bool) -> Manifest:
+    from tqdm import tqdm
+
+    prep = _prepare(cfg, plans, fp, staging.parent, SourceReader(cfg, staging / ".hf-cache"))
+    plans, texts, tok, dtype, work, tasks = prep.plans, prep.texts, prep.tok, prep.dtype, prep.work, prep.tasks
+    meter = Progress([p.name for p in plans]) if progress else None
+    run_tasks(prep.all_tasks(), prep.masks(), tok, dtype, cfg.num_proc, work, meter)
     by_name = {p.name: (source, mask) for p, source, mask in texts}
     pooled = any(p.name not in tasks for p, _, _ in texts)
     with Encoder(tok, dtype, cfg.num_proc if pooled else 1) as encoder:
         entries = [
-            _write_domain(p, by_name.get(p.name), tok, dtype, encoder, cfg, staging, tasks.get(p.name), work)
+            _write_domain(p, by_name.get(p.name), tok, dtype, encoder, cfg, staging, tasks.get(p.name), work, meter)
             for p in tqdm(plans, desc="preprocess", unit="domain", disable=not progress)
         ]
     save_tokenizer(tok, staging / TOKENIZER_FILE)
@@ -390,6 +440,7 @@ def _write_domain(
     staging: Path,
     tasks: list[Task] | None = None,
     work: Path | None = None,
+    meter: Progress | None = None,
 ) -> DomainEntry:
     """The domain's stores in `staging`: merged from its finished tasks (local files), or
     tokenized here (other text sources), or generated (synthetic)."""
@@ -407,9 +458,13 @@ def _write_domain(
     else:
         assert text is not None
         source, mask = text
+        read = 0
         for encoded in encoder.map(_counting_bytes(_split_batches(source, mask, p.text_field), nbytes)):
             for writer, (flat, lengths) in zip(writers, encoded):
                 writer.append(flat, lengths)
+            if meter is not None:
+                meter.add(p.name, sum(len(flat) for flat, _ in encoded), sum(nbytes) - read)
+                read = sum(nbytes)
     train, val = (w.close() for w in writers)
     if p.synthetic is None:
         train, val = (dataclasses.replace(c, bytes=n) for c, n in zip((train, val), nbytes))

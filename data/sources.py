@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,7 @@ from data.readers import (
     jsonl_rows,
     open_binary,
     parquet_rows,
+    rebatch,
     scan_jsonl,
     text_rows,
 )
@@ -214,12 +216,15 @@ def plan_domains(cfg: DataConfig) -> list[DomainPlan]:
                 )
             )
         elif d.hub:
+            pinned = [{"config": d.hub_config, "revision": d.hub_revision}] if d.hub_config or d.hub_revision else []
+            config = f"/{d.hub_config}" if d.hub_config else ""
+            revision = f"@{d.hub_revision}" if d.hub_revision else ""
             plans.append(
                 DomainPlan(
                     d.name,
                     "hub",
-                    digest(["hub", d.hub, d.hub_split, common]),
-                    f"hub:{d.hub}[{d.hub_split}]",
+                    digest(["hub", d.hub, d.hub_split, common] + pinned),
+                    f"hub:{d.hub}{config}[{d.hub_split}]{revision}",
                     text_field=text_field,
                     source=d,
                 )
@@ -309,6 +314,31 @@ def _dataset_batches(ds: Any, text_field: str) -> Callable[[int], Iterator[list[
     return read
 
 
+def _streamed(plan: DomainPlan, ds: Any, where: str) -> TextSource:
+    """A streamed hub dataset (an IterableDataset) as a TextSource: a first pass counts the rows
+    (at most max_documents), as the split needs their number; every read streams again."""
+    assert plan.source is not None
+    limit = plan.source.max_documents
+    field = plan.text_field
+    first = next(iter(ds.take(1)), None)
+    if first is not None and field not in first:
+        raise DataError(f"{where} have no field {field!r} (fields: {', '.join(first)}); set text_field")
+
+    def values() -> Iterator[Any]:
+        return itertools.islice((row.get(field) for row in ds), limit)
+
+    try:
+        num_rows = sum(1 for _ in values())
+    except Exception as e:  # the stream's own errors (network, format): the first line
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{where}: could not be read: {msg}") from None
+
+    def read(rows: int) -> Iterator[list[Any]]:
+        return rebatch(itertools.islice(values(), num_rows), rows)
+
+    return TextSource(plan.name, num_rows, read)
+
+
 class SourceReader:
     """Loads text domains through `datasets`; `cache_dir` holds the Arrow caches of local files
     (a staging directory that the caller removes), hub datasets use the default HF cache."""
@@ -347,6 +377,8 @@ class SourceReader:
             files, fmt = _file_group(self.cfg.dataset, "data.dataset")
             ds = self._load(fmt, files, "data.dataset")
             col = self.cfg.domain_column
+            if col not in ds.column_names and "." in (col or ""):
+                ds = ds.flatten()  # `meta.pile_set_name`: a field of a struct column (The Pile's files)
             if col not in ds.column_names:
                 raise DataError(
                     f"data.domain_column: {', '.join(files)} have no column {col!r} "
@@ -382,13 +414,19 @@ class SourceReader:
             import datasets
 
             try:
-                ds = datasets.load_dataset(src.hub, split=src.hub_split)
+                ds = datasets.load_dataset(
+                    src.hub,
+                    name=src.hub_config,
+                    split=src.hub_split,
+                    revision=src.hub_revision,
+                    streaming=src.hub_streaming,
+                )
             except Exception as e:
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise DataError(
-                    f"{where}: hub dataset {src.hub!r} split {src.hub_split!r} could not be loaded (offline?): {msg}"
-                ) from None
+                raise DataError(f"{where}: {plan.description} could not be loaded (offline?): {msg}") from None
             files = f"hub dataset {src.hub}"
+            if src.hub_streaming:
+                return _streamed(plan, ds, f"{where}: {files}")
         else:
             shared, index = self._shared_dataset()
             if plan.name not in index:

@@ -300,12 +300,12 @@ class TokenStores:
     def check_ids(self, domain: str, split: str) -> None:
         """Every token id of one split below the tokenizer's vocabulary size (an id beyond it
         would fail inside the embedding, far from its cause)."""
-        tokens = self.tokens(domain, split)
         vocab = int(self.manifest.tokenizer.get("vocab_size", 0) or 0)
-        if len(tokens) and vocab and int(tokens.max()) >= vocab:
-            bad = int(np.argmax(tokens >= vocab))
+        path = split_paths(self.store_dir, domain, split)[0]
+        bad = first_id_at_least(path, DTYPES[self.manifest.dtype], vocab) if vocab else None
+        if bad is not None:
             raise DataError(
-                f"{split_paths(self.store_dir, domain, split)[0]}: domain {domain!r}: token id {int(tokens[bad])} "
+                f"{path}: domain {domain!r}: token id {int(self.tokens(domain, split)[bad])} "
                 f"at position {bad} is outside the vocabulary ({vocab} ids); re-run `doremi preprocess --force`"
             )
 
@@ -337,6 +337,21 @@ class TokenStores:
                         f"{idx_path}: offsets run from {idx[0]} to {idx[-1]}, expected 0 to "
                         f"{counts.tokens}; re-run `doremi preprocess --force`"
                     )
+
+
+CHECK_TOKENS = 1 << 24  # tokens read per block by check_ids
+
+
+def first_id_at_least(path: Path, dtype: np.dtype, limit: int) -> int | None:
+    """Position of the first token >= `limit` in a token file, read in blocks of CHECK_TOKENS:
+    a reduction over a memory map counts every page of the file in the resident set until it
+    is unmapped (issue 42: `doremi preprocess` ends by opening the stores it wrote)."""
+    total = path.stat().st_size // dtype.itemsize
+    for start in range(0, total, CHECK_TOKENS):
+        block = np.fromfile(path, dtype=dtype, count=min(CHECK_TOKENS, total - start), offset=start * dtype.itemsize)
+        if int(block.max()) >= limit:
+            return start + int(np.argmax(block >= limit))
+    return None
 
 
 def open_stores(store_dir: str | os.PathLike, expect_tokenizer: dict[str, Any] | None = None) -> TokenStores:

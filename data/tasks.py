@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,13 @@ import numpy as np
 from data.atomic import atomic_write_text
 from data.encode import _init_worker, _worker, encode_texts
 from data.errors import DataError
+from data.progress import Progress
 from data.readers import FileRows
 from data.sources import digest
 from data.store import DTYPES, INDEX_DTYPE, SplitWriter
+
+#: report(domain, tokens, UTF-8 bytes) of one tokenized batch (data.progress).
+Report = Callable[[str, int, int], None]
 
 TASKS_PREFIX = ".tasks-"
 READ_ROWS = 256
@@ -110,17 +114,24 @@ def _first(batches: Iterable[list[Any]], rows: int) -> Iterator[list[Any]]:
         left -= len(batch)
 
 
-def run_task(task: Task, mask: np.ndarray, tok: Any, dtype: str, work: Path) -> dict[str, list[int]]:
+def run_task(
+    task: Task, mask: np.ndarray, tok: Any, dtype: str, work: Path, report: Report | None = None
+) -> dict[str, list[int]]:
     """Tokenize one task into its part files; the marker, written last, records per split the
-    tokens, documents and UTF-8 bytes."""
+    tokens, documents and UTF-8 bytes. `report(domain, tokens, bytes)` after each batch
+    (data.progress)."""
     np_dtype = np.dtype(dtype)
     writers = [SplitWriter(task.part(work, s, "bin"), task.part(work, s, "idx"), dtype) for s in SPLITS]
     nbytes = [0, 0]
     batches = _first(task.files.file_batches(task.path, READ_ROWS), task.rows)
     for texts in split_rows(batches, mask, task.domain, task.files.text_field):
         for k, (writer, part) in enumerate(zip(writers, texts)):
-            nbytes[k] += sum(len(t.encode("utf-8")) for t in part)
-            writer.append(*encode_texts(tok, part, np_dtype))
+            size = sum(len(t.encode("utf-8")) for t in part)
+            flat, lengths = encode_texts(tok, part, np_dtype)
+            writer.append(flat, lengths)
+            nbytes[k] += size
+            if report is not None:
+                report(task.domain, len(flat), size)
     counts = [w.close() for w in writers]
     done = {s: [c.tokens, c.documents, n] for s, c, n in zip(SPLITS, counts, nbytes)}
     atomic_write_text(task.marker(work), json.dumps(done) + "\n")
@@ -142,25 +153,62 @@ def finished(task: Task, work: Path, dtype: str) -> dict[str, list[int]] | None:
         return None
 
 
+_counters: dict[str, Any] = {}
+
+
+def _init_task_worker(spec: dict[str, Any], dtype: str, counters: Any, domains: list[str]) -> None:
+    _init_worker(spec, dtype)
+    _counters["shared"], _counters["index"] = counters, {d: i for i, d in enumerate(domains)}
+
+
+def _count_shared(domain: str, tokens: int, nbytes: int) -> None:
+    """A worker's batch added to the counters its parent reads (data.progress.Progress.absorb)."""
+    shared, i = _counters["shared"], _counters["index"][domain]
+    with shared.get_lock():
+        shared[2 * i] += tokens
+        shared[2 * i + 1] += nbytes
+
+
 def _run_in_worker(args: tuple[Task, np.ndarray, str, str]) -> None:
     task, mask, dtype, work = args
-    run_task(task, mask, _worker["tok"], dtype, Path(work))
+    run_task(task, mask, _worker["tok"], dtype, Path(work), _count_shared)
 
 
-def run_tasks(tasks: list[Task], masks: dict[str, np.ndarray], tok: Any, dtype: str, num_proc: int, work: Path) -> None:
+def run_tasks(
+    tasks: list[Task],
+    masks: dict[str, np.ndarray],
+    tok: Any,
+    dtype: str,
+    num_proc: int,
+    work: Path,
+    progress: Progress | None = None,
+) -> None:
     """Run the tasks not finished yet, in this process (`num_proc` 1) or in `num_proc` worker
-    processes that each read, tokenize and write their own tasks."""
+    processes that each read, tokenize and write their own tasks; `progress` counts their
+    tokens and bytes."""
     todo = [t for t in tasks if finished(t, work, dtype) is None]
     jobs = [(t, masks[t.domain][t.first_row : t.first_row + t.rows]) for t in todo]
+    live = progress is not None and progress.enabled
     if num_proc == 1 or len(jobs) <= 1:
         for task, mask in jobs:
-            run_task(task, mask, tok, dtype, work)
+            run_task(task, mask, tok, dtype, work, progress.add if live else None)
         return
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    with ctx.Pool(min(num_proc, len(jobs)), initializer=_init_worker, initargs=(tok.spec(), dtype)) as pool:
-        for _ in pool.imap_unordered(_run_in_worker, [(t, m, dtype, str(work)) for t, m in jobs]):
-            pass
+    domains = progress.domains if progress is not None else sorted({t.domain for t in todo})
+    counters = ctx.Array("q", 2 * len(domains))
+    init = (tok.spec(), dtype, counters, domains)
+    with ctx.Pool(min(num_proc, len(jobs)), initializer=_init_task_worker, initargs=init) as pool:
+        results = pool.imap_unordered(_run_in_worker, [(t, m, dtype, str(work)) for t, m in jobs])
+        while True:
+            try:
+                results.next(timeout=progress.interval if live else None)
+            except StopIteration:
+                break
+            except multiprocessing.TimeoutError:
+                pass
+            if live:
+                progress.absorb(counters[:])
 
 
 def merge(tasks: list[Task], work: Path, dtype: str, writers: list[SplitWriter]) -> list[int]:

@@ -41,7 +41,7 @@ CONSUMERS: dict[str, str] = {
     "verdict": TEST,
 }
 
-#: The consumer of a Trainer's own evaluation, by the stage it runs (trainer.loop.Trainer).
+#: The consumer of a Trainer's own evaluation, by the stage it runs (trainer.run.loop.Trainer).
 STAGE_EVALUATION: dict[str, str] = {"reference": "search_run", "proxy": "search_run", "train": "verdict"}
 
 #: Separates the generator of the dev/test split from the train/validation split's.

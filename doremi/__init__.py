@@ -32,21 +32,21 @@ def _own_packages_first() -> None:
 
 _own_packages_first()
 
-from doremi.history import (  # noqa: E402
-    HistoryError,
-    WeightHistory,
-    average_weights,
-    read_history,
-    read_weights_json,
-    write_weights_json,
-)
-from doremi.update import (  # noqa: E402
+from doremi.methods.doremi_update import (  # noqa: E402
     domain_excess,
     domain_excess_sums,
     per_domain_mean_loss,
     to_log_weights,
     uniform_log_weights,
     update_weights,
+)
+from doremi.methods.history import (  # noqa: E402
+    HistoryError,
+    WeightHistory,
+    average_weights,
+    read_history,
+    read_weights_json,
+    write_weights_json,
 )
 
 __all__ = [

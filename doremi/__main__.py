@@ -1,5 +1,5 @@
 import sys
 
-from doremi.cli import main
+from doremi.commands.cli import main
 
 sys.exit(main())

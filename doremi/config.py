@@ -10,8 +10,8 @@ from doremi.methods.ado import ADOConfig
 from doremi.methods.aioli import AioliConfig
 from doremi.methods.doge import DoGEConfig
 from doremi.methods.odm import ODMConfig
-from trainer.config import TrainerConfig
-from trainer.configtools import ConfigError
+from trainer.config.schema import TrainerConfig
+from trainer.config.tools import ConfigError
 
 
 @dataclass
@@ -68,7 +68,7 @@ class DoReMiConfig:
 #: so it is not offered online on the main model.
 METHODS = ("doremi", "doge", "odm", "aioli", "ado")
 ONLINE_METHODS = ("doge", "odm", "aioli", "ado")
-#: Methods that fit a sweep of small runs (doremi/sweep.py, doremi/propose.py): pipeline.methods only.
+#: Methods that fit a sweep of small runs (doremi/offline/sweep.py, doremi/offline/propose.py): pipeline.methods only.
 OFFLINE_METHODS = ("regmix", "mixing_law")
 
 
@@ -94,7 +94,7 @@ class MixingConfig:
 @dataclass
 class SweepConfig:
     """`doremi sweep`: a small run on each of many designed mixtures, the data of the offline
-    methods (RegMix, Data Mixing Laws; doremi/sweep.py, doremi/fit/)."""
+    methods (RegMix, Data Mixing Laws; doremi/offline/sweep.py, doremi/offline/fit/)."""
 
     # The sweep's directory: its tables (mixtures.csv, losses.csv, final.csv) and sweep.json.
     run_dir: PathStr = "runs/sweep"
@@ -129,7 +129,7 @@ class SweepConfig:
     chunk_size: int = 16
     # Evaluations along each run, every ceil(train.steps / eval_points) steps and at the last
     # (train.eval_every does not apply to sweep runs): the points of the step law that data
-    # mixing laws extrapolate each run's losses by (fit.mixing_law, doremi/fit/nested.py).
+    # mixing laws extrapolate each run's losses by (fit.mixing_law, doremi/offline/fit/nested.py).
     eval_points: int = 10
 
     def validate(self, path: str = "sweep") -> None:
@@ -154,7 +154,7 @@ class SweepConfig:
 
 @dataclass
 class MixingLawFitConfig:
-    """Data mixing laws (Ye et al. 2025; doremi/fit/nested.py, mixing_law.py): how the sweep's
+    """Data mixing laws (Ye et al. 2025; doremi/offline/fit/nested.py, mixing_law.py): how the sweep's
     losses become the losses the mixing law is fitted to."""
 
     # `authors`: the released pipeline, each run's losses extrapolated by a step law to the main
@@ -179,7 +179,7 @@ class MixingLawFitConfig:
 @dataclass
 class FitConfig:
     """`doremi fit` and the pipeline's offline methods: how a sweep's table becomes a mixture
-    (doremi/propose.py, doremi/fit/)."""
+    (doremi/offline/propose.py, doremi/offline/fit/)."""
 
     # The loss the mixture minimises: sum_i w_i L_i over the domains' validation losses, with w
     # this mixture form (`uniform`: the mean over domains; a mapping of every domain to its
@@ -216,7 +216,7 @@ class FitConfig:
 
 @dataclass
 class GuardrailConfig:
-    """Thresholds of the per-domain checks of doremi/guardrails.py (docs/design.md section 4b).
+    """Thresholds of the per-domain checks of doremi/reports/guardrails.py (docs/design.md section 4b).
 
     A run outside them still finishes; its verdict is then about its regime (memorised tiny
     domains, a sampler that skipped a domain, a proxy far behind its reference), not about the

@@ -9,8 +9,8 @@ import torch
 
 from data.atomic import atomic_write_text
 from doremi.config import ExperimentConfig
-from trainer.config import load_config
-from trainer.metrics import read_jsonl
+from trainer.config.schema import load_config
+from trainer.records.metrics import read_jsonl
 
 STORE_YAML = """
 model: {{preset: tiny, vocab_size: 260, n_layers: 4, d_model: 64, n_heads: 4, n_kv_heads: 2, ffn_dim: 128}}
@@ -52,7 +52,7 @@ def final_params(store: Path, run: Path, *model_sets: str) -> dict[str, torch.Te
     """Parameters of a run's last checkpoint, reassembled into a single-process model of the
     default test config with `model_sets` (the run's architecture keys: the load checks them)."""
     from trainer.build import build_model
-    from trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from trainer.checkpoint.checkpoint import latest_checkpoint, load_checkpoint
     from trainer.parallel.context import ParallelContext
 
     cfg = config(store, Path(str(run) + "-load"), *model_sets)
@@ -63,7 +63,7 @@ def final_params(store: Path, run: Path, *model_sets: str) -> dict[str, torch.Te
 
 def run_stage(rank: int, world: int, stage: str, store: str, jobs: list[tuple[str, list[str]]]) -> None:
     """Worker: run `stage` (train / train-proxy) for each (run_dir, --set list) in turn."""
-    from doremi import stages
+    from doremi.pipeline import stages
 
     for run, sets in jobs:
         cfg = config(Path(store), Path(run), *sets)

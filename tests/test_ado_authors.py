@@ -21,9 +21,9 @@ from doremi.methods.ado import (
     smooth_history,
     start_grid,
 )
-from trainer.configtools import ConfigError
-from trainer.hooks import MethodContext, StepSignals
+from trainer.config.tools import ConfigError
 from trainer.parallel.context import ParallelContext
+from trainer.run.hooks import MethodContext, StepSignals
 
 DOMAINS = ["a", "b", "c"]
 S = 4

@@ -13,10 +13,10 @@ import pytest
 import torch
 import yaml
 
-from doremi.ledger import _flops_per_token, run_cost
 from doremi.methods.aioli import Aioli, AioliConfig, ProbeSchedule, eval_sequences, validation_passes
-from trainer.hooks import MethodContext
+from doremi.reports.ledger import _flops_per_token, run_cost
 from trainer.parallel.context import ParallelContext
+from trainer.run.hooks import MethodContext
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,9 +148,9 @@ def test_trainer_validates_the_subset_and_the_ledger_counts_it(stores, tmp_path)
     """A 5-step proxy (3 domains, 8 sequences a step, one round of one sweep of 1 step): 4
     passes of floor(0.1 x 3 x 5 x 8 / (4 x 3)) = 1 sequence per domain (train.eval_sequences 16
     is not used); the ledger's validation FLOPs are a forward over exactly those tokens."""
-    from doremi import stages
+    from doremi.pipeline import stages
     from tests.runs import config
-    from trainer.metrics import read_jsonl
+    from trainer.records.metrics import read_jsonl
 
     run = tmp_path / "proxy"
     sets = ["train.steps=5", "mixing.method=aioli", "mixing.aioli.rounds=1", "mixing.aioli.delta=1"]
@@ -166,7 +166,7 @@ def test_trainer_validates_the_subset_and_the_ledger_counts_it(stores, tmp_path)
 
 
 def test_config_rejects_unknown_variant():
-    from trainer.configtools import ConfigError
+    from trainer.config.tools import ConfigError
 
     with pytest.raises(ConfigError, match=r"^mixing.aioli.variant: expected 'authors' or 'paper', got 'x'$"):
         AioliConfig(variant="x").validate("mixing.aioli")  # type: ignore[arg-type]

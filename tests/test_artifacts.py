@@ -17,11 +17,11 @@ import yaml
 
 from data import artifact
 from data.store import read_manifest
-from doremi import stages
-from doremi.cli import main
+from doremi.commands.cli import main
+from doremi.pipeline import stages
 from tests.runs import STORE_YAML, config
-from trainer import run_dir as rundir
-from trainer.checkpoint import latest_checkpoint
+from trainer.checkpoint.checkpoint import latest_checkpoint
+from trainer.records import run_dir as rundir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -530,7 +530,7 @@ def test_preprocess_refuses_a_folder_that_is_not_stores(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def sweep(stores, tmp_path_factory) -> Path:
-    from doremi.sweep import run_sweep
+    from doremi.offline.sweep import run_sweep
 
     root = tmp_path_factory.mktemp("sweep")
     return run_sweep(config(stores, root / "run", f"sweep.run_dir={root / 's'}", "sweep.runs=6", STEPS))

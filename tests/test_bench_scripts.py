@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import ModelConfig
+from trainer.config.schema import ModelConfig
 from trainer.model import cross_entropy as ce
 from trainer.model import layers, llama, rope
 from trainer.model.kernels import Kernels
 from trainer.model.llama import Llama
-from trainer.parallel import clip
+from trainer.optim import clip
 
 BENCH = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "bench"
 
@@ -167,7 +167,7 @@ def test_bench_shapes_come_from_the_baseline_presets(bench_modules):
 def test_the_bench_reference_cache_is_one_the_proxy_reads(bench_modules, tmp_path):
     """The cached-reference row reads its cache through `CachedReference`, which refuses a cache
     in another format (the bench once wrote version 1 by hand after the format moved on)."""
-    from doremi.reference import CachedReference
+    from doremi.methods.reference import CachedReference
 
     sb = bench_modules["step_bench"]
     mb, seq = 6, 8
@@ -309,7 +309,7 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
     import argparse
     import subprocess
 
-    from trainer.model.presets import PRESETS
+    from trainer.config.presets import PRESETS
 
     queue = BENCH / "gpu_queue.sh"
     original = argparse.ArgumentParser.parse_args

@@ -28,22 +28,23 @@ import pytest
 import torch
 
 from data.batch import IGNORE_INDEX
-from doremi import stages
+from doremi.pipeline import stages
 from tests.bf16 import rounded_half_away
 from tests.distributed import spawn
 from tests.runs import config, final_params, losses, run_stage
-from trainer.build import autocast, build_model, param_dtype
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
-from trainer.configtools import ConfigError
-from trainer.loop import Trainer
-from trainer.metrics import read_jsonl
+from trainer.build import autocast, build_model
+from trainer.checkpoint.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.config.tools import ConfigError
 from trainer.optim.build import build_optimizer
 from trainer.optim.lr_schedule import lr_at
 from trainer.optim.master_weights import MasterWeightAdamW
 from trainer.optim.sharded import ShardedOptimizer
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.main_grad import grad_of
-from trainer.plan import gpu_param_precision
+from trainer.plan.memory import gpu_param_precision
+from trainer.plan.resolve import param_dtype
+from trainer.records.metrics import read_jsonl
+from trainer.run.loop import Trainer
 
 BF16 = ["train.precision=bf16", "train.param_dtype=bf16"]
 FP32_PARAMS = ["train.precision=bf16", "train.param_dtype=fp32"]
@@ -315,7 +316,7 @@ def test_frozen_reference_computes_as_its_run_trains(runs, stores, tmp_path, set
     parameter dtype the config trains in, and `autocast` the matching context: bf16 parameters
     without autocast, fp32 ones under it. Its losses equal those of the run's model loaded the
     same way (weights as saved, no optimizer)."""
-    from doremi.reference import load_frozen
+    from doremi.methods.reference import load_frozen
     from trainer.parallel.pipeline_schedule import forward_only
 
     cfg = config(stores, tmp_path / "run", *COMMON, *sets)

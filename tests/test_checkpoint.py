@@ -28,9 +28,9 @@ from tests.test_zero_optim import (
     toy_specs,
     train_cfg,
 )
-from trainer.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.optim.build import build_optimizer
-from trainer.parallel.clip import clip_grad_norm
+from trainer.optim.clip import clip_grad_norm
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.shard import shard, unshard
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from doremi.errors import DoReMiError
-from doremi.reference import CACHE_VERSION, CachedReference
+from doremi.methods.reference import CACHE_VERSION, CachedReference
 from tests.test_checkpoint import toy_run
 from tests.test_zero_optim import build_stage, dp_step, full_tensors, toy_specs
 from trainer.build import build_model
-from trainer.checkpoint import (
+from trainer.checkpoint.checkpoint import (
     CheckpointError,
     checkpoint_fingerprint,
     file_hash,
@@ -25,7 +25,7 @@ from trainer.checkpoint import (
     remove_leftovers,
     save_checkpoint,
 )
-from trainer.config import load_config
+from trainer.config.schema import load_config
 from trainer.parallel.context import ParallelContext
 
 PC = ParallelContext.single()
@@ -258,9 +258,9 @@ def test_full_disk_during_a_checkpoint_write_is_one_line_naming_the_file(stores,
     prints it as one line with exit status 2 (it was a 30-line traceback)."""
     import errno
 
-    from doremi.cli import main
+    from doremi.commands.cli import main
     from tests.runs import config_path
-    from trainer import checkpoint
+    from trainer.checkpoint import checkpoint
 
     class Full:
         def __init__(self, f):

@@ -1,4 +1,4 @@
-"""`trainer.parallel.clip.squares` against float64: on bf16 views of one flat buffer like the
+"""`trainer.optim.clip.squares` against float64: on bf16 views of one flat buffer like the
 optimizer's main grads (torch's foreach path), and its Triton path in the interpreter."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tests.interpreter import needs_triton, run_interpreted
-from trainer.parallel import clip
+from trainer.optim import clip
 
 
 def test_squares_match_float64_on_bf16_views():
@@ -27,7 +27,7 @@ def test_triton_sums_of_squares_match_float64_in_the_interpreter():
     run_interpreted("""
 import torch
 from trainer.optim import multi_tensor as mt
-from trainer.parallel import clip
+from trainer.optim import clip
 g = torch.Generator().manual_seed(0)
 B = mt.SQUARES_BLOCK
 for dtype in (torch.bfloat16, torch.float32):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from doremi.compare import (
+from doremi.errors import DoReMiError
+from doremi.study.compare import (
     COMPARE_MD,
     COMPARE_PNG,
     MainRun,
@@ -20,7 +21,6 @@ from doremi.compare import (
     pair,
     read_root,
 )
-from doremi.errors import DoReMiError
 
 D = ["a", "b", "c"]
 # seed 1: mean 2 vs 6.25 / 3, worst 3 vs 3.5, better on a and c; the mixture's mean curve reaches
@@ -129,7 +129,7 @@ def test_compare_roots_writes_markdown_and_plot(tmp_path):
 
 
 def test_cli_compare_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
-    from doremi.cli import main
+    from doremi.commands.cli import main
 
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 2

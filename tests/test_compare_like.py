@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from data import artifact
-from doremi.compare import compare_roots, differences, is_seed, settings
 from doremi.errors import DoReMiError
+from doremi.study.compare import compare_roots, differences, is_seed, settings
 
 DOMAINS = ["noise", "easy", "markov"]
 
@@ -98,7 +98,7 @@ def test_paths_inside_a_root_compare_relative_to_it(stores, tmp_path):
 
 
 def test_cli_compare_refusal_is_one_line_and_exit_2(stores, tmp_path, capsys):
-    from doremi.cli import main
+    from doremi.commands.cli import main
 
     a = _root(tmp_path / "seed1", stores, 1, eta=1.0)
     b = _root(tmp_path / "seed2", stores, 2, eta=3.0)
@@ -113,8 +113,8 @@ def test_cli_compare_refusal_is_one_line_and_exit_2(stores, tmp_path, capsys):
 
 
 def _bad_fit(path: Path, rho: float | None = -0.74, held: bool = True) -> Path:
-    from doremi.fit.evaluate import HeldOut
-    from doremi.fit.provenance import proposal_provenance, write_proposal
+    from doremi.offline.fit.evaluate import HeldOut
+    from doremi.offline.fit.provenance import proposal_provenance, write_proposal
 
     provenance = proposal_provenance(
         method="regmix",
@@ -127,7 +127,7 @@ def _bad_fit(path: Path, rho: float | None = -0.74, held: bool = True) -> Path:
 
 
 def test_check_fit_quality(tmp_path):
-    from doremi.propose import FitQualityError, check_fit_quality
+    from doremi.offline.propose import FitQualityError, check_fit_quality
 
     good = _bad_fit(tmp_path / "good.json", 0.81)
     assert check_fit_quality("regmix", good, 0.3) == "held-out Spearman 0.810, mean abs error 0.05 (16 runs, 5 folds)"
@@ -150,8 +150,8 @@ def test_pipeline_does_not_train_on_a_fit_that_ranks_badly(stores, tmp_path, mon
     mixture and the pipeline trained the main run on it, the report silent about the fit. Now
     the pipeline stops before the main runs; with the threshold lowered it trains, and the
     report shows the fit's quality."""
-    from doremi import pipeline
-    from doremi.propose import FitQualityError
+    from doremi.offline.propose import FitQualityError
+    from doremi.pipeline import pipeline
     from tests.runs import config_path
 
     (tmp_path / "sweep").mkdir()
@@ -172,7 +172,7 @@ def test_pipeline_does_not_train_on_a_fit_that_ranks_badly(stores, tmp_path, mon
     made = json.loads((root / "artifact.json").read_text())  # what made it, for a reader months later
     assert made["command"].startswith("doremi") and made["environment"]["torch"] == torch.__version__
     assert "commit" in made["environment"] and made["config"]["pipeline"]["run_dir"] == str(root)
-    from doremi.cli import main
+    from doremi.commands.cli import main
 
     capsys.readouterr()
     assert main(["verify", str(root)]) == 0  # the root, then every artifact inside it
@@ -192,7 +192,7 @@ def test_pipeline_does_not_train_on_a_fit_that_ranks_badly(stores, tmp_path, mon
 def test_train_on_a_pipeline_config_says_what_it_trains_or_applies_pipeline_main(stores, tmp_path, capsys):
     """`doremi train CONFIG` on a config with `pipeline.main` silently trained the proxy-sized
     model; now it says so in one note line, and `--pipeline-main` trains the main model."""
-    from doremi.cli import main
+    from doremi.commands.cli import main
     from tests.runs import config_path
 
     path = config_path(stores, tmp_path / "unused")
@@ -216,8 +216,8 @@ def test_a_pipeline_root_carries_its_header_and_compare_refuses_another_kind(tmp
     then finished, with the experiment's fingerprint and its stores; `doremi compare` refuses a
     directory whose header says it is something else."""
     from data import artifact
-    from doremi.compare import read_root
     from doremi.errors import DoReMiError
+    from doremi.study.compare import read_root
 
     root = tmp_path / "root"
     root.mkdir()

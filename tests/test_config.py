@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from doremi.config import ExperimentConfig
-from trainer.config import load_config
-from trainer.configtools import ConfigError, absolute_paths, dump_yaml
+from trainer.config.schema import load_config
+from trainer.config.tools import ConfigError, absolute_paths, dump_yaml
 
 
 def write(tmp_path, text):

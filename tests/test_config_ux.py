@@ -11,12 +11,12 @@ import yaml
 
 from data.store import open_stores
 from data.tokenizer import load_tokenizer
-from doremi.cli import build_parser, main
+from doremi.commands.cli import build_parser, main
+from doremi.commands.config_docs import DOCS_PAGE, REGENERATE, experiment_keys, markdown
 from doremi.config import ExperimentConfig
-from doremi.config_docs import DOCS_PAGE, REGENERATE, experiment_keys, markdown
 from tests import runs
-from trainer.config import load_config, require_vocab_size
-from trainer.configtools import ConfigError, apply_overrides
+from trainer.config.schema import load_config, require_vocab_size
+from trainer.config.tools import ConfigError, apply_overrides
 
 EXPERIMENT = """
 model: {preset: tiny, vocab_size: 260}
@@ -236,7 +236,7 @@ def test_inspect_a_config_reads_its_store_dir(stores, tmp_path, capsys):
 
 
 def test_inspect_a_run_directory_follows_its_stores(stores, tmp_path, capsys):
-    from doremi import stages
+    from doremi.pipeline import stages
 
     run = tmp_path / "run"
     stages.train(runs.config(stores, run, "train.steps=1"))
@@ -246,7 +246,7 @@ def test_inspect_a_run_directory_follows_its_stores(stores, tmp_path, capsys):
 
 
 def test_plan_with_vocab_size_auto_before_the_stores_is_one_line(tmp_path, capsys):
-    from doremi.cli import main
+    from doremi.commands.cli import main
 
     cfg = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "own_data.yaml"
     assert (

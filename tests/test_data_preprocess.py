@@ -239,7 +239,7 @@ def test_empty_domain(tmp_path, texts):
 
 
 def test_domain_named_twice(tmp_path):
-    from trainer.configtools import from_dict
+    from trainer.config.tools import from_dict
 
     raw = {"domains": [{"name": "a", "embedded": "code"}, {"name": "a", "embedded": "docs"}]}
     with pytest.raises(DataError, match="data.domains: domain 'a' is named twice"):

@@ -69,7 +69,7 @@ def test_symbol_ids_skip_eos_and_entropy_formula():
 
 
 def test_bad_synthetic_specs():
-    from trainer.configtools import from_dict
+    from trainer.config.tools import from_dict
 
     with pytest.raises(DataError, match="branching: expected at most vocab=4, got 5"):
         from_dict(

@@ -145,3 +145,49 @@ def test_a_build_killed_twice_resumes_to_the_same_bytes(tmp_path):
     preprocess(killed, progress=False)
     assert store_bytes(killed.store_dir) == store_bytes(fresh.store_dir)
     assert not [p.name for p in Path(killed.store_dir).iterdir() if p.name.startswith(".")]
+
+
+def test_shares_on_several_nodes_then_the_merge_give_the_same_bytes(tmp_path, monkeypatch):
+    """Three shares (as three nodes would run them: tasks 0,3,6 / 1,4 / 2,5), then `preprocess`
+    merges without running a task; a share run again finds its tasks finished."""
+    from data.preprocess import preprocess_share
+
+    domains = corpus(tmp_path)
+    fresh, shared = config(tmp_path, domains, "fresh"), config(tmp_path, domains, "shared")
+    preprocess(fresh, progress=False)
+    assert [preprocess_share(shared, i, 3) for i in range(3)] == [(3, 3), (2, 2), (2, 2)]
+    assert preprocess_share(shared, 1, 3) == (0, 2)
+    assert not (Path(shared.store_dir) / MANIFEST_FILE).exists()
+    monkeypatch.setattr(tasks, "run_task", lambda *a: pytest.fail("the merge ran a finished task"))
+    preprocess(shared, progress=False)
+    assert store_bytes(shared.store_dir) == store_bytes(fresh.store_dir)
+    assert preprocess_share(shared, 0, 3) == (0, 0)  # stores up to date
+
+
+def test_a_share_outside_its_count_is_refused(tmp_path):
+    from data.errors import DataError
+    from data.preprocess import preprocess_share
+
+    cfg = config(tmp_path, corpus(tmp_path), "s")
+    with pytest.raises(DataError, match=r"^task share 3 of 3: expected 0 <= index < count$"):
+        preprocess_share(cfg, 3, 3)
+    assert not Path(cfg.store_dir).exists()
+
+
+def test_the_share_tool_runs_a_share_of_a_config(tmp_path, capsys):
+    """experiments/tools/preprocess_share.py, what the SLURM recipe runs on each node."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "preprocess_share_tool", ROOT / "experiments/tools/preprocess_share.py"
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    domains = corpus(tmp_path)
+    lines = ["data:", f"  store_dir: {tmp_path / 'st'}", "  tokenizer: {kind: byte}", "  num_proc: 1", "  domains:"]
+    lines += [f"    - {{name: {d.name}, paths: [{d.paths[0]}], sample_by: {d.sample_by}}}" for d in domains]
+    (tmp_path / "c.yaml").write_text("\n".join(lines) + "\n")
+    assert tool.main([str(tmp_path / "c.yaml"), "--task", "1", "--of", "2"]) == 0
+    assert capsys.readouterr().out.startswith("share 1 of 2: 3 of 3 tasks run here (0 already finished) in ")
+    assert tool.main([str(tmp_path / "c.yaml"), "--task", "2", "--of", "2"]) == 2
+    assert capsys.readouterr().err == "preprocess_share: error: task share 2 of 2: expected 0 <= index < count\n"

@@ -1,16 +1,16 @@
-"""Same seeds, same bits: `train.deterministic` and the pairing record (trainer/determinism.py,
-trainer/pairing.py; docs/design.md section 4e)."""
+"""Same seeds, same bits: `train.deterministic` and the pairing record (trainer/run/determinism.py,
+trainer/records/pairing.py; docs/design.md section 4e)."""
 
 from __future__ import annotations
 
 import torch
 
-from doremi import stages
+from doremi.pipeline import stages
 from doremi.study.runs import measured_pairing_problems
 from tests.runs import config, final_params
-from trainer.determinism import is_deterministic, set_deterministic
-from trainer.metrics import read_jsonl
-from trainer.pairing import check_paired, read_pairing
+from trainer.records.metrics import read_jsonl
+from trainer.records.pairing import check_paired, read_pairing
+from trainer.run.determinism import is_deterministic, set_deterministic
 
 
 def _train(stores, run, *sets):

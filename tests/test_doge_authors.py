@@ -1,7 +1,7 @@
 """DoGE's `variant: authors` (doremi/methods/doge.py) against the released code (github
 Olivia-fsm/DoGE, commit 88400e9263dfdd69a24b28aec8533fcb1bf9363d, `src/trainer.py`,
 `update_domain_weights_distributed`): the update of a small fixed case computed by hand from its
-equations, and one training step of the trainer (trainer/alignment.py, deferred alignment)
+equations, and one training step of the trainer (trainer/run/alignment.py, deferred alignment)
 against the same equations applied to per-domain gradients taken directly by autograd."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from data.batch import IGNORE_INDEX
-from doremi import stages
-from doremi.history import read_history
 from doremi.methods.doge import DoGEConfig, authors_scores, doge_update, domain_clip, score_clip
+from doremi.methods.history import read_history
+from doremi.pipeline import stages
 from tests.runs import config
-from trainer.configtools import ConfigError
+from trainer.config.tools import ConfigError
 from trainer.parallel.main_grad import grad_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -25,14 +25,14 @@ import pytest
 from data.apportion import apportion
 from data.atomic import atomic_write_text
 from data.preprocess import preprocess
-from doremi import stages
 from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
-from doremi.history import read_history
+from doremi.methods.history import read_history
+from doremi.pipeline import stages
 from tests.runs import alphas, config, config_path, losses
-from trainer.checkpoint import checkpoint_dir, latest_checkpoint
-from trainer.config import load_config
-from trainer.configtools import read_yaml
+from trainer.checkpoint.checkpoint import checkpoint_dir, latest_checkpoint
+from trainer.config.schema import load_config
+from trainer.config.tools import read_yaml
 
 # A constant LR keeps the schedule the same whatever train.steps is; Adam's eps = 1e-4 keeps the
 # summation-order rounding of near-zero gradients (micro-batching) from being amplified to ~lr.

@@ -45,7 +45,7 @@ def test_comparison_arms_are_a_valid_pipeline(tmp_path):
     (Aioli's probes fit its rounds, ADO's floor is below 1/12)."""
     from doremi.config import ExperimentConfig
     from doremi.methods.registry import preflight
-    from trainer.config import load_config
+    from trainer.config.schema import load_config
 
     natural = tmp_path / "natural.json"
     names = [f"d{i}" for i in range(12)]

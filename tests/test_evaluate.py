@@ -6,9 +6,9 @@ import math
 import torch
 
 from tests.test_model import _batch, _cfg
-from trainer.evaluate import evaluate_domains, evaluate_domains_with_error
 from trainer.model.llama import Llama
 from trainer.parallel.context import ParallelContext
+from trainer.run.evaluate import evaluate_domains, evaluate_domains_with_error
 
 
 def test_mean_and_standard_error_over_sequences():
@@ -37,7 +37,7 @@ def test_mean_and_standard_error_over_sequences():
 def test_partial_batches_are_padded_to_one_shape_and_their_losses_kept():
     """Each domain's last, partial batch is run at the full batch's shape (one compiled graph,
     no recompiles), and its real rows' losses are those of the unpadded forward."""
-    from trainer.evaluate import evaluate_sequences
+    from trainer.run.evaluate import evaluate_sequences
 
     cfg = _cfg()
     model = Llama(cfg, seed=0)

@@ -1,4 +1,4 @@
-"""The offline mixture search (doremi/fit): designs, RegMix and data-mixing-law fits and proposers,
+"""The offline mixture search (doremi/offline/fit): designs, RegMix and data-mixing-law fits and proposers,
 held-out evaluation and provenance, on synthetic sweeps whose loss is a known function of the
 mixture.
 
@@ -30,8 +30,8 @@ import math
 import numpy as np
 import pytest
 
-from doremi.fit import FitError
-from doremi.fit.design import (
+from doremi.offline.fit import FitError
+from doremi.offline.fit.design import (
     concat_designs,
     dirichlet_design,
     epoch_caps,
@@ -39,8 +39,8 @@ from doremi.fit.design import (
     one_hot_design,
     smoothed_one_hot_design,
 )
-from doremi.fit.evaluate import HeldOut, held_out, kfold_indices, spearman
-from doremi.fit.mixing_law import (
+from doremi.offline.fit.evaluate import HeldOut, held_out, kfold_indices, spearman
+from doremi.offline.fit.mixing_law import (
     MixingLawOptions,
     canonical,
     fit_mixing_law,
@@ -48,8 +48,8 @@ from doremi.fit.mixing_law import (
     project_capped_simplex,
     propose_mixing_law,
 )
-from doremi.fit.provenance import proposal_provenance, write_proposal
-from doremi.fit.regmix import (
+from doremi.offline.fit.provenance import proposal_provenance, write_proposal
+from doremi.offline.fit.regmix import (
     LightGBMOptions,
     RegMixOptions,
     RidgeOptions,

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from doremi import stages
+from doremi.pipeline import stages
 from tests.distributed import spawn
 from tests.runs import config, final_params, losses, run_stage
-from trainer.configtools import ConfigError
+from trainer.config.fp8 import Fp8Config
+from trainer.config.tools import ConfigError
 from trainer.model.fp8 import (
     COLUMN,
     ROW,
-    Fp8Config,
     Fp8Matmul,
     dequantise,
     end_fp8_step,
@@ -154,8 +154,8 @@ def test_config_errors_name_the_key():
 def test_fp8_layers_the_model_lacks_are_refused_not_skipped():
     """MoE experts have no FP8 path, and a model without attention no qkv: refused in one line
     rather than FP8 silently applied to some blocks only (or none)."""
-    from trainer.config import ModelConfig
-    from trainer.model.moe_config import MoEConfig
+    from trainer.config.moe import MoEConfig
+    from trainer.config.schema import ModelConfig
 
     moe = ModelConfig(moe=MoEConfig(num_experts=4, layers=[1]), fp8=Fp8Config(layers=["qkv", "gate_up"]))
     with pytest.raises(
@@ -172,7 +172,7 @@ def test_fp8_layers_the_model_lacks_are_refused_not_skipped():
 
 
 def test_only_the_named_linears_run_in_fp8_and_state_dict_is_unchanged():
-    from trainer.config import ModelConfig
+    from trainer.config.schema import ModelConfig
     from trainer.model.llama import Llama
 
     shape = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64}
@@ -370,7 +370,7 @@ def test_delayed_scaling_resumes_exactly_from_its_saved_histories(stores, tmp_pa
     steps 1-3 (saved in the checkpoint), as the uninterrupted run did, not dynamically."""
     import shutil
 
-    from trainer.checkpoint import checkpoint_dir
+    from trainer.checkpoint.checkpoint import checkpoint_dir
 
     sets = [*COMMON, *FP8["delayed"], "train.steps=6", "checkpoint.every=1", "checkpoint.keep=10"]
     whole = tmp_path / "whole"
@@ -399,7 +399,7 @@ def test_delayed_scaling_resumes_exactly_from_its_saved_histories(stores, tmp_pa
 
 def test_pipeline_checkpoint_holds_every_stage_histories(runs):
     """Rank 0 writes the extra state; the pp4 run's must hold the histories of all four stages."""
-    from trainer.checkpoint import latest_checkpoint
+    from trainer.checkpoint.checkpoint import latest_checkpoint
 
     extra = torch.load(latest_checkpoint(runs / "delayed-pp4-afab-full") / "extra.pt")
     layers = {name.split(".")[1] for name in extra["fp8"]}

@@ -156,9 +156,9 @@ def test_whole_stage_graph_matches_eager_for_every_recompute_mode():
     """The compiled stage (one graph at tp = 1, per block under full recompute) against
     the same model in eager mode, fp32 so that the comparison is tight: per-token losses and
     every parameter's gradient, recompute none, selective and full."""
-    from trainer.config import ModelConfig, ParallelismConfig
+    from trainer.config.presets import PRESETS
+    from trainer.config.schema import ModelConfig, ParallelismConfig
     from trainer.model.llama import Llama
-    from trainer.model.presets import PRESETS
     from trainer.parallel.context import ParallelContext
 
     dev = torch.device("cuda")

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from doremi.pipeline import Pipeline, store_fingerprint
-from trainer.metrics import read_jsonl
+from doremi.pipeline.pipeline import Pipeline, store_fingerprint
 from trainer.model.flops import param_count
+from trainer.records.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "experiments" / "configs" / "gpu_scale.yaml"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from doremi.config import GuardrailConfig
-from doremi.guardrails import (
+from doremi.reports.guardrails import (
     RunMeasures,
     check_run,
     concentration,
@@ -28,7 +28,7 @@ from doremi.guardrails import (
     reference_on_batches,
     warnings,
 )
-from trainer.configtools import ConfigError, from_dict
+from trainer.config.tools import ConfigError, from_dict
 
 CFG = GuardrailConfig()
 
@@ -251,7 +251,7 @@ def test_print_findings_prints_warnings_and_run_level_infos(capsys):
 
 
 def test_every_check_that_warns_says_what_it_means_and_what_to_change():
-    from doremi.guardrails import ADVICE
+    from doremi.reports.guardrails import ADVICE
 
     checks = {"epochs", "mixture", "memorisation", "proxy_lag", "lambda_snr", "concentration", "overfit"}
     assert set(ADVICE) == checks
@@ -260,7 +260,7 @@ def test_every_check_that_warns_says_what_it_means_and_what_to_change():
 
 
 def test_memorisation_far_below_one_epoch_cannot_be_judged_and_does_not_warn():
-    from doremi.guardrails import RunMeasures
+    from doremi.reports.guardrails import RunMeasures
 
     m = RunMeasures(
         "r", "reference", epochs={"a": 0.006, "b": 3.0}, gap={"a": 0.5, "b": 0.5}, gap_se={"a": 0.01, "b": 0.01}
@@ -401,8 +401,8 @@ pipeline: {{run_dir: {root}/run, baselines: [uniform], strict: true, main: {{tra
 
 @pytest.mark.skipif(not _has_holdout(), reason="needs the trainer's held-out evaluation (data.holdout_sequences)")
 def test_strict_pipeline_stops_before_the_main_runs(tmp_path, capsys):
-    from doremi.cli import main
-    from doremi.guardrails import measure_pipeline, with_advice
+    from doremi.commands.cli import main
+    from doremi.reports.guardrails import measure_pipeline, with_advice
 
     exp = tmp_path / "tiny.yaml"
     exp.write_text(TINY_YAML.format(root=tmp_path))
@@ -434,7 +434,7 @@ def test_strict_pipeline_stops_before_the_main_runs(tmp_path, capsys):
 
 
 def test_standalone_stage_prints_its_findings(stores, tmp_path, capsys):
-    from doremi.cli import main
+    from doremi.commands.cli import main
     from tests.runs import config_path
 
     run = tmp_path / "ref"

@@ -1,4 +1,4 @@
-"""The Hugging Face Llama format (trainer/hf_format.py, doremi/hf.py): import from and export to
+"""The Hugging Face Llama format (trainer/hf/format.py, doremi/commands/hf.py): import from and export to
 `transformers` with the same logits, a (2,2,2) checkpoint exported, bitwise round trips, bf16,
 sharded weights, the tokenizers, generation, and the one-line errors (no download: the
 transformers models are built from small LlamaConfigs)."""
@@ -20,13 +20,13 @@ from tests.test_cli import BIN, ROOT
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from doremi.hf import export, import_sections  # noqa: E402
-from trainer.config import ModelConfig  # noqa: E402
-from trainer.configtools import from_dict  # noqa: E402
-from trainer.hf_format import HFFormatError, from_hf_state, model_keys_from_hf, to_hf_config, to_hf_state  # noqa: E402
-from trainer.hf_init import load_hf_weights  # noqa: E402
+from doremi.commands.hf import export, import_sections  # noqa: E402
+from trainer.config.presets import PRESETS  # noqa: E402
+from trainer.config.schema import ModelConfig  # noqa: E402
+from trainer.config.tools import from_dict  # noqa: E402
+from trainer.hf.format import HFFormatError, from_hf_state, model_keys_from_hf, to_hf_config, to_hf_state  # noqa: E402
+from trainer.hf.init import load_hf_weights  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
-from trainer.model.presets import PRESETS  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -155,7 +155,7 @@ def runs(stores, tmp_path_factory):
 
 def trained(stores: Path, run: Path, *sets: str) -> Llama:
     """The run's last checkpoint in a single-process fp32 model (its config: the test config + `sets`)."""
-    from trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from trainer.checkpoint.checkpoint import latest_checkpoint, load_checkpoint
 
     cfg = config(stores, run.with_name(run.name + "-load"), *sets).model
     model = Llama(dataclasses.replace(cfg, attention="sdpa"))
@@ -252,14 +252,14 @@ def test_init_from_hf_checks_the_model_shape(tmp_path):
 
 
 def test_export_writes_all_or_nothing(runs, tmp_path, monkeypatch):
-    import doremi.hf
+    import doremi.commands.hf
 
     out = tmp_path / "hf"
 
     def fail(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(doremi.hf, "write_weights", fail)
+    monkeypatch.setattr(doremi.commands.hf, "write_weights", fail)
     with pytest.raises(OSError):
         export(runs / "t222", out)
     assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from doremi import stages
+from doremi.pipeline import stages
 from tests.runs import config
 from tests.test_cli import BIN, ROOT
-from trainer.config import ModelConfig
-from trainer.model.moe_config import MoEConfig
+from trainer.config.moe import MoEConfig
+from trainer.config.schema import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,8 +40,8 @@ def doremi_error(*args) -> str:
 
 
 def test_export_of_moe_hybrid_mup_is_one_line_and_writes_nothing(stores, tmp_path):
-    from doremi.hf import export
-    from trainer.hf_format import HFFormatError
+    from doremi.commands.hf import export
+    from trainer.hf.format import HFFormatError
 
     cases = {
         "moe": (["model.moe.num_experts=4"], r"^model.moe: doremi export maps the plain Llama only"),
@@ -61,7 +61,7 @@ def test_export_force_replaces_only_an_export_and_leaves_nothing_behind(stores, 
     """--force replaces an earlier export; a file or a folder that is not one is refused and kept
     (issue 41: the tool deletes only what it made)."""
     from data.artifact import ArtifactError
-    from doremi.hf import export
+    from doremi.commands.hf import export
 
     stages.train(config(stores, tmp_path / "run", "train.steps=1"))
     (tmp_path / "out").write_text("a file\n")
@@ -76,8 +76,8 @@ def test_export_force_replaces_only_an_export_and_leaves_nothing_behind(stores, 
 
 def _hf_dir(tmp_path: Path, cfg: ModelConfig) -> Path:
     """An HF Llama directory written by our own mapping (no transformers needed)."""
-    from trainer.hf_files import write_weights
-    from trainer.hf_format import to_hf_config, to_hf_state
+    from trainer.hf.files import write_weights
+    from trainer.hf.format import to_hf_config, to_hf_state
     from trainer.model.llama import Llama
 
     out = tmp_path / "hf"
@@ -117,8 +117,8 @@ LLAMA = ModelConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_head
     ids=["ffn-shape", "kv-shape", "string", "list", "heads", "not-object", "truncated", "bad-index"],
 )
 def test_import_of_a_damaged_directory_is_one_line(tmp_path, damage, match):
-    from doremi.hf import import_sections
-    from trainer.hf_format import HFFormatError
+    from doremi.commands.hf import import_sections
+    from trainer.hf.format import HFFormatError
 
     hf = _hf_dir(tmp_path, LLAMA)
     assert import_sections(hf)["model"]["ffn_dim"] == 48
@@ -137,10 +137,10 @@ def test_import_cli_exit_2_on_shape_mismatch(tmp_path):
 def test_init_from_hf_refuses_models_that_are_not_the_plain_llama(tmp_path):
     import dataclasses
 
-    from trainer.hf_format import HFFormatError
-    from trainer.hf_init import load_hf_weights
+    from trainer.config.mup import MupConfig
+    from trainer.hf.format import HFFormatError
+    from trainer.hf.init import load_hf_weights
     from trainer.model.llama import Llama
-    from trainer.model.mup import MupConfig
     from trainer.parallel.context import ParallelContext
 
     hf = _hf_dir(tmp_path, LLAMA)

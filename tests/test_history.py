@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from doremi.history import (
+from doremi.methods.history import (
     HISTORY_FILE,
     HistoryError,
     WeightHistory,

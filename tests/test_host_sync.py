@@ -19,11 +19,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from doremi import stages
+from doremi.pipeline import stages
 from tests.runs import config
-from trainer import loop
-from trainer.loop import Trainer
 from trainer.optim.master_weights import MasterWeightAdamW
+from trainer.run import loop
+from trainer.run.loop import Trainer
 
 #: aten ops that make the host wait for the device (or, for lift_fresh, copy host data to it).
 HOST_SYNC_OPS = {

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from doremi import stages
+from doremi.pipeline import stages
 from tests.distributed import spawn
 from tests.runs import alphas, config, final_params, losses, run_stage
-from trainer.metrics import read_jsonl
+from trainer.records.metrics import read_jsonl
 
 # Adam divides by |g| + eps: a larger eps keeps summation-order rounding of near-zero gradients
 # from being amplified to ~lr, so the parameter comparison is about the gradients.

@@ -7,9 +7,9 @@ from pathlib import Path
 from data.preprocess import preprocess
 from data.stats import unigram_entropy
 from data.store import open_stores
-from doremi import stages
 from doremi.config import ExperimentConfig
-from trainer.config import load_config
+from doremi.pipeline import stages
+from trainer.config.schema import load_config
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.yaml"
 

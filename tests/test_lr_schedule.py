@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from trainer.config import TrainConfig
+from trainer.config.schema import TrainConfig
 from trainer.optim.lr_schedule import lr_at, warmup_steps
 
 # 100 steps, 6% warmup -> W = 6; the decay runs over steps 7..100, progress (s - 6) / 94.

@@ -19,14 +19,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from doremi import stages
+from doremi.pipeline import stages
 from tests.distributed import spawn
 from tests.runs import alphas, config, final_params, losses, run_stage
-from trainer.config import ModelConfig, apply_preset
-from trainer.configtools import ConfigError, from_dict
+from trainer.config.mamba import layer_mixers, ssd_flops_per_token
+from trainer.config.schema import ModelConfig, apply_preset
+from trainer.config.tools import ConfigError, from_dict
 from trainer.model.flops import flops_per_token, non_embedding_params, param_count
 from trainer.model.mamba import causal_depthwise_conv, gated_group_rms_norm
-from trainer.model.mamba_config import layer_mixers, ssd_flops_per_token
 from trainer.model.ssd import segsum, ssd_chunked, ssd_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -162,8 +162,8 @@ def test_mamba_init_matches_mamba_ssm_ranges():
     ],
 )
 def test_bad_mamba_config_is_one_line(model, tp, match):
-    from trainer.config import TrainerConfig
-    from trainer.configtools import apply_overrides
+    from trainer.config.schema import TrainerConfig
+    from trainer.config.tools import apply_overrides
 
     raw: dict = {"model": {"d_model": 64, **model}, "parallelism": {"tp": tp}}
     apply_overrides(raw, ["data.domains=[{name: a, synthetic: {kind: noise, num_tokens: 100}}]"])
@@ -246,8 +246,8 @@ def test_hybrid_doremi_weights_do_not_depend_on_layout(runs):
 
 
 def test_quickstart_pipeline_runs_hybrid_proxy_and_main(tmp_path):
-    from doremi.pipeline import Pipeline
-    from trainer.metrics import read_jsonl
+    from doremi.pipeline.pipeline import Pipeline
+    from trainer.records.metrics import read_jsonl
 
     root = Path(__file__).resolve().parents[1]
     sets = [

@@ -9,7 +9,7 @@ import torch
 
 from tests.bf16 import rounded_half_away
 from tests.interpreter import needs_triton, run_interpreted
-from trainer.config import TrainConfig
+from trainer.config.schema import TrainConfig
 from trainer.optim.master_weights import MasterWeightAdamW, MasterWeightStateError
 from trainer.parallel.context import ParallelContext
 
@@ -119,7 +119,7 @@ TRITON_CASE = textwrap.dedent("""
     import torch
     from tests.bf16 import rounded_half_away
     from trainer.optim import adamw_update as au
-    from trainer.config import TrainConfig
+    from trainer.config.schema import TrainConfig
     from trainer.optim.master_weights import MasterWeightAdamW
     from trainer.parallel.context import ParallelContext
 

@@ -6,12 +6,12 @@ import numpy as np
 
 from data.mixtures import sequence_capped
 from tests.runs import config
-from trainer.metrics import read_jsonl
+from trainer.records.metrics import read_jsonl
 
 
 def test_a_capped_main_run_reads_at_most_max_epochs_of_every_domain(stores, tmp_path, capsys):
-    from doremi.summary import read_mixture
-    from trainer.loop import Trainer
+    from doremi.reports.summary import read_mixture
+    from trainer.run.loop import Trainer
 
     steps, batch = 12, 8
     sets = ("data.domain_weights=[0.9, 0.05, 0.05]", f"train.steps={steps}", "checkpoint.every=0")

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from doremi.history import read_history
 from doremi.methods.ado import (
     ADO,
     ADOConfig,
@@ -25,9 +24,10 @@ from doremi.methods.ado import (
     preference,
     running_mean,
 )
-from trainer.configtools import ConfigError
-from trainer.hooks import MethodContext, StepSignals
+from doremi.methods.history import read_history
+from trainer.config.tools import ConfigError
 from trainer.parallel.context import ParallelContext
+from trainer.run.hooks import MethodContext, StepSignals
 
 DOMAINS = ["a", "b", "c"]
 B, S = 16, 8

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from doremi.history import read_history
 from doremi.methods.aioli import (
     Aioli,
     AioliConfig,
@@ -25,9 +24,10 @@ from doremi.methods.aioli import (
     round_length,
     smooth_mixing_law,
 )
-from trainer.configtools import ConfigError
-from trainer.hooks import MethodContext, StepSignals
+from doremi.methods.history import read_history
+from trainer.config.tools import ConfigError
 from trainer.parallel.context import ParallelContext
+from trainer.run.hooks import MethodContext, StepSignals
 
 DOMAINS = ["a", "b", "c"]
 # The true mixing law of the synthetic runs: L_{t+1} = L_t - RATE * A_TRUE p_t every step.

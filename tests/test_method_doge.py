@@ -1,4 +1,4 @@
-"""DoGE (doremi/methods/doge.py) and the trainer's aligned step (trainer/alignment.py): the
+"""DoGE (doremi/methods/doge.py) and the trainer's aligned step (trainer/run/alignment.py): the
 update against hand-computed cases of the paper's equation 6, and one training step against
 per-domain gradients computed directly with autograd on the same batches."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from data.batch import IGNORE_INDEX
-from doremi import stages
-from doremi.history import read_history
 from doremi.methods.doge import DoGEConfig, doge_scores, doge_update
+from doremi.methods.history import read_history
+from doremi.pipeline import stages
 from tests.runs import config
-from trainer.configtools import ConfigError
+from trainer.config.tools import ConfigError
 from trainer.parallel.main_grad import grad_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,7 +104,7 @@ def test_one_step_matches_per_domain_gradients_by_autograd(stores, tmp_path):
 def test_alignment_dot_accumulates_bf16_gradients_in_fp32(monkeypatch):
     """bf16 gradients (a bf16 model at one micro-batch) give an fp32-accurate inner product, in
     chunks (no temporary the size of the parameter); fp32 ones one BLAS dot."""
-    import trainer.alignment as alignment
+    import trainer.run.alignment as alignment
 
     gen = torch.Generator().manual_seed(0)
     g, t = (torch.randn(10_000, generator=gen).to(torch.bfloat16) for _ in range(2))

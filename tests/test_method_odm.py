@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from doremi.history import read_history
+from doremi.methods.history import read_history
 from doremi.methods.odm import ODM, ODMConfig, exp3_policy, exploration_rate, step_rewards, update_rewards
-from trainer.configtools import ConfigError
-from trainer.hooks import MethodContext, StepSignals
+from trainer.config.tools import ConfigError
 from trainer.parallel.context import ParallelContext
+from trainer.run.hooks import MethodContext, StepSignals
 
 
 def context(tmp_path: Path, k: int = 2, steps: int = 20, batch: int = 8, tokens: list[int] | None = None):

@@ -14,8 +14,8 @@ import pytest
 from data.validation_split import CONSUMERS, MethodSplitError, split_for
 from doremi.config import METHODS, OFFLINE_METHODS
 from doremi.methods.registry import BUILDERS, READS, Reads, check_needs, check_reads, method_factory, reads
-from doremi.report import format_reads
-from trainer.hooks import Alignment, MethodContext, Needs
+from doremi.reports.report import format_reads
+from trainer.run.hooks import Alignment, MethodContext, Needs
 
 
 def test_every_method_declares_what_it_reads():
@@ -82,7 +82,7 @@ def test_built_methods_read_within_their_declaration(stores, tmp_path):
 
 
 def test_the_report_lists_what_each_method_read():
-    from doremi.summary import method_reads
+    from doremi.reports.summary import method_reads
 
     got = method_reads(["doremi", "regmix", "ado-online"])
     assert got == {

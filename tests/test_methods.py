@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from doremi import stages
-from doremi.history import read_history
+from doremi.methods.history import read_history
+from doremi.pipeline import stages
 from tests.distributed import spawn
 from tests.runs import config
-from trainer.checkpoint import checkpoint_dir, latest_checkpoint
+from trainer.checkpoint.checkpoint import checkpoint_dir, latest_checkpoint
 
 COMMON = ["train.decay=constant", "train.warmup_steps=0", "train.eps=1e-4", "train.steps=5", "train.eval_sequences=4"]
 
@@ -56,7 +56,7 @@ def run_method(name: str, store: Path, run: Path, *sets: str) -> None:
     cfg = config(store, run, *COMMON, *METHODS[name], *sets)
     if name == "toy":
         from tests.toy_method import LossChaser
-        from trainer.loop import Trainer
+        from trainer.run.loop import Trainer
 
         Trainer(cfg, stage="proxy", method=LossChaser).fit()
     else:

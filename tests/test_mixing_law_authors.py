@@ -1,4 +1,4 @@
-"""Data mixing laws as their authors run them (doremi/fit/power_law.py, nested.py; issue 35).
+"""Data mixing laws as their authors run them (doremi/offline/fit/power_law.py, nested.py; issue 35).
 
 Released code: github yegcjs/mixinglaws at commit 8ad3e1244b53294ded55a96ae325f4112ce3bc63. The
 hand-computed cases below follow its equations, cited by file and line; the synthetic ones draw
@@ -20,11 +20,11 @@ import math
 import numpy as np
 import pytest
 
-from doremi.fit import FitError
-from doremi.fit.mixing_law import MixingLawOptions, canonical, fit_mixing_law, propose_mixing_law
-from doremi.fit.nested import NestedOptions, ProxyCurves, extrapolate, step_extrapolate
-from doremi.fit.power_law import fit_power_law, held_out_tail, huber_loss, power_law
-from doremi.propose import fit_quality
+from doremi.offline.fit import FitError
+from doremi.offline.fit.mixing_law import MixingLawOptions, canonical, fit_mixing_law, propose_mixing_law
+from doremi.offline.fit.nested import NestedOptions, ProxyCurves, extrapolate, step_extrapolate
+from doremi.offline.fit.power_law import fit_power_law, held_out_tail, huber_loss, power_law
+from doremi.offline.propose import fit_quality
 
 LAW = canonical([1.5, 2.0, 1.0], [0.8, 0.6, 1.0], [[-1.0, 0.5, 0.3], [0.4, -1.2, 0.2], [0.3, 0.3, -0.9]])
 A_N, A_D = 0.4, 0.6
@@ -167,7 +167,7 @@ def test_fit_records_each_law_and_its_check(stores, tmp_path, capsys):
     """A tiny sweep (6 steps, an evaluation at each): the authors' variant records the step law
     of every run with its held-out check, the size law as not fitted (one size), the mixing law's
     held-out mixtures; `direct` says it applied the proxies' final losses unchanged."""
-    from doremi.cli import main
+    from doremi.commands.cli import main
     from tests.runs import config_path
 
     sweep = tmp_path / "sweep"

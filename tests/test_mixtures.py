@@ -12,7 +12,7 @@ from data.mixtures import (
 )
 from data.store import DomainEntry, Manifest, SplitCounts
 from data.weights import NAMED_MIXTURES, check_spec, resolve_weights
-from doremi.main_runs import main_run_name, mixtures
+from doremi.outputs.main_runs import main_run_name, mixtures
 
 MANIFEST = Manifest(
     domains=[
@@ -204,7 +204,9 @@ def test_sequence_capped_counts_sequences_with_one_of_slack():
     from data.mixtures import sequence_capped
 
     # pools of 101, 401, 900 sequences, a run of 1000: caps (E n - 1) / S = 0.1, 0.4, 0.899
-    np.testing.assert_allclose(sequence_capped([0.5, 0.3, 0.2], [101, 401, 900], 1000, 1.0), [0.1, 0.4, 0.5], atol=1e-15)
+    np.testing.assert_allclose(
+        sequence_capped([0.5, 0.3, 0.2], [101, 401, 900], 1000, 1.0), [0.1, 0.4, 0.5], atol=1e-15
+    )
     np.testing.assert_allclose(sequence_capped([0.05, 0.05, 0.9], [101, 401, 900], 1000, 1.0), [0.0505, 0.0505, 0.899])
     with pytest.raises(DataError, match="too few"):
         sequence_capped([0.5, 0.5, 0.0], [101, 401, 900], 1000, 1.0)

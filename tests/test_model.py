@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.config import ModelConfig, ParallelismConfig, RopeScaling
-from trainer.configtools import ConfigError
+from trainer.config.presets import PRESETS
+from trainer.config.schema import ModelConfig, ParallelismConfig, RopeScaling
+from trainer.config.tools import ConfigError
 from trainer.model.flops import flops_per_token, non_embedding_params, param_count
 from trainer.model.init import init_std
 from trainer.model.layers import llama3_scaled_frequencies
 from trainer.model.llama import Llama, build_stage, compile_scope
-from trainer.model.presets import PRESETS
 from trainer.model.swiglu import swiglu
 from trainer.parallel.context import ParallelContext
 

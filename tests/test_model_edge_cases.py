@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from doremi import stages
+from doremi.pipeline import stages
 from tests.distributed import spawn
 from tests.runs import config, losses, run_stage
 from tests.test_moe import _reference
-from trainer.config import ModelConfig
-from trainer.configtools import ConfigError
+from trainer.config.moe import MoEConfig
+from trainer.config.schema import ModelConfig
+from trainer.config.tools import ConfigError
 from trainer.model.moe import MoE
-from trainer.model.moe_config import MoEConfig
 from trainer.model.ssd import ssd_chunked, ssd_reference
 from trainer.parallel.expert import ExpertParallel
 from trainer.parallel.tensor import TensorParallel
@@ -161,7 +161,7 @@ MOE = [
 
 def _params(stores: Path, run: Path, sets: list[str]) -> dict[str, torch.Tensor]:
     from trainer.build import build_model
-    from trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from trainer.checkpoint.checkpoint import latest_checkpoint, load_checkpoint
     from trainer.parallel.context import ParallelContext
 
     model = build_model(config(stores, Path(str(run) + "-load"), *sets), ParallelContext.single())

@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from doremi import stages
+from doremi.pipeline import stages
 from tests.distributed import spawn
 from tests.runs import alphas, config, losses, run_stage
-from trainer.config import ModelConfig
-from trainer.configtools import ConfigError
-from trainer.metrics import read_jsonl
+from trainer.config.moe import MoEConfig
+from trainer.config.schema import ModelConfig
+from trainer.config.tools import ConfigError
 from trainer.model.moe import (
     MoE,
     balance_loss_per_sequence,
@@ -37,9 +37,9 @@ from trainer.model.moe import (
     route,
     sequence_balance_terms,
 )
-from trainer.model.moe_config import MoEConfig
 from trainer.parallel.expert import regroup_by_expert
 from trainer.parallel.tensor import TensorParallel
+from trainer.records.metrics import read_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -210,7 +210,7 @@ def _world(sets: list[str]) -> int:
 
 def _params(stores: Path, run: Path) -> dict[str, torch.Tensor]:
     from trainer.build import build_model
-    from trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from trainer.checkpoint.checkpoint import latest_checkpoint, load_checkpoint
     from trainer.parallel.context import ParallelContext
 
     model = build_model(config(stores, Path(str(run) + "-load"), *MOE), ParallelContext.single())
@@ -291,9 +291,9 @@ def test_doremi_weights_under_ep2_tp2_match_single_process(runs):
 
 
 def test_plan_counts_experts_per_ep_rank_and_all_to_all_buffers():
-    from trainer.config import ParallelismConfig
-    from trainer.model.moe_plan import moe_stage_memory
-    from trainer.model.presets import PRESETS
+    from trainer.config.presets import PRESETS
+    from trainer.config.schema import ParallelismConfig
+    from trainer.plan.moe import moe_stage_memory
 
     preset = dict(PRESETS["moe-1b-active"])
     cfg = ModelConfig(**{**preset, "moe": MoEConfig(**preset["moe"])})

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from doremi import stages
+from doremi.pipeline import stages
 from tests.distributed import spawn
 from tests.runs import config, final_params, losses, run_stage
-from trainer.config import ModelConfig, TrainConfig
-from trainer.configtools import ConfigError
+from trainer.config.mup import MupConfig
+from trainer.config.schema import ModelConfig, TrainConfig
+from trainer.config.tools import ConfigError
 from trainer.model.llama import Llama
 from trainer.model.mup import (
-    MupConfig,
     attention_scale,
     init_multiplier,
     logit_multiplier,
@@ -196,7 +196,7 @@ def test_mup_tp2_pp2_matches_single_process(runs, stores):
 
 
 def test_paths_without_the_multipliers_refuse_a_mup_model(stores, tmp_path):
-    from trainer.hf_format import HFFormatError, to_hf_config
+    from trainer.hf.format import HFFormatError, to_hf_config
     from trainer.stacked.train import check_stackable
 
     cfg = config(stores, tmp_path / "run", "model.mup.base_width=32")

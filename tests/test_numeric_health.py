@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from doremi import stages
+from doremi.pipeline import stages
 from tests.runs import config, config_path
-from trainer.checkpoint import latest_checkpoint
-from trainer.health import NonFiniteError, NumericHealth
-from trainer.metrics import read_jsonl
+from trainer.checkpoint.checkpoint import latest_checkpoint
+from trainer.records.metrics import read_jsonl
+from trainer.run.health import NonFiniteError, NumericHealth
 
 #: lr 1e30 under Adam moves every weight by about 1e30 at step 1: step 2's gradient norm (its
 #: loss stays finite) is NaN, deterministically, without touching the code under test.
@@ -69,7 +69,7 @@ def test_detected_at_the_next_log_step_when_no_checkpoint_comes_first(stores, tm
 
 
 def test_cli_nan_loss_is_one_line_and_exit_2(stores, tmp_path, capsys):
-    from doremi.cli import main
+    from doremi.commands.cli import main
 
     run = tmp_path / "run"
     path = config_path(stores, run)
@@ -116,7 +116,7 @@ def test_every_rank_stops_at_the_same_step_under_dp2(stores, tmp_path):
     ],
 )
 def test_non_finite_config_values_are_refused_naming_the_key(stores, tmp_path, sets, expect):
-    from trainer.configtools import ConfigError
+    from trainer.config.tools import ConfigError
 
     with pytest.raises(ConfigError) as e:
         config(stores, tmp_path / "run", *sets)
@@ -124,7 +124,7 @@ def test_non_finite_config_values_are_refused_naming_the_key(stores, tmp_path, s
 
 
 def test_cli_nan_grad_clip_is_one_line(stores, tmp_path, capsys):
-    from doremi.cli import main
+    from doremi.commands.cli import main
 
     path = config_path(stores, tmp_path / "run")
     assert main(["train", str(path), "--set", "train.grad_clip=nan"]) == 2

@@ -9,7 +9,7 @@ import json
 import random
 from pathlib import Path
 
-from doremi.cli import main
+from doremi.commands.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "experiments" / "configs" / "own_data.yaml"

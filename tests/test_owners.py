@@ -14,12 +14,11 @@ import torch
 from data import artifact
 from data.errors import DataError, UserError
 from data.weights_file import WEIGHTS_FILE, read_mixture_file, read_weights_file, write_weights_file
-from doremi.cli import main
+from doremi.commands.cli import main
 from doremi.errors import DoReMiError
-from doremi.guardrails import GuardrailError
-from doremi.history import HistoryError, read_weights_json, write_weights_json
-from doremi.reference_cache import CACHE_VERSION, META_FILE, create_arrays, open_cache, publish, staging_dir
-from doremi.stage_markers import (
+from doremi.methods.history import HistoryError, read_weights_json, write_weights_json
+from doremi.methods.reference_cache import CACHE_VERSION, META_FILE, create_arrays, open_cache, publish, staging_dir
+from doremi.outputs.stage_markers import (
     EVAL_OUTPUT,
     done_marker,
     eval_result,
@@ -28,10 +27,11 @@ from doremi.stage_markers import (
     write_done,
     write_started,
 )
+from doremi.reports.guardrails import GuardrailError
 from tests.runs import config_path
-from trainer.checkpoint import CheckpointError
-from trainer.config import TrainConfig
-from trainer.configtools import ConfigError
+from trainer.checkpoint.checkpoint import CheckpointError
+from trainer.config.schema import TrainConfig
+from trainer.config.tools import ConfigError
 from trainer.optim.interface import OptimizerStateError
 from trainer.optim.master_weights import MasterWeightAdamW, MasterWeightStateError
 from trainer.parallel.context import ParallelContext
@@ -102,7 +102,7 @@ def test_reference_cache_round_trip(tmp_path, monkeypatch):
         DoReMiError, match="cannot verify the cache: its reference runs/ref/checkpoints/step_0000003 is gone"
     ):
         open_cache(out, ["a", "b"], 4, steps=5, global_batch_size=8, seed=0, sampling=[0.5, 0.5])
-    monkeypatch.setattr("doremi.reference_cache._check_recorded_reference", lambda *a: None)
+    monkeypatch.setattr("doremi.methods.reference_cache._check_recorded_reference", lambda *a: None)
     arrays = open_cache(out, ["a", "b"], 4, steps=5, global_batch_size=8, seed=0, sampling=[0.5, 0.5])
     assert [a.shape for a in arrays] == [(3, 4), (2, 4)] and all(np.isnan(a).all() for a in arrays)
     with pytest.raises(DoReMiError, match="cache covers 5 steps, fewer steps than the run's train.steps=6"):
@@ -152,7 +152,7 @@ def test_every_user_error_is_a_user_error_and_still_a_value_error(cls):
 def test_bf16_optimizer_state_mismatch_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
     """A resume whose saved state does not fit the bf16 (master-weight) optimizer: the error the
     optimizer raises reaches the CLI as one line and status 2, not a traceback."""
-    from doremi import stages
+    from doremi.pipeline import stages
 
     def resume_with_state_that_does_not_fit(cfg):
         params = [("a.weight", torch.nn.Parameter(torch.zeros(4, 3)))]
@@ -170,19 +170,47 @@ def test_bf16_optimizer_state_mismatch_is_one_line_exit_2(tmp_path, capsys, monk
 
 # -- imports ---------------------------------------------------------------------------------------
 
+#: Each package's rooms (folders, or top-level modules), lowest first: a module may import from
+#: its own room and the rooms before it, never from one after it (docs/architecture.md). A
+#: module belongs to the room of its longest matching prefix (a package, folder or module).
+ROOMS: dict[str, list[tuple[str, ...]]] = {
+    "data": [("data",)],
+    "trainer": [
+        ("trainer.config",),
+        ("trainer.parallel",),
+        ("trainer.model",),
+        ("trainer.optim",),
+        ("trainer.plan",),
+        ("trainer.build",),
+        ("trainer.checkpoint",),
+        ("trainer.hf",),
+        ("trainer.feed",),
+        ("trainer.records",),
+        ("trainer.run",),
+        ("trainer.stacked",),
+    ],
+    "doremi": [
+        ("doremi.errors", "doremi.environment"),
+        ("doremi.config", "doremi.methods"),
+        ("doremi.outputs",),
+        ("doremi.offline",),
+        ("doremi.reports",),
+        ("doremi.pipeline",),
+        ("doremi.study",),
+        ("doremi.commands", "doremi"),
+    ],
+}
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node but those under `if TYPE_CHECKING:`, which never run."""
+
+def _nodes(tree: ast.AST):
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
-            continue
         yield node
-        yield from _runtime_nodes(node)
+        yield from _nodes(node)
 
 
 def _imports() -> dict[str, set[str]]:
-    """Module -> the project modules it imports when it runs, at module level or in functions."""
+    """Module -> the project modules it imports, at module level, in functions or for type
+    checking only (a type-only circle is a circle to a reader)."""
     modules = {}
     for package in ("data", "trainer", "doremi"):
         for path in (ROOT / package).rglob("*.py"):
@@ -191,7 +219,7 @@ def _imports() -> dict[str, set[str]]:
     graph = {}
     for name, path in modules.items():
         found = set()
-        for node in _runtime_nodes(ast.parse(path.read_text())):
+        for node in _nodes(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -216,26 +244,18 @@ def test_no_module_imports_itself_back():
     assert circles == []
 
 
-def test_layers_import_downwards_only():
-    layer = {"data": 0, "trainer": 1, "doremi": 2}
-    graph = _imports()
-    upward = sorted(
-        (m, d) for m, deps in graph.items() for d in deps if layer[d.split(".")[0]] > layer[m.split(".")[0]]
-    )
-    assert upward == []
-
-
-def test_every_module_is_named_in_the_readme_layout():
-    """A reader finds a feature by its module's name in the README's layout block."""
-    readme = (ROOT / "README.md").read_text()
-    layout = readme[readme.index("## Layout") :]
-    block = layout[layout.index("```") + 3 :]
-    block = block[: block.index("```")]
-    modules = [
-        p.relative_to(ROOT)
-        for pkg in ("doremi", "trainer", "data")
-        for p in sorted((ROOT / pkg).rglob("*.py"))
-        if p.name != "__init__.py" and "__pycache__" not in p.parts
+def _room(module: str) -> tuple[int, int]:
+    """(layer of the package, rank of the module's room inside it)."""
+    package = module.split(".")[0]
+    rooms = ROOMS[package]
+    matches = [
+        (len(p), i) for i, prefixes in enumerate(rooms) for p in prefixes if module == p or module.startswith(p + ".")
     ]
-    missing = [str(m) for m in modules if m.name not in block]
-    assert not missing, f"modules the README layout does not name: {missing}"
+    assert matches, f"{module}: in no room of ROOMS[{package!r}]"
+    return list(ROOMS).index(package), max(matches)[1]
+
+
+def test_layers_and_rooms_import_downwards_only():
+    graph = _imports()
+    upward = sorted((m, d) for m, deps in graph.items() for d in deps if _room(d) > _room(m))
+    assert upward == []

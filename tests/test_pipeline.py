@@ -16,9 +16,9 @@ from torch import nn
 
 from data.batch import IGNORE_INDEX
 from tests.distributed import spawn
+from trainer.feed.weighting import MeanTokenLoss
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import broadcast_from_last_stage, check_schedule, forward_only, train_schedule
-from trainer.weighting import MeanTokenLoss
 
 VOCAB, WIDTH, LAYERS, BATCH, SEQ = 32, 16, 4, 2, 6
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -235,7 +235,7 @@ def test_unknown_schedule():
 
 
 def _llama_cfg():
-    from trainer.config import ModelConfig
+    from trainer.config.schema import ModelConfig
 
     return ModelConfig(vocab_size=64, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
 
@@ -252,7 +252,7 @@ def _llama_batches(n: int) -> list[dict]:
 
 
 def _run_llama_tp2_pp2(rank: int, world: int, sequence_parallel: bool) -> None:
-    from trainer.config import ParallelismConfig
+    from trainer.config.schema import ParallelismConfig
     from trainer.model.llama import build_stage
     from trainer.parallel import tensor as tp_ops
     from trainer.parallel.shard import get_shard_spec, unshard

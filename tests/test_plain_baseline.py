@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import ModelConfig
+from trainer.config.presets import PRESETS
+from trainer.config.schema import ModelConfig
 from trainer.model.flops import flops_per_token
 from trainer.model.llama import Llama
-from trainer.model.presets import PRESETS
 
 BENCH = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "bench"
 

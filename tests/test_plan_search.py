@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from doremi.cli import main
-from doremi.plan_stages import plan_groups
-from trainer.config import ModelConfig, load_config
-from trainer.model.presets import PRESETS
-from trainer.parallel.cost_model import CostModel, bytes_per_param
-from trainer.plan import GIB, model_name, plan_memory
+from doremi.commands.cli import main
+from doremi.pipeline.plan_stages import plan_groups
+from trainer.config.presets import PRESETS
+from trainer.config.schema import ModelConfig, load_config
+from trainer.plan.cost_model import CostModel, bytes_per_param
+from trainer.plan.memory import GIB, model_name, plan_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "experiments" / "configs"

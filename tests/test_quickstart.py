@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from doremi.pipeline import Pipeline, run_pipeline
-from trainer.metrics import read_jsonl
+from doremi.pipeline.pipeline import Pipeline, run_pipeline
+from trainer.records.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "experiments" / "configs" / "quickstart.yaml"
@@ -105,8 +105,8 @@ def test_every_stage_ran_and_report_matches_the_runs(pipeline_run, capsys):
 
 def _plot_titles(run: Path) -> str:
     """The methods named in the weights figure, read back from the report's source data: the
-    summary that drew it (doremi.summary.weight_histories)."""
-    from doremi.summary import weight_histories
+    summary that drew it (doremi.reports.summary.weight_histories)."""
+    from doremi.reports.summary import weight_histories
 
     return " ".join(f"{name}: domain weights" for name in weight_histories(run))
 
@@ -139,7 +139,7 @@ def test_sections_a_stage_does_not_read_do_not_redo_it(pipeline_run):
 
 
 def test_iterated_rounds_feed_weights_forward_and_stop_on_tolerance(tmp_path):
-    from trainer.configtools import read_yaml
+    from trainer.config.tools import read_yaml
 
     run = tmp_path / "run"
     sets = [
@@ -171,7 +171,7 @@ def test_the_closing_comparison_goes_to_wandb_in_the_pipeline_group(pipeline_run
     import sys
     import types
 
-    from doremi.summary import log_comparison
+    from doremi.reports.summary import log_comparison
 
     inits, logged, summary = [], [], {}
 
@@ -200,7 +200,7 @@ def test_the_closing_comparison_goes_to_wandb_in_the_pipeline_group(pipeline_run
     ]
     table = logged[0]["comparison"]
     weights = json.loads((run / "weights.json").read_text())
-    from doremi.stage_markers import eval_result
+    from doremi.outputs.stage_markers import eval_result
 
     final = eval_result(run / "main" / "doremi")["val_loss"]
     doremi_rows = [r for r in table.data if r[0] == "doremi"]
@@ -276,8 +276,8 @@ def test_offline_methods_fit_one_shared_sweep(tmp_path):
 
 
 def test_readme_sweep_and_fit_commands(tmp_path):
-    """README's `doremi preprocess / sweep / fit` lines on the quickstart config, through the
-    console script, at this module's small size."""
+    """docs/methods.md's `doremi preprocess / sweep / fit` lines on the quickstart config, through
+    the console script, at this module's small size."""
     import subprocess
 
     sets = [*SMALL, f"data.store_dir={tmp_path / 'stores'}", f"sweep.run_dir={tmp_path / 'sweep'}"]
@@ -288,7 +288,7 @@ def test_readme_sweep_and_fit_commands(tmp_path):
         "doremi sweep experiments/configs/quickstart.yaml --set sweep.runs=32",
         "doremi fit experiments/configs/quickstart.yaml --method mixing_law",
     ):
-        assert line in (ROOT / "README.md").read_text()
+        assert line in (ROOT / "docs" / "methods.md").read_text()
         args = line.split()[1:]
         done = subprocess.run([doremi, *args, *extra], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -302,10 +302,10 @@ def test_the_quickstart_main_model_exports_and_generates(pipeline_run, tmp_path)
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from doremi.hf import export
-    from doremi.reference import load_frozen
-    from trainer.checkpoint import resolve_checkpoint
-    from trainer.config import load_config
+    from doremi.commands.hf import export
+    from doremi.methods.reference import load_frozen
+    from trainer.checkpoint.checkpoint import resolve_checkpoint
+    from trainer.config.schema import load_config
     from trainer.parallel.context import ParallelContext
 
     run, _, _ = pipeline_run

@@ -1,9 +1,9 @@
-"""The README's contract: every command it shows (and docs/newcomer.md's) is run by a test.
+"""The README's contract: every command it shows (and the docs pages' in DOCS) is run by a test.
 
 `test_every_readme_command_has_a_test` extracts the commands (each line of a fenced bash block,
 and each inline span that starts with a program and has arguments) and requires each in
 COVERED, with the tests that run it. A new or changed command fails there until a test runs it.
-The commands no other test ran are run here as a user runs them: the README's own line (looked
+The commands no other test ran are run here as a user runs them: the page's own line (looked
 up in it, so an edit that breaks one fails here), with only size keys appended, from a scratch
 directory holding a link to `experiments/`, so `runs/...` lands in the scratch directory.
 """
@@ -24,10 +24,24 @@ import pytest
 import yaml
 
 from tests.runs import alphas
-from trainer.metrics import read_jsonl
+from trainer.records.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/newcomer.md")
+# The pages whose commands are run; tests/test_readme.py requires every docs page but the two
+# references (design.md, config.md) here.
+DOCS = (
+    "README.md",
+    "docs/index.md",
+    "docs/commands.md",
+    "docs/own_data.md",
+    "docs/methods.md",
+    "docs/verdicts.md",
+    "docs/runs.md",
+    "docs/gpu.md",
+    "docs/hugging_face.md",
+    "docs/architecture.md",
+    "docs/newcomer.md",
+)
 BIN = Path(sys.executable).parent
 PROGRAMS = ("doremi", "make", "torchrun", "python", "sbatch", "pip")
 QUICKSTART = "experiments/configs/quickstart.yaml"
@@ -62,7 +76,7 @@ QS = "tests/test_quickstart.py::test_readme_sweep_and_fit_commands"
 OWN = "tests/test_own_data.py::test_own_jsonl_files_through_the_readme_route"
 TORCHRUN = "tests/test_cli.py::test_torchrun_data_parallel"
 
-# Each command of the README and docs/newcomer.md -> the tests that run it (exactly, or with
+# Each command of the pages in DOCS -> the tests that run it (exactly, or with
 # size keys added; templates such as CONFIG: an instance of them).
 COVERED: dict[str, list[str]] = {
     "make quickstart": [
@@ -123,7 +137,7 @@ COVERED: dict[str, list[str]] = {
     "pip install 'doremi-mix[hf]'": [f"{HERE}::test_the_hf_extra_exists"],
     "pip install 'doremi-mix[wandb]'": [f"{HERE}::test_the_logger_extras_exist"],
     "pip install 'doremi-mix[tensorboard]'": [f"{HERE}::test_the_logger_extras_exist"],
-    "python -m doremi.config_docs": [f"{HERE}::test_config_docs_regenerates_docs_config_md"],
+    "python -m doremi.commands.config_docs": [f"{HERE}::test_config_docs_regenerates_docs_config_md"],
     f"doremi train-proxy {QUICKSTART} --set doremi.reference=runs/ref": [CHAIN],
 }
 
@@ -151,8 +165,8 @@ def readme_commands() -> set[str]:
 
 def test_every_readme_command_has_a_test():
     shown = readme_commands()
-    assert sorted(shown - set(COVERED)) == [], "a README command no test runs: add it to COVERED with its test"
-    assert sorted(set(COVERED) - shown) == [], "COVERED lists a command the README no longer shows"
+    assert sorted(shown - set(COVERED)) == [], "a command in DOCS that no test runs: add it to COVERED with its test"
+    assert sorted(set(COVERED) - shown) == [], "COVERED lists a command no page in DOCS shows"
     for node in {n for nodes in COVERED.values() for n in nodes}:
         path, _, name = node.partition("::")
         assert (ROOT / path).is_file(), node
@@ -161,7 +175,7 @@ def test_every_readme_command_has_a_test():
 
 def argv(command: str, *sets: str) -> list[str]:
     """The README's line as arguments, with `--set` keys appended; fails if the README lacks it."""
-    assert command in readme_commands(), f"the README no longer shows `{command}`"
+    assert command in readme_commands(), f"no page in DOCS shows `{command}`"
     args = shlex.split(command)
     program = str(BIN / args[0]) if args[0] in ("doremi", "python") else args[0]
     return [program, *args[1:], *[a for s in sets for a in ("--set", s)]]
@@ -352,12 +366,14 @@ def test_mup_transfer_sweep(workdir, tmp_path):
 
 
 def test_config_docs_regenerates_docs_config_md(tmp_path):
-    """`python -m doremi.config_docs` (to a scratch file: run bare it rewrites docs/config.md)."""
-    args = argv("python -m doremi.config_docs")
+    """`python -m doremi.commands.config_docs` (to a scratch file: run bare it rewrites docs/config.md)."""
+    args = argv("python -m doremi.commands.config_docs")
     target = tmp_path / "config.md"
     assert run(tmp_path, [*args, str(target)]).stdout == f"wrote {target}\n"
     assert target.read_text() == (ROOT / "docs" / "config.md").read_text()
-    assert run(tmp_path, [*args, "--help"], code=2).stderr.startswith("usage: python -m doremi.config_docs [OUT.md]")
+    assert run(tmp_path, [*args, "--help"], code=2).stderr.startswith(
+        "usage: python -m doremi.commands.config_docs [OUT.md]"
+    )
     assert not (tmp_path / "--help").exists()  # an option is not an output path
 
 

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from doremi.report import FINAL_LOSS_PNG, VAL_LOSS_PNG, WEIGHTS_PNG, format_table, write_report
+from doremi.reports.report import FINAL_LOSS_PNG, VAL_LOSS_PNG, WEIGHTS_PNG, format_table, write_report
 
 DOMAINS = ["noise", "easy", "web"]
 MIXTURES = {"uniform": [1 / 3, 1 / 3, 1 / 3], "doremi": [0.1, 0.2, 0.7]}
@@ -79,7 +79,7 @@ def test_write_report_writes_markdown_and_pngs(tmp_path):
 def test_against_a_baseline_the_report_plots_differences_with_average_and_worst(tmp_path, monkeypatch):
     """The final-loss figure against a baseline shows differences (the few hundredths of a nat
     that decide a comparison), per domain, average and worst case, each value written."""
-    import doremi.report as rep
+    import doremi.reports.report as rep
 
     drawn = {}
     real = rep.plot_differences
@@ -112,7 +112,7 @@ def test_against_a_baseline_the_report_plots_differences_with_average_and_worst(
 def test_final_loss_axis_starts_near_the_smallest_value(tmp_path, monkeypatch):
     from matplotlib.axes import Axes
 
-    from doremi.report import plot_final_loss
+    from doremi.reports.report import plot_final_loss
 
     limits = {}
     real = Axes.set_ylim
@@ -124,7 +124,7 @@ def test_final_loss_axis_starts_near_the_smallest_value(tmp_path, monkeypatch):
 def test_validation_curves_use_integer_step_ticks(tmp_path, monkeypatch):
     from matplotlib.ticker import MaxNLocator
 
-    from doremi.report import plot_val_loss
+    from doremi.reports.report import plot_val_loss
 
     seen = []
     real = MaxNLocator.__init__
@@ -146,7 +146,7 @@ def test_write_report_rejects_bad_history_before_writing(tmp_path):
 
 
 def test_final_loss_plot_on_a_log_axis_needs_positive_values(tmp_path):
-    from doremi.report import plot_final_loss
+    from doremi.reports.report import plot_final_loss
 
     plot_final_loss(tmp_path / "log.png", DOMAINS, LOSSES, [None] * 3, ylabel="loss - H", log=True)
     assert _png_size(tmp_path / "log.png")[0] > 300
@@ -159,7 +159,7 @@ def test_final_loss_plot_on_a_log_axis_needs_positive_values(tmp_path):
 
 
 def test_bits_per_byte():
-    from doremi.report import bits_per_byte
+    from doremi.reports.report import bits_per_byte
 
     # 2 nats/token, 1000 tokens for 4000 bytes: 2 * 0.25 / ln 2
     assert bits_per_byte(2.0, 1000 / 4000) == pytest.approx(0.72134752, abs=1e-8)
@@ -178,7 +178,7 @@ def test_table_with_bits_per_byte_columns():
 
 
 def test_domains_better_and_steps_to_target():
-    from doremi.report import domains_better, fmt_speedup, speedup, steps_to_target
+    from doremi.reports.report import domains_better, fmt_speedup, speedup, steps_to_target
 
     assert domains_better(LOSSES["doremi"], LOSSES["uniform"]) == 2
     assert domains_better([1.0, 2.0], [1.0, 2.5]) == 1  # a tie is not better
@@ -190,7 +190,7 @@ def test_domains_better_and_steps_to_target():
 
 
 def test_vs_baselines_table():
-    from doremi.report import format_vs_baselines
+    from doremi.reports.report import format_vs_baselines
 
     runs = {
         "uniform": [(50, [5.0, 1.0, 4.0]), (100, LOSSES["uniform"])],
@@ -230,7 +230,7 @@ def test_report_with_warnings_and_guardrail_sections(tmp_path):
 
 
 def test_closing_summary_fits_100_columns_best_first_against_the_baseline():
-    from doremi.report import format_summary
+    from doremi.reports.report import format_summary
 
     losses = {
         "uniform": [2.0, 3.0, 4.0],

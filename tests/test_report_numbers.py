@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import yaml
 
-from doremi.compare import MainRun, compare, compare_roots
 from doremi.errors import DoReMiError
-from doremi.guardrails import findings, format_guardrail_table, measure_pipeline, measure_sweep
-from doremi.summary import weight_histories
-from trainer.metrics import read_jsonl
+from doremi.reports.guardrails import findings, format_guardrail_table, measure_pipeline, measure_sweep
+from doremi.reports.summary import weight_histories
+from doremi.study.compare import MainRun, compare, compare_roots
+from trainer.records.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "experiments" / "configs" / "quickstart.yaml"
@@ -60,7 +60,7 @@ def _rows(section: str) -> tuple[list[str], dict[str, list[str]]]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from doremi.pipeline import run_pipeline
+    from doremi.pipeline.pipeline import run_pipeline
 
     root = tmp_path_factory.mktemp("numbers")
     run_pipeline(QUICKSTART, [*TINY, f"pipeline.run_dir={root / 'run'}", f"data.store_dir={root / 'stores'}"])
@@ -107,8 +107,8 @@ def test_weights_are_the_weights_files_and_the_online_run_what_it_sampled(tiny):
 
 
 def _fpt_tokens(run: Path) -> tuple[int, int]:
-    from trainer.config import ModelConfig
-    from trainer.configtools import from_dict
+    from trainer.config.schema import ModelConfig
+    from trainer.config.tools import from_dict
     from trainer.model.flops import flops_per_token
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
@@ -277,8 +277,8 @@ def test_a_sweep_trained_one_by_one_has_its_drawn_tokens_measured(tmp_path):
     counts, summed; a stacked sweep (no run logs) leaves the cell empty."""
     import json as _json
 
-    from doremi.ledger import sweep_cost
-    from doremi.main_runs import SWEEP_DIR
+    from doremi.outputs.main_runs import SWEEP_DIR
+    from doremi.reports.ledger import sweep_cost
 
     sweep = tmp_path / SWEEP_DIR
     sweep.mkdir()

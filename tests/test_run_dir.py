@@ -1,4 +1,4 @@
-"""Run directories (trainer/run_dir.py): the fingerprint of what determines results, the resume
+"""Run directories (trainer/records/run_dir.py): the fingerprint of what determines results, the resume
 policy, the lock; then the trainer and the pipeline refusing or redoing what would otherwise
 silently continue under another config."""
 
@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from doremi import stages
 from doremi.config import ExperimentConfig
-from doremi.pipeline import Pipeline, deep_merge, remove_marker_temps, started_marker
+from doremi.pipeline import stages
+from doremi.pipeline.pipeline import Pipeline, deep_merge, remove_marker_temps, started_marker
 from tests.runs import config, config_path, losses
-from trainer import run_dir as rundir
-from trainer.checkpoint import latest_checkpoint
-from trainer.configtools import ConfigError, from_dict
+from trainer.checkpoint.checkpoint import latest_checkpoint
+from trainer.config.tools import ConfigError, from_dict
+from trainer.records import run_dir as rundir
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["train.decay=constant", "train.warmup_steps=0", "train.eps=1e-4", "checkpoint.every=1"]
@@ -145,7 +145,7 @@ def test_move_aside_keeps_the_lock_file(tmp_path):
 
 # -- the lock ------------------------------------------------------------------------------------
 
-HOLD = "import sys, time; from trainer.run_dir import locked\nwith locked(sys.argv[1]):\n print('held', flush=True)\n time.sleep(60)"
+HOLD = "import sys, time; from trainer.records.run_dir import locked\nwith locked(sys.argv[1]):\n print('held', flush=True)\n time.sleep(60)"
 
 
 def test_second_job_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path):

@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from doremi import cli, stages
+from doremi.commands import cli
+from doremi.pipeline import stages
 from tests.runs import STORE_YAML, config, losses
-from trainer.checkpoint import latest_checkpoint
-from trainer.config import CheckpointConfig, TrainConfig
-from trainer.configtools import ConfigError
-from trainer.loop import Trainer
-from trainer.metrics import read_jsonl
+from trainer.checkpoint.checkpoint import latest_checkpoint
+from trainer.config.schema import CheckpointConfig, TrainConfig
+from trainer.config.tools import ConfigError
 from trainer.model.flops import param_count
+from trainer.records.metrics import read_jsonl
+from trainer.run.loop import Trainer
 
 
 def lrs(run: Path) -> dict[int, float]:
@@ -245,7 +246,7 @@ def test_a_missing_logger_extra_is_one_line(stores, tmp_path, monkeypatch):
 def test_pipeline_stages_are_grouped_under_the_pipeline_name(tmp_path):
     """Every stage config the pipeline builds carries its wandb group: the pipeline's name,
     unless logging.wandb_group is set; without wandb nothing is set."""
-    from doremi.pipeline import Pipeline
+    from doremi.pipeline.pipeline import Pipeline
 
     qs = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.yaml"
     base = [f"pipeline.run_dir={tmp_path / 'pipe'}", f"data.store_dir={tmp_path / 'stores'}"]
@@ -303,7 +304,7 @@ def test_errors_print_on_rank0_only(argv, monkeypatch, capsys):
 def _agree(rank: int, world_size: int) -> None:
     import torch
 
-    from trainer.interrupt import StopRequests
+    from trainer.run.interrupt import StopRequests
 
     stops = StopRequests()
     pc = types.SimpleNamespace(distributed=True, device=torch.device("cpu"))
@@ -323,7 +324,7 @@ def test_a_cpu_build_on_a_gpu_node_is_said(tmp_path, monkeypatch):
     """A GPU node whose torch has no CUDA trains on the CPU: the start-up says so in a line."""
     import torch
 
-    from trainer.run_report import cpu_build_note
+    from trainer.records.run_report import cpu_build_note
 
     driver = tmp_path / "version"
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)

@@ -13,11 +13,11 @@ import pytest
 
 from data.errors import DataError
 from data.sources import first_non_utf8, read_jsonl_rows
-from doremi import stages
+from doremi.pipeline import stages
 from tests.runs import config, config_path
-from trainer.checkpoint import latest_checkpoint
-from trainer.loop import Trainer
-from trainer.metrics import read_jsonl
+from trainer.checkpoint.checkpoint import latest_checkpoint
+from trainer.records.metrics import read_jsonl
+from trainer.run.loop import Trainer
 
 # -- train.eval_every: 0 -------------------------------------------------------------------------
 
@@ -32,7 +32,7 @@ def test_eval_every_0_evaluates_only_at_the_end(stores, tmp_path):
 
 
 def test_guardrail_names_the_true_reason_when_no_evaluation_ran():
-    from doremi.guardrails import measure
+    from doremi.reports.guardrails import measure
 
     rows = [{"step": 2, "loss": 1.0, "epochs": {"a": 0.5}}]
     m = measure("ref", "reference", rows, 8)
@@ -50,7 +50,7 @@ def test_guardrail_names_the_true_reason_when_no_evaluation_ran():
 def test_sigint_is_acknowledged_at_once_and_stops_at_the_next_step(stores, tmp_path, monkeypatch, capfd):
     """logging.every 100 over 6 steps: the run used to act on the signal only at a logging step,
     so it trained to its end; now one process stops after the step the signal came in."""
-    from doremi import cli
+    from doremi.commands import cli
 
     run = tmp_path / "run"
     path = config_path(stores, run)
@@ -78,7 +78,7 @@ def test_sigint_is_acknowledged_at_once_and_stops_at_the_next_step(stores, tmp_p
 
 
 def test_ranks_wait_for_a_logging_step_and_say_so():
-    from trainer.interrupt import StopRequests
+    from trainer.run.interrupt import StopRequests
 
     assert StopRequests(every=10).acknowledgment(signal.SIGTERM) == (
         "SIGTERM received: saving a checkpoint and stopping at the next multiple of 10 steps (logging.every); "
@@ -101,8 +101,8 @@ class _Full:
 
 
 def test_disk_full_while_writing_a_checkpoint_is_one_line_naming_the_file(stores, tmp_path, monkeypatch, capsys):
-    import trainer.checkpoint as ck
-    from doremi import cli
+    import trainer.checkpoint.checkpoint as ck
+    from doremi.commands import cli
 
     init = ck._ChecksumWriter.__init__
     monkeypatch.setattr(ck._ChecksumWriter, "__init__", lambda self, f, path: init(self, _Full(f), path))
@@ -120,8 +120,8 @@ def test_disk_full_while_exporting_is_one_line_naming_the_file(stores, tmp_path,
     pytest.importorskip("safetensors")
     from types import SimpleNamespace
 
-    import trainer.hf_files as hf_files
-    from doremi import cli
+    import trainer.hf.files as hf_files
+    from doremi.commands import cli
 
     run = tmp_path / "run"
     stages.train(config(stores, run, "train.steps=1"))

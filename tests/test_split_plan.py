@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ModelConfig, ParallelismConfig, load_config
-from trainer.model.presets import PRESETS
-from trainer.parallel.cost_model import CostModel, bytes_per_param
-from trainer.parallel.stage_split import min_max_split, split_counts, split_layers
-from trainer.plan import GIB, format_plan, gpu_param_precision, plan_memory
+from trainer.config.presets import PRESETS
+from trainer.config.schema import ModelConfig, ParallelismConfig, load_config
+from trainer.plan.cost_model import CostModel, bytes_per_param
+from trainer.plan.memory import GIB, format_plan, gpu_param_precision, plan_memory
+from trainer.plan.stage_split import min_max_split, split_counts, split_layers
 
 TINY = ModelConfig(**PRESETS["tiny"])  # h 64, f 128, 4 heads, 2 kv heads, d 16, vocab 256, 2 layers
 LLAMA70 = ModelConfig(**{k: v for k, v in PRESETS["llama3-70b"].items() if k != "rope_scaling"})
@@ -84,7 +84,7 @@ def test_bf16_grads_are_persistent_fp32_main_grads_only_when_summed(micro_batche
     gradients; otherwise none, and the head's bf16 `.grad` in the last stage's transient."""
     import torch
 
-    from trainer.config import TrainConfig
+    from trainer.config.schema import TrainConfig
     from trainer.optim.master_weights import MasterWeightAdamW
     from trainer.parallel.context import ParallelContext
 
@@ -251,7 +251,7 @@ def test_doremi_plan_predicts_the_split_the_trainer_builds(name, sets):
 
     from doremi.config import ExperimentConfig
     from trainer.build import stage_layers
-    from trainer.plan import gpu_param_precision
+    from trainer.plan.memory import gpu_param_precision
 
     cfg = load_config(ROOT / "experiments" / "configs" / name, sets, cls=ExperimentConfig)
     plan = plan_memory(cfg, cfg.parallelism.world_size, 80.0, param_precision=gpu_param_precision(cfg))

@@ -1,6 +1,6 @@
 """Stacked training (trainer/stacked, issue 21) equals the ordinary trainer run by run.
 
-Three mixtures are trained 5 steps stacked and each alone with `trainer.loop.Trainer`: per-step
+Three mixtures are trained 5 steps stacked and each alone with `trainer.run.loop.Trainer`: per-step
 losses, the final per-domain validation losses and the final parameters (the unstacked model
 against the ordinary run's checkpoint) agree within 1e-5 relative. The gradient clip is small,
 so each model's own clip coefficient is in play at every step; the weight decay is on, so the
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from tests.runs import config, final_params, losses
-from trainer.config import TrainerConfig
-from trainer.configtools import ConfigError
-from trainer.loop import Trainer
-from trainer.metrics import read_jsonl
+from trainer.config.schema import TrainerConfig
+from trainer.config.tools import ConfigError
 from trainer.model.llama import Llama
 from trainer.optim.param_groups import param_groups
+from trainer.records.metrics import read_jsonl
+from trainer.run.loop import Trainer
 from trainer.stacked import train_stacked
 from trainer.stacked.model import stack_llamas
 from trainer.stacked.optim import decayed

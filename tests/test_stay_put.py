@@ -13,11 +13,11 @@ import pytest
 from data.atomic import atomic_write_text
 from data.preprocess import changed_inputs, preprocess
 from data.store import read_manifest
-from doremi import stages
-from doremi.cli import main
+from doremi.commands.cli import main
 from doremi.config import ExperimentConfig
-from trainer.checkpoint import CheckpointError, latest_checkpoint
-from trainer.config import load_config
+from doremi.pipeline import stages
+from trainer.checkpoint.checkpoint import CheckpointError, latest_checkpoint
+from trainer.config.schema import load_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +107,7 @@ def test_rebuilt_tokenizer_is_refused_then_forced_and_the_old_run_is_not_evaluat
 
 
 def sweep_point(stores: Path, tmp_path: Path, eta: float) -> tuple[Path, list[str]]:
-    from doremi.pipeline import Pipeline
+    from doremi.pipeline.pipeline import Pipeline
     from tests.runs import config_path
 
     root = tmp_path / "sweep"
@@ -132,7 +132,7 @@ def said(messages: list[str], start: str) -> list[str]:
 
 
 def test_new_eta_redoes_only_the_proxy_and_what_reads_it_and_keeps_the_previous_point(stores, tmp_path):
-    from doremi.stage_markers import read_marker
+    from doremi.outputs.stage_markers import read_marker
 
     root, _ = sweep_point(stores, tmp_path, 1.0)
     first = {
@@ -182,7 +182,7 @@ def test_new_eta_redoes_only_the_proxy_and_what_reads_it_and_keeps_the_previous_
 
 
 def test_stage_keys_are_the_keys_each_stage_reads(stores, tmp_path):
-    from doremi.fingerprint import MAIN_IGNORES, REFERENCE_IGNORES, REFERENCE_READS, stage_keys
+    from doremi.outputs.fingerprint import MAIN_IGNORES, REFERENCE_IGNORES, REFERENCE_READS, stage_keys
     from tests.runs import config
 
     cfg = config(stores, tmp_path / "run", "doremi.eta=3.0", "doremi.reference_weights=tokens")

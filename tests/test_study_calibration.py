@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from doremi.cli import main
+from doremi.commands.cli import main
+from doremi.reports.ledger import train_seconds
 from doremi.study import stats
 from doremi.study.calibration import CALIBRATION_JSON, CALIBRATION_MD, calibrate, decide
 from doremi.study.design import DESIGN, Gate, Rule
-from doremi.study.runs import StudyError, find_runs, read_run, throughput, train_seconds
+from doremi.study.runs import StudyError, find_runs, read_run, throughput
 
 RATES = [100.0, 800_000.0, 820_000.0, 840_000.0]  # the first interval includes compilation
 STEPS = DESIGN.main.schedule.steps

@@ -1,4 +1,4 @@
-"""The memorisation guardrail gates only beyond its own noise (doremi/guardrails.py, issue 34):
+"""The memorisation guardrail gates only beyond its own noise (doremi/reports/guardrails.py, issue 34):
 gap - 2 SE > memorisation_gap warns; a gap above the limit but within 2 SE is an info."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from doremi.config import GuardrailConfig
-from doremi.guardrails import MEMORISATION_SES, beyond_noise, findings, measure, warnings
+from doremi.reports.guardrails import MEMORISATION_SES, beyond_noise, findings, measure, warnings
 
 CFG = GuardrailConfig(memorisation_gap=0.05)
 

@@ -1,4 +1,4 @@
-"""doremi/ledger.py's study part: evaluation tokens from each source, sums that say when a
+"""doremi/reports/ledger.py's study part: evaluation tokens from each source, sums that say when a
 part is unknown, an arm's stages."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from doremi.ledger import arm_ledger, evaluation_tokens, holdout_tokens, study_run_cost, sum_costs
+from doremi.reports.ledger import arm_ledger, evaluation_tokens, holdout_tokens, study_run_cost, sum_costs
 
 
 def _cfg(eval_sequences: int, split: str = "none", store: str | None = None) -> dict:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from doremi.cli import main
+from doremi.commands.cli import main
 from doremi.study import stats
 from doremi.study.design import DESIGN, SMALL, SMALL_SCHEDULE
 from doremi.study.runs import find_runs, pair_runs
@@ -54,7 +54,7 @@ def write_search_run(root: Path, name: str, seed: int, gap: float = 0.0, gap_se:
 
 
 def write_sequences(run: Path, shift: float) -> None:
-    """An eval_sequences file (trainer/eval_sequences.py's columns) at the final step: six
+    """An eval_sequences file (trainer/records/eval_sequences.py's columns) at the final step: six
     sequences per domain, losses 3 + shift + a fixed pattern."""
     pattern = np.array([0.0, 0.01, -0.02, 0.03, 0.0, -0.01])
     k = 2
@@ -84,8 +84,8 @@ def write_study(root: Path, big_gap: bool = False) -> None:
 
 
 def _flops(shape, seq_len: int) -> int:
-    from trainer.config import ModelConfig
-    from trainer.configtools import from_dict
+    from trainer.config.schema import ModelConfig
+    from trainer.config.tools import from_dict
     from trainer.model.flops import flops_per_token
 
     return flops_per_token(

@@ -1,4 +1,4 @@
-"""`doremi sweep` (doremi/sweep.py): the tables of a sweep killed mid-way and resumed equal an
+"""`doremi sweep` (doremi/offline/sweep.py): the tables of a sweep killed mid-way and resumed equal an
 uninterrupted sweep's; a sweep directory made under other keys is refused with the keys named;
 stacked runs give the tables of runs one by one."""
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from doremi.cli import main
-from doremi.sweep import FINAL_FILE, LOSSES_FILE, MIXTURES_FILE, read_table, run_sweep
+from doremi.commands.cli import main
+from doremi.offline.sweep import FINAL_FILE, LOSSES_FILE, MIXTURES_FILE, read_table, run_sweep
 from tests.runs import config, config_path
-from trainer.checkpoint import checkpoint_dir
+from trainer.checkpoint.checkpoint import checkpoint_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = [

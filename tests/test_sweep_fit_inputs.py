@@ -12,15 +12,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from doremi.cli import main
+from doremi.commands.cli import main
 from doremi.errors import DoReMiError
-from doremi.fit.checks import FitError
-from doremi.fit.design import dirichlet_design
-from doremi.fit.regmix import RegMixOptions, RidgeOptions, fit_regressor, propose_regmix
-from doremi.propose import check_prior
-from doremi.sweep import FINAL_FILE, SWEEP_FILE, Sweep, final_table, sweep_keys
+from doremi.offline.fit.checks import FitError
+from doremi.offline.fit.design import dirichlet_design
+from doremi.offline.fit.regmix import RegMixOptions, RidgeOptions, fit_regressor, propose_regmix
+from doremi.offline.propose import check_prior
+from doremi.offline.sweep import FINAL_FILE, SWEEP_FILE, Sweep, final_table, sweep_keys
 from tests.runs import config, config_path
-from trainer.configtools import ConfigError
+from trainer.config.tools import ConfigError
 
 PRIOR = np.array([0.2, 0.3, 0.5])
 DOMAINS = ["noise", "easy", "markov"]

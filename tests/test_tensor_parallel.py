@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import spawn
-from trainer.config import ModelConfig, ParallelismConfig
+from trainer.config.schema import ModelConfig, ParallelismConfig
 from trainer.model.llama import Llama, build_stage
 from trainer.parallel.buffer import GatherBuffer
 from trainer.parallel.context import ParallelContext

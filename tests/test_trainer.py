@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from doremi import stages
+from doremi.pipeline import stages
 from tests.runs import config, config_path, final_params, losses
-from trainer.metrics import read_jsonl
+from trainer.records.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 

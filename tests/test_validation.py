@@ -12,8 +12,8 @@ from data.errors import DataError
 from data.preprocess import preprocess
 from data.store import read_manifest
 from data.weights import resolve_weights
-from doremi.cli import main
-from doremi.history import HistoryError, WeightHistory, read_weights_json
+from doremi.commands.cli import main
+from doremi.methods.history import HistoryError, WeightHistory, read_weights_json
 from tests.runs import config_path
 
 DOMAINS = ["noise", "easy", "markov"]
@@ -81,7 +81,7 @@ def test_stages_refuse_domain_weights_they_ignore(stores, tmp_path, capsys, stag
 
 def test_reference_accepts_its_own_saved_domain_weights(stores, tmp_path):
     """A reference's config.yaml records its weights as data.domain_weights too: not ignored."""
-    from doremi.validate import check_stage
+    from doremi.pipeline.validate import check_stage
     from tests.runs import config
 
     cfg = config(stores, tmp_path / "r", "doremi.reference_weights=[1, 2, 3]", "data.domain_weights=[1, 2, 3]")
@@ -229,7 +229,7 @@ def test_pipeline_baseline_and_reference_files_are_checked_first(tmp_path, capsy
 
 
 def test_valid_pipeline_config_passes(tmp_path):
-    from doremi.pipeline import Pipeline
+    from doremi.pipeline.pipeline import Pipeline
 
     exp = tmp_path / "exp.yaml"
     exp.write_text(PIPELINE_YAML.format(root=tmp_path))
@@ -334,7 +334,7 @@ def test_whitespace_only_domain_is_refused_by_name(tmp_path):
 
 def test_full_disk_during_a_metrics_append_names_the_file(tmp_path):
     """metrics.jsonl is appended every step; a full disk there names the file like any other write."""
-    from trainer.metrics import JsonlWriter
+    from trainer.records.metrics import JsonlWriter
 
     writer = JsonlWriter(tmp_path / "metrics.jsonl")
 

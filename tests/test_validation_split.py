@@ -26,11 +26,11 @@ from data.validation_split import (
 from tests.distributed import spawn
 from tests.runs import config
 from tests.toy_method import LossChaser
-from trainer.eval_sequences import read_sequence_losses, sequence_file
-from trainer.feed import DataFeed
-from trainer.hooks import Needs
-from trainer.metrics import read_jsonl
+from trainer.feed.data_feed import DataFeed
 from trainer.parallel.context import ParallelContext
+from trainer.records.eval_sequences import read_sequence_losses, sequence_file
+from trainer.records.metrics import read_jsonl
+from trainer.run.hooks import Needs
 
 SPLIT = ["data.validation_split=dev_test"]
 
@@ -127,7 +127,7 @@ def all_documents(stores, half: str) -> set[tuple[str, int]]:
 def test_method_reads_dev_only_and_the_verdict_test_only_by_document(stores, tmp_path, monkeypatch):
     """Aioli-style probes (the toy method's validation losses, online on a main run) and the
     run's own evaluation, as the trainer hands them over; then DoGE's target batches."""
-    import trainer.loop as loop
+    import trainer.run.loop as loop
 
     calls: list[tuple[str, list[list[dict]]]] = []
     tag = ["verdict"]
@@ -186,7 +186,7 @@ class AsksForTest(LossChaser):
 
 
 def test_a_method_asking_for_test_data_is_refused(stores, tmp_path):
-    from trainer.loop import Trainer
+    from trainer.run.loop import Trainer
 
     cfg = config(stores, tmp_path / "run", *SPLIT)
     with pytest.raises(MethodSplitError) as e:
@@ -217,7 +217,7 @@ def check_sequence_file(run: Path, stores: Path, steps: int) -> dict[str, np.nda
 
 
 def test_the_sequence_file_reproduces_the_logged_val_loss_exactly(stores, tmp_path):
-    from doremi import stages
+    from doremi.pipeline import stages
 
     run = tmp_path / "run"
     stages.train(
@@ -229,7 +229,7 @@ def test_the_sequence_file_reproduces_the_logged_val_loss_exactly(stores, tmp_pa
 
 
 def _dp2(rank: int, world: int, store: str, run: str) -> None:
-    from doremi import stages
+    from doremi.pipeline import stages
 
     stages.train(
         config(
@@ -242,8 +242,8 @@ def test_the_sequence_file_under_dp2_is_the_single_process_evaluation(stores, tm
     """Gathered over dp, the rows are each sequence's own sum: the same numbers a single process
     gets from the run's final checkpoint."""
     from trainer.build import build_model
-    from trainer.checkpoint import latest_checkpoint, load_checkpoint
-    from trainer.evaluate import evaluate_sequences
+    from trainer.checkpoint.checkpoint import latest_checkpoint, load_checkpoint
+    from trainer.run.evaluate import evaluate_sequences
 
     run = tmp_path / "dp2"
     spawn(_dp2, 2, str(stores), str(run))
@@ -258,7 +258,7 @@ def test_the_sequence_file_under_dp2_is_the_single_process_evaluation(stores, tm
 
 
 def test_sweep_runs_and_search_runs_evaluate_on_dev_main_runs_on_test(stores, tmp_path, monkeypatch):
-    from trainer.loop import Trainer
+    from trainer.run.loop import Trainer
     from trainer.stacked.train import train_stacked
 
     asked: list[str] = []
@@ -280,4 +280,4 @@ def test_sweep_runs_and_search_runs_evaluate_on_dev_main_runs_on_test(stores, tm
     assert stage_halves == {"reference": [DEV], "proxy": [DEV], "train": [TEST]}
     asked.clear()
     Trainer(config(stores, tmp_path / "one", *SPLIT, "train.eval_every=1"), evaluation="sweep_run")
-    assert asked == [DEV]  # a sweep run trained one by one (doremi.sweep.Sweep.run_one)
+    assert asked == [DEV]  # a sweep run trained one by one (doremi.offline.sweep.Sweep.run_one)

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed import spawn
-from trainer.config import TrainConfig
+from trainer.config.schema import TrainConfig
 from trainer.optim.build import build_optimizer
+from trainer.optim.clip import clip_grad_norm
 from trainer.optim.interface import OptimizerStateError
-from trainer.parallel.clip import clip_grad_norm
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.data_parallel import partition_params
 from trainer.parallel.shard import ShardSpec, set_shard_spec, shard

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from doremi.methods.log import MethodLog
-from trainer.hooks import MethodBase, MethodContext, Needs, StepSignals
+from trainer.run.hooks import MethodBase, MethodContext, Needs, StepSignals
 
 
 class LossChaser(MethodBase):

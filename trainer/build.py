@@ -1,8 +1,8 @@
 """Turning a config into the objects a run holds: the process grid, the run's resolved facts
 (`RunFacts`), the model stage. Shared by training, the frozen DoReMi reference, scoring and eval.
 
-The rules (`use_bf16`, `param_dtype`, `autocast`, `micro_batch_size`, `stage_layers`) are
-functions of the config and the device. A run resolves them once per config, into `RunFacts`,
+The rules (`use_bf16`, `param_dtype`, `micro_batch_size`: `trainer.plan.resolve`; `autocast`,
+`stage_layers`) are functions of the config and the device. A run resolves them once per config, into `RunFacts`,
 and hands that on: the loop, the reference and the stage commands read the facts instead of
 asking the config again."""
 
@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.config import TrainerConfig
-from trainer.configtools import ConfigError
+from trainer.config.launch_env import launch_world_size, local_world_size
+from trainer.config.schema import TrainerConfig
+from trainer.config.tools import ConfigError
 from trainer.parallel.context import ParallelContext
-from trainer.parallel.launch_env import launch_world_size, local_world_size
-from trainer.parallel.stage_split import split_layers
+from trainer.plan.resolve import micro_batch_size, param_dtype, param_precision, precision_name, use_bf16
+from trainer.plan.stage_split import split_layers
 
 
 def check_world_size(cfg: TrainerConfig) -> None:
@@ -77,36 +78,6 @@ def seed_everything(seed: int) -> None:
 # -- the rules -------------------------------------------------------------------------------
 
 
-def micro_batch_size(cfg: TrainerConfig) -> int:
-    t = cfg.train
-    return t.global_batch_size // (cfg.parallelism.dp * t.micro_batches)
-
-
-def use_bf16(cfg: TrainerConfig, device: torch.device) -> bool:
-    """Whether the run computes in bf16 (autocast): precision bf16, or auto on CUDA or with
-    explicitly bf16 parameters (they compute in bf16 whatever autocast says)."""
-    t = cfg.train
-    return t.precision == "bf16" or (t.precision == "auto" and (device.type == "cuda" or t.param_dtype == "bf16"))
-
-
-def param_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
-    """The dtype the model's parameters are stored in on `device` (train.param_dtype resolved):
-    bf16 (with fp32 master weights) for bf16 compute with AdamW, fp32 otherwise."""
-    t = cfg.train
-    if t.param_dtype == "auto":
-        return torch.bfloat16 if use_bf16(cfg, device) and t.optimizer == "adamw" else torch.float32
-    return torch.bfloat16 if t.param_dtype == "bf16" else torch.float32
-
-
-def param_precision(cfg: TrainerConfig, device: torch.device) -> str:
-    """`param_dtype` by the name the memory model uses (`trainer.parallel.cost_model.BytesPerParam`)."""
-    return _precision_name(param_dtype(cfg, device))
-
-
-def _precision_name(dtype: torch.dtype) -> str:
-    return "bf16" if dtype == torch.bfloat16 else "fp32"
-
-
 def autocast(cfg: TrainerConfig, device: torch.device) -> contextlib.AbstractContextManager:
     """The context a run of `cfg` computes under on `device` (see `_autocast`)."""
     return _autocast(device, use_bf16(cfg, device), param_dtype(cfg, device))
@@ -122,8 +93,8 @@ def _autocast(device: torch.device, bf16: bool, dtype: torch.dtype) -> contextli
 
 
 def stage_layers(cfg: TrainerConfig, device: torch.device) -> list[range]:
-    """Layers per pipeline stage (`trainer.parallel.stage_split.split_layers`) for the parameter
-    precision the run resolves to on `device`: the split `doremi plan` (`trainer.plan`) predicts."""
+    """Layers per pipeline stage (`trainer.plan.stage_split.split_layers`) for the parameter
+    precision the run resolves to on `device`: the split `doremi plan` (`trainer.plan.memory`) predicts."""
     return split_layers(
         cfg.model,
         cfg.parallelism,
@@ -163,8 +134,8 @@ class RunFacts:
 
     @property
     def param_precision(self) -> str:
-        """`param_dtype` by the memory model's name (`trainer.parallel.cost_model.BytesPerParam`)."""
-        return _precision_name(self.param_dtype)
+        """`param_dtype` by the memory model's name (`trainer.plan.cost_model.BytesPerParam`)."""
+        return precision_name(self.param_dtype)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """A fresh context to compute under (bf16 autocast for fp32 parameters computing in bf16)."""

@@ -98,8 +98,8 @@ import numpy as np
 import torch
 
 from doremi.methods.log import MethodLog
-from trainer.configtools import ConfigError
-from trainer.hooks import MethodBase, MethodContext, Needs, StepSignals
+from trainer.config.tools import ConfigError
+from trainer.run.hooks import MethodBase, MethodContext, Needs, StepSignals
 
 #: Bounds of log beta in the fit (beta n^-alpha stays finite in float64).
 LOG_BETA_BOUND = 100.0

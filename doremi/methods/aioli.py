@@ -63,7 +63,7 @@ holds more than 65,536 tokens (32 sequences of 2048 over all 7 domains); on this
 schedule is `eval_sequences: 0` (the whole split) with `sweeps`/`delta`/`round_steps` of the
 script; the default schedule (20 rounds, 4 sweeps of 4 steps, their 2-domain script's
 `--lp_rounds 4 --lp_steps 4` over 20 rounds) is theirs, only the validation subset is budgeted.
-The ledger (doremi/ledger.py) counts every pass's tokens (`method_evals`) as validation FLOPs.
+The ledger (doremi/reports/ledger.py) counts every pass's tokens (`method_evals`) as validation FLOPs.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ import numpy as np
 import torch
 
 from doremi.methods.log import MethodLog
-from trainer.configtools import ConfigError
-from trainer.hooks import MethodBase, MethodContext, Needs, StepSignals
+from trainer.config.tools import ConfigError
+from trainer.run.hooks import MethodBase, MethodContext, Needs, StepSignals
 
 
 @dataclass

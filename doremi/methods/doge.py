@@ -12,7 +12,7 @@ rate lr_t and the Bregman coefficient mu (mirror descent on the simplex, the pap
     alpha_t    = softmax(log alpha_{t-1} + lr_t W_t / mu)
     direction  = sum_i alpha_t[i] g_i
 
-The trainer (`trainer/alignment.py`) streams the domains: it hands each W_t[i] to
+The trainer (`trainer/run/alignment.py`) streams the domains: it hands each W_t[i] to
 `alignment_weight`, which returns alpha_{t-1}[i] exp(lr_t W_t[i] / mu), and divides the weighted
 sum by the sum of those weights; so the update uses alpha_t exactly with one extra gradient
 buffer besides the target. `score_clip`, when set, clips lr_t W_t into lr_t [low, high].
@@ -63,8 +63,8 @@ import torch
 
 from data.config import Weights
 from doremi.methods.log import MethodLog
-from trainer.configtools import ConfigError
-from trainer.hooks import Alignment, MethodBase, MethodContext, Needs, StepSignals
+from trainer.config.tools import ConfigError
+from trainer.run.hooks import Alignment, MethodBase, MethodContext, Needs, StepSignals
 
 
 @dataclass

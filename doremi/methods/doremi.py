@@ -8,7 +8,7 @@ and the proxy descends sum_i alpha_t[i] * (mean proxy loss over domain i's token
 mode alpha_t is computed from this step's forward losses before any backward (the trainer runs
 all forwards first); in `lagged` mode the gradient uses alpha_{t-1} and alpha_t is computed
 after the step. In `resample` mode the proxy's data is drawn from alpha_{t-1} and the loss is the
-plain mean. The trainer hands every rank the same per-domain sums (trainer/signals.py), and the
+plain mean. The trainer hands every rank the same per-domain sums (trainer/run/signals.py), and the
 update runs in float64, so alpha_t does not depend on the layout.
 """
 
@@ -21,14 +21,14 @@ import numpy as np
 import torch
 
 from doremi.config import DoReMiConfig
+from doremi.methods.doremi_update import domain_excess, token_excess, uniform_log_weights, update_weights
 from doremi.methods.log import MethodLog
-from doremi.update import domain_excess, token_excess, uniform_log_weights, update_weights
-from trainer.hooks import MethodBase, MethodContext, Needs, StepSignals
+from trainer.run.hooks import MethodBase, MethodContext, Needs, StepSignals
 
 
 class DoReMi(MethodBase):
     """Owns alpha (as log alpha) and the last lambda; `reference_losses` attaches the
-    reference's per-token losses (`ref_loss`) to the micro-batches (doremi/reference.py)."""
+    reference's per-token losses (`ref_loss`) to the micro-batches (doremi/methods/reference.py)."""
 
     def __init__(
         self,

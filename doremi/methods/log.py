@@ -1,4 +1,4 @@
-"""The common per-step log of a mixing method: `domain_weights.jsonl` (format: doremi.history),
+"""The common per-step log of a mixing method: `domain_weights.jsonl` (format: doremi.methods.history),
 written by global rank 0 only, so that `doremi average` turns any method's run into a weights
 JSON the same way."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from doremi.history import WeightHistory
-from trainer.hooks import MethodContext
+from doremi.methods.history import WeightHistory
+from trainer.run.hooks import MethodContext
 
 
 class MethodLog:

@@ -50,8 +50,8 @@ import numpy as np
 
 from data.weights import check_weights
 from doremi.methods.log import MethodLog
-from trainer.configtools import ConfigError
-from trainer.hooks import MethodBase, MethodContext, Needs, StepSignals
+from trainer.config.tools import ConfigError
+from trainer.run.hooks import MethodBase, MethodContext, Needs, StepSignals
 
 #: Tag of the generator that picks the step's domain under `draw_unit: batch` (apart from the
 #: sampler's streams).

@@ -1,7 +1,7 @@
 """Every mixing method by name: what it reads from the trainer, where it may run, and how it is
 built from an experiment config (docs/design.md section 2).
 
-| name   | file      | signals it reads (trainer/hooks.py Needs)              | weights it logs        |
+| name   | file      | signals it reads (trainer/run/hooks.py Needs)              | weights it logs        |
 |--------|-----------|--------------------------------------------------------|------------------------|
 | doremi | doremi.py | reference losses; this step's excess before backward   | alpha_t (loss weights) |
 | doge   | doge.py   | per-domain gradient alignment with a held-out target   | alpha_t (grad weights) |
@@ -13,7 +13,7 @@ Any of them runs as a proxy (`train-proxy`, `mixing.method`; its logged weights 
 `doremi average`) or online on the main model (`train`, `mixing.main`). DoReMi needs a
 reference, so it runs as a proxy only.
 
-`READS` declares, for these and the offline fits (`regmix`, `mixing_law`, doremi/propose.py),
+`READS` declares, for these and the offline fits (`regmix`, `mixing_law`, doremi/offline/propose.py),
 the data each reads to choose a mixture (issue 35 point 3; the report lists it): its training
 batches' losses, validation losses (and through which `data.validation_split.CONSUMERS` entry,
 each of which must be a dev reader: `check_reads`), per-domain gradients, a sweep's losses, a
@@ -30,7 +30,7 @@ from pathlib import Path
 from data.store import read_manifest
 from data.weights import resolve_weights
 from doremi.config import ExperimentConfig
-from trainer.hooks import MethodContext, MethodFactory, MixingHook, Needs
+from trainer.run.hooks import MethodContext, MethodFactory, MixingHook, Needs
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,13 @@ def check_needs(name: str, needs: Needs) -> None:
 
 def _doremi(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
     from doremi.methods.doremi import DoReMi
-    from doremi.reference import CachedReference, OnlineReference, load_frozen, reference_config, require_reference
+    from doremi.methods.reference import (
+        CachedReference,
+        OnlineReference,
+        load_frozen,
+        reference_config,
+        require_reference,
+    )
     from trainer.build import RunFacts
 
     manifest = read_manifest(cfg.data.store_dir)
@@ -159,7 +165,7 @@ def check_doge_layout(cfg: ExperimentConfig) -> None:
     """DoGE's step runs each domain's sequences of a rank as their own micro-batches, so dp ranks
     run different numbers of forwards; expert parallelism's all-to-all needs every rank of its
     group in every forward, so the two would wait on each other for ever: refused."""
-    from trainer.configtools import ConfigError
+    from trainer.config.tools import ConfigError
 
     if cfg.parallelism.ep > 1:
         raise ConfigError(

@@ -200,7 +200,7 @@ def _f(x: float | None, digits: int = 4) -> str:
 
 def format_markdown(c: Calibration, design: Design = DESIGN) -> str:
     """calibration.md: the runs' endpoints, the measured noise, the gate's decision."""
-    from doremi.report import markdown_table
+    from doremi.reports.report import markdown_table
 
     base, arm = c.arms
     rows = [

@@ -1,6 +1,6 @@
 """`doremi study calibrate ROOT` and `doremi study summarize ARCHIVE_OR_DIR --out DIR`
 (docs/design.md section 4e). Refusals (the gate's NO-GO, unfinished runs, missing partners)
-are `StudyError`s: one line, exit status 2 (doremi/cli.py)."""
+are `StudyError`s: one line, exit status 2 (doremi/commands/cli.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def cmd_summarize(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub) -> None:
-    """The `study` command and its two subcommands, on doremi/cli.py's subparsers."""
+    """The `study` command and its two subcommands, on doremi/commands/cli.py's subparsers."""
     sp = sub.add_parser("study", help="a powered mixture study: calibration gate, verdict table")
     inner = sp.add_subparsers(dest="study_command", required=True)
     cal = inner.add_parser("calibrate", help="sigma_run, sigma_D, throughput and the go/no-go gate")

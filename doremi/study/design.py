@@ -113,7 +113,7 @@ class Rule:
 class GuardrailRule:
     """A guardrail voids the study only beyond its own noise: the reference's memorisation gap
     (held-out minus seen loss) counts when gap - se_multiple x SE > memorisation_gap
-    (doremi/guardrails.py MEMORISATION_SES). Worst domain and domains better are reported with
+    (doremi/reports/guardrails.py MEMORISATION_SES). Worst domain and domains better are reported with
     their standard errors, not gated."""
 
     memorisation_gap: float = 0.05

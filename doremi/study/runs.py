@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from doremi.errors import DoReMiError
-from trainer.metrics import read_jsonl
-from trainer.pairing import PAIRING_FILE, check_paired, read_pairing
+from doremi.reports.ledger import train_seconds
+from trainer.records.metrics import read_jsonl
+from trainer.records.pairing import PAIRING_FILE, check_paired, read_pairing
 
 RUN_NAME = re.compile(r"^(?P<arm>[A-Za-z0-9_.]+)-seed(?P<seed>\d+)$")
 #: The loss keys of an evaluation row, the verdict's first.
@@ -79,20 +80,6 @@ def throughput(rows: Iterable[Mapping[str, Any]]) -> float | None:
     if not rates:
         return None
     return statistics.median(rates[1:] if len(rates) > 1 else rates)
-
-
-def train_seconds(rows: Iterable[Mapping[str, Any]], tokens_per_step: int) -> float | None:
-    """Seconds the training steps took: each logged interval's tokens over its measured rate
-    (the trainer times an interval's steps only, not evaluations or checkpoints)."""
-    total, prev, any_row = 0.0, 0, False
-    for r in rows:
-        rate = r.get("tokens_per_s")
-        if "loss" not in r or not isinstance(rate, (int, float)) or rate <= 0:
-            continue
-        step = int(r["step"])
-        total += max(step - prev, 0) * tokens_per_step / float(rate)
-        prev, any_row = step, True
-    return total if any_row else None
 
 
 def read_run(path: str | Path, name: str | None = None) -> RunResult:
@@ -191,7 +178,7 @@ class Pairs:
 
 
 def measured_pairing_problems(a: Path, b: Path) -> list[str]:
-    """What the runs' own `pairing.json` records (trainer/pairing.py) say keeps them from being a
+    """What the runs' own `pairing.json` records (trainer/records/pairing.py) say keeps them from being a
     pair: another initialisation or other per-domain streams. Runs written before the record
     existed have none and are judged by their seeds alone."""
     if not ((a / PAIRING_FILE).is_file() and (b / PAIRING_FILE).is_file()):

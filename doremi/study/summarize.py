@@ -4,7 +4,7 @@ the raw logs (issue 34; docs/design.md section 4e).
 The input is a directory of run directories or a .tar.xz / .tar.gz / .tar of them (the
 archive a study commits). Per arm of the design: its runs paired by seed with the baseline's
 (a seed whose partner is missing or unfinished is left out and named), the verdict row
-(doremi/study/verdict.py), its compute per seed (doremi/ledger.py: its search stages and its
+(doremi/study/verdict.py), its compute per seed (doremi/reports/ledger.py: its search stages and its
 main run) and the guardrails the rule gates on (the reference's memorisation gap beyond its own
 SE; epochs read). Writes study.md, study.json and study.png.
 """
@@ -44,7 +44,7 @@ def unpack(archive: Path, into: Path) -> Path:
 def read_sequences(run: Path, step: int) -> SequenceLosses | None:
     """The run's per-sequence losses at its final evaluation `step`, where it logged them
     (`train.eval_sequence_losses`: eval_sequences/step_NNNNNNN.npz, whose columns
-    trainer/eval_sequences.py documents): per domain, (mean loss of each sequence, the document
+    trainer/records/eval_sequences.py documents): per domain, (mean loss of each sequence, the document
     id of its first label token, the cluster). None when the file is absent."""
     path = run / "eval_sequences" / f"step_{step:07d}.npz"
     if not path.is_file():
@@ -61,7 +61,7 @@ def read_sequences(run: Path, step: int) -> SequenceLosses | None:
 def compute_of(dirs: Mapping[tuple[str, int], Path], arm: str, stages: tuple[str, ...], seeds: tuple[int, ...]):
     """Per seed the arm's ledger (its search stages and its main run), and the mean over seeds
     of the summed parts (None where a seed's part is unknown)."""
-    from doremi.ledger import arm_ledger
+    from doremi.reports.ledger import arm_ledger
 
     per_seed, missing = {}, []
     for s in seeds:
@@ -76,9 +76,9 @@ def compute_of(dirs: Mapping[tuple[str, int], Path], arm: str, stages: tuple[str
 
 def guardrail_findings(dirs: Mapping[tuple[str, int], Path], design: Design) -> list[str]:
     """The rule's guardrails over every run: the reference's memorisation gap beyond its own SE
-    (doremi/guardrails.py) and the epochs read, at the design's thresholds; one line each."""
+    (doremi/reports/guardrails.py) and the epochs read, at the design's thresholds; one line each."""
     from doremi.config import GuardrailConfig
-    from doremi.guardrails import check_run, warnings
+    from doremi.reports.guardrails import check_run, warnings
 
     cfg = GuardrailConfig(memorisation_gap=design.guardrails.memorisation_gap, max_epochs=design.guardrails.max_epochs)
     arms = {a.name for a in design.arms}
@@ -148,7 +148,7 @@ def _pm(m: float | None, se: float | None, sign: bool = True) -> str:
 
 
 def format_markdown(summary: dict[str, Any], design: Design = DESIGN, source: str = "") -> str:
-    from doremi.report import markdown_table
+    from doremi.reports.report import markdown_table
 
     rule, results = design.rule, summary["results"]
     rows = []
@@ -258,7 +258,7 @@ def plot(path: Path, summary: dict[str, Any], design: Design = DESIGN) -> None:
     """Left: each arm's paired difference with its CI; right: the per-domain differences ± SE."""
     from matplotlib.figure import Figure
 
-    from doremi.report import _save
+    from doremi.reports.report import _save
 
     results = [r for r in summary["results"] if r.paired is not None]
     if not results:

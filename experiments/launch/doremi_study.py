@@ -20,7 +20,7 @@ Every stage is an ordinary `doremi` command on experiments/configs/doremi_study.
 take its `pipeline.main` section as --set overrides), in its own run directory under --work; a
 finished stage (its run.json or weights.json header says so) is skipped without starting a
 process, an interrupted one resumes from its checkpoint. Arms run one after another, never side by side: with deterministic kernels
-a run is then a function of its seeds (trainer/determinism.py). --deadline sends the running
+a run is then a function of its seeds (trainer/run/determinism.py). --deadline sends the running
 stage SIGTERM after that many seconds (it saves a checkpoint and exits); the same command again
 resumes. The run directories, without checkpoints, and the log are packed as
 $OUT/<phase>.tar.xz, with launch.json (commands, seconds per stage, device, exit status).
@@ -151,7 +151,7 @@ def command(stage: Stage, folder: Path, base: list[str], main: list[str], user: 
 
 
 def model_hashes(run: Path) -> dict[str, str]:
-    """The final checkpoint's model files and their recorded XXH3 hashes (trainer/checkpoint.py)."""
+    """The final checkpoint's model files and their recorded XXH3 hashes (trainer/checkpoint/checkpoint.py)."""
     ckpts = sorted(p for p in (run / "checkpoints").glob("step_*") if (p / "meta.json").is_file())
     if not ckpts:
         return {}

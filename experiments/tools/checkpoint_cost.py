@@ -22,9 +22,9 @@ import torch
 
 from data.atomic import atomic_path
 from doremi.config import ExperimentConfig
-from trainer import checkpoint
 from trainer.build import RunFacts, build_model
-from trainer.config import load_config
+from trainer.checkpoint import checkpoint
+from trainer.config.schema import load_config
 from trainer.optim.build import build_optimizer
 from trainer.parallel.context import ParallelContext
 

@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT))
 
 from data.store import Manifest, read_manifest  # noqa: E402
 from data.weights_file import WEIGHTS_FILE, read_weights_file  # noqa: E402
-from doremi.compare import MainRun, mean_se, read_root  # noqa: E402
-from doremi.guardrails import measure_pipeline, run_level_snr  # noqa: E402
-from doremi.report import markdown_table, steps_to_target  # noqa: E402
-from trainer.metrics import read_jsonl  # noqa: E402
+from doremi.reports.guardrails import measure_pipeline, run_level_snr  # noqa: E402
+from doremi.reports.report import markdown_table, steps_to_target  # noqa: E402
+from doremi.study.compare import MainRun, mean_se, read_root  # noqa: E402
+from trainer.records.metrics import read_jsonl  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -432,8 +432,8 @@ def setup_table(root: Path) -> str:
     for label, run in (("reference / proxy", root / "round1" / "proxy"), ("main runs", root / "main" / "uniform")):
         c = config_of(run)
         m, t, d = c["model"], c["train"], c["data"]
-        from trainer.config import ModelConfig
-        from trainer.configtools import from_dict
+        from trainer.config.schema import ModelConfig
+        from trainer.config.tools import from_dict
         from trainer.model.flops import param_count
 
         params = param_count(from_dict(ModelConfig, m, "model"))

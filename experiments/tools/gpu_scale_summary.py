@@ -38,12 +38,12 @@ if str(ROOT) not in sys.path:
 from data.errors import DataError  # noqa: E402
 from data.store import Manifest, read_manifest  # noqa: E402
 from doremi.config import ExperimentConfig  # noqa: E402
-from doremi.report import fmt, format_table, markdown_table, plot_final_loss, plot_val_loss, plot_weight_history  # noqa: E402
-from doremi.summary import collect_run  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.configtools import ConfigError, read_yaml  # noqa: E402
-from trainer.metrics import read_jsonl  # noqa: E402
+from doremi.reports.report import fmt, format_table, markdown_table, plot_final_loss, plot_val_loss, plot_weight_history  # noqa: E402
+from doremi.reports.summary import collect_run  # noqa: E402
+from trainer.config.schema import load_config  # noqa: E402
+from trainer.config.tools import ConfigError, read_yaml  # noqa: E402
 from trainer.model.flops import param_count  # noqa: E402
+from trainer.records.metrics import read_jsonl  # noqa: E402
 
 MIXTURE_ORDER = ("doremi", "uniform", "tokens")
 STAGE_LINE = re.compile(r"^\[(\d+):(\d\d)\] (.+?)(?: \.\.\.|: done already .*)$")
@@ -55,7 +55,7 @@ class SummaryError(ValueError):
 
 @dataclass
 class Seed:
-    """One seed's pipeline, read back: `c` is doremi.summary.collect_run's dictionary."""
+    """One seed's pipeline, read back: `c` is doremi.reports.summary.collect_run's dictionary."""
 
     name: str
     root: Path
@@ -248,7 +248,7 @@ def seed_tables(seeds: Sequence[Seed]) -> str:
     parts = [
         "## Final validation loss per seed",
         "",
-        "doremi.report.format_table: average and worst case over all domains of the raw loss; "
+        "doremi.reports.report.format_table: average and worst case over all domains of the raw loss; "
         "the `loss - H` columns' average and worst case are over the synthetic domains only.",
         "",
     ]

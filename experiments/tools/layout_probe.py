@@ -268,7 +268,7 @@ def run(name):
         shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(R / RESUME_FROM[name], d)
     elif name == "fp8d-tp2-dp2-crashed":
-        from trainer.checkpoint import checkpoint_dir
+        from trainer.checkpoint.checkpoint import checkpoint_dir
 
         shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(R / "fp8d-tp2-dp2-whole", d)
@@ -293,7 +293,7 @@ def rel(a, b):
 
 
 def extra(a, b):
-    from trainer.metrics import read_jsonl
+    from trainer.records.metrics import read_jsonl
 
     ra, rb = list(read_jsonl(a / "metrics.jsonl")), list(read_jsonl(b / "metrics.jsonl"))
     out = {}

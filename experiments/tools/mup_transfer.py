@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from doremi.config import ExperimentConfig  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.metrics import read_jsonl  # noqa: E402
+from trainer.config.schema import load_config  # noqa: E402
+from trainer.records.metrics import read_jsonl  # noqa: E402
 
 
 def ffn_dim(width: int) -> int:
@@ -40,7 +40,7 @@ def final_val_loss(run: Path) -> float:
 
 
 def run_one(args, param: str, width: int, lr: float) -> float:
-    from doremi import stages
+    from doremi.pipeline import stages
 
     run = args.work / f"{param}-w{width}-lr{lr:g}"
     sets = [

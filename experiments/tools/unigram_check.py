@@ -15,9 +15,9 @@ import numpy as np
 from data.preprocess import preprocess
 from data.stats import unigram_entropy
 from data.store import open_stores
-from doremi import stages
 from doremi.config import ExperimentConfig
-from trainer.config import load_config
+from doremi.pipeline import stages
+from trainer.config.schema import load_config
 
 
 def unigram_entropies(store_dir: str) -> dict[str, float]:

@@ -8,14 +8,14 @@ FLOPs per token = 6 * N + 6 * L * d * s, where N is every parameter except the i
 recomputation not counted (model FLOPs, not hardware FLOPs).
 
 Hybrid stacks (`model.block_pattern`): N counts each layer's own parameters (a Mamba-2 layer's
-mixer by `trainer.model.mamba_config.mamba_mixer_params`), attention's 6 d s only for attention
+mixer by `trainer.config.mamba.mamba_mixer_params`), attention's 6 d s only for attention
 layers, and each Mamba-2 layer adds its chunked scan, `ssd_flops_per_token`.
 """
 
 from __future__ import annotations
 
-from trainer.model.mamba_config import mamba_mixer_params, n_mamba_layers, ssd_flops_per_token
-from trainer.model.moe_config import moe_params_delta
+from trainer.config.mamba import mamba_mixer_params, n_mamba_layers, ssd_flops_per_token
+from trainer.config.moe import moe_params_delta
 
 
 def layer_params(cfg) -> int:

@@ -41,19 +41,16 @@ exact in fp32); only the accumulation order differs from the tensor cores'.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from trainer.configtools import ConfigError
-from trainer.model.mamba_config import ATTENTION, layer_mixers
+from trainer.config.fp8 import FP8_LAYERS
+from trainer.config.tools import ConfigError
 
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-#: `model.fp8.layers` names -> the linear's name in a block.
-FP8_LAYERS: dict[str, str] = {"qkv": "attn.qkv", "proj": "attn.out", "gate_up": "mlp.gate_up", "down": "mlp.down"}
 
 #: Smallest amax a scale is computed from (an all-zero tensor quantises to zeros).
 AMAX_EPS = 1e-12
@@ -290,27 +287,6 @@ def end_fp8_step(model: nn.Module, pc) -> None:
         d.roll(reduced[id(d)])
 
 
-def check_fp8_layers(model_cfg, path: str = "model") -> None:
-    """`model.fp8.layers` names linears the model has, each in every block of its kind: the MoE
-    experts' grouped GEMMs have no FP8 path, so `gate_up`/`down` on a MoE model would run only
-    its dense MLPs in FP8 and the experts silently not; `qkv`/`proj` need an attention layer."""
-    fp8 = getattr(model_cfg, "fp8", None)
-    if fp8 is None:
-        return
-    mlp = [name for name in fp8.layers if name in ("gate_up", "down")]
-    if getattr(model_cfg, "moe", None) is not None and mlp:
-        raise ConfigError(
-            f"{path}.fp8.layers: the MoE experts' grouped GEMMs have no FP8 path, so {mlp} would run in FP8 "
-            f"in the dense MLPs only; leave them out for a MoE model, got {fp8.layers}"
-        )
-    attn = [name for name in fp8.layers if name in ("qkv", "proj")]
-    if attn and ATTENTION not in layer_mixers(model_cfg.block_pattern, model_cfg.n_layers):
-        raise ConfigError(
-            f"{path}.fp8.layers: {attn} are attention linears and model.block_pattern "
-            f"{model_cfg.block_pattern!r} has no attention layer"
-        )
-
-
 def _delayed_by_name(model: nn.Module) -> dict[str, AmaxHistory]:
     return {
         name: m.fp8.delayed
@@ -347,31 +323,3 @@ def load_amax_histories(model: nn.Module, state: dict[str, Any], device: torch.d
                 f"steps but model.fp8.amax_history is {delayed.length}"
             )
         delayed.load_state_dict(state[name], device)
-
-
-@dataclass
-class Fp8Config:
-    """FP8 GEMMs for chosen linear layers (`trainer.model.fp8`); master weights, optimizer and
-    checkpoints unchanged."""
-
-    # Linears whose GEMMs run in FP8: any of qkv, proj (attention output), gate_up, down.
-    layers: list[str] = field(default_factory=lambda: list(FP8_LAYERS))
-    # `tensorwise`: one scale per operand; `rowwise`: one per row / column (dynamic only).
-    scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
-    # Format of the output gradients: e5m2 (range) or e4m3 (precision; rowwise needs it).
-    grad_dtype: Literal["e4m3", "e5m2"] = "e5m2"
-    # Tensorwise delayed scaling: scales from the max amax of the last N steps; 0: dynamic.
-    amax_history: int = 0
-
-    def validate(self, path: str = "model.fp8") -> None:
-        unknown = [name for name in self.layers if name not in FP8_LAYERS]
-        if unknown or not self.layers:
-            raise ConfigError(f"{path}.layers: expected a non-empty list of {', '.join(FP8_LAYERS)}, got {self.layers}")
-        if self.amax_history < 0:
-            raise ConfigError(f"{path}.amax_history: expected >= 0, got {self.amax_history}")
-        if self.scaling == "rowwise" and self.amax_history:
-            raise ConfigError(f"{path}.amax_history: rowwise scaling is dynamic, expected 0, got {self.amax_history}")
-        if self.scaling == "rowwise" and self.grad_dtype != "e4m3":
-            raise ConfigError(
-                f"{path}.grad_dtype: rowwise scaling needs e4m3 (torch._scaled_mm's rowwise GEMM), got {self.grad_dtype}"
-            )

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from trainer.configtools import ConfigError
+from trainer.config.tools import ConfigError
 
 
 class RMSNorm(nn.Module):

@@ -26,7 +26,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from data.batch import IGNORE_INDEX
-from trainer.configtools import ConfigError
+from trainer.config.mamba import ATTENTION, MAMBA, check_mamba_tp, layer_mixers
+from trainer.config.tools import ConfigError
 from trainer.model.fp8 import apply_fp8
 from trainer.model.init import init_parameters
 from trainer.model.kernels import Kernels
@@ -36,7 +37,6 @@ from trainer.model.layers import (
     rope_tables,
 )
 from trainer.model.mamba import Mamba2Mixer
-from trainer.model.mamba_config import ATTENTION, MAMBA, check_mamba_tp, layer_mixers
 from trainer.model.moe import MoE, is_moe_layer
 from trainer.model.mup import apply_mup
 from trainer.model.swiglu import swiglu
@@ -334,7 +334,7 @@ class Llama(LlamaStage):
     the model's own; the GPU bench's ablations pass others)."""
 
     def __init__(self, cfg, par=None, pc: ParallelContext | None = None, seed: int = 0, kernels: Kernels | None = None):
-        from trainer.config import ParallelismConfig
+        from trainer.config.schema import ParallelismConfig
 
         pc = pc or ParallelContext.single()
         par = par or ParallelismConfig(tp=pc.tp)

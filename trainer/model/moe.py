@@ -1,6 +1,6 @@
 """Mixture-of-experts SwiGLU blocks: top-k routing, dropless grouped experts, balance losses.
 
-A MoE block replaces a Llama block's MLP (`model.moe`, `trainer.model.moe_config.MoEConfig`):
+A MoE block replaces a Llama block's MLP (`model.moe`, `trainer.config.moe.MoEConfig`):
     y = sum_{e in topk(t)} w_{t,e} * SwiGLU_e(x_t)  (+ SwiGLU_shared(x_t))
 - Router: logits = x W_r^T in fp32. `softmax` gating: p = softmax(logits), the top-k p as
   weights (renormalised to sum to one with `normalize_top_k`, as Mixtral). `sigmoid` gating
@@ -13,7 +13,7 @@ A MoE block replaces a Llama block's MLP (`model.moe`, `trainer.model.moe_config
   f_e the share of the k * S assignments that went to e, P_e the mean router probability of e),
   with the group of tokens it is computed over being ONE SEQUENCE, averaged over the sequences
   of the global batch, summed over MoE blocks. Why a sequence: the trainer's objective is a sum
-  over the global batch of per-token terms (`trainer.weighting`), and the batch is split over dp
+  over the global batch of per-token terms (`trainer.feed.weighting`), and the batch is split over dp
   ranks and micro-batches differently in every layout; f_e is a non-linear (count) statistic,
   so a loss over a micro-batch's tokens would change with micro_batches and dp. A sequence is
   never split across micro-batches or dp ranks (only across tp ranks under sequence parallel,
@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.model.moe_config import MoEConfig
+from trainer.config.moe import MoEConfig
 from trainer.model.swiglu import swiglu
 from trainer.model.tp_plan import tp_module
 from trainer.parallel.expert import ExpertParallel

@@ -42,11 +42,8 @@ with the same `model.mup`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch.nn as nn
-
-from trainer.configtools import ConfigError
 
 _VOCAB_MATRICES = ("embed.weight", "head.weight")
 #: 2-D parameters that are not matrices acting on a width-sized vector (see the module docstring).
@@ -55,19 +52,6 @@ _NOT_MATRICES = ("mamba.conv_weight",)
 _EXPERT_MATRICES = ("mlp.experts.gate_up", "mlp.experts.down")
 #: Matrices whose fan_out is a count that does not grow with the width.
 _FIXED_FAN_OUT = ("mlp.router.weight",)
-
-
-@dataclass
-class MupConfig:
-    """Spectral muP: init, per-layer learning rates and multipliers relative to a base width."""
-
-    # The d_model at which init_std and train.lr were tuned (the model there equals the model
-    # without muP).
-    base_width: int = 256
-
-    def validate(self, path: str = "model.mup") -> None:
-        if self.base_width < 1:
-            raise ConfigError(f"{path}.base_width: expected a positive int, got {self.base_width}")
 
 
 def spectral_sigma(fan_in: float, fan_out: float) -> float:

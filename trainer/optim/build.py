@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch.nn import Parameter
 
-from trainer.config import TrainConfig
+from trainer.config.schema import TrainConfig
 from trainer.optim.interface import Optimizer
 from trainer.optim.master_weights import MasterWeightAdamW
 from trainer.optim.sharded import ShardedOptimizer

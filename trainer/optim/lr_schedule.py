@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config import TrainConfig
+from trainer.config.schema import TrainConfig
 
 
 def warmup_steps(cfg: TrainConfig) -> int:

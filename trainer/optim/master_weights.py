@@ -23,7 +23,7 @@ parameters are one contiguous span. The remainders and the AdamW moments exist f
 span only. Per step:
 - `reduce_gradients`: the main grads summed over dp in fp32, in place, span by span: to the
   owner under ZeRO-1, to every rank without (`trainer.parallel.data_parallel.reduce_grads`);
-- `clip_grad_norm`: the global L2 norm over the gradients (`trainer.parallel.clip`, each
+- `clip_grad_norm`: the global L2 norm over the gradients (`trainer.optim.clip`, each
   parameter counted on its owner) and the clip coefficient, both on device;
 - `step(lr)`: one fused elementwise kernel over this rank's span (`trainer.optim.adamw_update`) that
   scales the gradient by the clip coefficient, applies torch.optim.AdamW's update (decoupled
@@ -51,7 +51,7 @@ import torch
 from torch.nn import Parameter
 
 from data.errors import UserError
-from trainer.config import TrainConfig
+from trainer.config.schema import TrainConfig
 from trainer.optim.adamw_update import (
     BLOCK,
     adamw_update,
@@ -61,9 +61,9 @@ from trainer.optim.adamw_update import (
     stacked_coefficients,
     uses_triton,
 )
+from trainer.optim.clip import clip_coefficient, global_grad_norm
 from trainer.optim.multi_tensor import TensorBlocks, aligned
 from trainer.optim.param_groups import decay_first, lr_scale
-from trainer.parallel.clip import clip_coefficient, global_grad_norm
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.data_parallel import (
     DEFAULT_BUCKET_NUMEL,
@@ -233,7 +233,7 @@ class MasterWeightAdamW:
         self._reduced = True
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global gradient L2 norm (fp32 0-dim on the device, as `trainer.parallel.clip`); when
+        """Global gradient L2 norm (fp32 0-dim on the device, as `trainer.optim.clip`); when
         max_norm > 0 the next `step` scales the gradient by min(1, max_norm / (norm + 1e-6))."""
         self.reduce_gradients()
         total = global_grad_norm(self.named_params, self.pc)
@@ -379,7 +379,7 @@ class MasterWeightAdamW:
         """Load this rank's parameters' state from `sd` (which may hold others' too). An empty
         state loads as fresh (master = the current parameters); otherwise every local parameter
         must be there. A state without "master" (saved by the fp32 optimizer) takes the master
-        from the current, bf16, parameters: `trainer.checkpoint` supplies the saved fp32 ones."""
+        from the current, bf16, parameters: `trainer.checkpoint.checkpoint` supplies the saved fp32 ones."""
         if sd.get("kind") != "adamw":
             raise MasterWeightStateError(f"optimizer state is for {sd.get('kind')!r}, this optimizer is 'adamw'")
         state = sd["state"]

@@ -2,7 +2,7 @@
 each program covers one block of one tensor, found through a device table of the tensors'
 addresses. What torch's `_foreach` kernels do for their own ops (multi-tensor apply), for
 ours: the AdamW update (`trainer.optim.adamw_update`) and the gradient's sums of squares
-(`sums_of_squares`, for `trainer.parallel.clip`).
+(`sums_of_squares`, for `trainer.optim.clip`).
 
 A kernel runs as two launches (`launch`): the blocks that lie wholly inside their tensor, whose
 loads and stores the compiler can vectorise (it is told that block starts, buffer offsets and

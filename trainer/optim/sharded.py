@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch.nn import Parameter
 
-from trainer.config import TrainConfig
+from trainer.config.schema import TrainConfig
+from trainer.optim.clip import clip_grad_norm
 from trainer.optim.interface import OptimizerStateError
 from trainer.optim.param_groups import decay_first, param_groups
-from trainer.parallel.clip import clip_grad_norm
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.data_parallel import (
     DEFAULT_BUCKET_NUMEL,
@@ -128,7 +128,7 @@ class ShardedOptimizer:
         """Load the state of this rank's parameters from `sd` (which may hold others' too). An empty
         state (a fresh optimizer) loads as fresh; otherwise every local parameter must be there.
         A "master" (from the bf16 optimizer) is not state here: it is the parameter itself, which
-        `trainer.checkpoint` loads from it."""
+        `trainer.checkpoint.checkpoint` loads from it."""
         if sd.get("kind") != self.kind:
             raise OptimizerStateError(f"optimizer state is for {sd.get('kind')!r}, this optimizer is {self.kind!r}")
         state = {n: {k: v for k, v in s.items() if k != "master"} for n, s in sd["state"].items()}

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from trainer.parallel.launch_env import launch_world_size, local_rank
-from trainer.parallel.tied import tied_stages
+from trainer.config.launch_env import launch_world_size, local_rank
 
 
 def grid_coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
@@ -20,6 +19,12 @@ def grid_coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
 
 def grid_rank(pp_rank: int, dp_rank: int, tp_rank: int, tp: int, dp: int) -> int:
     return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+def tied_stages(pp: int) -> list[int]:
+    """The pipeline stages that hold a copy of the tied weight, `model.tie_embeddings`
+    (trainer/parallel/tied.py; one stage when pp = 1)."""
+    return sorted({0, pp - 1})
 
 
 @dataclass

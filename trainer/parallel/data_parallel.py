@@ -1,7 +1,7 @@
 """Data parallelism: gradient reduction over the dp group and the ZeRO-1 parameter partition.
 
 Gradients are SUMMED over dp ranks, never averaged: the loss weights already carry the global
-normalisation (`trainer.weighting`). Reductions run once per optimizer step, after every
+normalisation (`trainer.feed.weighting`). Reductions run once per optimizer step, after every
 micro-batch's backward, over flattened buckets (fewer, larger collectives), with at most a
 couple of buckets in flight so the extra memory is bounded by the bucket size, not the model.
 

@@ -19,15 +19,31 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from trainer.parallel import p2p
 from trainer.parallel.context import ParallelContext
-from trainer.weighting import LossWeighting
 
 SCHEDULES = ("1f1b", "afab")
+
+
+class LossWeighting(Protocol):
+    """How the last stage weighs per-token losses (implementations: `trainer.feed.weighting`)."""
+
+    #: True when the weights depend on the forward losses of the whole step (all micro-batches,
+    #: all dp ranks): the schedule must then run every forward before any backward and call
+    #: `prepare` in between. False: weights are known before the step starts (1F1B allowed).
+    needs_forward_losses: bool
+
+    def prepare(self, losses: list[torch.Tensor], batches: list[dict]) -> None:
+        """Last pipeline stage only, after all forwards: per-token losses [b, s] of each local
+        micro-batch (detached). May run collectives over the dp group."""
+
+    def token_weights(self, index: int, batch: dict) -> torch.Tensor:
+        """Weights [b, s] for local micro-batch `index` (last pipeline stage)."""
 
 
 def check_schedule(

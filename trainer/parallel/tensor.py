@@ -38,7 +38,7 @@ from trainer.parallel.main_grad import grad_of
 from trainer.parallel.shard import ShardSpec, set_shard_spec
 
 if TYPE_CHECKING:
-    from trainer.config import ParallelismConfig
+    from trainer.config.schema import ParallelismConfig
 #: The vocabulary is padded to a multiple of lcm(VOCAB_PAD_MULTIPLE, tp): for tp dividing 64 the
 #: padded (full) size does not depend on tp, so checkpoints reshard without changing shapes.
 VOCAB_PAD_MULTIPLE = 64

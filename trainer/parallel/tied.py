@@ -3,29 +3,22 @@
 The one tied parameter is `embed.weight` (`TIED_WEIGHT`); with tying there is no `head.weight`
 (`holds_head`, `head_weight`). The first pipeline stage needs the matrix for the embedding lookup
 and the last for the head, so with pp > 1 each of them holds a copy (`holds_embedding`,
-`tied_stages`). The copies stay equal because they start equal (`trainer.model.init` draws every
+`trainer.parallel.context.tied_stages`). The copies stay equal because they start equal (`trainer.model.init` draws every
 parameter from its name, so both copies draw the same tensor) and receive the same gradient:
 `sync_tied_grads` sums the two stages' gradients over the group of the first and last stage of
 each (dp, tp) position (`ParallelContext.tied_group`, built from `tied_stages`). The last
 stage's copy is the duplicate (`is_tied_duplicate`): gradient clipping does not count it again
 and checkpoints do not write it; loading fills it by name from the first stage's copy.
-
-`ParallelContext` is imported for type hints only: the context imports this module to build
-`tied_group`.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from trainer.parallel.context import ParallelContext
 from trainer.parallel.main_grad import grad_of
-
-if TYPE_CHECKING:
-    from trainer.parallel.context import ParallelContext
 
 TIED_WEIGHT = "embed.weight"
 
@@ -43,11 +36,6 @@ def holds_head(tie_embeddings: bool, is_last: bool) -> bool:
 def head_weight(stage: nn.Module) -> torch.Tensor:
     """The LM head's weight of the last stage: the embedding matrix when tied."""
     return stage.embed.weight if stage.tie_embeddings else stage.head.weight
-
-
-def tied_stages(pp: int) -> list[int]:
-    """The pipeline stages that hold a copy of the tied weight (one stage when pp = 1)."""
-    return sorted({0, pp - 1})
 
 
 def is_tied_duplicate(name: str, pc: ParallelContext) -> bool:

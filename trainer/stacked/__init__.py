@@ -10,7 +10,7 @@ updates every model.
 
 Each model m is the ordinary trainer's run on `data.domain_weights = mixtures[m]`, to fp32
 rounding: the same initialisation (`Llama` with the run's seed), the same batches (a sampler
-per mixture seeded as `trainer.feed.DataFeed`), the same objective (the mean token loss), the
+per mixture seeded as `trainer.feed.data_feed.DataFeed`), the same objective (the mean token loss), the
 same clipping (each model's own global norm) and the same torch AdamW on the stacked tensors.
 
 Modules: `layers` (the batched ops), `model` (`StackedLlama`, stacking and unstacking),

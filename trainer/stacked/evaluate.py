@@ -1,8 +1,8 @@
 """Per-domain validation loss of every stacked model on the same validation batches.
 
-The batches are `trainer.feed.DataFeed.validation`'s (the same sequences whatever the run), each
+The batches are `trainer.feed.data_feed.DataFeed.validation`'s (the same sequences whatever the run), each
 shown to all M models at once (an expanded view, no copy), and the sums are those of
-`trainer.evaluate.evaluate_domains`: per sequence the fp32 sum of its token losses, added in
+`trainer.run.evaluate.evaluate_domains`: per sequence the fp32 sum of its token losses, added in
 fp64; the loss of domain d is its sum over its non-masked token count.
 """
 

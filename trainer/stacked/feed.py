@@ -1,10 +1,10 @@
 """The batches of M runs, each on its own mixture, stacked to [M, b, s].
 
-Model m must see exactly the batches `trainer.loop.Trainer` would draw with
+Model m must see exactly the batches `trainer.run.loop.Trainer` would draw with
 `data.domain_weights = mixtures[m]`: its own `data.sampler.DomainBatchSampler` (the exact-count
 sampler carries each domain's remainder from step to step, so one sampler per mixture), with
 the feed's seed and pools (the train sequences less the holdout), read from the one set of
-token stores that `trainer.feed.DataFeed` opens. Single process: dp rank 0 of 1.
+token stores that `trainer.feed.data_feed.DataFeed` opens. Single process: dp rank 0 of 1.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from data.batch import IGNORE_INDEX, collate, to_device
 from data.sampler import DomainBatchSampler
-from trainer.feed import DataFeed
+from trainer.feed.data_feed import DataFeed
 
 #: The per-row tensors that are stacked (the host-side `items` and `sequence_ids` are not).
 STACKED_KEYS = ("input_ids", "labels", "domain_ids")
@@ -51,6 +51,6 @@ class StackedFeed:
 
 def token_counts(batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     """[M] fp32: each model's non-masked tokens over the step's micro-batches (the N of the
-    ordinary run's mean token loss, `trainer.weighting.MeanTokenLoss`)."""
+    ordinary run's mean token loss, `trainer.feed.weighting.MeanTokenLoss`)."""
     total = sum((b["labels"] != IGNORE_INDEX).sum(dim=(1, 2)).to(torch.float64) for b in batches)
     return torch.as_tensor(total, dtype=torch.float32)

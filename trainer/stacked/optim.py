@@ -10,7 +10,7 @@ slice is (`trainer.optim.param_groups`: matrices, not norms), i.e. on its per-mo
 the stacked one.
 
 Clipping is not elementwise: each model's coefficient min(1, max_norm / (norm_m + 1e-6))
-(`trainer.parallel.clip.clip_coefficient`) comes from its own global norm, the square root of
+(`trainer.optim.clip.clip_coefficient`) comes from its own global norm, the square root of
 the sum over parameters, in the model's parameter order, of each parameter's squared norm over
 model m's slice (all dims but the first).
 """
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import torch
 from torch.nn import Parameter
 
-from trainer.config import TrainConfig
-from trainer.configtools import ConfigError
-from trainer.parallel.clip import clip_coefficient, squares
+from trainer.config.schema import TrainConfig
+from trainer.config.tools import ConfigError
+from trainer.optim.clip import clip_coefficient, squares
 
 
 def decayed(stacked: Parameter) -> bool:
@@ -51,7 +51,7 @@ def stacked_adamw(named: Sequence[tuple[str, Parameter]], cfg: TrainConfig) -> t
 
 def per_model_grad_norms(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """[M] fp32: each model's global gradient norm over its slices of `params` (in order). Each
-    slice's square sum is the ordinary clip's own (`trainer.parallel.clip.squares`, on the slice
+    slice's square sum is the ordinary clip's own (`trainer.optim.clip.squares`, on the slice
     as on a whole parameter), and each model's sum runs over a contiguous row, so a model's norm
     depends on its gradients only, not on how many models are stacked with it."""
     grads = [p.grad for p in params if p.grad is not None]

@@ -1,10 +1,10 @@
-"""One chunk of models trained together: `trainer.loop.Trainer.train_step`'s order for M runs.
+"""One chunk of models trained together: `trainer.run.loop.Trainer.train_step`'s order for M runs.
 
 Per step t: draw each run's global batch (`trainer.stacked.feed`), count each run's tokens N_m,
 forward and backward every micro-batch with weight 1 / N_m on model m's non-masked tokens (the
-ordinary mean token loss, `trainer.weighting.MeanTokenLoss`: gradients summed over
+ordinary mean token loss, `trainer.feed.weighting.MeanTokenLoss`: gradients summed over
 micro-batches, the normalisation in the weights), clip each model by its own global norm, one
-AdamW step for all at the shared `trainer.schedule_extension.scheduled_lr(t)`. The models are
+AdamW step for all at the shared `trainer.run.schedule_extension.scheduled_lr(t)`. The models are
 independent in the summed objective, so model m's gradient is its run's gradient.
 """
 
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from data.batch import IGNORE_INDEX
-from trainer.config import TrainerConfig
-from trainer.schedule_extension import scheduled_lr
+from trainer.config.schema import TrainerConfig
+from trainer.run.schedule_extension import scheduled_lr
 from trainer.stacked.evaluate import evaluate_stacked
 from trainer.stacked.feed import StackedFeed, token_counts
 from trainer.stacked.model import StackedLlama, stack_llamas

@@ -23,11 +23,11 @@ import torch
 
 from data.weights import resolve_weights
 from trainer.build import RunFacts, check_device, seed_everything
-from trainer.config import TrainerConfig
-from trainer.configtools import ConfigError
-from trainer.determinism import set_deterministic
-from trainer.feed import DataFeed
+from trainer.config.schema import TrainerConfig
+from trainer.config.tools import ConfigError
+from trainer.feed.data_feed import DataFeed
 from trainer.parallel.context import ParallelContext
+from trainer.run.determinism import set_deterministic
 from trainer.stacked.feed import StackedFeed
 from trainer.stacked.run import ChunkResult, StackedRun
 

@@ -33,8 +33,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from trainer.config import ModelConfig  # noqa: E402
-from trainer.model.fp8 import COLUMN, ROW, Fp8Config, Fp8Matmul, native_fp8  # noqa: E402
+from trainer.config.fp8 import Fp8Config  # noqa: E402
+from trainer.config.schema import ModelConfig  # noqa: E402
+from trainer.model.fp8 import COLUMN, ROW, Fp8Matmul, native_fp8  # noqa: E402
 from trainer.parallel.tensor import TensorParallel, column_parallel_linear, row_parallel_linear  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

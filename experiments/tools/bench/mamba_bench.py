@@ -30,11 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from trainer.config import ModelConfig, apply_preset  # noqa: E402
-from trainer.configtools import from_dict  # noqa: E402
+from trainer.config.mamba import ssd_flops_per_token  # noqa: E402
+from trainer.config.schema import ModelConfig, apply_preset  # noqa: E402
+from trainer.config.tools import from_dict  # noqa: E402
 from trainer.model.init import init_parameters  # noqa: E402
 from trainer.model.mamba import Mamba2Mixer  # noqa: E402
-from trainer.model.mamba_config import ssd_flops_per_token  # noqa: E402
 from trainer.parallel.tensor import TensorParallel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -3,7 +3,7 @@
 For each preset (`280m`, `1b`: step_bench's shapes, `bench-280m` and `bench-1b` with the same
 micro-batch and sequence length, through `step_bench.SHAPES` and `step_bench.trainer_config`;
 `tiny`: a small model for a CPU smoke run) it builds, one after another in this process, a
-`trainer.loop.Trainer` for each variant and times `Trainer.train_step()` itself, so that every
+`trainer.run.loop.Trainer` for each variant and times `Trainer.train_step()` itself, so that every
 row pays what a run pays (drawing and collating the batch, the method's hooks and host syncs,
 the step, clipping, the optimizer):
 - plain: no method (`FixedMixture` on uniform weights);
@@ -94,11 +94,11 @@ from doremi.methods.aioli import AioliConfig  # noqa: E402
 from doremi.methods.doge import DoGEConfig, target_sequences  # noqa: E402
 from doremi.methods.odm import ODMConfig  # noqa: E402
 from doremi.methods.registry import method_factory  # noqa: E402
-from trainer.config import TrainerConfig  # noqa: E402
-from trainer.configtools import from_dict, to_dict  # noqa: E402
-from trainer.loop import Trainer  # noqa: E402
+from trainer.config.schema import TrainerConfig  # noqa: E402
+from trainer.config.tools import from_dict, to_dict  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
 from trainer.parallel.data_parallel import sums_gradients  # noqa: E402
+from trainer.run.loop import Trainer  # noqa: E402
 
 GIB = 2**30
 VARIANTS = ("plain", "odm", "ado", "aioli", "doge")
@@ -295,7 +295,7 @@ def timed_steps(
 def gradient_bytes(trainer: Trainer) -> int:
     """Bytes per element of the gradient a step keeps: `trainer.optim.master_weights` attaches
     fp32 main gradients only where the step sums gradients (micro-batches, ranks); otherwise the
-    step (and DoGE's per-domain and target gradients, `trainer.alignment`) holds autograd's
+    step (and DoGE's per-domain and target gradients, `trainer.run.alignment`) holds autograd's
     gradient in the parameters' dtype."""
     if sums_gradients(trainer.cfg.train.micro_batches, trainer.pc.world_size):
         return 4

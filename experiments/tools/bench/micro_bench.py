@@ -135,7 +135,7 @@ def norm(report: dict) -> None:
     kernels for block sizes and warps; time per call."""
     import triton.language as tl
 
-    from trainer import multi_tensor as mt
+    from trainer.optim import multi_tensor as mt
 
     dev = torch.device("cuda")
     shapes = [(VOCAB, D)] + [(3072, D), (D, D), (2 * FFN, D), (D, FFN), (D,), (D,)] * LAYERS + [(D,), (VOCAB, D)]

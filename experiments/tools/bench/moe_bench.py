@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from trainer.config import ModelConfig, apply_preset  # noqa: E402
-from trainer.configtools import from_dict  # noqa: E402
+from trainer.config.schema import ModelConfig, apply_preset  # noqa: E402
+from trainer.config.tools import from_dict  # noqa: E402
 from trainer.model.init import init_parameters  # noqa: E402
 from trainer.model.moe import MoE, set_global_batch  # noqa: E402
 from trainer.parallel.tensor import TensorParallel  # noqa: E402

@@ -37,7 +37,7 @@ import step_bench as sb  # noqa: E402
 from trainer.build import RunFacts  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
-from trainer.parallel.cost_model import CostModel  # noqa: E402
+from trainer.plan.cost_model import CostModel  # noqa: E402
 
 MIB = 2**20
 

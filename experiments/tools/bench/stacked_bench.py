@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from data.batch import IGNORE_INDEX  # noqa: E402
 from data.config import DataConfig  # noqa: E402
 from trainer.build import RunFacts, build_model  # noqa: E402
-from trainer.config import ModelConfig, TrainConfig, TrainerConfig  # noqa: E402
+from trainer.config.schema import ModelConfig, TrainConfig, TrainerConfig  # noqa: E402
 from trainer.optim.build import build_optimizer  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
-from trainer.schedule_extension import scheduled_lr  # noqa: E402
+from trainer.run.schedule_extension import scheduled_lr  # noqa: E402
 from trainer.stacked.run import StackedRun  # noqa: E402
 
 

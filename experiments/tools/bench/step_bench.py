@@ -5,10 +5,10 @@ micro-batch) it times, in this order:
 - baseline: `plain_llama.py` in this folder (plain PyTorch, bf16 weights, fused AdamW on bf16),
   compiled; it reproduces the external baseline that runs up to 2026-12-04 copied in by hand;
 - plain: our Llama (compiled: at tp = 1 the whole model with its head and cross entropy is one
-  graph), bf16 parameters with fp32 master weights (`trainer.optim.master_weights`), `trainer.step.forward_backward` with the
+  graph), bf16 parameters with fp32 master weights (`trainer.optim.master_weights`), `trainer.run.step.forward_backward` with the
   mean-token weighting, clipping at 1.0, AdamW;
 - doremi-cached: the DoReMi proxy step (exact mode, `doremi.methods.doremi.DoReMi`) with reference
-  losses from `doremi.reference.CachedReference` (a cache written for the bench);
+  losses from `doremi.methods.reference.CachedReference` (a cache written for the bench);
 - doremi-online: the same with `OnlineReference`: a bf16 reference model forwarded under
   inference mode before the proxy step;
 - at 1B, plain again with recompute selective and full (peak memory against the plan);
@@ -20,7 +20,7 @@ micro-batch) it times, in this order:
 Each line: tokens/s, model TFLOP/s, MFU against 989 TFLOP/s and against the bf16 matmul peak
 measured at the start of the run, peak memory (max allocated during the timed steps minus what
 was allocated before the configuration was built), `doremi plan`'s prediction
-(`trainer.plan.plan_memory`, bf16 parameters), and the host-device syncs seen per phase of one
+(`trainer.plan.memory.plan_memory`, bf16 parameters), and the host-device syncs seen per phase of one
 step under torch.cuda.set_sync_debug_mode("warn").
 
 FLOPs per token: the baseline's convention (`trainer.model.flops`): 6 N + 6 L d s, causal
@@ -57,26 +57,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plain_llama  # noqa: E402
 
 from data.config import DataConfig  # noqa: E402
-from doremi import reference_cache  # noqa: E402
 from doremi.config import DoReMiConfig  # noqa: E402
+from doremi.methods import reference_cache  # noqa: E402
 from doremi.methods.doremi import DoReMi  # noqa: E402
-from doremi.reference import CachedReference, OnlineReference, freeze  # noqa: E402
+from doremi.methods.reference import CachedReference, OnlineReference, freeze  # noqa: E402
 from trainer.build import RunFacts  # noqa: E402
-from trainer.config import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
-from trainer.hooks import MethodContext, StepSignals  # noqa: E402
+from trainer.config.presets import PRESETS  # noqa: E402
+from trainer.config.schema import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
+from trainer.feed.weighting import MeanTokenLoss  # noqa: E402
 from trainer.model import rope  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
 from trainer.model.kernels import Kernels  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
-from trainer.model.presets import PRESETS  # noqa: E402
+from trainer.optim import clip  # noqa: E402
 from trainer.optim.build import build_optimizer  # noqa: E402
 from trainer.optim.interface import Optimizer  # noqa: E402
-from trainer.parallel import clip  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
-from trainer.plan import gpu_param_precision, plan_memory  # noqa: E402
-from trainer.signals import MethodWeighting  # noqa: E402
-from trainer.step import domain_token_counts, forward_backward  # noqa: E402
-from trainer.weighting import MeanTokenLoss  # noqa: E402
+from trainer.plan.memory import gpu_param_precision, plan_memory  # noqa: E402
+from trainer.run.hooks import MethodContext, StepSignals  # noqa: E402
+from trainer.run.signals import MethodWeighting  # noqa: E402
+from trainer.run.step import domain_token_counts, forward_backward  # noqa: E402
 
 DATASHEET_TFLOPS = 989.0
 GIB = 2**30
@@ -367,14 +367,14 @@ def write_cache(directory: Path, mb: int, seq: int) -> list[str]:
 
 
 def framework_optimizer(model: torch.nn.Module, cfg: TrainerConfig, pc: ParallelContext, facts: RunFacts) -> Optimizer:
-    """The optimizer `trainer.loop.Trainer` builds for this config (its `facts`) on this device."""
+    """The optimizer `trainer.run.loop.Trainer` builds for this config (its `facts`) on this device."""
     return build_optimizer(
         list(model.named_parameters()), cfg.train, pc, cfg.parallelism.zero1, param_dtype=facts.param_dtype
     )
 
 
 class FrameworkStep:
-    """One optimizer step of the framework, as `trainer.loop.Trainer.train_step` runs it
+    """One optimizer step of the framework, as `trainer.run.loop.Trainer.train_step` runs it
     (forward and backward under the trainer's autocast for the config's `facts`)."""
 
     def __init__(
@@ -569,7 +569,7 @@ def inductor_cross_entropy(
 @contextlib.contextmanager
 def foreach_grad_norm():
     """The gradient norm by `_foreach_norm` instead of the Triton sums of squares. This choice is
-    made in `trainer.parallel.clip`, outside the model, so it is no `Kernels` switch: it replaces
+    made in `trainer.optim.clip`, outside the model, so it is no `Kernels` switch: it replaces
     `clip.uses_triton_squares` while the row runs, after checking that `clip.squares` does consult
     that name (a rename would otherwise time the plain step under this label)."""
     asked: list[int] = []
@@ -584,7 +584,7 @@ def foreach_grad_norm():
         clip.squares([torch.ones(1)])
         if not asked:
             raise RuntimeError(
-                "foreach_grad_norm: trainer.parallel.clip.squares no longer consults "
+                "foreach_grad_norm: trainer.optim.clip.squares no longer consults "
                 "clip.uses_triton_squares; the ablation would time the plain step"
             )
         yield

@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from trainer.config import ModelConfig, apply_preset  # noqa: E402
-from trainer.configtools import from_dict  # noqa: E402
+from trainer.config.schema import ModelConfig, apply_preset  # noqa: E402
+from trainer.config.tools import from_dict  # noqa: E402
 from trainer.model.flops import flops_per_token  # noqa: E402
 
 #: bf16 dense peak of an H100/H200 from the datasheet (FLOP/s), for MFU.

@@ -1,0 +1,63 @@
+"""`doremi inspect STORES_RUN_OR_CONFIG`: what the token stores hold, and a few of their
+sequences decoded, so that a wrong text field, a broken tokenizer or a mislabelled domain shows
+before any training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from data.store import MANIFEST_FILE, open_stores
+from data.tokenizer import load_tokenizer
+from doremi.errors import DoReMiError
+
+
+def store_dir_of(target: str, overrides: list[str]) -> Path:
+    """A directory with a manifest.json is the stores; a run directory (its saved
+    `config.yaml`) reads the stores it trained on; anything else is read as a config."""
+    from doremi.config import ExperimentConfig
+    from trainer.config.schema import load_config
+
+    p = Path(target)
+    if p.is_dir():
+        saved = p / "config.yaml"
+        if (p / MANIFEST_FILE).is_file() or not saved.is_file():
+            return p
+        return Path(load_config(saved, overrides, cls=ExperimentConfig).data.store_dir)
+    return Path(load_config(p, overrides, cls=ExperimentConfig).data.store_dir)
+
+
+def inspect_stores(store_dir: Path, domain: str | None = None, n: int = 2, chars: int = 400) -> str:
+    """The manifest's summary, then the first `n` training documents of each domain (or of
+    `domain`), decoded and cut at `chars` characters."""
+    if not (store_dir / MANIFEST_FILE).is_file():
+        raise DoReMiError(f"{store_dir / MANIFEST_FILE}: no token stores here; build them with `doremi preprocess`")
+    if n < 0:
+        raise DoReMiError(f"-n: expected >= 0, got {n}")
+    stores = open_stores(store_dir)
+    m = stores.manifest
+    tok = m.tokenizer
+    names = m.domain_names if domain is None else [m.domain(domain).name]
+    out = [
+        f"stores: {store_dir}",
+        f"tokenizer: {tok.get('name')} (vocab_size {tok.get('vocab_size')}, eos_id {tok.get('eos_id')}), "
+        f"token dtype {m.dtype}",
+    ]
+    width = max(len(d) for d in m.domain_names + ["domain"])
+    out.append(f"{'domain':<{width}}  {'train tokens':>13}  {'train docs':>10}  {'val tokens':>11}  {'val docs':>8}")
+    for d in m.domains:
+        out.append(
+            f"{d.name:<{width}}  {d.train.tokens:>13}  {d.train.documents:>10}  "
+            f"{d.validation.tokens:>11}  {d.validation.documents:>8}"
+        )
+    if n:
+        tokenizer = load_tokenizer(store_dir)
+        for name in names:
+            count = min(n, m.domain(name).train.documents)
+            out += ["", f"== {name}: {count} of {m.domain(name).train.documents} training documents"]
+            for i in range(count):
+                ids = stores.document(name, "train", i)
+                text = tokenizer.decode(int(t) for t in ids)
+                cut = text if len(text) <= chars else text[:chars] + " [...]"
+                out.append(f"-- [{i}] {len(ids)} tokens")
+                out.append(cut)
+    return "\n".join(out) + "\n"

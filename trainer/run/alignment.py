@@ -1,0 +1,226 @@
+"""One training step with per-domain gradients weighted by their alignment with a target
+gradient (DoGE, Fan, Pagliardini and Jaggi 2024, Algorithm 1), for a method that declares
+`Needs.alignment` (trainer/run/hooks.py).
+
+    g_T  = gradient of the mean loss on a target batch (validation sequences of the target mixture)
+    g_i  = gradient of the mean loss over domain i's tokens in the global batch
+    a_i  = <g_i, g_T>
+    update direction  sum_i m_i g_i / sum_i m_i,   m_i = hook.alignment_weight(t, i, a_i, lr_t)
+
+The method sees a_i and returns m_i one domain at a time, so one gradient of the whole model is
+kept besides the step's own: the target gradient g_T (all-reduced over dp, so that every rank's
+partial dot products add up to the full one) and the running sum of m_i g_i. Each domain's
+gradient is computed into the model's gradient buffers by the ordinary micro-batch schedule
+over that domain's sequences of this rank (regrouped by domain, in micro-batches of the run's
+size), its tp and tied syncs applied, its inner product with g_T taken parameter by parameter in
+fp32 (added over parameters in fp64) on the ranks that count each element once (`trainer.optim.clip.counts_here`, less the
+dp owner: before the dp reduction every rank's gradient is a partial sum) and summed over the
+world as one number: no gradient is flattened or copied to the host. A domain absent from the
+batch has gradient 0, so a_i = 0. g_T and the running sum are kept in the gradients' dtype (fp32
+main grads, or bf16 gradients of a bf16 model at one micro-batch: two gradient copies of that
+size); only the dot products are always accumulated in fp32 (`fp32_dot`).
+
+Deferred (`Alignment.deferred`, DoGE's released code, doremi/methods/doge.py): the weights need
+every domain's gradient first (the scores are divided by the domains' mean gradient norm), so
+each domain's gradient is kept: summed over dp (its norm is not a sum of partial norms), clipped
+to `Alignment.domain_clip` like `torch.nn.utils.clip_grad_norm_` (as is g_T), its norm and its
+inner product with g_T taken on dp rank 0 of the counting ranks. Then
+`hook.alignment_weights(t, a, norms, lr_t)` gives w [k] and the update is sum_i w_i g_i, not
+renormalised. Memory: k + 2 gradient copies; communication: k + 1 dp all-reduces of the model's
+gradient (the optimizer's own dp sum then adds the zeros of dp ranks other than 0 to rank 0's sum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from data.batch import IGNORE_INDEX, collate
+from trainer.feed.data_feed import DataFeed
+from trainer.feed.weighting import DomainWeights, MeanTokenLoss
+from trainer.parallel.context import ParallelContext
+from trainer.parallel.main_grad import grad_of, reset_main_grads
+from trainer.parallel.pipeline_schedule import train_schedule
+from trainer.parallel.shard import get_shard_spec
+from trainer.parallel.tensor import sync_sequence_parallel_grads
+from trainer.parallel.tied import is_tied_duplicate, sync_tied_grads
+from trainer.run.hooks import MixingHook, StepSignals
+from trainer.run.step import StepStats, global_stats
+
+
+def counts_before_dp_reduction(name: str, param: torch.Tensor, pc: ParallelContext) -> bool:
+    """Whether this rank's (unreduced) gradient of `param` enters a whole-model sum: not the
+    tied duplicate, and sharded over tp or on tp rank 0; every dp rank holds its own part."""
+    if is_tied_duplicate(name, pc):
+        return False
+    return pc.tp == 1 or get_shard_spec(param) is not None or pc.tp_rank == 0
+
+
+#: Elements per chunk of a low-precision dot product (a bounded fp32 temporary, 64 MiB).
+_DOT_CHUNK = 1 << 24
+
+
+def fp32_dot(g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """<g, t> as an fp64 scalar, accumulated in fp32 whatever the gradients' dtype: bf16
+    gradients (a bf16 model without fp32 main grads, one micro-batch) would otherwise give a
+    bf16 dot, 3 significant digits. fp32 inputs take one BLAS dot; others are upcast chunk by
+    chunk, so no temporary the size of the parameter is made."""
+    g, t = g.reshape(-1), t.reshape(-1)
+    if g.dtype == torch.float32 and t.dtype == torch.float32:
+        return torch.dot(g, t).to(torch.float64)
+    out = torch.zeros((), dtype=torch.float64, device=g.device)
+    for gc, tc in zip(g.split(_DOT_CHUNK), t.split(_DOT_CHUNK)):
+        out += torch.dot(gc.float(), tc.float()).to(torch.float64)
+    return out
+
+
+def _grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out = []
+    for p in params:
+        g = grad_of(p)
+        out.append(torch.zeros_like(p, dtype=torch.float32) if g is None else g)
+    return out
+
+
+def _clear(params: Sequence[torch.Tensor]) -> None:
+    reset_main_grads(params)
+    for p in params:
+        p.grad = None
+
+
+def _synced_grads(model: torch.nn.Module, params: Sequence[torch.Tensor], pc: ParallelContext) -> list[torch.Tensor]:
+    sync_sequence_parallel_grads(model, pc)
+    sync_tied_grads(model, pc)
+    return _grads(params)
+
+
+def _reduced_clone(grads: list[torch.Tensor], pc: ParallelContext) -> list[torch.Tensor]:
+    """A copy of this step's gradients summed over dp: the same whole-batch gradient on every
+    dp rank."""
+    out = [g.detach().clone() for g in grads]
+    if pc.dp > 1:
+        for g in out:
+            dist.all_reduce(g, group=pc.dp_group)
+    return out
+
+
+def _full_dot(a: list[torch.Tensor], b: list[torch.Tensor], counted: list[bool], pc: ParallelContext) -> torch.Tensor:
+    """<a, b> over the whole model (fp64 0-dim) of two dp-reduced gradients: each element
+    counted once, by dp rank 0 of the ranks that count it before the reduction."""
+    dot = torch.zeros((), dtype=torch.float64, device=pc.device)
+    if pc.dp_rank == 0:
+        for x, y, c in zip(a, b, counted):
+            if c:
+                dot += fp32_dot(x, y)
+    if pc.world_size > 1:
+        dist.all_reduce(dot)
+    return dot
+
+
+def _clip(grads: list[torch.Tensor], max_norm: float, counted: list[bool], pc: ParallelContext) -> torch.Tensor:
+    """Scales a dp-reduced gradient in place by `torch.nn.utils.clip_grad_norm_`'s coefficient
+    min(1, max_norm / (norm + 1e-6)) when max_norm > 0; returns its norm after the clip (fp64)."""
+    norm = _full_dot(grads, grads, counted, pc).sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        norm = norm * coef
+    return norm
+
+
+def aligned_step(
+    model: torch.nn.Module,
+    named_params: Sequence[tuple[str, torch.Tensor]],
+    micro_batches: list[dict],
+    signals: StepSignals,
+    step: int,
+    hook: MixingHook,
+    feed: DataFeed,
+    pc: ParallelContext,
+) -> StepStats:
+    """Leaves sum_i m_i g_i / sum_i m_i in the gradient buffers (tp and tied syncs done, dp
+    reduction not) and fills `signals.alignment`; returns the step's statistics."""
+    spec = hook.needs.alignment
+    assert spec is not None
+    k = feed.k
+    params = [p for _, p in named_params]
+    counted = [counts_before_dp_reduction(n, p, pc) for n, p in named_params]
+    size = max(b["input_ids"].shape[0] for b in micro_batches)
+    schedule = "afab" if pc.pp > 1 else "1f1b"
+
+    target = feed.target_batches(step, np.asarray(spec.weights, dtype=np.float64), spec.sequences, size)
+    target_tokens = torch.zeros((), dtype=torch.float64, device=pc.device)
+    for b in target:
+        target_tokens += (b["labels"] != IGNORE_INDEX).sum()
+    if pc.dp > 1:
+        dist.all_reduce(target_tokens, group=pc.dp_group)
+    _clear(params)
+    if target:
+        train_schedule(model, target, pc, schedule, MeanTokenLoss(target_tokens), few_ok=True)
+    g_target = _reduced_clone(_synced_grads(model, params, pc), pc)
+    if spec.domain_clip > 0:
+        _clip(g_target, spec.domain_clip, counted, pc)
+    _clear(params)
+
+    items = torch.cat([b["items"] for b in micro_batches]).tolist()
+    by_domain: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    for d, i in items:
+        by_domain[d].append((d, i))
+    total = [torch.zeros_like(g) for g in g_target]
+    norm = torch.zeros((), dtype=torch.float64, device=pc.device)
+    alignment = torch.zeros(k, dtype=torch.float64, device=pc.device)
+    norms = torch.zeros(k, dtype=torch.float64, device=pc.device)
+    kept: list[list[torch.Tensor]] = []
+    losses: list[torch.Tensor] = []
+    batches: list[dict] = []
+    for d in range(k):
+        group = [
+            collate(feed.train, by_domain[d][j : j + size], device=pc.device) for j in range(0, len(by_domain[d]), size)
+        ]
+        if group:
+            one_hot = torch.zeros(k, dtype=torch.float64, device=pc.device)
+            one_hot[d] = 1.0
+            losses += train_schedule(model, group, pc, schedule, DomainWeights(one_hot, signals.tokens), few_ok=True)
+            batches += group
+        grads = _synced_grads(model, params, pc)
+        if spec.deferred:
+            kept.append(_reduced_clone(grads, pc))
+            norms[d] = _clip(kept[-1], spec.domain_clip, counted, pc)
+            alignment[d] = _full_dot(kept[-1], g_target, counted, pc)
+            _clear(params)
+            continue
+        dot = torch.zeros((), dtype=torch.float64, device=pc.device)
+        for g, t, c in zip(grads, g_target, counted):
+            if c:  # fp32 dot per parameter (no temporary the size of the gradient), fp64 across them
+                dot += fp32_dot(g, t)
+        if pc.world_size > 1:
+            dist.all_reduce(dot)
+        alignment[d] = dot
+        m = hook.alignment_weight(step, d, dot, signals.lr).to(torch.float64)
+        norm += m
+        for acc, g in zip(total, grads):
+            acc.addcmul_(g, m.to(acc.dtype))
+        _clear(params)
+    if spec.deferred:
+        w = hook.alignment_weights(step, alignment, norms, signals.lr).to(torch.float64)
+        for d, grads in enumerate(kept):
+            for acc, g in zip(total, grads):
+                acc.addcmul_(g, w[d].to(acc.dtype))
+        kept.clear()
+        if pc.dp > 1 and pc.dp_rank != 0:  # every dp rank holds the reduced sum: the optimizer's
+            for acc in total:  # dp sum of (total, 0, ..., 0) gives it back exactly
+                acc.zero_()
+        norm.fill_(1.0)
+        signals.grad_norms = norms
+    for p, acc in zip(params, total):
+        acc.div_(norm.to(acc.dtype))
+        if getattr(p, "main_grad", None) is not None:
+            grad_of(p).copy_(acc)
+        else:
+            p.grad = acc.to(p.dtype)
+    signals.alignment = alignment
+    return global_stats(losses, batches, k, pc)
