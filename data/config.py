@@ -116,6 +116,29 @@ class TokenizerConfig:
     add_bos: bool = True
 
 
+def _validate_tokenizer_training(tok: TokenizerConfig, names: list[str], path: str) -> None:
+    """The bpe training budget and `train_shares`: 'equal', or shares >= 0 (not all 0) for
+    domains that exist."""
+    if tok.train_max_bytes < 1:
+        raise DataError(f"{path}.tokenizer.train_max_bytes: expected >= 1, got {tok.train_max_bytes}")
+    if isinstance(tok.train_shares, str) and tok.train_shares != "equal":
+        raise DataError(
+            f"{path}.tokenizer.train_shares: expected 'equal' or a mapping domain -> share, got {tok.train_shares!r}"
+        )
+    if isinstance(tok.train_shares, dict):
+        unknown = sorted(set(tok.train_shares) - set(names))
+        bad = [
+            f"{d}={v}"
+            for d, v in tok.train_shares.items()
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0
+        ]
+        if unknown or bad or not sum(v for v in tok.train_shares.values() if not bad) > 0:
+            raise DataError(
+                f"{path}.tokenizer.train_shares: expected shares >= 0 (not all 0) for known "
+                f"domains; unknown: {', '.join(unknown) or '-'}; bad: {', '.join(bad) or '-'}"
+            )
+
+
 @dataclass
 class DataConfig:
     """Paths (store_dir, data files, weights files) are read against the current directory."""
@@ -170,22 +193,7 @@ class DataConfig:
             if names.count(n) > 1:
                 raise DataError(f"{path}.domains: domain {n!r} is named twice")
         for i, d in enumerate(self.domains):
-            where = f"{path}.domains[{i}]"
-            if not d.name or "/" in d.name or d.name.startswith("."):
-                raise DataError(f"{where}.name: expected a non-empty name without '/' or a leading '.', got {d.name!r}")
-            given = [k for k in ("paths", "hub", "embedded", "synthetic") if getattr(d, k)]
-            if len(given) > 1:
-                raise DataError(f"{where} ({d.name}): expected one source, got {' and '.join(given)}")
-            if not given and not self.dataset:
-                raise DataError(
-                    f"{where} ({d.name}): no source (paths, hub, embedded or synthetic) "
-                    f"and no {path}.dataset with a domain column"
-                )
-            if d.max_documents is not None and d.max_documents < 1:
-                raise DataError(f"{where}.max_documents: expected >= 1, got {d.max_documents}")
-            hub_only = [k for k in ("hub_config", "hub_revision", "hub_streaming") if getattr(d, k)]
-            if hub_only and not d.hub:
-                raise DataError(f"{where} ({d.name}): {', '.join(hub_only)} set without a hub dataset (hub)")
+            self._validate_domain(f"{path}.domains[{i}]", d, path)
         if self.dataset and not self.domain_column:
             raise DataError(f"{path}.domain_column: required when {path}.dataset is set")
         if not self.domains and not self.dataset:
@@ -197,6 +205,32 @@ class DataConfig:
             )
         if tok.kind in ("file", "hf") and not tok.path:
             raise DataError(f"{path}.tokenizer.path: required for kind {tok.kind!r}")
+        self._validate_ranges(path)
+        _validate_tokenizer_training(tok, names, path)
+        if self.num_proc < 1:
+            raise DataError(f"{path}.num_proc: expected >= 1, got {self.num_proc}")
+
+    def _validate_domain(self, where: str, d: DomainSource, path: str) -> None:
+        """One domain: a usable name, exactly one source (or the shared dataset's column) and
+        hub options only with a hub source."""
+        if not d.name or "/" in d.name or d.name.startswith("."):
+            raise DataError(f"{where}.name: expected a non-empty name without '/' or a leading '.', got {d.name!r}")
+        given = [k for k in ("paths", "hub", "embedded", "synthetic") if getattr(d, k)]
+        if len(given) > 1:
+            raise DataError(f"{where} ({d.name}): expected one source, got {' and '.join(given)}")
+        if not given and not self.dataset:
+            raise DataError(
+                f"{where} ({d.name}): no source (paths, hub, embedded or synthetic) "
+                f"and no {path}.dataset with a domain column"
+            )
+        if d.max_documents is not None and d.max_documents < 1:
+            raise DataError(f"{where}.max_documents: expected >= 1, got {d.max_documents}")
+        hub_only = [k for k in ("hub_config", "hub_revision", "hub_streaming") if getattr(d, k)]
+        if hub_only and not d.hub:
+            raise DataError(f"{where} ({d.name}): {', '.join(hub_only)} set without a hub dataset (hub)")
+
+    def _validate_ranges(self, path: str) -> None:
+        """The numeric keys' ranges, in the order the errors have always been checked."""
         if not 0.0 <= self.validation_fraction < 1.0:
             raise DataError(f"{path}.validation_fraction: expected a value in [0, 1), got {self.validation_fraction}")
         if self.seq_len < 2:
@@ -207,24 +241,3 @@ class DataConfig:
             raise DataError(f"{path}.max_epochs: expected a finite value > 0, got {self.max_epochs}")
         if not 0.0 < self.dev_fraction < 1.0:
             raise DataError(f"{path}.dev_fraction: expected a value in (0, 1), got {self.dev_fraction}")
-        if tok.train_max_bytes < 1:
-            raise DataError(f"{path}.tokenizer.train_max_bytes: expected >= 1, got {tok.train_max_bytes}")
-        if isinstance(tok.train_shares, str) and tok.train_shares != "equal":
-            raise DataError(
-                f"{path}.tokenizer.train_shares: expected 'equal' or a mapping domain -> share, "
-                f"got {tok.train_shares!r}"
-            )
-        if isinstance(tok.train_shares, dict):
-            unknown = sorted(set(tok.train_shares) - set(names))
-            bad = [
-                f"{d}={v}"
-                for d, v in tok.train_shares.items()
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0
-            ]
-            if unknown or bad or not sum(v for v in tok.train_shares.values() if not bad) > 0:
-                raise DataError(
-                    f"{path}.tokenizer.train_shares: expected shares >= 0 (not all 0) for known "
-                    f"domains; unknown: {', '.join(unknown) or '-'}; bad: {', '.join(bad) or '-'}"
-                )
-        if self.num_proc < 1:
-            raise DataError(f"{path}.num_proc: expected >= 1, got {self.num_proc}")

@@ -173,74 +173,78 @@ def plan_domains(cfg: DataConfig) -> list[DomainPlan]:
     """Resolve and check every listed domain's source and fingerprint its inputs. With
     `data.dataset` and no source-less domain listed, the column's values add domains later
     (`column_plans`), once the dataset is read."""
-    plans: list[DomainPlan] = []
     shared = shared_dataset_digest(cfg)
-    for i, d in enumerate(cfg.domains):
-        where = f"data.domains[{i}] ({d.name})"
-        text_field = d.text_field or cfg.text_field
-        common = {"text_field": text_field, "max_documents": d.max_documents, "sample_by": d.sample_by}
-        if d.synthetic is not None:
-            plans.append(
-                DomainPlan(
-                    d.name,
-                    "synthetic",
-                    digest(["synthetic", asdict(d.synthetic)]),
-                    f"synthetic:{d.synthetic.kind}",
-                    synthetic=d.synthetic,
-                )
-            )
-        elif d.embedded:
-            path = embedded_path(d.embedded)
-            plans.append(
-                DomainPlan(
-                    d.name,
-                    "embedded",
-                    digest(["embedded", file_digest(str(path)), d.max_documents]),
-                    f"embedded:{d.embedded}",
-                    source=d,
-                    text_field="text",
-                )
-            )
-        elif d.paths:
-            files, fmt = _file_group(d.paths, where)
-            fp = digest(["files", fmt, common] + [file_digest(f) for f in files])
-            plans.append(
-                DomainPlan(
-                    d.name,
-                    "files",
-                    fp,
-                    f"files:{','.join(Path(f).name for f in files)}",
-                    files=files,
-                    text_field=text_field,
-                    source=d,
-                )
-            )
-        elif d.hub:
-            pinned = [{"config": d.hub_config, "revision": d.hub_revision}] if d.hub_config or d.hub_revision else []
-            config = f"/{d.hub_config}" if d.hub_config else ""
-            revision = f"@{d.hub_revision}" if d.hub_revision else ""
-            plans.append(
-                DomainPlan(
-                    d.name,
-                    "hub",
-                    digest(["hub", d.hub, d.hub_split, common] + pinned),
-                    f"hub:{d.hub}{config}[{d.hub_split}]{revision}",
-                    text_field=text_field,
-                    source=d,
-                )
-            )
-        else:
-            plans.append(
-                DomainPlan(
-                    d.name,
-                    "column",
-                    digest(["column", shared, d.name, common]),
-                    f"column:{cfg.domain_column}={d.name}",
-                    text_field=text_field,
-                    source=d,
-                )
-            )
-    return plans
+    return [_domain_plan(cfg, i, d, shared) for i, d in enumerate(cfg.domains)]
+
+
+def _domain_plan(cfg: DataConfig, i: int, d: DomainSource, shared: str | None) -> DomainPlan:
+    """Domain `i`'s plan by the kind of its source; the options that change its documents
+    (`common`) enter the fingerprint of every read source."""
+    where = f"data.domains[{i}] ({d.name})"
+    text_field = d.text_field or cfg.text_field
+    common = {"text_field": text_field, "max_documents": d.max_documents, "sample_by": d.sample_by}
+    if d.synthetic is not None:
+        return DomainPlan(
+            d.name,
+            "synthetic",
+            digest(["synthetic", asdict(d.synthetic)]),
+            f"synthetic:{d.synthetic.kind}",
+            synthetic=d.synthetic,
+        )
+    if d.embedded:
+        return _embedded_plan(d, d.embedded)
+    if d.paths:
+        return _files_plan(d, where, text_field, common)
+    if d.hub:
+        return _hub_plan(d, text_field, common)
+    return DomainPlan(
+        d.name,
+        "column",
+        digest(["column", shared, d.name, common]),
+        f"column:{cfg.domain_column}={d.name}",
+        text_field=text_field,
+        source=d,
+    )
+
+
+def _embedded_plan(d: DomainSource, name: str) -> DomainPlan:
+    path = embedded_path(name)
+    return DomainPlan(
+        d.name,
+        "embedded",
+        digest(["embedded", file_digest(str(path)), d.max_documents]),
+        f"embedded:{name}",
+        source=d,
+        text_field="text",
+    )
+
+
+def _files_plan(d: DomainSource, where: str, text_field: str, common: dict[str, Any]) -> DomainPlan:
+    files, fmt = _file_group(d.paths, where)
+    fp = digest(["files", fmt, common] + [file_digest(f) for f in files])
+    return DomainPlan(
+        d.name,
+        "files",
+        fp,
+        f"files:{','.join(Path(f).name for f in files)}",
+        files=files,
+        text_field=text_field,
+        source=d,
+    )
+
+
+def _hub_plan(d: DomainSource, text_field: str, common: dict[str, Any]) -> DomainPlan:
+    pinned = [{"config": d.hub_config, "revision": d.hub_revision}] if d.hub_config or d.hub_revision else []
+    config = f"/{d.hub_config}" if d.hub_config else ""
+    revision = f"@{d.hub_revision}" if d.hub_revision else ""
+    return DomainPlan(
+        d.name,
+        "hub",
+        digest(["hub", d.hub, d.hub_split, common] + pinned),
+        f"hub:{d.hub}{config}[{d.hub_split}]{revision}",
+        text_field=text_field,
+        source=d,
+    )
 
 
 def needs_column_plans(cfg: DataConfig, plans: list[DomainPlan]) -> bool:

@@ -399,44 +399,42 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="doremi", description="DoReMi data mixing on a 3D-parallel Llama trainer")
-    p.add_argument("--version", action=_Version, help="the project's version and commit, and its packages' versions")
-    p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
-    sub = p.add_subparsers(dest="command", required=True)
+def _with_config(sub, name: str, fn, help: str) -> argparse.ArgumentParser:
+    """A subcommand that takes an experiment config and `--set` overrides."""
+    sp = sub.add_parser(name, help=help)
+    sp.add_argument("config", help="experiment YAML file")
+    sp.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.steps=10",
+    )
+    sp.set_defaults(fn=fn)
+    return sp
 
-    def with_config(name: str, fn, help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help)
-        sp.add_argument("config", help="experiment YAML file")
-        sp.add_argument(
-            "--set",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config key, e.g. --set train.steps=10",
-        )
-        sp.set_defaults(fn=fn)
-        return sp
 
-    with_config("preprocess", cmd_preprocess, "tokenize each domain into token stores").add_argument(
+def _stage_parsers(sub) -> None:
+    """The subcommands that run a stage of an experiment from its config."""
+    _with_config(sub, "preprocess", cmd_preprocess, "tokenize each domain into token stores").add_argument(
         "--force",
         action="store_true",
         help="rebuild even when the inputs are unchanged, and replace stores built from other inputs",
     )
-    with_config("train", cmd_train, "train on data.domain_weights").add_argument(
+    _with_config(sub, "train", cmd_train, "train on data.domain_weights").add_argument(
         "--pipeline-main",
         action="store_true",
         help="apply the config's pipeline.main section, as `doremi pipeline` does for its main runs",
     )
-    with_config("train-reference", cmd_train_reference, "train the DoReMi reference model")
-    with_config("train-proxy", cmd_train_proxy, "train the DoReMi proxy (Group DRO over domains)")
-    with_config("score", cmd_score, "cache per-token reference losses for the proxy's data").add_argument(
+    _with_config(sub, "train-reference", cmd_train_reference, "train the DoReMi reference model")
+    _with_config(sub, "train-proxy", cmd_train_proxy, "train the DoReMi proxy (Group DRO over domains)")
+    _with_config(sub, "score", cmd_score, "cache per-token reference losses for the proxy's data").add_argument(
         "--out", help="cache directory (default: doremi.reference_cache)"
     )
-    _plan_parser(with_config("plan", cmd_plan, "predict memory per rank and stage; search the layouts that fit"))
-    with_config("pipeline", cmd_pipeline, "run every stage of an experiment, skipping finished ones")
-    with_config("sweep", cmd_sweep, "train a small model on each of many designed mixtures (RegMix, mixing laws)")
-    sp = with_config("fit", cmd_fit, "propose a mixture from a sweep's table (RegMix or a data mixing law)")
+    _plan_parser(_with_config(sub, "plan", cmd_plan, "predict memory per rank and stage; search the layouts that fit"))
+    _with_config(sub, "pipeline", cmd_pipeline, "run every stage of an experiment, skipping finished ones")
+    _with_config(sub, "sweep", cmd_sweep, "train a small model on each of many designed mixtures (RegMix, mixing laws)")
+    sp = _with_config(sub, "fit", cmd_fit, "propose a mixture from a sweep's table (RegMix or a data mixing law)")
     sp.add_argument("--method", required=True, choices=["regmix", "mixing_law"], help="the offline method")
     sp.add_argument("--sweep", help="the sweep directory (default: sweep.run_dir)")
     sp.add_argument("--out", help="weights JSON path (default: SWEEP/<method>.json)")
@@ -444,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-unfinished", action="store_true", help="fit a sweep whose runs did not all finish (recorded)"
     )
 
+
+def _artifact_parsers(sub) -> None:
+    """The subcommands that read finished runs and checkpoints rather than a config."""
     sp = sub.add_parser("average", help="average a proxy's per-step domain weights")
     sp.add_argument("run_dir")
     sp.add_argument(
@@ -474,6 +475,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("checkpoint", help="run directory or checkpoint directory")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     sp.set_defaults(fn=cmd_eval)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="doremi", description="DoReMi data mixing on a 3D-parallel Llama trainer")
+    p.add_argument("--version", action=_Version, help="the project's version and commit, and its packages' versions")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for input errors")
+    sub = p.add_subparsers(dest="command", required=True)
+    _stage_parsers(sub)
+    _artifact_parsers(sub)
     _config_parsers(sub)
     _hf_parsers(sub)
     study_parser(sub)

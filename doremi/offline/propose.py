@@ -74,41 +74,43 @@ def propose(
     caps = epoch_caps(tokens, budget, f.max_epochs) if f.max_epochs is not None else None
     n = len(weights)
     folds = min(f.folds, n // 2)
-    held: HeldOut | None = None
     skipped: str | None = None if folds >= 2 else f"{n} runs are too few for 2 folds"
     prior = None
     law_record: dict[str, Any] = {}
     if method == "regmix":
-        check_prior(cfg, root)
-        y = target_of(per_domain, target)
-        model = fit_regressor(weights, y, f.regressor)
-        if skipped is None:
-            held, skipped = _held_out(
-                lambda: held_out(regmix_fit_predict(f.regressor), weights, y, folds=folds, seed=f.seed)
-            )
-        prior = resolve_weights(cfg.sweep.prior, manifest, "sweep.prior", budget)
-        options = RegMixOptions(n_simulations=f.simulations, top_k=f.top_k, seed=f.seed)
-        proposal = propose_regmix(model, prior, caps=caps, options=options)
-        weights_out, predicted = proposal.weights, proposal.predicted
+        proposal, held, skipped, prior = _fit_regmix(
+            cfg, root, manifest, weights, per_domain, target, caps, folds, skipped, budget
+        )
     else:
         main_params = float(main_params or non_embedding_params(cfg.model))
-        fitted, options, law_record = _mixing_law_losses(cfg, root, per_domain, budget, main_params)
-        law = fit_mixing_law(weights, fitted, options)
-        if skipped is None:
-            held, skipped = _held_out(
-                lambda: held_out(
-                    mixing_law_fit_predict(options),
-                    weights,
-                    fitted,
-                    folds=folds,
-                    seed=f.seed,
-                    target_weights=target,
-                )
-            )
-        proposal = propose_mixing_law(law, target_weights=target, caps=caps)
-        weights_out, predicted = proposal.weights, proposal.predicted
+        proposal, held, skipped, law_record = _fit_law(
+            cfg, root, weights, per_domain, target, caps, folds, skipped, budget, main_params
+        )
+    weights_out, predicted = proposal.weights, proposal.predicted
+    provenance = _provenance(method, root, f, n, held, skipped, prior, caps, target, predicted, law_record)
+    sources = [artifact.Source("sweep", str(root), made_from.fingerprint)] if made_from else []
+    notes = [f"--allow-unfinished: fitted a sweep that did not finish ({made_from.describe()})"]
+    notes = notes if made_from and made_from.status != "finished" else []
+    return write_proposal(out, domains, weights_out, provenance, sources=sources, notes=notes)
+
+
+def _provenance(
+    method: str,
+    root: Path,
+    f: Any,
+    n: int,
+    held: HeldOut | None,
+    skipped: str | None,
+    prior: np.ndarray | None,
+    caps: Any,
+    target: np.ndarray,
+    predicted: Any,
+    law_record: dict[str, Any],
+) -> dict[str, Any]:
+    """What the weights JSON records of the fit: the method's options, its held-out check, and
+    the sweep it was fitted to (its runs and compute)."""
     sweep = json.loads((root / SWEEP_FILE).read_text())
-    provenance = proposal_provenance(
+    return proposal_provenance(
         method=method,
         n_runs=n,
         held_out=held,
@@ -129,10 +131,65 @@ def propose(
             **({"mixing_law": law_record} if method == "mixing_law" else {}),
         },
     )
-    sources = [artifact.Source("sweep", str(root), made_from.fingerprint)] if made_from else []
-    notes = [f"--allow-unfinished: fitted a sweep that did not finish ({made_from.describe()})"]
-    notes = notes if made_from and made_from.status != "finished" else []
-    return write_proposal(out, domains, weights_out, provenance, sources=sources, notes=notes)
+
+
+def _fit_regmix(
+    cfg: ExperimentConfig,
+    root: Path,
+    manifest: Any,
+    weights: np.ndarray,
+    per_domain: np.ndarray,
+    target: np.ndarray,
+    caps: Any,
+    folds: int,
+    skipped: str | None,
+    budget: int,
+) -> tuple[Any, HeldOut | None, str | None, np.ndarray]:
+    """RegMix: (the proposal, the held-out check, why it was skipped, the sweep's prior)."""
+    f = cfg.fit
+    held: HeldOut | None = None
+    check_prior(cfg, root)
+    y = target_of(per_domain, target)
+    model = fit_regressor(weights, y, f.regressor)
+    if skipped is None:
+        held, skipped = _held_out(
+            lambda: held_out(regmix_fit_predict(f.regressor), weights, y, folds=folds, seed=f.seed)
+        )
+    prior = resolve_weights(cfg.sweep.prior, manifest, "sweep.prior", budget)
+    options = RegMixOptions(n_simulations=f.simulations, top_k=f.top_k, seed=f.seed)
+    return propose_regmix(model, prior, caps=caps, options=options), held, skipped, prior
+
+
+def _fit_law(
+    cfg: ExperimentConfig,
+    root: Path,
+    weights: np.ndarray,
+    per_domain: np.ndarray,
+    target: np.ndarray,
+    caps: Any,
+    folds: int,
+    skipped: str | None,
+    budget: int,
+    main_params: float,
+) -> tuple[Any, HeldOut | None, str | None, dict[str, Any]]:
+    """The mixing law: (the proposal, the held-out check, why it was skipped, what the JSON
+    records of the law's fit)."""
+    f = cfg.fit
+    held: HeldOut | None = None
+    fitted, options, law_record = _mixing_law_losses(cfg, root, per_domain, budget, main_params)
+    law = fit_mixing_law(weights, fitted, options)
+    if skipped is None:
+        held, skipped = _held_out(
+            lambda: held_out(
+                mixing_law_fit_predict(options),
+                weights,
+                fitted,
+                folds=folds,
+                seed=f.seed,
+                target_weights=target,
+            )
+        )
+    return propose_mixing_law(law, target_weights=target, caps=caps), held, skipped, law_record
 
 
 def _mixing_law_losses(

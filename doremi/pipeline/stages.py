@@ -116,10 +116,7 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     pc = init_parallel(cfg)
     feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
     weights = resolve_weights(cfg.doremi.proxy_sampling, feed.manifest, "doremi.proxy_sampling", cfg.budget_tokens)
-    visited: list[set[int]] = [set() for _ in feed.domains]
-    for step in range(1, cfg.train.steps + 1):
-        for d, i in feed.sampler.global_batch(step - 1, weights):
-            visited[d].add(int(i))
+    visited = _visited_sequences(feed, weights, cfg.train.steps)
     stamp = reference_stamp(ck)
     facts = RunFacts.resolve(ref_cfg, pc)  # cfg's train and parallelism: its micro-batch size
     model = load_frozen(ref_cfg, ck, pc, facts)
@@ -129,23 +126,7 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     if pc.is_main:
         create_arrays(tmp, feed.domains, [feed.train.num_sequences(d) for d in range(len(feed.domains))], seq_len)
     pc.barrier()
-    mbs = facts.micro_batch_size
-    for d, name in enumerate(feed.domains):
-        idx = sorted(visited[d])
-        chunks = [idx[j : j + mbs] for j in range(0, len(idx), mbs)]
-        mine = chunks[pc.dp_rank :: pc.dp]
-        # dp ranks may run different numbers of forwards: the collectives are inside tp/pp groups
-        writer = pc.is_last_stage and pc.tp_rank == 0
-        arr = open_for_scoring(tmp, name) if writer else None
-        for chunk in mine:
-            batch = collate(feed.train, [(d, i) for i in chunk], device=pc.device)
-            with torch.inference_mode(), ctx:
-                losses = forward_only(model, [batch], pc)
-            if writer:
-                arr[chunk] = losses[0].float().cpu().numpy()
-        if arr is not None:
-            arr.flush()
-            del arr
+    _score_visited(model, feed, visited, tmp, pc, ctx, facts.micro_batch_size)
     pc.barrier()
     if pc.is_main:
         publish(
@@ -162,6 +143,35 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
         )
     pc.barrier()
     return out
+
+
+def _visited_sequences(feed: DataFeed, weights: Any, steps: int) -> list[set[int]]:
+    """Per domain, the sequence indices the proxy's fixed stream draws in steps 1..`steps`."""
+    visited: list[set[int]] = [set() for _ in feed.domains]
+    for step in range(1, steps + 1):
+        for d, i in feed.sampler.global_batch(step - 1, weights):
+            visited[d].add(int(i))
+    return visited
+
+
+def _score_visited(model: Any, feed: DataFeed, visited: list[set[int]], tmp: Path, pc: Any, ctx: Any, mbs: int) -> None:
+    """Score each visited sequence once into the staged arrays; dp ranks split the chunks."""
+    for d, name in enumerate(feed.domains):
+        idx = sorted(visited[d])
+        chunks = [idx[j : j + mbs] for j in range(0, len(idx), mbs)]
+        mine = chunks[pc.dp_rank :: pc.dp]
+        # dp ranks may run different numbers of forwards: the collectives are inside tp/pp groups
+        writer = pc.is_last_stage and pc.tp_rank == 0
+        arr = open_for_scoring(tmp, name) if writer else None
+        for chunk in mine:
+            batch = collate(feed.train, [(d, i) for i in chunk], device=pc.device)
+            with torch.inference_mode(), ctx:
+                losses = forward_only(model, [batch], pc)
+            if writer:
+                arr[chunk] = losses[0].float().cpu().numpy()
+        if arr is not None:
+            arr.flush()
+            del arr
 
 
 def _run_method(mixing: dict[str, Any], stage: str | None) -> str | None:

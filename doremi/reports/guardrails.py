@@ -357,11 +357,33 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
     run's measures. Keys in the messages are those of `pipeline.guardrails`."""
     out: list[Finding] = [Finding(m.run, "skipped", None, None, None, note, "info") for note in m.notes]
     out += _over(m, "epochs", m.epochs, cfg.max_epochs, "epochs read", "max_epochs")
-    if m.mixture and m.global_batch_size:
-        tol = cfg.mixture_tolerance if cfg.mixture_tolerance is not None else 1 / m.global_batch_size
-        out += _over(
-            m, "mixture", m.mixture, tol, "|realised - nominal| share of sequences", "mixture_tolerance", absolute=True
-        )
+    out += _mixture(m, cfg)
+    out += _memorisation(m, cfg)
+    out += _shift(m)
+    out += _reference_gap(m, cfg)
+    out += _over(
+        m, "proxy_lag", m.lag, cfg.proxy_lag, "proxy minus reference final validation loss", "proxy_lag", " nats"
+    )
+    out += _lambda_snr(m, cfg)
+    out += _concentration(m, cfg)
+    out += _over(m, "overfit", m.final_minus_best, cfg.overfit, "final minus best validation loss", "overfit", " nats")
+    return [replace(f, advice=advice(f.check)) if f.is_warning else f for f in out]
+
+
+def _mixture(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
+    """Realised against nominal mixture; the default tolerance is one sequence per batch."""
+    if not (m.mixture and m.global_batch_size):
+        return []
+    tol = cfg.mixture_tolerance if cfg.mixture_tolerance is not None else 1 / m.global_batch_size
+    return _over(
+        m, "mixture", m.mixture, tol, "|realised - nominal| share of sequences", "mixture_tolerance", absolute=True
+    )
+
+
+def _memorisation(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
+    """Heldout minus seen loss per domain, with its standard error where known: an info, not a
+    warning, when the domain was read too few epochs to judge or the gap is within noise."""
+    found: list[Finding] = []
     for f in _over(
         m,
         "memorisation",
@@ -373,7 +395,7 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
     ):
         se = m.gap_se.get(f.domain or "")
         if se is None:
-            out.append(f)
+            found.append(f)
             continue
         f = replace(f, message=f.message.replace(" nats >", f" ± {se:.2g} nats (standard error) >", 1))
         read = m.epochs.get(f.domain or "")
@@ -390,8 +412,13 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
                 level="info",
                 message=f"{f.message}, within {MEMORISATION_SES:g} standard errors: not a warning",
             )
-        out.append(f)
-    out += [
+        found.append(f)
+    return found
+
+
+def _shift(m: RunMeasures) -> list[Finding]:
+    """Validation minus heldout loss per domain: an info on how far validation is from train."""
+    return [
         Finding(
             m.run,
             "shift",
@@ -403,7 +430,12 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
         )
         for d, v in m.shift.items()
     ]
-    out += _over(
+
+
+def _reference_gap(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
+    """The reference's memorisation of the proxy's batches (held-out or, failing that,
+    validation loss minus its loss on those batches)."""
+    return _over(
         m,
         "memorisation",
         m.ref_batches_gap,
@@ -415,36 +447,41 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
         "memorisation_gap",
         " nats",
     )
-    out += _over(
-        m, "proxy_lag", m.lag, cfg.proxy_lag, "proxy minus reference final validation loss", "proxy_lag", " nats"
-    )
+
+
+def _lambda_snr(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
+    """The online weights' signal-to-noise over the whole run, below which alpha follows noise."""
     run_snr = run_level_snr(m.snr, m.steps)
-    if run_snr is not None and run_snr < cfg.lambda_snr:
-        out.append(
-            Finding(
-                m.run,
-                "lambda_snr",
-                None,
-                run_snr,
-                cfg.lambda_snr,
-                f"{m.run}: lambda signal-to-noise over the run {run_snr:.4g} (per step {m.snr:.4g}, "
-                f"{m.steps} steps) < lambda_snr {cfg.lambda_snr:.4g} (alpha follows batch noise)",
-            )
+    if not (run_snr is not None and run_snr < cfg.lambda_snr):
+        return []
+    return [
+        Finding(
+            m.run,
+            "lambda_snr",
+            None,
+            run_snr,
+            cfg.lambda_snr,
+            f"{m.run}: lambda signal-to-noise over the run {run_snr:.4g} (per step {m.snr:.4g}, "
+            f"{m.steps} steps) < lambda_snr {cfg.lambda_snr:.4g} (alpha follows batch noise)",
         )
-    if m.concentration is not None and m.concentration > cfg.concentration:
-        out.append(
-            Finding(
-                m.run,
-                "concentration",
-                m.concentrated_domain,
-                m.concentration,
-                cfg.concentration,
-                f"{m.run}: {m.concentrated_domain}: share of steps with a weight above "
-                f"{CONCENTRATED} {m.concentration:.4g} > concentration {cfg.concentration:.4g}",
-            )
+    ]
+
+
+def _concentration(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
+    """The share of steps one domain's weight stays above CONCENTRATED."""
+    if not (m.concentration is not None and m.concentration > cfg.concentration):
+        return []
+    return [
+        Finding(
+            m.run,
+            "concentration",
+            m.concentrated_domain,
+            m.concentration,
+            cfg.concentration,
+            f"{m.run}: {m.concentrated_domain}: share of steps with a weight above "
+            f"{CONCENTRATED} {m.concentration:.4g} > concentration {cfg.concentration:.4g}",
         )
-    out += _over(m, "overfit", m.final_minus_best, cfg.overfit, "final minus best validation loss", "overfit", " nats")
-    return [replace(f, advice=advice(f.check)) if f.is_warning else f for f in out]
+    ]
 
 
 def advice(check: str) -> str | None:

@@ -528,6 +528,31 @@ def write_report(
         reads_table: the data each method read (`format_reads`).
     """
     out = Path(out_dir)
+    ent, histories, main_runs = _checked_inputs(domains, weight_history, main_runs, entropy)
+    table = format_table(domains, mixtures, final_losses, ent, tokens_per_byte)
+    baselines = [b for b in baselines if b in final_losses]
+    vs = format_vs_baselines(domains, final_losses, main_runs, baselines) if baselines else None
+
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [f"# {title}", ""]
+    parts += _warnings_section(warnings)
+    parts += _inputs_sections(setup_table, compute_table, reads_table, fit_table)
+    parts += _table_section(table, tokens_per_byte, ent, len(final_losses))
+    parts += _comparison_sections(vs, guardrail_table)
+    parts += _plot_sections(out, domains, histories, main_runs, final_losses, baselines, ent)
+    report = out / "report.md"
+    atomic_write_text(report, "\n".join(parts) + "\n")
+    return report
+
+
+def _checked_inputs(
+    domains: Sequence[str],
+    weight_history: Sequence[Vector] | Mapping[str, Sequence[Vector]],
+    main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
+    entropy: Sequence[float | None] | None,
+) -> tuple[list[float | None], dict[str, Sequence[Vector]], dict[str, Sequence[tuple[int, Vector]]]]:
+    """(entropy per domain, the non-empty weight histories, the main runs with points), each
+    vector checked to have one value per domain before anything is written."""
     k = len(domains)
     ent = list(entropy) if entropy is not None else [None] * k
     _check_len("entropy", ent, k)
@@ -539,17 +564,23 @@ def write_report(
     for name, points in main_runs.items():
         for step, l in points:
             _check_len(f"main_runs[{name!r}] at step {step}", l, k)
-    main_runs = {name: points for name, points in main_runs.items() if points}
-    table = format_table(domains, mixtures, final_losses, ent, tokens_per_byte)
-    baselines = [b for b in baselines if b in final_losses]
-    vs = format_vs_baselines(domains, final_losses, main_runs, baselines) if baselines else None
+    return ent, histories, {name: points for name, points in main_runs.items() if points}
 
-    out.mkdir(parents=True, exist_ok=True)
-    parts = [f"# {title}", ""]
-    if warnings is not None:
-        parts += ["## Warnings", ""]
-        parts += [f"- {w}" for w in warnings] if warnings else ["None: every guardrail passed."]
-        parts += [""]
+
+def _warnings_section(warnings: Sequence[str] | None) -> list[str]:
+    """The guardrail warnings, or that every guardrail passed (nothing when none were run)."""
+    if warnings is None:
+        return []
+    parts = ["## Warnings", ""]
+    parts += [f"- {w}" for w in warnings] if warnings else ["None: every guardrail passed."]
+    return parts + [""]
+
+
+def _inputs_sections(
+    setup_table: str | None, compute_table: str | None, reads_table: str | None, fit_table: str | None
+) -> list[str]:
+    """What was run, the compute and data each method spent, and the offline fits' quality."""
+    parts: list[str] = []
     if setup_table:
         parts += ["## What was run", "", setup_table]
     if compute_table:
@@ -583,7 +614,15 @@ def write_report(
             "is not trained on unless the threshold is lowered.",
             "",
         ]
-    parts += [
+    return parts
+
+
+def _table_section(
+    table: str, tokens_per_byte: Sequence[float | None] | None, ent: Sequence[float | None], n_runs: int
+) -> list[str]:
+    """The mixtures and final losses, with what its optional columns mean and why one seed
+    names no best mixture."""
+    parts = [
         "## Mixtures and final validation loss",
         "",
         table,
@@ -597,13 +636,19 @@ def write_report(
         parts.append(
             "H is the domain's known entropy (synthetic domains): loss - H is the part a model could still learn."
         )
-    if len(final_losses) > 1:
+    if n_runs > 1:
         parts += [
             "",
             "One seed: no mixture is named best here. A difference between mixtures means "
             "something only against the seed-to-seed noise; run the pipeline with several seeds "
             "and compare them with `doremi compare` (paired differences with their standard error).",
         ]
+    return parts
+
+
+def _comparison_sections(vs: str | None, guardrail_table: str | None) -> list[str]:
+    """The runs against the baselines, and the per-domain guardrail measures."""
+    parts: list[str] = []
     if vs:
         parts += [
             "",
@@ -626,6 +671,20 @@ def write_report(
             "proxy minus reference final validation loss; final - best: main run's final minus "
             "lowest validation loss (nats per token).",
         ]
+    return parts
+
+
+def _plot_sections(
+    out: Path,
+    domains: Sequence[str],
+    histories: Mapping[str, Sequence[Vector]],
+    main_runs: Mapping[str, Sequence[tuple[int, Vector]]],
+    final_losses: Mapping[str, Vector],
+    baselines: Sequence[str],
+    ent: Sequence[float | None],
+) -> list[str]:
+    """Draw the report's PNGs into `out` and return the sections that show them."""
+    parts: list[str] = []
     if list(histories) == ["doremi"]:
         plot_weight_history(out / WEIGHTS_PNG, domains, histories["doremi"])
         parts += ["", "## Domain weights during the proxy run", "", f"![domain weights]({WEIGHTS_PNG})"]
@@ -641,6 +700,4 @@ def write_report(
     elif final_losses:
         plot_final_loss(out / FINAL_LOSS_PNG, domains, final_losses, ent)
         parts += ["", "## Final validation loss per domain", "", f"![final validation loss]({FINAL_LOSS_PNG})"]
-    report = out / "report.md"
-    atomic_write_text(report, "\n".join(parts) + "\n")
-    return report
+    return parts

@@ -428,17 +428,9 @@ def weights_table(roots: Mapping[str, Mapping[str, MainRun]]) -> str | None:
     return markdown_table(["mixture", "root", *first.domains], rows)
 
 
-def format_compare(
-    results: Sequence[Paired],
-    notes: Sequence[str],
-    baseline: str,
-    roots: str | None = None,
-    weights: str | None = None,
-) -> str:
-    """The summary table (one row per mixture), the per-seed table, the roots' seeds and
-    differing keys (`roots`), the weights each seed trained on (`weights`; `?`: unknown), and
-    the notes."""
-    summary = markdown_table(
+def _summary_table(results: Sequence[Paired], baseline: str) -> str:
+    """One row per mixture: mean ± SE over seeds, per-seed counts, and the mean's t columns."""
+    return markdown_table(
         [
             "mixture",
             "seeds",
@@ -464,7 +456,11 @@ def format_compare(
             for p in results
         ],
     )
-    per_seed = markdown_table(
+
+
+def _per_seed_table(results: Sequence[Paired], baseline: str) -> str:
+    """One row per (mixture, seed): the differences each seed's pair gives."""
+    return markdown_table(
         [
             "mixture",
             "root",
@@ -479,6 +475,20 @@ def format_compare(
             for r, a, w, n, s in zip(p.roots, p.mean_diff, p.worst_diff, p.improved, p.speedups)
         ],
     )
+
+
+def format_compare(
+    results: Sequence[Paired],
+    notes: Sequence[str],
+    baseline: str,
+    roots: str | None = None,
+    weights: str | None = None,
+) -> str:
+    """The summary table (one row per mixture), the per-seed table, the roots' seeds and
+    differing keys (`roots`), the weights each seed trained on (`weights`; `?`: unknown), and
+    the notes."""
+    summary = _summary_table(results, baseline)
+    per_seed = _per_seed_table(results, baseline)
     parts = [
         f"# Mixtures against {baseline}, paired by seed",
         "",

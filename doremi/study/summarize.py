@@ -147,36 +147,38 @@ def _pm(m: float | None, se: float | None, sign: bool = True) -> str:
     return _f(m, sign=sign) + ("" if se is None else f" ± {se:.4f}")
 
 
-def format_markdown(summary: dict[str, Any], design: Design = DESIGN, source: str = "") -> str:
+def _arm_row(r: Any) -> list[str]:
+    """One arm's row of the verdict table."""
+    p, t, c = r.paired, r.tost, r.compute.get("per_seed_mean", {})
+    wd = r.worst_domain
+    flops, secs = c.get("train_flops_total"), c.get("gpu_seconds")
+    return [
+        r.arm,
+        str(len(r.seeds)),
+        _pm(r.mean_loss, r.mean_loss_se, sign=False),
+        "" if p is None else _pm(p.mean, p.se),
+        "" if p is None else f"[{p.ci[0]:+.4f}, {p.ci[1]:+.4f}]",
+        "baseline" if p is None else p.verdict,
+        "" if t is None else f"{t.decision} (p {t.p:.3f})",
+        "" if r.worst_case is None else _pm(*r.worst_case),
+        "" if wd is None else f"{wd.domain} {_pm(wd.mean, wd.se)}",
+        ""
+        if not r.domains
+        else f"{r.better}/{len(r.domains)} ({r.beyond(-1)} beyond 2 SE; {r.beyond(+1)} worse beyond 2 SE; "
+        f"{r.domains[0].se_kind} SE)",
+        "" if flops is None else f"{flops / 1e15:.1f} PFLOP",
+        "" if secs is None else f"{secs:.0f}",
+        "" if r.se_ok is None else ("yes" if r.se_ok else "**no**"),
+    ]
+
+
+def _arms_table(summary: dict[str, Any], design: Design) -> str:
+    """The verdict table: one row per arm, against the rule's baseline."""
     from doremi.reports.report import markdown_table
 
-    rule, results = design.rule, summary["results"]
-    rows = []
-    for r in results:
-        p, t, c = r.paired, r.tost, r.compute.get("per_seed_mean", {})
-        wd = r.worst_domain
-        flops, secs = c.get("train_flops_total"), c.get("gpu_seconds")
-        rows.append(
-            [
-                r.arm,
-                str(len(r.seeds)),
-                _pm(r.mean_loss, r.mean_loss_se, sign=False),
-                "" if p is None else _pm(p.mean, p.se),
-                "" if p is None else f"[{p.ci[0]:+.4f}, {p.ci[1]:+.4f}]",
-                "baseline" if p is None else p.verdict,
-                "" if t is None else f"{t.decision} (p {t.p:.3f})",
-                "" if r.worst_case is None else _pm(*r.worst_case),
-                "" if wd is None else f"{wd.domain} {_pm(wd.mean, wd.se)}",
-                ""
-                if not r.domains
-                else f"{r.better}/{len(r.domains)} ({r.beyond(-1)} beyond 2 SE; {r.beyond(+1)} worse beyond 2 SE; "
-                f"{r.domains[0].se_kind} SE)",
-                "" if flops is None else f"{flops / 1e15:.1f} PFLOP",
-                "" if secs is None else f"{secs:.0f}",
-                "" if r.se_ok is None else ("yes" if r.se_ok else "**no**"),
-            ]
-        )
-    table = markdown_table(
+    rule = design.rule
+    rows = [_arm_row(r) for r in summary["results"]]
+    return markdown_table(
         [
             "arm",
             "pairs",
@@ -194,28 +196,58 @@ def format_markdown(summary: dict[str, Any], design: Design = DESIGN, source: st
         ],
         rows,
     )
+
+
+def _domain_table(summary: dict[str, Any], design: Design) -> str:
+    """Per domain, each arm's difference from the baseline (mean over seeds ± SE)."""
+    from doremi.reports.report import markdown_table
+
+    rule, results = design.rule, summary["results"]
     domains = summary["domains"]
     dom_rows = [
         [d] + [_pm(r.domains[i].mean, r.domains[i].se) for r in results if r.domains] for i, d in enumerate(domains)
     ]
-    dom_table = markdown_table(["domain", *[f"{r.arm} - {rule.baseline}" for r in results if r.domains]], dom_rows)
-    guards = summary["guardrails"]
-    guard_text = (
+    return markdown_table(["domain", *[f"{r.arm} - {rule.baseline}" for r in results if r.domains]], dom_rows)
+
+
+def _guard_text(guards: list[Any], design: Design) -> str:
+    """That every guardrail of the rule holds, or the ones that failed."""
+    return (
         "Every guardrail of the rule holds (memorisation gap - "
         f"{design.guardrails.se_multiple:g} SE <= {design.guardrails.memorisation_gap:g}; epochs <= "
         f"{design.guardrails.max_epochs:g})."
         if not guards
         else "**The study does not count: a guardrail of the rule failed.**\n\n" + "\n".join(f"- {g}" for g in guards)
     )
+
+
+def _note_text(summary: dict[str, Any]) -> str:
+    """The arms' notes, the unfinished runs, the gate, and missing stages, each once."""
+    results = summary["results"]
     notes = [n for r in results for n in r.notes] + summary["unfinished"] + summary["gate"]
     for r in results:
         notes += [
             f"{r.arm}: no run directory {m}; its compute leaves that stage out" for m in r.compute.get("missing", [])
         ]
+    return "\n".join(f"- {n}" for n in dict.fromkeys(notes)) or "- none"
+
+
+def _verdict_lines(results: list[Any], design: Design, guards: list[Any]) -> str:
+    """One verdict line per paired arm, headed by a warning if a guardrail failed."""
     lines = "\n".join(f"- {verdict_line(r, design)}" for r in results if r.paired is not None)
     if guards:
         lines = "**The study does not count: a guardrail of the rule failed (below).** By the numbers:\n\n" + lines
-    note_text = "\n".join(f"- {n}" for n in dict.fromkeys(notes)) or "- none"
+    return lines
+
+
+def format_markdown(summary: dict[str, Any], design: Design = DESIGN, source: str = "") -> str:
+    rule, results = design.rule, summary["results"]
+    table = _arms_table(summary, design)
+    dom_table = _domain_table(summary, design)
+    guards = summary["guardrails"]
+    guard_text = _guard_text(guards, design)
+    note_text = _note_text(summary)
+    lines = _verdict_lines(results, design, guards)
     return f"""# The DoReMi study: {", ".join(r.arm for r in results)}
 
 Written by `doremi study summarize{(" " + source) if source else ""}` from the raw logs; the rule is

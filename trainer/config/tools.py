@@ -101,84 +101,129 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is Any:
         return value
     if origin is typing.Annotated:
-        base, *tags = typing.get_args(tp)
-        if NUMBER in tags and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{path}: expected a number (int or float), got {_describe(value)}")
-        return _coerce(value, base, path)
+        return _coerce_annotated(value, tp, path)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        # A list or a mapping can only be the union's one list or mapping member: its own
-        # error names the item at fault (`x[2]: expected a number`), not the whole union.
-        kind = list if isinstance(value, (list, tuple)) else dict if isinstance(value, dict) else None
-        same = [a for a in args if kind and typing.get_origin(a) in ((list, tuple) if kind is list else (dict,))]
-        if len(same) == 1:
-            return _coerce(value, same[0], path)
-        # Likewise a mapping for the union's one dataclass (`model.moe: MoEConfig | None`).
-        classes = [a for a in args if dataclasses.is_dataclass(a)]
-        if kind is dict and not same and len(classes) == 1:
-            return _coerce(value, classes[0], path)
-        # Try exact-type members first so that "1" stays a str in `int | str`.
-        ordered = sorted(args, key=lambda a: 0 if isinstance(a, type) and type(value) is a else 1)
-        for arg in ordered:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, path)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}")
+        return _coerce_union(value, tp, path)
     if origin is typing.Literal:
-        choices = typing.get_args(tp)
-        if value in choices:
-            return value
-        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}{extra}")
+        return _coerce_literal(value, tp, path)
     if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {_describe(value)}")
-        return from_dict(tp, value, path)
+        return _coerce_dataclass(value, tp, path)
     if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}")
-        (arg,) = typing.get_args(tp)[:1] or (Any,)
-        items = [_coerce(v, arg, f"{path}[{i}]") for i, v in enumerate(value)]
-        return items if origin is list else tuple(items)
+        return _coerce_sequence(value, tp, path)
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}")
-        kt, vt = typing.get_args(tp) or (Any, Any)
-        return {_coerce(k, kt, path): _coerce(v, vt, f"{path}.{k}") for k, v in value.items()}
+        return _coerce_mapping(value, tp, path)
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}: expected bool, got {_describe(value)}")
+        return _coerce_bool(value, path)
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{path}: expected int, got {_describe(value)}")
-        return value
+        return _coerce_int(value, path)
     if tp is float:
-        if isinstance(value, str):
-            # YAML 1.1 reads `3e-4` (no dot) as a string.
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected float, got {_describe(value)}")
-        return _finite(float(value), path)
+        return _coerce_float(value, path)
     if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected str, got {_describe(value)}")
-        return value
+        return _coerce_str(value, path)
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}")
+    return value
+
+
+def _coerce_annotated(value: Any, tp: Any, path: str) -> Any:
+    """`Annotated[base, tags]`: a NUMBER tag refuses bools and strings before the base type
+    would accept them."""
+    base, *tags = typing.get_args(tp)
+    if NUMBER in tags and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{path}: expected a number (int or float), got {_describe(value)}")
+    return _coerce(value, base, path)
+
+
+def _coerce_union(value: Any, tp: Any, path: str) -> Any:
+    """A union: the one member that fits the value's shape, else the first member that takes
+    it, so that an error names the item at fault rather than the whole union."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    # A list or a mapping can only be the union's one list or mapping member: its own
+    # error names the item at fault (`x[2]: expected a number`), not the whole union.
+    kind = list if isinstance(value, (list, tuple)) else dict if isinstance(value, dict) else None
+    same = [a for a in args if kind and typing.get_origin(a) in ((list, tuple) if kind is list else (dict,))]
+    if len(same) == 1:
+        return _coerce(value, same[0], path)
+    # Likewise a mapping for the union's one dataclass (`model.moe: MoEConfig | None`).
+    classes = [a for a in args if dataclasses.is_dataclass(a)]
+    if kind is dict and not same and len(classes) == 1:
+        return _coerce(value, classes[0], path)
+    # Try exact-type members first so that "1" stays a str in `int | str`.
+    ordered = sorted(args, key=lambda a: 0 if isinstance(a, type) and type(value) is a else 1)
+    for arg in ordered:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(value, arg, path)
+        except ConfigError:
+            continue
+    raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}")
+
+
+def _coerce_literal(value: Any, tp: Any, path: str) -> Any:
+    choices = typing.get_args(tp)
+    if value in choices:
+        return value
+    hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+    raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}{extra}")
+
+
+def _coerce_dataclass(value: Any, tp: Any, path: str) -> Any:
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {_describe(value)}")
+    return from_dict(tp, value, path)
+
+
+def _coerce_sequence(value: Any, tp: Any, path: str) -> Any:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}")
+    (arg,) = typing.get_args(tp)[:1] or (Any,)
+    items = [_coerce(v, arg, f"{path}[{i}]") for i, v in enumerate(value)]
+    return items if typing.get_origin(tp) is list else tuple(items)
+
+
+def _coerce_mapping(value: Any, tp: Any, path: str) -> Any:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected {type_name(tp)}, got {_describe(value)}")
+    kt, vt = typing.get_args(tp) or (Any, Any)
+    return {_coerce(k, kt, path): _coerce(v, vt, f"{path}.{k}") for k, v in value.items()}
+
+
+def _coerce_bool(value: Any, path: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{path}: expected bool, got {_describe(value)}")
+
+
+def _coerce_int(value: Any, path: str) -> int:
+    """An int, or a float with no fractional part (`1e3` in YAML 1.2 is a float)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{path}: expected int, got {_describe(value)}")
+    return value
+
+
+def _coerce_float(value: Any, path: str) -> float:
+    if isinstance(value, str):
+        # YAML 1.1 reads `3e-4` (no dot) as a string.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path}: expected float, got {_describe(value)}")
+    return _finite(float(value), path)
+
+
+def _coerce_str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{path}: expected str, got {_describe(value)}")
     return value
 
 

@@ -97,6 +97,20 @@ def _aligned_offsets(numels: Sequence[int], multiple: int = ALIGN_ELEMENTS) -> l
     return offsets
 
 
+def _trainable(named_params: Sequence[tuple[str, Parameter]], cfg: TrainConfig) -> list[tuple[str, Parameter]]:
+    """The parameters that require grad, refused when the optimizer is not AdamW, a name repeats
+    or none is left."""
+    if cfg.optimizer != "adamw":
+        raise ValueError(f"train.optimizer: mixed-precision master weights support adamw, got {cfg.optimizer!r}")
+    named = [(n, p) for n, p in named_params if p.requires_grad]
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError("MasterWeightAdamW: parameter names must be unique")
+    if not named:
+        raise ValueError("MasterWeightAdamW: no trainable parameters")
+    return named
+
+
 class MasterWeightAdamW:
     """See the module docstring. Built from the model's fp32 parameters (their values are the
     masters), which it turns into bf16 views of its flat buffer (cast the module's other
@@ -115,19 +129,27 @@ class MasterWeightAdamW:
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         compile: bool | None = None,
     ):
-        if cfg.optimizer != "adamw":
-            raise ValueError(f"train.optimizer: mixed-precision master weights support adamw, got {cfg.optimizer!r}")
-        named = [(n, p) for n, p in named_params if p.requires_grad]
-        names = [n for n, _ in named]
-        if len(set(names)) != len(names):
-            raise ValueError("MasterWeightAdamW: parameter names must be unique")
-        if not named:
-            raise ValueError("MasterWeightAdamW: no trainable parameters")
+        named = _trainable(named_params, cfg)
         self.cfg, self.pc = cfg, pc
         self.zero1 = zero1 and pc.dp > 1
         self.bucket_numel = bucket_numel
         # The model's order: the gradient norm sums in it, so it does not depend on the layout.
         self.named_params = named
+        self._lay_out(named)
+        device = self.params[0].device
+        self._flatten_params(device)
+        # Main grads only where the step sums gradients; otherwise the update reads autograd's.
+        self.main_grad: torch.Tensor | None = None
+        if sums_gradients(cfg.micro_batches, pc.world_size):
+            self.main_grad = torch.zeros_like(self.flat_params, dtype=torch.float32)
+            for p, g in zip(self.params, self._views(self.main_grad)):
+                attach_main_grad(p, g)
+        self._init_state(device)
+        self._build_kernels(device, compile)
+
+    def _lay_out(self, named: list[tuple[str, Parameter]]) -> None:
+        """Assigns dp owners and fixes the buffer order, this rank's span and its lr scales."""
+        pc = self.pc
         owners = param_owners([p for _, p in named], pc.dp)
         for (_, p), o in zip(named, owners):
             set_dp_owner(p, o)
@@ -148,7 +170,10 @@ class MasterWeightAdamW:
         # not all 1 the update runs per parameter, each with its own lr.
         self._lr_scales = [lr_scale(p) for _, p in self.local]
         self._uniform_lr = all(s == 1.0 for s in self._lr_scales)
-        device = self.params[0].device
+
+    def _flatten_params(self, device: torch.device) -> None:
+        """Turns the parameters into bf16 views of the flat buffer, their fp32 values split into
+        the bf16 high halves and this rank's int16 remainders."""
         self.remainder = torch.zeros(self._span[1] - self._span[0], dtype=torch.int16, device=device)
         self.flat_params = torch.zeros(self.offsets[-1] + self.numels[-1], dtype=torch.bfloat16, device=device)
         # Every rank rounds every parameter as the update will (half away from zero), so that the
@@ -157,18 +182,19 @@ class MasterWeightAdamW:
         for i, (p, w) in enumerate(zip(self.params, self._views(self.flat_params))):
             split_fp32(p.detach().float(), w, remainders.get(i, torch.empty(p.shape, dtype=torch.int16, device=device)))
             p.data = w
-        # Main grads only where the step sums gradients; otherwise the update reads autograd's.
-        self.main_grad: torch.Tensor | None = None
-        if sums_gradients(cfg.micro_batches, pc.world_size):
-            self.main_grad = torch.zeros_like(self.flat_params, dtype=torch.float32)
-            for p, g in zip(self.params, self._views(self.main_grad)):
-                attach_main_grad(p, g)
+
+    def _init_state(self, device: torch.device) -> None:
+        """The AdamW moments of this rank's span, and lr, step and clip scale on the device."""
         self.exp_avg = torch.zeros(self._span[1] - self._span[0], dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self._lr = torch.tensor(cfg.lr, dtype=torch.float64, device=device)
+        self._lr = torch.tensor(self.cfg.lr, dtype=torch.float64, device=device)
         self._step = torch.zeros((), dtype=torch.float64, device=device)
         self._grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self._reduced = False
+
+    def _build_kernels(self, device: torch.device, compile: bool | None) -> None:
+        """The update kernel (compiled on CUDA by default) and, where autograd's gradients are
+        read in place by Triton, the block table of this rank's parameters."""
         use_compile = device.type == "cuda" if compile is None else compile
         self._update: Callable[..., None] = (
             torch.compile(adamw_update, fullgraph=True, dynamic=False) if use_compile else adamw_update

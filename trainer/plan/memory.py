@@ -135,16 +135,7 @@ def plan_memory(
     cfg = with_gpus(cfg, gpus)
     par, train = cfg.parallelism, cfg.train
     param_precision = param_precision or gpu_param_precision(cfg)
-    if gpu_memory_gb <= 0:
-        raise ConfigError(f"--gpu-memory: expected a positive number of GiB, got {gpu_memory_gb}")
-    if not 0.0 <= headroom < 1.0:
-        raise ConfigError(f"headroom: expected a fraction in [0, 1), got {headroom}")
-    per_rank = par.dp * train.micro_batches
-    if train.global_batch_size % per_rank:
-        raise ConfigError(
-            f"train.global_batch_size: expected a multiple of parallelism.dp x train.micro_batches "
-            f"= {per_rank}, got {train.global_batch_size}"
-        )
+    _check_plan_inputs(cfg, gpu_memory_gb, headroom)
     mbs = micro_batch_size(cfg)
     cm = CostModel.from_config(
         cfg.model, par, mbs, cfg.data.seq_len, train.micro_batches, param_precision, train.optimizer
@@ -161,7 +152,37 @@ def plan_memory(
         param_precision=param_precision,
     )
     how = split_policy(par.pp_layers, split)
-    stages = [
+    stages = _stage_plans(cfg, cm, layers, mbs, param_precision, frozen_bytes)
+    return _assemble_plan(cfg, gpus, gpu_memory_gb, headroom, cm, param_precision, how, stages)
+
+
+def _check_plan_inputs(cfg: TrainerConfig, gpu_memory_gb: float, headroom: float) -> None:
+    """The plan's own arguments and the batch divisibility, refused before any cost is computed."""
+    par, train = cfg.parallelism, cfg.train
+    if gpu_memory_gb <= 0:
+        raise ConfigError(f"--gpu-memory: expected a positive number of GiB, got {gpu_memory_gb}")
+    if not 0.0 <= headroom < 1.0:
+        raise ConfigError(f"headroom: expected a fraction in [0, 1), got {headroom}")
+    per_rank = par.dp * train.micro_batches
+    if train.global_batch_size % per_rank:
+        raise ConfigError(
+            f"train.global_batch_size: expected a multiple of parallelism.dp x train.micro_batches "
+            f"= {per_rank}, got {train.global_batch_size}"
+        )
+
+
+def _stage_plans(
+    cfg: TrainerConfig,
+    cm: CostModel,
+    layers: list[range],
+    mbs: int,
+    param_precision: str,
+    frozen_bytes: float,
+) -> list[StagePlan]:
+    """One `StagePlan` per pipeline stage: the cost model's memory and FLOPs for its layers, the
+    frozen reference's weights and the MoE extras."""
+    par, train = cfg.parallelism, cfg.train
+    return [
         StagePlan(
             p,
             r,
@@ -172,6 +193,19 @@ def plan_memory(
         )
         for p, r in enumerate(layers)
     ]
+
+
+def _assemble_plan(
+    cfg: TrainerConfig,
+    gpus: int,
+    gpu_memory_gb: float,
+    headroom: float,
+    cm: CostModel,
+    param_precision: str,
+    how: str,
+    stages: list[StagePlan],
+) -> Plan:
+    par, train = cfg.parallelism, cfg.train
     return Plan(
         model=model_name(cfg.model),
         gpus=gpus,
@@ -229,24 +263,54 @@ def human_seconds(t: float) -> str:
     return f"{t * 1e6:.3g} us"
 
 
+#: What each (parameter precision, optimizer) holds per parameter, as the plan's header names it.
+_PARAM_LAYOUTS = {
+    ("fp32", "adamw"): "fp32 params + bf16 autocast copy, fp32 grads, AdamW (fp32 m, v)",
+    (
+        "fp32",
+        "adafactor",
+    ): "fp32 params + bf16 autocast copy, fp32 grads, Adafactor (factored fp32 second moment, no first moment)",
+    ("bf16", "adamw"): "bf16 params, fp32 main grads, fp32 master (as a 16-bit remainder) + AdamW (fp32 m, v)",
+}
+
+_PLAN_COLUMNS = [
+    "stage",
+    "layers",
+    "params",
+    "weights",
+    "grads",
+    "optim",
+    "cast",
+    "act/mb",
+    "in-flight",
+    "activations",
+    "transient",
+    "frozen ref",
+    "total",
+]
+
+
 def format_plan(plan: Plan, title: str = "") -> str:
     """A table, one row per pipeline stage (= per rank of that stage), sizes in one unit
     chosen for the largest (`memory_unit`), named above the table."""
     p = plan
     unit, size = memory_unit(max(s.total for s in p.stages))
+    head = _plan_header(p, title, unit)
+    cols = list(_PLAN_COLUMNS)
+    rows = [_stage_row(s, size) for s in p.stages]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
 
-    def mem(x: float) -> str:
-        return f"{x / size:.1f}"
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
 
-    params = {
-        ("fp32", "adamw"): "fp32 params + bf16 autocast copy, fp32 grads, AdamW (fp32 m, v)",
-        (
-            "fp32",
-            "adafactor",
-        ): "fp32 params + bf16 autocast copy, fp32 grads, Adafactor (factored fp32 second moment, no first moment)",
-        ("bf16", "adamw"): "bf16 params, fp32 main grads, fp32 master (as a 16-bit remainder) + AdamW (fp32 m, v)",
-    }[(p.param_precision, p.optimizer)]
-    head = [
+    tail = _plan_footer(p, unit, size)
+    return "\n".join(head + [line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows] + tail)
+
+
+def _plan_header(p: Plan, title: str, unit: str) -> list[str]:
+    """The lines above the table: the layout, the batch and schedule, the precision, the split."""
+    params = _PARAM_LAYOUTS[(p.param_precision, p.optimizer)]
+    return [
         *([title] if title else []),
         f"model {p.model}: tp{p.tp} x pp{p.pp} x dp{p.dp} = {p.gpus} GPUs of {p.gpu_memory_gb:g} GiB",
         f"micro-batch {p.micro_batch_size} x {p.seq_len} tokens, {p.micro_batches} micro-batches per dp rank, "
@@ -257,58 +321,46 @@ def format_plan(plan: Plan, title: str = "") -> str:
         "",
         f"memory per rank of each stage, in {unit}:",
     ]
-    cols = [
-        "stage",
-        "layers",
-        "params",
-        "weights",
-        "grads",
-        "optim",
-        "cast",
-        "act/mb",
-        "in-flight",
-        "activations",
-        "transient",
-        "frozen ref",
-        "total",
+
+
+def _in_unit(x: float, size: float) -> str:
+    return f"{x / size:.1f}"
+
+
+def _stage_row(s: StagePlan, size: float) -> list[str]:
+    """One stage's cells, in `_PLAN_COLUMNS` order, sizes in units of `size` bytes."""
+    m = s.memory
+    layers = f"{s.layers.start}-{s.layers.stop - 1} ({len(s.layers)})"
+    return [
+        str(s.stage),
+        layers,
+        human_count(m.params + (s.moe.params_delta if s.moe else 0)),
+        _in_unit(m.weights, size),
+        _in_unit(m.grads, size),
+        _in_unit(m.optimizer, size),
+        _in_unit(m.cast, size),
+        _in_unit(m.activations_per_micro_batch, size),
+        str(m.in_flight),
+        _in_unit(m.activations, size),
+        _in_unit(m.transient, size),
+        _in_unit(s.frozen, size),
+        _in_unit(s.total, size),
     ]
-    rows = []
-    for s in p.stages:
-        m = s.memory
-        layers = f"{s.layers.start}-{s.layers.stop - 1} ({len(s.layers)})"
-        rows.append(
-            [
-                str(s.stage),
-                layers,
-                human_count(m.params + (s.moe.params_delta if s.moe else 0)),
-                mem(m.weights),
-                mem(m.grads),
-                mem(m.optimizer),
-                mem(m.cast),
-                mem(m.activations_per_micro_batch),
-                str(m.in_flight),
-                mem(m.activations),
-                mem(m.transient),
-                mem(s.frozen),
-                mem(s.total),
-            ]
-        )
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
 
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
 
+def _plan_footer(p: Plan, unit: str, size: float) -> list[str]:
+    """The lines below the table: each MoE stage's extras, then the peak and the verdict."""
     verdict = "fits" if p.fits else "does NOT fit"
-    tail = [
-        "",
-        f"peak {human_bytes(p.peak_bytes)} on stage {p.peak_stage}; usable {_gib(p.usable_bytes)} GiB "
-        f"({p.gpu_memory_gb:g} GiB less {p.headroom:.0%} headroom): {verdict}",
-    ]
-    tail[1:1] = [
+    moe = [
         f"stage {s.stage} MoE ({s.moe.blocks} blocks, in params and the total): {human_count(s.moe.expert_params)} expert "
-        f"params on this rank, weights {mem(s.moe.weights)} / grads {mem(s.moe.grads)} / optim {mem(s.moe.optimizer)} "
-        f"{unit} beyond the dense columns, all-to-all buffers {human_bytes(s.moe.all_to_all)}"
+        f"params on this rank, weights {_in_unit(s.moe.weights, size)} / grads {_in_unit(s.moe.grads, size)} / optim "
+        f"{_in_unit(s.moe.optimizer, size)} {unit} beyond the dense columns, all-to-all buffers {human_bytes(s.moe.all_to_all)}"
         for s in p.stages
         if s.moe is not None
     ]
-    return "\n".join(head + [line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows] + tail)
+    return [
+        "",
+        *moe,
+        f"peak {human_bytes(p.peak_bytes)} on stage {p.peak_stage}; usable {_gib(p.usable_bytes)} GiB "
+        f"({p.gpu_memory_gb:g} GiB less {p.headroom:.0%} headroom): {verdict}",
+    ]

@@ -47,7 +47,7 @@ from trainer.parallel.pipeline_schedule import train_schedule
 from trainer.parallel.shard import get_shard_spec
 from trainer.parallel.tensor import sync_sequence_parallel_grads
 from trainer.parallel.tied import is_tied_duplicate, sync_tied_grads
-from trainer.run.hooks import MixingHook, StepSignals
+from trainer.run.hooks import Alignment, MixingHook, StepSignals
 from trainer.run.step import StepStats, global_stats
 
 
@@ -151,7 +151,56 @@ def aligned_step(
     counted = [counts_before_dp_reduction(n, p, pc) for n, p in named_params]
     size = max(b["input_ids"].shape[0] for b in micro_batches)
     schedule = "afab" if pc.pp > 1 else "1f1b"
+    g_target = _target_gradient(model, params, counted, spec, feed, step, size, schedule, pc)
 
+    by_domain = _by_domain(micro_batches, k)
+    total = [torch.zeros_like(g) for g in g_target]
+    norm = torch.zeros((), dtype=torch.float64, device=pc.device)
+    alignment = torch.zeros(k, dtype=torch.float64, device=pc.device)
+    norms = torch.zeros(k, dtype=torch.float64, device=pc.device)
+    kept: list[list[torch.Tensor]] = []
+    losses: list[torch.Tensor] = []
+    batches: list[dict] = []
+    for d in range(k):
+        group = [
+            collate(feed.train, by_domain[d][j : j + size], device=pc.device) for j in range(0, len(by_domain[d]), size)
+        ]
+        if group:
+            losses += _domain_losses(model, group, d, k, schedule, signals, pc)
+            batches += group
+        grads = _synced_grads(model, params, pc)
+        if spec.deferred:
+            kept.append(_reduced_clone(grads, pc))
+            norms[d] = _clip(kept[-1], spec.domain_clip, counted, pc)
+            alignment[d] = _full_dot(kept[-1], g_target, counted, pc)
+        else:
+            dot = _partial_dot(grads, g_target, counted, pc)
+            alignment[d] = dot
+            m = hook.alignment_weight(step, d, dot, signals.lr).to(torch.float64)
+            norm += m
+            for acc, g in zip(total, grads):
+                acc.addcmul_(g, m.to(acc.dtype))
+        _clear(params)
+    if spec.deferred:
+        _add_deferred(hook, step, alignment, norms, kept, total, norm, signals, pc)
+    _write_grads(params, total, norm)
+    signals.alignment = alignment
+    return global_stats(losses, batches, k, pc)
+
+
+def _target_gradient(
+    model: torch.nn.Module,
+    params: list[torch.Tensor],
+    counted: list[bool],
+    spec: Alignment,
+    feed: DataFeed,
+    step: int,
+    size: int,
+    schedule: str,
+    pc: ParallelContext,
+) -> list[torch.Tensor]:
+    """g_T: the gradient of the mean token loss on the target batch, summed over dp (every rank
+    holds the whole-batch gradient) and clipped to `spec.domain_clip`; the buffers are left clear."""
     target = feed.target_batches(step, np.asarray(spec.weights, dtype=np.float64), spec.sequences, size)
     target_tokens = torch.zeros((), dtype=torch.float64, device=pc.device)
     for b in target:
@@ -165,62 +214,76 @@ def aligned_step(
     if spec.domain_clip > 0:
         _clip(g_target, spec.domain_clip, counted, pc)
     _clear(params)
+    return g_target
 
+
+def _by_domain(micro_batches: list[dict], k: int) -> list[list[tuple[int, int]]]:
+    """This rank's (domain, index) items of the step, regrouped by domain in batch order."""
     items = torch.cat([b["items"] for b in micro_batches]).tolist()
     by_domain: list[list[tuple[int, int]]] = [[] for _ in range(k)]
     for d, i in items:
         by_domain[d].append((d, i))
-    total = [torch.zeros_like(g) for g in g_target]
-    norm = torch.zeros((), dtype=torch.float64, device=pc.device)
-    alignment = torch.zeros(k, dtype=torch.float64, device=pc.device)
-    norms = torch.zeros(k, dtype=torch.float64, device=pc.device)
-    kept: list[list[torch.Tensor]] = []
-    losses: list[torch.Tensor] = []
-    batches: list[dict] = []
-    for d in range(k):
-        group = [
-            collate(feed.train, by_domain[d][j : j + size], device=pc.device) for j in range(0, len(by_domain[d]), size)
-        ]
-        if group:
-            one_hot = torch.zeros(k, dtype=torch.float64, device=pc.device)
-            one_hot[d] = 1.0
-            losses += train_schedule(model, group, pc, schedule, DomainWeights(one_hot, signals.tokens), few_ok=True)
-            batches += group
-        grads = _synced_grads(model, params, pc)
-        if spec.deferred:
-            kept.append(_reduced_clone(grads, pc))
-            norms[d] = _clip(kept[-1], spec.domain_clip, counted, pc)
-            alignment[d] = _full_dot(kept[-1], g_target, counted, pc)
-            _clear(params)
-            continue
-        dot = torch.zeros((), dtype=torch.float64, device=pc.device)
-        for g, t, c in zip(grads, g_target, counted):
-            if c:  # fp32 dot per parameter (no temporary the size of the gradient), fp64 across them
-                dot += fp32_dot(g, t)
-        if pc.world_size > 1:
-            dist.all_reduce(dot)
-        alignment[d] = dot
-        m = hook.alignment_weight(step, d, dot, signals.lr).to(torch.float64)
-        norm += m
+    return by_domain
+
+
+def _domain_losses(
+    model: torch.nn.Module,
+    group: list[dict],
+    d: int,
+    k: int,
+    schedule: str,
+    signals: StepSignals,
+    pc: ParallelContext,
+) -> list[torch.Tensor]:
+    """Runs domain `d`'s micro-batches with only that domain weighted, leaving g_d in the buffers."""
+    one_hot = torch.zeros(k, dtype=torch.float64, device=pc.device)
+    one_hot[d] = 1.0
+    return train_schedule(model, group, pc, schedule, DomainWeights(one_hot, signals.tokens), few_ok=True)
+
+
+def _partial_dot(
+    grads: list[torch.Tensor], g_target: list[torch.Tensor], counted: list[bool], pc: ParallelContext
+) -> torch.Tensor:
+    """<g, g_T> of an unreduced gradient and the dp-reduced g_T: every counting rank adds its
+    partial part, summed over the world."""
+    dot = torch.zeros((), dtype=torch.float64, device=pc.device)
+    for g, t, c in zip(grads, g_target, counted):
+        if c:  # fp32 dot per parameter (no temporary the size of the gradient), fp64 across them
+            dot += fp32_dot(g, t)
+    if pc.world_size > 1:
+        dist.all_reduce(dot)
+    return dot
+
+
+def _add_deferred(
+    hook: MixingHook,
+    step: int,
+    alignment: torch.Tensor,
+    norms: torch.Tensor,
+    kept: list[list[torch.Tensor]],
+    total: list[torch.Tensor],
+    norm: torch.Tensor,
+    signals: StepSignals,
+    pc: ParallelContext,
+) -> None:
+    """The deferred update sum_i w_i g_i into `total` (on dp rank 0 only), not renormalised."""
+    w = hook.alignment_weights(step, alignment, norms, signals.lr).to(torch.float64)
+    for d, grads in enumerate(kept):
         for acc, g in zip(total, grads):
-            acc.addcmul_(g, m.to(acc.dtype))
-        _clear(params)
-    if spec.deferred:
-        w = hook.alignment_weights(step, alignment, norms, signals.lr).to(torch.float64)
-        for d, grads in enumerate(kept):
-            for acc, g in zip(total, grads):
-                acc.addcmul_(g, w[d].to(acc.dtype))
-        kept.clear()
-        if pc.dp > 1 and pc.dp_rank != 0:  # every dp rank holds the reduced sum: the optimizer's
-            for acc in total:  # dp sum of (total, 0, ..., 0) gives it back exactly
-                acc.zero_()
-        norm.fill_(1.0)
-        signals.grad_norms = norms
+            acc.addcmul_(g, w[d].to(acc.dtype))
+    kept.clear()
+    if pc.dp > 1 and pc.dp_rank != 0:  # every dp rank holds the reduced sum: the optimizer's
+        for acc in total:  # dp sum of (total, 0, ..., 0) gives it back exactly
+            acc.zero_()
+    norm.fill_(1.0)
+    signals.grad_norms = norms
+
+
+def _write_grads(params: list[torch.Tensor], total: list[torch.Tensor], norm: torch.Tensor) -> None:
+    """total / norm into each parameter's gradient buffer (its fp32 main grad when it has one)."""
     for p, acc in zip(params, total):
         acc.div_(norm.to(acc.dtype))
         if getattr(p, "main_grad", None) is not None:
             grad_of(p).copy_(acc)
         else:
             p.grad = acc.to(p.dtype)
-    signals.alignment = alignment
-    return global_stats(losses, batches, k, pc)

@@ -100,6 +100,12 @@ class Trainer:
         self.optimizer = build_optimizer(
             self.named_params, cfg.train, self.pc, cfg.parallelism.zero1, param_dtype=self.facts.param_dtype
         )
+        self._init_step_state(cfg)
+        self.feed.validation(self.facts.micro_batch_size, cfg.train.eval_sequences, self.eval_consumer)  # fail now
+
+    def _init_step_state(self, cfg: TrainerConfig) -> None:
+        """What the loop keeps from step to step, before step 0: counters, the last row, the
+        realised tokens and the numeric-health tracker."""
         self.step = 0
         self._init_digests: list[str] | None = None  # a fresh run's initial parameters (trainer/records/pairing.py)
         #: Validation passes a method asked for since step 0: passes, tokens, seconds.
@@ -111,7 +117,6 @@ class Trainer:
         self.autocast = self.facts.autocast()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.delayed_fp8 = cfg.model.fp8 is not None and cfg.model.fp8.amax_history > 0
-        self.feed.validation(self.facts.micro_batch_size, cfg.train.eval_sequences, self.eval_consumer)  # fail now
 
     def method_context(self) -> MethodContext:
         cfg = self.cfg
