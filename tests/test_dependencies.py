@@ -13,13 +13,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("doremi", "trainer", "data")
-#: Optional extras that need not be installed for the suite (GPU kernels, zstd), by import name.
+#: Optional extras that need not be installed for the suite (GPU kernels), by import name.
 NOT_INSTALLED = {
     "flash_attn": "flash-attn",
     "mamba_ssm": "mamba-ssm",
     "causal_conv1d": "causal-conv1d",
     "torchao": "torchao",
-    "zstandard": "zstandard",
 }
 #: Imports that need a distribution other than the module's own.
 IMPLIED = {"torch.utils.tensorboard": "tensorboard"}
