@@ -5,7 +5,13 @@ VENV   ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install quickstart test lint clean FORCE
+# `make test` runs the whole suite, as CI does (.ci/run), over TEST_WORKERS pytest-xdist workers
+# (default: one per core), each test file whole on one worker; `make test-fast` is the edit-run
+# loop: the same without the files marked slow (tests/conftest.py SLOW), a few minutes.
+TEST_WORKERS ?= $(shell OMP_NUM_THREADS= OMP_THREAD_LIMIT= nproc 2>/dev/null || echo 2)
+PYTEST := $(PY) -m pytest -q -x --timeout=900 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+.PHONY: install quickstart test test-fast lint clean FORCE
 
 # The torch build in the venv follows TORCH_SPEC: a changed spec reinstalls torch (pip alone
 # keeps an installed torch that satisfies the new spec, e.g. the CPU build for `torch`). The
@@ -29,7 +35,10 @@ quickstart: install
 	$(VENV)/bin/doremi pipeline experiments/configs/quickstart.yaml
 
 test: install lint
-	$(PY) -m pytest -q -x --timeout=900 tests
+	$(PYTEST) tests
+
+test-fast: install
+	$(PYTEST) -m "not slow" tests
 
 lint: install
 	$(PY) -m ruff check .

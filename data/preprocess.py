@@ -29,7 +29,7 @@ from data.bos import bos_token
 from data.config import DataConfig, TokenizerConfig
 from data.encode import Encoder
 from data.errors import DataError
-from data.progress import Progress
+from data.progress import Progress, datasets_bars
 from data.sources import (
     DomainPlan,
     SourceReader,
@@ -195,7 +195,7 @@ def preprocess(cfg: DataConfig, force: bool = False, progress: bool = True) -> M
     _remove_orphans(store)
     staging = Path(tempfile.mkdtemp(prefix=f".staging-{os.getpid()}-", dir=store))
     try:
-        with _datasets_progress(progress):
+        with contextlib.nullcontext() if progress else datasets_bars(False):
             manifest = _build(cfg, plans, fp, staging, progress)
         manifest.inputs = inputs
         _commit(store, staging, manifest)
@@ -240,6 +240,7 @@ def preprocess_share(cfg: DataConfig, index: int, count: int, progress: bool = T
 
 _SPLIT_FILES = {f"{split}.{ext}" for split in ("train", "validation") for ext in ("bin", "idx")}
 _OWN_NAMES = {TOKENIZER_FILE, ".lock", "stage.json", "stage.started.json"}
+_OWN_PREFIXES = (".staging-", ".old-", ".datatrove-", TASKS_PREFIX)  # .datatrove-: data.scale's logs
 
 
 def _refuse_foreign(store: Path) -> None:
@@ -249,7 +250,7 @@ def _refuse_foreign(store: Path) -> None:
     if not store.is_dir() or (store / MANIFEST_FILE).is_file():
         return
     for e in sorted(store.iterdir()):
-        own = e.name in _OWN_NAMES or e.name.startswith((".staging-", ".old-", TASKS_PREFIX)) or e.name.endswith(".tmp")
+        own = e.name in _OWN_NAMES or e.name.startswith(_OWN_PREFIXES) or e.name.endswith(".tmp")
         if not own and not (e.is_dir() and {f.name for f in e.iterdir()} <= _SPLIT_FILES):
             raise DataError(
                 f"{store}: data.store_dir holds {e.name!r}, which is not part of token stores (no manifest.json); "
@@ -293,24 +294,6 @@ def _refuse_other_inputs(store: Path, fp: str, inputs: dict[str, Any]) -> None:
         f"fingerprint {built.fingerprint[:12]} -> {fp[:12]}); runs trained on them read them there: use "
         f"another data.store_dir, or `doremi preprocess CONFIG --force` to replace them"
     )
-
-
-@contextlib.contextmanager
-def _datasets_progress(enabled: bool) -> Iterator[None]:
-    try:
-        import datasets
-    except ImportError:  # JSON lines and the embedded corpus are read without it
-        datasets = None
-    if enabled or datasets is None:
-        yield
-        return
-    was = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was:
-            datasets.enable_progress_bars()
 
 
 def _split_batches(source: TextSource, mask: np.ndarray, field: str) -> Iterator[tuple[list[str], list[str]]]:

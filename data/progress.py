@@ -1,6 +1,10 @@
-"""Throughput of `doremi preprocess` while it tokenizes: tokens and UTF-8 bytes per second, per
-domain and overall, one block of lines on stderr at most every few seconds (issue 42 point 2: a
-build of hundreds of GB runs for hours, and its speed is what says whether to add nodes).
+"""Progress of the long stages on stderr, at most one report every few seconds.
+
+`Progress`: throughput of `doremi preprocess` while it tokenizes: tokens and UTF-8 bytes per
+second, per domain and overall (issue 42 point 2: a build of hundreds of GB runs for hours, and
+its speed is what says whether to add nodes). `Countdown`: i of n units of any other stage (a
+sweep's runs, an evaluation's domains, `doremi score`'s batches) with the time spent and left
+(issue 43 item 3: a 12-run sweep printed nothing for 4.5 minutes).
 
 The counts come from the process that tokenizes (`add`) or, for worker processes, from shared
 counters that the parent reads (`absorb`). Lines go to stderr, never stdout, whose last lines
@@ -10,10 +14,11 @@ under pytest the default is off, so that tests' captured output does not depend 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TextIO
 
 DEFAULT_SECONDS = 5.0
@@ -106,3 +111,75 @@ class Progress:
         stream = self.stream or sys.stderr
         print("\n".join(self.lines(now)), file=stream, flush=True)
         self._shown, self._last = list(self.counts), now
+
+
+def duration(seconds: float) -> str:
+    """42 -> '42 s', 185 -> '3m 05s', 7320 -> '2h 02m'."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+class Countdown:
+    """`label i/n what: T elapsed, ETA R` when `interval` seconds have passed since the last
+    line (or the start). The ETA extrapolates the units done since the start: `first` units
+    were done before (a resumed sweep), so they count in i but not in the rate."""
+
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        first: int = 0,
+        stream: TextIO | None = None,
+        interval: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.label, self.total, self.first = label, total, first
+        self.stream = stream
+        self.interval = interval_from_env() if interval is None else interval
+        self.clock = clock
+        self.start = self._last = clock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+    def line(self, done: int, what: str, now: float) -> str:
+        elapsed = now - self.start
+        rate = (done - self.first) / elapsed if elapsed > 0 else 0.0
+        eta = duration((self.total - done) / rate) if rate > 0 else "?"
+        named = f" {what}" if what else ""
+        return f"{self.label} {done}/{self.total}{named}: {duration(elapsed)} elapsed, ETA {eta}"
+
+    def done(self, done: int, what: str = "") -> None:
+        """`done` of `total` units are finished, the last one named `what`."""
+        if not self.enabled:
+            return
+        now = self.clock()
+        if now - self._last < self.interval:
+            return
+        print(self.line(done, what, now), file=self.stream or sys.stderr, flush=True)
+        self._last = now
+
+
+@contextlib.contextmanager
+def datasets_bars(enabled: bool) -> Iterator[None]:
+    """`datasets`' own tqdm bars ("Downloading data", "Generating train split") off inside the
+    block unless `enabled` (then left as they are: an outer block may have turned them off), and
+    restored after: off for local files, whose "download" is a copy into the Arrow cache and says
+    nothing a researcher needs (issue 43 item 4); a hub download keeps them."""
+    try:
+        import datasets
+    except ImportError:  # JSON lines and the embedded corpus are read without it
+        datasets = None
+    if enabled or datasets is None or not datasets.is_progress_bar_enabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()

@@ -1,5 +1,6 @@
-"""Streaming readers of local files: JSON lines (plain, .gz, .xz, .bz2, .zst), text (by line,
-paragraph or document; plain or compressed), parquet (by record batch) and Arrow IPC files.
+"""Streaming readers of local files: JSON lines (plain, .gz, .xz, .bz2, .zst; also one file set
+split by a domain column), text (by line, paragraph or document; plain or compressed), parquet (by
+record batch) and Arrow IPC files.
 
 Issue 42: a domain of hundreds of GB cannot be held as a list of documents. Each reader is a
 `scan` (one pass that counts the rows and raises every error the full read would, before
@@ -13,6 +14,7 @@ rows are those `datasets` gave for text, parquet and arrow (its text builder: un
 
 from __future__ import annotations
 
+import array
 import bz2
 import gzip
 import io
@@ -92,12 +94,13 @@ class FileRows:
     order, fresh on every call. Plain data, so that a task of one file (data.tasks) can be sent
     to a worker process."""
 
-    kind: str  # jsonl, text, parquet or arrow
+    kind: str  # jsonl, text, parquet, arrow, or column (JSON lines of one domain-column value)
     files: list[str]
     counts: list[int]
     text_field: str = "text"
     sample_by: str = "document"
     where: str = ""
+    route: ColumnRoute | None = None  # kind column: which rows are this domain's
 
     @property
     def num_rows(self) -> int:
@@ -111,6 +114,9 @@ class FileRows:
         """The rows of one of the files, in lists of at most `rows`."""
         if self.kind == "jsonl":
             return rebatch(iter_jsonl([path], self.text_field, self.where), rows)
+        if self.kind == "column":
+            assert self.route is not None
+            return rebatch(self.route.texts(path, self.text_field, self.where), rows)
         if self.kind == "text":
             return rebatch(iter_text([path], self.sample_by, self.where), rows)
         if self.kind == "parquet":
@@ -179,6 +185,130 @@ def iter_jsonl(files: list[str], text_field: str, where: str) -> Iterator[Any]:
 
 def jsonl_rows(files: list[str], text_field: str, where: str) -> FileRows:
     return FileRows("jsonl", files, scan_jsonl(files, text_field, where), text_field, where=where)
+
+
+# -- JSON lines split by a domain column -------------------------------------------------------
+
+
+def column_value(row: dict[str, Any], column: str, nested: bool) -> str:
+    """The domain of a row: `str` of the column's value, as the former `datasets` route gave it (a
+    missing value is None, hence the domain "None"). `nested`: `a.b` is field `b` of the object
+    in field `a` (The Pile's `meta.pile_set_name`), as `datasets`' `flatten()` made it."""
+    if not nested:
+        return str(row.get(column))
+    value: Any = row
+    for key in column.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return str(value)
+
+
+@dataclass(frozen=True)
+class ColumnRoute:
+    """Which rows of a dataset's files are one domain's: those whose column holds `value`. With
+    `codes` (per file, a `.npy` of each row's value number, written by the scan), only the
+    domain's own rows are parsed: a file's JSON is not parsed again for every domain."""
+
+    column: str
+    nested: bool
+    value: str
+    code: int = -1
+    codes: dict[str, str] | None = None
+
+    def texts(self, path: str, text_field: str, where: str) -> Iterator[Any]:
+        if self.codes is None:
+            for row in _jsonl_objects([path], where):
+                if column_value(row, self.column, self.nested) == self.value:
+                    yield row.get(text_field)
+            return
+        import numpy as np
+
+        codes = np.load(self.codes[path], mmap_mode="r")
+        row = 0
+        with open_binary(path) as f:
+            for raw in f:
+                # The scan checked every non-blank line is a JSON object, hence starts with `{`
+                # after JSON whitespace; any other line is blank, as _jsonl_objects skips it.
+                if raw.lstrip()[:1] != b"{":
+                    continue
+                if codes[row] == self.code:
+                    yield json.loads(raw.decode("utf-8")).get(text_field)
+                row += 1
+
+
+def _flat_names(row: dict[str, Any], prefix: str, names: dict[str, None]) -> None:
+    for key, value in row.items():
+        if isinstance(value, dict) and value:
+            _flat_names(value, f"{prefix}{key}.", names)
+        else:
+            names[f"{prefix}{key}"] = None
+
+
+@dataclass(frozen=True)
+class ColumnScan:
+    """One pass over a dataset split by a domain column: each value's rows per file (what the
+    split and the per-(domain, file) tasks need), and the dataset's fields, as `datasets` named
+    them. Memory: values x files counts, whatever the dataset's size."""
+
+    files: list[str]
+    column: str
+    nested: bool
+    counts: dict[str, list[int]]
+    fields: list[str]
+    codes: dict[str, str] | None = None  # file -> its rows' value numbers (.npy), when written
+
+    def rows(self, value: str, text_field: str, where: str) -> FileRows:
+        code = list(self.counts).index(value)
+        route = ColumnRoute(self.column, self.nested, value, code, self.codes)
+        return FileRows("column", self.files, self.counts[value], text_field, where=where, route=route)
+
+
+def scan_column(files: list[str], column: str, where: str, codes_dir: Path | None = None) -> ColumnScan:
+    """Count each value of `column` per JSON-lines file; with `codes_dir`, also write each file's
+    rows' value numbers there (4 bytes a row, one file's held at a time), so that a domain's reads
+    parse only its own rows. The column `a.b` is a nested field when no row has a top-level key
+    `a.b` (as the former route flattened the dataset only then)."""
+    nonempty = [f for f in files if Path(f).stat().st_size > 0]  # as `datasets` skipped them
+    if not nonempty:
+        raise DataError(f"{where}: empty domain ({', '.join(files)}: empty file)")
+    files = nonempty
+    dotted = "." in column
+    counts: dict[bool, dict[str, list[int]]] = {False: {}, True: {}}
+    keys: dict[str, None] = {}
+    flat: dict[str, None] = {}
+    written: dict[bool, dict[str, str]] = {False: {}, True: {}}
+    number: dict[bool, dict[str, int]] = {False: {}, True: {}}
+    for i, path in enumerate(files):
+        numbers: dict[bool, array.array] = {False: array.array("I"), True: array.array("I")}
+        for row in _jsonl_objects([path], where):
+            keys.update(dict.fromkeys(row))
+            for nested in (False, True) if dotted else (False,):
+                per_value, value = counts[nested], column_value(row, column, nested)
+                if value not in per_value:
+                    per_value[value] = [0] * len(files)
+                    number[nested][value] = len(number[nested])  # the value's place in `counts`
+                per_value[value][i] += 1
+                numbers[nested].append(number[nested][value])
+            if dotted:
+                _flat_names(row, "", flat)
+        if codes_dir is not None:
+            for nested in (False, True) if dotted else (False,):
+                written[nested][path] = _save_codes(codes_dir, f"{i}-{int(nested)}", numbers[nested])
+    nested = dotted and column not in keys
+    fields = list(flat if nested else keys)
+    if column not in fields:
+        raise DataError(
+            f"data.domain_column: {', '.join(files)} have no column {column!r} (columns: {', '.join(fields)})"
+        )
+    return ColumnScan(files, column, nested, counts[nested], fields, written[nested] if codes_dir else None)
+
+
+def _save_codes(codes_dir: Path, name: str, numbers: array.array) -> str:
+    import numpy as np
+
+    codes_dir.mkdir(parents=True, exist_ok=True)
+    path = codes_dir / f"column-codes-{name}.npy"
+    np.save(path, np.frombuffer(numbers, dtype=np.uint32))
+    return str(path)
 
 
 # -- text ------------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ from typing import Any
 
 from data.config import DataConfig, DomainSource, SyntheticSpec
 from data.errors import DataError
+from data.progress import datasets_bars
 from data.readers import (
+    ColumnScan,
     FileRows,
     arrow_rows,
     first_non_utf8,
@@ -31,6 +33,7 @@ from data.readers import (
     open_binary,
     parquet_rows,
     rebatch,
+    scan_column,
     scan_jsonl,
     text_rows,
 )
@@ -352,6 +355,7 @@ class SourceReader:
         self.cache_dir = cache_dir
         self._shared: Any = None
         self._shared_index: dict[str, list[int]] | None = None
+        self._scan: ColumnScan | None = None
 
     def _load(self, fmt: str, files: list[str], where: str, sample_by: str = "document") -> Any:
         import datasets
@@ -362,13 +366,14 @@ class SourceReader:
         files = nonempty
         kwargs: dict[str, Any] = {"sample_by": sample_by} if fmt == "text" else {}
         try:
-            return datasets.load_dataset(
-                fmt,
-                data_files=files,
-                split="train",
-                cache_dir=str(self.cache_dir) if self.cache_dir else None,
-                **kwargs,
-            )
+            with datasets_bars(False):  # local files: no "Generating train split" bars
+                return datasets.load_dataset(
+                    fmt,
+                    data_files=files,
+                    split="train",
+                    cache_dir=str(self.cache_dir) if self.cache_dir else None,
+                    **kwargs,
+                )
         except Exception as e:  # datasets raises many types; report the first line
             bad = next((b for f in files if (b := first_non_utf8(f))), None) if fmt in ("text", "csv", "json") else None
             if bad is not None:  # the file and line, not a position in datasets' buffer
@@ -395,8 +400,32 @@ class SourceReader:
         assert self._shared_index is not None
         return self._shared, self._shared_index
 
+    def _column_scan(self) -> ColumnScan | None:
+        """JSON lines split by a domain column, streamed (data.readers.scan_column: counts per
+        value and file, not an index of every row); None for other formats (`datasets`)."""
+        if self._scan is None:
+            files, _ = _file_group(self.cfg.dataset, "data.dataset")
+            if not all(jsonl_opener(f) for f in files):
+                return None
+            codes = self.cache_dir / "column-codes" if self.cache_dir else None  # lives as long as the build
+            self._scan = scan_column(files, self.cfg.domain_column or "", "data.dataset", codes)
+        return self._scan
+
     def column_values(self) -> list[str]:
-        return sorted(self._shared_dataset()[1])
+        scan = self._column_scan()
+        return sorted(scan.counts) if scan is not None else sorted(self._shared_dataset()[1])
+
+    def _column_source(self, plan: DomainPlan, scan: ColumnScan, where: str) -> TextSource:
+        if plan.name not in scan.counts:
+            raise DataError(f"{where}: empty domain: no row of data.dataset has {scan.column}={plan.name!r}")
+        if plan.text_field not in scan.fields:
+            raise DataError(
+                f"{where}: data.dataset have no field {plan.text_field!r} (fields: "
+                f"{', '.join(scan.fields)}); set text_field"
+            )
+        rows = scan.rows(plan.name, plan.text_field, "data.dataset")
+        assert plan.source is not None
+        return self._limit(TextSource(plan.name, rows.num_rows, rows.batches, rows), plan.source.max_documents)
 
     def open(self, plan: DomainPlan) -> TextSource:
         where = f"domain {plan.name!r}"
@@ -418,13 +447,14 @@ class SourceReader:
             import datasets
 
             try:
-                ds = datasets.load_dataset(
-                    src.hub,
-                    name=src.hub_config,
-                    split=src.hub_split,
-                    revision=src.hub_revision,
-                    streaming=src.hub_streaming,
-                )
+                with datasets_bars(not Path(src.hub).is_dir()):  # a local dataset directory: no bars
+                    ds = datasets.load_dataset(
+                        src.hub,
+                        name=src.hub_config,
+                        split=src.hub_split,
+                        revision=src.hub_revision,
+                        streaming=src.hub_streaming,
+                    )
             except Exception as e:
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise DataError(f"{where}: {plan.description} could not be loaded (offline?): {msg}") from None
@@ -432,6 +462,8 @@ class SourceReader:
             if src.hub_streaming:
                 return _streamed(plan, ds, f"{where}: {files}")
         else:
+            if (scan := self._column_scan()) is not None:
+                return self._column_source(plan, scan, where)
             shared, index = self._shared_dataset()
             if plan.name not in index:
                 raise DataError(

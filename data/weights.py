@@ -7,7 +7,7 @@ refused naming its sum (`check_sum`; docs/design.md section 3), since a mixture 
 became another is a wrong result.
 
 The named forms (`uniform`, `tokens`, `temperature:T`, `unimax:E`) are `data.mixtures`'. The same
-forms are read by `doremi.reference_weights` and `doremi.proxy_sampling`; every error
+forms are read by `mixing.doremi.reference_weights` and `mixing.doremi.proxy_sampling`; every error
 names the key (or file) it came from. A weight is a number: `true` or `"0.5"` is refused, not
 read as 1 or 0.5, since a mixture typed wrongly must not train silently on something else.
 """

@@ -32,7 +32,7 @@ def _own_packages_first() -> None:
 
 _own_packages_first()
 
-from doremi.methods.doremi_update import (  # noqa: E402
+from doremi.methods.doremi.update import (  # noqa: E402
     domain_excess,
     domain_excess_sums,
     per_domain_mean_loss,

@@ -1,94 +1,53 @@
-"""The `doremi` and `pipeline` sections, and `ExperimentConfig`: the trainer's sections plus these."""
+"""The `mixing`, `sweep`, `fit` and `pipeline` sections, and `ExperimentConfig`: the trainer's
+sections plus these. `mixing` has a section per method of the catalog (doremi/methods/registry.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+import os
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, ClassVar, Literal
 
 from data.config import PathOrName, PathStr, Weights
-from doremi.methods.ado import ADOConfig
-from doremi.methods.aioli import AioliConfig
-from doremi.methods.doge import DoGEConfig
-from doremi.methods.odm import ODMConfig
-from trainer.config.schema import TrainerConfig
-from trainer.config.tools import ConfigError
+from doremi.methods import registry
+from doremi.methods.spec import OFFLINE, ONLINE, PROXY
+from trainer.config.schema import TrainerConfig, apply_preset
+from trainer.config.tools import ConfigError, apply_overrides, from_dict, read_yaml
+
+#: The catalog's methods by role (doremi/methods/registry.py): proxies (`mixing.method`), online on
+#: the main model (`mixing.main`), and the offline fits of a sweep of small runs
+#: (doremi/offline/sweep.py, doremi/offline/propose.py; `pipeline.methods` only).
+METHODS = registry.names(PROXY)
+ONLINE_METHODS = registry.names(ONLINE)
+OFFLINE_METHODS = registry.names(OFFLINE)
 
 
 @dataclass
-class DoReMiConfig:
-    """DoReMi (Xie et al. 2023, Algorithm 1). docs/design.md section 4 states every choice."""
-
-    # Step size of the exponentiated-gradient update of the domain weights alpha.
-    eta: float = 1.0
-    # Mix of alpha with the uniform distribution after each update (c in the paper).
-    smoothing: float = 1e-3
-    # Reference run directory (or a checkpoint directory) for `train-proxy` and `score`.
-    reference: PathStr | None = None
-    # Weights the reference trains on (`train-reference` ignores data.domain_weights): `uniform`,
-    # `tokens`, a weights JSON, or values.
-    reference_weights: Weights = "uniform"
-    # The distribution the proxy draws its data from (Algorithm 1: uniform over domains); its
-    # loss is reweighted by alpha_t instead (mode `reweight`). Same forms as reference_weights.
-    proxy_sampling: Weights = "uniform"
-    # `reweight`: the loss is reweighted by alpha_t (the paper). `resample`: data drawn from alpha_t.
-    mode: Literal["reweight", "resample"] = "reweight"
-    # `exact`: alpha_t from this step's losses before any gradient (all-forward-all-backward).
-    # `lagged`: the gradient uses alpha_{t-1}, which allows 1F1B; a different algorithm.
-    update: Literal["exact", "lagged"] = "exact"
-    # Directory of cached per-token reference losses (`doremi score`); None: online reference.
-    reference_cache: PathStr | None = None
-    # `doremi average`: the tuned weights are the mean of alpha_t over the proxy's steps t >= this.
-    average_from_step: int = 1
-    # Iterated DoReMi (`doremi pipeline`): round r+1's reference trains on round r's averaged
-    # weights; stop early when no domain weight moves by more than `rounds_tolerance`. 1: one
-    # reference, one proxy, as in the paper's main results.
-    rounds: int = 1
-    # See `rounds`.
-    rounds_tolerance: float = 1e-3
-
-    def validate(self, path: str = "doremi") -> None:
-        if not 0 <= self.eta < float("inf"):
-            raise ConfigError(f"{path}.eta: expected a finite value >= 0, got {self.eta}")
-        if self.rounds_tolerance < 0:
-            raise ConfigError(f"{path}.rounds_tolerance: expected >= 0, got {self.rounds_tolerance}")
-        if not 0 <= self.smoothing <= 1:
-            raise ConfigError(f"{path}.smoothing: expected a value in [0, 1], got {self.smoothing}")
-        if self.mode == "resample" and self.reference_cache:
-            raise ConfigError(
-                f"{path}.reference_cache: a cache needs a fixed proxy data stream, but "
-                f"{path}.mode 'resample' draws the data from alpha"
-            )
-        if self.rounds < 1:
-            raise ConfigError(f"{path}.rounds: expected >= 1, got {self.rounds}")
-        if self.average_from_step < 1:
-            raise ConfigError(f"{path}.average_from_step: expected >= 1, got {self.average_from_step}")
-
-
-#: The mixing methods by name (doremi/methods/registry.py builds them); DoReMi needs a reference,
-#: so it is not offered online on the main model.
-METHODS = ("doremi", "doge", "odm", "aioli", "ado")
-ONLINE_METHODS = ("doge", "odm", "aioli", "ado")
-#: Methods that fit a sweep of small runs (doremi/offline/sweep.py, doremi/offline/propose.py): pipeline.methods only.
-OFFLINE_METHODS = ("regmix", "mixing_law")
-
-
-@dataclass
-class MixingConfig:
-    """Which data-mixing method a run uses, and each method's options (DoReMi's are in `doremi`)."""
+class MixingChoice:
+    """Which data-mixing method a run uses, and each method's options: one section per method of
+    the catalog (doremi/methods/registry.py), `mixing.<name>`."""
 
     # The method `doremi train-proxy` runs; `doremi average` turns its per-step weights into a mixture.
-    method: Literal["doremi", "doge", "odm", "aioli", "ado"] = "doremi"
+    method: Literal[METHODS] = METHODS[0]  # type: ignore[valid-type]
     # The method `doremi train` runs online on the main model; None: the main model trains on
     # data.domain_weights.
-    main: Literal["doge", "odm", "aioli", "ado"] | None = None
-    # DoGE (Fan et al. 2024).
-    doge: DoGEConfig = field(default_factory=DoGEConfig)
-    # ODM (Albalak et al. 2023).
-    odm: ODMConfig = field(default_factory=ODMConfig)
-    # Aioli (Chen et al. 2025).
-    aioli: AioliConfig = field(default_factory=AioliConfig)
-    # ADO (Jiang et al. 2024).
-    ado: ADOConfig = field(default_factory=ADOConfig)
+    main: Literal[ONLINE_METHODS] | None = None  # type: ignore[valid-type]
+
+
+def _mixing_config() -> type:
+    """`MixingChoice` with a section per trained method of the catalog, `mixing.<name>` of the
+    method's config dataclass (documented by that dataclass's docstring)."""
+    sections = [
+        (name, spec.config, field(default_factory=spec.config))
+        for name, spec in registry.specs().items()
+        if spec.config is not None
+    ]
+    doc = MixingChoice.__doc__
+    return make_dataclass(
+        "MixingConfig", sections, bases=(MixingChoice,), namespace={"__doc__": doc, "__module__": __name__}
+    )
+
+
+MixingConfig = _mixing_config()
 
 
 @dataclass
@@ -264,10 +223,11 @@ class PipelineConfig:
     proxy: dict[str, Any] = field(default_factory=dict)
     # Overrides applied to the main runs (typically a larger model, more steps).
     main: dict[str, Any] = field(default_factory=dict)
-    # Mixing methods, each giving a mixture for a main run of its name: `doremi` (reference, proxy
-    # and rounds), `doge`, `odm`, `aioli`, `ado` (a proxy under methods/<name>/), `regmix` and
-    # `mixing_law` (a fit of one shared sweep of small runs, sweep/).
-    methods: list[str] = field(default_factory=lambda: ["doremi"])
+    # Mixing methods of the catalog (doremi/methods/registry.py), each giving a mixture for a main
+    # run of its name: a proxy (under methods/<name>/; one that needs a reference trains it first,
+    # under reference/, proxy/ and rounds), or an offline fit of one shared sweep of small runs
+    # (sweep/). Default: the catalog's first proxy.
+    methods: list[str] = field(default_factory=lambda: list(METHODS[:1]))
     # Mixing methods run online on the main model, each a main run `<name>-online`.
     online: list[str] = field(default_factory=list)
     # Mixtures the main runs train on besides the methods': `uniform`, `tokens`, `temperature:T`,
@@ -295,10 +255,38 @@ class PipelineConfig:
 
 @dataclass
 class ExperimentConfig(TrainerConfig):
-    """An experiment file: the trainer's sections, `doremi` and `pipeline`."""
+    """An experiment file: the trainer's sections, `mixing`, `sweep`, `fit` and `pipeline`."""
 
-    doremi: DoReMiConfig = field(default_factory=DoReMiConfig)
-    mixing: MixingConfig = field(default_factory=MixingConfig)
+    #: Sections a method's options were written under before the catalog (`MethodSpec.moved_from`)
+    #: -> where they are now: a file that still writes one is refused with the new key
+    #: (trainer.config.tools.from_dict), and run records name the keys by their old path so that
+    #: a run recorded before the move keeps its fingerprint (trainer.records.run_dir.record_keys).
+    MOVED: ClassVar[dict[str, str]] = registry.moved_sections()
+    #: The methods' options that may name a file or run directory (trainer.records.run_dir.path_keys)
+    #: and those that change no run's results (its record leaves them out), by record path.
+    RECORD_PATH_KEYS: ClassVar[tuple[str, ...]] = registry.record_keys("path")
+    RECORD_IGNORES: ClassVar[tuple[str, ...]] = registry.record_keys("bookkeeping")
+
+    mixing: MixingConfig = field(default_factory=MixingConfig)  # type: ignore[valid-type]
     sweep: SweepConfig = field(default_factory=SweepConfig)
     fit: FitConfig = field(default_factory=FitConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+
+def upgrade_saved(raw: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved config.yaml written before the catalog moved a method's options
+    (`ExperimentConfig.MOVED`), with those options where they are now: a finished run is read as
+    it was written, while a file a user writes with the old section is refused."""
+    out = dict(raw)
+    for old, new in ExperimentConfig.MOVED.items():
+        if old in out:
+            section, _, name = new.partition(".")
+            out[section] = {**(out.get(section) or {}), name: out.pop(old)}
+    return out
+
+
+def load_saved_config(path: str | os.PathLike, overrides: list[str] | None = None) -> ExperimentConfig:
+    """A run's saved config (`upgrade_saved`), `--set` overrides applied, as `load_config` reads a file."""
+    raw = apply_overrides(upgrade_saved(read_yaml(path)), overrides or [])
+    apply_preset(raw)
+    return from_dict(ExperimentConfig, raw)

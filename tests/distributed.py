@@ -3,6 +3,12 @@
 `spawn(fn, world_size, *args)` starts N processes with a free port; each calls
 `fn(rank, world_size, *args)` after `init_process_group`. A failure on any rank fails the test
 with that rank's traceback.
+
+The ranks are forked from a forkserver that imported torch and the trainer once (PRELOAD), not
+started fresh: a fresh rank spent about 4 s of CPU importing them, which was a third of the
+suite's time on two cores (experiments/notes/SUITE.md). A fork of a process that only imported
+(no thread pool started, no process group) is as clean as a fresh one; each rank still gets the
+test's environment and working directory of the moment, as under "spawn".
 """
 
 from __future__ import annotations
@@ -22,7 +28,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, errq) -> None:
+#: Imported once by the forkserver, so that each rank starts with them in memory.
+PRELOAD = ["torch", "torch.distributed", "tests.distributed", "tests.runs", "doremi.pipeline.stages"]
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(PRELOAD)
+
+
+def _entry(rank: int, world_size: int, port: int, env: dict[str, str], fn, args, errq) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
@@ -39,11 +53,14 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errq) -> None:
 
 
 def spawn(fn, world_size: int, *args) -> None:
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
+    errq = _CTX.SimpleQueue()
     try:
         mp.start_processes(
-            _entry, args=(world_size, free_port(), fn, args, errq), nprocs=world_size, join=True, start_method="spawn"
+            _entry,
+            args=(world_size, free_port(), dict(os.environ), fn, args, errq),
+            nprocs=world_size,
+            join=True,
+            start_method="forkserver",
         )
     except Exception as e:
         msgs = []

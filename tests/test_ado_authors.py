@@ -1,4 +1,4 @@
-"""ADO's `variant: authors` (doremi/methods/ado.py) against the released code, yidingjiang/ado at
+"""ADO's `variant: authors` (doremi/methods/ado/method.py) against the released code, yidingjiang/ado at
 commit bc3d8d0e4d6a13f40f03b2e8fb83369d773a2611, file src/data_selectors/ado.py (cited as L<n>):
 the update by hand from its equations, its history (per-step rows, imputation, Savitzky-Golay,
 every 10th step) and its soft-bounded fit against numbers derived independently."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from doremi.methods.ado import (
+from doremi.methods.ado.method import (
     ADO,
     ADOConfig,
     _soft_value_grad,

@@ -1,4 +1,4 @@
-"""Aioli's `variant: authors` (doremi/methods/aioli.py) against the released code (github
+"""Aioli's `variant: authors` (doremi/methods/aioli/method.py) against the released code (github
 HazyResearch/aioli, commit a2361123335cb91d68f5ad86a6c85de7a79e6d5e, `trainer/aioli_trainer.py`):
 two rounds of a fixed case computed by hand from its equations, the paper's variant on the same
 losses, and the budgeted validation subset with the passes the trainer makes and the ledger
@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from doremi.methods.aioli import Aioli, AioliConfig, ProbeSchedule, eval_sequences, validation_passes
+from doremi.methods.aioli.method import Aioli, AioliConfig, ProbeSchedule, eval_sequences, validation_passes
 from doremi.reports.ledger import _flops_per_token, run_cost
 from trainer.parallel.context import ParallelContext
 from trainer.run.hooks import MethodContext

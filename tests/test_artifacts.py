@@ -64,9 +64,9 @@ def made(stores, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("made")
     ref, proxy, main_run, cache = root / "ref", root / "proxy", root / "main", root / "cache"
     stages.train_reference(config(stores, ref, STEPS))
-    stages.train_proxy(config(stores, proxy, STEPS, f"doremi.reference={ref}"))
+    stages.train_proxy(config(stores, proxy, STEPS, f"mixing.doremi.reference={ref}"))
     weights = stages.average(proxy)
-    stages.score(config(stores, root / "scored", STEPS, f"doremi.reference={ref}"), cache)
+    stages.score(config(stores, root / "scored", STEPS, f"mixing.doremi.reference={ref}"), cache)
     stages.train(config(stores, main_run, STEPS, f"data.domain_weights={weights}"))
     return {
         "root": root,
@@ -158,7 +158,7 @@ STAGES = ["train", "train-reference", "train-proxy", "score"]
 def test_stages_refuse_stores_built_from_another_data_section(made, tmp_path, capsys, command, case):
     edit, needle = CONFIG_CASES[case]
     cfg = write_yaml(tmp_path / "exp.yaml", made["stores"], tmp_path / "run", edit)
-    argv = [command, cfg, "--set", STEPS, "--set", f"doremi.reference={made['ref']}"]
+    argv = [command, cfg, "--set", STEPS, "--set", f"mixing.doremi.reference={made['ref']}"]
     argv += ["--out", tmp_path / "cache"] if command == "score" else []
     before = tree(made["stores"])
     refused(capsys, argv, "stores built from other inputs than the config's data section", needle)
@@ -234,7 +234,7 @@ def test_damaged_stores_are_refused_by_every_reader(made, tmp_path, capsys, comm
     else:
         cfg = write_yaml(tmp_path / "exp.yaml", store, tmp_path / "run")
         before = tree(tmp_path)
-        argv = [command, cfg, "--set", STEPS, "--set", f"doremi.reference={made['ref']}"]
+        argv = [command, cfg, "--set", STEPS, "--set", f"mixing.doremi.reference={made['ref']}"]
         argv += ["--out", tmp_path / "cache"] if command == "score" else []
     refused(capsys, argv, needle)
     assert tree(tmp_path) == before
@@ -271,7 +271,7 @@ def _interrupted(run: Path) -> None:
 def test_a_proxy_or_score_refuses_a_reference_that_did_not_finish(made, tmp_path, capsys, command, how):
     ref = copy(made["ref"], tmp_path / "ref")
     cfg = write_yaml(tmp_path / "exp.yaml", made["stores"], tmp_path / "run")
-    argv = [command, cfg, "--set", STEPS, "--set", f"doremi.reference={ref}"]
+    argv = [command, cfg, "--set", STEPS, "--set", f"mixing.doremi.reference={ref}"]
     argv += ["--out", tmp_path / "cache"] if command == "score" else []
     if how == "training":  # another job holds the lock
         fd = os.open(ref / rundir.LOCK_FILE, os.O_RDWR | os.O_CREAT)
@@ -357,7 +357,7 @@ def _proxy_on_cache(made, tmp_path: Path, cache: Path, *sets: str) -> list:
         "--set",
         STEPS,
         "--set",
-        f"doremi.reference_cache={cache}",
+        f"mixing.doremi.reference_cache={cache}",
         *sum((["--set", s] for s in sets), []),
     ]
 
@@ -365,7 +365,7 @@ def _proxy_on_cache(made, tmp_path: Path, cache: Path, *sets: str) -> list:
 def test_a_cache_whose_reference_was_trained_again_is_refused_without_doremi_reference(made, tmp_path, capsys):
     ref = copy(made["ref"], tmp_path / "ref")
     cache = tmp_path / "cache"
-    stages.score(config(made["stores"], tmp_path / "scored", STEPS, f"doremi.reference={ref}"), cache)
+    stages.score(config(made["stores"], tmp_path / "scored", STEPS, f"mixing.doremi.reference={ref}"), cache)
     stages.train_reference(config(made["stores"], ref, STEPS, "train.seed=7", "checkpoint.start_over=true"))
     argv = _proxy_on_cache(made, tmp_path, cache)
     before = tree(tmp_path)
@@ -414,7 +414,7 @@ def test_score_replaces_only_a_reference_cache(made, tmp_path, capsys, target):
     before = tree(tmp_path)
     refused(
         capsys,
-        ["score", cfg, "--set", STEPS, "--set", f"doremi.reference={ref}", "--out", out],
+        ["score", cfg, "--set", STEPS, "--set", f"mixing.doremi.reference={ref}", "--out", out],
         "`doremi score` replaces only its own output",
     )
     assert tree(tmp_path) == before
@@ -422,7 +422,7 @@ def test_score_replaces_only_a_reference_cache(made, tmp_path, capsys, target):
 
 def test_score_replaces_its_own_cache(made, tmp_path):
     cache = copy(made["cache"], tmp_path / "cache")
-    stages.score(config(made["stores"], tmp_path / "scored", STEPS, f"doremi.reference={made['ref']}"), cache)
+    stages.score(config(made["stores"], tmp_path / "scored", STEPS, f"mixing.doremi.reference={made['ref']}"), cache)
     assert artifact.read(cache).status == "finished"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "scored.yaml"]
 

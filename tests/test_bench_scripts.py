@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from trainer.config.schema import ModelConfig
-from trainer.model import cross_entropy as ce
-from trainer.model import layers, llama, rope
-from trainer.model.kernels import Kernels
+from trainer.model import layers, llama
 from trainer.model.llama import Llama
+from trainer.model.ops import cross_entropy as ce
+from trainer.model.ops import rope
+from trainer.model.ops.kernels import Kernels
 from trainer.optim import clip
 
 BENCH = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "bench"
@@ -274,28 +275,48 @@ def test_moe_bench_runs_both_moe_implementations_and_the_step_on_the_cpu(tmp_pat
     assert (tmp_path / "moe_bench.json").exists()
 
 
-def test_fp8_bench_runs_the_gemms_and_the_step_emulated_on_the_cpu(tmp_path):
-    """`fp8_bench.main` at the `tiny` shape on the CPU (FP8 emulated): every linear in bf16 and
-    both FP8 scalings, their error against fp32 that of FP8 (a few percent, not zero), and the
-    step with FP8 off and on."""
+def _fp8_bench():
     sys.path.insert(0, str(BENCH))
     try:
-        bench = importlib.import_module("fp8_bench")
+        return importlib.import_module("fp8_bench")
     finally:
         sys.path.remove(str(BENCH))
-    argv = ["--preset", "tiny", "--micro-batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1"]
-    result = bench.main([*argv, "--device", "cpu", "--out", str(tmp_path)])
-    gemms = [r for r in result["rows"] if r["part"] == "gemm"]
-    assert {(r["linear"], r["variant"]) for r in gemms} == {
-        (n, v) for n in ("qkv", "proj", "gate_up", "down") for v in ("bf16", "tensorwise", "rowwise")
-    }
-    for r in gemms:
-        assert r["ms"] > 0 and r["tflops"] > 0
-        assert (r["rel_err_out"] < 1e-2) if r["variant"] == "bf16" else (1e-3 < r["rel_err_out"] < 0.1)
-    steps = [r for r in result["rows"] if r["part"] == "step"]
-    assert [r["variant"] for r in steps] == ["bf16", "tensorwise", "rowwise"]
-    assert all(r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / 989e12) for r in steps)
-    assert result["native_fp8"] is False and (tmp_path / "fp8_bench.json").exists()
+
+
+def test_fp8_bench_steps_smoke_compiles_ours_and_torchaos_plain_model_on_the_cpu(tmp_path):
+    """`fp8_bench.py step --smoke`: our model and plain_llama, bf16 and FP8 tensorwise (torchao
+    emulated), each compiled (`aot_eager`) in one run; ratios to each model's own bf16 row, and
+    the FP8 step adds no graph break to its model's bf16 step."""
+    pytest.importorskip("torchao.float8")
+    result = _fp8_bench().main(["step", "--smoke", "--out", str(tmp_path)])
+    rows = {(r["model"], r["variant"]): r for r in result["rows"]}
+    assert set(rows) == {(m, v) for m in ("ours", "plain") for v in ("bf16", "tensorwise")}
+    for (model, _), r in rows.items():
+        assert r["size"] == "smoke" and r["ms"] > 0
+        assert r["ratio_vs_bf16"] == pytest.approx(r["tokens_per_s"] / rows[(model, "bf16")]["tokens_per_s"])
+    assert rows[("plain", "bf16")]["graph_breaks"] == rows[("plain", "tensorwise")]["graph_breaks"] == 0
+    assert rows[("ours", "tensorwise")]["graph_breaks"] == rows[("ours", "bf16")]["graph_breaks"]
+    assert result["native_fp8"] is False and (tmp_path / "fp8_step.json").exists()
+
+
+def test_fp8_bench_train_smoke_runs_both_arms_and_plots_their_curves(stores, tmp_path):
+    """`fp8_bench.py train --smoke`: a few steps of bf16 and FP8 (the tests' tiny model and data),
+    finite losses, the final validation losses and their ratio, one plot; a rerun reads the
+    finished runs instead of training again."""
+    pytest.importorskip("torchao.float8")
+    from tests.runs import config_path
+
+    yaml = config_path(stores, tmp_path / "unused")
+    argv = ["train", "--smoke", "--train-steps", "3", "--config", str(yaml), "--work", str(tmp_path / "w")]
+    argv += ["--out", str(tmp_path)]
+    result = _fp8_bench().main(argv)
+    bf16, fp8 = result["rows"]
+    assert (bf16["variant"], fp8["variant"]) == ("bf16", "tensorwise")
+    assert [s for s, _ in fp8["curve"]] == [1, 2, 3] and bf16["finite"] and fp8["finite"]
+    assert fp8["val_loss_vs_bf16"] == pytest.approx(fp8["final_val_loss"] / bf16["final_val_loss"] - 1)
+    assert fp8["curve"] != bf16["curve"] and abs(fp8["val_loss_vs_bf16"]) < 0.05
+    assert (tmp_path / "fp8_train.png").stat().st_size > 0 and (tmp_path / "fp8_train.json").exists()
+    assert _fp8_bench().main(argv)["rows"] == result["rows"]
 
 
 class _Parsed(Exception):

@@ -36,7 +36,7 @@ PC = ParallelContext.single()
 
 def llama(*overrides: str) -> torch.nn.Module:
     """The default tiny Llama (vocab 256, width 64, 2 layers, 4 heads, 2 kv heads)."""
-    return build_model(load_config(None, ["train.device=cpu", *overrides]), PC)
+    return build_model(load_config(None, ["train.device=cpu", "model.vocab_size=256", *overrides]), PC)
 
 
 def shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:

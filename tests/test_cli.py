@@ -34,7 +34,7 @@ def test_staged_doremi_chain(stores, tmp_path):
         "--set",
         f"train.run_dir={tmp_path / 'proxy'}",
         "--set",
-        f"doremi.reference={tmp_path / 'ref'}",
+        f"mixing.doremi.reference={tmp_path / 'ref'}",
         "--set",
         "train.steps=4",
     ]
@@ -88,6 +88,9 @@ def test_plan_70b():
     assert len(stage_rows) == 4
 
 
+TINY_MODEL = ("d_model=32", "n_layers=2", "ffn_dim=64")
+
+
 def test_pipeline_under_torchrun(tmp_path):
     """Two ranks share the stages: rank 0 alone builds stores and writes markers, the others wait."""
     run = tmp_path / "run"
@@ -114,6 +117,8 @@ def test_pipeline_under_torchrun(tmp_path):
         "logging.progress=false",
         "--set",
         "checkpoint.every=0",
+        # the rank protocol does not depend on the model's size: the smallest that runs
+        *[a for k in TINY_MODEL for a in ("--set", f"model.{k}", "--set", f"pipeline.main.model.{k}")],
     ]
     torchrun = [
         BIN / "torchrun",

@@ -48,7 +48,7 @@ def _root(path: Path, stores: Path, seed: int, eta: float = 1.0, steps: int = 20
 
 def test_seeds_are_the_keys_allowed_to_differ():
     assert is_seed("train.seed") and is_seed("data.seed") and is_seed("data.split_seed") and is_seed("sweep.seed")
-    assert not is_seed("doremi.eta") and not is_seed("train.steps")
+    assert not is_seed("mixing.doremi.eta") and not is_seed("train.steps")
 
 
 def test_roots_differing_in_eta_and_main_steps_are_refused_naming_the_keys(stores, tmp_path):
@@ -59,7 +59,9 @@ def test_roots_differing_in_eta_and_main_steps_are_refused_naming_the_keys(store
     with pytest.raises(DoReMiError) as e:
         compare_roots([a, b], tmp_path / "out")
     msg = str(e.value)
-    assert msg.startswith("compare: the roots differ in more than their seeds: doremi.eta (seed1: 1.0, seed2: 3.0); ")
+    assert msg.startswith(
+        "compare: the roots differ in more than their seeds: mixing.doremi.eta (seed1: 1.0, seed2: 3.0); "
+    )
     assert "train.steps in main/doremi, main/uniform (seed1: 20, seed2: 40)" in msg
     assert msg.endswith("(--allow-differences compares them anyway)") and "\n" not in msg
     assert "train.seed" not in msg and "data.seed" not in msg and "logging" not in msg
@@ -71,7 +73,7 @@ def test_allow_differences_goes_on_and_shows_them(stores, tmp_path):
     b = _root(tmp_path / "seed2", stores, 2, eta=3.0)
     text = compare_roots([a, b], tmp_path / "out", allow_differences=True)
     roots = text.split("## Roots")[1].split("##")[0]
-    assert "| root | train.seed | data.seed | doremi.eta |" in roots
+    assert "| root | train.seed | data.seed | mixing.doremi.eta |" in roots
     assert "| seed1 | 1 | 1 | 1.0 |" in roots and "| seed2 | 2 | 2 | 3.0 |" in roots
     assert "- the roots differ in 1 key(s) besides their seeds (table 'Roots')" in text
 
@@ -91,7 +93,7 @@ def test_roots_differing_in_seeds_only_compare_and_show_each_seeds_weights(store
 def test_paths_inside_a_root_compare_relative_to_it(stores, tmp_path):
     a = settings(_root(tmp_path / "seed1", stores, 1))
     assert a["main/doremi"]["data.domain_weights"] == "<root>/weights.json"
-    assert a["round1/proxy"]["doremi.reference"] == "<root>/round1/reference"
+    assert a["round1/proxy"]["mixing.doremi.reference"] == "<root>/round1/reference"
     assert "train.seed" not in a["main/doremi"] and "logging.every" not in a["main/doremi"]
     b = settings(_root(tmp_path / "seed2", stores, 2))
     assert differences({"seed1": a, "seed2": b}) == []

@@ -36,11 +36,11 @@ def test_sections_and_coercion(tmp_path):
         "model: {preset: tiny}\ntrain: {steps: 5, lr: 1}\n",
         "train.lr=3e-4",
         "parallelism.tp=2",
-        "doremi.eta=0.5",
+        "mixing.doremi.eta=0.5",
         "data.domain_weights=[0.5, 0.5]",
     )
     assert cfg.train.steps == 5 and cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
-    assert cfg.parallelism.tp == 2 and cfg.doremi.eta == 0.5
+    assert cfg.parallelism.tp == 2 and cfg.mixing.doremi.eta == 0.5
     assert cfg.data.domain_weights == [0.5, 0.5]
     assert cfg.model.d_model == 64  # from the preset
 
@@ -103,7 +103,9 @@ def test_pp_layers_must_sum(tmp_path):
 
 
 def test_bad_values(tmp_path):
-    assert error(tmp_path, "doremi: {smoothing: 2}\n").startswith("doremi.smoothing: expected a value in [0, 1]")
+    assert error(tmp_path, "mixing: {doremi: {smoothing: 2}}\n").startswith(
+        "mixing.doremi.smoothing: expected a value in [0, 1]"
+    )
     assert error(tmp_path, "model: {preset: huge}\n").startswith("model.preset: expected one of")
     assert error(tmp_path, "data: {seq_len: 4096}\n").startswith("data.seq_len: expected at most model.max_seq_len")
     assert error(tmp_path, "model: {d_model: 65}\n").startswith("model.d_model: expected a multiple of n_heads")
@@ -141,12 +143,12 @@ def test_resolved_config_round_trips(tmp_path):
         (["checkpoint.keep=-1"], "checkpoint.keep: expected >= 1, got -1"),
         (["checkpoint.every=-5"], "checkpoint.every: expected >= 0"),
         (["train.eval_every=-1"], "train.eval_every: expected >= 0, got -1"),
-        (["doremi.eta=.inf"], "doremi.eta: expected a finite number, got inf"),
-        (["doremi.eta=-1"], "doremi.eta: expected a finite value >= 0, got -1.0"),
-        (["doremi.rounds=0"], "doremi.rounds: expected >= 1, got 0"),
+        (["mixing.doremi.eta=.inf"], "mixing.doremi.eta: expected a finite number, got inf"),
+        (["mixing.doremi.eta=-1"], "mixing.doremi.eta: expected a finite value >= 0, got -1.0"),
+        (["mixing.doremi.rounds=0"], "mixing.doremi.rounds: expected >= 1, got 0"),
         (
-            ["doremi.mode=resample", "doremi.reference_cache=c"],
-            "doremi.reference_cache: a cache needs a fixed proxy data stream",
+            ["mixing.doremi.mode=resample", "mixing.doremi.reference_cache=c"],
+            "mixing.doremi.reference_cache: a cache needs a fixed proxy data stream",
         ),
     ],
 )
@@ -157,9 +159,11 @@ def test_values_that_would_fail_mid_run_fail_at_load(tmp_path, sets, expect):
 def test_yaml_exponent_without_a_dot_is_a_number(tmp_path):
     """PyYAML's YAML 1.1 reads `1e-3` as a string; weights must be numbers, so the loader reads
     YAML 1.2 floats, in files and in --set alike."""
-    cfg = load(tmp_path, "data: {domain_weights: [1e-3, 1]}\ntrain: {lr: 3e-4}\n", "doremi.proxy_sampling=[2E+0, 1]")
+    cfg = load(
+        tmp_path, "data: {domain_weights: [1e-3, 1]}\ntrain: {lr: 3e-4}\n", "mixing.doremi.proxy_sampling=[2E+0, 1]"
+    )
     assert cfg.data.domain_weights == [0.001, 1.0] and cfg.train.lr == 3e-4
-    assert cfg.doremi.proxy_sampling == [2.0, 1.0]
+    assert cfg.mixing.doremi.proxy_sampling == [2.0, 1.0]
 
 
 @pytest.mark.parametrize(
@@ -170,12 +174,12 @@ def test_yaml_exponent_without_a_dot_is_a_number(tmp_path):
             "data.domain_weights[1]: expected a number (int or float), got True (bool)",
         ),
         (
-            ["doremi.reference_weights={a: '0.5'}"],
-            "doremi.reference_weights.a: expected a number (int or float), got '0.5' (str)",
+            ["mixing.doremi.reference_weights={a: '0.5'}"],
+            "mixing.doremi.reference_weights.a: expected a number (int or float), got '0.5' (str)",
         ),
         (
-            ["doremi.proxy_sampling=3"],
-            "doremi.proxy_sampling: expected str or list of number or mapping of str to number, got 3 (int)",
+            ["mixing.doremi.proxy_sampling=3"],
+            "mixing.doremi.proxy_sampling: expected str or list of number or mapping of str to number, got 3 (int)",
         ),
         (["data.domains=[{name: a, paths: [a.txt]}, 3]"], "data.domains[1]: expected a mapping, got 3 (int)"),
     ],

@@ -16,7 +16,7 @@ from doremi.commands.config_docs import DOCS_PAGE, REGENERATE, experiment_keys, 
 from doremi.config import ExperimentConfig
 from tests import runs
 from trainer.config.schema import load_config, require_vocab_size
-from trainer.config.tools import ConfigError, apply_overrides
+from trainer.config.tools import ConfigError, apply_overrides, to_dict
 
 EXPERIMENT = """
 model: {preset: tiny, vocab_size: 260}
@@ -80,7 +80,7 @@ def test_config_prints_the_resolved_config(experiment, tmp_path, capsys, monkeyp
     assert cfg["model"]["n_layers"] == 3
     assert cfg["model"]["d_model"] == 64  # from the preset
     assert cfg["data"]["store_dir"] == str(tmp_path / "stores")  # absolute, as the run saves it
-    assert cfg["doremi"]["reference_weights"] == "uniform"  # a name stays a name
+    assert cfg["mixing"]["doremi"]["reference_weights"] == "uniform"  # a name stays a name
 
 
 def test_config_says_what_it_runs_and_which_inputs_are_missing(tmp_path, capsys):
@@ -142,7 +142,7 @@ def test_config_keys_documents_every_key(capsys):
     assert by_path["parallelism.dp"].type == "int or one of 'auto'"
     assert main(["config", "--keys"]) == 0
     out = capsys.readouterr().out
-    assert "doremi.average_from_step  (int) = 1\n    `doremi average`: the tuned weights" in out
+    assert "mixing.doremi.average_from_step  (int) = 1\n    `doremi average`: the tuned weights" in out
 
 
 def test_docs_config_md_is_up_to_date():
@@ -163,11 +163,52 @@ def test_dp_auto_is_world_size_over_tp_pp(experiment, monkeypatch):
     with pytest.raises(ConfigError) as e:
         load_config(experiment, ["parallelism.dp=auto", "parallelism.tp=2"], cls=ExperimentConfig)
     assert str(e.value) == (
-        "parallelism.dp: auto needs WORLD_SIZE divisible by tp x pp = 2 x 1, got WORLD_SIZE=3 "
-        "(1 without torchrun; give dp as a number to plan or inspect off the cluster)"
+        "parallelism.dp: auto needs WORLD_SIZE divisible by tp x pp = 2 x 1, got WORLD_SIZE=3 (or give dp as a number)"
     )
     monkeypatch.delenv("WORLD_SIZE")
     assert load_config(experiment, ["parallelism.dp=auto"], cls=ExperimentConfig).parallelism.dp == 1
+
+
+def _without_vocab_size(stores: Path, run: Path) -> Path:
+    """The test run's config without `model.vocab_size` (nor the preset, which sets one)."""
+    path = runs.config_path(stores, run)
+    raw = yaml.safe_load(path.read_text())
+    del raw["model"]["vocab_size"]
+    raw["model"].pop("preset")
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_auto_is_the_default_for_vocab_size_and_dp_and_the_start_up_line_says_so(stores, tmp_path, monkeypatch):
+    """Issue 43 item 4: a config that omits both gets the stores' vocabulary and WORLD_SIZE over
+    tp x pp, each named with its source; without a launcher dp is 1 (the former default), so a
+    tp 2 config still loads off the cluster, and nothing is said of it."""
+    import dataclasses
+
+    from trainer.config.schema import ModelConfig, ParallelismConfig, auto_notes
+
+    defaults = [{f.name: f.default for f in dataclasses.fields(c)} for c in (ModelConfig, ParallelismConfig)]
+    assert (defaults[0]["vocab_size"], defaults[1]["dp"]) == ("auto", "auto")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert ParallelismConfig(tp=2).dp == 1  # resolved when the section is made, also in code
+    path = _without_vocab_size(stores, tmp_path / "r")
+    cfg = load_config(path, ["parallelism.tp=2"], cls=ExperimentConfig)
+    assert (cfg.model.vocab_size, cfg.parallelism.dp) == (257, 1)
+    assert auto_notes(cfg) == ["vocab_size 257 (auto: from the stores)"]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    sets = ["parallelism.tp=2", "parallelism.pp=2", "train.global_batch_size=8", "train.micro_batches=2"]
+    cfg = load_config(path, sets, cls=ExperimentConfig)
+    assert auto_notes(cfg) == ["vocab_size 257 (auto: from the stores)", "dp 2 (auto: WORLD_SIZE 8 / tp 2 x pp 2)"]
+    given = load_config(path, ["model.vocab_size=300", "parallelism.dp=4", "parallelism.tp=2"], cls=ExperimentConfig)
+    assert auto_notes(given) == [] and to_dict(given)["model"]["vocab_size"] == 300
+
+
+def test_the_start_up_line_names_the_vocab_size_auto_chose(stores, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path = _without_vocab_size(stores, tmp_path / "r")
+    assert main(["train", str(path), "--set", "train.steps=1", "--set", "train.eval_every=0"]) == 0
+    start = capsys.readouterr().err.splitlines()[1]
+    assert start.startswith("device cpu, ") and start.endswith("M parameters, vocab_size 257 (auto: from the stores)")
 
 
 def test_vocab_size_auto_from_the_stores(stores, tmp_path):
@@ -212,12 +253,34 @@ def test_inspect_prints_the_manifest_and_decoded_documents(stores, capsys):
     out = full.split("\n")
     assert out[0] == f"stores: {stores}"
     assert out[1].startswith("tokenizer: byte (vocab_size 257, eos_id 256)")
-    assert out[2].split() == ["domain", "train", "tokens", "train", "docs", "val", "tokens", "val", "docs"]
+    assert out[2].split() == "domain train docs train tokens train bytes val docs val tokens val bytes".split()
     assert [line.split()[0] for line in out[3:6]] == ["noise", "easy", "markov"]
     assert out[7].startswith("== easy: 1 of ")
     doc = open_stores(stores).document("easy", "train", 0)
     text = load_tokenizer(stores).decode(int(t) for t in doc)
     assert full.endswith(f"-- [0] {len(doc)} tokens\n{text[:400]} [...]\n")
+
+
+def test_counts_table_fits_100_columns_with_bytes_per_split():
+    from types import SimpleNamespace
+
+    from data.store import DomainEntry, SplitCounts
+    from doremi.commands.inspect import counts_table
+
+    long = "a-domain-name-longer-than-the-table-allows"
+    domains = [
+        DomainEntry(long, "files", SplitCounts(10**12, 10**9, 4 * 10**12), SplitCounts(10**9, 10**6, 999_990_000)),
+        DomainEntry("markov", "synthetic", SplitCounts(6000, 30), SplitCounts(600, 3)),
+    ]
+    lines = counts_table(SimpleNamespace(domains=domains, domain_names=[d.name for d in domains]))
+    assert max(len(line) for line in lines) == 100
+    assert lines[1].split() == [long[:25] + "~", "1000000000", "1000000000000", "4000.00", "GB"] + [
+        "1000000",
+        "1000000000",
+        "999.99",
+        "MB",
+    ]
+    assert lines[2].split() == ["markov", "30", "6000", "-", "3", "600", "-"]
 
 
 def test_inspect_without_stores_is_one_line(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""`trainer.model.cross_entropy` against F.cross_entropy in float64: the torch op (CPU) and the
+"""`trainer.model.ops.cross_entropy` against F.cross_entropy in float64: the torch op (CPU) and the
 Triton kernels (run by Triton's interpreter)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.interpreter import needs_triton, run_interpreted
-from trainer.model.cross_entropy import cross_entropy, cross_entropy_op
+from trainer.model.ops.cross_entropy import cross_entropy, cross_entropy_op
 
 IGNORE = -100
 
@@ -48,7 +48,7 @@ def test_torch_op_matches_float64_reference_with_ignored_tokens_and_padded_vocab
 TRITON_CASE = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
-    from trainer.model import cross_entropy as ce
+    from trainer.model.ops import cross_entropy as ce
     assert ce.triton_kernels() is not None, "triton is not importable"
     g = torch.Generator().manual_seed(0)
     # A vocabulary of more than one block with a ragged last one, one of less than a block,

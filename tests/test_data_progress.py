@@ -9,7 +9,7 @@ from pathlib import Path
 
 from data.config import DataConfig, DomainSource
 from data.preprocess import preprocess
-from data.progress import ENV, Progress, interval_from_env, si
+from data.progress import ENV, Countdown, Progress, duration, interval_from_env, si
 
 
 def test_lines_at_most_every_interval_with_rates_since_the_last():
@@ -88,3 +88,50 @@ def test_worker_processes_report_through_shared_counters(tmp_path, monkeypatch):
         notes.train.tokens + notes.validation.tokens,
         notes.train.bytes + notes.validation.bytes,
     ]
+
+
+def test_countdown_lines_with_elapsed_and_eta_at_most_every_interval():
+    """A resumed stage (2 of 10 done before): the rate counts only the units done here."""
+    now = [100.0]
+    out = io.StringIO()
+    countdown = Countdown("sweep", 10, first=2, stream=out, interval=5.0, clock=lambda: now[0])
+    now[0] = 104.0
+    countdown.done(3, "run 2 (dirichlet)")
+    assert out.getvalue() == ""
+    now[0] = 110.0
+    countdown.done(4, "run 3 (dirichlet)")
+    now[0] = 112.0
+    countdown.done(5)
+    now[0] = 400.0
+    countdown.done(9, "run 8 (one_hot)")
+    assert out.getvalue().splitlines() == [
+        "sweep 4/10 run 3 (dirichlet): 10 s elapsed, ETA 30 s",
+        "sweep 9/10 run 8 (one_hot): 5m 00s elapsed, ETA 43 s",
+    ]
+    assert Countdown("eval", 3).enabled is False  # under pytest
+
+
+def test_durations_read_at_a_glance():
+    assert [duration(s) for s in (0.4, 42, 59.6, 185, 3599, 7320)] == [
+        "0 s",
+        "42 s",
+        "1m 00s",
+        "3m 05s",
+        "59m 59s",
+        "2h 02m",
+    ]
+
+
+def test_datasets_bars_are_hidden_for_local_files_and_restored(tmp_path, capfd):
+    """A csv domain is read by `datasets` (no streaming reader): its "Generating train split"
+    bar is not shown for a local file, and `datasets`' own setting is as before afterwards."""
+    import datasets
+
+    (tmp_path / "t.csv").write_text("text\n" + "".join(f'"row {i} of text"\n' for i in range(40)))
+    cfg = DataConfig(domains=[DomainSource(name="tab", paths=[str(tmp_path / "t.csv")])], store_dir=str(tmp_path / "s"))
+    assert datasets.is_progress_bar_enabled()
+    manifest = preprocess(cfg, progress=True)
+    assert manifest.domain("tab").train.documents + manifest.domain("tab").validation.documents == 40
+    err = capfd.readouterr().err
+    assert "Generating" not in err and "Downloading" not in err
+    assert datasets.is_progress_bar_enabled()

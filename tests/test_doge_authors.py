@@ -1,4 +1,4 @@
-"""DoGE's `variant: authors` (doremi/methods/doge.py) against the released code (github
+"""DoGE's `variant: authors` (doremi/methods/doge/method.py) against the released code (github
 Olivia-fsm/DoGE, commit 88400e9263dfdd69a24b28aec8533fcb1bf9363d, `src/trainer.py`,
 `update_domain_weights_distributed`): the update of a small fixed case computed by hand from its
 equations, and one training step of the trainer (trainer/run/alignment.py, deferred alignment)
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from data.batch import IGNORE_INDEX
-from doremi.methods.doge import DoGEConfig, authors_scores, doge_update, domain_clip, score_clip
+from doremi.methods.doge.method import DoGEConfig, authors_scores, doge_update, domain_clip, score_clip
 from doremi.methods.history import read_history
 from doremi.pipeline import stages
 from tests.runs import config
+from tests.test_method_doge import fit_capturing_gradients
 from trainer.config.tools import ConfigError
-from trainer.parallel.main_grad import grad_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -118,15 +118,7 @@ def test_one_step_matches_the_released_equations_on_autograd_gradients(stores, t
     cfg.mixing.doge.domain_grad_clip = clip
     trainer = stages.proxy_trainer(cfg)
     trainer.model.load_state_dict(twin.model.state_dict())
-    seen: dict[str, torch.Tensor] = {}
-    reduce = trainer.optimizer.reduce_gradients
-
-    def capture() -> None:
-        seen.update({n: grad_of(p).detach().clone() for n, p in trainer.named_params})
-        reduce()
-
-    trainer.optimizer.reduce_gradients = capture
-    trainer.fit()
+    seen = fit_capturing_gradients(trainer)
     row = read_history(tmp_path / "run")[0]
 
     clipped = [[x * clip_coef(norm(g), clip) for x in g] for g in raw]

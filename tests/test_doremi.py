@@ -58,7 +58,7 @@ def reference(stores, root) -> Path:
 
 
 def proxy_config(stores: Path, run: Path, reference: Path, *sets: str) -> ExperimentConfig:
-    return config(stores, run, *COMMON, f"train.steps={PROXY_STEPS}", f"doremi.reference={reference}", *sets)
+    return config(stores, run, *COMMON, f"train.steps={PROXY_STEPS}", f"mixing.doremi.reference={reference}", *sets)
 
 
 def train_proxy(stores: Path, run: Path, reference: Path, *sets: str) -> Path:
@@ -86,9 +86,9 @@ def max_alpha_change(run: Path) -> float:
 
 VARIANTS = {
     "exact": [],
-    "lagged": ["doremi.update=lagged"],
+    "lagged": ["mixing.doremi.update=lagged"],
     # eta = 5 moves alpha enough in 5 steps to change the resampled batches
-    "resample": ["doremi.mode=resample", "doremi.eta=5", "train.global_batch_size=16"],
+    "resample": ["mixing.doremi.mode=resample", "mixing.doremi.eta=5", "train.global_batch_size=16"],
 }
 
 
@@ -125,7 +125,13 @@ def test_sigkill_and_resume_equals_the_uninterrupted_run(stores, root, reference
     """A `doremi train-proxy` process killed with SIGKILL wherever it is after step 3 (in a
     step, in a history write, in a checkpoint write), then resumed in this process."""
     steps = 30
-    sets = [*COMMON, f"train.steps={steps}", f"doremi.reference={reference}", "checkpoint.every=1", "checkpoint.keep=2"]
+    sets = [
+        *COMMON,
+        f"train.steps={steps}",
+        f"mixing.doremi.reference={reference}",
+        "checkpoint.every=1",
+        "checkpoint.keep=2",
+    ]
     whole = root / "sigkill-whole"
     stages.train_proxy(config(stores, whole, *sets))
 
@@ -213,7 +219,7 @@ def test_tuned_weights_order_domains_by_learnability(tmp_path):
     """
     preprocess(behaviour_config(tmp_path, "unused").data, progress=False)
     stages.train_reference(behaviour_config(tmp_path, "reference"))
-    stages.train_proxy(behaviour_config(tmp_path, "proxy", f"doremi.reference={tmp_path / 'reference'}"))
+    stages.train_proxy(behaviour_config(tmp_path, "proxy", f"mixing.doremi.reference={tmp_path / 'reference'}"))
     doc = json.loads(stages.average(tmp_path / "proxy").read_text())
     weights = dict(zip(doc["domains"], doc["weights"]))
     assert doc["domains"] == ["noise", "repeat", "markov", "code"]
@@ -231,7 +237,7 @@ def test_tuned_weights_order_domains_by_learnability(tmp_path):
 
 
 def test_eta_zero_keeps_alpha_uniform(stores, root, reference):
-    run = train_proxy(stores, root / "eta0", reference, "doremi.eta=0")
+    run = train_proxy(stores, root / "eta0", reference, "mixing.doremi.eta=0")
     history = read_history(run)
     assert len(history) == PROXY_STEPS
     for r in history:
@@ -240,10 +246,10 @@ def test_eta_zero_keeps_alpha_uniform(stores, root, reference):
 
 
 def test_lagged_update_is_recorded_and_layout_independent(stores, root, reference, exact):
-    one = train_proxy(stores, root / "lagged-mb1", reference, "doremi.update=lagged")
-    four = train_proxy(stores, root / "lagged-mb4", reference, "doremi.update=lagged", "train.micro_batches=4")
-    assert read_yaml(one / "config.yaml")["doremi"]["update"] == "lagged"
-    assert read_yaml(exact / "config.yaml")["doremi"]["update"] == "exact"
+    one = train_proxy(stores, root / "lagged-mb1", reference, "mixing.doremi.update=lagged")
+    four = train_proxy(stores, root / "lagged-mb4", reference, "mixing.doremi.update=lagged", "train.micro_batches=4")
+    assert read_yaml(one / "config.yaml")["mixing"]["doremi"]["update"] == "lagged"
+    assert read_yaml(exact / "config.yaml")["mixing"]["doremi"]["update"] == "exact"
     assert json.loads(stages.average(one).read_text())["update"] == "lagged"
     assert_close_alphas(alphas(four), alphas(one), 1e-6)
 
@@ -277,21 +283,49 @@ def test_resample_draws_the_batch_from_the_previous_alpha(stores, root, referenc
 
 def test_cached_reference_gives_the_online_weights(stores, root, reference, exact):
     cache = stages.score(proxy_config(stores, root / "score", reference), root / "cache")
-    run = train_proxy(stores, root / "cached", reference, f"doremi.reference_cache={cache}")
+    run = train_proxy(stores, root / "cached", reference, f"mixing.doremi.reference_cache={cache}")
     assert_close_alphas(alphas(run), alphas(exact), 1e-6)
     assert max_alpha_change(exact) > 1e-3
+
+
+def test_score_and_evaluation_report_progress_on_stderr(stores, root, reference, capsys, monkeypatch):
+    """DOREMI_PROGRESS_SECONDS small: `doremi score` reports each batch it scores and an
+    evaluation each domain, on stderr (i/n, elapsed, ETA); nothing on stdout, and the same
+    losses as without progress."""
+    monkeypatch.setenv("DOREMI_PROGRESS_SECONDS", "0.000001")
+    stages.score(proxy_config(stores, root / "score-progress", reference, "train.steps=2"), root / "cache-progress")
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("score: batch ")]
+    n = int(lines[0].split()[2].split("/")[1])
+    assert out == "" and [line.split()[2] for line in lines] == [f"{i}/{n}" for i in range(1, n + 1)]
+    assert lines[-1].split()[3] == "markov:" and all(" elapsed, ETA " in line for line in lines)
+    domains, losses = stages.evaluate(reference)
+    out, err = capsys.readouterr()
+    assert out == "" and [line.split(":")[1] for line in err.splitlines() if line.startswith("eval: ")] == [
+        " domain 1/3",
+        " domain 2/3",
+        " domain 3/3",
+    ]
+    monkeypatch.setenv("DOREMI_PROGRESS_SECONDS", "0")
+    assert np.array_equal(stages.evaluate(reference)[1], losses)
+    assert "eval: " not in capsys.readouterr().err
 
 
 def test_cache_shorter_than_the_run_is_a_one_line_error(stores, root, reference):
     cache = stages.score(proxy_config(stores, root / "score-short", reference, "train.steps=2"), root / "cache-short")
     assert json.loads((cache / "meta.json").read_text())["steps"] == 2
     with pytest.raises(DoReMiError) as err:
-        train_proxy(stores, root / "cached-short", reference, f"doremi.reference_cache={cache}")
+        train_proxy(stores, root / "cached-short", reference, f"mixing.doremi.reference_cache={cache}")
     message = str(err.value)
     assert "\n" not in message
     assert str(cache) in message and "covers 2 steps, fewer steps than the run's train.steps=5" in message
     assert not (root / "cached-short" / "metrics.jsonl").exists()  # refused before any step
     with pytest.raises(DoReMiError, match="cache was scored for data.seed=0, the run has 7"):
         train_proxy(
-            stores, root / "cached-seed", reference, f"doremi.reference_cache={cache}", "data.seed=7", "train.steps=2"
+            stores,
+            root / "cached-seed",
+            reference,
+            f"mixing.doremi.reference_cache={cache}",
+            "data.seed=7",
+            "train.steps=2",
         )

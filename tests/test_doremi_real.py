@@ -30,7 +30,7 @@ def test_arm_commands_carry_seed_baselines_and_ablation():
         "train.seed=2",
         "data.seed=2",
         "pipeline.baselines=[]",
-        "doremi.reference_weights=/w/natural.json",
+        "mixing.doremi.reference_weights=/w/natural.json",
         "train.steps=3",
     ]
     one = run_study.arm_command("doremi-s1", run_study.ARMS["doremi-s1"], Path("/w"), natural, [])

@@ -255,6 +255,46 @@ def test_dirichlet_design_caps_minimum_determinism():
     assert json.dumps(d.rows()[0])
 
 
+@pytest.mark.parametrize(
+    "kwargs, weights_sha, params_sha",
+    [
+        (
+            dict(prior=[0.5, 0.3, 0.2], n=5, seed=0),
+            "8bd47d7d0243a11971bfadede04a7a1dd3e22df8bc8178f22dbef6530bd1ccaa",
+            "02c16a5e6ca975199e669737a1b52330f2647cc5fada3437b720253d5517fd80",
+        ),
+        (
+            dict(prior=[0.1, 0.2, 0.3, 0.4], n=7, seed=3, temperature=0.5, min_weight=0.05),
+            "12a35cadaf76b925b22b1cbc9f012907bb076669753a6ff8d7f7a1cd820f299f",
+            "69156ce8b9d0c7244aa6da63e784cc60dead98ebbdb9ba8880a076dce726be2d",
+        ),
+        (
+            dict(prior=[0.25] * 4, n=6, seed=11, caps=[0.6, 0.6, 0.9, 1.0], concentration=(0.5, 2.0)),
+            "0665553d9b553aa30c552ed2b70b4b296da0f5f99df3b643ce6467debebf10db",
+            "734d6d381fd2bf67db6c00190d5cfc7bcd7c5d5073a6c1a85340ca2dd8dafc4a",
+        ),
+        (
+            dict(prior=[0.7, 0.2, 0.1], n=300, seed=5, min_weight=0.02, caps=[0.8, 0.9, 0.9]),
+            "827cb0edda374a0e74e2b123d304b1d53d9fe099ddc2d0e0ccb562db2439d4bd",
+            "ef691c91b8c1d7b2acbb4db82a8d06781a04c7e293f7ed2404688b116b108855",
+        ),
+        (
+            dict(prior=[0.7, 0.2, 0.1], n=50, seed=2, min_weight=0.05, caps=[0.5, 0.5, 0.5]),
+            "c0d30aebe85b962c3f68d83e4a31e85d027558c1b694f0884b66580ee6889af7",
+            "d86c69953281f606d2e8f0b2890745baf699585e9d66bd80c2014d0c4e5fc061",
+        ),
+    ],
+)
+def test_dirichlet_design_bit_for_bit_as_before_its_split(kwargs, weights_sha, params_sha):
+    """The hashes were computed with `dirichlet_design` before it was split into named pieces
+    (issue 43): the same weights to the last bit and the same concentrations."""
+    import hashlib
+
+    d = dirichlet_design(**kwargs)
+    assert hashlib.sha256(d.weights.tobytes()).hexdigest() == weights_sha
+    assert hashlib.sha256(repr(d.params).encode()).hexdigest() == params_sha
+
+
 def test_grid_and_one_hot_designs():
     g = grid_design(3, 10)
     assert len(g) == math.comb(12, 2) == 66

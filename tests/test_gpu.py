@@ -78,7 +78,7 @@ def test_triton_update_on_grad_tensors_equals_the_compiled_flat_update():
 
 @cuda
 def test_triton_cross_entropy_matches_the_torch_op_at_the_bench_vocabulary():
-    from trainer.model import cross_entropy as ce
+    from trainer.model.ops import cross_entropy as ce
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -102,8 +102,8 @@ def test_triton_rope_matches_the_compiled_torch_ops_at_the_bench_shape():
     """The 1B layer's shape, bf16: q, k, v within one bf16 rounding of the torch ops' (fp32
     contraction may differ); attention's output and the projection's gradient, compiled as in a
     block, as close to the fp32 computation as the torch ops' are (relative norms of the errors)."""
-    from trainer.model import rope
     from trainer.model.layers import causal_attention, rope_tables
+    from trainer.model.ops import rope
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -240,7 +240,9 @@ def test_what_does_not_map_is_one_line(tmp_path):
     assert "no model.safetensors" in doremi_error("import", hf_dir)
     assert "config.json: missing" in doremi_error("import", tmp_path)
     with pytest.raises(HFFormatError, match="rope_scaling type 'yarn'"):
-        model_keys_from_hf({**to_hf_config(ModelConfig(), torch.float32, 0), "rope_scaling": {"rope_type": "yarn"}})
+        model_keys_from_hf(
+            {**to_hf_config(ModelConfig(vocab_size=256), torch.float32, 0), "rope_scaling": {"rope_type": "yarn"}}
+        )
 
 
 def test_init_from_hf_checks_the_model_shape(tmp_path):

@@ -127,16 +127,18 @@ def reference(stores, tmp_path_factory) -> Path:
 
 PROXY = {
     "exact": [],
-    "lagged": ["doremi.update=lagged"],
+    "lagged": ["mixing.doremi.update=lagged"],
     "exact, 2 micro-batches": ["train.micro_batches=2"],
-    "resample": ["doremi.mode=resample"],
+    "resample": ["mixing.doremi.mode=resample"],
     "bf16 params": ["train.precision=bf16", "train.param_dtype=bf16"],
 }
 
 
 @pytest.mark.parametrize("sets", PROXY.values(), ids=PROXY.keys())
 def test_doremi_proxy_step(stores, reference, tmp_path, monkeypatch, sets):
-    trainer = stages.proxy_trainer(config(stores, tmp_path / "proxy", *COMMON, f"doremi.reference={reference}", *sets))
+    trainer = stages.proxy_trainer(
+        config(stores, tmp_path / "proxy", *COMMON, f"mixing.doremi.reference={reference}", *sets)
+    )
     try:
         trainer.train_step()
         mode = instrument(trainer, monkeypatch)

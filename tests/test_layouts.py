@@ -119,7 +119,7 @@ def runs(stores, tmp_path_factory) -> Path:
     stages.train(config(stores, root / "single", *COMMON))
     stages.train(config(stores, root / "single-4steps", *COMMON, "train.steps=4"))
     stages.train_reference(config(stores, root / "reference", *COMMON))
-    proxy = [*COMMON, "train.steps=5", f"doremi.reference={root / 'reference'}"]
+    proxy = [*COMMON, "train.steps=5", f"mixing.doremi.reference={root / 'reference'}"]
     stages.train_proxy(config(stores, root / "proxy-single", *proxy))
     stages.train_proxy(config(stores, root / "proxy-single-mb4", *proxy, "train.micro_batches=4"))
 

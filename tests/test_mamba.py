@@ -1,6 +1,6 @@
 """Mamba-2 blocks and hybrid Mamba/attention models (issue 25).
 
-- the chunked scan (`trainer.model.ssd.ssd_chunked`) equals the token-by-token recurrence in fp32
+- the chunked scan (`trainer.model.mamba.ssd.ssd_chunked`) equals the token-by-token recurrence in fp32
   to 1e-5, forward and gradients, for several chunk sizes and lengths not multiples of the chunk;
 - the mixer is causal, its convolution and gated norm match their definitions, and the model's
   parameter count is the formula's (`trainer.model.flops`);
@@ -26,8 +26,8 @@ from trainer.config.mamba import layer_mixers, ssd_flops_per_token
 from trainer.config.schema import ModelConfig, apply_preset
 from trainer.config.tools import ConfigError, from_dict
 from trainer.model.flops import flops_per_token, non_embedding_params, param_count
-from trainer.model.mamba import causal_depthwise_conv, gated_group_rms_norm
-from trainer.model.ssd import segsum, ssd_chunked, ssd_reference
+from trainer.model.mamba.mixer import causal_depthwise_conv, gated_group_rms_norm
+from trainer.model.mamba.ssd import segsum, ssd_chunked, ssd_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -212,7 +212,7 @@ def runs(stores, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mamba-layouts")
     stages.train(config(stores, root / "single", *COMMON))
     stages.train_reference(config(stores, root / "reference", *COMMON))
-    proxy = [*COMMON, "train.steps=4", f"doremi.reference={root / 'reference'}"]
+    proxy = [*COMMON, "train.steps=4", f"mixing.doremi.reference={root / 'reference'}"]
     stages.train_proxy(config(stores, root / "proxy-single", *proxy))
     train_jobs = [(str(root / name), [*COMMON, *sets]) for name, sets in LAYOUTS.items()]
     spawn(_run_all, 8, str(stores), train_jobs, [(str(root / "proxy-tp2-pp2-dp2"), [*proxy, *PROXY])])

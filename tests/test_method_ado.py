@@ -1,4 +1,4 @@
-"""ADO (doremi/methods/ado.py): the power-law fit, the policy's pure functions, and the method
+"""ADO (doremi/methods/ado/method.py): the power-law fit, the policy's pure functions, and the method
 driven by synthetic step signals."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from doremi.methods.ado import (
+from doremi.methods.ado.method import (
     ADO,
     ADOConfig,
     credit_update,

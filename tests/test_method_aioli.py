@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from doremi.methods.aioli import (
+from doremi.methods.aioli.method import (
     Aioli,
     AioliConfig,
     ProbeSchedule,

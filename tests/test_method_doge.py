@@ -1,4 +1,4 @@
-"""DoGE (doremi/methods/doge.py) and the trainer's aligned step (trainer/run/alignment.py): the
+"""DoGE (doremi/methods/doge/method.py) and the trainer's aligned step (trainer/run/alignment.py): the
 update against hand-computed cases of the paper's equation 6, and one training step against
 per-domain gradients computed directly with autograd on the same batches."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from data.batch import IGNORE_INDEX
-from doremi.methods.doge import DoGEConfig, doge_scores, doge_update
+from doremi.methods.doge.method import DoGEConfig, doge_scores, doge_update
 from doremi.methods.history import read_history
 from doremi.pipeline import stages
 from tests.runs import config
@@ -52,14 +52,9 @@ SETS = [
 ]
 
 
-def test_one_step_matches_per_domain_gradients_by_autograd(stores, tmp_path):
-    """The aligned step's inner products <g_i, g_T> and its gradient sum_i alpha_1[i] g_i equal
-    those computed directly: each domain's mean-loss gradient and the target batch's by autograd
-    on a copy of the model, on the same batches."""
-    cfg = config(stores, tmp_path / "run", *SETS, "train.steps=1", "train.micro_batches=2", "train.grad_clip=0")
-    trainer = stages.proxy_trainer(cfg)
-    twin = stages.proxy_trainer(config(stores, tmp_path / "twin", *SETS, "train.steps=1"))
-    twin.model.load_state_dict(trainer.model.state_dict())
+def fit_capturing_gradients(trainer) -> dict[str, torch.Tensor]:
+    """Run `trainer` and return each parameter's gradient as the step left it, before the
+    optimizer's reduction (the last step's)."""
     seen: dict[str, torch.Tensor] = {}
     reduce = trainer.optimizer.reduce_gradients
 
@@ -69,6 +64,18 @@ def test_one_step_matches_per_domain_gradients_by_autograd(stores, tmp_path):
 
     trainer.optimizer.reduce_gradients = capture
     trainer.fit()
+    return seen
+
+
+def test_one_step_matches_per_domain_gradients_by_autograd(stores, tmp_path):
+    """The aligned step's inner products <g_i, g_T> and its gradient sum_i alpha_1[i] g_i equal
+    those computed directly: each domain's mean-loss gradient and the target batch's by autograd
+    on a copy of the model, on the same batches."""
+    cfg = config(stores, tmp_path / "run", *SETS, "train.steps=1", "train.micro_batches=2", "train.grad_clip=0")
+    trainer = stages.proxy_trainer(cfg)
+    twin = stages.proxy_trainer(config(stores, tmp_path / "twin", *SETS, "train.steps=1"))
+    twin.model.load_state_dict(trainer.model.state_dict())
+    seen = fit_capturing_gradients(trainer)
     row = read_history(tmp_path / "run")[0]
 
     batch = twin.feed.step_batches(1, twin.hook.sampling_weights(1))[0]

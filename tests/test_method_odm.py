@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from doremi.methods.history import read_history
-from doremi.methods.odm import ODM, ODMConfig, exp3_policy, exploration_rate, step_rewards, update_rewards
+from doremi.methods.odm.method import ODM, ODMConfig, exp3_policy, exploration_rate, step_rewards, update_rewards
 from trainer.config.tools import ConfigError
 from trainer.parallel.context import ParallelContext
 from trainer.run.hooks import MethodContext, StepSignals

@@ -29,7 +29,7 @@ METHODS: dict[str, list[str]] = {
     "ado": [
         "mixing.method=ado",
         # the paper's form: the authors' fit on 1 to 5 points is ill-posed, and a float32 rounding
-        # flip of one loss between layouts can move its weights by ~1e-6 (doremi/methods/ado.py)
+        # flip of one loss between layouts can move its weights by ~1e-6 (doremi/methods/ado/method.py)
         "mixing.ado.variant=paper",
         "mixing.ado.warmup=0",
         "mixing.ado.refit_every=1",

@@ -146,7 +146,7 @@ def test_bad_forms(bad):
 def test_check_spec_accepts_the_names():
     for name in ("uniform", "tokens", "temperature:2", "temperature:1.5", "unimax:4"):
         check_spec(name, DOMAINS, "pipeline.baselines[0]")
-        check_spec(name, None, "doremi.proxy_sampling")
+        check_spec(name, None, "mixing.doremi.proxy_sampling")
 
 
 def test_resolve_weights_names():
@@ -162,9 +162,9 @@ def test_resolve_weights_names():
 
 def test_unimax_without_budget_names_the_key():
     with pytest.raises(DataError) as e:
-        resolve_weights("unimax:4", MANIFEST, "doremi.proxy_sampling")
+        resolve_weights("unimax:4", MANIFEST, "mixing.doremi.proxy_sampling")
     message = str(e.value)
-    assert message.startswith("doremi.proxy_sampling: unimax:4 needs the run's token budget")
+    assert message.startswith("mixing.doremi.proxy_sampling: unimax:4 needs the run's token budget")
     assert "\n" not in message
 
 

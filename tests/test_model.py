@@ -16,7 +16,7 @@ from trainer.model.flops import flops_per_token, non_embedding_params, param_cou
 from trainer.model.init import init_std
 from trainer.model.layers import llama3_scaled_frequencies
 from trainer.model.llama import Llama, build_stage, compile_scope
-from trainer.model.swiglu import swiglu
+from trainer.model.ops.swiglu import swiglu
 from trainer.parallel.context import ParallelContext
 
 

@@ -27,8 +27,8 @@ from tests.test_moe import _reference
 from trainer.config.moe import MoEConfig
 from trainer.config.schema import ModelConfig
 from trainer.config.tools import ConfigError
+from trainer.model.mamba.ssd import ssd_chunked, ssd_reference
 from trainer.model.moe import MoE
-from trainer.model.ssd import ssd_chunked, ssd_reference
 from trainer.parallel.expert import ExpertParallel
 from trainer.parallel.tensor import TensorParallel
 

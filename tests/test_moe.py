@@ -234,7 +234,7 @@ def runs(stores, tmp_path_factory) -> Path:
     stages.train(config(stores, root / "single", *MOE))
     stages.train(config(stores, root / "single-4steps", *MOE, "train.steps=4"))
     stages.train_reference(config(stores, root / "reference", *MOE))
-    proxy = [*MOE, f"doremi.reference={root / 'reference'}"]
+    proxy = [*MOE, f"mixing.doremi.reference={root / 'reference'}"]
     stages.train_proxy(config(stores, root / "proxy-single", *proxy))
     jobs: dict[int, dict[str, list]] = {2: {"train": []}, 4: {"train": []}}
     for name, sets in LAYOUTS.items():

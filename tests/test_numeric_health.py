@@ -111,7 +111,10 @@ def test_every_rank_stops_at_the_same_step_under_dp2(stores, tmp_path):
         (["train.lr=.inf"], "train.lr: expected a finite number, got inf"),
         (["train.weight_decay=-.inf"], "train.weight_decay: expected a finite number, got -inf"),
         (["data.domain_weights=[1, .nan, 1]"], "data.domain_weights[1]: expected a finite number, got nan"),
-        (["doremi.reference_weights={noise: .inf}"], "doremi.reference_weights.noise: expected a finite number"),
+        (
+            ["mixing.doremi.reference_weights={noise: .inf}"],
+            "mixing.doremi.reference_weights.noise: expected a finite number",
+        ),
         (["pipeline.guardrails.proxy_lag=.nan"], "pipeline.guardrails.proxy_lag: expected a finite number, got nan"),
     ],
 )

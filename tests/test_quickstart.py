@@ -148,8 +148,8 @@ def test_iterated_rounds_feed_weights_forward_and_stop_on_tolerance(tmp_path):
         f"data.store_dir={tmp_path / 'stores'}",
         "pipeline.skip_main=true",
         "pipeline.methods=[doremi]",
-        "doremi.rounds=3",
-        "doremi.rounds_tolerance=1.0",
+        "mixing.doremi.rounds=3",
+        "mixing.doremi.rounds_tolerance=1.0",
         "train.steps=4",
         "train.eval_every=0",
     ]

@@ -84,13 +84,14 @@ COVERED: dict[str, list[str]] = {
         "tests/test_quickstart.py::test_every_stage_ran_and_report_matches_the_runs",
     ],
     "make test": [f"{HERE}::test_make_targets_run_the_readme_commands"],
+    "make test-fast": [f"{HERE}::test_make_targets_run_the_readme_commands"],
     "make TORCH_SPEC=torch quickstart": [
         "tests/test_makefile.py::test_a_changed_torch_spec_reinstalls_torch_and_an_unchanged_one_does_nothing"
     ],
     f"doremi preprocess {QUICKSTART}": [CHAIN, QS],
     f"doremi train-reference {QUICKSTART} --set train.run_dir=runs/ref": [CHAIN],
-    f"doremi score {QUICKSTART} --set doremi.reference=runs/ref --out runs/ref-cache": [CHAIN],
-    f"doremi train-proxy {QUICKSTART} --set train.run_dir=runs/proxy --set doremi.reference=runs/ref": [CHAIN],
+    f"doremi score {QUICKSTART} --set mixing.doremi.reference=runs/ref --out runs/ref-cache": [CHAIN],
+    f"doremi train-proxy {QUICKSTART} --set train.run_dir=runs/proxy --set mixing.doremi.reference=runs/ref": [CHAIN],
     "doremi average runs/proxy": [CHAIN],
     f"doremi train {QUICKSTART} --set data.domain_weights=runs/proxy/weights.json": [CHAIN],
     "doremi eval runs/quickstart/train": [CHAIN],
@@ -137,8 +138,9 @@ COVERED: dict[str, list[str]] = {
     "pip install 'doremi-mix[hf]'": [f"{HERE}::test_the_hf_extra_exists"],
     "pip install 'doremi-mix[wandb]'": [f"{HERE}::test_the_logger_extras_exist"],
     "pip install 'doremi-mix[tensorboard]'": [f"{HERE}::test_the_logger_extras_exist"],
+    "pip install 'doremi-mix[fp8]'": [f"{HERE}::test_the_fp8_extra_exists"],
     "python -m doremi.commands.config_docs": [f"{HERE}::test_config_docs_regenerates_docs_config_md"],
-    f"doremi train-proxy {QUICKSTART} --set doremi.reference=runs/ref": [CHAIN],
+    f"doremi train-proxy {QUICKSTART} --set mixing.doremi.reference=runs/ref": [CHAIN],
 }
 
 
@@ -203,19 +205,19 @@ def chain(workdir) -> dict[str, subprocess.CompletedProcess]:
     for name, command, sets in (
         ("preprocess", f"doremi preprocess {QUICKSTART}", []),
         ("reference", f"doremi train-reference {QUICKSTART} --set train.run_dir=runs/ref", SIZE),
-        ("score", f"doremi score {QUICKSTART} --set doremi.reference=runs/ref --out runs/ref-cache", SIZE),
+        ("score", f"doremi score {QUICKSTART} --set mixing.doremi.reference=runs/ref --out runs/ref-cache", SIZE),
         (
             "proxy",
-            f"doremi train-proxy {QUICKSTART} --set train.run_dir=runs/proxy --set doremi.reference=runs/ref",
+            f"doremi train-proxy {QUICKSTART} --set train.run_dir=runs/proxy --set mixing.doremi.reference=runs/ref",
             SIZE,
         ),
         ("average", "doremi average runs/proxy", []),
         ("train", f"doremi train {QUICKSTART} --set data.domain_weights=runs/proxy/weights.json", SIZE),
         ("eval", "doremi eval runs/quickstart/train", []),
-        ("newcomer", f"doremi train-proxy {QUICKSTART} --set doremi.reference=runs/ref", SIZE),
+        ("newcomer", f"doremi train-proxy {QUICKSTART} --set mixing.doremi.reference=runs/ref", SIZE),
     ):
         out[name] = run(workdir, argv(command, *sets))
-    cached = ["train.run_dir=runs/proxy-cached", "doremi.reference_cache=runs/ref-cache", *SIZE]
+    cached = ["train.run_dir=runs/proxy-cached", "mixing.doremi.reference_cache=runs/ref-cache", *SIZE]
     out["cached"] = run(
         workdir, [str(BIN / "doremi"), "train-proxy", QUICKSTART, *[a for s in cached for a in ("--set", s)]]
     )
@@ -226,7 +228,13 @@ def test_the_staged_chain_on_the_quickstart(workdir, chain):
     runs = workdir / "runs"
     assert chain["preprocess"].stdout.splitlines()[-1] == "stores in runs/quickstart/stores: 6 domains"
     said = chain["preprocess"].stdout.splitlines()  # the tokenizer, then each domain's counts
-    assert said[0].startswith("tokenizer: bpe-2048") and said[1].split()[:3] == ["domain", "train", "tokens"]
+    assert said[0].startswith("tokenizer: bpe-2048") and said[1].split()[:5] == [
+        "domain",
+        "train",
+        "docs",
+        "train",
+        "tokens",
+    ]
     assert [line.split()[0] for line in said[2:8]] == DOMAINS
     assert sorted(p.name for p in (runs / "quickstart" / "stores").iterdir() if p.is_dir()) == sorted(DOMAINS)
     assert (runs / "quickstart" / "stores" / "manifest.json").is_file()
@@ -394,9 +402,18 @@ def test_the_logger_extras_exist():
         assert any(dep.startswith(package) for dep in extras[extra])
 
 
+def test_the_fp8_extra_exists():
+    """The extra docs/gpu.md names for model.fp8: torchao, the version trainer/model/fp8.py reads
+    (the refusal without it is tests/test_fp8.py::test_model_fp8_without_torchao_is_refused_with_what_to_install)."""
+    assert "pip install 'doremi-mix[fp8]'" in readme_commands()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["fp8"] == ["torchao>=0.18,<0.19"]
+
+
 def test_make_targets_run_the_readme_commands(tmp_path):
     """`make quickstart` is the pipeline on the quickstart config that the quickstart tests run;
-    `make test` is lint and this suite (the recipes as `make -n` prints them)."""
+    `make test` is lint and this suite over xdist workers, `make test-fast` the suite without the
+    files marked slow (the recipes as `make -n` prints them)."""
     if shutil.which("make") is None:
         pytest.skip("needs make")
     venv = tmp_path / "venv"
@@ -404,7 +421,7 @@ def test_make_targets_run_the_readme_commands(tmp_path):
     def recipe(target: str) -> list[str]:
         argv(f"make {target}")
         done = subprocess.run(
-            ["make", "-n", "--no-print-directory", "-C", str(ROOT), target, f"VENV={venv}"],
+            ["make", "-n", "--no-print-directory", "-C", str(ROOT), target, f"VENV={venv}", "TEST_WORKERS=2"],
             capture_output=True,
             text=True,
         )
@@ -416,5 +433,8 @@ def test_make_targets_run_the_readme_commands(tmp_path):
     assert test[-3:] == [
         f"{venv}/bin/python -m ruff check .",
         f"{venv}/bin/python -m ruff format --check .",
-        f"{venv}/bin/python -m pytest -q -x --timeout=900 tests",
+        f"{venv}/bin/python -m pytest -q -x --timeout=900 -n 2 --dist loadfile --no-loadscope-reorder tests",
     ]
+    assert recipe("test-fast")[-1] == (
+        f'{venv}/bin/python -m pytest -q -x --timeout=900 -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests'
+    )

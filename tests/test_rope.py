@@ -1,4 +1,4 @@
-"""RoPE on the fused QKV projection (`trainer.model.rope`) against a float64 rotate-half reference,
+"""RoPE on the fused QKV projection (`trainer.model.ops.rope`) against a float64 rotate-half reference,
 forward and gradient: the custom ops' torch path, their registration, and the Triton kernels
 (Triton's CPU interpreter) against the torch path."""
 
@@ -9,7 +9,7 @@ import torch
 
 from tests.interpreter import needs_triton, run_interpreted
 from trainer.model.layers import rope_tables
-from trainer.model.rope import rope_qkv, rope_qkv_backward_op, rope_qkv_op, rope_qkv_torch
+from trainer.model.ops.rope import rope_qkv, rope_qkv_backward_op, rope_qkv_op, rope_qkv_torch
 
 
 def _reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv: int):
@@ -72,7 +72,7 @@ def test_triton_kernels_match_the_torch_path_in_the_interpreter():
     its rows, incoming gradients in SDPA's permuted layout, fp32 (to rounding) and bf16."""
     run_interpreted("""
 import torch
-from trainer.model import rope as r
+from trainer.model.ops import rope as r
 from trainer.model.layers import rope_tables
 assert r.triton_kernels() is not None, "triton is not importable"
 def close(got, want, tol):

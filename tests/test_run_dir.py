@@ -44,7 +44,7 @@ def test_cadence_layout_and_paths_do_not_change_the_fingerprint():
         parallelism={"dp": 2},
         train={"run_dir": "elsewhere", "eval_every": 3, "micro_batches": 2},
         pipeline={"baselines": []},
-        doremi={"rounds": 3},
+        mixing={"doremi": {"rounds": 3}},
     )
     assert rundir.record(same)["fingerprint"] == base["fingerprint"]
 
@@ -52,7 +52,7 @@ def test_cadence_layout_and_paths_do_not_change_the_fingerprint():
 @pytest.mark.parametrize(
     "section, key, value",
     [
-        ("doremi", "eta", 3.0),
+        ("mixing", "method", "odm"),
         ("train", "lr", 1e-4),
         ("train", "seed", 1),
         ("data", "seed", 2),
@@ -76,7 +76,9 @@ def test_steps_count_only_when_the_schedule_depends_on_them():
 
 
 def test_ignored_sections_and_file_contents(tmp_path):
-    assert rundir.record(exp(doremi={"eta": 3.0}), ignore=("doremi",)) == rundir.record(exp(), ignore=("doremi",))
+    # DoReMi's options are recorded under their former section (docs/design.md section 2a)
+    moved = exp(mixing={"doremi": {"eta": 3.0}})
+    assert rundir.record(moved, ignore=("doremi",)) == rundir.record(exp(), ignore=("doremi",))
     weights = tmp_path / "w.json"
     weights.write_text('{"domains": ["a"], "weights": [1.0]}')
     old = rundir.record(exp(data={"domain_weights": str(weights)}))
@@ -97,7 +99,7 @@ def test_changed_keys_names_each_difference():
 
 
 def test_check_resume():
-    old, new = rundir.record(exp()), rundir.record(exp(doremi={"eta": 3.0}))
+    old, new = rundir.record(exp()), rundir.record(exp(mixing={"doremi": {"eta": 3.0}}))
     rundir.check_resume("runs/x", old, old, 5, 10, allow_changed=False)
     rundir.check_resume("runs/x", old, new, 5, 10, allow_changed=True)
     rundir.check_resume("runs/x", None, new, 5, 10, allow_changed=False)  # written before fingerprints
@@ -215,7 +217,7 @@ def test_resume_under_a_changed_config_is_refused(stores, tmp_path):
     )
     assert snapshot(run) == before
     stages.train(
-        config(stores, run, *COMMON, "train.steps=5", "logging.every=2", "checkpoint.keep=1", "doremi.eta=3")
+        config(stores, run, *COMMON, "train.steps=5", "logging.every=2", "checkpoint.keep=1", "mixing.doremi.eta=3")
     )  # not result keys; more steps under a constant schedule
     assert "doremi.eta" not in json.loads((run / "run.json").read_text())["keys"] and len(losses(run)) == 5
     stages.train(config(stores, run, *COMMON, "train.steps=6", "train.lr=1e-3", "checkpoint.resume_changed=true"))
@@ -225,10 +227,10 @@ def test_resume_under_a_changed_config_is_refused(stores, tmp_path):
 def test_proxy_resume_under_a_changed_eta_is_refused(stores, tmp_path):
     ref, proxy = tmp_path / "reference", tmp_path / "proxy"
     stages.train_reference(config(stores, ref, *COMMON, "train.steps=2"))
-    sets = [*COMMON, "train.steps=3", f"doremi.reference={ref}"]
+    sets = [*COMMON, "train.steps=3", f"mixing.doremi.reference={ref}"]
     stages.train_proxy(config(stores, proxy, *sets))
     with pytest.raises(ConfigError, match=r"resuming under a changed config: doremi.eta 1.0 -> 3.0; "):
-        stages.train_proxy(config(stores, proxy, *sets, "train.steps=4", "doremi.eta=3.0"))
+        stages.train_proxy(config(stores, proxy, *sets, "train.steps=4", "mixing.doremi.eta=3.0"))
     stages.train_reference(config(stores, ref, *COMMON, "train.steps=3"))  # the reference moved on
     with pytest.raises(ConfigError, match=r"doremi.reference \(content\) "):
         stages.train_proxy(config(stores, proxy, *sets, "train.steps=4"))
@@ -284,7 +286,7 @@ def pipeline_sets(stores: Path, root: Path, *sets: str) -> list[str]:
 def test_pipeline_killed_mid_proxy_then_rerun_with_another_eta_equals_the_uninterrupted_run(stores, tmp_path):
     whole = tmp_path / "whole"
     Pipeline(
-        config_path(stores, tmp_path / "w"), pipeline_sets(stores, whole, "doremi.eta=3.0"), say=lambda m: None
+        config_path(stores, tmp_path / "w"), pipeline_sets(stores, whole, "mixing.doremi.eta=3.0"), say=lambda m: None
     ).run()
 
     root = tmp_path / "killed"
@@ -295,7 +297,7 @@ def test_pipeline_killed_mid_proxy_then_rerun_with_another_eta_equals_the_uninte
         "doremi",
         "pipeline",
         str(cfg),
-        *[a for s in pipeline_sets(stores, root, "doremi.eta=1.0") for a in ("--set", s)],
+        *[a for s in pipeline_sets(stores, root, "mixing.doremi.eta=1.0") for a in ("--set", s)],
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -314,7 +316,7 @@ def test_pipeline_killed_mid_proxy_then_rerun_with_another_eta_equals_the_uninte
     (proxy / ".stage.json.x1.tmp").write_text("torn")
 
     messages: list[str] = []
-    Pipeline(cfg, pipeline_sets(stores, root, "doremi.eta=3.0"), say=messages.append).run()
+    Pipeline(cfg, pipeline_sets(stores, root, "mixing.doremi.eta=3.0"), say=messages.append).run()
     assert any("round 1: proxy: interrupted under another config, redoing from scratch" in m for m in messages)
     assert not list(root.rglob("*.tmp"))
     assert (

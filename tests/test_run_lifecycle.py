@@ -263,7 +263,7 @@ def test_wandb_logs_the_proxy_mixing_signals(stores, tmp_path, fake_wandb):
     ref = tmp_path / "reference"
     stages.train_reference(config(stores, ref, *common))
     proxy = tmp_path / "proxy"
-    stages.train_proxy(config(stores, proxy, *common, f"doremi.reference={ref}", "logging.wandb=true"))
+    stages.train_proxy(config(stores, proxy, *common, f"mixing.doremi.reference={ref}", "logging.wandb=true"))
     assert fake_wandb.inits[-1]["name"] == f"proxy:{proxy}"
     history = read_jsonl(proxy / "domain_weights.jsonl")
     row, step = next((r, s) for r, s in reversed(fake_wandb.rows) if "loss" in r)  # the last train row

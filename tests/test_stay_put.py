@@ -97,7 +97,10 @@ def test_rebuilt_tokenizer_is_refused_then_forced_and_the_old_run_is_not_evaluat
     with pytest.raises(CheckpointError, match=f"{run}: trained on stores {built.fingerprint[:12]} "):
         stages.train(longer)
     _, proxy = text_config(
-        tmp_path, f"train.run_dir={tmp_path / 'proxy'}", f"doremi.reference={run}", "data.tokenizer.vocab_size=320"
+        tmp_path,
+        f"train.run_dir={tmp_path / 'proxy'}",
+        f"mixing.doremi.reference={run}",
+        "data.tokenizer.vocab_size=320",
     )
     with pytest.raises(CheckpointError, match=f"{run}: trained on stores {built.fingerprint[:12]} "):
         stages.train_proxy(proxy)
@@ -119,7 +122,7 @@ def sweep_point(stores: Path, tmp_path: Path, eta: float) -> tuple[Path, list[st
         "pipeline.baselines=[uniform]",
         f"pipeline.run_dir={root}",
         f"data.store_dir={stores}",
-        f"doremi.eta={eta}",
+        f"mixing.doremi.eta={eta}",
     ]
     messages: list[str] = []
     Pipeline(config_path(stores, tmp_path / "exp"), sets, say=messages.append).run()
@@ -185,7 +188,7 @@ def test_stage_keys_are_the_keys_each_stage_reads(stores, tmp_path):
     from doremi.outputs.fingerprint import MAIN_IGNORES, REFERENCE_IGNORES, REFERENCE_READS, stage_keys
     from tests.runs import config
 
-    cfg = config(stores, tmp_path / "run", "doremi.eta=3.0", "doremi.reference_weights=tokens")
+    cfg = config(stores, tmp_path / "run", "mixing.doremi.eta=3.0", "mixing.doremi.reference_weights=tokens")
     reference = stage_keys(cfg, REFERENCE_IGNORES, REFERENCE_READS)
     main_run = stage_keys(cfg, MAIN_IGNORES)
     proxy = stage_keys(cfg)

@@ -73,7 +73,7 @@ def test_the_study_config_is_the_design():
     assert cfg["data"]["validation_fraction"] == DESIGN.validation_fraction
     assert cfg["data"]["validation_split"] == DESIGN.validation_split
     assert cfg["train"]["deterministic"] is DESIGN.deterministic
-    d = cfg["doremi"]
+    d = cfg["mixing"]["doremi"]
     assert (d["eta"], d["smoothing"], d["reference_weights"]) == (
         DESIGN.eta,
         DESIGN.smoothing,

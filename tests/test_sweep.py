@@ -111,6 +111,33 @@ def test_stacked_runs_give_the_tables_of_runs_one_by_one(stores, whole, tmp_path
                 assert float(b[col]) == pytest.approx(float(a[col]), rel=1e-5), (name, a["run"], col)
 
 
+def test_a_sweep_reports_each_chunk_on_stderr_and_stdout_is_unchanged(stores, tmp_path, capsys, monkeypatch):
+    """DOREMI_PROGRESS_SECONDS small: a line after every step of a stacked chunk and after the
+    chunk, with its place in the sweep, its runs and mixtures, time spent and left; stdout as
+    without progress."""
+    path = config_path(stores, tmp_path / "cfg")
+    outs = {}
+    for seconds in ("0", "0.000001"):
+        monkeypatch.setenv("DOREMI_PROGRESS_SECONDS", seconds)
+        root = tmp_path / "root"
+        shutil.rmtree(root, ignore_errors=True)
+        args = [a for s in sweep_sets(root, "sweep.stacked=true", "sweep.chunk_size=4") for a in ("--set", s)]
+        assert main(["sweep", str(path), *args]) == 0
+        outs[seconds] = capsys.readouterr()
+    assert outs["0"].out == outs["0.000001"].out
+    lines = [line.rsplit(":", 1) for line in outs["0.000001"].err.splitlines() if line.startswith("sweep ")]
+    chunks = ["runs 0-3 (dirichlet, one_hot)", "runs 4-5 (one_hot)"]
+    assert [head for head, _ in lines] == [
+        *(f"sweep {chunks[0]}: step {i}/4" for i in range(1, 5)),
+        f"sweep 4/6 {chunks[0]}",
+        *(f"sweep {chunks[1]}: step {i}/4" for i in range(1, 5)),
+        f"sweep 6/6 {chunks[1]}",
+    ]
+    assert all(" elapsed, ETA " in tail for _, tail in lines)
+    assert all(lines[i][1].endswith(" elapsed, ETA 0 s") for i in (3, 8, 9))  # each chunk's last step, the sweep's end
+    assert not any(line.startswith("sweep ") for line in outs["0"].err.splitlines())
+
+
 @pytest.mark.parametrize(
     "method, sets",
     [("mixing_law", ["fit.mixing_law.variant=direct"]), ("regmix", ["fit.regressor=ridge", "fit.simulations=500"])],

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.interpreter import needs_triton, run_interpreted
-from trainer.model.swiglu import swiglu, swiglu_backward, swiglu_backward_torch
+from trainer.model.ops.swiglu import swiglu, swiglu_backward, swiglu_backward_torch
 
 
 def _reference_grad(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -43,7 +43,7 @@ def test_triton_kernel_matches_float64_reference_in_the_interpreter():
     """Row blocks that do not divide f, a single column, a strided (sliced) input, fp32 and bf16."""
     script = textwrap.dedent("""
         import torch
-        from trainer.model import swiglu as sw
+        from trainer.model.ops import swiglu as sw
         assert sw.triton_kernel() is not None, "triton is not importable"
         g = torch.Generator().manual_seed(0)
         cases = [((3, 2), sw.BLOCK + 37), ((5,), 64), ((2, 2), 1)]

@@ -136,7 +136,7 @@ def test_kill_and_resume_equals_uninterrupted(stores, tmp_path):
         (["train", "{cfg}", "--set", "data.domain_weights=[0.5, 0.5]"], "expected 3"),
         (["train", "{cfg}", "--set", "data.domain_weights=[0.5, -0.5, 1.0]"], "finite and >= 0, got easy=-0.5"),
         (["train", "{cfg}", "--set", "data.store_dir=/nonexistent/stores"], "/nonexistent/stores"),
-        (["train-proxy", "{cfg}"], "doremi.reference: required"),
+        (["train-proxy", "{cfg}"], "mixing.doremi.reference: required"),
         (["eval", "/nonexistent/run"], "/nonexistent/run"),
         (["average", "/nonexistent/run"], "/nonexistent/run"),
     ],

@@ -1,4 +1,4 @@
-"""The DoReMi update (doremi/methods/doremi_update.py) on hand-computed cases."""
+"""The DoReMi update (doremi/methods/doremi/update.py) on hand-computed cases."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from doremi.methods.doremi_update import (
+from doremi.methods.doremi.update import (
     domain_excess,
     domain_excess_sums,
     per_domain_mean_loss,

@@ -53,23 +53,30 @@ def test_average_reads_the_runs_average_from_step(tmp_path, capsys):
     assert doc["from_step"] == 3 and doc["steps_averaged"] == 2 and doc["weights"] == [0.5, 0.5, 0.0]
     assert run_cli(capsys, "average", run, "--from-step", "1")[0] == 0  # the flag still wins
     assert json.loads((run / "weights.json").read_text())["steps_averaged"] == 4
-    plain = fake_proxy(tmp_path / "plain")  # no doremi.average_from_step: from step 1
+    plain = fake_proxy(tmp_path / "plain")  # no mixing.doremi.average_from_step: from step 1
     assert run_cli(capsys, "average", plain)[0] == 0
     assert json.loads((plain / "weights.json").read_text())["steps_averaged"] == 4
 
 
 def test_average_refuses_a_bad_saved_average_from_step(tmp_path, capsys):
     run = fake_proxy(tmp_path / "proxy", average_from_step="3")
-    assert one_error(capsys, "average", run).endswith("doremi.average_from_step: expected an int >= 1, got '3'")
+    assert one_error(capsys, "average", run).endswith("mixing.doremi.average_from_step: expected an int >= 1, got '3'")
 
 
 @pytest.mark.parametrize(
-    "stage, takes", [("train-reference", "doremi.reference_weights"), ("train-proxy", "doremi.proxy_sampling")]
+    "stage, takes",
+    [("train-reference", "mixing.doremi.reference_weights"), ("train-proxy", "mixing.doremi.proxy_sampling")],
 )
 def test_stages_refuse_domain_weights_they_ignore(stores, tmp_path, capsys, stage, takes):
     cfg = config_path(stores, tmp_path / "run")
     msg = one_error(
-        capsys, stage, cfg, "--set", "data.domain_weights=tokens", "--set", f"doremi.reference={tmp_path / 'none'}"
+        capsys,
+        stage,
+        cfg,
+        "--set",
+        "data.domain_weights=tokens",
+        "--set",
+        f"mixing.doremi.reference={tmp_path / 'none'}",
     )
     assert msg == (
         f"doremi {stage}: error: data.domain_weights: doremi {stage} does not read this key, it "
@@ -84,13 +91,15 @@ def test_reference_accepts_its_own_saved_domain_weights(stores, tmp_path):
     from doremi.pipeline.validate import check_stage
     from tests.runs import config
 
-    cfg = config(stores, tmp_path / "r", "doremi.reference_weights=[1, 2, 3]", "data.domain_weights=[1, 2, 3]")
+    cfg = config(stores, tmp_path / "r", "mixing.doremi.reference_weights=[1, 2, 3]", "data.domain_weights=[1, 2, 3]")
     check_stage(cfg, "train-reference")
-    with pytest.raises(DataError, match=r"^doremi.reference_weights: expected 3 weights"):
-        check_stage(config(stores, tmp_path / "r", "doremi.reference_weights=[1, 2]"), "train-reference")
+    with pytest.raises(DataError, match=r"^mixing.doremi.reference_weights: expected 3 weights"):
+        check_stage(config(stores, tmp_path / "r", "mixing.doremi.reference_weights=[1, 2]"), "train-reference")
 
 
-@pytest.mark.parametrize("key", ["data.domain_weights", "doremi.reference_weights", "doremi.proxy_sampling"])
+@pytest.mark.parametrize(
+    "key", ["data.domain_weights", "mixing.doremi.reference_weights", "mixing.doremi.proxy_sampling"]
+)
 @pytest.mark.parametrize(
     "value, at, given",
     [
@@ -114,8 +123,8 @@ def test_weights_files_must_hold_numbers(stores, tmp_path):
     with pytest.raises(HistoryError, match="expected finite non-negative numbers summing to 1"):
         path.write_text(json.dumps({"domains": ["a", "b"], "weights": [True, False]}))
         read_weights_json(path)
-    with pytest.raises(DataError, match=r"^doremi.proxy_sampling: weights file .*nope.json not found"):
-        resolve_weights(str(tmp_path / "nope.json"), manifest, "doremi.proxy_sampling")
+    with pytest.raises(DataError, match=r"^mixing.doremi.proxy_sampling: weights file .*nope.json not found"):
+        resolve_weights(str(tmp_path / "nope.json"), manifest, "mixing.doremi.proxy_sampling")
 
 
 # ---- 8. the whole pipeline validated before any work --------------------------------------------
@@ -160,15 +169,18 @@ def weights_file(path, domains, weights):
             ["pipeline.main.train.global_batch_size=3", "pipeline.main.train.micro_batches=2"],
             "pipeline.main: train.global_batch_size: expected a multiple of",
         ),
-        (["pipeline.proxy.doremi.proxy_sampling=[1]"], "pipeline.proxy.doremi.proxy_sampling: expected 2 weights"),
         (
-            ["doremi.reference_weights={noise: 1}"],
-            "doremi.reference_weights: domains must match the stores' (noise, easy); unknown: -; missing: easy",
+            ["pipeline.proxy.mixing.doremi.proxy_sampling=[1]"],
+            "pipeline.proxy.mixing.doremi.proxy_sampling: expected 2 weights",
+        ),
+        (
+            ["mixing.doremi.reference_weights={noise: 1}"],
+            "mixing.doremi.reference_weights: domains must match the stores' (noise, easy); unknown: -; missing: easy",
         ),
         (["pipeline.main.data.domain_weights=tokens"], "pipeline.main.data.domain_weights: set by the pipeline"),
         (
-            ["pipeline.proxy.doremi.reference_weights=tokens"],
-            "pipeline.proxy.doremi.reference_weights: set by the pipeline",
+            ["pipeline.proxy.mixing.doremi.reference_weights=tokens"],
+            "pipeline.proxy.mixing.doremi.reference_weights: set by the pipeline",
         ),
         (
             ["pipeline.main.data.store_dir=elsewhere"],
@@ -211,12 +223,12 @@ def test_pipeline_baseline_and_reference_files_are_checked_first(tmp_path, capsy
         f"{other}: domains must match the stores' (noise, easy); unknown: code; missing: easy"
     )
     flags = weights_file(tmp_path / "flags.json", ["noise", "easy"], [True, False])
-    assert pipeline_error(tmp_path, capsys, f"doremi.reference_weights={flags}") == (
+    assert pipeline_error(tmp_path, capsys, f"mixing.doremi.reference_weights={flags}") == (
         f"{flags}: weights[noise]: expected a number (int or float), got True (bool)"
     )
     taken = weights_file(tmp_path / "doremi.json", ["noise", "easy"], [0.5, 0.5])
     assert pipeline_error(tmp_path, capsys, f"pipeline.baselines=[{taken}]").startswith(
-        "pipeline.baselines[0]: main run name 'doremi' (the file's stem) is taken by DoReMi's own run"
+        "pipeline.baselines[0]: main run name 'doremi' (the file's stem) is taken by doremi's own run"
     )
     odm = weights_file(tmp_path / "odm.json", ["noise", "easy"], [0.5, 0.5])
     assert pipeline_error(tmp_path, capsys, "pipeline.methods=[doremi, odm]", f"pipeline.baselines=[{odm}]").startswith(

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from trainer.config.launch_env import launch_world_size, local_world_size
-from trainer.config.schema import TrainerConfig
+from trainer.config.schema import TrainerConfig, require_vocab_size
 from trainer.config.tools import ConfigError
 from trainer.parallel.context import ParallelContext
 from trainer.plan.resolve import micro_batch_size, param_dtype, param_precision, precision_name, use_bf16
@@ -62,7 +62,7 @@ def init_parallel(cfg: TrainerConfig) -> ParallelContext:
     check_world_size(cfg)
     check_device(cfg)
     p = cfg.parallelism
-    return ParallelContext.initialize(p.tp, p.pp, p.dp, backend=p.backend, device=cfg.train.device)
+    return ParallelContext.initialize(p.tp, p.pp, p.dp, backend=p.backend, device=cfg.train.device, ep=p.ep)
 
 
 def seed_everything(seed: int) -> None:
@@ -148,6 +148,7 @@ def build_model(cfg: TrainerConfig, pc: ParallelContext, facts: RunFacts | None 
     from trainer.model.llama import build_stage
     from trainer.model.moe import set_global_batch
 
+    require_vocab_size(cfg)  # `auto` before the stores exist: one line, not a TypeError inside
     facts = facts or RunFacts.resolve(cfg, pc)
     stage = build_stage(cfg.model, cfg.parallelism, pc, facts.stage_layers[pc.pp_rank], seed=cfg.train.seed)
     set_global_batch(stage, cfg.train.global_batch_size)

@@ -52,14 +52,14 @@ def _print_losses(domains: list[str], losses) -> None:
 
 
 def cmd_preprocess(args):
-    from data.preprocess import preprocess
+    from data.scale import run_preprocess
 
     cfg = _config(args)
     if not is_launch_main():
         return  # under torchrun, one process builds the stores
     from doremi.commands.inspect import inspect_stores
 
-    manifest = preprocess(cfg.data, force=args.force)
+    manifest = run_preprocess(cfg.data, args.executor, args.tasks, force=args.force)
     print("\n".join(inspect_stores(Path(cfg.data.store_dir), n=0).splitlines()[1:]))  # tokenizer, per-domain counts
     print(f"stores in {cfg.data.store_dir}: {len(manifest.domains)} domains")
 
@@ -138,15 +138,18 @@ def cmd_train_proxy(args):
         print(
             f"domain weights per step in {run}/domain_weights.jsonl; `doremi average {run}` writes {run}/weights.json"
         )
-    _guard(cfg, "proxy" if cfg.mixing.method == "doremi" else "method", "train-proxy")
+    from doremi.methods.registry import spec
+
+    _guard(cfg, "proxy" if spec(cfg.mixing.method).needs_reference else "method", "train-proxy")
 
 
 def cmd_score(args):
+    from doremi.methods.registry import reference_options
     from doremi.pipeline import stages
 
     cfg = _config(args)
     root = Path(cfg.train.run_dir) if cfg.train.run_dir else Path(stages.default_run_dir(args.config, "train")).parent
-    out = stages.score(cfg, args.out or cfg.doremi.reference_cache or str(root / "reference_cache"))
+    out = stages.score(cfg, args.out or reference_options(cfg).reference_cache or str(root / "reference_cache"))
     if is_launch_main():
         print(f"reference losses cached in {out}")
 
@@ -297,7 +300,7 @@ def cmd_sweep(args):
 
 
 def cmd_fit(args):
-    from doremi.offline.propose import describe_laws, propose
+    from doremi.offline.propose import fit_quality, propose
 
     cfg = _config(args)
     sweep = Path(args.sweep or cfg.sweep.run_dir)
@@ -311,9 +314,15 @@ def cmd_fit(args):
         print(f"not checked on held-out runs: {doc['held_out_skipped']}")
     if held:
         print(f"held out ({held['folds']} folds): Spearman {held['spearman']:.3f}, mean abs error {held['mae']:.4f}")
-    if isinstance(doc.get("mixing_law"), dict):
-        print(f"mixing law: {describe_laws(doc['mixing_law'])}")
+    if "laws" in (quality := fit_quality(out)):
+        print(f"mixing law: {quality['laws']}")
     print(f"written to {out}")
+
+
+def _offline_methods() -> tuple[str, ...]:
+    from doremi.methods.registry import OFFLINE, names
+
+    return names(OFFLINE)
 
 
 def cmd_compare(args):
@@ -416,11 +425,20 @@ def _with_config(sub, name: str, fn, help: str) -> argparse.ArgumentParser:
 
 def _stage_parsers(sub) -> None:
     """The subcommands that run a stage of an experiment from its config."""
-    _with_config(sub, "preprocess", cmd_preprocess, "tokenize each domain into token stores").add_argument(
+    sp = _with_config(sub, "preprocess", cmd_preprocess, "tokenize each domain into token stores")
+    sp.add_argument(
         "--force",
         action="store_true",
         help="rebuild even when the inputs are unchanged, and replace stores built from other inputs",
     )
+    sp.add_argument(
+        "--executor",
+        choices=["local", "datatrove-local"],
+        default="local",
+        help="who runs the per-file tasks: ours (data.num_proc processes) or datatrove's local executor "
+        "(--tasks shares; needs the extra [scale]); the stores' bytes are the same",
+    )
+    sp.add_argument("--tasks", type=int, help="shares of the build for --executor datatrove-local (default: num_proc)")
     _with_config(sub, "train", cmd_train, "train on data.domain_weights").add_argument(
         "--pipeline-main",
         action="store_true",
@@ -429,13 +447,13 @@ def _stage_parsers(sub) -> None:
     _with_config(sub, "train-reference", cmd_train_reference, "train the DoReMi reference model")
     _with_config(sub, "train-proxy", cmd_train_proxy, "train the DoReMi proxy (Group DRO over domains)")
     _with_config(sub, "score", cmd_score, "cache per-token reference losses for the proxy's data").add_argument(
-        "--out", help="cache directory (default: doremi.reference_cache)"
+        "--out", help="cache directory (default: mixing.<method>.reference_cache)"
     )
     _plan_parser(_with_config(sub, "plan", cmd_plan, "predict memory per rank and stage; search the layouts that fit"))
     _with_config(sub, "pipeline", cmd_pipeline, "run every stage of an experiment, skipping finished ones")
     _with_config(sub, "sweep", cmd_sweep, "train a small model on each of many designed mixtures (RegMix, mixing laws)")
     sp = _with_config(sub, "fit", cmd_fit, "propose a mixture from a sweep's table (RegMix or a data mixing law)")
-    sp.add_argument("--method", required=True, choices=["regmix", "mixing_law"], help="the offline method")
+    sp.add_argument("--method", required=True, choices=list(_offline_methods()), help="the offline method")
     sp.add_argument("--sweep", help="the sweep directory (default: sweep.run_dir)")
     sp.add_argument("--out", help="weights JSON path (default: SWEEP/<method>.json)")
     sp.add_argument(
@@ -448,7 +466,10 @@ def _artifact_parsers(sub) -> None:
     sp = sub.add_parser("average", help="average a proxy's per-step domain weights")
     sp.add_argument("run_dir")
     sp.add_argument(
-        "--from-step", type=int, default=None, help="first step averaged (default: the run's doremi.average_from_step)"
+        "--from-step",
+        type=int,
+        default=None,
+        help="first step averaged (default: the run's mixing.<method>.average_from_step)",
     )
     sp.add_argument("--out", help="weights JSON path (default RUN_DIR/weights.json)")
     sp.add_argument(

@@ -45,7 +45,8 @@ def _run_words(cfg: ExperimentConfig) -> str:
 def stage_overview(path: str, overrides: list[str]) -> list[str]:
     """What `doremi pipeline CONFIG` runs, stage by stage (a plain config: its one run), and each
     input that does not exist yet, as lines."""
-    from doremi.outputs.main_runs import DOREMI_RUN, main_run_name, online_run_name
+    from doremi.config import OFFLINE_METHODS
+    from doremi.outputs.main_runs import REFERENCE_RUN, main_run_name, online_run_name
     from doremi.pipeline.pipeline import Pipeline
 
     cfg = load_config(path, overrides, cls=ExperimentConfig)
@@ -56,26 +57,26 @@ def stage_overview(path: str, overrides: list[str]) -> list[str]:
         f"preprocess: {len(cfg.data.domains) or 'column'} domains -> {stores} ({'built' if built else 'to build'})"
     )
     missing = missing_inputs(cfg)
-    raw_doremi = "doremi" in read_yaml(path) or "pipeline" in read_yaml(path)
-    if not raw_doremi:
+    raw = read_yaml(path)
+    if REFERENCE_RUN not in (raw.get("mixing") or {}) and "pipeline" not in raw:
         out.append(f"train: {_run_words(cfg)} -> {cfg.train.run_dir or 'runs/<config>/train'}")
     else:
         pipe = Pipeline(path, overrides, say=lambda m: None)
         p, root = pipe.p, pipe.root
         proxy = pipe.stage_config(p.proxy)
         main = pipe.stage_config(p.main)
-        if "doremi" in p.methods:
-            for r in range(1, proxy.doremi.rounds + 1):
+        if REFERENCE_RUN in p.methods:
+            for r in range(1, getattr(proxy.mixing, REFERENCE_RUN).rounds + 1):
                 for stage in ("reference", "proxy"):
                     out.append(f"round {r}: {stage}: {_run_words(proxy)} -> {root / f'round{r}' / stage}")
         for m in p.methods:
-            if m in ("doge", "odm", "aioli", "ado"):
+            if m != REFERENCE_RUN and m not in OFFLINE_METHODS:
                 out.append(f"{m}: proxy: {_run_words(proxy)} -> {root / 'methods' / m / 'proxy'}")
-        offline = [m for m in p.methods if m in ("regmix", "mixing_law")]
+        offline = [m for m in p.methods if m in OFFLINE_METHODS]
         if offline:
             out.append(f"sweep: {proxy.sweep.runs} small runs for {', '.join(offline)} -> {root / 'sweep'}")
         if not p.skip_main:
-            names = [DOREMI_RUN if m == "doremi" else m for m in p.methods]
+            names = list(p.methods)
             names += [online_run_name(m) for m in p.online] + [main_run_name(b) for b in p.baselines]
             out.append(f"main runs ({len(names)}): {', '.join(names)}: {_run_words(main)} each -> {root / 'main'}")
         out.append(f"report: {root / 'report.md'}")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data.store import MANIFEST_FILE, open_stores
+from data.progress import si
+from data.store import MANIFEST_FILE, Manifest, open_stores
 from data.tokenizer import load_tokenizer
 from doremi.errors import DoReMiError
 
@@ -14,7 +15,7 @@ from doremi.errors import DoReMiError
 def store_dir_of(target: str, overrides: list[str]) -> Path:
     """A directory with a manifest.json is the stores; a run directory (its saved
     `config.yaml`) reads the stores it trained on; anything else is read as a config."""
-    from doremi.config import ExperimentConfig
+    from doremi.config import ExperimentConfig, load_saved_config
     from trainer.config.schema import load_config
 
     p = Path(target)
@@ -22,8 +23,35 @@ def store_dir_of(target: str, overrides: list[str]) -> Path:
         saved = p / "config.yaml"
         if (p / MANIFEST_FILE).is_file() or not saved.is_file():
             return p
-        return Path(load_config(saved, overrides, cls=ExperimentConfig).data.store_dir)
+        return Path(load_saved_config(saved, overrides).data.store_dir)
     return Path(load_config(p, overrides, cls=ExperimentConfig).data.store_dir)
+
+
+#: Widest domain name shown whole in `counts_table`: the table then fits 100 columns.
+NAME_WIDTH = 26
+
+
+def _bytes(count: int | None) -> str:
+    return "-" if count is None else si(count, "B")
+
+
+def counts_table(m: Manifest) -> list[str]:
+    """Per domain and split: documents, tokens and UTF-8 bytes (`-` for a synthetic domain), in
+    at most 100 columns (a longer domain name is cut, its end marked `~`): what `doremi
+    preprocess` built, read at a glance (issue 43 item 4)."""
+    width = min(max(len(d) for d in m.domain_names + ["domain"]), NAME_WIDTH)
+    out = [
+        f"{'domain':<{width}}  {'train docs':>10}  {'train tokens':>13}  {'train bytes':>11}  "
+        f"{'val docs':>8}  {'val tokens':>11}  {'val bytes':>9}"
+    ]
+    for d in m.domains:
+        name = d.name if len(d.name) <= width else d.name[: width - 1] + "~"
+        t, v = d.train, d.validation
+        out.append(
+            f"{name:<{width}}  {t.documents:>10}  {t.tokens:>13}  {_bytes(t.bytes):>11}  "
+            f"{v.documents:>8}  {v.tokens:>11}  {_bytes(v.bytes):>9}"
+        )
+    return out
 
 
 def inspect_stores(store_dir: Path, domain: str | None = None, n: int = 2, chars: int = 400) -> str:
@@ -42,13 +70,7 @@ def inspect_stores(store_dir: Path, domain: str | None = None, n: int = 2, chars
         f"tokenizer: {tok.get('name')} (vocab_size {tok.get('vocab_size')}, eos_id {tok.get('eos_id')}), "
         f"token dtype {m.dtype}",
     ]
-    width = max(len(d) for d in m.domain_names + ["domain"])
-    out.append(f"{'domain':<{width}}  {'train tokens':>13}  {'train docs':>10}  {'val tokens':>11}  {'val docs':>8}")
-    for d in m.domains:
-        out.append(
-            f"{d.name:<{width}}  {d.train.tokens:>13}  {d.train.documents:>10}  "
-            f"{d.validation.tokens:>11}  {d.validation.documents:>8}"
-        )
+    out += counts_table(m)
     if n:
         tokenizer = load_tokenizer(store_dir)
         for name in names:

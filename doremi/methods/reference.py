@@ -1,6 +1,7 @@
 """Per-token reference losses for the proxy's micro-batches: from the frozen reference model
 run through the proxy's own parallel layout (online), or from a cache written by `doremi score`
-(its format: `doremi.methods.reference_cache`)."""
+(its format: `doremi.methods.reference_cache`). Shared by the catalog's methods that need a
+reference (`MethodSpec.needs_reference`; their options name it, `registry.reference_options`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import torch
 
 from data.batch import to_device
 from data.store import MANIFEST_FILE, read_manifest
-from doremi.config import ExperimentConfig
+from doremi.config import ExperimentConfig, load_saved_config
 from doremi.errors import DoReMiError
 from doremi.methods.reference_cache import CACHE_VERSION, open_cache  # noqa: F401 (CACHE_VERSION: imported from here by tests)
+from doremi.methods.registry import reference_method, reference_options
 from trainer.build import RunFacts, build_model
 from trainer.checkpoint.checkpoint import load_checkpoint, resolve_checkpoint
-from trainer.config.schema import TrainerConfig, load_config
+from trainer.config.schema import TrainerConfig
 from trainer.config.tools import ConfigError
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import forward_only
@@ -63,7 +65,7 @@ def reference_config(cfg: ExperimentConfig, checkpoint: Path) -> ExperimentConfi
     saved = run_dir_of(checkpoint) / "config.yaml"
     if not saved.is_file():
         raise DoReMiError(f"{saved}: the reference run's config.yaml is missing")
-    ref = load_config(saved, cls=ExperimentConfig)
+    ref = load_saved_config(saved)
     if ref.data.seq_len != cfg.data.seq_len:
         raise DoReMiError(
             f"{saved}: reference data.seq_len={ref.data.seq_len} differs from the proxy's {cfg.data.seq_len}"
@@ -89,11 +91,14 @@ def require_reference(cfg: ExperimentConfig) -> Path:
     """The reference checkpoint. A reference named by its run directory must have finished and
     not be training still (`trainer.records.run_dir.require_finished`; docs/design.md section 6b); a
     checkpoint directory named explicitly is read as it is."""
-    if not cfg.doremi.reference:
-        raise ConfigError("doremi.reference: required (the reference run directory or checkpoint), got nothing")
-    if (Path(cfg.doremi.reference) / RECORD_FILE).is_file():
-        require_finished(cfg.doremi.reference, "reference")
-    return resolve_checkpoint(cfg.doremi.reference)
+    reference = reference_options(cfg).reference
+    if not reference:
+        raise ConfigError(
+            f"mixing.{reference_method(cfg)}.reference: required (the reference run directory or checkpoint), got nothing"
+        )
+    if (Path(reference) / RECORD_FILE).is_file():
+        require_finished(reference, "reference")
+    return resolve_checkpoint(reference)
 
 
 class OnlineReference:

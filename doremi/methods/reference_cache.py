@@ -1,4 +1,4 @@
-"""The reference cache that `doremi score` writes and a proxy with `doremi.reference_cache`
+"""The reference cache that `doremi score` writes and a proxy with `mixing.doremi.reference_cache`
 reads: its layout, its `meta.json` fields and their checks live here only.
 
 Per domain, `<domain>.npy` holds a float32 array [num_train_sequences, seq_len] of per-token
@@ -157,7 +157,7 @@ def open_cache(
     if not np.allclose(meta.get("sampling", []), sampling, rtol=0, atol=1e-12):
         raise DoReMiError(
             f"{meta_path}: cache was scored for proxy sampling weights {meta.get('sampling')}, "
-            f"the run samples with {list(sampling)} (doremi.proxy_sampling)"
+            f"the run samples with {list(sampling)} (the method's proxy_sampling)"
         )
     if meta.get("steps", 0) < steps:
         raise DoReMiError(
@@ -174,13 +174,13 @@ def open_cache(
 
 
 def _check_recorded_reference(meta_path: Path, meta: dict) -> None:
-    """Without `doremi.reference`, the reference the cache records must still be there with
+    """Without the method's `reference`, the reference the cache records must still be there with
     the weights it was scored with: a cache of a reference since trained again is stale, and
     one whose reference is gone cannot be verified."""
     recorded = Path(str(meta.get("reference")))
     if not (recorded / META).is_file():
         raise DoReMiError(
-            f"{meta_path}: cannot verify the cache: its reference {recorded} is gone; set doremi.reference "
+            f"{meta_path}: cannot verify the cache: its reference {recorded} is gone; set the method's reference "
             f"to the reference it was scored with, or run `doremi score` again"
         )
     _check_fingerprint(meta_path, meta, recorded)

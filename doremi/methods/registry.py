@@ -1,84 +1,160 @@
-"""Every mixing method by name: what it reads from the trainer, where it may run, and how it is
-built from an experiment config (docs/design.md section 2).
+"""The catalog of mixing methods: `CATALOG`, one line per method, each a package under
+doremi/methods/ exporting a `MethodSpec` as `SPEC` (doremi/methods/spec.py; docs/design.md
+section 2). Adding a method is its folder and its line here; everything that names methods is
+derived from the specs: `mixing`'s sections and choices (doremi/config.py), the pipeline's
+stages, the reads the report lists, the config docs.
 
-| name   | file      | signals it reads (trainer/run/hooks.py Needs)              | weights it logs        |
-|--------|-----------|--------------------------------------------------------|------------------------|
-| doremi | doremi.py | reference losses; this step's excess before backward   | alpha_t (loss weights) |
-| doge   | doge.py   | per-domain gradient alignment with a held-out target   | alpha_t (grad weights) |
-| odm    | odm.py    | random draws; per-domain training loss                 | EXP3 sampling probs    |
-| aioli  | aioli.py  | per-domain validation loss on its probe schedule       | the exploited mixture  |
-| ado    | ado.py    | per-domain training loss against data seen             | the sampling policy    |
+| name       | roles           | signals it reads (trainer/run/hooks.py Needs)          | weights it logs        |
+|------------|-----------------|--------------------------------------------------------|------------------------|
+| doremi     | proxy           | reference losses; this step's excess before backward   | alpha_t (loss weights) |
+| doge       | proxy, online   | per-domain gradient alignment with a held-out target   | alpha_t (grad weights) |
+| odm        | proxy, online   | random draws; per-domain training loss                 | EXP3 sampling probs    |
+| aioli      | proxy, online   | per-domain validation loss on its probe schedule       | the exploited mixture  |
+| ado        | proxy, online   | per-domain training loss against data seen             | the sampling policy    |
+| regmix     | offline         | a sweep's validation losses (doremi/offline/)          | its proposal           |
+| mixing_law | offline         | a sweep's validation losses (doremi/offline/)          | its proposal           |
 
-Any of them runs as a proxy (`train-proxy`, `mixing.method`; its logged weights averaged by
-`doremi average`) or online on the main model (`train`, `mixing.main`). DoReMi needs a
-reference, so it runs as a proxy only.
+A proxy runs under `train-proxy` (`mixing.method`; its logged weights averaged by `doremi
+average`), an online method on the main model under `train` (`mixing.main`). A method that needs
+a reference (its spec's `needs_reference`) runs as a proxy only, after its reference.
 
-`READS` declares, for these and the offline fits (`regmix`, `mixing_law`, doremi/offline/propose.py),
-the data each reads to choose a mixture (issue 35 point 3; the report lists it): its training
-batches' losses, validation losses (and through which `data.validation_split.CONSUMERS` entry,
-each of which must be a dev reader: `check_reads`), per-domain gradients, a sweep's losses, a
-reference model's losses. A built method whose `Needs` ask for more than its declaration is
-refused (`check_needs`).
+Each spec's `reads` declares the data the method reads to choose a mixture (issue 35 point 3;
+the report lists it): its training batches' losses, validation losses (and through which
+`data.validation_split.CONSUMERS` entry, each of which must be a dev reader: `check_reads`),
+per-domain gradients, a sweep's losses, a reference model's losses. A built method whose `Needs`
+ask for more than its declaration is refused (`check_needs`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import functools
+import importlib
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from data.store import read_manifest
-from data.weights import resolve_weights
-from doremi.config import ExperimentConfig
+from doremi.methods.spec import OFFLINE, ONLINE, PROXY, Builder, MethodSpec, Reads
 from trainer.run.hooks import MethodContext, MethodFactory, MixingHook, Needs
 
+__all__ = ["CATALOG", "MethodSpec", "Reads", "check_needs", "check_reads", "method_factory", "preflight", "reads"]
 
-@dataclass(frozen=True)
-class Reads:
-    """The data a method reads to choose its mixture. `validation`: the validation consumers
-    (`data.validation_split.CONSUMERS`) whose losses or batches it reads; every one must read the
-    dev half under `data.validation_split: dev_test`, never the verdict's test half."""
-
-    training_batches: bool = False
-    gradients: bool = False
-    sweep_losses: bool = False
-    reference_losses: bool = False
-    validation: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        """`training batches' losses, dev validation (method_probe), ...` (`nothing` when empty)."""
-        parts = [
-            *(["training batches' losses"] if self.training_batches else []),
-            *([f"dev validation ({', '.join(self.validation)})"] if self.validation else []),
-            *(["per-domain gradients"] if self.gradients else []),
-            *(["a sweep's losses"] if self.sweep_losses else []),
-            *(["reference losses"] if self.reference_losses else []),
-        ]
-        return ", ".join(parts) or "nothing"
+CATALOG: tuple[str, ...] = (
+    "doremi.methods.doremi",
+    "doremi.methods.doge",
+    "doremi.methods.odm",
+    "doremi.methods.aioli",
+    "doremi.methods.ado",
+    "doremi.methods.regmix",
+    "doremi.methods.mixing_law",
+)
 
 
-#: What each method reads (the module's docstring). DoReMi: the proxy's and the reference's
-#: per-token losses on the training batch (excess loss). DoGE: per-domain training gradients and
-#: the gradient of target batches drawn from validation. ODM, ADO: per-domain training losses.
-#: Aioli: per-domain validation losses on its probe schedule. RegMix, mixing laws: the sweep
-#: runs' validation losses.
-READS: dict[str, Reads] = {
-    "doremi": Reads(training_batches=True, reference_losses=True),
-    "doge": Reads(training_batches=True, gradients=True, validation=("method_target",)),
-    "odm": Reads(training_batches=True),
-    "aioli": Reads(validation=("method_probe",)),
-    "ado": Reads(training_batches=True),
-    "regmix": Reads(sweep_losses=True, validation=("sweep_run",)),
-    "mixing_law": Reads(sweep_losses=True, validation=("sweep_run",)),
-}
+@functools.cache
+def _load(catalog: tuple[str, ...]) -> dict[str, MethodSpec]:
+    out: dict[str, MethodSpec] = {}
+    for path in catalog:
+        spec = getattr(importlib.import_module(path), "SPEC", None)
+        if not isinstance(spec, MethodSpec):
+            raise TypeError(f"{path}: a catalog package exports a MethodSpec as SPEC")
+        if spec.name in out:
+            raise ValueError(f"{path}: method {spec.name!r} is in the catalog twice")
+        if spec.needs_reference and any(s.needs_reference for s in out.values()):
+            raise ValueError(
+                f"{path}: the pipeline's layout (round<r>/, weights at its root) holds one method that needs a reference"
+            )
+        out[spec.name] = spec
+    return out
+
+
+def specs() -> dict[str, MethodSpec]:
+    """Every method of `CATALOG` by name, in catalog order."""
+    return _load(CATALOG)
+
+
+def spec(name: str) -> MethodSpec:
+    found = specs().get(name)
+    if found is None:
+        raise KeyError(f"method {name!r} is not in the catalog (doremi/methods/registry.py CATALOG)")
+    return found
+
+
+def names(role: str) -> tuple[str, ...]:
+    """The methods that can play `role` (spec.PROXY, ONLINE or OFFLINE), in catalog order."""
+    return tuple(n for n, s in specs().items() if role in s.roles)
+
+
+def trained() -> tuple[str, ...]:
+    """The methods that train (as a proxy or online): those with a `mixing.<name>` section."""
+    return tuple(n for n, s in specs().items() if PROXY in s.roles or ONLINE in s.roles)
+
+
+def with_reference() -> tuple[str, ...]:
+    """The proxies that need a reference model (the pipeline trains it first)."""
+    return tuple(n for n, s in specs().items() if s.needs_reference)
+
+
+def moved_sections() -> dict[str, str]:
+    """Old top-level section -> its key under `mixing` (`MethodSpec.moved_from`)."""
+    return {s.moved_from: f"mixing.{n}" for n, s in specs().items() if s.moved_from}
+
+
+def record_path(name: str, option: str = "") -> str:
+    """Where run records name method `name`'s option (its section when `option` is empty): under
+    the section the method moved from, if any (trainer.records.run_dir.record_keys), else
+    `mixing.<name>`."""
+    section = spec(name).moved_from or f"mixing.{name}"
+    return f"{section}.{option}" if option else section
+
+
+def record_keys(kind: str) -> tuple[str, ...]:
+    """Every method's `path_options` (`kind` "path") or `bookkeeping_options` ("bookkeeping"),
+    by their record paths."""
+    attr = {"path": "path_options", "bookkeeping": "bookkeeping_options"}[kind]
+    return tuple(record_path(n, o) for n, s in specs().items() for o in getattr(s, attr))
+
+
+def reference_method(cfg: Any) -> str:
+    """The method whose reference a reference stage (`train-reference`, `score`) serves:
+    `mixing.method` when it needs one, else the catalog's method that does."""
+    if cfg.mixing.method in with_reference():
+        return cfg.mixing.method
+    if not with_reference():
+        raise KeyError("no method of the catalog needs a reference (doremi/methods/registry.py CATALOG)")
+    return with_reference()[0]
+
+
+def reference_options(cfg: Any) -> Any:
+    """The options (`mixing.<name>`) of `reference_method(cfg)`: its reference, the weights the
+    reference trains on, the proxy's sampling, the cache, the rounds."""
+    return getattr(cfg.mixing, reference_method(cfg))
+
+
+def options(saved: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """Method `name`'s options in a run's saved config (a plain mapping, config.yaml): under
+    `mixing.<name>`, or under the section a run written before the catalog kept them in."""
+    found = (saved.get("mixing") or {}).get(name)
+    moved = spec(name).moved_from if name in specs() else None
+    if found is None and moved:
+        found = saved.get(moved)
+    return dict(found or {})
+
+
+def __getattr__(attr: str) -> Any:
+    """`READS` and `BUILDERS`, derived from the catalog when read (a test may extend CATALOG)."""
+    if attr == "READS":
+        return {n: s.reads for n, s in specs().items()}
+    if attr == "BUILDERS":
+        return {n: s.build for n, s in specs().items() if s.build is not None}
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
 def reads(name: str) -> Reads:
     """Method `name`'s declaration, its validation reads checked (`check_reads`)."""
-    if name not in READS:
-        raise KeyError(f"method {name!r} declares no reads in doremi/methods/registry.py READS")
-    check_reads(name, READS[name])
-    return READS[name]
+    if name not in specs():
+        raise KeyError(f"method {name!r} declares no reads: it is not in doremi/methods/registry.py CATALOG")
+    declared = specs()[name].reads
+    check_reads(name, declared)
+    return declared
 
 
 def check_reads(name: str, declared: Reads) -> None:
@@ -99,8 +175,8 @@ def check_reads(name: str, declared: Reads) -> None:
 
 
 def check_needs(name: str, needs: Needs) -> None:
-    """Refuse (MethodSplitError) a built method whose `Needs` read more than `READS` declares:
-    validation passes or target batches not declared, or any split other than dev."""
+    """Refuse (MethodSplitError) a built method whose `Needs` read more than its spec's `reads`
+    declares: validation passes or target batches not declared, or any split other than dev."""
     from data.validation_split import MethodSplitError, check_method_split
 
     declared = reads(name)
@@ -112,98 +188,21 @@ def check_needs(name: str, needs: Needs) -> None:
     extra = [c for c in asked if c not in declared.validation]
     if extra or (needs.alignment is not None and not declared.gradients):
         raise MethodSplitError(
-            f"method {name}: reads {', '.join(extra) or 'gradients'} beyond its declaration in "
-            f"doremi/methods/registry.py READS ({declared.describe()})"
+            f"method {name}: reads {', '.join(extra) or 'gradients'} beyond its declaration in its "
+            f"spec's reads ({declared.describe()})"
         )
 
 
-def _doremi(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
-    from doremi.methods.doremi import DoReMi
-    from doremi.methods.reference import (
-        CachedReference,
-        OnlineReference,
-        load_frozen,
-        reference_config,
-        require_reference,
-    )
-    from trainer.build import RunFacts
-
-    manifest = read_manifest(cfg.data.store_dir)
-    sampling = resolve_weights(cfg.doremi.proxy_sampling, manifest, "doremi.proxy_sampling", cfg.budget_tokens)
-    if cfg.doremi.reference_cache:
-        ref = CachedReference(
-            cfg.doremi.reference_cache,
-            ctx.domains,
-            cfg.data.seq_len,
-            ctx.device,
-            steps=cfg.train.steps,
-            global_batch_size=cfg.train.global_batch_size,
-            seed=cfg.data.seed,
-            sampling=sampling.tolist(),
-            reference=cfg.doremi.reference,
-        )
-    else:
-        ck = require_reference(cfg)
-        ref_cfg = reference_config(cfg, ck)
-        ref_facts = RunFacts.resolve(ref_cfg, ctx.pc)
-        ref = OnlineReference(load_frozen(ref_cfg, ck, ctx.pc, ref_facts), ref_facts, ctx.pc)
-    return DoReMi(cfg.doremi, ctx, sampling, ref)
+def builder(name: str) -> Builder:
+    build = spec(name).build
+    if build is None:
+        raise KeyError(f"method {name!r} is an offline fit: it does not train (doremi/offline/propose.py runs it)")
+    return build
 
 
-def _doge(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
-    from doremi.methods.doge import DoGE, target_sequences
-
-    check_doge_layout(cfg)
-    manifest = read_manifest(cfg.data.store_dir)
-    d = cfg.mixing.doge
-    sampling = resolve_weights(d.sampling, manifest, "mixing.doge.sampling", cfg.budget_tokens)
-    target = resolve_weights(d.target, manifest, "mixing.doge.target", cfg.budget_tokens)
-    return DoGE(d, ctx, sampling, target, target_sequences(d, cfg.train.global_batch_size))
-
-
-def check_doge_layout(cfg: ExperimentConfig) -> None:
-    """DoGE's step runs each domain's sequences of a rank as their own micro-batches, so dp ranks
-    run different numbers of forwards; expert parallelism's all-to-all needs every rank of its
-    group in every forward, so the two would wait on each other for ever: refused."""
-    from trainer.config.tools import ConfigError
-
-    if cfg.parallelism.ep > 1:
-        raise ConfigError(
-            f"mixing.doge: DoGE's per-domain gradients do not run under expert parallelism "
-            f"(parallelism.ep = {cfg.parallelism.ep}); expected parallelism.ep: 1"
-        )
-
-
-def _odm(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
-    from doremi.methods.odm import ODM
-
-    return ODM(cfg.mixing.odm, ctx)
-
-
-def _aioli(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
-    from doremi.methods.aioli import Aioli
-
-    return Aioli(cfg.mixing.aioli, ctx)
-
-
-def _ado(cfg: ExperimentConfig, ctx: MethodContext) -> MixingHook:
-    from doremi.methods.ado import ADO
-
-    return ADO(cfg.mixing.ado, ctx)
-
-
-BUILDERS: dict[str, Callable[[ExperimentConfig, MethodContext], MixingHook]] = {
-    "doremi": _doremi,
-    "doge": _doge,
-    "odm": _odm,
-    "aioli": _aioli,
-    "ado": _ado,
-}
-
-
-def method_factory(name: str, cfg: ExperimentConfig) -> MethodFactory:
+def method_factory(name: str, cfg: Any) -> MethodFactory:
     """The factory the trainer calls with its `MethodContext`."""
-    build = BUILDERS[name]
+    build = builder(name)
 
     def factory(ctx: MethodContext) -> MixingHook:
         hook = build(cfg, ctx)
@@ -213,18 +212,23 @@ def method_factory(name: str, cfg: ExperimentConfig) -> MethodFactory:
     return factory
 
 
-def preflight(name: str, cfg: ExperimentConfig, domains: list[str]) -> None:
+def preflight(name: str, cfg: Any, domains: list[str]) -> None:
     """Build method `name` for a run of `cfg` over `domains`, without the run, so that what the
-    method refuses (a probe schedule longer than the run's rounds, a floor above 1/k) stops a pipeline before its first stage rather than
-    after hours of others. DoReMi is checked by its stages (it needs its reference)."""
+    method refuses (a probe schedule longer than the run's rounds, a floor above 1/k) stops a
+    pipeline before its first stage rather than after hours of others. A method that needs a
+    reference is checked by its stages; one whose builder reads the stores (`preflight_builds`
+    off) by its `check` alone."""
     import torch
 
     from trainer.parallel.context import ParallelContext
 
-    if name not in BUILDERS or name == "doremi":
+    s = specs().get(name)
+    if s is None or s.build is None or s.needs_reference:
         return
-    if name == "doge":
-        check_doge_layout(cfg)
+    if s.check is not None:
+        s.check(cfg)
+    if not s.preflight_builds:
+        return
     ctx = MethodContext(
         domains=list(domains),
         run_dir=Path(cfg.train.run_dir or "."),
@@ -237,5 +241,20 @@ def preflight(name: str, cfg: ExperimentConfig, domains: list[str]) -> None:
         train_tokens=[1] * len(domains),
         pc=ParallelContext.single(),
     )
-    if name != "doge":  # DoGE's builder reads the stores' manifest; its config checks its keys
-        BUILDERS[name](cfg, ctx)
+    s.build(cfg, ctx)
+
+
+__all__ += [
+    "OFFLINE",
+    "ONLINE",
+    "PROXY",
+    "moved_sections",
+    "names",
+    "options",
+    "record_keys",
+    "record_path",
+    "spec",
+    "specs",
+    "trained",
+    "with_reference",
+]

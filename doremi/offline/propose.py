@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +78,12 @@ def propose(
     skipped: str | None = None if folds >= 2 else f"{n} runs are too few for 2 folds"
     prior = None
     law_record: dict[str, Any] = {}
+    table = SweepTable(root, weights, per_domain, target, caps, folds, skipped, budget)
     if method == "regmix":
-        proposal, held, skipped, prior = _fit_regmix(
-            cfg, root, manifest, weights, per_domain, target, caps, folds, skipped, budget
-        )
+        proposal, held, skipped, prior = _fit_regmix(cfg, table, manifest)
     else:
         main_params = float(main_params or non_embedding_params(cfg.model))
-        proposal, held, skipped, law_record = _fit_law(
-            cfg, root, weights, per_domain, target, caps, folds, skipped, budget, main_params
-        )
+        proposal, held, skipped, law_record = _fit_law(cfg, table, main_params)
     weights_out, predicted = proposal.weights, proposal.predicted
     provenance = _provenance(method, root, f, n, held, skipped, prior, caps, target, predicted, law_record)
     sources = [artifact.Source("sweep", str(root), made_from.fingerprint)] if made_from else []
@@ -133,63 +131,54 @@ def _provenance(
     )
 
 
+@dataclass(frozen=True)
+class SweepTable:
+    """What both fits read of the sweep: its directory, the runs' mixtures [n, k] and final
+    per-domain losses [n, m], the target's weights, the epoch caps (None: none), the held-out
+    folds (or why there are none: `skipped`), and the token budget of the run proposed for."""
+
+    root: Path
+    weights: np.ndarray
+    per_domain: np.ndarray
+    target: np.ndarray
+    caps: Any
+    folds: int
+    skipped: str | None
+    budget: int
+
+
 def _fit_regmix(
-    cfg: ExperimentConfig,
-    root: Path,
-    manifest: Any,
-    weights: np.ndarray,
-    per_domain: np.ndarray,
-    target: np.ndarray,
-    caps: Any,
-    folds: int,
-    skipped: str | None,
-    budget: int,
+    cfg: ExperimentConfig, t: SweepTable, manifest: Any
 ) -> tuple[Any, HeldOut | None, str | None, np.ndarray]:
     """RegMix: (the proposal, the held-out check, why it was skipped, the sweep's prior)."""
     f = cfg.fit
-    held: HeldOut | None = None
-    check_prior(cfg, root)
-    y = target_of(per_domain, target)
-    model = fit_regressor(weights, y, f.regressor)
+    held, skipped = None, t.skipped
+    check_prior(cfg, t.root)
+    y = target_of(t.per_domain, t.target)
+    model = fit_regressor(t.weights, y, f.regressor)
     if skipped is None:
         held, skipped = _held_out(
-            lambda: held_out(regmix_fit_predict(f.regressor), weights, y, folds=folds, seed=f.seed)
+            lambda: held_out(regmix_fit_predict(f.regressor), t.weights, y, folds=t.folds, seed=f.seed)
         )
-    prior = resolve_weights(cfg.sweep.prior, manifest, "sweep.prior", budget)
+    prior = resolve_weights(cfg.sweep.prior, manifest, "sweep.prior", t.budget)
     options = RegMixOptions(n_simulations=f.simulations, top_k=f.top_k, seed=f.seed)
-    return propose_regmix(model, prior, caps=caps, options=options), held, skipped, prior
+    return propose_regmix(model, prior, caps=t.caps, options=options), held, skipped, prior
 
 
 def _fit_law(
-    cfg: ExperimentConfig,
-    root: Path,
-    weights: np.ndarray,
-    per_domain: np.ndarray,
-    target: np.ndarray,
-    caps: Any,
-    folds: int,
-    skipped: str | None,
-    budget: int,
-    main_params: float,
+    cfg: ExperimentConfig, t: SweepTable, main_params: float
 ) -> tuple[Any, HeldOut | None, str | None, dict[str, Any]]:
     """The mixing law: (the proposal, the held-out check, why it was skipped, what the JSON
     records of the law's fit)."""
-    f = cfg.fit
-    held: HeldOut | None = None
-    fitted, options, law_record = _mixing_law_losses(cfg, root, per_domain, budget, main_params)
-    law = fit_mixing_law(weights, fitted, options)
+    held, skipped = None, t.skipped
+    fitted, options, law_record = _mixing_law_losses(cfg, t.root, t.per_domain, t.budget, main_params)
+    law = fit_mixing_law(t.weights, fitted, options)
     if skipped is None:
+        predict = mixing_law_fit_predict(options)
         held, skipped = _held_out(
-            lambda: held_out(
-                mixing_law_fit_predict(options),
-                weights,
-                fitted,
-                folds=folds,
-                seed=f.seed,
-                target_weights=target,
-            )
+            lambda: held_out(predict, t.weights, fitted, folds=t.folds, seed=cfg.fit.seed, target_weights=t.target)
         )
-    return propose_mixing_law(law, target_weights=target, caps=caps), held, skipped, law_record
+    return propose_mixing_law(law, target_weights=t.target, caps=t.caps), held, skipped, law_record
 
 
 def _mixing_law_losses(

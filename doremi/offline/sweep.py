@@ -40,6 +40,7 @@ import numpy as np
 
 from data import artifact
 from data.atomic import atomic_write_text
+from data.progress import Countdown
 from data.store import Manifest, read_manifest
 from data.weights import resolve_weights
 from doremi.config import ExperimentConfig
@@ -72,7 +73,7 @@ NOT_RESULT_KEYS = (
     "sweep.chunk_size",
     "fit",
     "mixing",
-    "doremi",
+    *ExperimentConfig.MOVED,
     "data.domain_weights",
     "data.store_dir",
     "data.num_proc",
@@ -310,6 +311,12 @@ class Sweep:
             "flops": float(fpt * train_tokens) + fpt / 3 * eval_tokens,
         }
 
+    def named(self, runs: list[int]) -> str:
+        """`run 3 (dirichlet)`, or `runs 0-15 (dirichlet, grid)` for a stacked chunk."""
+        kinds = ", ".join(dict.fromkeys(self.design.names[i] for i in runs))
+        which = f"run {runs[0]}" if len(runs) == 1 else f"runs {runs[0]}-{runs[-1]}"
+        return f"{which} ({kinds})"
+
     # -- training -------------------------------------------------------------------------------
     def run_one(self, i: int) -> None:
         """Run `i` with the ordinary trainer in `runs/<i>/` (a killed one resumes there)."""
@@ -327,22 +334,28 @@ class Sweep:
         """`runs` trained at once (`trainer/stacked/`); a killed chunk is trained again."""
         from trainer.stacked.train import train_stacked
 
-        result = train_stacked(self.cfg, self.design.weights[runs], eval_every=eval_every(self.cfg))
+        label = f"sweep {self.named(runs)}"
+        result = train_stacked(self.cfg, self.design.weights[runs], eval_every=eval_every(self.cfg), label=label)
         self.record(
             {i: [(step, [float(x) for x in losses[j]]) for step, losses in result.evals] for j, i in enumerate(runs)}
         )
 
     def run(self) -> Path:
+        """The runs not yet finished, a progress line on stderr after each run or stacked chunk
+        (data/progress.py): its place in the sweep, mixture, time spent and left."""
         self.open()
         todo = self.todo
         s = self.cfg.sweep
-        if s.stacked and todo:
-            size = s.chunk_size
-            for start in range(0, len(todo), size):
-                self.run_stacked(todo[start : start + size])
-        else:
-            for i in todo:
-                self.run_one(i)
+        n = len(self.design)
+        countdown = Countdown("sweep", n, first=n - len(todo))
+        size = s.chunk_size if s.stacked else 1
+        for start in range(0, len(todo), size):
+            chunk = todo[start : start + size]
+            if s.stacked:
+                self.run_stacked(chunk)
+            else:
+                self.run_one(chunk[0])
+            countdown.done(n - len(todo) + start + len(chunk), self.named(chunk))
         return self.root
 
 

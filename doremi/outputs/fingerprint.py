@@ -16,9 +16,11 @@ from typing import Any
 
 from data.store import MANIFEST_FILE, read_manifest
 from doremi.config import ExperimentConfig
+from doremi.methods import registry
+from doremi.outputs.main_runs import REFERENCE_RUN
 from doremi.outputs.stage_markers import dir_marker
 from trainer.config.tools import to_dict
-from trainer.records.run_dir import flatten_keys
+from trainer.records.run_dir import flatten_keys, record_keys
 
 #: `data` keys that change how batches are drawn from the stores, not the stores' bytes.
 SAMPLING_KEYS = (
@@ -31,26 +33,33 @@ SAMPLING_KEYS = (
     "dev_fraction",
 )
 
+#: Where the keys are named: by their record path (`trainer.records.run_dir.record_keys`), so a
+#: method's section moved under `mixing` keeps its old name (`ExperimentConfig.MOVED`) and a stage
+#: finished before the move keeps its fingerprint. `_REF`: the section of the method that needs a
+#: reference (`REFERENCE_RUN`), `_MOVED`: the moved sections, outside `mixing` in the records.
+_REF = registry.record_path(REFERENCE_RUN) if REFERENCE_RUN else "mixing"
+_MOVED = tuple(ExperimentConfig.MOVED)
+
 #: Keys no stage's output depends on: logging, the pipeline's own section, where a stage writes
 #: (the pipeline places it), and how many rounds run (which does not change any one round).
-NOT_STAGE_KEYS = ("logging", "pipeline", "train.run_dir", "doremi.rounds", "doremi.rounds_tolerance")
+NOT_STAGE_KEYS = ("logging", "pipeline", "train.run_dir", f"{_REF}.rounds", f"{_REF}.rounds_tolerance")
 
 #: Keys that may name a weights file or a finished stage: what they point at is a key too.
-DEPENDENCY_KEYS = ("data.domain_weights", "doremi.reference_weights", "doremi.reference")
+DEPENDENCY_KEYS = ("data.domain_weights", f"{_REF}.reference_weights", f"{_REF}.reference")
 
-#: The sections a stage does not read. The reference reads `doremi.reference_weights` only
-#: (its mixture); a main run and its evaluation nothing of `doremi` or `mixing` (an online one
-#: `mixing.main` and its method's options); DoReMi's proxy and its average all of `doremi` and
-#: nothing of `mixing`; another method's proxy `mixing.method` and its options; none of them the
-#: offline methods' `sweep` and `fit`.
+#: The sections a stage does not read. The reference reads its method's `reference_weights`
+#: only (its mixture); a main run and its evaluation no method's options (an online one
+#: `mixing.main` and its method's options); the proxy of the method that needs a reference and
+#: its average all of that method's options and nothing else of `mixing`; another method's proxy
+#: `mixing.method` and its options; none of them the offline methods' `sweep` and `fit`.
 #: The offline methods' sections: only the sweep and its fits read them.
 OFFLINE_SECTIONS = ("sweep", "fit")
-REFERENCE_IGNORES = ("doremi", "mixing", *OFFLINE_SECTIONS)
-REFERENCE_READS = ("doremi.reference_weights",)
-MAIN_IGNORES = ("doremi", "mixing", *OFFLINE_SECTIONS)
-#: DoReMi's proxy reads all of `doremi`; another method's proxy its `mixing` keys.
-PROXY_IGNORES = ("mixing", *OFFLINE_SECTIONS)
-METHOD_IGNORES = ("doremi", "mixing", *OFFLINE_SECTIONS)
+REFERENCE_IGNORES = (*_MOVED, "mixing", *OFFLINE_SECTIONS)
+REFERENCE_READS = (f"{_REF}.reference_weights",)
+MAIN_IGNORES = (*_MOVED, "mixing", *OFFLINE_SECTIONS)
+#: The reference method's proxy reads all of its options; another method's proxy its `mixing` keys.
+PROXY_IGNORES = (*(m for m in _MOVED if m != _REF), "mixing", *OFFLINE_SECTIONS)
+METHOD_IGNORES = (*_MOVED, "mixing", *OFFLINE_SECTIONS)
 
 
 def _digest(text: str | bytes) -> str:
@@ -80,7 +89,7 @@ def stage_keys(cfg: ExperimentConfig, ignore: Iterable[str] = (), reads: Iterabl
     `DEPENDENCY_KEYS` point at and `data (stores)` for the stores' fingerprint (stores rebuilt
     in place with `preprocess --force` are other data under the same path)."""
     skip, reads = (*NOT_STAGE_KEYS, *ignore), tuple(reads)
-    keys = {k: v for k, v in flatten_keys(to_dict(cfg)).items() if _under(k, reads) or not _under(k, skip)}
+    keys = {k: v for k, v in record_keys(cfg).items() if _under(k, reads) or not _under(k, skip)}
     for k in DEPENDENCY_KEYS:
         if k in keys:
             dep = _dependency(keys[k])

@@ -11,9 +11,12 @@ from data.errors import DataError
 from data.mixtures import parse_mixture
 from data.weights import NAMED_MIXTURES
 from data.weights_file import WEIGHTS_FILE
+from doremi.methods import registry
 
-#: DoReMi's own main run, trained on the tuned weights.
-DOREMI_RUN = "doremi"
+#: The catalog's method that needs a reference (doremi/methods/registry.py; DoReMi): its rounds
+#: of reference and proxy run at the pipeline's root, its weights are the root's weights.json, and
+#: its main run trains on them.
+REFERENCE_RUN = (registry.with_reference() or ("",))[0]
 
 
 def main_run_name(baseline: str) -> str:
@@ -33,7 +36,7 @@ SWEEP_DIR = "sweep"
 
 
 def method_dir(root: str | os.PathLike, method: str) -> Path:
-    """Where a mixing method other than DoReMi runs its proxy and writes its weights."""
+    """Where a mixing method other than `REFERENCE_RUN` runs its proxy and writes its weights."""
     return Path(root) / "methods" / method
 
 
@@ -43,13 +46,13 @@ def online_run_name(method: str) -> str:
 
 
 def mixtures(
-    weights_path: str | os.PathLike, baselines: list[str], methods: Sequence[str] = (DOREMI_RUN,)
+    weights_path: str | os.PathLike, baselines: list[str], methods: Sequence[str] = (REFERENCE_RUN,)
 ) -> dict[str, str]:
-    """Main-run name -> `data.domain_weights` value: each method's weights file (DoReMi's is
+    """Main-run name -> `data.domain_weights` value: each method's weights file (`REFERENCE_RUN`'s is
     `weights_path`, beside which the others' `methods/<name>/weights.json` lie), then the
     baselines."""
     root = Path(weights_path).parent
-    mix = {m: str(weights_path if m == DOREMI_RUN else method_dir(root, m) / WEIGHTS_FILE) for m in methods}
+    mix = {m: str(weights_path if m == REFERENCE_RUN else method_dir(root, m) / WEIGHTS_FILE) for m in methods}
     for b in baselines:
         mix[main_run_name(b)] = b
     return mix

@@ -3,8 +3,8 @@ main runs (DoReMi weights and baselines) -> per-domain eval -> report.
 
 Each stage writes `stage.started.json` (its config fingerprint) when it starts and `stage.json`
 when it completes (`doremi.outputs.stage_markers`). The fingerprint covers the keys the stage reads
-(`doremi.outputs.fingerprint`: the reference none of `doremi` but its mixture, the main runs none of
-`doremi`): a stage whose output exists for unchanged keys is kept, one whose keys changed is
+(`doremi.outputs.fingerprint`: the reference none of its method's options but its mixture, the main
+runs none of `mixing`): a stage whose output exists for unchanged keys is kept, one whose keys changed is
 redone from scratch, the changed keys printed, its finished output kept under
 `ROOT/previous/` (a sweep's earlier points are not overwritten); one interrupted mid-way under
 the same keys resumes from its last checkpoint. The pipeline holds its run directory's lock
@@ -32,6 +32,7 @@ from data import artifact
 from data.store import read_manifest
 from data.weights_file import WEIGHTS_FILE, copy_weights_file, read_weights_file
 from doremi.config import OFFLINE_METHODS, ExperimentConfig
+from doremi.methods.registry import spec
 from doremi.offline.propose import check_fit_quality, describe_quality, fit_quality, propose
 from doremi.offline.sweep import run_sweep, sweep_keys
 from doremi.outputs.fingerprint import (  # noqa: F401 (store_fingerprint: imported from here by tests)
@@ -45,7 +46,7 @@ from doremi.outputs.fingerprint import (  # noqa: F401 (store_fingerprint: impor
     store_fingerprint,
     store_keys,
 )
-from doremi.outputs.main_runs import DOREMI_RUN, SWEEP_DIR, method_dir, mixtures, online_run_name
+from doremi.outputs.main_runs import REFERENCE_RUN, SWEEP_DIR, method_dir, mixtures, online_run_name
 from doremi.outputs.stage_markers import (
     EVAL_OUTPUT,
     done_marker,
@@ -272,8 +273,8 @@ class Pipeline:
         weights_path = self.root / WEIGHTS_FILE
         tuned: dict[str, str] = {}
         for name in self.p.methods:
-            if name == DOREMI_RUN:
-                tuned[name] = str(self.tune_weights())
+            if name == REFERENCE_RUN:
+                tuned[name] = str(self.tune_weights(name))
             elif name in OFFLINE_METHODS:
                 tuned[name] = str(self.offline(name))
             else:
@@ -304,15 +305,20 @@ class Pipeline:
             print_findings(found, prefix="doremi pipeline")
         return found
 
-    def tune_weights(self) -> Path:
-        ref_weights: Any = self.cfg.doremi.reference_weights
+    def tune_weights(self, name: str) -> Path:
+        """Method `name`, which needs a reference: per round its reference, its proxy and the
+        average, round r + 1's reference on round r's weights, until `rounds` or the weights
+        move less than `rounds_tolerance`."""
+        dcfg = getattr(self.cfg.mixing, name)
+        ref_weights: Any = dcfg.reference_weights
         previous: np.ndarray | None = None
         weights_path = self.root / WEIGHTS_FILE
-        dcfg = self.cfg.doremi
         for r in range(1, dcfg.rounds + 1):
             rdir = self.root / f"round{r}"
             ref_cfg = self.stage_config(
-                self.p.proxy, train__run_dir=str(rdir / "reference"), doremi__reference_weights=ref_weights
+                self.p.proxy,
+                train__run_dir=str(rdir / "reference"),
+                **{f"mixing__{name}__reference_weights": ref_weights},
             )
             self._run_stage(
                 f"round {r}: reference",
@@ -323,9 +329,11 @@ class Pipeline:
             proxy_cfg = self.stage_config(
                 self.p.proxy,
                 train__run_dir=str(rdir / "proxy"),
-                doremi__reference=str(rdir / "reference"),
-                doremi__reference_weights=ref_weights,
-                mixing__method="doremi",
+                mixing__method=name,
+                **{
+                    f"mixing__{name}__reference": str(rdir / "reference"),
+                    f"mixing__{name}__reference_weights": ref_weights,
+                },
             )
             self._run_stage(
                 f"round {r}: proxy",
@@ -338,7 +346,9 @@ class Pipeline:
                 f"round {r}: average",
                 avg_path,
                 stage_keys(proxy_cfg, PROXY_IGNORES),
-                lambda: str(stages.average(rdir / "proxy", avg_path, proxy_cfg.doremi.average_from_step)),
+                lambda: str(
+                    stages.average(rdir / "proxy", avg_path, getattr(proxy_cfg.mixing, name).average_from_step)
+                ),
                 main_only=True,
             )
             tuned = read_weights_file(avg_path)
@@ -355,7 +365,7 @@ class Pipeline:
         return weights_path
 
     def method_proxy(self, name: str) -> Path:
-        """A mixing method other than DoReMi as a proxy (no reference): its run and its
+        """A mixing method that needs no reference as a proxy: its run and its
         averaged weights under `methods/<name>/`."""
         mdir = method_dir(self.root, name)
         cfg = self.stage_config(self.p.proxy, train__run_dir=str(mdir / "proxy"), mixing__method=name)
@@ -388,7 +398,7 @@ class Pipeline:
             **{k: v for k, v in stage_keys(cfg).items() if k.startswith("fit.")},
             "method": name,
             "main budget": budget,
-            **({"main params": params} if name == "mixing_law" else {}),
+            **({"main params": params} if spec(name).fit_reads_main_size else {}),
         }
         self._run_stage(
             f"{name}: fit",

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from doremi.config import ExperimentConfig
-from doremi.outputs.main_runs import DOREMI_RUN, main_run_name
+from doremi.outputs.main_runs import REFERENCE_RUN, main_run_name
 from doremi.pipeline.pipeline import Pipeline, deep_merge
 from trainer.config.tools import apply_overrides, read_yaml
 
@@ -24,22 +24,24 @@ class StageGroup:
 
 
 def plan_groups(path: str | os.PathLike, overrides: list[str] | None = None) -> list[StageGroup]:
-    """A plain config (no `doremi` or `pipeline` section): its one training run. An experiment:
+    """A plain config (no `pipeline` section, no options of the method that needs a reference,
+    `mixing.<REFERENCE_RUN>`): its one training run. An experiment:
     the reference and the proxy (all-forward-all-backward in exact reweight mode, as
     `doremi.pipeline.stages.proxy_trainer` runs it, holding the frozen reference unless cached), then the
     main runs with `pipeline.main` merged in (one plan: they differ only in their mixture)."""
     raw = apply_overrides(read_yaml(path), list(overrides or []))
-    if "doremi" not in raw and "pipeline" not in raw:
+    if REFERENCE_RUN not in (raw.get("mixing") or {}) and "pipeline" not in raw:
         return [StageGroup("", [("train", Pipeline._load(raw), False)])]
     base = Pipeline._load(copy.deepcopy(raw))
     p = base.pipeline
     tuned = Pipeline._load(deep_merge(raw, p.proxy))
     proxy = tuned
-    if tuned.doremi.update == "exact" and tuned.doremi.mode == "reweight":
+    opts = getattr(tuned.mixing, REFERENCE_RUN)
+    if opts.update == "exact" and opts.mode == "reweight":
         proxy = dataclasses.replace(tuned, parallelism=dataclasses.replace(tuned.parallelism, pp_schedule="afab"))
-    groups = [StageGroup("", [("reference", tuned, False), ("proxy", proxy, not tuned.doremi.reference_cache)])]
+    groups = [StageGroup("", [("reference", tuned, False), ("proxy", proxy, not opts.reference_cache)])]
     if not p.skip_main:
-        names = [DOREMI_RUN] + [main_run_name(b) for b in p.baselines]
+        names = [REFERENCE_RUN] + [main_run_name(b) for b in p.baselines]
         groups.append(
             StageGroup(
                 "pipeline.main.", [(f"main ({', '.join(names)})", Pipeline._load(deep_merge(raw, p.main)), False)]

@@ -15,9 +15,10 @@ import torch
 
 from data import artifact
 from data.batch import collate
+from data.progress import Countdown
 from data.weights import resolve_weights
 from data.weights_file import WEIGHTS_FILE, write_weights_file
-from doremi.config import ExperimentConfig
+from doremi.config import METHODS, ExperimentConfig, load_saved_config
 from doremi.errors import DoReMiError
 from doremi.methods.history import average_weights, read_history
 from doremi.methods.reference import load_frozen, reference_config, require_reference, run_dir_of
@@ -29,12 +30,12 @@ from doremi.methods.reference_cache import (
     reference_stamp,
     staging_dir,
 )
-from doremi.methods.registry import method_factory
+from doremi.methods.registry import method_factory, reference_method, reference_options, spec, specs
+from doremi.methods.registry import options as registry_options
 from doremi.outputs.fingerprint import MAIN_IGNORES, OFFLINE_SECTIONS
 from doremi.pipeline.validate import check_online, check_stage
 from trainer.build import RunFacts, init_parallel
 from trainer.checkpoint.checkpoint import resolve_checkpoint
-from trainer.config.schema import load_config
 from trainer.config.tools import ConfigError, read_yaml
 from trainer.feed.data_feed import DataFeed
 from trainer.parallel.pipeline_schedule import forward_only
@@ -75,7 +76,7 @@ def train(cfg: ExperimentConfig, desc: str = "train", stage: str = "train") -> d
     return Trainer(
         cfg,
         desc=f"{desc}:{online}",
-        result_ignore=("doremi", *OFFLINE_SECTIONS),
+        result_ignore=(*ExperimentConfig.MOVED, *OFFLINE_SECTIONS),
         stage=stage,
         method=method_factory(online, cfg),
     ).fit()
@@ -83,20 +84,20 @@ def train(cfg: ExperimentConfig, desc: str = "train", stage: str = "train") -> d
 
 def train_reference(cfg: ExperimentConfig) -> dict[str, Any]:
     check_stage(cfg, "train-reference")  # refuses a data.domain_weights it would ignore
-    return train(with_weights(cfg, cfg.doremi.reference_weights), desc="reference", stage="reference")
+    return train(with_weights(cfg, reference_options(cfg).reference_weights), desc="reference", stage="reference")
 
 
 def train_proxy(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The proxy of `mixing.method` (DoReMi: Group DRO over domains against the frozen
-    reference); its per-step weights are what `average` averages."""
+    """The proxy of `mixing.method` (a method that needs a reference, e.g. DoReMi's Group DRO
+    over domains, against the frozen reference); its per-step weights are what `average` averages."""
     check_stage(cfg, "train-proxy")  # refuses a data.domain_weights it would ignore
     return proxy_trainer(cfg).fit()
 
 
 def proxy_trainer(cfg: ExperimentConfig) -> Trainer:
-    """The proxy's trainer, its method (and, for DoReMi, the reference) plugged in."""
+    """The proxy's trainer, its method (and the reference of a method that needs one) plugged in."""
     name = cfg.mixing.method
-    desc = "proxy" if name == "doremi" else f"proxy:{name}"
+    desc = "proxy" if spec(name).needs_reference else f"proxy:{name}"
     return Trainer(cfg, desc=desc, stage="proxy", method=method_factory(name, cfg), result_ignore=OFFLINE_SECTIONS)
 
 
@@ -107,15 +108,16 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     advance; each visited sequence is scored once, whatever the layout. The cache records the
     reference checkpoint's fingerprint (`doremi.methods.reference_cache.reference_stamp`): a reference
     trained again to the same path does not pass for the one scored."""
-    if cfg.doremi.mode == "resample":
-        raise ConfigError("doremi.mode: a reference cache needs a fixed proxy data stream; got 'resample'")
+    opts, name = reference_options(cfg), reference_method(cfg)
+    if opts.mode == "resample":
+        raise ConfigError(f"mixing.{name}.mode: a reference cache needs a fixed proxy data stream; got 'resample'")
     out = Path(out_dir)
     check_out(out)  # only a reference cache is replaced
     ck = require_reference(cfg)
     ref_cfg = reference_config(cfg, ck)
     pc = init_parallel(cfg)
     feed = DataFeed(cfg.data, cfg.train.global_batch_size, cfg.train.micro_batches, pc, seed=cfg.data.seed)
-    weights = resolve_weights(cfg.doremi.proxy_sampling, feed.manifest, "doremi.proxy_sampling", cfg.budget_tokens)
+    weights = resolve_weights(opts.proxy_sampling, feed.manifest, f"mixing.{name}.proxy_sampling", cfg.budget_tokens)
     visited = _visited_sequences(feed, weights, cfg.train.steps)
     stamp = reference_stamp(ck)
     facts = RunFacts.resolve(ref_cfg, pc)  # cfg's train and parallelism: its micro-batch size
@@ -155,7 +157,11 @@ def _visited_sequences(feed: DataFeed, weights: Any, steps: int) -> list[set[int
 
 
 def _score_visited(model: Any, feed: DataFeed, visited: list[set[int]], tmp: Path, pc: Any, ctx: Any, mbs: int) -> None:
-    """Score each visited sequence once into the staged arrays; dp ranks split the chunks."""
+    """Score each visited sequence once into the staged arrays; dp ranks split the chunks.
+    Rank 0 reports its chunks done on stderr (data/progress.py): at scale this is minutes."""
+    total = sum(len(range(pc.dp_rank, -(-len(v) // mbs), pc.dp)) for v in visited)
+    countdown = Countdown("score: batch", total) if pc.is_main else None
+    done = 0
     for d, name in enumerate(feed.domains):
         idx = sorted(visited[d])
         chunks = [idx[j : j + mbs] for j in range(0, len(idx), mbs)]
@@ -169,6 +175,9 @@ def _score_visited(model: Any, feed: DataFeed, visited: list[set[int]], tmp: Pat
                 losses = forward_only(model, [batch], pc)
             if writer:
                 arr[chunk] = losses[0].float().cpu().numpy()
+            done += 1
+            if countdown is not None:
+                countdown.done(done, name)
         if arr is not None:
             arr.flush()
             del arr
@@ -191,7 +200,7 @@ def average(
     """Mean of the logged weights (DoReMi's alpha_t, or another method's) over the run's steps
     t >= from_step, written as the weights JSON with the method and its keys.
 
-    `from_step` None: a DoReMi proxy's own `doremi.average_from_step` (its config.yaml), so that
+    `from_step` None: the proxy's own `mixing.<method>.average_from_step` (its config.yaml), so that
     `doremi average RUN` averages what the experiment asked for, not silently from step 1."""
     run = Path(run_dir)
     made_from = require_finished(  # a proxy killed at step 61 of 300 is refused
@@ -203,13 +212,12 @@ def average(
     cfg_path = run / "config.yaml"
     saved = read_yaml(cfg_path) if cfg_path.is_file() else {}
     mixing = saved.get("mixing") if isinstance(saved.get("mixing"), dict) else {}
-    method = _run_method(mixing, recorded_stage(run)) or "doremi"
-    options = saved.get("doremi") if method == "doremi" else mixing.get(method)
-    options = options if isinstance(options, dict) else {}
+    method = _run_method(mixing, recorded_stage(run)) or METHODS[0]
+    options = registry_options(saved, method)
     if from_step is None:
-        from_step = options.get("average_from_step", 1) if method == "doremi" else 1
+        from_step = options.get("average_from_step", 1)
         if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 1:
-            raise DoReMiError(f"{cfg_path}: doremi.average_from_step: expected an int >= 1, got {from_step!r}")
+            raise DoReMiError(f"{cfg_path}: mixing.{method}.average_from_step: expected an int >= 1, got {from_step!r}")
     weights = average_weights(history, from_step=from_step)
     out_path = Path(out) if out else run / WEIGHTS_FILE
     steps = [h["step"] for h in history if h["step"] >= from_step]
@@ -220,7 +228,7 @@ def average(
         "steps_averaged": len(steps),
         "last_step": steps[-1] if steps else None,
     }
-    keys = ("eta", "smoothing", "update", "mode") if method == "doremi" else tuple(options)
+    keys = (spec(method).average_keys if method in specs() else ()) or tuple(options)
     provenance.update({k: options.get(k) for k in keys})
     sources, notes = [], []
     if made_from is not None:
@@ -239,7 +247,7 @@ def evaluate(checkpoint: str | Path, overrides: list[str] | None = None) -> tupl
     if not saved.is_file():
         raise DoReMiError(f"{saved}: the checkpoint's run config is missing")
     raw_overrides = ["checkpoint.resume=false", *(overrides or [])]
-    cfg = load_config(saved, raw_overrides, cls=ExperimentConfig)
+    cfg = load_saved_config(saved, raw_overrides)
     pc = init_parallel(cfg)
     facts = RunFacts.resolve(cfg, pc)
     model = load_frozen(cfg, ck, pc, facts)  # first: a run on rebuilt stores is named as such

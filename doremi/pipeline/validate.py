@@ -7,8 +7,10 @@ training, not after: every stage's config as the pipeline builds it (a deep merg
 every key it would silently override.
 
 `check_stage`: the keys a single stage does not read. `train-reference` trains on
-`doremi.reference_weights` and `train-proxy` samples `doremi.proxy_sampling`; a
-`data.domain_weights` given to them would be saved in their config.yaml yet never used.
+`mixing.<method>.reference_weights` and the proxy of a method that needs a reference samples
+`mixing.<method>.proxy_sampling` (<method>: the catalog's one that needs a reference,
+doremi/methods/registry.py); a `data.domain_weights` given to them would be saved in their
+config.yaml yet never used.
 """
 
 from __future__ import annotations
@@ -18,46 +20,51 @@ from typing import Any
 from data.errors import DataError
 from data.sources import known_domains
 from data.weights import check_spec
-from doremi.config import OFFLINE_METHODS, ExperimentConfig
+from doremi.config import METHODS, OFFLINE_METHODS, ExperimentConfig
 from doremi.errors import DoReMiError
+from doremi.methods.registry import spec
 from doremi.outputs.fingerprint import SAMPLING_KEYS
-from doremi.outputs.main_runs import DOREMI_RUN, main_run_name, online_run_name
+from doremi.outputs.main_runs import REFERENCE_RUN, main_run_name, online_run_name
 from trainer.config.tools import ConfigError
+
+#: The options of the catalog's method that needs a reference: the pipeline sets its reference
+#: and the weights that reference trains on.
+_REF = f"mixing.{REFERENCE_RUN}"
 
 #: Stage -> (the key it takes its mixture from, what it does with it).
 STAGE_WEIGHTS = {
-    "train-reference": ("doremi.reference_weights", "trains on"),
-    "train-proxy": ("doremi.proxy_sampling", "samples its data from"),
+    "train-reference": (f"{_REF}.reference_weights", "trains on"),
+    "train-proxy": (f"{_REF}.proxy_sampling", "samples its data from"),
 }
 
 #: Keys of `pipeline.proxy` / `pipeline.main` that the pipeline sets itself, and why.
 PIPELINE_SETS = {
     "pipeline.proxy": {
         "train.run_dir": "each run's directory is under pipeline.run_dir",
-        "doremi.reference": "the proxy reads the reference the pipeline just trained",
-        "doremi.reference_weights": "round 1's reference trains on the top-level doremi.reference_weights, "
+        f"{_REF}.reference": "the proxy reads the reference the pipeline just trained",
+        f"{_REF}.reference_weights": f"round 1's reference trains on the top-level {_REF}.reference_weights, "
         "later rounds on the previous round's weights",
-        "data.domain_weights": "the reference trains on doremi.reference_weights, the proxy samples "
-        "doremi.proxy_sampling",
+        "data.domain_weights": f"the reference trains on {_REF}.reference_weights, the proxy samples "
+        f"{_REF}.proxy_sampling",
         "mixing.method": "each proxy runs its method of pipeline.methods",
         "mixing.main": "the proxies run no method on a main model",
     },
     "pipeline.main": {
         "train.run_dir": "each run's directory is under pipeline.run_dir",
-        "data.domain_weights": "the main runs train on DoReMi's weights and on pipeline.baselines",
+        "data.domain_weights": "the main runs train on the methods' weights and on pipeline.baselines",
         "mixing.main": "each online run runs its method of pipeline.online, the others none",
     },
 }
 
 #: Top-level keys the pipeline replaces for every stage, and where their value belongs instead.
 PIPELINE_TOP_LEVEL = {
-    "mixing.method": ("doremi", "list the method in pipeline.methods"),
+    "mixing.method": (METHODS[0], "list the method in pipeline.methods"),
     "mixing.main": (None, "list the method in pipeline.online"),
 }
 
 DOMAIN_WEIGHTS_IN_PIPELINE = (
-    "the reference trains on doremi.reference_weights, the proxy samples "
-    "doremi.proxy_sampling, the main runs train on DoReMi's weights and on "
+    f"the reference trains on {_REF}.reference_weights, the proxy samples "
+    f"{_REF}.proxy_sampling, the main runs train on the methods' weights and on "
     "pipeline.baselines"
 )
 
@@ -72,7 +79,7 @@ def check_stage(cfg: ExperimentConfig, stage: str) -> None:
     """Refuse `data.domain_weights` in a stage that does not read it (unless it equals the key
     the stage does read, as in a reference's own saved config.yaml), and check that key's
     weights against the domains."""
-    if stage == "train-proxy" and cfg.mixing.method != "doremi":
+    if stage == "train-proxy" and not spec(cfg.mixing.method).needs_reference:
         if cfg.data.domain_weights != "uniform":
             raise ConfigError(
                 f"data.domain_weights: doremi train-proxy with mixing.method={cfg.mixing.method} does "
@@ -193,6 +200,11 @@ def _check_methods(pipe: Any, domains: list[str] | None) -> None:
                 raise type(e)(f"{section}: {e}") from None
 
 
+def _ref_sets(**options: Any) -> dict[str, Any]:
+    """`stage_config` sets of the reference method's options (`mixing__<name>__<option>`)."""
+    return {f"mixing__{REFERENCE_RUN}__{k}": v for k, v in options.items()}
+
+
 def validate_pipeline(pipe: Any) -> None:
     """Everything `doremi pipeline` will read, checked before its first stage (see module doc).
     `pipe` is a `doremi.pipeline.pipeline.Pipeline` with its raw and top-level configs loaded."""
@@ -204,31 +216,23 @@ def validate_pipeline(pipe: Any) -> None:
             f"({DOMAIN_WEIGHTS_IN_PIPELINE}); got {cfg.data.domain_weights!r}: remove it"
         )
     rdir = pipe.root / "round1"
-    _stage(
-        pipe,
-        "pipeline.proxy",
-        train__run_dir=str(rdir / "reference"),
-        doremi__reference_weights=cfg.doremi.reference_weights,
-    )
-    proxy = _stage(
-        pipe,
-        "pipeline.proxy",
-        train__run_dir=str(rdir / "proxy"),
-        doremi__reference=str(rdir / "reference"),
-        doremi__reference_weights=cfg.doremi.reference_weights,
-    )
+    ref_weights = getattr(cfg.mixing, REFERENCE_RUN).reference_weights
+    sets = _ref_sets(reference_weights=ref_weights)
+    _stage(pipe, "pipeline.proxy", train__run_dir=str(rdir / "reference"), **sets)
+    sets = _ref_sets(reference=str(rdir / "reference"), reference_weights=ref_weights)
+    proxy = _stage(pipe, "pipeline.proxy", train__run_dir=str(rdir / "proxy"), **sets)
     _stage(pipe, "pipeline.main", train__run_dir=str(pipe.root / "main" / "uniform"), data__domain_weights="uniform")
     domains = known_domains(cfg.data)
     _check_methods(pipe, domains)
-    check_spec(cfg.doremi.reference_weights, domains, "doremi.reference_weights")
-    in_proxy = _has(p.proxy, "doremi.proxy_sampling")
+    check_spec(ref_weights, domains, f"{_REF}.reference_weights")
+    in_proxy = _has(p.proxy, f"{_REF}.proxy_sampling")
     check_spec(
-        proxy.doremi.proxy_sampling,
+        getattr(proxy.mixing, REFERENCE_RUN).proxy_sampling,
         domains,
-        "pipeline.proxy.doremi.proxy_sampling" if in_proxy else "doremi.proxy_sampling",
+        f"pipeline.proxy.{_REF}.proxy_sampling" if in_proxy else f"{_REF}.proxy_sampling",
     )
-    taken: dict[str, str] = {DOREMI_RUN: "DoReMi's own run"}
-    taken.update({m: f"pipeline.methods' {m} run" for m in p.methods if m != DOREMI_RUN})
+    taken: dict[str, str] = {REFERENCE_RUN: f"{REFERENCE_RUN}'s own run"}
+    taken.update({m: f"pipeline.methods' {m} run" for m in p.methods if m != REFERENCE_RUN})
     taken.update({online_run_name(m): f"pipeline.online's {m} run" for m in p.online})
     for i, b in enumerate(p.baselines):
         where = f"pipeline.baselines[{i}]"

@@ -23,6 +23,8 @@ import numpy as np
 
 from doremi.config import GuardrailConfig
 from doremi.errors import DoReMiError
+from doremi.methods import registry
+from doremi.outputs.main_runs import REFERENCE_RUN
 
 #: reference and proxy: DoReMi's; method: another method's proxy; sweep: a small run of the
 #: offline methods' sweep (the checks of any run: epochs and, when logged, realised mixture).
@@ -56,7 +58,7 @@ ADVICE: dict[str, tuple[str, str]] = {
     ),
     "proxy_lag": (
         "the proxy is far behind its reference, so its excess losses measure its lag more than each domain's headroom",
-        "train the proxy as long as its reference (the same train.steps), or a lower doremi.eta",
+        f"train the proxy as long as its reference (the same train.steps), or a lower mixing.{REFERENCE_RUN}.eta",
     ),
     "lambda_snr": (
         "the domain weights follow batch noise, so their average is close to the proxy's sampling mixture",
@@ -64,7 +66,7 @@ ADVICE: dict[str, tuple[str, str]] = {
     ),
     "concentration": (
         "one domain takes most of the weight for many steps; its averaged weight may be an artefact of eta",
-        "a lower doremi.eta or a larger doremi.smoothing",
+        f"a lower mixing.{REFERENCE_RUN}.eta or a larger mixing.{REFERENCE_RUN}.smoothing",
     ),
     "overfit": (
         "the run got worse after its best evaluation, so its final loss understates the mixture",
@@ -523,7 +525,7 @@ def with_advice(found: Iterable[Finding]) -> list[tuple[Finding, str | None]]:
 
 
 def run_dir_of(path: str | Path) -> Path:
-    """The run directory of a run or checkpoint directory (doremi.reference takes either)."""
+    """The run directory of a run or checkpoint directory (mixing.doremi.reference takes either)."""
     p = Path(path)
     if (p / "metrics.jsonl").is_file() or (p / "config.yaml").is_file():
         return p
@@ -535,7 +537,7 @@ def measure_run(
 ) -> RunMeasures:
     """Read a run directory (metrics.jsonl, config.yaml, and for a proxy domain_weights.jsonl
     and its reference's metrics.jsonl) and measure it. `reference`: the proxy's reference run
-    (default: its config's doremi.reference)."""
+    (default: its config's mixing.doremi.reference)."""
     from doremi.methods.history import HistoryError, read_history
     from trainer.config.tools import read_yaml
     from trainer.records.metrics import read_jsonl
@@ -553,7 +555,7 @@ def measure_run(
             history = read_history(run)
         except HistoryError:
             history = None
-        ref = reference or cfg.get("doremi", {}).get("reference")
+        ref = reference or registry.options(cfg, REFERENCE_RUN).get("reference")
         if ref:
             ref_rows = read_jsonl(run_dir_of(ref) / "metrics.jsonl")
     return measure(name or str(run), kind, rows, batch, history, ref_rows)

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from doremi.config import OFFLINE_METHODS
-from doremi.outputs.main_runs import DOREMI_RUN, SWEEP_DIR, method_dir
+from doremi.methods import registry
+from doremi.outputs.main_runs import REFERENCE_RUN, SWEEP_DIR, method_dir
 from doremi.outputs.stage_markers import dir_marker
 from trainer.records.metrics import read_jsonl
 
@@ -63,11 +64,9 @@ def run_cost(run: Path, kind: str) -> dict[str, float] | None:
     method = cfg.get("mixing", {}).get("method" if kind == "method" else "main")
     if kind == "proxy":
         cost["reference"] = fpt / 3 * tokens
-    if method == "doge" and kind in ("method", "online"):
-        from doremi.methods.doge import DoGEConfig, target_sequences
-
-        doge = DoGEConfig(target_sequences=cfg["mixing"]["doge"].get("target_sequences"))
-        target = target_sequences(doge, t["global_batch_size"])
+    extra = registry.spec(method).extra_sequences if method in registry.specs() else None
+    if extra is not None and kind in ("method", "online"):
+        target = extra(registry.options(cfg, method), t["global_batch_size"])
         cost["target"] = float(fpt * target * seq * t["steps"])
     rows = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
     evals = next((r["method_evals"] for r in reversed(rows) if "method_evals" in r), None)
@@ -90,7 +89,7 @@ def method_runs(root: Path, method: str, online: bool = False) -> list[tuple[str
     """(kind, run directory) of the runs a method needed to find its mixture."""
     if online:
         return [("online", root / "main" / method)]
-    if method == DOREMI_RUN:
+    if method == REFERENCE_RUN:
         rounds = sorted(root.glob("round*"), key=lambda p: int(p.name.removeprefix("round") or 0))
         return [(kind, r / kind) for r in rounds if r.name[5:].isdigit() for kind in ("reference", "proxy")]
     return [("method", method_dir(root, method) / "proxy")]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic import atomic_path, atomic_write_text
+from doremi.outputs.main_runs import REFERENCE_RUN
 
 WEIGHTS_PNG = "domain_weights.png"
 VAL_LOSS_PNG = "val_loss.png"
@@ -225,7 +226,7 @@ def _save(fig, path: Path) -> None:
 
 def plot_weight_history(path: Path, domains: Sequence[str], weight_history: Sequence[Vector]) -> None:
     """alpha_t per domain over the proxy's steps, and its running mean from step 1 (the tuned
-    weights if the run stopped at t and averaged from step 1, `doremi.average_from_step`)."""
+    weights if the run stopped at t and averaged from step 1, `mixing.doremi.average_from_step`)."""
     from matplotlib.figure import Figure
 
     k, steps = len(domains), list(range(1, len(weight_history) + 1))
@@ -556,7 +557,7 @@ def _checked_inputs(
     k = len(domains)
     ent = list(entropy) if entropy is not None else [None] * k
     _check_len("entropy", ent, k)
-    histories = dict(weight_history) if isinstance(weight_history, Mapping) else {"doremi": weight_history}
+    histories = dict(weight_history) if isinstance(weight_history, Mapping) else {REFERENCE_RUN: weight_history}
     histories = {name: h for name, h in histories.items() if len(h)}
     for name, history in histories.items():
         for t, w in enumerate(history, start=1):
@@ -685,8 +686,8 @@ def _plot_sections(
 ) -> list[str]:
     """Draw the report's PNGs into `out` and return the sections that show them."""
     parts: list[str] = []
-    if list(histories) == ["doremi"]:
-        plot_weight_history(out / WEIGHTS_PNG, domains, histories["doremi"])
+    if list(histories) == [REFERENCE_RUN]:
+        plot_weight_history(out / WEIGHTS_PNG, domains, histories[REFERENCE_RUN])
         parts += ["", "## Domain weights during the proxy run", "", f"![domain weights]({WEIGHTS_PNG})"]
     elif histories:
         plot_weight_histories(out / WEIGHTS_PNG, domains, histories)

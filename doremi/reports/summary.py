@@ -12,8 +12,9 @@ from data.store import Manifest, open_stores
 from data.weights import resolve_weights
 from data.weights_file import WEIGHTS_FILE
 from doremi.config import GuardrailConfig
+from doremi.methods import registry
 from doremi.methods.history import HistoryError, read_history
-from doremi.outputs.main_runs import DOREMI_RUN, method_dir, online_run_name
+from doremi.outputs.main_runs import REFERENCE_RUN, method_dir, online_run_name
 from doremi.outputs.main_runs import mixtures as mixture_specs
 from doremi.outputs.stage_markers import eval_result
 from doremi.reports.guardrails import findings, format_guardrail_table, measure_pipeline, warnings, with_advice
@@ -107,7 +108,7 @@ def setup_table(root: Path) -> str | None:
     )
     proxies = [c for r, c in configs.items() if r.name == "proxy"]
     if proxies:
-        d = proxies[-1].get("doremi", {})
+        d = registry.options(proxies[-1], REFERENCE_RUN)
         table += "\nDoReMi: " + ", ".join(f"{k} {d[k]}" for k in PROXY_KEYS if k in d) + ".\n"
     return table
 
@@ -115,7 +116,7 @@ def setup_table(root: Path) -> str | None:
 def tuned_methods(root: Path) -> list[str]:
     """The mixing methods whose weights a pipeline root holds: DoReMi (`weights.json`), then the
     others (`methods/<name>/weights.json`) in name order."""
-    found = [DOREMI_RUN] if (root / WEIGHTS_FILE).is_file() else []
+    found = [REFERENCE_RUN] if (root / WEIGHTS_FILE).is_file() else []
     methods = root / "methods"
     if methods.is_dir():
         found += sorted(d.name for d in methods.iterdir() if (d / WEIGHTS_FILE).is_file())
@@ -193,9 +194,9 @@ def weight_histories(root: Path) -> dict[str, list[list[float]]]:
     out: dict[str, list[list[float]]] = {}
     rounds = sorted(root.glob("round*/proxy"), key=lambda p: int(p.parent.name.removeprefix("round")))
     if rounds:
-        out[DOREMI_RUN] = logged_weights(rounds[-1])
+        out[REFERENCE_RUN] = logged_weights(rounds[-1])
     for m in tuned_methods(root):
-        if m != DOREMI_RUN:
+        if m != REFERENCE_RUN:
             out[m] = logged_weights(method_dir(root, m) / "proxy")
     for name in online_runs(root):
         out[name] = logged_weights(root / "main" / name, "sampling")
@@ -243,7 +244,7 @@ def collect_run(
         "mixtures": mixtures,
         "final": final,
         "curves": curves,
-        "history": histories.get(DOREMI_RUN, []),
+        "history": histories.get(REFERENCE_RUN, []),
         "histories": histories,
         "compute": compute_ledger(root, methods, online_runs(root)),
         "entropy": entropy,
@@ -257,14 +258,13 @@ def collect_run(
 
 
 def method_reads(runs: list[str]) -> dict[str, str]:
-    """What each method of the report read (`doremi.methods.registry.READS`, described), by its
-    run's name (`<method>-online` for one run online)."""
-    from doremi.methods.registry import READS, reads
-
+    """What each method of the report read (its spec's `reads`, described), by its run's name
+    (`<method>-online` for one run online)."""
     out = {}
     for run in runs:
         method = run.removesuffix(online_run_name(""))
-        out[run] = reads(method).describe() if method in READS else "not declared in doremi/methods/registry.py READS"
+        known = method in registry.specs()
+        out[run] = registry.reads(method).describe() if known else "not in the catalog (doremi/methods/registry.py)"
     return out
 
 
@@ -276,7 +276,7 @@ def fit_qualities(root: Path, methods: list[str]) -> dict[str, dict[str, Any]]:
 
     out = {}
     for m in methods:
-        path = root / WEIGHTS_FILE if m == DOREMI_RUN else method_dir(root, m) / WEIGHTS_FILE
+        path = root / WEIGHTS_FILE if m == REFERENCE_RUN else method_dir(root, m) / WEIGHTS_FILE
         if json.loads(path.read_text()).get("source") == "fit":
             out[m] = fit_quality(path)
     return out

@@ -27,6 +27,7 @@ from typing import Any
 
 from data import artifact
 from data.atomic import atomic_write_text
+from doremi.config import ExperimentConfig, upgrade_saved
 from doremi.errors import DoReMiError
 from doremi.outputs.stage_markers import eval_result
 from doremi.reports.report import _save, domains_better, markdown_table, speedup, steps_to_target
@@ -222,6 +223,14 @@ def _flat(value: Any, prefix: str, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
+def _new_path(record_key: str) -> str:
+    """A record key (a moved section named by its old path) as the config writes it now."""
+    for old, new in ExperimentConfig.MOVED.items():
+        if record_key == old or record_key.startswith(old + "."):
+            return new + record_key[len(old) :]
+    return record_key
+
+
 def _relative(value: Any, root: str) -> Any:
     """A path inside `root` as `<root>/...`, so that a root's own files compare equal."""
     if isinstance(value, str) and (value == root or value.startswith(root + os.sep)):
@@ -233,7 +242,7 @@ def _relative(value: Any, root: str) -> Any:
 
 def settings(root: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """Run (relative to the root) -> its saved config's keys that can change a result, flat
-    (`doremi.eta`), seeds left out, paths inside the root relative to it."""
+    (`mixing.doremi.eta`), seeds left out, paths inside the root relative to it."""
     import yaml
 
     base = Path(root).resolve()
@@ -244,11 +253,12 @@ def settings(root: str | os.PathLike) -> dict[str, dict[str, Any]]:
             if not path.is_file():
                 continue
             flat: dict[str, Any] = {}
-            _flat(yaml.safe_load(path.read_text()) or {}, "", flat)
+            _flat(upgrade_saved(yaml.safe_load(path.read_text()) or {}), "", flat)
+            ignored = (*NOT_RESULT_KEYS, *(_new_path(k) for k in ExperimentConfig.RECORD_IGNORES))
             out[str(run.relative_to(base))] = {
                 k: _relative(v, str(base))
                 for k, v in flat.items()
-                if not is_seed(k) and not any(k == p or k.startswith(p + ".") for p in NOT_RESULT_KEYS)
+                if not is_seed(k) and not any(k == p or k.startswith(p + ".") for p in ignored)
             }
     return out
 

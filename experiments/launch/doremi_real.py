@@ -50,10 +50,10 @@ ARMS: dict[str, Arm] = {
     "doremi-s2": Arm(2, ("uniform", "{natural}")),
     "doremi-s3": Arm(3, ("uniform",)),
     "doremi-s4": Arm(4, ("uniform",)),
-    "eta0.1-s1": Arm(1, (), ("doremi.eta=0.1",)),
-    "eta0.1-s2": Arm(2, (), ("doremi.eta=0.1",)),
-    "natref-s1": Arm(1, (), ("doremi.reference_weights={natural}",)),
-    "natref-s2": Arm(2, (), ("doremi.reference_weights={natural}",)),
+    "eta0.1-s1": Arm(1, (), ("mixing.doremi.eta=0.1",)),
+    "eta0.1-s2": Arm(2, (), ("mixing.doremi.eta=0.1",)),
+    "natref-s1": Arm(1, (), ("mixing.doremi.reference_weights={natural}",)),
+    "natref-s2": Arm(2, (), ("mixing.doremi.reference_weights={natural}",)),
 }
 
 #: The comparison of every method (issue 21; the design and its rule: experiments/notes/COMPARISON.md).

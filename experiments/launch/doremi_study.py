@@ -12,7 +12,7 @@ PHASE is one of
   the real corpus.
 - `calibrate`: the main runs of the calibration (../shared/study-design.md): uniform and the
   first study's averaged DoReMi weights (fixed) on each seed; `doremi study calibrate` reads them.
-- `study`: per seed its reference (on `doremi.reference_weights`), its DoReMi proxy (data seed
+- `study`: per seed its reference (on `mixing.doremi.reference_weights`), its DoReMi proxy (data seed
   offset by 1000 from its reference's, so the reference never saw the proxy's batches in the
   same order), the averaged weights, and the main runs uniform, natural and doremi.
 
@@ -109,7 +109,9 @@ def study_stages(seeds: list[int], work: Path) -> list[Stage]:
         ref, proxy = work / f"reference-seed{s}", work / f"proxy-seed{s}"
         out.append(Stage(ref.name, "train-reference", seeded(s)))
         out.append(
-            Stage(proxy.name, "train-proxy", seeded(s, s + PROXY_DATA_SEED_OFFSET) + (f"doremi.reference={ref}",))
+            Stage(
+                proxy.name, "train-proxy", seeded(s, s + PROXY_DATA_SEED_OFFSET) + (f"mixing.doremi.reference={ref}",)
+            )
         )
         out.append(Stage(proxy.name, "average"))
         for arm, weights in (("uniform", "uniform"), ("natural", "tokens"), ("doremi", str(proxy / "weights.json"))):
@@ -296,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--side-by-side", type=int, default=1, help="main runs at once on the one GPU (default 1)")
     ap.add_argument("--calibration", help="study: the calibration.json whose gate lets the study start")
-    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="print the commands of the stages not finished yet, run nothing"
+    )
     args = ap.parse_args(argv)
     if not args.out and not args.dry_run:
         die("--out (or OUT) is not set: the directory the packed results go to")
@@ -331,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     preprocess = [sys.executable, "-m", "doremi", "preprocess", str(CONFIG)]
     preprocess += sum((["--set", s] for s in base + args.sets), [])
     if args.dry_run:
-        for cmd in [preprocess, *cmds]:
-            print(shlex.join(cmd[1:]))
+        print(shlex.join(preprocess[1:]))
+        for stage, cmd in zip(stages, cmds):
+            done = finished(stage, folder)
+            print(f"# {stage.name} ({stage.command}): finished before, skipped" if done else shlex.join(cmd[1:]))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ run2 train "$CFG" "${S[@]}" --set train.run_dir="$OUT/tp2" --set parallelism.tp=
 run2 train "$CFG" "${S[@]}" --set train.run_dir="$OUT/pp2" --set parallelism.pp=2 --set parallelism.pp_schedule=1f1b
 run2 train "$CFG" "${S[@]}" --set train.run_dir="$OUT/dp2" --set parallelism.dp=2 --set parallelism.zero1=true
 "$PY" -m doremi train-reference "$CFG" "${S[@]}" --set train.run_dir="$OUT/ref"
-P=(--set doremi.reference="$OUT/ref")
+P=(--set mixing.doremi.reference="$OUT/ref")
 "$PY" -m doremi train-proxy "$CFG" "${S[@]}" "${P[@]}" --set train.run_dir="$OUT/proxy"
 run2 train-proxy "$CFG" "${S[@]}" "${P[@]}" --set train.run_dir="$OUT/proxy-tp2" --set parallelism.tp=2 \
   --set parallelism.sequence_parallel=true

@@ -37,10 +37,9 @@ if str(ROOT) not in sys.path:
 
 from data.errors import DataError  # noqa: E402
 from data.store import Manifest, read_manifest  # noqa: E402
-from doremi.config import ExperimentConfig  # noqa: E402
+from doremi.config import ExperimentConfig, load_saved_config  # noqa: E402
 from doremi.reports.report import fmt, format_table, markdown_table, plot_final_loss, plot_val_loss, plot_weight_history  # noqa: E402
 from doremi.reports.summary import collect_run  # noqa: E402
-from trainer.config.schema import load_config  # noqa: E402
 from trainer.config.tools import ConfigError, read_yaml  # noqa: E402
 from trainer.model.flops import param_count  # noqa: E402
 from trainer.records.metrics import read_jsonl  # noqa: E402
@@ -128,7 +127,7 @@ def verdict(s: dict[str, dict[str, Any]]) -> str:
 
 def run_config(path: Path) -> ExperimentConfig:
     try:
-        return load_config(path, cls=ExperimentConfig)
+        return load_saved_config(path)
     except (ConfigError, DataError) as e:
         raise SummaryError(f"{path}: {e}") from None
 
@@ -189,9 +188,9 @@ def setup_section(seeds: Sequence[Seed]) -> str:
         "",
         table,
         f"Parameters: trainer/model/flops.py `param_count` (untied embeddings counted). "
-        f"DoReMi: eta {ref.doremi.eta:g}, smoothing {ref.doremi.smoothing:g}, reference on "
-        f"`{ref.doremi.reference_weights}` weights, proxy sampling `{ref.doremi.proxy_sampling}`, "
-        f"update `{ref.doremi.update}`; seeds {', '.join(str(x.info.get('seed', x.name)) for x in seeds)} "
+        f"DoReMi: eta {ref.mixing.doremi.eta:g}, smoothing {ref.mixing.doremi.smoothing:g}, reference on "
+        f"`{ref.mixing.doremi.reference_weights}` weights, proxy sampling `{ref.mixing.doremi.proxy_sampling}`, "
+        f"update `{ref.mixing.doremi.update}`; seeds {', '.join(str(x.info.get('seed', x.name)) for x in seeds)} "
         f"(train.seed and data.seed of every stage).",
     ]
     if info:

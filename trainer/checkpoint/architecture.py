@@ -26,7 +26,7 @@ ARCH_KEYS = (
     "norm_eps",
 )
 
-#: The `model.mamba` keys of the Mamba-2 layers (trainer.model.mamba).
+#: The `model.mamba` keys of the Mamba-2 layers (trainer.model.mamba.mixer).
 MAMBA_ARCH_KEYS = ("d_state", "d_conv", "expand", "head_dim", "ngroups")
 
 #: The `model.moe` keys of the routed MLPs (trainer.model.moe); `expert_ffn_dim` and `layers`

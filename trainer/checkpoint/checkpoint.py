@@ -32,8 +32,10 @@ must see one filesystem (shared storage across nodes).
 `meta.json` carries the checkpoint's artifact header (`data.artifact`: kind `checkpoint`,
 finished at its step, the stores as its source; its files are `files`).
 
-Resharding: every tensor is looked up by parameter name. When the saved tp equals the current
-tp a rank reads its own shard; otherwise it reads every saved tp shard, `unshard`s and `shard`s
+Resharding: every tensor is looked up by parameter name, and cut and joined by the `ShardSpec`
+and expert-parallel tag its row of the sharding plan (`trainer.model.sharding`) put on the
+parameter: this module holds no list of names. When the saved tp equals the current tp a rank
+reads its own shard; otherwise it reads every saved tp shard, `unshard`s and `shard`s
 for its new tp rank. Optimizer state tensors shaped like the tp-local parameter get the same
 treatment (the bf16 optimizer's fp32 "master" among them); a state dimension of size 1 where
 the parameter is sharded (Adafactor's factored row or column statistic) is averaged over the

@@ -4,6 +4,7 @@ holds it without importing the model."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -12,6 +13,31 @@ from trainer.config.tools import ConfigError
 
 #: `model.fp8.layers` names -> the linear's name in a block.
 FP8_LAYERS: dict[str, str] = {"qkv": "attn.qkv", "proj": "attn.out", "gate_up": "mlp.gate_up", "down": "mlp.down"}
+
+
+#: The torchao releases whose float8 internals `trainer.model.fp8` is written against (the `[fp8]` extra).
+TORCHAO_VERSIONS = ((0, 18), (0, 19))
+
+
+def torchao_version() -> str | None:
+    """The installed torchao's version, None without it (a metadata lookup: nothing imported)."""
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def require_torchao(path: str = "model.fp8") -> None:
+    """FP8 linears run on torchao's float8 training, an optional dependency: refuse `model.fp8`
+    without it, or with a release whose internals differ, in one line that says what to install."""
+    version = torchao_version()
+    install = "pip install -e '.[fp8]' (torchao>=0.18,<0.19)"
+    if version is None:
+        raise ConfigError(f"{path}: FP8 linears run on torchao's float8 training, which is not installed: {install}")
+    major_minor = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    lo, hi = TORCHAO_VERSIONS
+    if not lo <= major_minor < hi:
+        raise ConfigError(f"{path}: FP8 linears need torchao 0.18.x, found torchao {version}: {install}")
 
 
 def check_fp8_layers(model_cfg, path: str = "model") -> None:
@@ -46,18 +72,20 @@ class Fp8Config:
     scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
     # Format of the output gradients: e5m2 (range) or e4m3 (precision; rowwise needs it).
     grad_dtype: Literal["e4m3", "e5m2"] = "e5m2"
-    # Tensorwise delayed scaling: scales from the max amax of the last N steps; 0: dynamic.
+    # Tensorwise delayed scaling: scales from the max amax of the last N steps; 0: dynamic
+    # (torchao's; delayed scaling is ours, torchao 0.18 has none, and runs eagerly).
     amax_history: int = 0
 
     def validate(self, path: str = "model.fp8") -> None:
         unknown = [name for name in self.layers if name not in FP8_LAYERS]
         if unknown or not self.layers:
             raise ConfigError(f"{path}.layers: expected a non-empty list of {', '.join(FP8_LAYERS)}, got {self.layers}")
+        require_torchao(path)
         if self.amax_history < 0:
             raise ConfigError(f"{path}.amax_history: expected >= 0, got {self.amax_history}")
         if self.scaling == "rowwise" and self.amax_history:
             raise ConfigError(f"{path}.amax_history: rowwise scaling is dynamic, expected 0, got {self.amax_history}")
         if self.scaling == "rowwise" and self.grad_dtype != "e4m3":
             raise ConfigError(
-                f"{path}.grad_dtype: rowwise scaling needs e4m3 (torch._scaled_mm's rowwise GEMM), got {self.grad_dtype}"
+                f"{path}.grad_dtype: rowwise scaling needs e4m3 (torchao's rowwise recipe), got {self.grad_dtype}"
             )

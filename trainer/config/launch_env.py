@@ -15,6 +15,11 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def launched() -> bool:
+    """Whether a launcher (torchrun, srun through it) started this process: WORLD_SIZE is set."""
+    return "WORLD_SIZE" in os.environ
+
+
 def launch_world_size() -> int:
     """The number of processes launched (torchrun's WORLD_SIZE; 1 without a launcher)."""
     return int(os.environ.get("WORLD_SIZE", "1"))

@@ -122,7 +122,7 @@ def mamba_mixer_params(model_cfg) -> int:
 
 def ssd_flops_per_token(model_cfg) -> int:
     """Training FLOPs (x3 for forward + backward) per token of one layer's chunked scan beyond
-    its parameters' matmuls, with chunk Q (`trainer.model.ssd.ssd_chunked`): within a chunk the
+    its parameters' matmuls, with chunk Q (`trainer.model.mamba.ssd.ssd_chunked`): within a chunk the
     C B^T scores 2 Q G N and their product with the inputs 2 Q H P, causal half counted as for
     attention; a chunk's state from its inputs 2 H P N and the outputs from the entering state
     2 H P N. The recurrence over chunks (H P N per chunk) is left out."""

@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 from data.config import DataConfig, PathStr
 from data.store import MANIFEST_FILE, read_manifest
 from trainer.config.fp8 import Fp8Config, check_fp8_layers
-from trainer.config.launch_env import launch_world_size
+from trainer.config.launch_env import launch_world_size, launched
 from trainer.config.mamba import MambaConfig, check_block_pattern, check_mamba_tp
 from trainer.config.moe import MoEConfig, check_moe_layout
 from trainer.config.mup import MupConfig
@@ -43,8 +43,9 @@ class ModelConfig:
     # A named shape (trainer/config/presets.py; `doremi config --presets` lists them).
     preset: str | None = None
     # Embedding rows, at least the tokenizer's vocabulary. `auto`: the stores' tokenizer's
-    # (data.store_dir's manifest.json), resolved when the config is loaded and the stores exist.
-    vocab_size: int | Literal["auto"] = 256
+    # (data.store_dir's manifest.json), resolved when the config is loaded and the stores exist;
+    # a stage that builds the model before `doremi preprocess` then stops with one line.
+    vocab_size: int | Literal["auto"] = "auto"
     # Hidden size.
     d_model: int = 64
     # Transformer blocks.
@@ -83,7 +84,8 @@ class ModelConfig:
     mamba: MambaConfig = field(default_factory=MambaConfig)
     # Mixture-of-experts MLPs (trainer/model/moe.py); None: dense SwiGLU in every block.
     moe: MoEConfig | None = None
-    # FP8 GEMMs in chosen linears (trainer/model/fp8.py); None: all in the parameters' precision.
+    # FP8 GEMMs in chosen linears (trainer/model/fp8.py, on torchao: `pip install -e .[fp8]`);
+    # None: all in the parameters' precision.
     fp8: Fp8Config | None = None
     # Spectral muP relative to a base width (trainer/model/mup.py); None: standard parametrization.
     mup: MupConfig | None = None
@@ -213,14 +215,42 @@ class TrainConfig:
 
 def auto_dp(tp: int, pp: int, path: str = "parallelism") -> int:
     """`dp: auto`: the processes the launcher started over those one replica needs (as
-    torchtitan infers it), so that a config need not be edited for each node count."""
+    torchtitan infers it), so that a config need not be edited for each node count; 1 without
+    a launcher (no WORLD_SIZE), as the former default, so that a tp > 1 config still plans and
+    inspects off the cluster."""
+    if not launched():
+        return 1
     world = launch_world_size()
     if tp < 1 or pp < 1 or world % (tp * pp):
         raise ConfigError(
             f"{path}.dp: auto needs WORLD_SIZE divisible by tp x pp = {tp} x {pp}, got WORLD_SIZE={world} "
-            f"(1 without torchrun; give dp as a number to plan or inspect off the cluster)"
+            f"(or give dp as a number)"
         )
     return world // (tp * pp)
+
+
+def _auto_dp_note(tp: int, pp: int, dp: int) -> str | None:
+    if not launched():
+        return None
+    grid = f"tp {tp}" + (f" x pp {pp}" if pp > 1 else "")
+    return f"dp {dp} (auto: WORLD_SIZE {launch_world_size()} / {grid})"
+
+
+#: Where a section keeps what its `auto` values resolved to (an attribute, not a config key:
+#: never in `to_dict`, so a fingerprint hashes the resolved value only).
+_AUTO_NOTE = "_auto_note"
+
+
+def _set_auto_note(section: object, note: str | None) -> None:
+    if note:
+        section.__dict__[_AUTO_NOTE] = note
+
+
+def auto_notes(cfg: TrainerConfig) -> list[str]:
+    """What `auto` defaults resolved to and from where (`vocab_size 50277 (auto: from the
+    stores)`, `dp 4 (auto: WORLD_SIZE 8 / tp 2)`), for the run's start-up line (issue 43 item 4):
+    a value the framework chose is said, not silently used."""
+    return [n for section in (cfg.model, cfg.parallelism) if (n := section.__dict__.get(_AUTO_NOTE))]
 
 
 @dataclass
@@ -232,8 +262,8 @@ class ParallelismConfig:
     # Pipeline stages (at most model.n_layers).
     pp: int = 1
     # Data-parallel replicas. `auto`: the launcher's WORLD_SIZE / (tp x pp) (1 without torchrun),
-    # resolved when the config is loaded; an error when it does not divide.
-    dp: int | Literal["auto"] = 1
+    # resolved when the section is made; an error when it does not divide.
+    dp: int | Literal["auto"] = "auto"
     # Megatron sequence parallelism of the norms and dropout-free regions (needs tp > 1 to matter).
     sequence_parallel: bool = False
     # Overlap tensor-parallel communication with compute.
@@ -254,14 +284,24 @@ class ParallelismConfig:
     # Process-group backend; `auto`: nccl on CUDA, gloo on CPU.
     backend: Literal["auto", "nccl", "gloo"] = "auto"
 
+    def __post_init__(self) -> None:
+        """`dp: auto` resolved as soon as the section exists, also when built in code or by a
+        default factory (a config without a parallelism section), so that no reader sees `auto`."""
+        self._resolve_dp("parallelism")
+
+    def _resolve_dp(self, path: str) -> None:
+        if self.dp == "auto" and isinstance(self.tp, int) and isinstance(self.pp, int) and min(self.tp, self.pp) >= 1:
+            self.dp = auto_dp(self.tp, self.pp, path)
+            _set_auto_note(self, _auto_dp_note(self.tp, self.pp, self.dp))
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp  # type: ignore[operator]
 
     def validate(self, path: str = "parallelism") -> None:
         for name in ("tp", "pp", "dp"):
-            if name == "dp" and self.dp == "auto":
-                self.dp = auto_dp(self.tp, self.pp, path)
+            if name == "dp":
+                self._resolve_dp(path)
             if getattr(self, name) < 1:
                 raise ConfigError(f"{path}.{name}: expected >= 1, got {getattr(self, name)}")
         if self.pp_layers and len(self.pp_layers) != self.pp:
@@ -341,8 +381,9 @@ class TrainerConfig:
 
     def validate(self, path: str = "") -> None:
         m, p, t = self.model, self.parallelism, self.train
-        if m.vocab_size == "auto":
-            m.vocab_size = stores_vocab_size(self.data.store_dir) or "auto"
+        if m.vocab_size == "auto" and (found := stores_vocab_size(self.data.store_dir)) is not None:
+            m.vocab_size = found
+            _set_auto_note(m, f"vocab_size {found} (auto: from the stores)")
         if m.n_kv_heads % p.tp:
             raise ConfigError(f"parallelism.tp: expected a divisor of model.n_kv_heads={m.n_kv_heads}, got {p.tp}")
         check_mamba_tp(m, p.tp)

@@ -227,13 +227,25 @@ def _coerce_str(value: Any, path: str) -> str:
     return value
 
 
+def moved_line(old: str, new: str, value: Any) -> str:
+    """`doremi.eta: moved to mixing.doremi.eta`: a section `cls.MOVED` says has moved (its first
+    key named, so that the line points at what to rewrite)."""
+    first = next(iter(value), None) if isinstance(value, dict) else None
+    return f"{old}.{first}: moved to {new}.{first}" if first is not None else f"{old}: moved to {new}"
+
+
 def from_dict(cls: type[T], raw: dict[str, Any], path: str = "") -> T:
-    """Build dataclass `cls` from a mapping, rejecting unknown keys with a suggestion."""
+    """Build dataclass `cls` from a mapping, rejecting unknown keys with a suggestion, and a
+    section the class has moved (its class attribute `MOVED`: old key -> new path) with a line
+    naming the new key."""
     hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    moved = getattr(cls, "MOVED", {})
     kwargs = {}
     for key, value in raw.items():
         where = f"{path}.{key}" if path else str(key)
+        if key in moved:
+            raise ConfigError(moved_line(where, moved[key], value))
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean {(path + '.' if path else '') + close[0]}?)" if close else ""

@@ -9,7 +9,7 @@ What maps, and how:
 - names: `HF_NAMES` (one table); our fused projections are split on the way out and
   concatenated on the way in: `attn.qkv` = [q_proj | k_proj | v_proj] (rows), `mlp.gate_up` =
   [gate_proj | up_proj];
-- RoPE: both use the rotate-half convention (`trainer.model.rope.rotate`: the first and second
+- RoPE: both use the rotate-half convention (`trainer.model.ops.rope.rotate`: the first and second
   halves of each head dimension are a pair), so q and k rows are copied as they are. (Meta's
   original checkpoints pair adjacent dimensions, which is why transformers' Meta->HF conversion
   script permutes the q and k rows; ours need no permutation.) Llama-3 frequency scaling is

@@ -1,45 +1,54 @@
 """FP8 matmuls for chosen linear layers (`model.fp8`), in the column/row-parallel linears of
-`trainer.parallel.tensor`.
+`trainer.parallel.tensor`, on torchao's float8 training (`torchao.float8`, the optional `[fp8]`
+extra; design.md section "FP8 linears and spectral muP").
 
 Each of a linear's three GEMMs (forward y = x W^T, input gradient g W, weight gradient g^T x)
-quantises its two operands to FP8 and multiplies them: weights and activations in e4m3
-(3 mantissa bits, max 448), gradients in e4m3 or e5m2 (2 mantissa bits, max 57344: range for
-the heavy-tailed gradients), as in Micikevicius et al. 2022, "FP8 Formats for Deep Learning".
-Quantisation of a tensor t with amax a: q = saturate(t * s) in FP8 with s = fp8_max / a, and
-t ~ q / s. The GEMM is (q_A / s_A)(q_B / s_B) = (q_A q_B) / (s_A s_B): FP8 products, the scales
-applied once to the fp32 accumulator. Master weights, optimizer and checkpoints stay as they are:
-the FP8 copies exist only inside a GEMM.
+multiplies its two operands in FP8: weights and activations in e4m3 (3 mantissa bits, max 448),
+gradients in e4m3 or e5m2 (2 mantissa bits, max 57344: range for the heavy-tailed gradients),
+as in Micikevicius et al. 2022, "FP8 Formats for Deep Learning". A tensor t with scale s is
+saturate(t * s) in FP8, s = fp8_max / amax(t); the GEMM applies 1 / (s_A s_B) to the fp32
+accumulator. Master weights, optimizer and checkpoints stay as they are: the FP8 copies exist
+only inside a GEMM.
+
+What is torchao's and what is ours. The scales from amaxes (`amax_to_scale`), the casts
+(`hp_tensor_and_scale_to_float8`), the GEMMs (`torch._scaled_mm` through `Float8TrainingTensor`,
+or torchao's emulation off Hopper/Ada) and, at tp 1 with dynamic scaling, the whole linear
+(`matmul_with_hp_or_float8_args`, which `torch.compile` fuses with its neighbours: no graph
+break) are torchao's. Ours is only what torchao lacks for a manual, non-DTensor tensor parallel:
+the amaxes over a dim that tp splits, max-all-reduced over tp (a scalar for tensorwise, a
+row/column vector for rowwise), and delayed scaling, which torchao 0.18 removed (`ScalingType`
+has only DYNAMIC and DISABLED); both hand torchao a ready (tensor, scale) pair.
 
 Scaling (`model.fp8.scaling`):
-- tensorwise: one scale per operand; from the operand's own amax (dynamic, `amax_history: 0`)
-  or from the max over the last `amax_history` steps' amaxes (delayed scaling, Transformer
-  Engine's recipe: the scale of step t is known before step t, so it is the same for every
-  micro-batch and for a recomputed forward; the first step has no history and is dynamic).
-  The step's amaxes are rolled into the history by `end_fp8_step`, max-reduced over tp and dp
-  so that every replica uses the same scales. Only training GEMMs record (not evaluation or a
-  frozen reference's forwards); the histories go into checkpoints (`amax_histories`).
-- rowwise: one scale per row of A and per column of B, i.e. along the dims that are not
-  contracted (a scale on the contracted dim would not factor out of the dot product): per token
+- tensorwise (torchao's `tensorwise` recipe): one scale per operand; from the operand's own
+  amax (dynamic, `amax_history: 0`) or from the max over the last `amax_history` steps' amaxes
+  (delayed scaling, Transformer Engine's recipe: the scale of step t is known before step t, so
+  it is the same for every micro-batch and for a recomputed forward; the first step has no
+  history and is dynamic). The step's amaxes are rolled into the history by `end_fp8_step`,
+  max-reduced over tp and dp so that every replica uses the same scales. Only training GEMMs
+  record (not evaluation or a frozen reference's forwards); the histories go into checkpoints
+  (`amax_histories`). Delayed scaling runs through the eager tp path (a graph break per linear).
+- rowwise (torchao's `rowwise` recipe: e4m3 gradients, scales rounded down to powers of two):
+  one scale per row of A and per column of B, along the dims that are not contracted: per token
   for activations and their gradients in the forward and input-gradient GEMMs, per output
   feature for weights, and per feature (over tokens) in the weight-gradient GEMM. Always dynamic.
 
-Layout invariance: a tp shard's amax is not the full tensor's, so an amax over a dim that tp
-splits is max-all-reduced over tp (a scalar for tensorwise, a row/column vector for rowwise).
-Then every element is quantised with the single-process scale, to the single-process FP8
-value, and the sharded GEMMs differ from one process only by fp32 summation order. A dynamic
-scale (and a delayed one's first step) is the amax of one micro-batch, so runs are comparable
-at the same micro-batch size (global batch / (dp x micro-batches)), whatever else the layout
+Layout invariance: with the tp-reduced amaxes every element is quantised with the
+single-process scale, to the single-process FP8 value, and the sharded GEMMs differ from one
+process (torchao's own linear) only by fp32 summation order. A dynamic scale (and a delayed
+one's first step) is the amax of one micro-batch, so runs are comparable at the same
+micro-batch size (global batch / (dp x micro-batches)), whatever else the layout
 (experiments/results/layouts_cpu.md).
 
-Execution: `torch._scaled_mm` (torch >= 2.5: mat1 row-major, mat2 column-major, dims multiple
-of 16, fp32 dequantisation scales 1/s: one element, or [M, 1] and [1, N] rowwise) on CUDA devices
-of compute capability >= 8.9; elsewhere EMULATED: the same quantisation, then upcast and an
-fp32 matmul. The emulation reproduces the quantisation error exactly (fp8 x fp8 products are
-exact in fp32); only the accumulation order differs from the tensor cores'.
+Execution: `torch._scaled_mm` on CUDA devices of compute capability >= 8.9 when the linear's
+(local) weight dims are multiples of 16 (the tokens of a micro-batch must be too); elsewhere
+torchao's emulation (`emulate`: the same casts, then upcast and an fp32 matmul), which
+reproduces the quantisation exactly (fp8 x fp8 products are exact in fp32).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,42 +56,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from trainer.config.fp8 import FP8_LAYERS
+from trainer.config.fp8 import FP8_LAYERS, require_torchao
 from trainer.config.tools import ConfigError
 
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
-#: Smallest amax a scale is computed from (an all-zero tensor quantises to zeros).
-AMAX_EPS = 1e-12
-
 COLUMN, ROW = "column", "row"
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).max)
-
-
-def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """s = fp8_max / amax (fp32), so that t * s spans the FP8 range."""
-    return fp8_max(dtype) / amax.float().clamp(min=AMAX_EPS)
-
-
-def quantise(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """saturate(t * scale) in `dtype` (values beyond the range clamp to +-fp8_max: a delayed
-    scale may be too small for this step, and an FP8 cast of an out-of-range value is NaN on CUDA)."""
-    m = fp8_max(dtype)
-    return (t.float() * scale).clamp(-m, m).to(dtype)
-
-
-def dequantise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() / scale
-
-
-def fake_quantise(t: torch.Tensor, dtype: torch.dtype, scaling: str = "tensorwise", dim: int = -1) -> torch.Tensor:
-    """t through FP8 and back (fp32), dynamic scale: tensorwise, or rowwise (amax over `dim`)."""
-    a = t.detach().abs().amax() if scaling == "tensorwise" else t.detach().abs().amax(dim=dim, keepdim=True)
-    s = scale_from_amax(a, dtype)
-    return dequantise(quantise(t, s, dtype), s)
 
 
 def native_fp8(device: torch.device) -> bool:
@@ -90,11 +69,32 @@ def native_fp8(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def linear_config(scaling: str, grad_dtype: str, emulate: bool):
+    """torchao's `Float8LinearConfig` for a `model.fp8` setting: its recipe of that name, with
+    the gradients' format from `grad_dtype` (tensorwise; rowwise's recipe is e4m3, which
+    `Fp8Config.validate` requires)."""
+    require_torchao()
+    from torchao.float8.config import CastConfig, Float8LinearConfig
+
+    if scaling == "tensorwise":
+        grads = CastConfig(target_dtype=FP8_DTYPES[grad_dtype])
+        return Float8LinearConfig(cast_config_grad_output=grads, emulate=emulate)
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(scaling), emulate=emulate)
+
+
+def mm_config(cfg):
+    """torchao's per-GEMM settings (`LinearMMConfig`) for `cfg`, as `Float8Linear` builds them."""
+    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+    gemms = (cfg.gemm_config_output, cfg.gemm_config_grad_input, cfg.gemm_config_grad_weight)
+    return LinearMMConfig(*(ScaledMMConfig(cfg.emulate, g.use_fast_accum, False, cfg.pad_inner_dim) for g in gemms))
+
+
 @dataclass
 class Operand:
     """One GEMM operand as it enters the product (A [M, K] or B [K, N]). `split`: which of its
     two dims is this rank's tp shard of the single-process tensor (None: full or replicated).
-    `role`: "x", "w" or "g", the amax history it belongs to."""
+    `role`: "x", "w" or "g", torchao's `GemmInputRole` and the amax history it belongs to."""
 
     t: torch.Tensor
     dtype: torch.dtype
@@ -145,20 +145,41 @@ class AmaxHistory:
 class Fp8Matmul:
     """The three GEMMs of one column- or row-parallel linear in FP8 (see the module docstring).
     Held by the linear as `fp8` (a plain object: no parameters, no buffers, nothing in the
-    state dict). `style`: COLUMN (W's rows split over tp) or ROW (W's columns split)."""
+    state dict). `style`: COLUMN (W's rows split over tp) or ROW (W's columns split). `native`:
+    `torch._scaled_mm` (else torchao's emulation)."""
 
-    def __init__(self, style: str, tp, scaling: str, grad_dtype: str, amax_history: int = 0):
+    def __init__(self, style: str, tp, scaling: str, grad_dtype: str, amax_history: int = 0, native: bool = False):
         if style not in (COLUMN, ROW):
             raise ValueError(f"Fp8Matmul: style must be {COLUMN} or {ROW}, got {style!r}")
-        self.style, self.tp, self.scaling = style, tp, scaling
+        self.style, self.tp, self.scaling, self.native = style, tp, scaling, native
         self.grad_dtype = FP8_DTYPES[grad_dtype]
+        self.config = linear_config(scaling, grad_dtype, emulate=not native)
+        self.mm_config = mm_config(self.config)
         self.delayed = AmaxHistory(amax_history) if amax_history > 0 and scaling == "tensorwise" else None
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+        from torchao.float8.float8_utils import amax_to_scale
+
+        self._linear, self._to_float8, self._amax_to_scale = (
+            matmul_with_hp_or_float8_args,
+            hp_tensor_and_scale_to_float8,
+            amax_to_scale,
+        )
+        self._roles = {"x": GemmInputRole.INPUT, "w": GemmInputRole.WEIGHT, "g": GemmInputRole.GRAD_OUTPUT}
 
     def __deepcopy__(self, memo) -> Fp8Matmul:
-        return Fp8Matmul(self.style, self.tp, self.scaling, _dtype_name(self.grad_dtype), self._history_length())
+        length = self.delayed.length if self.delayed is not None else 0
+        return Fp8Matmul(self.style, self.tp, self.scaling, _dtype_name(self.grad_dtype), length, self.native)
 
-    def _history_length(self) -> int:
-        return self.delayed.length if self.delayed is not None else 0
+    @property
+    def whole(self) -> bool:
+        """Dynamic scaling: at tp 1 the linear is torchao's own (`linear`), compiled with the model."""
+        return self.delayed is None
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """y = x W^T at tp 1 with dynamic scaling: torchao's float8 linear as it stands (its
+        autograd Function is `allow_in_graph`, so `torch.compile` traces it with the model)."""
+        return self._linear.apply(x, w.t(), self.mm_config, self.config)
 
     # -- scales -------------------------------------------------------------------------------
     def _amax(self, op: Operand, dim: int | None) -> torch.Tensor:
@@ -169,39 +190,33 @@ class Fp8Matmul:
             dist.all_reduce(a, op=dist.ReduceOp.MAX, group=self.tp.group)
         return a
 
-    def _scale(self, op: Operand, contracted: int, record: bool) -> torch.Tensor:
+    def _amax_for_scale(self, op: Operand, contracted: int, record: bool) -> torch.Tensor:
         if self.scaling == "rowwise":
-            return scale_from_amax(self._amax(op, contracted), op.dtype)
+            return self._amax(op, contracted)
         if self.delayed is not None:
             past = self.delayed.amax(op.role)
             if past is not None:
                 if record:
                     self.delayed.record(op.role, op.t.detach().abs().amax())
-                return scale_from_amax(past, op.dtype)
+                return past
             current = self._amax(op, None)
             if record:
                 self.delayed.record(op.role, current)
-            return scale_from_amax(current, op.dtype)
-        return scale_from_amax(self._amax(op, None), op.dtype)
+            return current
+        return self._amax(op, None)
+
+    def _cast(self, op: Operand, contracted: int, record: bool):
+        """`op` as torchao's `Float8TrainingTensor`, scaled from our (tp-reduced or delayed) amax."""
+        amax = self._amax_for_scale(op, contracted, record)
+        scale = self._amax_to_scale(amax, op.dtype, self.config.round_scales_to_power_of_2)
+        axis = None if self.scaling == "tensorwise" else (0 if contracted == 0 else -1)
+        return self._to_float8(op.t, scale, op.dtype, self.mm_config, self._roles[op.role], axis)
 
     # -- one GEMM -----------------------------------------------------------------------------
-    def gemm(self, a: Operand, b: Operand, out_dtype: torch.dtype, record: bool = True) -> torch.Tensor:
-        """A [M, K] @ B [K, N] with both operands in FP8 -> [M, N] in `out_dtype`. `record`:
-        the operands' amaxes go into this step's delayed-scaling history (training GEMMs)."""
-        sa, sb = self._scale(a, 1, record), self._scale(b, 0, record)
-        qa, qb = quantise(a.t, sa, a.dtype), quantise(b.t, sb, b.dtype)
-        m, k = a.t.shape
-        n = b.t.shape[1]
-        if native_fp8(a.t.device) and not (m % 16 or k % 16 or n % 16) and _native_pair(a.dtype, b.dtype):
-            one = self.scaling == "tensorwise"
-            return torch._scaled_mm(
-                qa.contiguous(),
-                qb.t().contiguous().t(),
-                scale_a=(1.0 / sa).reshape(1) if one else (1.0 / sa).reshape(m, 1).contiguous(),
-                scale_b=(1.0 / sb).reshape(1) if one else (1.0 / sb).reshape(1, n).contiguous(),
-                out_dtype=out_dtype if out_dtype != torch.float32 or one else torch.bfloat16,
-            ).to(out_dtype)
-        return (dequantise(qa, sa) @ dequantise(qb, sb)).to(out_dtype)
+    def gemm(self, a: Operand, b: Operand, record: bool = True) -> torch.Tensor:
+        """A [M, K] @ B [K, N] with both operands in FP8 -> [M, N] in A's dtype. `record`: the
+        operands' amaxes go into this step's delayed-scaling history (training GEMMs)."""
+        return torch.mm(self._cast(a, 1, record), self._cast(b, 0, record))
 
     # -- the linear's three products (x [..., in_local], w [out_local, in_local], g [..., out_local])
     def forward(self, x: torch.Tensor, w: torch.Tensor, record: bool = True) -> torch.Tensor:
@@ -212,19 +227,19 @@ class Fp8Matmul:
         e4m3 = torch.float8_e4m3fn
         a = Operand(_flat(x), e4m3, None if col else 1, "x")
         b = Operand(w.t(), e4m3, 1 if col else 0, "w")
-        return self.gemm(a, b, x.dtype, record).view(*x.shape[:-1], w.shape[0])
+        return self.gemm(a, b, record).view(*x.shape[:-1], w.shape[0])
 
     def grad_input(self, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         col = self.style == COLUMN
         a = Operand(_flat(g), self.grad_dtype, 1 if col else None, "g")
         b = Operand(w, torch.float8_e4m3fn, 0 if col else 1, "w")
-        return self.gemm(a, b, g.dtype).view(*g.shape[:-1], w.shape[1])
+        return self.gemm(a, b).view(*g.shape[:-1], w.shape[1])
 
     def grad_weight(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         col = self.style == COLUMN
         a = Operand(_flat(g).t(), self.grad_dtype, 0 if col else None, "g")
         b = Operand(_flat(x), torch.float8_e4m3fn, None if col else 1, "x")
-        return self.gemm(a, b, g.dtype)
+        return self.gemm(a, b)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -235,28 +250,28 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return next(k for k, v in FP8_DTYPES.items() if v == dtype)
 
 
-def _native_pair(a: torch.dtype, b: torch.dtype) -> bool:
-    """`torch._scaled_mm` multiplies e4m3 x e4m3 and mixed e4m3 / e5m2, not e5m2 x e5m2."""
-    return not (a == b == torch.float8_e5m2)
-
-
 # -- the model ----------------------------------------------------------------------------------
 
 
-def apply_fp8(stage: nn.Module, fp8_cfg) -> int:
+def apply_fp8(stage: nn.Module, fp8_cfg, device: torch.device | None = None) -> int:
     """Give every linear named in `fp8_cfg.layers` (`FP8_LAYERS`) of `stage`'s blocks an
     `Fp8Matmul`; returns how many. The head and embedding stay in high precision (the logits'
-    and the loss's sensitivity, as in every FP8 recipe)."""
+    and the loss's sensitivity, as in every FP8 recipe). A linear runs `torch._scaled_mm` on a
+    `native_fp8` device when its local weight's dims are multiples of 16, else torchao's emulation."""
     if fp8_cfg is None:
         return 0
     from trainer.parallel.tensor import RowParallelLinear
 
+    native = device is not None and native_fp8(device)
     suffixes = tuple("." + FP8_LAYERS[name] for name in fp8_cfg.layers)
     n = 0
     for name, module in stage.named_modules():
         if name.endswith(suffixes):
             style = ROW if isinstance(module, RowParallelLinear) else COLUMN
-            module.fp8 = Fp8Matmul(style, module.tp, fp8_cfg.scaling, fp8_cfg.grad_dtype, fp8_cfg.amax_history)
+            aligned = all(d % 16 == 0 for d in module.weight.shape)
+            module.fp8 = Fp8Matmul(
+                style, module.tp, fp8_cfg.scaling, fp8_cfg.grad_dtype, fp8_cfg.amax_history, native and aligned
+            )
             n += 1
     return n
 

@@ -9,7 +9,7 @@ and last pipeline stages (`trainer.parallel.tied`) start equal.
 Scheme: normal(0, init_std) for every matrix; the output projections (attention out, FFN down)
 scaled by 1/sqrt(2 n_layers) when `depth_scaled_init` (GPT-2, Radford et al. 2019: one residual
 branch per sublayer); norm weights one; padded vocabulary rows zero. Mamba-2's convolution,
-dt_bias, A_log and D as mamba_ssm draws them (`trainer.model.mamba.mamba_full_tensor`).
+dt_bias, A_log and D as mamba_ssm draws them (`trainer.model.mamba.mixer.mamba_full_tensor`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn as nn
 
-from trainer.model.mamba import mamba_full_tensor
+from trainer.model.mamba.mixer import mamba_full_tensor
 from trainer.model.mup import init_multiplier
 from trainer.parallel.expert import ep_full_shape, ep_slice
 from trainer.parallel.shard import full_shape, get_shard_spec, shard

@@ -1,6 +1,6 @@
 """Llama building blocks that hold no process group: RMSNorm, the RoPE tables (with the Llama-3
-frequency scaling) and the attention core. The rotation is `trainer.model.rope`, the fused SwiGLU
-`trainer.model.swiglu`, the per-token cross entropy `trainer.model.cross_entropy`. Activations
+frequency scaling) and the attention core. The rotation is `trainer.model.ops.rope`, the fused SwiGLU
+`trainer.model.ops.swiglu`, the per-token cross entropy `trainer.model.ops.cross_entropy`. Activations
 are [s, b, ...]; under sequence parallel RMSNorm marks its weight for the tp gradient sum."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def causal_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """q [s, b, h, hd], k and v [s, b, kv, hd] (grouped-query when kv < h) -> [s, b, h * hd].
-    `priority`: the SDPA backends tried on CUDA, in order (`trainer.model.kernels.Kernels`)."""
+    `priority`: the SDPA backends tried on CUDA, in order (`trainer.model.ops.kernels.Kernels`)."""
     s, b, h, hd = q.shape
     if impl == "flash" and q.dtype in (torch.float16, torch.bfloat16):
         from flash_attn import flash_attn_func

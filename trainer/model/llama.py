@@ -15,8 +15,8 @@ Parameter names are the single-process ones whatever the layout: `embed.weight`,
 `norm.weight`, `head.weight`; a MoE block's MLP (`model.moe`, `trainer.model.moe`) is
 `mlp.router.weight`, `mlp.experts.{gate_up,down}` and `mlp.shared.{gate_up,down}.weight`. With
 tied embeddings the head is `embed.weight` (a copy on the last stage when pp > 1:
-`trainer.parallel.tied`). Every weight's tensor-parallel layout is
-`trainer.model.tp_plan.TP_PLAN`, which builds the modules.
+`trainer.parallel.tied`). Every parameter's tp, ep and pp placement is a row of
+`trainer.model.sharding`, through which the modules are built.
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ from trainer.config.mamba import ATTENTION, MAMBA, check_mamba_tp, layer_mixers
 from trainer.config.tools import ConfigError
 from trainer.model.fp8 import apply_fp8
 from trainer.model.init import init_parameters
-from trainer.model.kernels import Kernels
 from trainer.model.layers import (
     causal_attention,
     resolve_attention,
     rope_tables,
 )
-from trainer.model.mamba import Mamba2Mixer
+from trainer.model.mamba.mixer import Mamba2Mixer
 from trainer.model.moe import MoE, is_moe_layer
 from trainer.model.mup import apply_mup
-from trainer.model.swiglu import swiglu
-from trainer.model.tp_plan import tp_module
+from trainer.model.ops.kernels import Kernels
+from trainer.model.ops.swiglu import swiglu
+from trainer.model.sharding import on_stage, tp_module
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.expert import ExpertParallel
 from trainer.parallel.tensor import (
@@ -50,7 +50,7 @@ from trainer.parallel.tensor import (
     padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
-from trainer.parallel.tied import head_weight, holds_embedding, holds_head
+from trainer.parallel.tied import head_weight
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -117,7 +117,7 @@ def compile_scope(compiled: bool, tp: int, recompute: str) -> str:
 class Block(nn.Module):
     """Pre-norm attention + SwiGLU. `recompute` (per block): `none`; `selective` recomputes the
     attention core (RoPE + attention) in backward; `full` keeps only the block input.
-    `mixer` "mamba": a Mamba-2 mixer (`trainer.model.mamba`) in place of attention (`mamba_norm`,
+    `mixer` "mamba": a Mamba-2 mixer (`trainer.model.mamba.mixer`) in place of attention (`mamba_norm`,
     `mamba`); selective recompute then recomputes its convolution, scan and gated norm."""
 
     def __init__(
@@ -201,7 +201,7 @@ class LlamaStage(nn.Module):
         self._compiled = bool(cfg.compile) and device.type == "cuda"
         # tp = 1 and compiled: the head's matmul and a plain cross entropy in one graph.
         self._fused_loss = self._compiled and tp.size == 1
-        if holds_embedding(cfg.tie_embeddings, is_first, is_last):
+        if on_stage("embed.weight", cfg.tie_embeddings, is_first, is_last):
             self.embed = tp_module("embed", tp, (self.padded_vocab,), cfg.d_model, device=device)
         mixers = layer_mixers(getattr(cfg, "block_pattern", ""), cfg.n_layers)
         self.layers = nn.ModuleDict(
@@ -214,12 +214,12 @@ class LlamaStage(nn.Module):
         )
         if is_last:
             self.norm = tp_module("norm", tp, (cfg.d_model,), eps=cfg.norm_eps, device=device)
-            if holds_head(cfg.tie_embeddings, is_last):
+            if on_stage("head.weight", cfg.tie_embeddings, is_first, is_last):
                 self.head = tp_module("head", tp, (self.padded_vocab,), cfg.d_model, device=device)
         self.set_recompute(recompute)
         self.logit_scale = 1.0  # muP's readout multiplier (`trainer.model.mup`)
         apply_mup(self, cfg)
-        apply_fp8(self, getattr(cfg, "fp8", None))
+        apply_fp8(self, getattr(cfg, "fp8", None), device)
         cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -321,8 +321,10 @@ def build_stage(cfg, par, pc: ParallelContext, layers: range, seed: int = 0) -> 
     """This rank's pipeline stage (blocks `layers`), tp-sharded, initialised on pc.device as the
     tp slice of the single-process model with the same seed."""
     _check_layout(cfg, pc.tp, layers)
+    if getattr(par, "ep", 1) != pc.ep:
+        raise ConfigError(f"parallelism.ep={par.ep}, but the process grid was made with ep={pc.ep}")
     tp = TensorParallel.from_config(par, pc)
-    ep = ExpertParallel.from_context(pc, getattr(par, "ep", 1))
+    ep = ExpertParallel.from_context(pc)
     stage = LlamaStage(cfg, tp, layers, pc.is_first_stage, pc.is_last_stage, par.recompute, pc.device, ep=ep)
     init_parameters(stage, cfg, seed, tp.rank, tp.size)
     return stage

@@ -54,10 +54,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.config.moe import MoEConfig
-from trainer.model.swiglu import swiglu
-from trainer.model.tp_plan import tp_module
+from trainer.model.ops.swiglu import swiglu
+from trainer.model.sharding import plan_parameter, tp_module
 from trainer.parallel.expert import ExpertParallel
-from trainer.parallel.shard import ShardSpec, set_shard_spec
 from trainer.parallel.tensor import (
     TensorParallel,
     copy_to_tp,
@@ -223,16 +222,15 @@ def _in_backward() -> bool:
 
 
 class GroupedExperts(nn.Module):
-    """The routed experts' weights, this rank's (E / ep) experts, each split over tp."""
+    """The routed experts' weights, this rank's (E / ep) experts, each split over tp (the
+    `mlp.experts` rows of `trainer.model.sharding`)."""
 
-    def __init__(self, num_local: int, d_model: int, ffn: int, tp: TensorParallel, device=None):
+    def __init__(self, num_experts: int, d_model: int, ffn: int, tp: TensorParallel, ep: ExpertParallel, device=None):
         super().__init__()
-        local_ffn = ffn // tp.size
-        self.gate_up = nn.Parameter(torch.empty(num_local, 2 * local_ffn, d_model, device=device))
-        self.down = nn.Parameter(torch.empty(num_local, d_model, local_ffn, device=device))
-        if tp.size > 1:
-            set_shard_spec(self.gate_up, ShardSpec(1, (ffn, ffn)))
-            set_shard_spec(self.down, ShardSpec(2, (ffn,)))
+        self.gate_up = plan_parameter(
+            "mlp.experts.gate_up", (num_experts, 2 * ffn, d_model), tp, (ffn, ffn), ep, device=device
+        )
+        self.down = plan_parameter("mlp.experts.down", (num_experts, d_model, ffn), tp, ep=ep, device=device)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return grouped_swiglu(x, self.gate_up, self.down, counts)
@@ -252,16 +250,14 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, moe.num_experts, bias=False, device=device)
         if tp.sequence_parallel:
             self.router.weight._sequence_parallel = True
-        self.experts = GroupedExperts(moe.num_experts // self.ep.size, cfg.d_model, ffn, tp, device)
-        self.ep.mark(self.experts.gate_up, moe.num_experts)
-        self.ep.mark(self.experts.down, moe.num_experts)
+        self.experts = GroupedExperts(moe.num_experts, cfg.d_model, ffn, tp, self.ep, device)
         self.shared: nn.Module | None = None
         if moe.shared_experts:
             f = moe.shared_experts * ffn
             self.shared = nn.ModuleDict(
                 {
-                    "gate_up": tp_module("mlp.gate_up", tp, (f, f), cfg.d_model, device=device),
-                    "down": tp_module("mlp.down", tp, (cfg.d_model,), f, device=device),
+                    "gate_up": tp_module("mlp.shared.gate_up", tp, (f, f), cfg.d_model, device=device),
+                    "down": tp_module("mlp.shared.down", tp, (cfg.d_model,), f, device=device),
                 }
             )
         #: Sequences in the global batch (the balance losses' normaliser; `set_global_batch`).

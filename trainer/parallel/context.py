@@ -1,5 +1,7 @@
 """The process grid: world = pp x dp x tp, tp fastest varying (tensor-parallel neighbours share
-a node), then dp, then pp. One object owns the groups and is passed explicitly."""
+a node), then dp, then pp; the expert-parallel groups are carved from the dp ranks
+(`trainer.parallel.expert`). One object makes and owns every process group, and is passed
+explicitly: nothing else calls `new_group`."""
 
 from __future__ import annotations
 
@@ -27,6 +29,29 @@ def tied_stages(pp: int) -> list[int]:
     return sorted({0, pp - 1})
 
 
+def grid_groups(tp: int, pp: int, dp: int, ep: int = 1) -> dict[str, list[list[int]]]:
+    """Every group of the grid as lists of global ranks, kind by kind in the order they are
+    made: tp (per stage and dp rank), dp (per stage and tp rank), pp (per dp and tp rank), tied
+    (the `tied_stages` of each dp and tp rank); with ep > 1, ep (blocks of ep consecutive dp
+    ranks) and ep_replica (the dp ranks holding the same experts: d % ep equal), per stage and
+    tp rank."""
+
+    def r(p: int, d: int, t: int) -> int:
+        return grid_rank(p, d, t, tp, dp)
+
+    groups = {
+        "tp": [[r(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[r(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[r(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "tied": [[r(p, d, t) for p in tied_stages(pp)] for d in range(dp) for t in range(tp)],
+    }
+    if ep > 1:
+        stages = [(p, t) for p in range(pp) for t in range(tp)]
+        groups["ep"] = [[r(p, b * ep + i, t) for i in range(ep)] for p, t in stages for b in range(dp // ep)]
+        groups["ep_replica"] = [[r(p, i + j * ep, t) for j in range(dp // ep)] for p, t in stages for i in range(ep)]
+    return groups
+
+
 @dataclass
 class ParallelContext:
     tp: int = 1
@@ -39,6 +64,12 @@ class ParallelContext:
     dp_group: dist.ProcessGroup | None = None
     # The stages of one (dp, tp) position that hold the tied embedding (`trainer.parallel.tied`).
     tied_group: dist.ProcessGroup | None = None
+    #: Expert parallel (`parallelism.ep`, `trainer.parallel.expert.ExpertParallel.from_context`):
+    #: this rank's ep group, and the replica group of its experts with its members' global ranks.
+    ep: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    ep_replica_group: dist.ProcessGroup | None = None
+    ep_replica_ranks: list[int] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -82,7 +113,7 @@ class ParallelContext:
 
     @classmethod
     def initialize(
-        cls, tp: int = 1, pp: int = 1, dp: int = 1, backend: str = "auto", device: str = "auto"
+        cls, tp: int = 1, pp: int = 1, dp: int = 1, backend: str = "auto", device: str = "auto", ep: int = 1
     ) -> ParallelContext:
         """Join (or start) the process group from torchrun's environment and build the grid.
 
@@ -102,35 +133,20 @@ class ParallelContext:
             dist.init_process_group(
                 backend=backend, timeout=datetime.timedelta(minutes=10), device_id=dev if dev.type == "cuda" else None
             )
-        return cls.from_process_group(tp, pp, dp, dev)
+        return cls.from_process_group(tp, pp, dp, dev, ep)
 
     @classmethod
-    def from_process_group(cls, tp: int, pp: int, dp: int, device: torch.device) -> ParallelContext:
-        """Build groups over an initialised default process group. Every rank creates every
-        group in the same order, as `new_group` requires."""
-        rank = dist.get_rank()
-        ctx = cls(tp=tp, pp=pp, dp=dp, rank=rank, device=device)
-        me_pp, me_dp, me_tp = grid_coords(rank, tp, dp)
-        for p in range(pp):
-            for d in range(dp):
-                g = dist.new_group([grid_rank(p, d, t, tp, dp) for t in range(tp)])
-                if (p, d) == (me_pp, me_dp):
-                    ctx.tp_group = g
-        for p in range(pp):
-            for t in range(tp):
-                g = dist.new_group([grid_rank(p, d, t, tp, dp) for d in range(dp)])
-                if (p, t) == (me_pp, me_tp):
-                    ctx.dp_group = g
-        for d in range(dp):
-            for t in range(tp):
-                g = dist.new_group([grid_rank(p, d, t, tp, dp) for p in range(pp)])
-                if (d, t) == (me_dp, me_tp):
-                    ctx.pp_group = g
-        for d in range(dp):
-            for t in range(tp):
-                g = dist.new_group([grid_rank(p, d, t, tp, dp) for p in tied_stages(pp)])
-                if (d, t) == (me_dp, me_tp):
-                    ctx.tied_group = g
+    def from_process_group(cls, tp: int, pp: int, dp: int, device: torch.device, ep: int = 1) -> ParallelContext:
+        """Build groups over an initialised default process group (`grid_groups`). Every rank
+        creates every group in the same order, as `new_group` requires."""
+        ctx = cls(tp=tp, pp=pp, dp=dp, rank=dist.get_rank(), device=device, ep=ep)
+        for kind, members in grid_groups(tp, pp, dp, ep).items():
+            for ranks in members:
+                group = dist.new_group(ranks)
+                if ctx.rank in ranks:
+                    setattr(ctx, f"{kind}_group", group)
+                    if kind == "ep_replica":
+                        ctx.ep_replica_ranks = ranks
         return ctx
 
     def barrier(self) -> None:

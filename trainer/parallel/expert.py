@@ -1,8 +1,9 @@
 """Expert parallelism: the routed experts of every MoE block split over an expert-parallel (ep)
 group carved from the data-parallel ranks (GShard, Lepikhin et al. 2021; DeepSpeed-MoE).
 
-Grid: dp rank d is ep rank d % ep of the ep group {d' : d' // ep == d // ep} (consecutive dp
-ranks, neighbours in the world), at the same pipeline stage and tp rank. Ep rank r holds the
+Grid (the groups are made by `trainer.parallel.context.ParallelContext` with the others): dp
+rank d is ep rank d % ep of the ep group {d' : d' // ep == d // ep} (consecutive dp ranks,
+neighbours in the world), at the same pipeline stage and tp rank. Ep rank r holds the
 experts [r E/ep, (r+1) E/ep) of each block. The ranks holding the same experts, {d' : d' % ep
 == d % ep} (dp / ep of them), are the expert's *replica group*: an expert weight's gradient is
 summed over that group only (each replica saw different tokens of the global batch, and the
@@ -46,30 +47,19 @@ class ExpertParallel:
         return max(1, len(self.replica_ranks))
 
     @classmethod
-    def from_context(cls, pc, ep: int) -> ExpertParallel:
-        """The ep and replica groups of this rank. Collective over the world (`new_group`): every
-        rank builds every group in the same order. ep = 1: no groups."""
-        if ep == 1:
+    def from_context(cls, pc) -> ExpertParallel:
+        """This rank's ep and replica groups, made with the grid's by `ParallelContext`
+        (`trainer.parallel.context.grid_groups`). ep = 1: no groups."""
+        if pc.ep == 1:
             return cls()
-        from trainer.parallel.context import grid_rank
-
-        tp, dp, pp = pc.tp, pc.dp, pc.pp
-        me = (pc.pp_rank, pc.dp_rank, pc.tp_rank)
-        out = cls(size=ep, rank=pc.dp_rank % ep, replica_rank=pc.dp_rank // ep)
-        for p in range(pp):
-            for t in range(tp):
-                for block in range(dp // ep):
-                    dps = [block * ep + r for r in range(ep)]
-                    g = dist.new_group([grid_rank(p, d, t, tp, dp) for d in dps])
-                    if p == me[0] and t == me[2] and me[1] in dps:
-                        out.group = g
-                for r in range(ep):
-                    dps = [r + j * ep for j in range(dp // ep)]
-                    ranks = [grid_rank(p, d, t, tp, dp) for d in dps]
-                    g = dist.new_group(ranks)
-                    if p == me[0] and t == me[2] and me[1] in dps:
-                        out.replica_group, out.replica_ranks = g, ranks
-        return out
+        return cls(
+            size=pc.ep,
+            rank=pc.dp_rank % pc.ep,
+            group=pc.ep_group,
+            replica_group=pc.ep_replica_group,
+            replica_ranks=pc.ep_replica_ranks,
+            replica_rank=pc.dp_rank // pc.ep,
+        )
 
     def __deepcopy__(self, memo) -> ExpertParallel:
         return self

@@ -17,7 +17,7 @@ dim 0 (all-gather / reduce-scatter need no copies).
 - Vocabulary-parallel embedding and cross entropy over a vocabulary padded to a multiple of tp
   (padded rows are masked out of every loss and receive zero gradient).
 
-Which of the model's weights is laid out which way is one table, `trainer.model.tp_plan.TP_PLAN`.
+Which of the model's weights is laid out which way is one table per family, `trainer.model.sharding`.
 """
 
 from __future__ import annotations
@@ -202,8 +202,11 @@ class _GatherLastDim(torch.autograd.Function):
 
 
 def _no_compile(fn):
-    """Collectives stay outside compiled graphs: dynamo graph-breaks here on purpose."""
-    return torch.compiler.disable(fn)
+    """Collectives stay outside compiled graphs: dynamo graph-breaks here on purpose. Torch's lazy
+    form of `torch.compiler.disable` (the same graph break) imports dynamo at the first call, not at
+    import: about 1.5 s of CPU saved for every process that only imports the trainer (each CLI
+    call, each test rank; experiments/notes/SUITE.md)."""
+    return torch._disable_dynamo(fn)
 
 
 @_no_compile
@@ -325,14 +328,25 @@ def _row_tp(x, weight, tp, mm=None):
     return _RowParallelLinear.apply(x.to(dt), weight.to(dt), tp, mm, torch.is_grad_enabled())
 
 
+def _fp8_whole(x, weight, mm):
+    """tp 1, dynamic FP8 scaling: torchao's float8 linear, compiled with its neighbours (no
+    collective, so no graph break), on the operands in the dtype the tp path would use."""
+    dt = _compute_dtype(x)
+    return mm.linear(x.to(dt), weight.to(dt))
+
+
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, mm=None) -> torch.Tensor:
     """x [s(/tp under sequence parallel), b, in] -> [s, b, out/tp]. `mm`: FP8 GEMMs (any tp)."""
-    return F.linear(x, weight) if tp.size == 1 and mm is None else _column_tp(x, weight, tp, mm)
+    if tp.size == 1 and (mm is None or mm.whole):
+        return F.linear(x, weight) if mm is None else _fp8_whole(x, weight, mm)
+    return _column_tp(x, weight, tp, mm)
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, mm=None) -> torch.Tensor:
     """x [s, b, in/tp] -> [s(/tp under sequence parallel), b, out]. `mm`: FP8 GEMMs (any tp)."""
-    return F.linear(x, weight) if tp.size == 1 and mm is None else _row_tp(x, weight, tp, mm)
+    if tp.size == 1 and (mm is None or mm.whole):
+        return F.linear(x, weight) if mm is None else _fp8_whole(x, weight, mm)
+    return _row_tp(x, weight, tp, mm)
 
 
 class ColumnParallelLinear(nn.Module):

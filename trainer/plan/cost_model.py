@@ -232,7 +232,7 @@ class CostModel:
         )
 
     def stage_tensor_shapes(self, stage: int, n_blocks: int, first: int | None = None) -> list[tuple[int, ...]]:
-        """This rank's parameter shapes on the stage (`trainer.model.tp_plan`: fused qkv and
+        """This rank's parameter shapes on the stage (`trainer.model.sharding`: fused qkv and
         gate|up column-parallel, out and down row-parallel, norms replicated)."""
         m, t = self.model, self.tp
         h, kv = m.d_model, m.n_kv_heads * m.head_dim

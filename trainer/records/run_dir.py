@@ -57,19 +57,10 @@ NOT_RESULT_KEYS = (
     "model.compile",
     "data.store_dir",
     "data.num_proc",
-    "doremi.rounds",
-    "doremi.rounds_tolerance",
-    "doremi.average_from_step",
 )
 
 #: Keys whose value may name a file or run directory: its content is part of the identity.
-PATH_KEYS = (
-    "data.domain_weights",
-    "doremi.reference",
-    "doremi.reference_weights",
-    "doremi.proxy_sampling",
-    "doremi.reference_cache",
-)
+PATH_KEYS = ("data.domain_weights",)
 
 
 def flatten_keys(raw: Any, prefix: str = "") -> dict[str, Any]:
@@ -81,6 +72,21 @@ def flatten_keys(raw: Any, prefix: str = "") -> dict[str, Any]:
             out.update(flatten_keys(v, f"{prefix}.{k}" if prefix else str(k)))
         return out
     return {prefix: raw}
+
+
+def record_keys(cfg: Any) -> dict[str, Any]:
+    """`cfg` flattened (`flatten_keys`), each section its class moved (`MOVED`: old section ->
+    its path now) named by its old path, so that a run recorded before the move keeps its
+    fingerprint and its keys."""
+    flat = flatten_keys(to_dict(cfg))
+    for old, new in getattr(cfg, "MOVED", {}).items():
+        flat = {old + k[len(new) :] if k == new or k.startswith(new + ".") else k: v for k, v in flat.items()}
+    return flat
+
+
+def path_keys(cfg: Any) -> tuple[str, ...]:
+    """`PATH_KEYS` and those the config class adds (`RECORD_PATH_KEYS`, by their record path)."""
+    return (*PATH_KEYS, *getattr(cfg, "RECORD_PATH_KEYS", ()))
 
 
 def _excluded(key: str, ignore: Iterable[str]) -> bool:
@@ -121,12 +127,12 @@ def result_keys(cfg: Any, ignore: Iterable[str] = ()) -> dict[str, Any]:
     """The flattened config keys that determine the run's results (`ignore`: sections or keys
     the caller does not use, e.g. `doremi` for a plain training run), with `KEY (content)`
     entries for what path-valued keys point at."""
-    ignore = tuple(ignore)
-    keys = {k: v for k, v in flatten_keys(to_dict(cfg)).items() if not _excluded(k, ignore)}
+    ignore = (*ignore, *getattr(cfg, "RECORD_IGNORES", ()))
+    keys = {k: v for k, v in record_keys(cfg).items() if not _excluded(k, ignore)}
     train = getattr(cfg, "train", None)
     if train is not None and not schedule_depends_on_steps(train):
         keys.pop("train.steps", None)
-    for k in PATH_KEYS:
+    for k in path_keys(cfg):
         if k in keys:
             cid = content_id(keys[k])
             if cid is not None:
@@ -203,8 +209,8 @@ def sources(cfg: Any) -> list[artifact.Source]:
     manifest = Path(store_dir or "") / MANIFEST_FILE
     if store_dir and manifest.is_file():
         out.append(artifact.Source("stores", str(store_dir), json.loads(manifest.read_text()).get("fingerprint")))
-    flat = flatten_keys(to_dict(cfg))
-    for k in PATH_KEYS:
+    flat = record_keys(cfg)
+    for k in path_keys(cfg):
         value = flat.get(k)
         if isinstance(value, str) and (cid := content_id(value)) is not None:
             out.append(artifact.Source(k, value, cid))

@@ -5,6 +5,7 @@ trained, resumed, or found nothing to do, and on which device and precision."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +36,17 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def startup_line(cfg: TrainerConfig, facts: RunFacts, pc: ParallelContext) -> str:
+def startup_line(cfg: TrainerConfig, facts: RunFacts, pc: ParallelContext, auto: Sequence[str] = ()) -> str:
     """Device, precision, layout, batch split and model size in one line, so that a GPU job
-    running on the CPU (a CPU build of torch) or in fp32 shows it at once."""
+    running on the CPU (a CPU build of torch) or in fp32 shows it at once; then what the `auto`
+    values resolved to (`trainer.config.schema.auto_notes`), so that a chosen value is seen."""
     t = cfg.train
     compute = "bf16" if facts.bf16 else "fp32"
     return (
         f"device {device_name(facts.device)}, compute {compute}, param dtype {_dtype(facts.param_dtype)}, "
         f"layout tp{pc.tp} x pp{pc.pp} x dp{pc.dp}, global batch {t.global_batch_size} = "
         f"{t.micro_batches} micro-batch(es) of {facts.micro_batch_size} x dp{pc.dp}, "
-        f"{param_count(cfg.model) / 1e6:.2f}M parameters"
+        f"{param_count(cfg.model) / 1e6:.2f}M parameters" + "".join(f", {note}" for note in auto)
     )
 
 

@@ -20,7 +20,7 @@ batch has gradient 0, so a_i = 0. g_T and the running sum are kept in the gradie
 main grads, or bf16 gradients of a bf16 model at one micro-batch: two gradient copies of that
 size); only the dot products are always accumulated in fp32 (`fp32_dot`).
 
-Deferred (`Alignment.deferred`, DoGE's released code, doremi/methods/doge.py): the weights need
+Deferred (`Alignment.deferred`, DoGE's released code, doremi/methods/doge/method.py): the weights need
 every domain's gradient first (the scores are divided by the domains' mean gradient norm), so
 each domain's gradient is kept: summed over dp (its norm is not a sum of partial norms), clipped
 to `Alignment.domain_clip` like `torch.nn.utils.clip_grad_norm_` (as is g_T), its norm and its

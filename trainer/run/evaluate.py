@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from data.batch import IGNORE_INDEX
+from data.progress import Countdown
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.expert import uses_expert_parallel
 from trainer.parallel.pipeline_schedule import broadcast_from_last_stage, forward_only
@@ -24,27 +25,31 @@ def _sequence_losses(
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """(domain, batch index, per-sequence loss sum [b] fp64, per-sequence label tokens [b] fp64)
     of the batches this rank evaluates, on the last pipeline stage only: batch j of a domain is
-    evaluated by dp rank j % dp. Each sequence's sum is added in fp32 over its tokens."""
+    evaluated by dp rank j % dp. Each sequence's sum is added in fp32 over its tokens. Rank 0
+    reports the domains done on stderr (data/progress.py), throttled: a pass of many domains at
+    scale is minutes."""
     was_training = stage.training
     stage.eval()
     # Expert-parallel blocks exchange tokens with their dp peers: every dp rank runs as many
     # forwards, the ones beyond its share on a batch whose losses are dropped.
     lockstep = uses_expert_parallel(stage)
     rows = max((int(b["labels"].shape[0]) for batches in batches_per_domain for b in batches), default=0)
+    countdown = Countdown("eval: domain", len(batches_per_domain)) if pc.is_main else None
     try:
         for d, batches in enumerate(batches_per_domain):
             js = [j for j in range(len(batches)) if j % pc.dp == pc.dp_rank]
             mine = [batches[j] for j in js]
             padding = -(-len(batches) // pc.dp) - len(mine) if lockstep and batches else 0
-            if not mine and not padding:
-                continue
-            with autocast or contextlib.nullcontext():
-                losses = forward_only(stage, [padded_rows(b, rows) for b in mine + [batches[0]] * padding], pc)
-            if pc.is_last_stage:
-                for j, loss, b in zip(js, losses, mine):
-                    mask = b["labels"] != IGNORE_INDEX
-                    loss = loss[: mask.shape[0]]
-                    yield d, j, (loss.float() * mask).sum(-1).to(torch.float64), mask.sum(-1).to(torch.float64)
+            if mine or padding:
+                with autocast or contextlib.nullcontext():
+                    losses = forward_only(stage, [padded_rows(b, rows) for b in mine + [batches[0]] * padding], pc)
+                if pc.is_last_stage:
+                    for j, loss, b in zip(js, losses, mine):
+                        mask = b["labels"] != IGNORE_INDEX
+                        loss = loss[: mask.shape[0]]
+                        yield d, j, (loss.float() * mask).sum(-1).to(torch.float64), mask.sum(-1).to(torch.float64)
+            if countdown is not None:
+                countdown.done(d + 1)
     finally:
         stage.train(was_training)
 

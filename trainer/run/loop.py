@@ -20,7 +20,7 @@ from data.validation_split import STAGE_EVALUATION, check_method_split
 from data.weights import resolve_weights
 from trainer.build import RunFacts, build_model, init_parallel, seed_everything
 from trainer.checkpoint.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.config.schema import TrainerConfig
+from trainer.config.schema import TrainerConfig, auto_notes
 from trainer.config.tools import ConfigError, dump_yaml, to_dict
 from trainer.feed.data_feed import DataFeed
 from trainer.hf.init import init_from_hf
@@ -69,6 +69,7 @@ class Trainer:
         `evaluation`: the consumer of this run's own evaluation (data.validation_split.CONSUMERS;
         None: the stage's, `verdict` for a main run), which picks its validation documents."""
         self.cfg = cfg
+        self.auto_notes = auto_notes(cfg)  # before the config is replaced below, which drops them
         if not (run_dir or cfg.train.run_dir):
             raise ConfigError("train.run_dir: required (the directory this run writes), got nothing")
         self.run_dir = Path(run_dir or cfg.train.run_dir)
@@ -333,7 +334,10 @@ class Trainer:
         cfg, pc = self.cfg, self.pc
         self.record = {**rundir.record(cfg, self.result_ignore), "stage": self.stage}
         resumed = self.maybe_resume()
-        start = [decision_line(self.run_dir, self.step, cfg.train.steps), startup_line(cfg, self.facts, pc)]
+        start = [
+            decision_line(self.run_dir, self.step, cfg.train.steps),
+            startup_line(cfg, self.facts, pc, self.auto_notes),
+        ]
         start += [note] if (note := cpu_build_note(self.facts.device)) else []
         say(start, self.facts.is_main)
         if self.facts.is_main:

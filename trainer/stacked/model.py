@@ -24,10 +24,10 @@ from torch.utils.checkpoint import checkpoint
 
 from data.batch import IGNORE_INDEX
 from trainer.config.schema import ModelConfig
-from trainer.model.kernels import Kernels
 from trainer.model.layers import causal_attention, resolve_attention, rope_tables
 from trainer.model.llama import RECOMPUTE_MODES, Llama
-from trainer.model.swiglu import swiglu
+from trainer.model.ops.kernels import Kernels
+from trainer.model.ops.swiglu import swiglu
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import padded_vocab_size
 from trainer.stacked.layers import StackedEmbedding, StackedLinear, StackedRMSNorm

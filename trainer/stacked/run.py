@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from data.batch import IGNORE_INDEX
+from data.progress import Countdown
 from trainer.config.schema import TrainerConfig
 from trainer.run.schedule_extension import scheduled_lr
 from trainer.stacked.evaluate import evaluate_stacked
@@ -84,14 +85,24 @@ class StackedRun:
     def evaluate(self, validation: list[list[dict]]) -> np.ndarray:
         return evaluate_stacked(self.model, validation, self.autocast).cpu().numpy()
 
-    def fit(self, steps: int, eval_every: int, validation: list[list[dict]] | None, keep_params: bool) -> ChunkResult:
+    def fit(
+        self,
+        steps: int,
+        eval_every: int,
+        validation: list[list[dict]] | None,
+        keep_params: bool,
+        countdown: Countdown | None = None,
+    ) -> ChunkResult:
         """`steps` steps; validation losses at every `eval_every`-th step (0: none between) and
-        at the last step when `validation` is given."""
+        at the last step when `validation` is given. `countdown`: told each step done (a
+        throttled line on stderr: a chunk of a sweep trains for minutes)."""
         losses, norms, evals = [], [], []
         while self.step < steps:
             loss, norm = self.train_step()
             losses.append(loss)
             norms.append(norm)
+            if countdown is not None:
+                countdown.done(self.step)
             due = eval_every and self.step % eval_every == 0
             if validation is not None and (due or self.step == steps):
                 evals.append((self.step, self.evaluate(validation)))

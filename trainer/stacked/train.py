@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from data.progress import Countdown
 from data.weights import resolve_weights
 from trainer.build import RunFacts, check_device, seed_everything
 from trainer.config.schema import TrainerConfig
@@ -112,12 +113,14 @@ def train_stacked(
     seeds: Sequence[int] | None = None,
     chunk_size: int | None = None,
     keep_params: bool = True,
+    label: str | None = None,
 ) -> StackedResult:
     """Train M = len(mixtures) models of `cfg` for `train.steps` steps, model m on `mixtures[m]`
     (in `data.domains` order, normalised) from `train.seed = seeds[m]` (default: `cfg.train.seed`
     for all). Validation losses (`train.eval_sequences` per domain) at every `eval_every`-th step
     and at the last step (0: the last step only). `keep_params`: return each model's final
-    parameters. Writes nothing."""
+    parameters. `label`: report each chunk's steps on stderr under it (`data.progress`). Writes
+    nothing but those lines."""
     check_stackable(cfg)
     set_deterministic(cfg.train.deterministic)
     device = run_device(cfg)
@@ -142,7 +145,8 @@ def train_stacked(
     for part in chunks(len(arr), chunk_size):
         stacked_feed = StackedFeed(feed, weights[part.start : part.stop], t.micro_batches)
         run = StackedRun(cfg, stacked_feed, seeds[part.start : part.stop], device, facts.autocast())
-        parts.append(run.fit(t.steps, eval_every, validation, keep_params))
+        countdown = Countdown(f"{label}: step", t.steps) if label else None
+        parts.append(run.fit(t.steps, eval_every, validation, keep_params, countdown))
         del run
     steps = [s for s, _ in parts[0].evals]
     return StackedResult(

@@ -109,21 +109,7 @@ def dirichlet_design(
     to 0, possible for tiny alpha, is dropped), in batches from `numpy.random.default_rng(seed)`; more than `max_draws` draws
     (default 1000 n) without `n` kept rows is an error (caps too tight for the prior).
     """
-    p = np.asarray(prior, dtype=np.float64)
-    k = p.size
-    p = as_distribution(p, k, "prior")
-    if k < 2:
-        raise FitError(f"prior: expected k >= 2 domains, got {k}")
-    if not isinstance(n, int | np.integer) or n < 1:
-        raise FitError(f"n: expected a positive number of mixtures, got {n}")
-    lo, hi = (float(x) for x in concentration)
-    if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
-        raise FitError(f"concentration: expected 0 < lo <= hi, got {concentration}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise FitError(f"temperature: expected a positive number, got {temperature}")
-    if not (0.0 <= min_weight <= 1.0 / k):
-        raise FitError(f"min_weight: expected a number in [0, 1/k = {1.0 / k:.6g}], got {min_weight}")
-    u = as_caps(caps, k)
+    p, (lo, hi), u = _dirichlet_inputs(prior, n, concentration, temperature, min_weight, caps)
     base = p**temperature
     base = base / base.sum()
     limit = 1000 * n if max_draws is None else int(max_draws)
@@ -138,14 +124,8 @@ def dirichlet_design(
                 "or raise the concentration"
             )
         batch = min(max(2 * (n - kept), 256), limit - drawn)
-        c = np.exp(rng.uniform(math.log(lo), math.log(hi), size=batch))
-        g = rng.standard_gamma(c[:, None] * base[None, :])
+        w, c = _dirichlet_draws(rng, base, lo, hi, batch, min_weight)
         drawn += batch
-        ok = g.sum(axis=1) > 0
-        w, c = g[ok] / g[ok].sum(axis=1, keepdims=True), c[ok]
-        if min_weight > 0:
-            w = np.where(w < min_weight, 0.0, w)
-            w = w / w.sum(axis=1, keepdims=True)
         ok = _within_caps(w, u)
         kept_w.append(w[ok])
         kept_c.append(c[ok])
@@ -153,6 +133,47 @@ def dirichlet_design(
     weights = np.concatenate(kept_w)[:n]
     conc = np.concatenate(kept_c)[:n]
     return Design(weights, ("dirichlet",) * n, tuple({"concentration": float(x)} for x in conc))
+
+
+def _dirichlet_inputs(
+    prior: Sequence[float] | np.ndarray,
+    n: int,
+    concentration: tuple[float, float],
+    temperature: float,
+    min_weight: float,
+    caps: Sequence[float] | np.ndarray | None,
+) -> tuple[np.ndarray, tuple[float, float], np.ndarray]:
+    """`dirichlet_design`'s arguments checked: (prior as a distribution, (lo, hi), caps [k])."""
+    p = np.asarray(prior, dtype=np.float64)
+    k = p.size
+    p = as_distribution(p, k, "prior")
+    if k < 2:
+        raise FitError(f"prior: expected k >= 2 domains, got {k}")
+    if not isinstance(n, int | np.integer) or n < 1:
+        raise FitError(f"n: expected a positive number of mixtures, got {n}")
+    lo, hi = (float(x) for x in concentration)
+    if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
+        raise FitError(f"concentration: expected 0 < lo <= hi, got {concentration}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise FitError(f"temperature: expected a positive number, got {temperature}")
+    if not (0.0 <= min_weight <= 1.0 / k):
+        raise FitError(f"min_weight: expected a number in [0, 1/k = {1.0 / k:.6g}], got {min_weight}")
+    return p, (lo, hi), as_caps(caps, k)
+
+
+def _dirichlet_draws(
+    rng: np.random.Generator, base: np.ndarray, lo: float, hi: float, batch: int, min_weight: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """`batch` draws of (mixture, concentration) before the caps: rules 1 and the underflow drop
+    of `dirichlet_design`, the random numbers taken from `rng` in the same order as one loop."""
+    c = np.exp(rng.uniform(math.log(lo), math.log(hi), size=batch))
+    g = rng.standard_gamma(c[:, None] * base[None, :])
+    ok = g.sum(axis=1) > 0
+    w, c = g[ok] / g[ok].sum(axis=1, keepdims=True), c[ok]
+    if min_weight > 0:
+        w = np.where(w < min_weight, 0.0, w)
+        w = w / w.sum(axis=1, keepdims=True)
+    return w, c
 
 
 def grid_design(k: int, n: int, *, caps: Sequence[float] | np.ndarray | None = None, min_weight: float = 0.0) -> Design:

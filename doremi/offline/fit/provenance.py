@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 
 from data.weights_file import write_weights_file
+from doremi.methods.registry import OFFLINE, names
 from doremi.offline.fit.checks import FitError
 from doremi.offline.fit.evaluate import HeldOut
 
-#: The offline methods a proposal can come from.
-METHODS = ("regmix", "mixing_law")
+#: The offline methods a proposal can come from (the catalog's, doremi/methods/registry.py).
+METHODS = names(OFFLINE)
 
 
 def _plain(value: Any) -> Any:

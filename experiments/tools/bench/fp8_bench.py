@@ -1,149 +1,320 @@
-"""FP8 linears against bf16 (issue 23): each linear of a preset, and the whole training step.
+"""FP8 linears on torchao against bf16 (issue 36 item 2): the compiled training step, and a run.
 
-Two measurements, one invocation:
-- gemm: each of the preset's block linears (qkv, proj, gate_up, down) at [seq x micro_batch]
-  tokens, forward + backward (three GEMMs) through `trainer.parallel.tensor.column_parallel_linear`
-  / `row_parallel_linear`, in bf16 (`F.linear`) and with `trainer.model.fp8.Fp8Matmul`
-  (tensorwise e5m2 gradients, rowwise e4m3); ms per call, TFLOP/s by 6 x tokens x in x out, the
-  speedup over bf16, and the relative error of the output and weight gradient against fp32;
-- step: the whole model (`trainer.model.llama.Llama`, bf16 autocast over fp32 parameters, fused
-  AdamW, one process), with `model.fp8` off and on; tokens/s and MFU = tokens/s x
-  `trainer.model.flops.flops_per_token` / 989e12 (the FP8 run counts the same FLOPs: MFU stays
-  against the bf16 peak).
+`step` (the default): at each size, in one process, the compiled training step of
+- ours: `trainer.model.llama.Llama` (bf16 parameters, as `train.param_dtype: auto` on a GPU,
+  fused AdamW, one process, `model.compile`), with `model.fp8` off (`bf16`) and on per scaling;
+- plain: `plain_llama.Llama` (bf16 parameters, the whole model compiled), as it is (`bf16`) and
+  with torchao's `convert_to_float8_training` per scaling (every linear but the head, as ours);
+tokens/s, each FP8 step's ratio to its own model's bf16 step, and the graph breaks dynamo
+counted while compiling each step (`torch._dynamo.utils.counters["graph_break"]`: FP8 must add
+none). Sizes: `1b` (the `bench-1b` preset, plain_llama's `1b`) and `4096` (d_model 4096, 8
+layers, 32 heads, 8 KV heads, ffn 14336). Acceptance (issue 36): tensorwise >= 1.20x at 1b and
+>= 1.25x at 4096, and not below plain's ratio by more than 0.03.
 
-On a CUDA device of compute capability >= 8.9 the FP8 GEMMs are `torch._scaled_mm`; elsewhere
-the emulation (quantise, upcast, fp32 matmul): on the CPU a smoke run, not a result. The
-quantisation (amaxes, casts) is eager: its cost is part of what is measured.
+`train`: the 120M model of experiments/notes/COMPARISON.md (d 896, 12 layers, 14 heads, ffn 2432)
+on the quickstart data (the embedded corpus), bf16 and FP8 tensorwise, `--train-steps` steps
+each from the same seed (32 x 512 tokens a step; a run already finished under `--work` is read,
+not rerun, so the arms can be split over calls); the loss curves in one plot (`fp8_train.png`), the final validation
+losses (mean over domains) and their ratio, and whether any loss was not finite.
 
-Usage (repository root):
-    python experiments/tools/bench/fp8_bench.py [--preset bench-1b] [--micro-batch 4] [--seq 2048] \\
-        [--steps 10] [--warmup 3] [--device cuda|cpu] [--out DIR]
+`--smoke`: the same code on the CPU at toy sizes (train: `--config`'s model and data as they
+are), FP8 in torchao's emulation, steps compiled with the `aot_eager` backend (dynamo's graph
+breaks are counted as on the GPU): not a result.
+
+Usage (repository root; torchao from `pip install -e .[fp8]`):
+    python experiments/tools/bench/fp8_bench.py step [--sizes 1b 4096] [--scalings tensorwise] \\
+        [--micro-batch 4] [--seq 2048] [--steps 10] [--warmup 3] [--out DIR]
+    python experiments/tools/bench/fp8_bench.py train [--train-steps 2000] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
 
 from trainer.config.fp8 import Fp8Config  # noqa: E402
 from trainer.config.schema import ModelConfig  # noqa: E402
-from trainer.model.fp8 import COLUMN, ROW, Fp8Matmul, native_fp8  # noqa: E402
-from trainer.parallel.tensor import TensorParallel, column_parallel_linear, row_parallel_linear  # noqa: E402
+from trainer.model.fp8 import linear_config, native_fp8  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import add_model_args, model_config, model_step_row, run_part, timed  # noqa: E402
+import plain_llama  # noqa: E402
+from timing import model_config, model_step_row, run_part, timed  # noqa: E402
 
-VARIANTS = {"tensorwise": ("tensorwise", "e5m2"), "rowwise": ("rowwise", "e4m3")}
-
-
-def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """name -> (style, in_features, out_features) of the block's linears."""
-    hd = cfg.head_dim
-    return {
-        "qkv": (COLUMN, cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd),
-        "proj": (ROW, cfg.n_heads * hd, cfg.d_model),
-        "gate_up": (COLUMN, cfg.d_model, 2 * cfg.ffn_dim),
-        "down": (ROW, cfg.ffn_dim, cfg.d_model),
-    }
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a.float() - ref).norm() / ref.norm())
+#: model.fp8 (scaling, grad_dtype) per scaling, as torchao's recipes of those names.
+SCALINGS = {"tensorwise": ("tensorwise", "e5m2"), "rowwise": ("rowwise", "e4m3")}
+#: size -> (preset, overrides) of our model; plain_llama gets the same shape.
+SIZES: dict[str, tuple[str, dict]] = {
+    "1b": ("bench-1b", {}),
+    "4096": ("bench-1b", dict(d_model=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336)),
+    "smoke": ("tiny", dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)),
+}
+#: The 120M main-run shape of experiments/notes/COMPARISON.md (vocab: the quickstart BPE).
+MODEL_120M = dict(d_model=896, n_layers=12, n_heads=14, n_kv_heads=14, ffn_dim=2432)
 
 
-def bench_gemms(cfg: ModelConfig, args, device: torch.device) -> list[dict]:
-    tp = TensorParallel()
-    tokens = args.seq * args.micro_batch
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    rows = []
-    for name, (style, k, n) in linear_shapes(cfg).items():
-        fn = column_parallel_linear if style == COLUMN else row_parallel_linear
-        x32 = torch.randn(args.seq, args.micro_batch, k, generator=gen).to(device)
-        w32 = (torch.randn(n, k, generator=gen) * k**-0.5).to(device)
-        g32 = torch.randn(args.seq, args.micro_batch, n, generator=gen).to(device)
-        ref_w = w32.clone().requires_grad_()
-        ref_y = F.linear(x32, ref_w)
-        ref_y.backward(g32)
-        x = x32.to(torch.bfloat16).requires_grad_()
-        w, g = w32.to(torch.bfloat16).requires_grad_(), g32.to(torch.bfloat16)
-        mms = {"bf16": None} | {v: Fp8Matmul(style, tp, *VARIANTS[v]) for v in VARIANTS}
-        base_ms = None
-        for label, mm in mms.items():
+def graph_breaks() -> int:
+    from torch._dynamo.utils import counters
 
-            def call(mm=mm):
-                fn(x, w, tp, mm).backward(g)
-
-            secs = sorted(timed(call, args.steps, args.warmup, device))
-            ms = secs[len(secs) // 2] * 1e3
-            w.grad = None
-            y = fn(x, w, tp, mm)
-            y.backward(g)
-            base_ms = base_ms or ms
-            rows.append(
-                {
-                    "part": "gemm",
-                    "linear": name,
-                    "shape": [tokens, k, n],
-                    "variant": label,
-                    "ms": ms,
-                    "tflops": 6.0 * tokens * k * n / (ms / 1e3) / 1e12,
-                    "speedup_vs_bf16": base_ms / ms,
-                    "rel_err_out": rel_err(y.detach(), ref_y.detach()),
-                    "rel_err_grad_w": rel_err(w.grad, ref_w.grad),
-                }
-            )
-            w.grad = None
-    return rows
+    return sum(counters["graph_break"].values())
 
 
-def bench_step(cfg: ModelConfig, args, device: torch.device, label: str) -> dict:
+def compiled_row(build: Callable[[], Callable[[], dict]], label: str) -> dict:
+    """A fresh dynamo state, then `build()` (which compiles and times a step): its row with the
+    graph breaks counted on the way."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    counters.clear()
+    row = build()()
+    return {**row, "variant": label, "graph_breaks": graph_breaks()}
+
+
+def ours(cfg: ModelConfig, args, device: torch.device, label: str) -> dict:
     from trainer.model.llama import Llama
     from trainer.parallel.context import ParallelContext
 
-    model = Llama(cfg, pc=ParallelContext.single(device)).to(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    row = model_step_row(model, cfg, "", args.micro_batch, args.seq, args.steps, args.warmup, device, dtype)
-    del row["preset"]
-    return {"part": "step", "variant": label, **{k: v for k, v in row.items() if k != "part"}}
+    def build() -> Callable[[], dict]:
+        model = Llama(replace(cfg, compile=device.type == "cuda"), pc=ParallelContext.single(device))
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        # bf16 parameters on a GPU, as the trainer's `train.param_dtype: auto` resolves there (and
+        # as plain's); the model compiles itself on CUDA only, on the CPU (smoke) the same graph.
+        if device.type == "cuda":
+            for param in model.parameters():
+                param.data = param.data.to(dtype)
+        step_model = model if device.type == "cuda" else torch.compile(model, backend="aot_eager")
+        steps, warmup = args.steps, args.warmup
+        return lambda: model_step_row(step_model, cfg, "", args.micro_batch, args.seq, steps, warmup, device, dtype)
+
+    row = compiled_row(build, label)
+    return {"part": "step", "model": "ours", **{k: v for k, v in row.items() if k not in ("part", "preset")}}
+
+
+def plain_shape(cfg: ModelConfig, args) -> plain_llama.Shape:
+    return plain_llama.Shape(
+        vocab=cfg.vocab_size,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        ffn=cfg.ffn_dim,
+        seq=args.seq,
+        micro_batch=args.micro_batch,
+    )
+
+
+def plain(cfg: ModelConfig, args, device: torch.device, scaling: str | None) -> dict:
+    """plain_llama's step (bf16 parameters on a GPU, fp32 on the CPU), optionally through
+    torchao's own module swap: the yardstick for what torchao gives without our layers."""
+    shape = plain_shape(cfg, args)
+
+    def build() -> Callable[[], dict]:
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = plain_llama.Llama(shape).to(device, dtype)
+        if scaling is not None:
+            from torchao.float8 import convert_to_float8_training
+
+            fp8 = linear_config(*SCALINGS[scaling], emulate=not native_fp8(device))
+            convert_to_float8_training(model, config=fp8, module_filter_fn=lambda _, fqn: fqn != "output")
+        opt = torch.optim.AdamW(model.parameters(), lr=plain_llama.LR, fused=device.type == "cuda")
+        fwd = torch.compile(model, backend="inductor" if device.type == "cuda" else "aot_eager")
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        ids = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq), generator=gen).to(device)
+
+        def measure() -> dict:
+            secs = sorted(
+                timed(lambda: plain_llama.train_step(model, fwd, opt, ids, ids), args.steps, args.warmup, device)
+            )
+            median = secs[len(secs) // 2]
+            return {"ms": median * 1e3, "tokens_per_s": shape.seq * shape.micro_batch / median}
+
+        return measure
+
+    return {"part": "step", "model": "plain", **compiled_row(build, scaling or "bf16")}
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's tokens/s over its own model's bf16 row at the same size."""
+    base = {(r["size"], r["model"]): r["tokens_per_s"] for r in rows if r["variant"] == "bf16" and "error" not in r}
+    for r in rows:
+        if "error" not in r and (r["size"], r["model"]) in base:
+            r["ratio_vs_bf16"] = r["tokens_per_s"] / base[(r["size"], r["model"])]
+    return rows
+
+
+def bench_steps(args, device: torch.device) -> tuple[list[dict], bool]:
+    rows: list[dict] = []
+    ok = True
+    for size in args.sizes:
+        preset, overrides = SIZES[size]
+        cfg = replace(model_config(preset, **overrides), max_seq_len=max(args.seq, 16))
+        parts: list[tuple[str, Callable[[], dict]]] = [("ours/bf16", lambda c=cfg: ours(c, args, device, "bf16"))]
+        for s in args.scalings:
+            fp8 = replace(cfg, fp8=Fp8Config(scaling=SCALINGS[s][0], grad_dtype=SCALINGS[s][1]))
+            parts.append((f"ours/{s}", lambda c=fp8, s=s: ours(c, args, device, s)))
+        parts.append(("plain/bf16", lambda c=cfg: plain(c, args, device, None)))
+        parts += [(f"plain/{s}", lambda c=cfg, s=s: plain(c, args, device, s)) for s in args.scalings]
+        for name, fn in parts:
+            new: list[dict] = []
+            ok &= run_part(new, f"{size}/{name}", lambda fn=fn: [fn()])
+            model, variant = name.split("/")
+            rows += [{"size": size, "model": model, "variant": variant, **r} for r in new]
+    return with_ratios(rows), ok
+
+
+def step_table(rows: list[dict]) -> list[str]:
+    lines = [f"{'size':6s} {'model':6s} {'variant':10s} {'ms':>9s} {'tokens/s':>10s} {'x bf16':>7s} {'breaks':>6s}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['size']:6s} {r['model']:6s} {r['variant']:10s} FAILED: {r['error']}")
+            continue
+        ratio = f"{r['ratio_vs_bf16']:7.3f}" if "ratio_vs_bf16" in r else " " * 7
+        lines.append(
+            f"{r['size']:6s} {r['model']:6s} {r['variant']:10s} {r['ms']:9.2f} {r['tokens_per_s']:10.0f} "
+            f"{ratio} {r['graph_breaks']:6d}"
+        )
+    return lines
+
+
+# -- the training run -----------------------------------------------------------------------------
+
+
+def train_run(args, device: torch.device, label: str, work: Path) -> dict:
+    """One run of the 120M model on the quickstart data (`--smoke`: `--config`'s own model and
+    data): its loss curve, final validation loss (mean over domains) and whether every logged
+    loss was finite."""
+    from doremi.config import ExperimentConfig
+    from doremi.pipeline import stages
+    from trainer.config.schema import load_config
+    from trainer.records.metrics import read_jsonl
+
+    run = work / label
+    sets = [
+        f"train.device={device.type}",
+        f"model.compile={'true' if device.type == 'cuda' else 'false'}",
+        f"train.steps={args.train_steps}",
+        f"train.eval_every={max(1, args.train_steps // 10)}",
+        f"train.run_dir={run}",
+        f"checkpoint.every={args.train_steps}",
+        "checkpoint.keep=1",
+        "logging.every=1",
+        "logging.progress=false",
+    ]
+    if not args.smoke:
+        seq = 512
+        sets += [
+            *(f"model.{k}={v}" for k, v in MODEL_120M.items()),
+            f"model.max_seq_len={seq}",
+            f"data.seq_len={seq}",
+            f"data.store_dir={work / f'stores-{seq}'}",
+            "train.global_batch_size=32",
+            "train.lr=1e-3",
+            "train.min_lr=1e-4",
+        ]
+    if label != "bf16":
+        sets += [f"model.fp8.scaling={SCALINGS[label][0]}", f"model.fp8.grad_dtype={SCALINGS[label][1]}"]
+    cfg = load_config(args.config, sets, cls=ExperimentConfig)
+    if not (Path(cfg.data.store_dir) / "manifest.json").exists():
+        from data.preprocess import preprocess
+
+        preprocess(cfg.data, progress=False)
+    metrics = run / "metrics.jsonl"
+    if not metrics.exists() or not any(r.get("step") == args.train_steps for r in read_jsonl(metrics)):
+        stages.train(cfg)  # a finished run (an earlier call on the same machine) is read, not rerun
+    rows = read_jsonl(metrics)
+    curve = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [r for r in rows if "val_loss" in r][-1]["val_loss"]
+    final = sum(val.values()) / len(val)
+    finite = all(math.isfinite(v) for _, v in curve) and math.isfinite(final)
+    return {"part": "train", "variant": label, "curve": curve, "final_val_loss": final, "finite": finite}
+
+
+def plot_curves(runs: list[dict], path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.add_subplot()
+    for r in runs:
+        steps, losses = zip(*r["curve"])
+        ax.plot(steps, losses, label=f"{r['variant']} (val {r['final_val_loss']:.4f})", linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("120M on the quickstart data: bf16 against FP8 (torchao)")
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def bench_train(args, device: torch.device, out: Path) -> tuple[list[dict], bool]:
+    rows: list[dict] = []
+    ok = True
+    for label in ("bf16", *args.scalings):
+        ok &= run_part(rows, f"train/{label}", lambda label=label: [train_run(args, device, label, args.work)])
+    done = [r for r in rows if "error" not in r]
+    base = next((r for r in done if r["variant"] == "bf16"), None)
+    for r in done:
+        if base is not None:
+            r["val_loss_vs_bf16"] = r["final_val_loss"] / base["final_val_loss"] - 1.0
+    if done:
+        out.mkdir(parents=True, exist_ok=True)
+        plot_curves(done, out / "fp8_train.png")
+    return rows, ok
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(p, "bench-1b")
-    p.add_argument("--no-step", action="store_true", help="only the GEMMs")
+    p.add_argument("mode", nargs="?", choices=["step", "train"], default="step")
+    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["1b", "4096"])
+    p.add_argument("--scalings", nargs="+", choices=list(SCALINGS), default=["tensorwise"])
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--train-steps", type=int, default=2000)
+    p.add_argument("--work", type=Path, default=ROOT / "runs/fp8_bench")
+    p.add_argument("--config", type=Path, default=ROOT / "experiments/configs/quickstart.yaml", help="train's data")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU, FP8 emulated: not a result")
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.device, args.sizes, args.micro_batch, args.seq = "cpu", ["smoke"], 2, 32
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     device = torch.device(args.device)
-    cfg = replace(model_config(args.preset), max_seq_len=max(args.seq, 16))
-    rows: list[dict] = []
-    ok = run_part(rows, "gemm", lambda: bench_gemms(cfg, args, device))
-    if not args.no_step:
-        ok &= run_part(rows, "step/bf16", lambda: [bench_step(cfg, args, device, "bf16")])
-        for v, (scaling, grad) in VARIANTS.items():
-            fp8_cfg = replace(cfg, fp8=Fp8Config(scaling=scaling, grad_dtype=grad))
-            ok &= run_part(rows, f"step/{v}", lambda c=fp8_cfg, v=v: [bench_step(c, args, device, v)])
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     native = native_fp8(device)
-    result = {"preset": args.preset, "device": str(device), "native_fp8": native, "rows": rows}
-    print(f"{args.preset} on {device} ({'torch._scaled_mm' if native else 'EMULATED: not a result'})")
-    for r in rows:
-        if "error" in r:
-            print(f"  {r['part']:5s} FAILED: {r['error']}")
-            continue
-        what = r.get("linear", "step")
-        speed = (
-            f"{r['tflops']:.1f} TFLOP/s x{r['speedup_vs_bf16']:.2f}" if r["part"] == "gemm" else f"MFU {r['mfu']:.3f}"
-        )
-        print(f"  {r['part']:5s} {what:8s} {r['variant']:10s} {r['ms']:9.3f} ms  {speed}")
+    out = args.out or args.work
+    if args.mode == "step":
+        rows, ok = bench_steps(args, device)
+        lines = step_table(rows)
+    else:
+        rows, ok = bench_train(args, device, out)
+        lines = [
+            f"{r['variant']:10s} final val loss {r['final_val_loss']:.4f}"
+            + (f" ({r['val_loss_vs_bf16']:+.2%} vs bf16)" if "val_loss_vs_bf16" in r else "")
+            + ("" if r["finite"] else "  NOT FINITE")
+            for r in rows
+            if "error" not in r
+        ]
+    head = f"{args.mode} on {device} ({'torch._scaled_mm' if native else 'EMULATED: not a result'}), torch {torch.__version__}"
+    print("\n".join([head, *lines]), flush=True)
+    result = {"mode": args.mode, "device": str(device), "native_fp8": native, "torch": torch.__version__, "rows": rows}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fp8_bench.json").write_text(json.dumps(result, indent=1))
+        (args.out / f"fp8_{args.mode}.json").write_text(json.dumps(result, indent=1))
     if not ok:
         raise SystemExit(1)
     return result

@@ -1,9 +1,9 @@
 """The Mamba-2 mixer and a hybrid model's training step, timed (issue 25).
 
 Two measurements, one invocation:
-- layer: one Mamba-2 mixer (`trainer.model.mamba.Mamba2Mixer`, the preset's shape) forward +
+- layer: one Mamba-2 mixer (`trainer.model.mamba.mixer.Mamba2Mixer`, the preset's shape) forward +
   backward on [seq, micro_batch, d_model], eager and under `torch.compile` (the chunked scan of
-  `trainer.model.ssd` in plain PyTorch, compiled); ms per call and TFLOP/s by the counted FLOPs
+  `trainer.model.mamba.ssd` in plain PyTorch, compiled); ms per call and TFLOP/s by the counted FLOPs
   (in/out projections as 2 x params x tokens, the scan as `ssd_flops_per_token`; x3 for
   forward + backward);
 - step: the whole hybrid model (`trainer.model.llama.Llama`, `model.compile` on CUDA, bf16
@@ -34,7 +34,7 @@ from trainer.config.mamba import ssd_flops_per_token  # noqa: E402
 from trainer.config.schema import ModelConfig, apply_preset  # noqa: E402
 from trainer.config.tools import from_dict  # noqa: E402
 from trainer.model.init import init_parameters  # noqa: E402
-from trainer.model.mamba import Mamba2Mixer  # noqa: E402
+from trainer.model.mamba.mixer import Mamba2Mixer  # noqa: E402
 from trainer.parallel.tensor import TensorParallel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

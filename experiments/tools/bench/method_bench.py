@@ -89,10 +89,10 @@ import step_bench  # noqa: E402
 from data.config import DataConfig, DomainSource, SyntheticSpec  # noqa: E402
 from data.preprocess import preprocess  # noqa: E402
 from doremi.config import ExperimentConfig  # noqa: E402
-from doremi.methods.ado import ADOConfig  # noqa: E402
-from doremi.methods.aioli import AioliConfig  # noqa: E402
-from doremi.methods.doge import DoGEConfig, target_sequences  # noqa: E402
-from doremi.methods.odm import ODMConfig  # noqa: E402
+from doremi.methods.ado.method import ADOConfig  # noqa: E402
+from doremi.methods.aioli.method import AioliConfig  # noqa: E402
+from doremi.methods.doge.method import DoGEConfig, target_sequences  # noqa: E402
+from doremi.methods.odm.method import ODMConfig  # noqa: E402
 from doremi.methods.registry import method_factory  # noqa: E402
 from trainer.config.schema import TrainerConfig  # noqa: E402
 from trainer.config.tools import from_dict, to_dict  # noqa: E402

@@ -2,7 +2,7 @@
 
 Sections (`--sections`, comma-separated):
 - `attention`: one layer's attention core (RoPE, causal SDPA, the layout change back), forward
-  and backward, compiled: the RoPE form before `trainer.model.rope`, its torch ops and its
+  and backward, compiled: the RoPE form before `trainer.model.ops.rope`, its torch ops and its
   Triton op; wall and kernel time per call, the top kernels, the largest differences.
 - `norm`: the gradient's sums of squares over the 1B model's 99 gradient tensors:
   `_foreach_norm` against a two-launch Triton candidate over the pointer table.
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_bench as sb  # noqa: E402
 
 from trainer.model.layers import causal_attention, rope_tables  # noqa: E402
-from trainer.model.rope import rope_qkv, rope_qkv_torch  # noqa: E402
+from trainer.model.ops.rope import rope_qkv, rope_qkv_torch  # noqa: E402
 
 S, B, H, KV, HD, D, FFN, LAYERS, VOCAB = 2048, 8, 32, 8, 64, 2048, 8192, 16, 32000
 

@@ -275,7 +275,7 @@ def swiglu_section(args, out: list[str]) -> None:
     expression against the Triton op; error against float64; bandwidth over 3 reads + 2 writes."""
     from triton.testing import do_bench
 
-    from trainer.model.swiglu import swiglu_backward_torch, swiglu_backward_triton
+    from trainer.model.ops.swiglu import swiglu_backward_torch, swiglu_backward_triton
 
     preset, mb = sb.SHAPES[args.preset]
     cfg = sb.trainer_config(preset, mb, "none")

@@ -7,7 +7,7 @@ micro-batch) it times, in this order:
 - plain: our Llama (compiled: at tp = 1 the whole model with its head and cross entropy is one
   graph), bf16 parameters with fp32 master weights (`trainer.optim.master_weights`), `trainer.run.step.forward_backward` with the
   mean-token weighting, clipping at 1.0, AdamW;
-- doremi-cached: the DoReMi proxy step (exact mode, `doremi.methods.doremi.DoReMi`) with reference
+- doremi-cached: the DoReMi proxy step (exact mode, `doremi.methods.doremi.method.DoReMi`) with reference
   losses from `doremi.methods.reference.CachedReference` (a cache written for the bench);
 - doremi-online: the same with `OnlineReference`: a bf16 reference model forwarded under
   inference mode before the proxy step;
@@ -15,7 +15,7 @@ micro-batch) it times, in this order:
 - paired (`--paired`, default 1B): the baseline and plain steps both alive, timed in alternating
   windows, so that neither gets the cooler GPU of running first;
 - at 1B (unless `--no-ablations`), the `ABLATIONS` rows: the plain step with one optimisation
-  undone, chosen through the model's `trainer.model.kernels.Kernels` switches or a TrainConfig
+  undone, chosen through the model's `trainer.model.ops.kernels.Kernels` switches or a TrainConfig
   field (see `Ablation`), and the trials.
 Each line: tokens/s, model TFLOP/s, MFU against 989 TFLOP/s and against the bf16 matmul peak
 measured at the start of the run, peak memory (max allocated during the timed steps minus what
@@ -57,18 +57,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plain_llama  # noqa: E402
 
 from data.config import DataConfig  # noqa: E402
-from doremi.config import DoReMiConfig  # noqa: E402
 from doremi.methods import reference_cache  # noqa: E402
-from doremi.methods.doremi import DoReMi  # noqa: E402
+from doremi.methods.doremi.config import DoReMiConfig  # noqa: E402
+from doremi.methods.doremi.method import DoReMi  # noqa: E402
 from doremi.methods.reference import CachedReference, OnlineReference, freeze  # noqa: E402
 from trainer.build import RunFacts  # noqa: E402
 from trainer.config.presets import PRESETS  # noqa: E402
 from trainer.config.schema import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
 from trainer.feed.weighting import MeanTokenLoss  # noqa: E402
-from trainer.model import rope  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
-from trainer.model.kernels import Kernels  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
+from trainer.model.ops import rope  # noqa: E402
+from trainer.model.ops.kernels import Kernels  # noqa: E402
 from trainer.optim import clip  # noqa: E402
 from trainer.optim.build import build_optimizer  # noqa: E402
 from trainer.optim.interface import Optimizer  # noqa: E402
@@ -340,7 +340,7 @@ def make_batch(cfg: TrainerConfig, mb: int, seed: int, device: torch.device) -> 
 
 def write_cache(directory: Path, mb: int, seq: int) -> list[str]:
     """A reference-loss cache of random losses for the bench's sequence ids, written by the
-    cache's owner (`doremi.reference_cache`) as `doremi score` writes it; its domain names."""
+    cache's owner (`mixing.doremi.reference_cache`) as `doremi score` writes it; its domain names."""
     domains = [f"d{i}" for i in range(K_DOMAINS)]
     per_domain = -(-mb // K_DOMAINS)
     staging = reference_cache.staging_dir(directory)
@@ -541,7 +541,7 @@ def run_framework(
 def earlier_rope_qkv(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`trainer.model.rope.rope_qkv` in the form before it (2026-12-03): the rotation's products
+    """`trainer.model.ops.rope.rope_qkv` in the form before it (2026-12-03): the rotation's products
     in the activation dtype, v a view of qkv."""
     s, b, width = qkv.shape
     hd = width // (heads + 2 * kv_heads)
@@ -558,7 +558,7 @@ def earlier_rope_qkv(
 def inductor_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, vocab_size: int, ignore_index: int
 ) -> torch.Tensor:
-    """`trainer.model.cross_entropy.cross_entropy` in the form before it (2026-12-04): torch ops
+    """`trainer.model.ops.cross_entropy.cross_entropy` in the form before it (2026-12-04): torch ops
     that inductor compiles with the head."""
     z = logits[..., :vocab_size].float()
     return torch.nn.functional.cross_entropy(

@@ -3,7 +3,7 @@
     [z | x | B | C | dt] = in_proj(u)                       one fused projection (section 7.1)
     x, B, C = silu(causal depthwise conv1d([x | B | C]))     width d_conv, per channel, with bias
     dt = softplus(dt + dt_bias),  A = -exp(A_log)
-    y = SSD(x, dt, A, B, C) + D x                            `trainer.model.ssd`
+    y = SSD(x, dt, A, B, C) + D x                            `trainer.model.mamba.ssd`
     out = out_proj(RMSNorm_group(y * silu(z)))               gated norm, per group of heads
 
 Heads of dimension P = `model.mamba.head_dim`, H = expand d_model / P of them, in G =
@@ -12,7 +12,8 @@ Heads of dimension P = `model.mamba.head_dim`, H = expand d_model / P of them, i
 Tensor parallel (the paper's section 8.1): `in_proj` is column-parallel, cut per part (z, x,
 B, C, dt) so each rank holds whole groups with their heads; the convolution, dt_bias, A_log, D
 and the gated norm's weight are per channel or per head and split the same way (no collective);
-the gated norm normalises within a group, which lies on one rank; `out_proj` is row-parallel.
+the gated norm normalises within a group, which lies on one rank; `out_proj` is row-parallel
+(the Mamba rows of `trainer.model.sharding`).
 So a Mamba block costs the same two collectives as an attention block, and tp must divide G.
 With sequence parallel the in_proj all-gathers the sequence before the convolution and the scan
 (both need the whole sequence) and out_proj reduce-scatters after them, as for attention.
@@ -29,21 +30,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.model.ssd import ssd_chunked
-from trainer.model.tp_plan import tp_module
-from trainer.parallel.shard import ShardSpec, set_shard_spec
+from trainer.model.mamba.ssd import ssd_chunked
+from trainer.model.sharding import plan_parameter, tp_module
 from trainer.parallel.tensor import TensorParallel
 
 #: Mamba parameters whose initialisation is not the normal(0, init_std) of `trainer.model.init`.
 _SPECIAL_INIT = ("mamba.conv_weight", "mamba.conv_bias", "mamba.dt_bias", "mamba.A_log", "mamba.D")
-
-
-def _channel_parameter(parts: tuple[int, ...], tp: TensorParallel, *trailing: int, device=None) -> nn.Parameter:
-    """A parameter split along dim 0 per part over tp with no collective (`TP_PLAN` style channel)."""
-    spec = ShardSpec(0, parts)
-    p = nn.Parameter(torch.empty(sum(spec.local_parts(tp.size)), *trailing, device=device))
-    set_shard_spec(p, spec)
-    return p
 
 
 def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -76,13 +68,14 @@ class Mamba2Mixer(nn.Module):
         self.local_groups, self.group_size = m.ngroups // tp.size, d_inner // m.ngroups
         self.recompute_core = False
         self.in_proj = tp_module("mamba.in_proj", tp, (d_inner, d_inner, bc, bc, heads), cfg.d_model, device=device)
-        self.conv_weight = _channel_parameter((d_inner, bc, bc), tp, m.d_conv, device=device)
-        self.conv_bias = _channel_parameter((d_inner, bc, bc), tp, device=device)
-        self.dt_bias = _channel_parameter((heads,), tp, device=device)
-        self.A_log = _channel_parameter((heads,), tp, device=device)
-        self.D = _channel_parameter((heads,), tp, device=device)
+        conv = (d_inner, bc, bc)
+        self.conv_weight = plan_parameter("mamba.conv_weight", (sum(conv), m.d_conv), tp, conv, device=device)
+        self.conv_bias = plan_parameter("mamba.conv_bias", (sum(conv),), tp, conv, device=device)
+        self.dt_bias = plan_parameter("mamba.dt_bias", (heads,), tp, device=device)
+        self.A_log = plan_parameter("mamba.A_log", (heads,), tp, device=device)
+        self.D = plan_parameter("mamba.D", (heads,), tp, device=device)
         self.norm = nn.Module()
-        self.norm.weight = _channel_parameter((d_inner,), tp, device=device)
+        self.norm.weight = plan_parameter("mamba.norm.weight", (d_inner,), tp, device=device)
         self.out_proj = tp_module("mamba.out_proj", tp, (cfg.d_model,), d_inner, device=device)
 
     def core(self, zxbcdt: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from doremi.config import DoReMiConfig
-from doremi.methods.doremi_update import domain_excess, token_excess, uniform_log_weights, update_weights
+from doremi.methods.doremi.config import DoReMiConfig
+from doremi.methods.doremi.update import domain_excess, token_excess, uniform_log_weights, update_weights
 from doremi.methods.log import MethodLog
 from trainer.run.hooks import MethodBase, MethodContext, Needs, StepSignals
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend
 
-from trainer.model.cross_entropy import cross_entropy
 from trainer.model.layers import CUDA_SDPA_PRIORITY
-from trainer.model.rope import rope_qkv
+from trainer.model.ops.cross_entropy import cross_entropy
+from trainer.model.ops.rope import rope_qkv
 
 #: (qkv [s, b, (h + 2 kv) hd], cos, sin, heads, kv_heads) -> q, k, v [s, b, heads, hd]
 RopeQKV = Callable[
@@ -30,9 +30,9 @@ CrossEntropy = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 @dataclass(frozen=True)
 class Kernels:
-    #: RoPE on the fused QKV projection (`trainer.model.rope`).
+    #: RoPE on the fused QKV projection (`trainer.model.ops.rope`).
     rope_qkv: RopeQKV = rope_qkv
-    #: The per-token loss of the compiled head at tp = 1 (`trainer.model.cross_entropy`); the
+    #: The per-token loss of the compiled head at tp = 1 (`trainer.model.ops.cross_entropy`); the
     #: eager and tp > 1 heads use the vocabulary-parallel loss whatever this is.
     cross_entropy: CrossEntropy = cross_entropy
     #: SDPA backends on CUDA in the order tried (`trainer.model.layers.causal_attention`).

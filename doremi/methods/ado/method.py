@@ -91,121 +91,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
+from doremi.methods.ado.config import VARIANT_CHOICES, ADOConfig
 from doremi.methods.log import MethodLog
 from trainer.config.tools import ConfigError
 from trainer.run.hooks import MethodBase, MethodContext, Needs, StepSignals
 
 #: Bounds of log beta in the fit (beta n^-alpha stays finite in float64).
 LOG_BETA_BOUND = 100.0
-
-#: What `count`, `credit`, `average` and `floor_on` are when left null, per variant.
-VARIANT_CHOICES: dict[str, dict[str, str]] = {
-    "authors": {"count": "total", "credit": "counts", "average": "preference", "floor_on": "preference"},
-    "paper": {"count": "domain", "credit": "policy", "average": "policy", "floor_on": "policy"},
-}
-
-
-@dataclass
-class ADOConfig:
-    """ADO (Jiang et al. 2024): per-domain power laws of the training loss, refit during the run,
-    steer the mixture towards the domains whose loss still falls fastest."""
-
-    # Steps on the natural mixture before anything is fitted; their losses are left out of the
-    # fits (the authors' `ignore_steps` and `start_step`: 1000).
-    warmup: int = 1000
-    # Steps between refits (the authors' `update_interval`: 1000). `paper`: after every step
-    # t > warmup with (t - warmup) a multiple of this; `authors`: after every step t with
-    # t - 1 >= warmup and (t - 1) a multiple of this (their 0-based steps).
-    refit_every: int = 1000
-    # `paper`: steps per history point (a block mean); `authors`: the stride of the smoothed
-    # steps kept for the fit (theirs: 10). Must divide refit_every.
-    record_every: int = 10
-    # `paper`: most history points per domain: beyond it adjacent pairs are merged.
-    max_points: int = 256
-    # `paper`: fewest history points a domain needs to be fitted (3 parameters).
-    min_points: int = 5
-    # gamma1: weight of the newest policy (or counts) in the moving average h of the credit
-    # assignment (the authors' 1 - 0.9).
-    credit_smoothing: float = 0.1
-    # s: the credit assignment is lambda_k = h_k^s.
-    credit_exponent: float = 0.5
-    # gamma2: weight of the preference rho(t) in the policy; the rest is the time average pibar.
-    policy_mix: float = 0.1
-    # delta_min: smallest probability of a domain with training data (at most 1 / their number).
-    floor: float = 0.01
-    # `paper`: largest exponent alpha of a fit (`authors`: their soft bound 0.8).
-    alpha_max: float = 0.8
-    # Huber threshold on the log residuals of the `paper` variant's fit; null: least squares
-    # (the `authors` fit always uses their 1e-3).
-    huber_delta: float | None = None
-    # `authors`: the released code (yidingjiang/ado @ bc3d8d0): per-step history smoothed by
-    # Savitzky-Golay, their soft-bounded multi-start fit, their refit schedule, random draws and
-    # the four choices below as theirs. `paper`: section 3's form with our block-mean history and
-    # bounded fit (module docstring).
-    variant: Literal["authors", "paper"] = "authors"
-    # n of a domain: `domain`: its own sequences seen (the paper); `total`: all sequences seen
-    # (the authors' `use_same_step_size`). null: the variant's (authors: total; paper: domain).
-    count: Literal["domain", "total"] | None = None
-    # h averages `policy`: the policies used (the paper), or `counts`: each batch's realised
-    # count distribution (the authors' code). null: the variant's.
-    credit: Literal["policy", "counts"] | None = None
-    # The time average pibar is of the `policy` used so far (the paper), or of the `preference`
-    # rho (the authors' `p_avg`). null: the variant's.
-    average: Literal["policy", "preference"] | None = None
-    # The floor applies to the `policy` (exactly, the paper's minimum probability) or to the
-    # `preference` rho by clip-and-renormalise (the authors' code). null: the variant's.
-    floor_on: Literal["policy", "preference"] | None = None
-
-    def choice(self, name: str) -> str:
-        """`count`, `credit`, `average` or `floor_on` as set, or else the variant's."""
-        value = getattr(self, name)
-        return VARIANT_CHOICES[self.variant][name] if value is None else value
-
-    def validate(self, path: str = "mixing.ado") -> None:
-        for name in ("warmup", "refit_every", "record_every", "max_points", "min_points"):
-            value = getattr(self, name)
-            low = 0 if name == "warmup" else 3 if name == "min_points" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{path}.{name}: expected an integer >= {low}, got {value!r}")
-        if self.refit_every % self.record_every:
-            raise ConfigError(
-                f"{path}.refit_every: expected a multiple of record_every ({self.record_every}), got {self.refit_every}"
-            )
-        if self.max_points < max(self.min_points, 2):
-            raise ConfigError(
-                f"{path}.max_points: expected >= min_points ({self.min_points}) and >= 2, got {self.max_points}"
-            )
-        for name, lo_open in (("credit_smoothing", True), ("policy_mix", False)):
-            value = getattr(self, name)
-            if not ((0 < value <= 1) if lo_open else (0 <= value <= 1)):
-                interval = "(0, 1]" if lo_open else "[0, 1]"
-                raise ConfigError(f"{path}.{name}: expected a value in {interval}, got {value}")
-        if not 0 <= self.credit_exponent < math.inf:
-            raise ConfigError(f"{path}.credit_exponent: expected a finite value >= 0, got {self.credit_exponent}")
-        if not 0 <= self.floor < 1:
-            raise ConfigError(f"{path}.floor: expected a value in [0, 1), got {self.floor}")
-        if not 0 < self.alpha_max < math.inf:
-            raise ConfigError(f"{path}.alpha_max: expected a finite value > 0, got {self.alpha_max}")
-        if self.huber_delta is not None and not 0 < self.huber_delta < math.inf:
-            raise ConfigError(f"{path}.huber_delta: expected a finite value > 0 or null, got {self.huber_delta}")
-        if self.variant not in ("authors", "paper"):
-            raise ConfigError(f"{path}.variant: expected one of 'authors', 'paper', got {self.variant!r}")
-        for name, allowed in (
-            ("count", ("domain", "total")),
-            ("credit", ("policy", "counts")),
-            ("average", ("policy", "preference")),
-            ("floor_on", ("policy", "preference")),
-        ):
-            if getattr(self, name) not in (None, *allowed):
-                raise ConfigError(
-                    f"{path}.{name}: expected one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}"
-                )
 
 
 # --- the power law (Eqs. 1 and 2) -------------------------------------------------------------
@@ -246,25 +143,11 @@ def _clamp(theta: np.ndarray, alpha_max: float) -> np.ndarray:
     )
 
 
-def fit_power_law(
-    n: Sequence[float] | np.ndarray,
-    loss: Sequence[float] | np.ndarray,
-    weights: Sequence[float] | np.ndarray | None = None,
-    alpha_max: float = 0.8,
-    huber_delta: float | None = None,
-    grid: int = 41,
-    max_iter: int = 200,
-) -> tuple[float, float, float] | None:
-    """(beta, alpha, eps) of L(n) = eps + beta n^(-alpha) (Eq. 1) fitted to the points by
-    (weighted) least squares of log L, or a Huber loss on the log residuals (`huber_delta`),
-    with alpha in [0, alpha_max] and eps >= 0. A pure, deterministic function.
-
-    Start: for each alpha = alpha_max j / (grid - 1), j = 1..grid-1, eps and beta by linear least
-    squares of L on n^-alpha (eps clipped at 0); the start is the alpha of least log cost.
-    Then Levenberg-Marquardt on (log beta, alpha, eps), steps projected onto the bounds, until no
-    step lowers the cost. Losses that do not fall with n give (0, 0, mean loss). None: fewer than
-    3 points, or a non-positive or non-finite value.
-    """
+def _fit_inputs(
+    n: Sequence[float] | np.ndarray, loss: Sequence[float] | np.ndarray, weights: Sequence[float] | np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(n, loss, weights summing to 1) as float64 arrays; None for fewer than 3 points, shapes
+    that differ, or a non-positive or non-finite value."""
     n = np.asarray(n, dtype=np.float64)
     y_lin = np.asarray(loss, dtype=np.float64)
     w = np.ones_like(n) if weights is None else np.asarray(weights, dtype=np.float64)
@@ -274,9 +157,16 @@ def fit_power_law(
         return None
     if np.any(n <= 0) or np.any(y_lin <= 0) or np.any(w <= 0):
         return None
-    w = w / w.sum()
-    logn, y = np.log(n), np.log(y_lin)
+    return n, y_lin, w / w.sum()
 
+
+def _grid_start(
+    logn: np.ndarray, y_lin: np.ndarray, w: np.ndarray, alpha_max: float, huber_delta: float | None, grid: int
+) -> tuple[float, np.ndarray] | None:
+    """(cost, theta) of the best start: for each alpha = alpha_max j / (grid - 1), eps and beta by
+    weighted linear least squares of L on n^-alpha (eps clipped at 0), the alpha of least log
+    cost; None when no alpha gives a falling law."""
+    y = np.log(y_lin)
     best: tuple[float, np.ndarray] | None = None
     for j in range(1, grid):
         alpha = alpha_max * j / (grid - 1)
@@ -296,10 +186,21 @@ def fit_power_law(
         cost = _fit_cost(_log_model(theta, logn)[0] - y, w, huber_delta)
         if math.isfinite(cost) and (best is None or cost < best[0]):
             best = (cost, theta)
-    if best is None:
-        return 0.0, 0.0, float(np.sum(w * y_lin))
+    return best
 
-    cost, theta = best
+
+def _levenberg_marquardt(
+    start: tuple[float, np.ndarray],
+    logn: np.ndarray,
+    y: np.ndarray,
+    w: np.ndarray,
+    alpha_max: float,
+    huber_delta: float | None,
+    max_iter: int,
+) -> np.ndarray:
+    """Theta refined from `start` by Levenberg-Marquardt on (log beta, alpha, eps), each step
+    projected onto the bounds, until no step lowers the cost (or `max_iter` steps)."""
+    cost, theta = start
     lam = 1e-3
     for _ in range(max_iter):
         f, x, d = _log_model(theta, logn)
@@ -329,6 +230,37 @@ def fit_power_law(
         cost, theta = accepted
         if moved <= 1e-15 * (1.0 + float(np.max(np.abs(theta)))):
             break
+    return theta
+
+
+def fit_power_law(
+    n: Sequence[float] | np.ndarray,
+    loss: Sequence[float] | np.ndarray,
+    weights: Sequence[float] | np.ndarray | None = None,
+    alpha_max: float = 0.8,
+    huber_delta: float | None = None,
+    grid: int = 41,
+    max_iter: int = 200,
+) -> tuple[float, float, float] | None:
+    """(beta, alpha, eps) of L(n) = eps + beta n^(-alpha) (Eq. 1) fitted to the points by
+    (weighted) least squares of log L, or a Huber loss on the log residuals (`huber_delta`),
+    with alpha in [0, alpha_max] and eps >= 0. A pure, deterministic function.
+
+    Start: for each alpha = alpha_max j / (grid - 1), j = 1..grid-1, eps and beta by linear least
+    squares of L on n^-alpha (eps clipped at 0); the start is the alpha of least log cost.
+    Then Levenberg-Marquardt on (log beta, alpha, eps), steps projected onto the bounds, until no
+    step lowers the cost. Losses that do not fall with n give (0, 0, mean loss). None: fewer than
+    3 points, or a non-positive or non-finite value.
+    """
+    inputs = _fit_inputs(n, loss, weights)
+    if inputs is None:
+        return None
+    n, y_lin, w = inputs
+    logn = np.log(n)
+    start = _grid_start(logn, y_lin, w, alpha_max, huber_delta, grid)
+    if start is None:
+        return 0.0, 0.0, float(np.sum(w * y_lin))
+    theta = _levenberg_marquardt(start, logn, np.log(y_lin), w, alpha_max, huber_delta, max_iter)
     beta, alpha, eps = math.exp(theta[0]), float(theta[1]), float(theta[2])
     if not all(math.isfinite(v) for v in (beta, alpha, eps)):
         return None

@@ -1,0 +1,70 @@
+"""DoReMi: Group DRO over domains on the excess loss over a reference model (Xie, Pham, Dong,
+Du, Liu, Lu, Liang, Le, Ma and Yu 2023, "DoReMi: Optimizing Data Mixtures Speeds Up Language
+Model Pretraining", NeurIPS, Algorithm 1; released code sangmichaelxie/doremi).
+
+Its options are `mixing.doremi` (config.py); the update is method.py over update.py's math, the
+reference losses come from reference.py (a frozen model run online) or reference_cache.py (a
+cache written by `doremi score`). It needs a reference, so it runs as a proxy only: the pipeline
+trains the reference first (docs/design.md section 4)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from doremi.methods.doremi.config import DoReMiConfig
+from doremi.methods.spec import PROXY, MethodSpec, Reads
+from trainer.run.hooks import MethodContext, MixingHook
+
+
+def build(cfg: Any, ctx: MethodContext) -> MixingHook:
+    """The proxy's hook, its reference losses read from `reference_cache` when set, else from
+    the frozen reference checkpoint run online."""
+    from data.store import read_manifest
+    from data.weights import resolve_weights
+    from doremi.methods.doremi.method import DoReMi
+    from doremi.methods.reference import (
+        CachedReference,
+        OnlineReference,
+        load_frozen,
+        reference_config,
+        require_reference,
+    )
+    from trainer.build import RunFacts
+
+    d = cfg.mixing.doremi
+    manifest = read_manifest(cfg.data.store_dir)
+    sampling = resolve_weights(d.proxy_sampling, manifest, "mixing.doremi.proxy_sampling", cfg.budget_tokens)
+    if d.reference_cache:
+        ref = CachedReference(
+            d.reference_cache,
+            ctx.domains,
+            cfg.data.seq_len,
+            ctx.device,
+            steps=cfg.train.steps,
+            global_batch_size=cfg.train.global_batch_size,
+            seed=cfg.data.seed,
+            sampling=sampling.tolist(),
+            reference=d.reference,
+        )
+    else:
+        ck = require_reference(cfg)
+        ref_cfg = reference_config(cfg, ck)
+        ref_facts = RunFacts.resolve(ref_cfg, ctx.pc)
+        ref = OnlineReference(load_frozen(ref_cfg, ck, ctx.pc, ref_facts), ref_facts, ctx.pc)
+    return DoReMi(d, ctx, sampling, ref)
+
+
+SPEC = MethodSpec(
+    name="doremi",
+    cite="Xie et al. 2023, DoReMi (NeurIPS), Algorithm 1; github sangmichaelxie/doremi",
+    # the proxy's and the reference's per-token losses on the training batch (excess loss)
+    reads=Reads(training_batches=True, reference_losses=True),
+    roles=(PROXY,),
+    config=DoReMiConfig,
+    build=build,
+    needs_reference=True,
+    moved_from="doremi",
+    average_keys=("eta", "smoothing", "update", "mode"),
+    path_options=("reference", "reference_weights", "proxy_sampling", "reference_cache"),
+    bookkeeping_options=("rounds", "rounds_tolerance", "average_from_step"),
+)
