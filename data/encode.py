@@ -24,14 +24,7 @@ _worker: dict[str, Any] = {}
 def encode_texts(tok: Any, texts: list[str], dtype: np.dtype) -> Encoded:
     if not texts:
         return np.zeros(0, dtype), np.zeros(0, np.int64)
-    arrays = tok.encode_arrays(texts)
-    eos = np.array([tok.eos_id], dtype=dtype)
-    parts = []
-    for a in arrays:
-        parts.append(a.astype(dtype, copy=False))
-        parts.append(eos)
-    lengths = np.fromiter((len(a) + 1 for a in arrays), dtype=np.int64, count=len(arrays))
-    return np.concatenate(parts), lengths
+    return tok.encode_flat(texts, dtype)
 
 
 def _init_worker(spec: dict[str, Any], dtype: str) -> None:

@@ -21,41 +21,45 @@ from data.config import DataConfig
 from data.preprocess import preprocess, preprocess_share
 
 
-class PreprocessShare(PipelineStep):
+class _BuildStep(PipelineStep):
+    """A step of our build: the data config and whether to show progress; datatrove's `data`
+    passes through untouched (the build reads its own inputs)."""
+
+    type = "TOKENIZER"
+
+    def __init__(self, cfg: DataConfig, progress: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.progress = progress
+
+    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Any:
+        self.build(rank, world_size)
+        if data:
+            yield from data
+
+    def build(self, rank: int, world_size: int) -> None:
+        raise NotImplementedError
+
+
+class PreprocessShare(_BuildStep):
     """Share `rank` of `world_size` of the build's tasks, each share tokenizing with `cfg.num_proc`
     processes (1 under datatrove's local executor, whose own workers are the parallelism: its
     pool's processes may not start processes of their own)."""
 
     name = "doremi preprocess share"
-    type = "TOKENIZER"
 
-    def __init__(self, cfg: DataConfig, progress: bool = False):
-        super().__init__()
-        self.cfg = cfg
-        self.progress = progress
-
-    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Any:
+    def build(self, rank: int, world_size: int) -> None:
         ran, share = preprocess_share(self.cfg, rank, world_size, progress=self.progress)
         self.stat_update("tasks_run", value=ran)
         self.stat_update("tasks_found_finished", value=share - ran)
-        if data:
-            yield from data
 
 
-class PreprocessMerge(PipelineStep):
+class PreprocessMerge(_BuildStep):
     """The build's merge, as one datatrove task that runs after the shares (SLURM: a job that
     depends on the shares' job array)."""
 
     name = "doremi preprocess merge"
-    type = "TOKENIZER"
 
-    def __init__(self, cfg: DataConfig, progress: bool = False):
-        super().__init__()
-        self.cfg = cfg
-        self.progress = progress
-
-    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Any:
+    def build(self, rank: int, world_size: int) -> None:
         manifest = preprocess(self.cfg, progress=self.progress)
         self.stat_update("domains", value=len(manifest.domains))
-        if data:
-            yield from data

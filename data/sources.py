@@ -131,11 +131,8 @@ def file_rows(fmt: str, files: list[str], plan: DomainPlan, where: str) -> FileR
 
 
 def file_digest(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def digest(obj: Any) -> str:

@@ -9,6 +9,7 @@ check it trains on stores built with the tokenizer it asks for.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,6 +36,8 @@ class Tokenizer(Protocol):
 
     def encode_arrays(self, texts: list[str]) -> list[np.ndarray]: ...
 
+    def encode_flat(self, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]: ...
+
     def decode(self, ids: Iterable[int]) -> str: ...
 
     @property
@@ -45,6 +48,18 @@ class Tokenizer(Protocol):
 
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def flat_with_eos(arrays: list[np.ndarray], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(the documents' ids with `eos_id` after each, as one `dtype` array; tokens per document,
+    EOS included): what a store appends (data.store.SplitWriter)."""
+    eos = np.array([eos_id], dtype=dtype)
+    parts = []
+    for a in arrays:
+        parts.append(a.astype(dtype, copy=False))
+        parts.append(eos)
+    lengths = np.fromiter((len(a) + 1 for a in arrays), dtype=np.int64, count=len(arrays))
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype)), lengths
 
 
 class ByteTokenizer:
@@ -63,6 +78,9 @@ class ByteTokenizer:
 
     def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+    def encode_flat(self, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        return flat_with_eos(self.encode_arrays(texts), self.eos_id, dtype)
 
     def decode(self, ids: Iterable[int]) -> str:
         out, run = [], bytearray()
@@ -107,18 +125,30 @@ class HFTokenizer:
         bos = bos_token(self._json)
         self.bos_id: int | None = bos[1] if bos else None
         self._bos = [] if bos is None else [bos[1]]
+        # The same ids without the character offsets (tokenizers >= 0.21), which nothing here
+        # reads: about 16% less CPU a token (docs/design.md section 3a-iv).
+        self._batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
 
     def encode(self, text: str) -> list[int]:
         return self._bos + self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self._bos + e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        rows = [e.ids for e in self._batch(texts, add_special_tokens=False)]
+        return [self._bos + r for r in rows] if self._bos else rows
 
     def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        return [
-            np.asarray(self._bos + e.ids, dtype=np.int64)
-            for e in self._tok.encode_batch(texts, add_special_tokens=False)
-        ]
+        return [np.asarray(ids, dtype=np.int64) for ids in self.encode_batch(texts)]
+
+    def encode_flat(self, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """As `flat_with_eos(encode_arrays(texts))`, but the Python lists of ids go to `dtype` in
+        one `np.fromiter` instead of an int64 array per document, then a cast and a concatenation
+        of two arrays a document (docs/design.md section 3a-iv)."""
+        rows = self.encode_batch(texts)
+        for r in rows:
+            r.append(self.eos_id)
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=int(lengths.sum()))
+        return flat, lengths
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

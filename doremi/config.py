@@ -88,7 +88,7 @@ class SweepConfig:
     chunk_size: int = 16
     # Evaluations along each run, every ceil(train.steps / eval_points) steps and at the last
     # (train.eval_every does not apply to sweep runs): the points of the step law that data
-    # mixing laws extrapolate each run's losses by (fit.mixing_law, doremi/offline/fit/nested.py).
+    # mixing laws extrapolate each run's losses by (fit.mixing_law, doremi/methods/mixing_law/nested.py).
     eval_points: int = 10
 
     def validate(self, path: str = "sweep") -> None:
@@ -113,7 +113,7 @@ class SweepConfig:
 
 @dataclass
 class MixingLawFitConfig:
-    """Data mixing laws (Ye et al. 2025; doremi/offline/fit/nested.py, mixing_law.py): how the sweep's
+    """Data mixing laws (Ye et al. 2025; doremi/methods/mixing_law/): how the sweep's
     losses become the losses the mixing law is fitted to."""
 
     # `authors`: the released pipeline, each run's losses extrapolated by a step law to the main
@@ -138,7 +138,7 @@ class MixingLawFitConfig:
 @dataclass
 class FitConfig:
     """`doremi fit` and the pipeline's offline methods: how a sweep's table becomes a mixture
-    (doremi/offline/propose.py, doremi/offline/fit/)."""
+    (doremi/offline/propose.py; the fits in doremi/methods/regmix/ and doremi/methods/mixing_law/)."""
 
     # The loss the mixture minimises: sum_i w_i L_i over the domains' validation losses, with w
     # this mixture form (`uniform`: the mean over domains; a mapping of every domain to its

@@ -13,11 +13,11 @@ from tests.runs import config
 #: experiments/notes/SUITE.md): end-to-end pipelines, CLI subprocesses and gloo process groups.
 #: The order only schedules the work; a file missing here is merely run later and by test-fast.
 SLOW = (
+    "test_quickstart.py",
     "test_layouts.py",
     "test_gpu_scale.py",
     "test_methods.py",
     "test_learning.py",
-    "test_quickstart.py",
     "test_readme_commands.py",
     "test_cli.py",
     "test_hf.py",

@@ -48,6 +48,27 @@ def alphas(run: Path) -> list[list[float]]:
     return [r["weights"] for r in read_jsonl(Path(run) / "domain_weights.jsonl")]
 
 
+def val_losses(run: Path) -> list[float]:
+    """The one validation row's per-domain losses."""
+    rows = [r for r in read_jsonl(Path(run) / "metrics.jsonl") if "val_loss" in r]
+    assert len(rows) == 1
+    return list(rows[0]["val_loss"].values())
+
+
+def single_process_runs(store: Path, root: Path, sets: list[str], proxy_sets: list[str]) -> list[str]:
+    """The single-process runs a layout test compares its layouts against, under `root`: `single`
+    (the config's steps), `single-4steps`, a `reference` and the proxy `proxy-single` on it (with
+    `proxy_sets` added). Returns the proxy's --set list, for the layouts' proxies."""
+    from doremi.pipeline import stages
+
+    stages.train(config(store, root / "single", *sets))
+    stages.train(config(store, root / "single-4steps", *sets, "train.steps=4"))
+    stages.train_reference(config(store, root / "reference", *sets))
+    proxy = [*sets, *proxy_sets, f"mixing.doremi.reference={root / 'reference'}"]
+    stages.train_proxy(config(store, root / "proxy-single", *proxy))
+    return proxy
+
+
 def final_params(store: Path, run: Path, *model_sets: str) -> dict[str, torch.Tensor]:
     """Parameters of a run's last checkpoint, reassembled into a single-process model of the
     default test config with `model_sets` (the run's architecture keys: the load checks them)."""

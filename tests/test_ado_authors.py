@@ -21,8 +21,8 @@ from doremi.methods.ado.method import (
     smooth_history,
     start_grid,
 )
+from tests.method_context import method_context
 from trainer.config.tools import ConfigError
-from trainer.parallel.context import ParallelContext
 from trainer.run.hooks import MethodContext, StepSignals
 
 DOMAINS = ["a", "b", "c"]
@@ -35,18 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_ctx(tmp_path, steps=20, train_tokens=(500, 300, 200)) -> MethodContext:
-    return MethodContext(
-        domains=list(DOMAINS),
-        run_dir=tmp_path,
-        is_main=True,
-        device=torch.device("cpu"),
-        seed=0,
-        steps=steps,
-        global_batch_size=4,
-        seq_len=S,
-        train_tokens=list(train_tokens),
-        pc=ParallelContext.single(),
-    )
+    return method_context(tmp_path, DOMAINS, steps, 4, S, train_tokens)
 
 
 def signals(counts, losses) -> StepSignals:

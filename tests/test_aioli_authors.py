@@ -15,25 +15,14 @@ import yaml
 
 from doremi.methods.aioli.method import Aioli, AioliConfig, ProbeSchedule, eval_sequences, validation_passes
 from doremi.reports.ledger import _flops_per_token, run_cost
-from trainer.parallel.context import ParallelContext
+from tests.method_context import method_context
 from trainer.run.hooks import MethodContext
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def context(tmp_path: Path, steps: int, k: int = 2, batch: int = 8) -> MethodContext:
-    return MethodContext(
-        domains=[f"d{i}" for i in range(k)],
-        run_dir=tmp_path,
-        is_main=False,
-        device=torch.device("cpu"),
-        seed=0,
-        steps=steps,
-        global_batch_size=batch,
-        seq_len=16,
-        train_tokens=[100] * k,
-        pc=ParallelContext.single(),
-    )
+    return method_context(tmp_path, [f"d{i}" for i in range(k)], steps, batch, 16, [100] * k, is_main=False)
 
 
 #: Validation losses at steps 0..4 (round 0) and 6..10 (round 1) of a 12-step run: rounds of 6
@@ -144,6 +133,40 @@ def test_validation_subset_keeps_within_a_tenth_of_training():
     assert eval_sequences(cfg, ProbeSchedule(3, 5, 5, 1, 1, True, 0), 1) == 1  # at least one
 
 
+def test_default_validation_flops_are_at_most_a_tenth_of_training_by_the_ledgers_formulas():
+    """The default `mixing.aioli` (20 rounds, 4 sweeps of 4 steps, `eval_sequences: null`) on 7
+    domains, 10k steps of 64 sequences of 2048 tokens, costed as the ledger costs a run
+    (`train_flops`, `forward_flops`; a model's FLOPs per token, which cancel): 580 passes
+    of 47 sequences per domain, 580 x 47 x 7 / (3 x 10,000 x 64) = 0.0994 of the training FLOPs.
+    The authors' schedule (`eval_sequences: 0`, every pass the whole split) on a split of 1,000
+    sequences per domain would spend 2.11 times the training FLOPs."""
+    import itertools
+
+    from doremi.methods.aioli.method import round_length
+    from doremi.reports.ledger import forward_flops, train_flops
+    from trainer.config.schema import ModelConfig
+    from trainer.model.flops import flops_per_token
+
+    k, steps, batch, seq = 7, 10_000, 64, 2048
+    fpt = flops_per_token(ModelConfig(vocab_size=32_000, max_seq_len=seq), seq)
+    s = ProbeSchedule(k, steps, round_length(steps, AioliConfig().rounds, None), 4, 4, True, 0)
+    n = eval_sequences(AioliConfig(), s, batch)
+    passes = validation_passes(s)
+    train = train_flops(fpt, steps * batch * seq)
+    assert (passes, n) == (580, 47)
+    share = forward_flops(fpt, passes * n * k * seq) / train
+    assert share == pytest.approx(580 * 47 * 7 / (3 * 10_000 * 64), rel=1e-12) and share <= 0.1
+    assert share == pytest.approx(0.0993854, abs=1e-7)
+    assert forward_flops(fpt, passes * (n + 1) * k * seq) / train > 0.1  # the most sequences that fit
+    assert forward_flops(fpt, passes * 1000 * k * seq) / train == pytest.approx(2.1145833, abs=1e-7)
+    # every run whose budget allows a sequence per domain stays within it
+    for k, steps, batch in itertools.product((2, 5, 7, 22), (2_000, 10_000, 50_000), (8, 64, 512)):
+        s = ProbeSchedule(k, steps, round_length(steps, 20, None), 4, 4, True, 0)
+        n, passes = eval_sequences(AioliConfig(), s, batch), validation_passes(s)
+        if passes and 0.1 * 3 * steps * batch >= passes * k:
+            assert forward_flops(fpt, passes * n * k * seq) <= 0.1 * train_flops(fpt, steps * batch * seq)
+
+
 def test_trainer_validates_the_subset_and_the_ledger_counts_it(stores, tmp_path):
     """A 5-step proxy (3 domains, 8 sequences a step, one round of one sweep of 1 step): 4
     passes of floor(0.1 x 3 x 5 x 8 / (4 x 3)) = 1 sequence per domain (train.eval_sequences 16
@@ -163,6 +186,7 @@ def test_trainer_validates_the_subset_and_the_ledger_counts_it(stores, tmp_path)
     fpt = _flops_per_token(yaml.safe_load((run / "config.yaml").read_text()))
     assert cost["validation"] == pytest.approx(fpt / 3 * evals["tokens"], rel=1e-12)
     assert cost["validation"] <= 0.1 * cost["train"]
+    assert cost["validation_seconds"] == evals["seconds"] > 0  # the passes' measured time, beside their FLOPs
 
 
 def test_config_rejects_unknown_variant():

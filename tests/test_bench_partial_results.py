@@ -4,25 +4,18 @@ keeps the earlier parts' rows (one device call per bench), bf16 parameters run w
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "bench"
+from tests.scripts import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield {name: importlib.import_module(name) for name in ("timing", "moe_bench", "method_bench")}
-    finally:
-        sys.path.remove(str(BENCH))
+    return {name: bench_module(name) for name in ("timing", "moe_bench", "method_bench")}
 
 
 def test_run_part_keeps_earlier_rows_and_records_the_error(bench, capsys):

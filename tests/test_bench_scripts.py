@@ -6,12 +6,12 @@ they existed, and the one ablation outside the model checks its own patch."""
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.scripts import BENCH, bench_module
 from trainer.config.schema import ModelConfig
 from trainer.model import layers, llama
 from trainer.model.llama import Llama
@@ -20,16 +20,10 @@ from trainer.model.ops import rope
 from trainer.model.ops.kernels import Kernels
 from trainer.optim import clip
 
-BENCH = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "bench"
-
 
 @pytest.fixture(scope="module")
 def bench_modules():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield {name: importlib.import_module(name) for name in ("step_bench", "profile_step", "micro_bench")}
-    finally:
-        sys.path.remove(str(BENCH))
+    return {name: bench_module(name) for name in ("step_bench", "profile_step", "micro_bench")}
 
 
 def test_paired_windows_alternate_abba_and_rows_compare_within_their_group(bench_modules, monkeypatch):
@@ -193,16 +187,12 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(tmp_path):
     """`method_bench.main` on the `tiny` preset (CPU): one table row per variant with positive
     numbers and `vs plain` computed; Aioli's validation passes and ADO's refits fall inside the
     timed steps, and the run writes nothing but its two reports."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        mb = importlib.import_module("method_bench")
-    finally:
-        sys.path.remove(str(BENCH))
+    mb = bench_module("method_bench")
     out = tmp_path / "out"
     result = mb.main(["--presets", "tiny", "--steps", "4", "--warmup", "1", "--device", "cpu", "--out", str(out)])
     assert sorted(p.name for p in out.iterdir()) == ["method_bench.json", "method_bench.md"]
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == list(mb.VARIANTS) == ["plain", "odm", "ado", "aioli", "doge"]
+    assert list(rows) == list(mb.VARIANTS) == ["plain", "doge", "odm", "aioli", "ado"]  # the catalog's order
     for r in rows.values():
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and len(r["steps_s"]) == 4, r
         assert r["grad_bytes"] == 4 * r["params"] > 0
@@ -228,11 +218,7 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(tmp_path):
 def test_stacked_bench_runs_both_sides_on_a_tiny_shape_on_the_cpu(capsys):
     """`stacked_bench.main` at a tiny shape on the CPU: the ordinary runs one by one and the
     stacked models both step, and the speed-up is the ratio of their step times."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        sb = importlib.import_module("stacked_bench")
-    finally:
-        sys.path.remove(str(BENCH))
+    sb = bench_module("stacked_bench")
     args = "--models 3 --single 2 --chunk-size 2 --d-model 32 --layers 1 --heads 2 --ffn 64 --vocab 128"
     result = sb.main([*args.split(), "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1", "--device", "cpu"])
     assert result["models"] == 3 and result["params_per_model"] > 0
@@ -244,11 +230,7 @@ def test_stacked_bench_runs_both_sides_on_a_tiny_shape_on_the_cpu(capsys):
 def test_mamba_bench_runs_the_layer_and_the_hybrid_step_on_the_cpu(tmp_path):
     """`mamba_bench.main` at the `hybrid-tiny` shape on the CPU: the mixer's fwd+bwd and the
     hybrid step are timed, and the step's MFU is tokens/s x the counted FLOPs / 989e12."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        bench = importlib.import_module("mamba_bench")
-    finally:
-        sys.path.remove(str(BENCH))
+    bench = bench_module("mamba_bench")
     argv = ["--preset", "hybrid-tiny", "--micro-batch", "2", "--seq", "20", "--steps", "2", "--warmup", "1"]
     result = bench.main([*argv, "--device", "cpu", "--no-compile", "--out", str(tmp_path)])
     layer, step = result["rows"]
@@ -261,11 +243,7 @@ def test_moe_bench_runs_both_moe_implementations_and_the_step_on_the_cpu(tmp_pat
     """`moe_bench.main` at the `moe-tiny` shape on the CPU: the framework's dropless MoE and the
     plain per-expert loop compute the same outputs and are both timed; the step's MFU is
     tokens/s x the counted (active) FLOPs / 989e12."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        bench = importlib.import_module("moe_bench")
-    finally:
-        sys.path.remove(str(BENCH))
+    bench = bench_module("moe_bench")
     argv = ["--preset", "moe-tiny", "--micro-batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1"]
     result = bench.main([*argv, "--device", "cpu", "--out", str(tmp_path)])
     ours, plain, step = result["rows"]
@@ -276,11 +254,7 @@ def test_moe_bench_runs_both_moe_implementations_and_the_step_on_the_cpu(tmp_pat
 
 
 def _fp8_bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("fp8_bench")
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("fp8_bench")
 
 
 def test_fp8_bench_steps_smoke_compiles_ours_and_torchaos_plain_model_on_the_cpu(tmp_path):

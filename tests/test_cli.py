@@ -117,6 +117,10 @@ def test_pipeline_under_torchrun(tmp_path):
         "logging.progress=false",
         "--set",
         "checkpoint.every=0",
+        "--set",
+        "data.tokenizer.vocab_size=512",
+        "--set",
+        "model.vocab_size=512",
         # the rank protocol does not depend on the model's size: the smallest that runs
         *[a for k in TINY_MODEL for a in ("--set", f"model.{k}", "--set", f"pipeline.main.model.{k}")],
     ]

@@ -116,7 +116,7 @@ def test_cli_compare_refusal_is_one_line_and_exit_2(stores, tmp_path, capsys):
 
 def _bad_fit(path: Path, rho: float | None = -0.74, held: bool = True) -> Path:
     from doremi.offline.fit.evaluate import HeldOut
-    from doremi.offline.fit.provenance import proposal_provenance, write_proposal
+    from doremi.offline.provenance import proposal_provenance, write_proposal
 
     provenance = proposal_provenance(
         method="regmix",

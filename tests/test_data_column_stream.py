@@ -14,12 +14,11 @@ import json
 from pathlib import Path
 
 import pytest
-import xxhash
 
 from data.config import DataConfig, DomainSource, TokenizerConfig
 from data.errors import DataError
 from data.preprocess import preprocess
-from data.store import MANIFEST_FILE
+from tests.store_hashes import store_hashes
 
 zstandard = pytest.importorskip("zstandard")
 
@@ -73,19 +72,6 @@ def configs(tmp_path: Path, dataset: list[str]) -> dict[str, DataConfig]:
             **common,
         ),
     }
-
-
-def store_hashes(store_dir: str) -> dict[str, str]:
-    root = Path(store_dir)
-    out = {
-        str(p.relative_to(root)): xxhash.xxh3_64_hexdigest(p.read_bytes())
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST_FILE and not p.name.startswith(".")
-    }
-    raw = json.loads((root / MANIFEST_FILE).read_text())
-    kept = {k: raw[k] for k in ("domains", "tokenizer", "dtype", "split", "version")}
-    out[MANIFEST_FILE] = xxhash.xxh3_64_hexdigest(json.dumps(kept, sort_keys=True).encode())
-    return out
 
 
 EXPECTED: dict[str, dict[str, str]] = {

@@ -20,11 +20,10 @@ import lzma
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import xxhash
 
 from data.config import DataConfig, DomainSource, TokenizerConfig
 from data.preprocess import preprocess
-from data.store import MANIFEST_FILE
+from tests.store_hashes import store_hashes
 
 PLAIN = {"j", "jmax", "tline", "tpara", "tdoc", "emb"}
 
@@ -132,24 +131,6 @@ def golden_configs(tmp_path, paths: dict[str, list[str]]) -> dict[str, DataConfi
             **common,
         ),
     }
-
-
-def store_hashes(store_dir: str) -> dict[str, str]:
-    """XXH3-64 of every store file, and of the manifest's content that does not depend on the
-    bytes of binary or compressed inputs (module docstring)."""
-    from pathlib import Path
-
-    root = Path(store_dir)
-    out = {
-        str(p.relative_to(root)): xxhash.xxh3_64_hexdigest(p.read_bytes())
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST_FILE and not p.name.startswith(".")
-    }
-    raw = json.loads((root / MANIFEST_FILE).read_text())
-    kept = {k: raw[k] for k in ("domains", "tokenizer", "dtype", "split", "version")}
-    kept["plain_sources"] = {k: v for k, v in raw["sources"].items() if k in PLAIN}
-    out[MANIFEST_FILE] = xxhash.xxh3_64_hexdigest(json.dumps(kept, sort_keys=True).encode())
-    return out
 
 
 EXPECTED: dict[str, dict[str, str]] = {
@@ -268,4 +249,4 @@ EXPECTED: dict[str, dict[str, str]] = {
 def test_stores_are_byte_identical_to_before_streaming(tmp_path, name):
     cfg = golden_configs(tmp_path, golden_corpus(tmp_path))[name]
     preprocess(cfg, progress=False)
-    assert store_hashes(cfg.store_dir) == EXPECTED[name]
+    assert store_hashes(cfg.store_dir, PLAIN) == EXPECTED[name]

@@ -1,10 +1,18 @@
 import json
 
+import numpy as np
 import pytest
 
 from data.config import TokenizerConfig
 from data.errors import DataError
-from data.tokenizer import ByteTokenizer, build_tokenizer, expected_identity, save_tokenizer, tokenizer_from_spec
+from data.tokenizer import (
+    ByteTokenizer,
+    build_tokenizer,
+    expected_identity,
+    flat_with_eos,
+    save_tokenizer,
+    tokenizer_from_spec,
+)
 
 TEXTS = [
     "def f(x):\n    return x + 1\n",
@@ -81,3 +89,26 @@ def test_word_level_tokenizer_without_eos_is_rejected(tmp_path):
         build_tokenizer(TokenizerConfig(kind="file", path=str(tmp_path / "w.json")))
     ok = build_tokenizer(TokenizerConfig(kind="file", path=str(tmp_path / "w.json"), eos_token="b"))
     assert ok.eos_id == 1 and json.loads(ok.to_json())["model"]["type"] == "WordLevel"
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "int32"])
+def test_encode_flat_is_the_documents_ids_with_eos_after_each(bpe, tmp_path, dtype):
+    """`encode_flat` (what the stores append, data.encode) is `flat_with_eos` of the per-document
+    arrays, in the store's dtype, for the byte tokenizer, a BPE and a BOS-adding tokenizer; the
+    BPE's ids are those of the library's `encode_batch` (ours calls `encode_batch_fast`)."""
+    from tests.test_data_bos import llama3_like_tokenizer
+
+    llama3_like_tokenizer(tmp_path / "tokenizer.json")
+    with_bos = build_tokenizer(TokenizerConfig(kind="file", path=str(tmp_path / "tokenizer.json")))
+    assert with_bos.bos_id == 0
+    for tok in (ByteTokenizer(), bpe, with_bos):
+        flat, lengths = tok.encode_flat(TEXTS, np.dtype(dtype))
+        want_flat, want_lengths = flat_with_eos(tok.encode_arrays(TEXTS), tok.eos_id, np.dtype(dtype))
+        assert flat.dtype == np.dtype(dtype) and lengths.dtype == np.int64
+        assert flat.tolist() == want_flat.tolist() and lengths.tolist() == want_lengths.tolist()
+        assert lengths.tolist() == [len(tok.encode(t)) + 1 for t in TEXTS]
+        assert flat[np.cumsum(lengths) - 1].tolist() == [tok.eos_id] * len(TEXTS)
+    library = [e.ids for e in bpe._tok.encode_batch(TEXTS, add_special_tokens=False)]
+    assert bpe.encode_batch(TEXTS) == library
+    assert with_bos.encode_batch(TEXTS[:1])[0][0] == 0
+    assert ByteTokenizer().encode_flat([], np.dtype(dtype))[0].tolist() == []

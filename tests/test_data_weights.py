@@ -7,14 +7,15 @@ from data.errors import DataError
 from data.store import DomainEntry, Manifest, SplitCounts
 from data.weights import resolve_weights
 
-MANIFEST = Manifest(
-    domains=[
-        DomainEntry(n, "test", SplitCounts(t, 1), SplitCounts(0, 0)) for n, t in (("a", 100), ("b", 300), ("c", 600))
-    ],
-    tokenizer={"name": "byte"},
-    dtype="uint16",
-    fingerprint="x",
-)
+
+def manifest(train_tokens: dict[str, int]) -> Manifest:
+    """A store's manifest of these domains' train tokens (one sequence each, no validation):
+    what the weights read of a store."""
+    domains = [DomainEntry(n, "test", SplitCounts(t, 1), SplitCounts(0, 0)) for n, t in train_tokens.items()]
+    return Manifest(domains=domains, tokenizer={"name": "byte"}, dtype="uint16", fingerprint="x")
+
+
+MANIFEST = manifest({"a": 100, "b": 300, "c": 600})
 
 
 def test_forms(tmp_path):

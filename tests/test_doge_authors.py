@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from data.batch import IGNORE_INDEX
 from doremi.methods.doge.method import DoGEConfig, authors_scores, doge_update, domain_clip, score_clip
 from doremi.methods.history import read_history
 from doremi.pipeline import stages
 from tests.runs import config
-from tests.test_method_doge import fit_capturing_gradients
+from tests.test_method_doge import autograd_gradients, fit_capturing_gradients
 from trainer.config.tools import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,28 +88,14 @@ def test_one_step_matches_the_released_equations_on_autograd_gradients(stores, t
     some), their products, the mean norm, the clipped scores and the update sum_i alpha_1[i] g_i
     equal the released code's equations applied to gradients taken by autograd on a copy."""
     twin = stages.proxy_trainer(config(stores, tmp_path / "twin", *SETS, "train.steps=1"))
-    batch = twin.feed.step_batches(1, twin.hook.sampling_weights(1))[0]
     spec = twin.hook.needs.alignment
     assert spec.deferred and spec.domain_clip == 5.0
-    target = twin.feed.target_batches(1, np.asarray(spec.weights), spec.sequences, 8)
-    params = [p for _, p in twin.named_params]
-
-    def grad(batches: list[dict], weight_of) -> list[torch.Tensor]:
-        total = 0.0
-        for b in batches:
-            mask = b["labels"] != IGNORE_INDEX
-            total = total + (twin.model(None, b) * mask * weight_of(b)).sum()
-        return [g.double() for g in torch.autograd.grad(total, params)]
 
     def norm(g: list[torch.Tensor]) -> float:
         return math.sqrt(sum(float((x * x).sum()) for x in g))
 
-    n_target = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in target)
-    raw = [grad(target, lambda b: 1.0 / n_target)]
-    ids = batch["domain_ids"]
-    for d in range(3):
-        n = int(((batch["labels"] != IGNORE_INDEX) & (ids == d)[:, None]).sum())
-        raw.append(grad([batch], lambda b, d=d, n=n: (b["domain_ids"] == d).double()[:, None] / n))
+    g_target, per_domain = autograd_gradients(twin, 3)
+    raw = [[x.double() for x in g] for g in [g_target, *per_domain]]
     raw_norms = sorted(norm(g) for g in raw)
     clip = (raw_norms[1] + raw_norms[2]) / 2
 

@@ -30,6 +30,22 @@ import math
 import numpy as np
 import pytest
 
+from doremi.methods.mixing_law.fit import (
+    MixingLawOptions,
+    canonical,
+    fit_mixing_law,
+    mixing_law_fit_predict,
+    project_capped_simplex,
+    propose_mixing_law,
+)
+from doremi.methods.regmix.fit import (
+    LightGBMOptions,
+    RegMixOptions,
+    RidgeOptions,
+    fit_regressor,
+    propose_regmix,
+    regmix_fit_predict,
+)
 from doremi.offline.fit import FitError
 from doremi.offline.fit.design import (
     concat_designs,
@@ -40,23 +56,7 @@ from doremi.offline.fit.design import (
     smoothed_one_hot_design,
 )
 from doremi.offline.fit.evaluate import HeldOut, held_out, kfold_indices, spearman
-from doremi.offline.fit.mixing_law import (
-    MixingLawOptions,
-    canonical,
-    fit_mixing_law,
-    mixing_law_fit_predict,
-    project_capped_simplex,
-    propose_mixing_law,
-)
-from doremi.offline.fit.provenance import proposal_provenance, write_proposal
-from doremi.offline.fit.regmix import (
-    LightGBMOptions,
-    RegMixOptions,
-    RidgeOptions,
-    fit_regressor,
-    propose_regmix,
-    regmix_fit_predict,
-)
+from doremi.offline.provenance import proposal_provenance, write_proposal
 
 K = 4
 UNIFORM = np.full(K, 1.0 / K)

@@ -53,28 +53,10 @@ def _log(run_dir, steps, resume_step=0):
 
 def test_records_round_trip_and_each_line_is_flushed(tmp_path):
     h = WeightHistory(tmp_path, domains=DOMAINS)
-    h.append(
-        {
-            "step": 1,
-            "weights": torch.tensor([0.5, 0.25, 0.25]),
-            "excess": [0.0, 1.0, 2.0],
-            "proxy_loss": [3.0, 2.0, 1.0],
-            "ref_loss": [2.5, 1.5, 0.5],
-            "tokens": [10.0, 20.0, 30.0],
-            "update": "exact",
-        }
-    )
+    same = dict(excess=[0.0, 1.0, 2.0], proxy_loss=[3.0, 2.0, 1.0], ref_loss=[2.5, 1.5, 0.5], update="exact")
+    h.append({"step": 1, "weights": torch.tensor([0.5, 0.25, 0.25]), "tokens": [10.0, 20.0, 30.0], **same})
     lines = (tmp_path / HISTORY_FILE).read_text().splitlines()  # before close: flushed
-    assert json.loads(lines[0]) == {
-        "step": 1,
-        "domains": DOMAINS,
-        "weights": [0.5, 0.25, 0.25],
-        "excess": [0.0, 1.0, 2.0],
-        "proxy_loss": [3.0, 2.0, 1.0],
-        "ref_loss": [2.5, 1.5, 0.5],
-        "tokens": [10, 20, 30],
-        "update": "exact",
-    }
+    assert json.loads(lines[0]) == _record(1, weights=[0.5, 0.25, 0.25], tokens=[10, 20, 30], **same)
     h.close()
     assert read_history(tmp_path)[0]["tokens"] == [10, 20, 30]
     assert read_history(tmp_path / HISTORY_FILE)[0]["step"] == 1

@@ -23,12 +23,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from doremi.pipeline import stages
-from tests.distributed import spawn
-from tests.runs import alphas, config, final_params, losses, run_stage
-from trainer.records.metrics import read_jsonl
+from tests.compare_runs import assert_same_alphas, assert_same_params
+from tests.distributed import spawn, world_size
+from tests.runs import alphas, config, final_params, losses, run_stage, single_process_runs, val_losses
 
 # Adam divides by |g| + eps: a larger eps keeps summation-order rounding of near-zero gradients
 # from being amplified to ~lr, so the parameter comparison is about the gradients.
@@ -97,37 +96,17 @@ RESUME_AT: dict[str, list[str]] = {
 }
 
 
-def val_losses(run: Path) -> list[float]:
-    rows = [r for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
-    assert len(rows) == 1
-    return list(rows[0]["val_loss"].values())
-
-
-def world(sets: list[str]) -> int:
-    size = 1
-    for s in sets:
-        key, value = s.split("=")
-        if key in ("parallelism.tp", "parallelism.pp", "parallelism.dp"):
-            size *= int(value)
-    return size
-
-
 @pytest.fixture(scope="module")
 def runs(stores, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("layouts")
-    # single-process references
-    stages.train(config(stores, root / "single", *COMMON))
-    stages.train(config(stores, root / "single-4steps", *COMMON, "train.steps=4"))
-    stages.train_reference(config(stores, root / "reference", *COMMON))
-    proxy = [*COMMON, "train.steps=5", f"mixing.doremi.reference={root / 'reference'}"]
-    stages.train_proxy(config(stores, root / "proxy-single", *proxy))
+    proxy = single_process_runs(stores, root, COMMON, ["train.steps=5"])
     stages.train_proxy(config(stores, root / "proxy-single-mb4", *proxy, "train.micro_batches=4"))
 
     jobs: dict[int, dict[str, list]] = {2: {}, 4: {}, 8: {}}
     for name, sets in LAYOUTS.items():
-        jobs[world(sets)].setdefault("train", []).append((str(root / name), [*COMMON, *sets]))
+        jobs[world_size(sets)].setdefault("train", []).append((str(root / name), [*COMMON, *sets]))
     for name, sets in PROXY_LAYOUTS.items():
-        jobs[world(sets)].setdefault("train-proxy", []).append((str(root / name), [*proxy, *sets]))
+        jobs[world_size(sets)].setdefault("train-proxy", []).append((str(root / name), [*proxy, *sets]))
     ckpt = root / "ckpt-222"
     jobs[8]["train"].append((str(ckpt), [*COMMON, "train.steps=2", *LAYOUTS["tp2-pp2-dp2-all"]]))
     for size in (8, 4):
@@ -147,8 +126,7 @@ def test_layout_matches_single_process(runs, stores, name):
     assert losses(runs / name) == pytest.approx(losses(runs / "single"), rel=1e-5)
     assert val_losses(runs / name) == pytest.approx(val_losses(runs / "single"), rel=1e-5)
     want, got = final_params(stores, runs / "single"), final_params(stores, runs / name)
-    for p in want:
-        torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-5, msg=p)
+    assert_same_params(got, want)
 
 
 @pytest.mark.parametrize("name", list(RESUME_AT))
@@ -156,15 +134,9 @@ def test_checkpoint_222_resumes_at_other_layouts(runs, stores, name):
     whole = losses(runs / "single-4steps")
     assert losses(runs / name) == pytest.approx(whole, rel=1e-5)  # steps 1-2 from (2,2,2), 3-4 here
     want, got = final_params(stores, runs / "single-4steps"), final_params(stores, runs / name)
-    for p in want:
-        torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-5, msg=p)
+    assert_same_params(got, want)
 
 
 @pytest.mark.parametrize("name", ["proxy-single-mb4", *PROXY_LAYOUTS])
 def test_doremi_weights_do_not_depend_on_layout(runs, name):
-    want = alphas(runs / "proxy-single")
-    got = alphas(runs / name)
-    assert len(got) == len(want) == 5
-    for t, (a, b) in enumerate(zip(want, got), start=1):
-        assert b == pytest.approx(a, abs=1e-6), f"step {t}"
-    assert max(abs(x - 1 / 3) for x in want[-1]) > 1e-3  # the weights did move
+    assert_same_alphas(alphas(runs / "proxy-single"), alphas(runs / name), 5, moved=1e-3)

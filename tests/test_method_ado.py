@@ -25,8 +25,8 @@ from doremi.methods.ado.method import (
     running_mean,
 )
 from doremi.methods.history import read_history
+from tests.method_context import method_context
 from trainer.config.tools import ConfigError
-from trainer.parallel.context import ParallelContext
 from trainer.run.hooks import MethodContext, StepSignals
 
 DOMAINS = ["a", "b", "c"]
@@ -36,18 +36,7 @@ LAWS = [(20.0, 0.6, 1.0), (3.0, 0.2, 2.0), (8.0, 0.4, 1.5)]
 
 
 def make_ctx(tmp_path, steps=40, train_tokens=(500, 300, 200), is_main=True) -> MethodContext:
-    return MethodContext(
-        domains=list(DOMAINS),
-        run_dir=tmp_path,
-        is_main=is_main,
-        device=torch.device("cpu"),
-        seed=0,
-        steps=steps,
-        global_batch_size=B,
-        seq_len=S,
-        train_tokens=list(train_tokens),
-        pc=ParallelContext.single(),
-    )
+    return method_context(tmp_path, DOMAINS, steps, B, S, train_tokens, is_main)
 
 
 def small_cfg(**kw) -> ADOConfig:

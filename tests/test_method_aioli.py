@@ -25,8 +25,8 @@ from doremi.methods.aioli.method import (
     smooth_mixing_law,
 )
 from doremi.methods.history import read_history
+from tests.method_context import method_context
 from trainer.config.tools import ConfigError
-from trainer.parallel.context import ParallelContext
 from trainer.run.hooks import MethodContext, StepSignals
 
 DOMAINS = ["a", "b", "c"]
@@ -36,18 +36,7 @@ RATE = 0.01
 
 
 def context(tmp_path: Path, steps: int, domains: list[str] = DOMAINS) -> MethodContext:
-    return MethodContext(
-        domains=domains,
-        run_dir=tmp_path,
-        is_main=True,
-        device=torch.device("cpu"),
-        seed=0,
-        steps=steps,
-        global_batch_size=8,
-        seq_len=16,
-        train_tokens=[100] * len(domains),
-        pc=ParallelContext.single(),
-    )
+    return method_context(tmp_path, domains, steps, 8, 16, [100] * len(domains))
 
 
 def signals(weights: np.ndarray, k: int) -> StepSignals:

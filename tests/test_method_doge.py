@@ -67,17 +67,10 @@ def fit_capturing_gradients(trainer) -> dict[str, torch.Tensor]:
     return seen
 
 
-def test_one_step_matches_per_domain_gradients_by_autograd(stores, tmp_path):
-    """The aligned step's inner products <g_i, g_T> and its gradient sum_i alpha_1[i] g_i equal
-    those computed directly: each domain's mean-loss gradient and the target batch's by autograd
-    on a copy of the model, on the same batches."""
-    cfg = config(stores, tmp_path / "run", *SETS, "train.steps=1", "train.micro_batches=2", "train.grad_clip=0")
-    trainer = stages.proxy_trainer(cfg)
-    twin = stages.proxy_trainer(config(stores, tmp_path / "twin", *SETS, "train.steps=1"))
-    twin.model.load_state_dict(trainer.model.state_dict())
-    seen = fit_capturing_gradients(trainer)
-    row = read_history(tmp_path / "run")[0]
-
+def autograd_gradients(twin, k: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """By autograd on the model of `twin` (a proxy trainer of one step, not run): the gradient of
+    the target batches' mean loss g_T, and of each of the `k` domains' mean loss over step 1's
+    batch g_i (what DoGE's aligned step computes, Fan et al. 2023 eq. 3)."""
     batch = twin.feed.step_batches(1, twin.hook.sampling_weights(1))[0]
     spec = twin.hook.needs.alignment
     target = twin.feed.target_batches(1, np.asarray(spec.weights), spec.sequences, 8)
@@ -93,12 +86,26 @@ def test_one_step_matches_per_domain_gradients_by_autograd(stores, tmp_path):
     n_target = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in target)
     g_t = grad(target, lambda b: 1.0 / n_target)
     ids = batch["domain_ids"]
-    alignment, per_domain = [], []
-    for d in range(3):
+    per_domain = []
+    for d in range(k):
         n = int(((batch["labels"] != IGNORE_INDEX) & (ids == d)[:, None]).sum())
-        g = grad([batch], lambda b, d=d, n=n: (b["domain_ids"] == d).double()[:, None] / n)
-        per_domain.append(g)
-        alignment.append(sum(float((a.double() * t.double()).sum()) for a, t in zip(g, g_t)))
+        per_domain.append(grad([batch], lambda b, d=d, n=n: (b["domain_ids"] == d).double()[:, None] / n))
+    return g_t, per_domain
+
+
+def test_one_step_matches_per_domain_gradients_by_autograd(stores, tmp_path):
+    """The aligned step's inner products <g_i, g_T> and its gradient sum_i alpha_1[i] g_i equal
+    those computed directly: each domain's mean-loss gradient and the target batch's by autograd
+    on a copy of the model, on the same batches."""
+    cfg = config(stores, tmp_path / "run", *SETS, "train.steps=1", "train.micro_batches=2", "train.grad_clip=0")
+    trainer = stages.proxy_trainer(cfg)
+    twin = stages.proxy_trainer(config(stores, tmp_path / "twin", *SETS, "train.steps=1"))
+    twin.model.load_state_dict(trainer.model.state_dict())
+    seen = fit_capturing_gradients(trainer)
+    row = read_history(tmp_path / "run")[0]
+
+    g_t, per_domain = autograd_gradients(twin, 3)
+    alignment = [sum(float((a.double() * t.double()).sum()) for a, t in zip(g, g_t)) for g in per_domain]
     assert row["alignment"] == pytest.approx(alignment, rel=1e-5)
     scores = [0.01 * a / 0.01 for a in alignment]
     alpha = np.exp(scores) / np.exp(scores).sum()

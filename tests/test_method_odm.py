@@ -13,23 +13,14 @@ import torch
 
 from doremi.methods.history import read_history
 from doremi.methods.odm.method import ODM, ODMConfig, exp3_policy, exploration_rate, step_rewards, update_rewards
+from tests.method_context import method_context
 from trainer.config.tools import ConfigError
-from trainer.parallel.context import ParallelContext
-from trainer.run.hooks import MethodContext, StepSignals
+from trainer.run.hooks import StepSignals
 
 
 def context(tmp_path: Path, k: int = 2, steps: int = 20, batch: int = 8, tokens: list[int] | None = None):
-    return MethodContext(
-        domains=[f"d{i}" for i in range(k)],
-        run_dir=tmp_path,
-        is_main=True,
-        device=torch.device("cpu"),
-        seed=0,
-        steps=steps,
-        global_batch_size=batch,
-        seq_len=4,
-        train_tokens=tokens or [100 * (i + 1) for i in range(k)],
-        pc=ParallelContext.single(),
+    return method_context(
+        tmp_path, [f"d{i}" for i in range(k)], steps, batch, 4, tokens or [100 * (i + 1) for i in range(k)]
     )
 
 

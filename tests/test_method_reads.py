@@ -15,7 +15,7 @@ from data.validation_split import CONSUMERS, MethodSplitError, split_for
 from doremi.config import METHODS, OFFLINE_METHODS
 from doremi.methods.registry import BUILDERS, READS, Reads, check_needs, check_reads, method_factory, reads
 from doremi.reports.report import format_reads
-from trainer.run.hooks import Alignment, MethodContext, Needs
+from trainer.run.hooks import Alignment, Needs
 
 
 def test_every_method_declares_what_it_reads():
@@ -58,23 +58,12 @@ def test_needs_beyond_the_declaration_are_refused():
 
 def test_built_methods_read_within_their_declaration(stores, tmp_path):
     """The online methods built as the trainer builds them (`method_factory`) pass the check."""
-    import torch
-
+    from tests.method_context import method_context
     from tests.runs import config
-    from trainer.parallel.context import ParallelContext
 
     cfg = config(stores, tmp_path / "run", "mixing.aioli.rounds=1", "mixing.aioli.delta=1", "mixing.aioli.sweeps=1")
-    ctx = MethodContext(
-        domains=["a", "b", "c"],
-        run_dir=Path(tmp_path),
-        is_main=False,
-        device=torch.device("cpu"),
-        seed=0,
-        steps=20,
-        global_batch_size=cfg.train.global_batch_size,
-        seq_len=cfg.data.seq_len,
-        train_tokens=[1, 1, 1],
-        pc=ParallelContext.single(),
+    ctx = method_context(
+        Path(tmp_path), ["a", "b", "c"], 20, cfg.train.global_batch_size, cfg.data.seq_len, [1, 1, 1], is_main=False
     )
     for name in ("odm", "aioli", "ado"):
         hook = method_factory(name, cfg)(ctx)

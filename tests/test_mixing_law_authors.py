@@ -20,10 +20,10 @@ import math
 import numpy as np
 import pytest
 
+from doremi.methods.mixing_law.fit import MixingLawOptions, canonical, fit_mixing_law, propose_mixing_law
+from doremi.methods.mixing_law.nested import NestedOptions, ProxyCurves, extrapolate, step_extrapolate
+from doremi.methods.mixing_law.power_law import fit_power_law, held_out_tail, huber_loss, power_law
 from doremi.offline.fit import FitError
-from doremi.offline.fit.mixing_law import MixingLawOptions, canonical, fit_mixing_law, propose_mixing_law
-from doremi.offline.fit.nested import NestedOptions, ProxyCurves, extrapolate, step_extrapolate
-from doremi.offline.fit.power_law import fit_power_law, held_out_tail, huber_loss, power_law
 from doremi.offline.propose import fit_quality
 
 LAW = canonical([1.5, 2.0, 1.0], [0.8, 0.6, 1.0], [[-1.0, 0.5, 0.3], [0.4, -1.2, 0.2], [0.3, 0.3, -0.9]])

@@ -10,18 +10,11 @@ from data.mixtures import (
     unimax_allocation,
     unimax_weights,
 )
-from data.store import DomainEntry, Manifest, SplitCounts
 from data.weights import NAMED_MIXTURES, check_spec, resolve_weights
 from doremi.outputs.main_runs import main_run_name, mixtures
+from tests.test_data_weights import manifest
 
-MANIFEST = Manifest(
-    domains=[
-        DomainEntry(n, "test", SplitCounts(t, 1), SplitCounts(0, 0)) for n, t in (("a", 100), ("b", 400), ("c", 900))
-    ],
-    tokenizer={"name": "byte"},
-    dtype="uint16",
-    fingerprint="x",
-)
+MANIFEST = manifest({"a": 100, "b": 400, "c": 900})
 DOMAINS = ["a", "b", "c"]
 
 

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from doremi.pipeline import stages
-from tests.distributed import spawn
-from tests.runs import alphas, config, losses, run_stage
+from tests.compare_runs import assert_same_alphas, assert_same_params
+from tests.distributed import spawn, world_size
+from tests.runs import alphas, config, final_params, losses, run_stage, single_process_runs, val_losses
 from trainer.config.moe import MoEConfig
 from trainer.config.schema import ModelConfig
 from trainer.config.tools import ConfigError
@@ -199,31 +200,6 @@ LAYOUTS: dict[str, list[str]] = {
 PROXY_TP = [*EP2, "parallelism.tp=2", "parallelism.sequence_parallel=true"]
 
 
-def _world(sets: list[str]) -> int:
-    size = 1
-    for s in sets:
-        key, value = s.split("=")
-        if key in ("parallelism.tp", "parallelism.pp", "parallelism.dp"):
-            size *= int(value)
-    return size
-
-
-def _params(stores: Path, run: Path) -> dict[str, torch.Tensor]:
-    from trainer.build import build_model
-    from trainer.checkpoint.checkpoint import latest_checkpoint, load_checkpoint
-    from trainer.parallel.context import ParallelContext
-
-    model = build_model(config(stores, Path(str(run) + "-load"), *MOE), ParallelContext.single())
-    load_checkpoint(latest_checkpoint(run), model, None, ParallelContext.single())
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _val_losses(run: Path) -> list[float]:
-    rows = [r for r in read_jsonl(run / "metrics.jsonl") if "val_loss" in r]
-    assert len(rows) == 1
-    return list(rows[0]["val_loss"].values())
-
-
 def _moe_rows(run: Path) -> list[dict]:
     return [r for r in read_jsonl(run / "metrics.jsonl") if "moe_balance_loss" in r]
 
@@ -231,14 +207,10 @@ def _moe_rows(run: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(stores, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("moe")
-    stages.train(config(stores, root / "single", *MOE))
-    stages.train(config(stores, root / "single-4steps", *MOE, "train.steps=4"))
-    stages.train_reference(config(stores, root / "reference", *MOE))
-    proxy = [*MOE, f"mixing.doremi.reference={root / 'reference'}"]
-    stages.train_proxy(config(stores, root / "proxy-single", *proxy))
+    proxy = single_process_runs(stores, root, MOE, [])
     jobs: dict[int, dict[str, list]] = {2: {"train": []}, 4: {"train": []}}
     for name, sets in LAYOUTS.items():
-        jobs[_world(sets)]["train"].append((str(root / name), [*MOE, *sets]))
+        jobs[world_size(sets)]["train"].append((str(root / name), [*MOE, *sets]))
     jobs[2]["train"].append((str(root / "ckpt-ep2"), [*MOE, *EP2, "train.steps=2"]))
     jobs[4]["train-proxy"] = [(str(root / "proxy-ep2-tp2"), [*proxy, *PROXY_TP])]
     spawn(run_stage, 2, "train", str(stores), jobs[2]["train"])
@@ -258,7 +230,7 @@ def _run_both(rank: int, world: int, store: str, jobs: dict[str, list]) -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_layout_matches_single_process(runs, stores, name):
     assert losses(runs / name) == pytest.approx(losses(runs / "single"), rel=1e-5)
-    assert _val_losses(runs / name) == pytest.approx(_val_losses(runs / "single"), rel=1e-5)
+    assert val_losses(runs / name) == pytest.approx(val_losses(runs / "single"), rel=1e-5)
     norms = [[r["grad_norm"] for r in read_jsonl(runs / n / "metrics.jsonl") if "loss" in r] for n in (name, "single")]
     assert norms[0] == pytest.approx(norms[1], rel=1e-5) and max(norms[1]) > 1.0  # clipped: each expert counted once
     got_rows, want_rows = _moe_rows(runs / name), _moe_rows(runs / "single")
@@ -268,26 +240,20 @@ def test_moe_layout_matches_single_process(runs, stores, name):
         assert got["moe_z_loss"] == pytest.approx(want["moe_z_loss"], rel=1e-5)
         assert got["moe_expert_tokens"] == want["moe_expert_tokens"]
         assert sum(want["moe_expert_tokens"]["1"]) == 2 * 8 * 32  # k x sequences x seq_len
-    want, got = _params(stores, runs / "single"), _params(stores, runs / name)
+    want, got = final_params(stores, runs / "single", *MOE), final_params(stores, runs / name, *MOE)
     assert any("experts.gate_up" in p for p in want)
-    for p in want:
-        torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-5, msg=p)
+    assert_same_params(got, want)
 
 
 @pytest.mark.parametrize("name", ["resume-ep1", "resume-ep4"])
 def test_checkpoint_at_ep2_resumes_at_other_ep(runs, stores, name):
     assert losses(runs / name) == pytest.approx(losses(runs / "single-4steps"), rel=1e-5)
-    want, got = _params(stores, runs / "single-4steps"), _params(stores, runs / name)
-    for p in want:
-        torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-5, msg=p)
+    want, got = final_params(stores, runs / "single-4steps", *MOE), final_params(stores, runs / name, *MOE)
+    assert_same_params(got, want)
 
 
 def test_doremi_weights_under_ep2_tp2_match_single_process(runs):
-    want, got = alphas(runs / "proxy-single"), alphas(runs / "proxy-ep2-tp2")
-    assert len(got) == len(want) == 3
-    for t, (a, b) in enumerate(zip(want, got), start=1):
-        assert b == pytest.approx(a, abs=1e-6), f"step {t}"
-    assert max(abs(x - 1 / 3) for x in want[-1]) > 1e-4
+    assert_same_alphas(alphas(runs / "proxy-single"), alphas(runs / "proxy-ep2-tp2"), 3, moved=1e-4)
 
 
 def test_plan_counts_experts_per_ep_rank_and_all_to_all_buffers():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from doremi.pipeline import stages
+from tests.compare_runs import assert_same_params
 from tests.distributed import spawn
 from tests.runs import config, final_params, losses, run_stage
 from trainer.config.mup import MupConfig
@@ -191,8 +192,7 @@ def test_mup_tp2_pp2_matches_single_process(runs, stores):
     assert losses(runs / "tp2-pp2-sp") == pytest.approx(losses(runs / "single"), rel=1e-5)
     assert losses(runs / "single") != pytest.approx(losses(runs / "plain"), rel=1e-4)  # muP does change the run
     want, got = final_params(stores, runs / "single", *MUP), final_params(stores, runs / "tp2-pp2-sp", *MUP)
-    for p in want:
-        torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-5, msg=p)
+    assert_same_params(got, want)
 
 
 def test_paths_without_the_multipliers_refuse_a_mup_model(stores, tmp_path):

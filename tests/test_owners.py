@@ -191,6 +191,8 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
     ],
     "doremi": [
         ("doremi.errors", "doremi.environment"),
+        # the offline fits' generic machinery, which the methods' own fits (regmix, mixing_law) build on
+        ("doremi.offline.fit",),
         ("doremi.config", "doremi.methods"),
         ("doremi.outputs",),
         ("doremi.offline",),

@@ -4,12 +4,12 @@ Pile's 22 domains in its proportions, deterministic from a seed, and the pile co
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "experiments" / "tools" / "pile_shaped.py"
@@ -18,15 +18,7 @@ PILE_CONFIG = ROOT / "experiments" / "configs" / "pile_280m.yaml"
 pytest.importorskip("zstandard")
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("pile_shaped_tool", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ps = _load()
+ps = load_script(TOOL, "pile_shaped_tool")
 
 
 def test_domain_sizes_follow_the_pile_papers_table():

@@ -5,29 +5,20 @@ two implementations of one model. CPU, fp32, tiny shapes."""
 from __future__ import annotations
 
 import ast
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.scripts import BENCH, bench_module
 from trainer.config.presets import PRESETS
 from trainer.config.schema import ModelConfig
 from trainer.model.flops import flops_per_token
 from trainer.model.llama import Llama
 
-BENCH = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "bench"
-
 
 @pytest.fixture(scope="module")
 def plain():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import plain_llama
-
-        yield plain_llama
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("plain_llama")
 
 
 def framework_to_plain(name: str) -> str:

@@ -26,6 +26,10 @@ SMALL = [
     "pipeline.main.model.d_model=48",
     "pipeline.main.model.n_layers=2",
     "pipeline.main.model.ffn_dim=96",
+    # A quarter of the quickstart's BPE vocabulary: the logits and their cross entropy were 40% of
+    # these runs' CPU, and nothing asserted here depends on the vocabulary's size.
+    "data.tokenizer.vocab_size=512",
+    "model.vocab_size=512",
     # 12 proxy steps: one Aioli round probing each of the 6 domains for one step; ADO's fits from step 2
     "mixing.aioli.rounds=1",
     "mixing.aioli.delta=1",
@@ -257,6 +261,9 @@ def test_offline_methods_fit_one_shared_sweep(tmp_path):
         # 16 runs this small rank nothing (held-out Spearman about 0): the guardrail would stop
         # the pipeline before the main runs, which this test is about.
         "pipeline.guardrails.min_fit_spearman=-1",
+        # Each sweep run is evaluated at 6 points (sweep.eval_points), 8 sequences a domain instead
+        # of 32: the fits and the ledger checked here read the points, not how many sequences.
+        "train.eval_sequences=8",
     ]
     messages: list[str] = []
     Pipeline(QUICKSTART, sets, say=messages.append).run()
@@ -280,7 +287,12 @@ def test_readme_sweep_and_fit_commands(tmp_path):
     the console script, at this module's small size."""
     import subprocess
 
-    sets = [*SMALL, f"data.store_dir={tmp_path / 'stores'}", f"sweep.run_dir={tmp_path / 'sweep'}"]
+    sets = [
+        *SMALL,
+        "train.eval_sequences=8",  # 32 runs evaluated at 6 points each: a third of the sweep's CPU
+        f"data.store_dir={tmp_path / 'stores'}",
+        f"sweep.run_dir={tmp_path / 'sweep'}",
+    ]
     extra = [a for s in sets for a in ("--set", s)]
     doremi = str(Path(sys.executable).parent / "doremi")
     for line in (

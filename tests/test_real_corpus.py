@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import io
 import json
 import lzma
@@ -17,27 +16,20 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import tarfile
 import zlib
 from pathlib import Path
 
 import pytest
 
+from tests.scripts import load_script
+
 BUILD_PY = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "real_corpus.py"
 
 pytestmark = pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb")
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("real_corpus_build", BUILD_PY)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rc = _load()
+rc = load_script(BUILD_PY, "real_corpus_build")
 
 CODE = {
     "usr/share/fake/src/a.c": "int a(void) { return 1; }\n",

@@ -29,6 +29,8 @@ TINY = [
     "logging.progress=false",
     "logging.every=1",
     "checkpoint.every=0",
+    "data.tokenizer.vocab_size=512",  # the logits are most of a width-16 model's work
+    "model.vocab_size=512",
     "model.d_model=16",
     "model.n_layers=1",
     "model.ffn_dim=32",
@@ -133,6 +135,7 @@ def test_ledger_is_the_formula_on_the_runs(tiny):
             f"{tokens:.3g}",
             f"{drawn:.3g}",
         ]
+        assert rows[name][9] == "0.0"  # of which validation seconds: it asked for no pass
     sweep = json.loads((run / "sweep" / "sweep.json").read_text())
     keys, n = sweep["keys"], len(sweep["finished"])
     fpt, _ = _fpt_tokens(run / "methods" / "odm" / "proxy")  # the proxy-size model the sweep trains
@@ -147,7 +150,20 @@ def test_ledger_is_the_formula_on_the_runs(tiny):
         f"{train + evals:.3g}",
         "",
     ]
+    assert rows["regmix"][9] == ""  # a sweep's evaluations are not timed apart
     assert "regmix: the fit of one shared sweep of small runs; the row shows the whole sweep; its stacked" in section
+
+
+def test_the_report_lists_what_each_method_read(tiny):
+    """Each method's declared reads (its spec's `reads`, issue 35 point 3), by its run's name."""
+    _, report = tiny
+    section = report.split("## What each method read")[1].split("\n## ")[0]
+    _, rows = _rows(section)
+    assert {name: row[1] for name, row in rows.items()} == {
+        "odm": "training batches' losses",
+        "regmix": "dev validation (sweep_run), a sweep's losses",
+        "ado-online": "training batches' losses",
+    }
 
 
 def test_guardrails_cover_every_main_run_the_online_run_and_the_sweep(tiny):

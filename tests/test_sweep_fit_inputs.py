@@ -14,9 +14,9 @@ import pytest
 
 from doremi.commands.cli import main
 from doremi.errors import DoReMiError
+from doremi.methods.regmix.fit import RegMixOptions, RidgeOptions, fit_regressor, propose_regmix
 from doremi.offline.fit.checks import FitError
 from doremi.offline.fit.design import dirichlet_design
-from doremi.offline.fit.regmix import RegMixOptions, RidgeOptions, fit_regressor, propose_regmix
 from doremi.offline.propose import check_prior
 from doremi.offline.sweep import FINAL_FILE, SWEEP_FILE, Sweep, final_table, sweep_keys
 from tests.runs import config, config_path

@@ -53,6 +53,12 @@ class Reads:
 Builder = Callable[[Any, MethodContext], MixingHook]
 #: `check(cfg)`: refuse (ConfigError) a run config the method cannot train under, before any stage.
 Check = Callable[[Any], None]
+#: `fit(cfg, table)`: an offline method's proposal (doremi/offline/fit/table.py `FitResult`) from
+#: experiment config `cfg` and the sweep as `doremi fit` read it (`SweepTable`).
+SweepFit = Callable[[Any, Any], Any]
+#: `describe_fit(doc)`: a line on what a proposal's fit was fitted to, from its weights file's
+#: JSON, for `doremi fit` and the report (None: nothing to add).
+DescribeFit = Callable[[dict[str, Any]], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +66,9 @@ class MethodSpec:
     """One method of the catalog.
 
     `config`: its options' dataclass, the section `mixing.<name>` (None: no section; the offline
-    fits keep theirs under `fit`). `build`: its hook (None for an offline fit, which
-    doremi/offline/propose.py runs). `needs_reference`: a proxy that reads a trained reference
+    fits keep theirs under `fit`). `build`: its hook (None for an offline fit). `fit`: an offline
+    method's fit of the sweep, which doremi/offline/propose.py runs (`lazy`), and `describe_fit`
+    what a proposal's JSON says of it. `needs_reference`: a proxy that reads a trained reference
     model's losses, so the pipeline trains the reference first and iterates rounds; its config
     then has the reference options (`reference`, `reference_weights`, `reference_cache`,
     `proxy_sampling`, `mode`, `update`, `average_from_step`, `rounds`, `rounds_tolerance`).
@@ -74,9 +81,12 @@ class MethodSpec:
     of a run's identity (trainer.records.run_dir.path_keys). `bookkeeping_options`: options that
     change no run's results (how many rounds a pipeline iterates, where an average starts).
     `fit_reads_main_size`: an offline fit that extrapolates to the main run's size, so the main
-    model's parameter count is one of its stage's keys. `extra_sequences(options, global_batch_size)`:
-    the sequences a step trains on besides its batch (DoGE's target batch), from its options as a
-    run's saved config has them, for the cost ledger (doremi/reports/ledger.py)."""
+    model's parameter count is one of its stage's keys, and its table has the sizes and curves.
+    `fit_reads_prior`: an offline fit that draws around the sweep's prior, so `doremi fit` refuses
+    a config whose `sweep.prior` is not the sweep's and gives the fit that prior.
+    `extra_sequences(options, global_batch_size)`: the sequences a step trains on besides its
+    batch (DoGE's target batch), from its options as a run's saved config has them, for the cost
+    ledger (doremi/reports/ledger.py)."""
 
     name: str
     cite: str
@@ -92,6 +102,9 @@ class MethodSpec:
     path_options: tuple[str, ...] = ()
     bookkeeping_options: tuple[str, ...] = ()
     fit_reads_main_size: bool = False
+    fit: SweepFit | None = None
+    describe_fit: DescribeFit | None = None
+    fit_reads_prior: bool = False
     extra_sequences: Callable[[dict[str, Any], int], int] | None = None
 
     def __post_init__(self) -> None:
@@ -100,6 +113,8 @@ class MethodSpec:
             raise ValueError(f"method {self.name}: roles {self.roles}, expected some of {', '.join(ROLES)}")
         if (PROXY in self.roles or ONLINE in self.roles) and (self.build is None or self.config is None):
             raise ValueError(f"method {self.name}: a proxy or online method needs a config and a builder")
+        if OFFLINE in self.roles and self.fit is None:
+            raise ValueError(f"method {self.name}: an offline method needs its fit of the sweep")
         if self.needs_reference and ONLINE in self.roles:
             raise ValueError(f"method {self.name}: a method that needs a reference cannot run online on the main model")
 
@@ -112,3 +127,13 @@ def hook_of(name: str, module: str, hook: str) -> Builder:
         return getattr(importlib.import_module(module), hook)(getattr(cfg.mixing, name), ctx)
 
     return build
+
+
+def lazy(module: str, attr: str) -> Callable[..., Any]:
+    """Function `attr` of `module`, imported when first called (so that the catalog loads without
+    the method's code): an offline method's `fit` and `describe_fit`."""
+
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), attr)(*args)
+
+    return call

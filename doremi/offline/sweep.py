@@ -15,7 +15,7 @@ same losses to rounding. Files under `sweep.run_dir`:
     losses.csv     run, step, one column per domain, mean, worst: validation loss at every
                    evaluation of every finished run (sweep.eval_points evenly spaced steps, the
                    last at its final step): the curves the step law of data mixing laws
-                   extrapolates (`loss_curves`, fit/nested.py)
+                   extrapolates (`loss_curves`, doremi/methods/mixing_law/nested.py)
     final.csv      run, design, the mixture, the last evaluation's losses, mean, worst: the table
                    the fits read (one row per finished run)
     runs/<run>/    each run's ordinary run directory, when run one by one
@@ -140,7 +140,7 @@ def sweep_keys(cfg: ExperimentConfig) -> dict[str, Any]:
 def eval_every(cfg: ExperimentConfig) -> int:
     """The sweep runs' evaluation cadence, every ceil(steps / sweep.eval_points)-th step (and the
     last), whatever `train.eval_every` (the ordinary runs' cadence) says: each run logs the points
-    of the step law data mixing laws fit (Ye et al. 2025 Sec. 4; fit/nested.py), not its final
+    of the step law data mixing laws fit (Ye et al. 2025 Sec. 4; doremi/methods/mixing_law/nested.py), not its final
     loss alone."""
     return max(1, math.ceil(cfg.train.steps / cfg.sweep.eval_points))
 
@@ -284,7 +284,7 @@ class Sweep:
 
     def proxy(self) -> dict[str, int]:
         """The runs' model size (non-embedding parameters) and tokens per step: where the step and
-        size laws of data mixing laws start from (fit/nested.py)."""
+        size laws of data mixing laws start from (doremi/methods/mixing_law/nested.py)."""
         from trainer.model.flops import non_embedding_params
 
         return {

@@ -14,8 +14,11 @@ a forward alone is a third of it):
 
 the tokens those passes processed (nominal: steps x batch x sequence length), beside the
 non-masked tokens the training steps measured (`realised` in metrics.jsonl; none for a stacked
-sweep), and the measured wall-clock seconds its stages took (the
-pipeline's stage markers, `seconds`).
+sweep), the measured wall-clock seconds its stages took (the pipeline's stage markers,
+`seconds`), and of those the seconds its validation passes took (`method_evals`' `seconds`,
+timed by the trainer around each pass; none for a sweep, whose evaluations are not timed apart).
+`train_flops` and `forward_flops` are the two formulas, pure, so that a method's cost at its
+default setting is a number a test asserts (Aioli's validation within 10% of its training).
 
 A study's ledger (`study_run_cost`, `arm_ledger`; docs/design.md section 4e) counts every stage
 of an arm, main run included, with its periodic evaluations and the GPU-seconds of its training
@@ -51,6 +54,16 @@ def _flops_per_token(cfg: dict[str, Any]) -> int:
     return flops_per_token(from_dict(ModelConfig, cfg["model"], "model"), cfg["data"]["seq_len"])
 
 
+def train_flops(flops_per_token: float, tokens: float) -> float:
+    """A forward and a backward over `tokens` trained tokens (`trainer.model.flops`' count)."""
+    return float(flops_per_token * tokens)
+
+
+def forward_flops(flops_per_token: float, tokens: float) -> float:
+    """A forward alone over `tokens` (a reference's, a validation pass's): a third of training's."""
+    return flops_per_token / 3 * tokens
+
+
 def run_cost(run: Path, kind: str) -> dict[str, float] | None:
     """{train, reference, target, validation, total} FLOPs and `seconds` of one run; None when
     the run has no config. `kind`: reference, proxy (DoReMi's), method (another proxy) or online."""
@@ -60,19 +73,20 @@ def run_cost(run: Path, kind: str) -> dict[str, float] | None:
     t, seq = cfg["train"], cfg["data"]["seq_len"]
     fpt = _flops_per_token(cfg)
     tokens = t["steps"] * t["global_batch_size"] * seq
-    cost = {"train": float(fpt * tokens), "reference": 0.0, "target": 0.0, "validation": 0.0}
+    cost = {"train": train_flops(fpt, tokens), "reference": 0.0, "target": 0.0, "validation": 0.0}
     method = cfg.get("mixing", {}).get("method" if kind == "method" else "main")
     if kind == "proxy":
-        cost["reference"] = fpt / 3 * tokens
+        cost["reference"] = forward_flops(fpt, tokens)
     extra = registry.spec(method).extra_sequences if method in registry.specs() else None
     if extra is not None and kind in ("method", "online"):
         target = extra(registry.options(cfg, method), t["global_batch_size"])
-        cost["target"] = float(fpt * target * seq * t["steps"])
+        cost["target"] = train_flops(fpt, target * seq * t["steps"])
     rows = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
     evals = next((r["method_evals"] for r in reversed(rows) if "method_evals" in r), None)
     if evals:
-        cost["validation"] = fpt / 3 * evals["tokens"]
+        cost["validation"] = forward_flops(fpt, evals["tokens"])
     cost["total"] = sum(cost.values())
+    cost["validation_seconds"] = float(evals.get("seconds", 0.0)) if evals else 0.0
     # Tokens processed: trained, forwarded by the reference, DoGE's target (trained) and validated.
     cost["trained_measured"] = trained_measured(rows)
     target_tokens = cost["target"] / fpt if fpt else 0.0
@@ -120,6 +134,7 @@ def sweep_cost(root: Path) -> dict[str, float] | None:
     cost["trained_measured"] = sum(measured) if runs and all(m is not None for m in measured) else None
     marker = dir_marker(root / SWEEP_DIR)
     cost["seconds"] = json.loads(marker.read_text()).get("seconds") if marker.is_file() else None
+    cost["validation_seconds"] = None
     return cost
 
 
@@ -140,8 +155,9 @@ def compute_ledger(root: Path, methods: list[str], online: list[str]) -> dict[st
         }
         measured = [c.get("trained_measured") for c in costs]
         total["trained_measured"] = sum(measured) if all(m is not None for m in measured) else None
-        secs = [c.get("seconds") for c in costs]
-        total["seconds"] = sum(secs) if all(x is not None for x in secs) else None
+        for key in ("seconds", "validation_seconds"):
+            secs = [c.get(key) for c in costs]
+            total[key] = sum(secs) if all(x is not None for x in secs) else None
         out[name] = total
     return out
 

@@ -277,11 +277,12 @@ def format_compute(ledger: Mapping[str, Mapping[str, float | None]]) -> str:
     """The compute each method spent to find its mixture (doremi/reports/ledger.py), a markdown table."""
     rows = []
     for name, c in ledger.items():
-        secs, measured = c.get("seconds"), c.get("trained_measured")
+        secs, measured, val_secs = c.get("seconds"), c.get("trained_measured"), c.get("validation_seconds")
         rows.append(
             [name]
             + [f"{c.get(key) or 0.0:.3g}" for key in ("train", "reference", "target", "validation", "total", "tokens")]
             + ["" if measured is None else f"{measured:.3g}", "" if secs is None else f"{secs:.1f}"]
+            + ["" if val_secs is None else f"{val_secs:.1f}"]
         )
     header = [
         "method",
@@ -293,6 +294,7 @@ def format_compute(ledger: Mapping[str, Mapping[str, float | None]]) -> str:
         "tokens (nominal)",
         "trained tokens (measured)",
         "seconds",
+        "of which validation seconds",
     ]
     from doremi.config import OFFLINE_METHODS
 
@@ -592,7 +594,9 @@ def _inputs_sections(
             "Model FLOPs (6N + attention per trained token; a forward is a third): training steps, "
             "the reference's forwards, DoGE's target gradients and the validation passes a method "
             "asked for (doremi/reports/ledger.py); the tokens those passes processed (nominal), beside the "
-            "non-masked tokens the training steps drew (measured); seconds as measured by the pipeline.",
+            "non-masked tokens the training steps drew (measured); seconds as measured by the pipeline, and "
+            "of those the seconds of the method's validation passes as the trainer timed them (none for a "
+            "sweep, whose evaluations are not timed apart).",
             "",
         ]
     if reads_table:

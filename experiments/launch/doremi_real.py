@@ -31,6 +31,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CONFIG = ROOT / "experiments" / "configs" / "doremi_real.yaml"
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout, installed or not
+
+from doremi.methods.registry import specs  # noqa: E402
+
 CORPUS = "runs/real_corpus"
 NATURAL = "natural.json"
 
@@ -56,9 +59,10 @@ ARMS: dict[str, Arm] = {
     "natref-s2": Arm(2, (), ("mixing.doremi.reference_weights={natural}",)),
 }
 
-#: The comparison of every method (issue 21; the design and its rule: experiments/notes/COMPARISON.md).
+#: The comparison of every method of the catalog (doremi/methods/registry.py; issue 21, the design
+#: and its rule: experiments/notes/COMPARISON.md), with the schedules that fit the study's length.
 COMPARE_SETS = (
-    "pipeline.methods=[doremi, doge, odm, aioli, ado, regmix, mixing_law]",
+    f"pipeline.methods=[{', '.join(specs())}]",
     "mixing.doge.target_sequences=30",
     "mixing.aioli.rounds=4",
     "mixing.aioli.delta=2",

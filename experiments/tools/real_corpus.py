@@ -409,12 +409,9 @@ def fetch(package: str, cache: Path) -> Path:
 
 
 def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
+    """Hex sha256 of a file (the standard library's streaming `hashlib.file_digest`)."""
     with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # --------------------------------------------------------------------------------------

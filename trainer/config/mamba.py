@@ -11,12 +11,23 @@ attention, the plain Llama.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from typing import Literal
 
 from trainer.config.tools import ConfigError
 
 ATTENTION, MAMBA = "attention", "mamba"
 _LETTERS = {"A": ATTENTION, "M": MAMBA}
+
+#: How to install the `mamba_ssm` scan kernel (`trainer.model.mamba.kernels`): the `[mamba]` extra,
+#: built without its CUDA extensions, which the Mamba-2 Triton path never calls.
+MAMBA_SSM_INSTALL = "MAMBA_SKIP_CUDA_BUILD=TRUE pip install --no-build-isolation -e '.[mamba]' (mamba-ssm==2.3.2.post1)"
+
+
+def mamba_ssm_installed() -> bool:
+    """Whether the mamba_ssm package can be found (a lookup: nothing imported)."""
+    return importlib.util.find_spec("mamba_ssm") is not None
 
 
 @dataclass
@@ -45,6 +56,10 @@ class MambaConfig:
     a_init_min: float = 1.0
     # Largest initial -A.
     a_init_max: float = 16.0
+    # The scan's kernel (speed only): `mamba_ssm` (its Triton `mamba_chunk_scan_combined`, CUDA,
+    # the `[mamba]` extra), `torch` (`trainer.model.mamba.ssd`, any device), `auto` (mamba_ssm on
+    # CUDA when it imports, else torch). trainer/model/mamba/kernels.py.
+    kernel: Literal["auto", "mamba_ssm", "torch"] = "auto"
 
     def d_inner(self, d_model: int) -> int:
         return self.expand * d_model
@@ -64,6 +79,10 @@ class MambaConfig:
         if not 0 < self.a_init_min <= self.a_init_max:
             raise ConfigError(
                 f"{path}.a_init_min: expected 0 < a_init_min <= a_init_max, got {self.a_init_min}, {self.a_init_max}"
+            )
+        if self.kernel == "mamba_ssm" and not mamba_ssm_installed():
+            raise ConfigError(
+                f"{path}.kernel: 'mamba_ssm' needs the mamba_ssm package, not installed: {MAMBA_SSM_INSTALL}"
             )
 
 

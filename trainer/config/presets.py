@@ -14,150 +14,46 @@ from __future__ import annotations
 
 LLAMA3_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position": 8192}
 
+#: The columns of a preset's row: every model family sets these (trainer/config/schema.py ModelConfig).
+SHAPE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+#: What a family adds to its rows: the DoReMi paper ties the embeddings; Llama 3 its RoPE and norm.
+DOREMI = dict(tie_embeddings=True)
+LLAMA3 = dict(rope_theta=500000.0, norm_eps=1e-5, rope_scaling=LLAMA3_ROPE_SCALING)
+
+
+def shape(*values: int, **family) -> dict:
+    """One preset: the SHAPE columns in order, then its family's keys."""
+    return {**dict(zip(SHAPE, values, strict=True)), **family}
+
+
+def hybrid(block_pattern: str, **mamba) -> dict:
+    """A hybrid family's keys: its Mamba-2 / attention pattern and the Mamba-2 mixer's shape."""
+    return dict(block_pattern=block_pattern, mamba=mamba)
+
+
 PRESETS: dict[str, dict] = {
-    "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=256),
-    "doremi-70m": dict(
-        vocab_size=256000,
-        d_model=256,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=4,
-        ffn_dim=1024,
-        max_seq_len=1024,
-        tie_embeddings=True,
-    ),
-    "doremi-150m": dict(
-        vocab_size=256000,
-        d_model=512,
-        n_layers=6,
-        n_heads=8,
-        n_kv_heads=8,
-        ffn_dim=2048,
-        max_seq_len=1024,
-        tie_embeddings=True,
-    ),
-    "doremi-280m": dict(
-        vocab_size=256000,
-        d_model=768,
-        n_layers=12,
-        n_heads=12,
-        n_kv_heads=12,
-        ffn_dim=3072,
-        max_seq_len=1024,
-        tie_embeddings=True,
-    ),
-    "doremi-510m": dict(
-        vocab_size=256000,
-        d_model=1024,
-        n_layers=12,
-        n_heads=16,
-        n_kv_heads=16,
-        ffn_dim=8192,
-        max_seq_len=1024,
-        tie_embeddings=True,
-    ),
-    "doremi-760m": dict(
-        vocab_size=256000,
-        d_model=1280,
-        n_layers=12,
-        n_heads=20,
-        n_kv_heads=20,
-        ffn_dim=8192,
-        max_seq_len=1024,
-        tie_embeddings=True,
-    ),
-    "doremi-1b": dict(
-        vocab_size=256000,
-        d_model=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=32,
-        ffn_dim=8192,
-        max_seq_len=1024,
-        tie_embeddings=True,
-    ),
+    # name: shape(vocab_size, d_model, n_layers, n_heads, n_kv_heads, ffn_dim, max_seq_len, **family)
+    "tiny": shape(256, 64, 2, 4, 2, 128, 256),
+    "doremi-70m": shape(256000, 256, 3, 4, 4, 1024, 1024, **DOREMI),
+    "doremi-150m": shape(256000, 512, 6, 8, 8, 2048, 1024, **DOREMI),
+    "doremi-280m": shape(256000, 768, 12, 12, 12, 3072, 1024, **DOREMI),
+    "doremi-510m": shape(256000, 1024, 12, 16, 16, 8192, 1024, **DOREMI),
+    "doremi-760m": shape(256000, 1280, 12, 20, 20, 8192, 1024, **DOREMI),
+    "doremi-1b": shape(256000, 2048, 16, 32, 32, 8192, 1024, **DOREMI),
     # The bench baseline's shapes (experiments/tools/bench/plain_llama.py `1b`, `280m`).
-    "bench-1b": dict(
-        vocab_size=32000, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, max_seq_len=2048
+    "bench-1b": shape(32000, 2048, 16, 32, 8, 8192, 2048),
+    "bench-280m": shape(32000, 1024, 18, 16, 16, 2816, 1024),
+    "moe-tiny": shape(256, 64, 2, 4, 2, 128, 256, moe=dict(num_experts=4, top_k=2, expert_ffn_dim=64)),
+    "moe-1b-active": shape(
+        32000, 2048, 20, 32, 8, 5632, 2048, moe=dict(num_experts=8, top_k=2, expert_ffn_dim=2048, shared_experts=1)
     ),
-    "bench-280m": dict(
-        vocab_size=32000, d_model=1024, n_layers=18, n_heads=16, n_kv_heads=16, ffn_dim=2816, max_seq_len=1024
+    "hybrid-tiny": shape(256, 64, 2, 4, 2, 128, 256, **hybrid("MA", d_state=16, head_dim=16, ngroups=2, chunk_size=8)),
+    "hybrid-quickstart": shape(
+        2048, 96, 3, 4, 2, 256, 64, **hybrid("MA", d_state=16, head_dim=32, ngroups=2, chunk_size=16)
     ),
-    "moe-tiny": dict(
-        vocab_size=256,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=128,
-        max_seq_len=256,
-        moe=dict(num_experts=4, top_k=2, expert_ffn_dim=64),
+    "hybrid-1b": shape(
+        32000, 2048, 16, 32, 8, 5632, 2048, **hybrid("MMMA", d_state=128, head_dim=64, ngroups=8, chunk_size=256)
     ),
-    "moe-1b-active": dict(
-        vocab_size=32000,
-        d_model=2048,
-        n_layers=20,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=5632,
-        max_seq_len=2048,
-        moe=dict(num_experts=8, top_k=2, expert_ffn_dim=2048, shared_experts=1),
-    ),
-    "hybrid-tiny": dict(
-        vocab_size=256,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=128,
-        max_seq_len=256,
-        block_pattern="MA",
-        mamba=dict(d_state=16, head_dim=16, ngroups=2, chunk_size=8),
-    ),
-    "hybrid-quickstart": dict(
-        vocab_size=2048,
-        d_model=96,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=256,
-        max_seq_len=64,
-        block_pattern="MA",
-        mamba=dict(d_state=16, head_dim=32, ngroups=2, chunk_size=16),
-    ),
-    "hybrid-1b": dict(
-        vocab_size=32000,
-        d_model=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=5632,
-        max_seq_len=2048,
-        block_pattern="MMMA",
-        mamba=dict(d_state=128, head_dim=64, ngroups=8, chunk_size=256),
-    ),
-    "llama3-8b": dict(
-        vocab_size=128256,
-        d_model=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=14336,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-        norm_eps=1e-5,
-        rope_scaling=LLAMA3_ROPE_SCALING,
-    ),
-    "llama3-70b": dict(
-        vocab_size=128256,
-        d_model=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim=28672,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-        norm_eps=1e-5,
-        rope_scaling=LLAMA3_ROPE_SCALING,
-    ),
+    "llama3-8b": shape(128256, 4096, 32, 32, 8, 14336, 8192, **LLAMA3),
+    "llama3-70b": shape(128256, 8192, 80, 64, 8, 28672, 8192, **LLAMA3),
 }

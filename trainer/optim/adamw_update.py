@@ -32,11 +32,11 @@ to each even bf16 and 2^16 - 1 to each odd one, so no 16 bits could tell them ap
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Sequence
 
 import torch
 
+from trainer.model.ops.dispatch import triton_kernels_of
 from trainer.optim.multi_tensor import ADDRESS_ALIGN, TensorBlocks, aligned, launch, tensor_pointers, triton_runs_on
 
 #: Elements per Triton program (one tensor's block) and warps per program: the fastest of
@@ -111,62 +111,10 @@ def adamw_update(
 
 @functools.cache
 def triton_kernel():
-    """The Triton kernel, or None without Triton. Built on first use, so that importing this
-    module never needs Triton and TRITON_INTERPRET=1 (the tests' CPU mode) is read then."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def adamw_tensors_kernel(
-        block_tensor,
-        block_start,
-        grad_ptrs,
-        offsets,
-        numels,
-        remainder,
-        exp_avg,
-        exp_avg_sq,
-        param,
-        coefficients,
-        n_decay,
-        beta1,
-        one_minus_beta1,
-        beta2,
-        one_minus_beta2,
-        eps,
-        ALIGN: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        MASKED: tl.constexpr,
-    ):
-        t = tl.load(block_tensor + tl.program_id(0))
-        start = tl.multiple_of(tl.load(block_start + tl.program_id(0)), BLOCK_SIZE)
-        idx = start + tl.arange(0, BLOCK_SIZE)
-        mask = idx < tl.load(numels + t) if MASKED else idx < start + BLOCK_SIZE  # see multi_tensor.launch
-        flat = tl.multiple_of(tl.load(offsets + t), ALIGN) + idx
-        grad = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(param.dtype.element_ty)), 16)
-        step_size = tl.load(coefficients)
-        bias_correction2_sqrt = tl.load(coefficients + 1)
-        keep = tl.load(coefficients + 2)
-        g = tl.load(grad + idx, mask=mask, other=0.0).to(tl.float32) * tl.load(coefficients + 3)
-        m = tl.load(exp_avg + flat, mask=mask, other=0.0)
-        v = tl.load(exp_avg_sq + flat, mask=mask, other=0.0)
-        low = tl.load(remainder + flat, mask=mask, other=0)
-        high = tl.load(param + flat, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) - (low < 0)
-        w = ((high << 16) | (low.to(tl.int32) & 0xFFFF)).to(tl.float32, bitcast=True)  # join_fp32
-        m = m + one_minus_beta1 * (g - m)
-        v = v * beta2 + one_minus_beta2 * g * g
-        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-        w = w * tl.where(flat < n_decay, keep, 1.0) - tl.div_rn(step_size * m, denom)
-        tl.store(exp_avg + flat, m, mask=mask)
-        tl.store(exp_avg_sq + flat, v, mask=mask)
-        bits = w.to(tl.int32, bitcast=True)  # split_fp32
-        low = bits & 0xFFFF
-        tl.store(remainder + flat, ((low ^ 0x8000) - 0x8000).to(tl.int16), mask=mask)
-        tl.store(param + flat, ((bits >> 16) + (low >> 15)).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
-
-    return adamw_tensors_kernel
+    """The Triton kernel (`trainer.optim.multi_tensor_triton`), or None without Triton; built on first
+    use (trainer.model.ops.dispatch)."""
+    kernels = triton_kernels_of("trainer.optim.multi_tensor_triton", "adamw_tensors_kernel")
+    return kernels and kernels[0]
 
 
 def uses_triton(device: torch.device) -> bool:

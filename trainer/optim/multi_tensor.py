@@ -14,7 +14,6 @@ launch with a runtime mask every element was its own 2- or 4-byte access: the Ad
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import os
 from collections.abc import Sequence
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from trainer.model.ops.dispatch import triton_kernels_of
 
 #: Bytes to which every tensor's address must be aligned (the kernels assume it; the caching
 #: allocator gives 512).
@@ -125,44 +126,9 @@ def launch(kernel: Any, blocks: TensorBlocks, *args: Any, **meta: Any) -> None:
 
 @functools.cache
 def squares_kernels():
-    """(per-block, per-tensor) Triton kernels of `sums_of_squares`, or None without Triton."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def block_squares_kernel(
-        block_tensor,
-        block_start,
-        ptrs,
-        numels,
-        first_block,
-        partials,
-        DTYPE: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        MASKED: tl.constexpr,
-    ):
-        t = tl.load(block_tensor + tl.program_id(0))
-        start = tl.multiple_of(tl.load(block_start + tl.program_id(0)), BLOCK_SIZE)
-        idx = start + tl.arange(0, BLOCK_SIZE)
-        mask = idx < tl.load(numels + t) if MASKED else idx < start + BLOCK_SIZE
-        x = tl.multiple_of(tl.load(ptrs + t).to(tl.pointer_type(DTYPE)), 16)
-        x = tl.load(x + idx, mask=mask, other=0.0).to(tl.float32)
-        tl.store(partials + tl.load(first_block + t) + start // BLOCK_SIZE, tl.sum(x * x, axis=0))
-
-    @triton.jit
-    def tensor_sums_kernel(partials, first_block, out, CHUNK: tl.constexpr):
-        t = tl.program_id(0)
-        lo = tl.load(first_block + t)
-        hi = tl.load(first_block + t + 1)
-        acc = tl.zeros([CHUNK], tl.float32)
-        for at in range(lo, hi, CHUNK):
-            i = at + tl.arange(0, CHUNK)
-            acc += tl.load(partials + i, mask=i < hi, other=0.0)
-        tl.store(out + t, tl.sum(acc, axis=0))
-
-    return block_squares_kernel, tensor_sums_kernel
+    """(per-block, per-tensor) Triton kernels of `sums_of_squares` (`trainer.optim.multi_tensor_triton`),
+    or None without Triton."""
+    return triton_kernels_of("trainer.optim.multi_tensor_triton", "block_squares_kernel", "tensor_sums_kernel")
 
 
 _TRITON_DTYPES = ("bfloat16", "float16", "float32")

@@ -14,15 +14,18 @@ individual `isend`/`irecv`, which gloo supports in every torch version we target
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from trainer.parallel.context import ParallelContext
 
+#: A tensor and the global rank of the peer it goes to or comes from.
+Pair = tuple[torch.Tensor, int]
 
-def exchange(
-    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: dist.ProcessGroup | None = None
-) -> None:
+
+def exchange(sends: list[Pair], recvs: list[Pair], group: dist.ProcessGroup | None = None) -> None:
     """Post every send and receive (tensor, global peer rank) within `group` (the pipeline
     group, as Megatron does; None: the default group), then wait for all of them.
 
@@ -43,8 +46,14 @@ def exchange(
         w.wait()
 
 
-def _buffer(shape: tuple[int, ...], dtype: torch.dtype, pc: ParallelContext) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=pc.device)
+def _receive(
+    shape: tuple[int, ...], dtype: torch.dtype, pc: ParallelContext, peer: int, sends: Sequence[Pair] = ()
+) -> torch.Tensor:
+    """A fresh buffer received from `peer`, in one exchange with `sends` (the four receiving
+    calls below differ only in their peer, what they send alongside, and their edge stage)."""
+    buf = torch.empty(shape, dtype=dtype, device=pc.device)
+    exchange(list(sends), [(buf, peer)], pc.pp_group)
+    return buf
 
 
 def _next(pc: ParallelContext) -> int:
@@ -57,11 +66,7 @@ def _prev(pc: ParallelContext) -> int:
 
 def recv_forward(shape: tuple[int, ...], dtype: torch.dtype, pc: ParallelContext) -> torch.Tensor | None:
     """The previous stage's activation; None on the first stage."""
-    if pc.is_first_stage:
-        return None
-    buf = _buffer(shape, dtype, pc)
-    exchange([], [(buf, _prev(pc))], pc.pp_group)
-    return buf
+    return None if pc.is_first_stage else _receive(shape, dtype, pc, _prev(pc))
 
 
 def send_forward(output: torch.Tensor, pc: ParallelContext) -> None:
@@ -71,11 +76,7 @@ def send_forward(output: torch.Tensor, pc: ParallelContext) -> None:
 
 def recv_backward(shape: tuple[int, ...], dtype: torch.dtype, pc: ParallelContext) -> torch.Tensor | None:
     """The gradient of this stage's output from the next stage; None on the last stage."""
-    if pc.is_last_stage:
-        return None
-    buf = _buffer(shape, dtype, pc)
-    exchange([], [(buf, _next(pc))], pc.pp_group)
-    return buf
+    return None if pc.is_last_stage else _receive(shape, dtype, pc, _next(pc))
 
 
 def send_backward(input_grad: torch.Tensor | None, pc: ParallelContext) -> None:
@@ -89,9 +90,7 @@ def send_forward_recv_backward(
     """1F1B steady state: hand the output on and receive the gradient of an earlier output."""
     if pc.is_last_stage:
         return None
-    buf = _buffer(shape, dtype, pc)
-    exchange([(output.detach().contiguous(), _next(pc))], [(buf, _next(pc))], pc.pp_group)
-    return buf
+    return _receive(shape, dtype, pc, _next(pc), [(output.detach().contiguous(), _next(pc))])
 
 
 def send_backward_recv_forward(
@@ -100,9 +99,7 @@ def send_backward_recv_forward(
     """1F1B steady state: hand the input gradient back and receive the next input."""
     if pc.is_first_stage:
         return None
-    buf = _buffer(shape, dtype, pc)
-    exchange([(_checked_grad(input_grad), _prev(pc))], [(buf, _prev(pc))], pc.pp_group)
-    return buf
+    return _receive(shape, dtype, pc, _prev(pc), [(_checked_grad(input_grad), _prev(pc))])
 
 
 def _checked_grad(grad: torch.Tensor | None) -> torch.Tensor:

@@ -23,6 +23,7 @@ Which of the model's weights is laid out which way is one table per family, `tra
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -130,75 +131,8 @@ def local_chunk(x: torch.Tensor, tp: TensorParallel, dim: int = 0) -> torch.Tens
 
 # -- autograd building blocks -----------------------------------------------------------------
 
-
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward, all-reduce backward (Megatron's f)."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        _all_reduce(g, ctx.tp)
-        return g, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """All-reduce forward, identity backward (Megatron's g)."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        out = x.contiguous().clone()
-        _all_reduce(out, tp)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return gather_sequence(x, tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter_sequence(g, ctx.tp), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Reduce-scatter along the sequence forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return reduce_scatter_sequence(x, tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return gather_sequence(g, ctx.tp), None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    """All-gather along the last dim forward (e.g. vocabulary-parallel logits), split backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        parts = [torch.empty_like(x) for _ in range(tp.size)]
-        dist.all_gather(parts, x.contiguous(), group=tp.group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, g):
-        return local_chunk(g, ctx.tp, dim=-1), None
+#: A collective of one tensor over the tp group (x, tp) -> tensor.
+Collective = Callable[[torch.Tensor, TensorParallel], torch.Tensor]
 
 
 def _no_compile(fn):
@@ -209,29 +143,57 @@ def _no_compile(fn):
     return torch._disable_dynamo(fn)
 
 
-@_no_compile
-def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+def _conjugate(name: str, forward: Collective, backward: Collective) -> Collective:
+    """The op `name`: `forward` over the tp group whose gradient is its conjugate `backward`
+    (Megatron's f/g pairs, Shoeybi et al. 2019 section 3; the sequence-parallel gather /
+    reduce-scatter pair, Korthikanti et al. 2022 section 4.2), the identity at tp = 1, and
+    outside compiled graphs. One owner for the five ops below, which differ only in the two
+    collectives."""
+
+    def fwd(ctx, x, tp):
+        ctx.tp = tp
+        return forward(x, tp)
+
+    def bwd(ctx, g):
+        return backward(g, ctx.tp), None
+
+    fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+
+    def op(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        return x if tp.size == 1 else fn.apply(x, tp)
+
+    op.__name__ = op.__qualname__ = name
+    return _no_compile(op)
 
 
-@_no_compile
-def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+def _same(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x.view_as(x)
 
 
-@_no_compile
-def gather_from_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _GatherSequence.apply(x, tp)
+def _summed(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    out = x.contiguous().clone()
+    _all_reduce(out, tp)
+    return out
 
 
-@_no_compile
-def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _ReduceScatterSequence.apply(x, tp)
+def _gathered_last_dim(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=-1)
 
 
-@_no_compile
-def gather_last_dim(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return x if tp.size == 1 else _GatherLastDim.apply(x, tp)
+def _last_dim_chunk(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return local_chunk(x, tp, dim=-1)
+
+
+#: Identity forward, all-reduce backward (Megatron's f), and the converse (Megatron's g).
+copy_to_tp = _conjugate("copy_to_tp", _same, _summed)
+reduce_from_tp = _conjugate("reduce_from_tp", _summed, _same)
+#: All-gather along the sequence forward, reduce-scatter backward, and the converse.
+gather_from_sequence = _conjugate("gather_from_sequence", gather_sequence, reduce_scatter_sequence)
+reduce_scatter_to_sequence = _conjugate("reduce_scatter_to_sequence", reduce_scatter_sequence, gather_sequence)
+#: All-gather along the last dim forward (e.g. vocabulary-parallel logits), split backward.
+gather_last_dim = _conjugate("gather_last_dim", _gathered_last_dim, _last_dim_chunk)
 
 
 # -- parallel linears -------------------------------------------------------------------------

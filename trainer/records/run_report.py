@@ -12,8 +12,10 @@ from typing import Any
 import torch
 
 from trainer.build import RunFacts
+from trainer.config.mamba import has_mamba
 from trainer.config.schema import TrainerConfig
 from trainer.model.flops import param_count
+from trainer.model.mamba.kernels import resolve_kernel
 from trainer.parallel.context import ParallelContext
 
 
@@ -46,8 +48,19 @@ def startup_line(cfg: TrainerConfig, facts: RunFacts, pc: ParallelContext, auto:
         f"device {device_name(facts.device)}, compute {compute}, param dtype {_dtype(facts.param_dtype)}, "
         f"layout tp{pc.tp} x pp{pc.pp} x dp{pc.dp}, global batch {t.global_batch_size} = "
         f"{t.micro_batches} micro-batch(es) of {facts.micro_batch_size} x dp{pc.dp}, "
-        f"{param_count(cfg.model) / 1e6:.2f}M parameters" + "".join(f", {note}" for note in auto)
+        f"{param_count(cfg.model) / 1e6:.2f}M parameters"
+        + "".join(f", {note}" for note in [*_mamba_kernel(cfg, facts), *auto])
     )
+
+
+def _mamba_kernel(cfg: TrainerConfig, facts: RunFacts) -> list[str]:
+    """A hybrid's scan kernel as resolved on the device (`model.mamba.kernel`), e.g. `mamba
+    kernel mamba_ssm (auto)`: whether the Triton kernel or our PyTorch scan runs is seen."""
+    if not has_mamba(cfg.model):
+        return []
+    requested = cfg.model.mamba.kernel
+    resolved = resolve_kernel(requested, facts.device)
+    return [f"mamba kernel {resolved}" + (f" ({requested})" if requested != resolved else "")]
 
 
 #: Present when the NVIDIA driver is loaded: the node has GPUs whatever torch was built for.

@@ -28,7 +28,6 @@ Usage (repository root):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from trainer.model.moe import MoE, set_global_batch  # noqa: E402
 from trainer.parallel.tensor import TensorParallel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import add_model_args, model_step_row, run_part, timed  # noqa: E402
+from timing import add_model_args, bench_args, layer_and_step, model_step_row, timed  # noqa: E402
 
 
 def model_config(preset: str) -> ModelConfig:
@@ -128,24 +127,9 @@ def bench_step(cfg: ModelConfig, args, device: torch.device, dtype: torch.dtype)
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(ap, "moe-1b-active")
-    args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args, device, dtype = bench_args(ap, argv)
     cfg = model_config(args.preset)
-    rows: list[dict] = []
-    ok = run_part(rows, "layer", lambda: bench_layer(cfg, args, device, dtype))
-    ok &= run_part(rows, "step", lambda: [bench_step(cfg, args, device, dtype)])
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if device.type != "cuda":
-        print("CPU: not a result (a smoke run of the script)")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "moe_bench.json").write_text(text)
-    if not ok:
-        raise SystemExit(1)
-    return result
+    return layer_and_step(bench_layer, bench_step, cfg, args, device, dtype, "moe_bench.json")
 
 
 if __name__ == "__main__":

@@ -133,22 +133,28 @@ def profile(fn, steps: int = 2) -> tuple[dict[str, float], list[tuple[str, float
     return dict(by_class), kernels
 
 
+def framework_step(name: str) -> sb.FrameworkStep:
+    """The framework's step of step_bench's shape `name` on one GPU, without activation
+    recomputation (what both sections profile)."""
+    preset, mb = sb.SHAPES[name]
+    pc = ParallelContext.single(torch.device("cuda"))
+    cfg = sb.trainer_config(preset, mb, "none")
+    facts = RunFacts.resolve(cfg, pc)
+    model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
+    return sb.FrameworkStep(
+        facts, model, sb.framework_optimizer(model, cfg, pc, facts), pc, sb.make_batch(cfg, mb, 1, pc.device)
+    )
+
+
 def kernels_section(args, out: list[str]) -> None:
     base_step, _, _ = sb.baseline_step(args.preset, torch.device("cuda"))
     base_cls, base_k = profile(base_step)
     del base_step
     sb.free()
 
-    preset, mb = sb.SHAPES[args.preset]
-    pc = ParallelContext.single(torch.device("cuda"))
-    cfg = sb.trainer_config(preset, mb, "none")
-    facts = RunFacts.resolve(cfg, pc)
-    ours = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-    step = sb.FrameworkStep(
-        facts, ours, sb.framework_optimizer(ours, cfg, pc, facts), pc, sb.make_batch(cfg, mb, 1, pc.device)
-    )
+    step = framework_step(args.preset)
     our_cls, our_k = profile(step)
-    del ours, step
+    del step
     sb.free()
 
     out.append(f"## kernels, {args.preset}: CUDA ms per step (torch.profiler, 2 steps after 2 warm-up)")
@@ -173,14 +179,7 @@ def timeline_section(args, out: list[str]) -> None:
     time it took (CUDA events between phases), and at each step start the host's lead, i.e. how
     much earlier the host issued the step than the GPU began it. A lead near zero or below means
     the GPU waited for the host at that point."""
-    preset, mb = sb.SHAPES[args.preset]
-    pc = ParallelContext.single(torch.device("cuda"))
-    cfg = sb.trainer_config(preset, mb, "none")
-    facts = RunFacts.resolve(cfg, pc)
-    model = Llama(cfg.model, cfg.parallelism, pc, seed=0)
-    step = sb.FrameworkStep(
-        facts, model, sb.framework_optimizer(model, cfg, pc, facts), pc, sb.make_batch(cfg, mb, 1, pc.device)
-    )
+    step = framework_step(args.preset)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -206,7 +205,7 @@ def timeline_section(args, out: list[str]) -> None:
         by_phase[name].append((host[i + 1] - host[i], gpu[i + 1] - gpu[i]))
     starts = [i for i, (name, _, _) in enumerate(marks) if name == phases[0][0]]
     leads = [(gpu[i] - host[i]) * 1e3 for i in starts]
-    out.append(f"\n## timeline, {preset}, 12 steps without the profiler (ms)")
+    out.append(f"\n## timeline, {sb.SHAPES[args.preset][0]}, 12 steps without the profiler (ms)")
     out.append(f"{'phase':12s} {'host issue':>10s} {'GPU':>8s}   (median over steps)")
     for name, vals in by_phase.items():
         hs, gs = sorted(v[0] for v in vals), sorted(v[1] for v in vals)
@@ -218,7 +217,7 @@ def timeline_section(args, out: list[str]) -> None:
         f"GPU end to end / 12: {gpu[-1] * 1e3 / 12:.1f}"
     )
     out.append(f"host lead at each step start: {' '.join(f'{x:.1f}' for x in leads)}")
-    del model, step
+    del step
     sb.free()
 
 

@@ -1,9 +1,11 @@
 """What the model-feature benches share (fp8_bench, mamba_bench, moe_bench): a preset's model
 config, the timer (CUDA events on a GPU, wall clock elsewhere), and one optimizer step of a
-whole single-process model timed into a row with its MFU against the datasheet peak."""
+whole single-process model timed into a row with its MFU against the datasheet peak, and the
+output tail (parts that fail alone, the result printed and written)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -104,6 +106,53 @@ def add_model_args(ap, preset: str) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=None)
+
+
+def bench_args(
+    ap: argparse.ArgumentParser, argv: list[str] | None
+) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
+    """The parsed arguments, the device, and the dtype the trainer computes in there (bf16 on
+    CUDA, fp32 elsewhere)."""
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    return args, device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def layer_and_step(
+    bench_layer: Callable[..., list[dict]],
+    bench_step: Callable[..., dict],
+    cfg: ModelConfig,
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    name: str,
+) -> dict:
+    """A feature bench's two parts (the layer alone, then one step of the whole model), each
+    called with (cfg, args, device, dtype), through `run_parts`."""
+    parts = {
+        "layer": lambda: bench_layer(cfg, args, device, dtype),
+        "step": lambda: [bench_step(cfg, args, device, dtype)],
+    }
+    return run_parts(parts, device, args.out, name)
+
+
+def run_parts(parts: dict[str, Callable[[], list[dict]]], device: torch.device, out: Path | None, name: str) -> dict:
+    """A bench's tail: each part through `run_part`, then the result {"device", "rows"} printed
+    and, with `out`, written to `out/name`; exit status 1 when a part failed (after the earlier
+    parts' rows are written), so that a queue sees the failure without losing the numbers."""
+    rows: list[dict] = []
+    ok = all([run_part(rows, part, fn) for part, fn in parts.items()])
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if device.type != "cuda":
+        print("CPU: not a result (a smoke run of the script)")
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    if not ok:
+        raise SystemExit(1)
+    return result
 
 
 def run_part(rows: list[dict], part: str, fn: Callable[[], list[dict]]) -> bool:

@@ -19,6 +19,10 @@ With sequence parallel the in_proj all-gathers the sequence before the convoluti
 (both need the whole sequence) and out_proj reduce-scatters after them, as for attention.
 
 Layout: the block's activations are [s, b, d]; the scan runs batch-first.
+
+The scan's kernel (`model.mamba.kernel`, `trainer.model.mamba.kernels`): mamba_ssm's Triton
+`mamba_chunk_scan_combined` on CUDA when installed (and causal-conv1d's fused convolution + SiLU
+when that is), else `ssd_chunked`; both get this rank's heads, so tensor parallelism is the same.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from trainer.model.mamba.kernels import load_causal_conv1d, load_chunk_scan, resolve_kernel
 from trainer.model.mamba.ssd import ssd_chunked
 from trainer.model.sharding import plan_parameter, tp_module
 from trainer.parallel.tensor import TensorParallel
@@ -67,6 +72,10 @@ class Mamba2Mixer(nn.Module):
         self.local_inner, self.local_heads = d_inner // tp.size, heads // tp.size
         self.local_groups, self.group_size = m.ngroups // tp.size, d_inner // m.ngroups
         self.recompute_core = False
+        self.kernel = resolve_kernel(m.kernel, torch.device(device or "cpu"))
+        #: `mamba_chunk_scan_combined`'s signature (tests put `chunk_scan_combined_reference` here).
+        self.chunk_scan = load_chunk_scan() if self.kernel == "mamba_ssm" else None
+        self.conv_silu = load_causal_conv1d() if self.kernel == "mamba_ssm" else None
         self.in_proj = tp_module("mamba.in_proj", tp, (d_inner, d_inner, bc, bc, heads), cfg.d_model, device=device)
         conv = (d_inner, bc, bc)
         self.conv_weight = plan_parameter("mamba.conv_weight", (sum(conv), m.d_conv), tp, conv, device=device)
@@ -82,22 +91,44 @@ class Mamba2Mixer(nn.Module):
         """Convolution, scan and gated norm: [s, b, in_proj out / tp] -> [s, b, d_inner / tp]."""
         di, gn = self.local_inner, self.local_groups * self.d_state
         z, xbc, dt = zxbcdt.split([di, di + 2 * gn, self.local_heads], dim=-1)
-        xbc = F.silu(causal_depthwise_conv(xbc.permute(1, 2, 0), self.conv_weight, self.conv_bias)).transpose(1, 2)
-        x, B, C = xbc.split([di, gn, gn], dim=-1)
+        xbc = xbc.permute(1, 2, 0)
+        if self.conv_silu is not None:
+            xbc = self.conv_silu(xbc, self.conv_weight, bias=self.conv_bias, activation="silu")
+        else:
+            xbc = F.silu(causal_depthwise_conv(xbc, self.conv_weight, self.conv_bias))
+        x, B, C = xbc.transpose(1, 2).split([di, gn, gn], dim=-1)
         b, s = x.shape[:2]
-        dt = F.softplus(dt.transpose(0, 1).float() + self.dt_bias.float())
-        A = -torch.exp(self.A_log.float())
-        y = ssd_chunked(
+        y = self.scan(
             x.unflatten(-1, (self.local_heads, self.head_dim)),
-            dt,
-            A,
+            dt.transpose(0, 1),
             B.unflatten(-1, (self.local_groups, self.d_state)),
             C.unflatten(-1, (self.local_groups, self.d_state)),
-            self.D,
-            self.chunk_size,
         )
         y = y.reshape(b, s, di).transpose(0, 1).to(z.dtype)
         return gated_group_rms_norm(y, z, self.norm.weight, self.group_size, self.eps)
+
+    def scan(self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+        """x [b, s, H, P], dt [b, s, H] before its bias and softplus, B and C [b, s, G, N] ->
+        y [b, s, H, P] (fp32 from ours, x's dtype from the kernel; the caller casts). The
+        kernel's call is Mamba2's with the gated norm after the scan (`kernels` docstring)."""
+        A = -torch.exp(self.A_log.float())
+        if self.chunk_scan is not None:
+            return self.chunk_scan(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                chunk_size=self.chunk_size,
+                D=self.D,
+                z=None,
+                dt_bias=self.dt_bias,
+                initial_states=None,
+                seq_idx=None,
+                dt_softplus=True,
+            )
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        return ssd_chunked(x, dt, A, B, C, self.D, self.chunk_size)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         zxbcdt = self.in_proj(u)

@@ -56,15 +56,41 @@ def ssd_reference(
     return torch.stack(ys, dim=1) + D.view(1, 1, H, 1) * x
 
 
+def prefix_sum(a: torch.Tensor) -> torch.Tensor:
+    """[..., Q] -> [..., Q]: the inclusive prefix sum over the last dim, by doubling (Hillis &
+    Steele 1986: log2 Q shifted adds), not `cumsum`. Why: under `torch.compile` on CUDA inductor
+    lowers cumsum through its scan IR, whose SplitScan crashed on the scan's [b, g, r, c, Q]
+    cumsum (issue 37); shifted adds are pointwise ops, which inductor fuses, forward and
+    backward (the backward of cumsum is a scan too). Exact for integers, fp32 rounding otherwise."""
+    q, shift = a.shape[-1], 1
+    while shift < q:
+        a = a + F.pad(a[..., :-shift], (shift, 0))
+        shift *= 2
+    return a
+
+
 def segsum(a: torch.Tensor) -> torch.Tensor:
     """[..., Q] -> [..., Q, Q]: out[i, j] = a[j + 1] + ... + a[i] for j <= i (0 on the diagonal),
     -inf above it, so that exp() of it is the lower-triangular decay matrix L of the paper. Summed
-    by a masked cumsum rather than as a difference of cumsums, which cancels catastrophically."""
+    down a masked copy (each entry a sum of its own terms) rather than as a difference of prefix
+    sums, which cancels: used between chunks, where the prefix sums grow with the sequence."""
     q = a.shape[-1]
-    x = a.unsqueeze(-1).expand(*a.shape, q)
     strict = torch.ones(q, q, dtype=torch.bool, device=a.device).tril(-1)
-    x = x.masked_fill(~strict, 0.0).cumsum(dim=-2)
+    x = a.unsqueeze(-1).expand(*a.shape, q).masked_fill(~strict, 0.0)
+    x = prefix_sum(x.transpose(-1, -2)).transpose(-1, -2)
     return x.masked_fill(~strict.logical_or(torch.eye(q, dtype=torch.bool, device=a.device)), float("-inf"))
+
+
+def within_chunk_segsum(cum: torch.Tensor) -> torch.Tensor:
+    """`segsum` from the prefix sums [..., Q] of one chunk: cum[i] - cum[j] on and below the
+    diagonal, -inf above; mamba_ssm's kernels compute the decays so (exp(dA_cumsum_i -
+    dA_cumsum_j)). The exponent's absolute error is about 6e-8 |cum| in fp32, the decay's relative
+    one: 2e-5 where a chunk's total decay reaches 400 (dt A of -1.6 over 256 tokens), whose far
+    decays are exp(-400) = 0 anyway; the masked copy of `segsum` would cost log2 Q passes over
+    the [Q, Q] decays of every chunk and head."""
+    q = cum.shape[-1]
+    lower = torch.ones(q, q, dtype=torch.bool, device=cum.device).tril()
+    return (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf"))
 
 
 def ssd_chunked(
@@ -106,10 +132,10 @@ def _ssd_chunked(
     xs = chunks(_grouped(x * dt.unsqueeze(-1), G))  # b c l g r p: dt x_t, the discretised input
     Bc, Cc = chunks(B), chunks(C)  # b c l g n
     a = chunks(dt * A).unflatten(-1, (G, H // G)).permute(0, 3, 4, 1, 2)  # b g r c l
-    a_cum = a.cumsum(dim=-1)
+    a_cum = prefix_sum(a)
 
     # 1. within each chunk: y_l = sum_{s <= l} C_l . B_s exp(a_{s+1} + ... + a_l) dt_s x_s
-    decay = torch.exp(segsum(a))  # b g r c l s
+    decay = torch.exp(within_chunk_segsum(a_cum))  # b g r c l s
     scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)
     y = torch.einsum("bgcls,bgrcls,bcsgrp->bclgrp", scores, decay, xs)
 

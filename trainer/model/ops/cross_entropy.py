@@ -19,10 +19,11 @@ call:
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
+
+from trainer.model.ops.dispatch import triton_kernels_of, triton_or_torch
 
 #: Columns per loop iteration (forward) or per program (backward).
 BLOCK = 2048
@@ -62,12 +63,10 @@ def cross_entropy_backward_torch(
 @functools.cache
 def triton_kernels():
     """(forward, backward) Triton kernels (`trainer.model.ops.cross_entropy_triton`), or None
-    without Triton; built on first use (see `trainer.model.ops.swiglu.triton_kernel`)."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from trainer.model.ops import cross_entropy_triton
-
-    return cross_entropy_triton.cross_entropy_forward_kernel, cross_entropy_triton.cross_entropy_backward_kernel
+    without Triton; built on first use (trainer.model.ops.dispatch)."""
+    return triton_kernels_of(
+        "trainer.model.ops.cross_entropy_triton", "cross_entropy_forward_kernel", "cross_entropy_backward_kernel"
+    )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -119,18 +118,8 @@ def cross_entropy_backward_triton(
     return out
 
 
-@torch.library.custom_op("trainer::cross_entropy", mutates_args=())
-def cross_entropy_op(
-    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return cross_entropy_torch(logits, target, vocab_size, ignore_index)
-
-
-@cross_entropy_op.register_kernel("cuda")
-def _cross_entropy_cuda(logits, target, vocab_size, ignore_index):
-    if triton_kernels() is None:
-        return cross_entropy_torch(logits, target, vocab_size, ignore_index)
-    return cross_entropy_triton(logits, target, vocab_size, ignore_index)
+cross_entropy_op = torch.library.custom_op("trainer::cross_entropy", cross_entropy_torch, mutates_args=())
+cross_entropy_op.register_kernel("cuda", triton_or_torch(triton_kernels, cross_entropy_torch, cross_entropy_triton))
 
 
 @cross_entropy_op.register_fake
@@ -139,23 +128,12 @@ def _cross_entropy_fake(logits, target, vocab_size, ignore_index):
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
 
-@torch.library.custom_op("trainer::cross_entropy_backward", mutates_args=())
-def cross_entropy_backward_op(
-    grad: torch.Tensor,
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    lse: torch.Tensor,
-    vocab_size: int,
-    ignore_index: int,
-) -> torch.Tensor:
-    return cross_entropy_backward_torch(grad, logits, target, lse, vocab_size, ignore_index)
-
-
-@cross_entropy_backward_op.register_kernel("cuda")
-def _cross_entropy_backward_cuda(grad, logits, target, lse, vocab_size, ignore_index):
-    if triton_kernels() is None:
-        return cross_entropy_backward_torch(grad, logits, target, lse, vocab_size, ignore_index)
-    return cross_entropy_backward_triton(grad, logits, target, lse, vocab_size, ignore_index)
+cross_entropy_backward_op = torch.library.custom_op(
+    "trainer::cross_entropy_backward", cross_entropy_backward_torch, mutates_args=()
+)
+cross_entropy_backward_op.register_kernel(
+    "cuda", triton_or_torch(triton_kernels, cross_entropy_backward_torch, cross_entropy_backward_triton)
+)
 
 
 @cross_entropy_backward_op.register_fake

@@ -22,9 +22,10 @@ no pre-RoPE qkv for backward: 1.3 GiB less at 1B.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
+
+from trainer.model.ops.dispatch import triton_kernels_of, triton_or_torch
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,13 +64,8 @@ def rope_qkv_backward_torch(
 @functools.cache
 def triton_kernels():
     """(forward, backward) Triton kernels (`trainer.model.ops.rope_triton`), or None without
-    Triton; built on first use so that importing this module never needs Triton and
-    TRITON_INTERPRET=1 (the tests' CPU mode) is read when they are made."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from trainer.model.ops import rope_triton
-
-    return rope_triton.rope_forward_kernel, rope_triton.rope_backward_kernel
+    Triton; built on first use (trainer.model.ops.dispatch)."""
+    return triton_kernels_of("trainer.model.ops.rope_triton", "rope_forward_kernel", "rope_backward_kernel")
 
 
 def _pow2(n: int) -> int:
@@ -141,18 +137,8 @@ def rope_qkv_backward_triton(
     return out
 
 
-@torch.library.custom_op("trainer::rope_qkv", mutates_args=())
-def rope_qkv_op(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return rope_qkv_torch(qkv, cos, sin, heads, kv_heads)
-
-
-@rope_qkv_op.register_kernel("cuda")
-def _rope_qkv_cuda(qkv, cos, sin, heads, kv_heads):
-    if triton_kernels() is None:
-        return rope_qkv_torch(qkv, cos, sin, heads, kv_heads)
-    return rope_qkv_triton(qkv, cos, sin, heads, kv_heads)
+rope_qkv_op = torch.library.custom_op("trainer::rope_qkv", rope_qkv_torch, mutates_args=())
+rope_qkv_op.register_kernel("cuda", triton_or_torch(triton_kernels, rope_qkv_torch, rope_qkv_triton))
 
 
 @rope_qkv_op.register_fake
@@ -162,18 +148,10 @@ def _rope_qkv_fake(qkv, cos, sin, heads, kv_heads):
     return qkv.new_empty(s, b, heads, hd), qkv.new_empty(s, b, kv_heads, hd), qkv.new_empty(s, b, kv_heads, hd)
 
 
-@torch.library.custom_op("trainer::rope_qkv_backward", mutates_args=())
-def rope_qkv_backward_op(
-    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    return rope_qkv_backward_torch(dq, dk, dv, cos, sin)
-
-
-@rope_qkv_backward_op.register_kernel("cuda")
-def _rope_qkv_backward_cuda(dq, dk, dv, cos, sin):
-    if triton_kernels() is None:
-        return rope_qkv_backward_torch(dq, dk, dv, cos, sin)
-    return rope_qkv_backward_triton(dq, dk, dv, cos, sin)
+rope_qkv_backward_op = torch.library.custom_op("trainer::rope_qkv_backward", rope_qkv_backward_torch, mutates_args=())
+rope_qkv_backward_op.register_kernel(
+    "cuda", triton_or_torch(triton_kernels, rope_qkv_backward_torch, rope_qkv_backward_triton)
+)
 
 
 @rope_qkv_backward_op.register_fake

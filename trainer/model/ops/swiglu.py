@@ -13,10 +13,11 @@ is one custom op, `trainer::swiglu_backward`, so that `torch.compile` keeps it a
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
+
+from trainer.model.ops.dispatch import triton_kernels_of, triton_or_torch
 
 #: Columns per Triton program (of f); 1024 bf16 = 2 KiB per load.
 BLOCK = 1024
@@ -32,14 +33,10 @@ def swiglu_backward_torch(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tenso
 
 @functools.cache
 def triton_kernel():
-    """The Triton backward kernel (`trainer.model.ops.swiglu_triton`), or None without Triton.
-    Built on first use, so that importing this module never needs Triton, and so that
-    TRITON_INTERPRET=1 (the tests' CPU mode) is read when the kernel is made."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from trainer.model.ops import swiglu_triton
-
-    return swiglu_triton.swiglu_backward_kernel
+    """The Triton backward kernel (`trainer.model.ops.swiglu_triton`), or None without Triton;
+    built on first use (trainer.model.ops.dispatch)."""
+    kernels = triton_kernels_of("trainer.model.ops.swiglu_triton", "swiglu_backward_kernel")
+    return kernels and kernels[0]
 
 
 def swiglu_backward_triton(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -59,16 +56,8 @@ def swiglu_backward_triton(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tens
     return out.view(gate_up.shape)
 
 
-@torch.library.custom_op("trainer::swiglu_backward", mutates_args=())
-def swiglu_backward(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    return swiglu_backward_torch(g, gate_up)
-
-
-@swiglu_backward.register_kernel("cuda")
-def _swiglu_backward_cuda(g: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    if triton_kernel() is None:
-        return swiglu_backward_torch(g, gate_up)
-    return swiglu_backward_triton(g, gate_up)
+swiglu_backward = torch.library.custom_op("trainer::swiglu_backward", swiglu_backward_torch, mutates_args=())
+swiglu_backward.register_kernel("cuda", triton_or_torch(triton_kernel, swiglu_backward_torch, swiglu_backward_triton))
 
 
 @swiglu_backward.register_fake

@@ -24,7 +24,7 @@ pipeline extrapolates to the main run (`nested.py`), not to the proxies' own.
 
 Proposer: L(r) is a positive combination of exponentials of linear functions of r, hence convex,
 so its minimum over the capped simplex {r >= 0, sum r = 1, r_i <= u_i} (caps u_i from epoch
-limits, `design.epoch_caps`) is found by SLSQP; several starts guard against a bad stop, and the
+limits, `doremi.offline.fit.design.epoch_caps`) is found by SLSQP; several starts guard against a bad stop, and the
 result is projected back onto the feasible set. The authors search a grid of the simplex
 (`pipeline/find_opt.py`); the convex solve is exact where the grid is not.
 """
@@ -241,7 +241,7 @@ def propose_mixing_law(
 
 
 def mixing_law_fit_predict(options: MixingLawOptions | None = None) -> Any:
-    """A `evaluate.FitPredict` for `evaluate.held_out`: fit on the train runs, predict the test
+    """A `doremi.offline.fit.evaluate.FitPredict` for its `held_out`: fit on the train runs, predict the test
     runs' losses in the train losses' shape ([n] or [n, m])."""
 
     def fit_predict(r_train: np.ndarray, y_train: np.ndarray, r_test: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Data mixing laws' nested pipeline (Ye et al., ICLR 2025, Sec. 4 and Fig. 1; released code
 github yegcjs/mixinglaws at commit 8ad3e1244b53294ded55a96ae325f4112ce3bc63, `pipeline/run.sh`):
 the proxies' losses are extrapolated in training tokens, then in model size, and only then is the
-mixing law (`mixing_law.py`) fitted and minimised.
+mixing law (`fit.py`) fitted and minimised.
 
 1. Step law (`pipeline/steplaw.py`, run.sh L5): per proxy size and mixture, the validation
    domains' losses along the run, from `step_from` of its last evaluation on (the authors fit
@@ -14,19 +14,19 @@ mixing law (`mixing_law.py`) fitted and minimised.
    curve and a shared exponent, so it needs at least `MIN_SIZES` proxy sizes. With fewer (a
    sweep trains one model size) it is not fitted: the mixing law is then fitted to the losses at
    the largest proxy's size and the main run's tokens, and the result says so (`Extrapolation.size`).
-3. The mixing law (`mixing_law.py`) fitted to the extrapolated losses, per domain, by the Huber
+3. The mixing law (`fit.py`) fitted to the extrapolated losses, per domain, by the Huber
    loss with delta 0.05 (`mix_5_domains.ipynb`, the `law.fit(..., delta=0.05)` of the "fit with
    mixture law" cell), and minimised.
 
 Each law is checked on what it did not see: the step law predicting each curve's last
 `step_holdout` evaluations (the authors' `valid_split=5`, steplaw.py L128), the size law
 predicting the largest proxy (`valid_split=1`, sizelaw.py L63) when at least `MIN_SIZES + 1`
-sizes leave three to fit, the mixing law by held-out mixtures (`evaluate.held_out`, in the caller).
+sizes leave three to fit, the mixing law by held-out mixtures (`doremi.offline.fit.evaluate.held_out`, in the caller).
 
 Differences from the released pipeline, named: (a) `pipeline/mixlaw.py` fits an AdaBoost
 ensemble of exp-activated MLPs (`MixtureMLP`, `pipeline/utils.py` L144-176) to the target loss;
 here the paper's Eq. 2 law per domain is fitted, as in the released notebooks, because it is
-the law the paper states and its minimiser is exact (`mixing_law.py`); (b) `pipeline/find_opt.py`
+the law the paper states and its minimiser is exact (`fit.py`); (b) `pipeline/find_opt.py`
 searches a grid of the simplex, here a convex solve; (c) the optimiser of the power laws
 (`power_law.py`); (d) the model size N is `trainer.model.flops.non_embedding_params` (blocks,
 final norm and LM head), the authors' `MODEL_SIZES` count Pythia's without the LM head: a fixed
@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from doremi.methods.mixing_law.power_law import SIZE_DELTA, STEP_DELTA, fit_power_law, held_out_tail
 from doremi.offline.fit.checks import FitError
-from doremi.offline.fit.power_law import SIZE_DELTA, STEP_DELTA, fit_power_law, held_out_tail
 
 #: The size law's parameters (2 per curve, 1 shared) need this many proxy sizes.
 MIN_SIZES = 3

@@ -16,7 +16,7 @@ Regressors (Sec. 2.3, Table 1 there):
 Proposer (Sec. 2.4; the notebook's "Simulate" cells): draw `n_simulations` mixtures from
 Dir(c * p) around the prior p (the notebook: p = token distribution, c = 1, 100000 draws), predict
 each, and average the `top_k` (the notebook: 128) with the lowest predicted loss. Draws above an
-epoch cap are rejected (`design.dirichlet_design`), so the average, a convex combination of
+epoch cap are rejected (`doremi.offline.fit.design.dirichlet_design`), so the average, a convex combination of
 capped mixtures, is within the caps.
 """
 
@@ -269,7 +269,7 @@ def propose_regmix(
 def regmix_fit_predict(
     regressor: Literal["lightgbm", "ridge"] = "lightgbm", options: LightGBMOptions | RidgeOptions | None = None
 ) -> Any:
-    """A `evaluate.FitPredict` for `evaluate.held_out` (a scalar target per run)."""
+    """A `doremi.offline.fit.evaluate.FitPredict` for its `held_out` (a scalar target per run)."""
 
     def fit_predict(r_train: np.ndarray, y_train: np.ndarray, r_test: np.ndarray) -> np.ndarray:
         return fit_regressor(r_train, y_train, regressor, options).predict(r_test)
