@@ -160,24 +160,18 @@ def test_bench_shapes_come_from_the_baseline_presets(bench_modules):
 
 
 def test_the_bench_reference_cache_is_one_the_proxy_reads(bench_modules, tmp_path):
-    """The cached-reference row reads its cache through `CachedReference`, which refuses a cache
-    in another format (the bench once wrote version 1 by hand after the format moved on)."""
+    """The cached-reference row reads its cache as the proxy does (`open_cache`, then
+    `CachedReference`); `open_cache` refuses a cache in another format (the bench once wrote
+    version 1 by hand after the format moved on)."""
     from doremi.methods.reference import CachedReference
+    from doremi.methods.reference_cache import open_cache
 
     sb = bench_modules["step_bench"]
     mb, seq = 6, 8
     domains = sb.write_cache(tmp_path / "cache", mb, seq)
-    ref = CachedReference(
-        tmp_path / "cache",
-        domains,
-        seq,
-        torch.device("cpu"),
-        steps=3,
-        global_batch_size=mb,
-        seed=0,
-        sampling=[1.0 / sb.K_DOMAINS] * sb.K_DOMAINS,
-        synthetic=True,
-    )
+    sampling = [1.0 / sb.K_DOMAINS] * sb.K_DOMAINS
+    arrays = open_cache(tmp_path / "cache", domains, seq, 3, mb, seed=0, sampling=sampling, synthetic=True)
+    ref = CachedReference(tmp_path / "cache", domains, arrays, torch.device("cpu"))
     per_domain = -(-mb // sb.K_DOMAINS)
     assert [a.shape for a in ref.arrays] == [(per_domain, seq)] * sb.K_DOMAINS
     assert all(9.0 <= a.min() and a.max() <= 11.0 for a in ref.arrays)

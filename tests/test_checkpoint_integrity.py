@@ -14,6 +14,7 @@ import torch
 
 from doremi.errors import DoReMiError
 from doremi.methods.reference import CACHE_VERSION, CachedReference
+from doremi.methods.reference_cache import open_cache
 from tests.test_checkpoint import toy_run
 from tests.test_zero_optim import build_stage, dp_step, full_tensors, toy_specs
 from trainer.build import build_model
@@ -173,17 +174,8 @@ def write_cache(cache: Path, reference: Path, fingerprint: str | None) -> None:
 
 
 def cached(cache: Path, reference: Path) -> CachedReference:
-    return CachedReference(
-        cache,
-        ["a"],
-        8,
-        torch.device("cpu"),
-        steps=1,
-        global_batch_size=2,
-        seed=0,
-        sampling=[1.0],
-        reference=str(reference),
-    )
+    arrays = open_cache(cache, ["a"], 8, steps=1, global_batch_size=2, seed=0, sampling=[1.0], reference=str(reference))
+    return CachedReference(cache, ["a"], arrays, torch.device("cpu"))
 
 
 def test_cache_of_a_reference_trained_again_to_the_same_path_is_refused(tmp_path):

@@ -15,7 +15,7 @@ from data.batch import to_device
 from data.store import MANIFEST_FILE, read_manifest
 from doremi.config import ExperimentConfig, load_saved_config
 from doremi.errors import DoReMiError
-from doremi.methods.reference_cache import CACHE_VERSION, open_cache  # noqa: F401 (CACHE_VERSION: imported from here by tests)
+from doremi.methods.reference_cache import CACHE_VERSION  # noqa: F401 (imported from here by tests)
 from doremi.methods.registry import reference_method, reference_options
 from trainer.build import RunFacts, build_model
 from trainer.checkpoint.checkpoint import load_checkpoint, resolve_checkpoint
@@ -119,26 +119,12 @@ class OnlineReference:
 class CachedReference:
     """Look the reference losses up by (domain, sequence index)."""
 
-    def __init__(
-        self,
-        cache_dir: str | Path,
-        domains: list[str],
-        seq_len: int,
-        device: torch.device,
-        steps: int,
-        global_batch_size: int,
-        seed: int,
-        sampling: list[float],
-        reference: str | None = None,
-        synthetic: bool = False,
-    ):
-        """`steps`, `global_batch_size` and `seed` describe the run's data stream; the cache must
-        cover it (checked before any work). `reference`: the run's reference, if it names one;
-        `synthetic`: made-up losses of no reference (`open_cache`)."""
+    def __init__(self, cache_dir: str | Path, domains: list[str], arrays: list[np.ndarray], device: torch.device):
+        """`arrays`: each domain's losses as `open_cache` returns them, once it has checked that
+        the cache covers the run's data stream (before any work); its parameters are not repeated
+        here, so that what a cache is checked against has one owner."""
         self.dir = Path(cache_dir)
-        self.arrays = open_cache(
-            self.dir, domains, seq_len, steps, global_batch_size, seed, sampling, reference, synthetic
-        )
+        self.arrays = arrays
         self.domains = domains
         self.device = device
 

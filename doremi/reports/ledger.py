@@ -40,10 +40,10 @@ from trainer.records.metrics import read_jsonl
 
 
 def _config(run: Path) -> dict[str, Any] | None:
-    import yaml
+    from trainer.config.tools import load_yaml
 
     path = run / "config.yaml"
-    return yaml.safe_load(path.read_text()) if path.is_file() else None
+    return load_yaml(path.read_text()) if path.is_file() else None
 
 
 def _flops_per_token(cfg: dict[str, Any]) -> int:

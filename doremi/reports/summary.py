@@ -80,7 +80,7 @@ def setup_table(root: Path) -> str | None:
     """What a pipeline ran, read from each run's saved config.yaml: model size and shape, steps,
     batch, tokens, learning rate and seed per stage, and the proxy's DoReMi keys. None when the
     pipeline wrote no configs (nothing ran)."""
-    import yaml
+    from trainer.config.tools import load_yaml
 
     runs = [
         *sorted(root.glob("round*/reference")),
@@ -88,7 +88,7 @@ def setup_table(root: Path) -> str | None:
         *sorted(root.glob("methods/*/proxy")),
         *sorted(root.glob("main/*")),
     ]
-    configs = {r: yaml.safe_load((r / "config.yaml").read_text()) for r in runs if (r / "config.yaml").is_file()}
+    configs = {r: load_yaml((r / "config.yaml").read_text()) for r in runs if (r / "config.yaml").is_file()}
     if not configs:
         return None
     rows = [_run_row(str(r.relative_to(root)), c, _trained_tokens(r)) for r, c in configs.items()]
@@ -131,21 +131,21 @@ def online_runs(root: Path) -> list[str]:
 
 def run_budget(run: Path) -> int | None:
     """The token budget of a run from its config.yaml (for `unimax:E`); None without one."""
-    import yaml
+    from trainer.config.tools import load_yaml
 
     path = run / "config.yaml"
     if not path.is_file():
         return None
-    c = yaml.safe_load(path.read_text())
+    c = load_yaml(path.read_text())
     return c["train"]["steps"] * c["train"]["global_batch_size"] * c["data"]["seq_len"]
 
 
 def run_max_epochs(run: Path) -> float | None:
     """A run's `data.max_epochs` from its config.yaml (the cap its mixture was read under)."""
-    import yaml
+    from trainer.config.tools import load_yaml
 
     path = run / "config.yaml"
-    return yaml.safe_load(path.read_text()).get("data", {}).get("max_epochs") if path.is_file() else None
+    return load_yaml(path.read_text()).get("data", {}).get("max_epochs") if path.is_file() else None
 
 
 def read_mixture(run: Path, domains: list[str]) -> np.ndarray | None:

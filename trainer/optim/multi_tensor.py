@@ -111,12 +111,11 @@ def tensor_pointers(tensors: Sequence[torch.Tensor], device: torch.device) -> to
 
 def launch(kernel: Any, blocks: TensorBlocks, *args: Any, **meta: Any) -> None:
     """Run `kernel(block_tensor, block_start, *args, BLOCK_SIZE=, MASKED=, **meta)` over the
-    whole blocks, then over the partial last blocks. Each kernel begins the same way: its
-    tensor t = block_tensor[pid], start = multiple_of(block_start[pid], BLOCK_SIZE), elements
-    idx = start + arange(BLOCK_SIZE), and mask = idx < numels[t] if MASKED else
-    idx < start + BLOCK_SIZE (all true, and known to be constant over the block, so that it does
-    not stop vectorisation). (A shared Triton helper for it would be a closure or a constexpr
-    argument, which Triton's interpreter, the tests' mode, does not run.)"""
+    whole blocks, then over the partial last blocks. Each kernel begins the same way
+    (`multi_tensor_triton._block`): its tensor t = block_tensor[pid], start =
+    multiple_of(block_start[pid], BLOCK_SIZE), elements idx = start + arange(BLOCK_SIZE), and
+    mask = idx < numels[t] if MASKED else idx < start + BLOCK_SIZE (all true, and known to be
+    constant over the block, so that it does not stop vectorisation)."""
     for programs, masked in ((blocks.whole, False), (blocks.tails, True)):
         if len(programs):
             kernel[(len(programs),)](

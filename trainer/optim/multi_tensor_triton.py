@@ -9,6 +9,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _block(block_tensor, block_start, numels, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """This program's tensor t, its block's first element, the elements idx and their mask, as
+    `trainer.optim.multi_tensor.launch` describes them (inlined where Triton compiles)."""
+    t = tl.load(block_tensor + tl.program_id(0))
+    start = tl.multiple_of(tl.load(block_start + tl.program_id(0)), BLOCK_SIZE)
+    idx = start + tl.arange(0, BLOCK_SIZE)
+    mask = idx < tl.load(numels + t) if MASKED else idx < start + BLOCK_SIZE
+    return t, start, idx, mask
+
+
+@triton.jit
 def adamw_tensors_kernel(
     block_tensor,
     block_start,
@@ -30,10 +41,7 @@ def adamw_tensors_kernel(
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    t = tl.load(block_tensor + tl.program_id(0))
-    start = tl.multiple_of(tl.load(block_start + tl.program_id(0)), BLOCK_SIZE)
-    idx = start + tl.arange(0, BLOCK_SIZE)
-    mask = idx < tl.load(numels + t) if MASKED else idx < start + BLOCK_SIZE  # see multi_tensor.launch
+    t, _, idx, mask = _block(block_tensor, block_start, numels, BLOCK_SIZE, MASKED)
     flat = tl.multiple_of(tl.load(offsets + t), ALIGN) + idx
     grad = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(param.dtype.element_ty)), 16)
     step_size = tl.load(coefficients)
@@ -69,10 +77,7 @@ def block_squares_kernel(
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    t = tl.load(block_tensor + tl.program_id(0))
-    start = tl.multiple_of(tl.load(block_start + tl.program_id(0)), BLOCK_SIZE)
-    idx = start + tl.arange(0, BLOCK_SIZE)
-    mask = idx < tl.load(numels + t) if MASKED else idx < start + BLOCK_SIZE
+    t, start, idx, mask = _block(block_tensor, block_start, numels, BLOCK_SIZE, MASKED)
     x = tl.multiple_of(tl.load(ptrs + t).to(tl.pointer_type(DTYPE)), 16)
     x = tl.load(x + idx, mask=mask, other=0.0).to(tl.float32)
     tl.store(partials + tl.load(first_block + t) + start // BLOCK_SIZE, tl.sum(x * x, axis=0))

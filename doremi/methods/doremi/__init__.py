@@ -9,6 +9,7 @@ trains the reference first (docs/design.md section 4)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from doremi.methods.doremi.config import DoReMiConfig
@@ -29,23 +30,24 @@ def build(cfg: Any, ctx: MethodContext) -> MixingHook:
         reference_config,
         require_reference,
     )
+    from doremi.methods.reference_cache import open_cache
     from trainer.build import RunFacts
 
     d = cfg.mixing.doremi
     manifest = read_manifest(cfg.data.store_dir)
     sampling = resolve_weights(d.proxy_sampling, manifest, "mixing.doremi.proxy_sampling", cfg.budget_tokens)
     if d.reference_cache:
-        ref = CachedReference(
-            d.reference_cache,
+        arrays = open_cache(
+            Path(d.reference_cache),
             ctx.domains,
             cfg.data.seq_len,
-            ctx.device,
             steps=cfg.train.steps,
             global_batch_size=cfg.train.global_batch_size,
             seed=cfg.data.seed,
             sampling=sampling.tolist(),
             reference=d.reference,
         )
+        ref = CachedReference(d.reference_cache, ctx.domains, arrays, ctx.device)
     else:
         ck = require_reference(cfg)
         ref_cfg = reference_config(cfg, ck)

@@ -494,17 +494,11 @@ def run_framework(
 
     if doremi and time_left("doremi-cached"):
         cache = tmp / f"cache-{name}"
-        ref = CachedReference(
-            cache,
-            write_cache(cache, mb, cfg.data.seq_len),
-            cfg.data.seq_len,
-            pc.device,
-            steps=steps,
-            global_batch_size=mb,
-            seed=0,
-            sampling=[1.0 / K_DOMAINS] * K_DOMAINS,
-            synthetic=True,
+        domains = write_cache(cache, mb, cfg.data.seq_len)
+        arrays = reference_cache.open_cache(
+            cache, domains, cfg.data.seq_len, steps, mb, seed=0, sampling=[1.0 / K_DOMAINS] * K_DOMAINS, synthetic=True
         )
+        ref = CachedReference(cache, domains, arrays, pc.device)
         step = FrameworkStep(facts, model, opt, pc, batch, make_hook(tmp / f"cached-{name}", pc, ref))
         emit(measure(name, "doremi cached ref", step, steps, 2, fpt, peak, base, None))
 

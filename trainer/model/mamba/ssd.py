@@ -106,49 +106,38 @@ def ssd_chunked(
     docstring. Indices below: b batch, c chunk, l / s position in a chunk, g group, r head
     within the group, p head dim, n state. fp32 (module docstring)."""
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return _ssd_chunked(*(t.float() for t in (x, dt, A, B, C, D)), chunk_size)
+        x, dt, A, B, C, D = (t.float() for t in (x, dt, A, B, C, D))
+        b, T, H, P = x.shape
+        G = B.shape[-2]
+        pad = -T % chunk_size
+        if pad:
+            x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
+            dt = F.pad(dt, (0, 0, 0, pad))
+        c = (T + pad) // chunk_size
 
+        def chunks(t: torch.Tensor) -> torch.Tensor:
+            return t.unflatten(1, (c, chunk_size))
 
-def _ssd_chunked(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    chunk_size: int,
-) -> torch.Tensor:
-    b, T, H, P = x.shape
-    G = B.shape[-2]
-    pad = -T % chunk_size
-    if pad:
-        x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
-        dt = F.pad(dt, (0, 0, 0, pad))
-    c = (T + pad) // chunk_size
+        xs = chunks(_grouped(x * dt.unsqueeze(-1), G))  # b c l g r p: dt x_t, the discretised input
+        Bc, Cc = chunks(B), chunks(C)  # b c l g n
+        a = chunks(dt * A).unflatten(-1, (G, H // G)).permute(0, 3, 4, 1, 2)  # b g r c l
+        a_cum = prefix_sum(a)
 
-    def chunks(t: torch.Tensor) -> torch.Tensor:
-        return t.unflatten(1, (c, chunk_size))
+        # 1. within each chunk: y_l = sum_{s <= l} C_l . B_s exp(a_{s+1} + ... + a_l) dt_s x_s
+        decay = torch.exp(within_chunk_segsum(a_cum))  # b g r c l s
+        scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)
+        y = torch.einsum("bgcls,bgrcls,bcsgrp->bclgrp", scores, decay, xs)
 
-    xs = chunks(_grouped(x * dt.unsqueeze(-1), G))  # b c l g r p: dt x_t, the discretised input
-    Bc, Cc = chunks(B), chunks(C)  # b c l g n
-    a = chunks(dt * A).unflatten(-1, (G, H // G)).permute(0, 3, 4, 1, 2)  # b g r c l
-    a_cum = prefix_sum(a)
+        # 2. each chunk's final state from its own inputs
+        to_end = torch.exp(a_cum[..., -1:] - a_cum)  # b g r c l
+        states = torch.einsum("bclgn,bgrcl,bclgrp->bcgrpn", Bc, to_end, xs)
 
-    # 1. within each chunk: y_l = sum_{s <= l} C_l . B_s exp(a_{s+1} + ... + a_l) dt_s x_s
-    decay = torch.exp(within_chunk_segsum(a_cum))  # b g r c l s
-    scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)
-    y = torch.einsum("bgcls,bgrcls,bcsgrp->bclgrp", scores, decay, xs)
+        # 3. the states entering each chunk: a recurrence over chunks, as one (c+1) x (c+1) product
+        states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+        chunk_decay = torch.exp(segsum(F.pad(a_cum[..., -1], (1, 0))))  # b g r z c
+        states = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)[:, :-1]
 
-    # 2. each chunk's final state from its own inputs
-    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # b g r c l
-    states = torch.einsum("bclgn,bgrcl,bclgrp->bcgrpn", Bc, to_end, xs)
-
-    # 3. the states entering each chunk: a recurrence over chunks, as one (c+1) x (c+1) product
-    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
-    chunk_decay = torch.exp(segsum(F.pad(a_cum[..., -1], (1, 0))))  # b g r z c
-    states = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)[:, :-1]
-
-    # 4. the entering state's contribution to each position
-    y = y + torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", Cc, states, torch.exp(a_cum))
-    y = y.reshape(b, c * chunk_size, H, P)[:, :T]
-    return y + D.view(1, 1, H, 1) * x[:, :T]
+        # 4. the entering state's contribution to each position
+        y = y + torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", Cc, states, torch.exp(a_cum))
+        y = y.reshape(b, c * chunk_size, H, P)[:, :T]
+        return y + D.view(1, 1, H, 1) * x[:, :T]
