@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 import yaml
 
 from data import artifact
-from data.atomic import atomic_write_text, staging_dir, umask_mode
+from data.atomic import atomic_write_text, staging_dir
 from data.errors import UserError
 from data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from data.tokenizer_export import tokenizer_files
@@ -142,8 +141,6 @@ def export(
         for name, text in files.items():
             (staging / name).write_text(text)
         written = write_weights(state, staging, max_shard_size)
-        for name in written:  # safetensors writes its files 0600: give them the mode open() would
-            os.chmod(staging / name, umask_mode(0o666))
         header = artifact.Header(
             "export",
             fingerprint=checkpoint_fingerprint(ck),

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from data.atomic import umask_mode
 from trainer.hf.format import HFFormatError
 
 CONFIG = "config.json"
@@ -129,7 +130,8 @@ def _as_os_error(e: Exception, path: Path) -> Exception:
 
 def write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_size: int | str) -> list[str]:
     """Write `state` into `out` as `model.safetensors`, or as shards of at most `max_shard_size`
-    (bytes, or a string such as "5GB") with `model.safetensors.index.json`. Returns the files."""
+    (bytes, or a string such as "5GB") with `model.safetensors.index.json`, each file with the mode
+    `open` gives under the umask. Returns the files."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
     try:
@@ -144,6 +146,7 @@ def write_weights(state: dict[str, torch.Tensor], out: Path, max_shard_size: int
             save_file({n: state[n] for n in names}, str(out / file), metadata={"format": "pt"})
         except Exception as e:
             raise _as_os_error(e, out / file) from None
+        os.chmod(out / file, umask_mode(0o666))  # safetensors writes 0600; open() would give this
     files = sorted(split.filename_to_tensors)
     if split.is_sharded:
         index = {"metadata": {**split.metadata}, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
