@@ -259,6 +259,29 @@ def test_every_check_that_warns_says_what_it_means_and_what_to_change():
         assert means and "." in change or ":" in change or "_" in change, check  # names a key
 
 
+def test_a_proxys_advice_names_values_from_its_own_config():
+    from doremi.reports.guardrails import advice, specific_change
+
+    same = {"train.steps": 160, "reference train.steps": 160, "mixing.doremi.eta": 1.0, "mixing.doremi.smoothing": 1e-3}
+    assert specific_change("proxy_lag", same) == (
+        "mixing.doremi.eta: 0.5 (now 1); the proxy already trains as long as its reference"
+    )
+    shorter = {**same, "train.steps": 100}
+    assert specific_change("proxy_lag", shorter) == (
+        "train.steps: 160 for the proxy, as its reference trained (now 100), or mixing.doremi.eta: 0.5 (now 1)"
+    )
+    assert specific_change("concentration", same) == (
+        "mixing.doremi.eta: 0.5 (now 1), or mixing.doremi.smoothing: 0.01 (now 0.001)"
+    )
+    assert specific_change("proxy_lag", {}) is None and specific_change("epochs", same) is None
+    assert advice("proxy_lag", {}).endswith("or a lower mixing.doremi.eta")  # no config: the generic advice
+    m = RunMeasures("p", "proxy", lag={"a": 0.5}, settings=same)
+    (f,) = warnings(findings(m, GuardrailConfig(proxy_lag=0.1)))
+    assert f.advice.endswith(
+        "change: mixing.doremi.eta: 0.5 (now 1); the proxy already trains as long as its reference"
+    )
+
+
 def test_memorisation_far_below_one_epoch_cannot_be_judged_and_does_not_warn():
     from doremi.reports.guardrails import RunMeasures
 

@@ -271,6 +271,9 @@ class RunMeasures:
     concentration: float | None = None
     concentrated_domain: str | None = None
     notes: list[str] = field(default_factory=list)
+    # The run's own values of the keys its advice names (config.yaml), so that a warning says
+    # which value to set instead of which way to move (`advice`).
+    settings: dict[str, float] = field(default_factory=dict)
 
 
 def measure(
@@ -369,7 +372,7 @@ def findings(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
     out += _lambda_snr(m, cfg)
     out += _concentration(m, cfg)
     out += _over(m, "overfit", m.final_minus_best, cfg.overfit, "final minus best validation loss", "overfit", " nats")
-    return [replace(f, advice=advice(f.check)) if f.is_warning else f for f in out]
+    return [replace(f, advice=advice(f.check, m.settings)) if f.is_warning else f for f in out]
 
 
 def _mixture(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
@@ -486,12 +489,37 @@ def _concentration(m: RunMeasures, cfg: GuardrailConfig) -> list[Finding]:
     ]
 
 
-def advice(check: str) -> str | None:
-    """`means: ...; change: ...` for a check's warning (ADVICE)."""
+def advice(check: str, settings: Mapping[str, float] | None = None) -> str | None:
+    """`means: ...; change: ...` for a check's warning (ADVICE), the change with values where the
+    run's `settings` (RunMeasures.settings) give them (`specific_change`)."""
     if check not in ADVICE:
         return None
     means, change = ADVICE[check]
-    return f"means: {means}; change: {change}"
+    return f"means: {means}; change: {specific_change(check, settings or {}) or change}"
+
+
+def specific_change(check: str, settings: Mapping[str, float]) -> str | None:
+    """A proxy's change as keys and values from its own config: its reference's train.steps
+    when it trained fewer, else half its eta (and ten times its smoothing for concentration);
+    None where the config does not give them (the generic advice stands)."""
+    eta = settings.get(f"mixing.{REFERENCE_RUN}.eta")
+    smoothing = settings.get(f"mixing.{REFERENCE_RUN}.smoothing")
+    lower_eta = f"mixing.{REFERENCE_RUN}.eta: {eta / 2:g} (now {eta:g})" if eta else None
+    if check == "proxy_lag":
+        steps, ref_steps = settings.get("train.steps"), settings.get("reference train.steps")
+        if steps and ref_steps and steps < ref_steps:
+            longer = f"train.steps: {ref_steps:g} for the proxy, as its reference trained (now {steps:g})"
+            return f"{longer}, or {lower_eta}" if lower_eta else longer
+        if lower_eta and steps and steps == ref_steps:
+            return f"{lower_eta}; the proxy already trains as long as its reference"
+        return lower_eta
+    if check == "concentration" and lower_eta:
+        return (
+            f"{lower_eta}, or mixing.{REFERENCE_RUN}.smoothing: {smoothing * 10:g} (now {smoothing:g})"
+            if smoothing
+            else lower_eta
+        )
+    return None
 
 
 def warnings(found: Iterable[Finding]) -> list[Finding]:
@@ -555,10 +583,24 @@ def measure_run(
             history = read_history(run)
         except HistoryError:
             history = None
-        ref = reference or registry.options(cfg, REFERENCE_RUN).get("reference")
+        own = registry.options(cfg, REFERENCE_RUN)
+        settings = {f"mixing.{REFERENCE_RUN}.{k}": own[k] for k in ("eta", "smoothing") if _number(own.get(k))}
+        ref = reference or own.get("reference")
         if ref:
             ref_rows = read_jsonl(run_dir_of(ref) / "metrics.jsonl")
-    return measure(name or str(run), kind, rows, batch, history, ref_rows)
+            ref_cfg = run_dir_of(ref) / "config.yaml"
+            ref_steps = read_yaml(ref_cfg).get("train", {}).get("steps") if ref_cfg.is_file() else None
+            if _number(ref_steps):
+                settings["reference train.steps"] = ref_steps
+    m = measure(name or str(run), kind, rows, batch, history, ref_rows)
+    steps = cfg.get("train", {}).get("steps")
+    if kind == "proxy":
+        m.settings = {**settings, **({"train.steps": steps} if _number(steps) else {})}
+    return m
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_run(
