@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
+
 BENCH = ROOT / "experiments" / "tools" / "bench"
 
 

@@ -2,16 +2,13 @@
 on the real domains goes clearly below their unigram entropy (issue 3; the 2-minute figures are
 in experiments/notes/FOUNDATION.md)."""
 
-from pathlib import Path
-
 from data.preprocess import preprocess
 from data.stats import unigram_entropy
 from data.store import open_stores
 from doremi.config import ExperimentConfig
 from doremi.pipeline import stages
+from tests.paths import QUICKSTART
 from trainer.config.schema import load_config
-
-QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.yaml"
 
 
 def test_tiny_model_goes_below_unigram_entropy(tmp_path):

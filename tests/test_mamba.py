@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from doremi.pipeline import stages
 from tests.compare_runs import assert_same_alphas, assert_same_params
 from tests.distributed import spawn
+from tests.paths import QUICKSTART
 from tests.runs import alphas, config, final_params, losses, run_stage
 from trainer.config.mamba import layer_mixers, ssd_flops_per_token
 from trainer.config.schema import ModelConfig, apply_preset
@@ -245,7 +246,6 @@ def test_quickstart_pipeline_runs_hybrid_proxy_and_main(tmp_path):
     from doremi.pipeline.pipeline import Pipeline
     from trainer.records.metrics import read_jsonl
 
-    root = Path(__file__).resolve().parents[1]
     sets = [
         "model.preset=hybrid-quickstart",
         "model.d_model=32",
@@ -269,7 +269,7 @@ def test_quickstart_pipeline_runs_hybrid_proxy_and_main(tmp_path):
         f"pipeline.run_dir={tmp_path / 'run'}",
         f"data.store_dir={tmp_path / 'stores'}",
     ]
-    Pipeline(root / "experiments" / "configs" / "quickstart.yaml", sets, say=lambda _: None).run()
+    Pipeline(QUICKSTART, sets, say=lambda _: None).run()
     run = tmp_path / "run"
     assert (run / "weights.json").exists()
     for mixture in ("doremi", "odm", "uniform"):

@@ -5,11 +5,10 @@ plan cannot tell apart shown as one line with their ties named under it."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from doremi.commands.cli import main, tied_groups
+from tests.paths import QUICKSTART
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.yaml"
 LAYOUT = re.compile(r"^  #(\d+) (.+?): peak (.+?), predicted step (.+?)  \(")
 
 

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 from doremi.pipeline.pipeline import Pipeline, run_pipeline
+from tests.paths import QUICKSTART, ROOT
 from trainer.records.metrics import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "experiments" / "configs" / "quickstart.yaml"
 SMALL = [
     "train.steps=12",
     "train.eval_every=6",

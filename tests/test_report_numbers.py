@@ -18,10 +18,9 @@ from doremi.errors import DoReMiError
 from doremi.reports.guardrails import findings, format_guardrail_table, measure_pipeline, measure_sweep
 from doremi.reports.summary import weight_histories
 from doremi.study.compare import MainRun, compare, compare_roots
+from tests.paths import QUICKSTART
 from trainer.records.metrics import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "experiments" / "configs" / "quickstart.yaml"
 TINY = [
     "train.steps=4",
     "train.eval_every=2",

@@ -17,10 +17,10 @@ import pytest
 
 from doremi.commands.cli import main
 from doremi.offline.sweep import FINAL_FILE, LOSSES_FILE, MIXTURES_FILE, read_table, run_sweep
+from tests.paths import ROOT
 from tests.runs import config, config_path
 from trainer.checkpoint.checkpoint import checkpoint_dir
 
-ROOT = Path(__file__).resolve().parents[1]
 SETS = [
     "train.steps=4",
     "train.eval_every=2",

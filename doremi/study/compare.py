@@ -406,6 +406,12 @@ def _t_columns(diffs: Sequence[float]) -> list[str]:
     return [f"[{test.ci[0]:+.4f}, {test.ci[1]:+.4f}]", f"t {test.t:+.2f}, p {p:.3f}"]
 
 
+def _loss_columns(baseline: str) -> list[str]:
+    """The headers of the two differences both tables show (`Paired.mean`/`mean_diff` and
+    `worst`/`worst_diff`), one wording for the summary and the per-seed rows."""
+    return [f"mean loss - {baseline}", f"worst-case loss - {baseline}"]
+
+
 def _speed(s: float | None) -> str:
     return "not reached" if s is None else f"{s:.2f}x"
 
@@ -444,8 +450,7 @@ def _summary_table(results: Sequence[Paired], baseline: str) -> str:
         [
             "mixture",
             "seeds",
-            f"mean loss - {baseline}",
-            f"worst-case loss - {baseline}",
+            *_loss_columns(baseline),
             "domains better per seed",
             "domains better in the mean",
             "speed-up per seed",
@@ -474,8 +479,7 @@ def _per_seed_table(results: Sequence[Paired], baseline: str) -> str:
         [
             "mixture",
             "root",
-            f"mean loss - {baseline}",
-            f"worst-case loss - {baseline}",
+            *_loss_columns(baseline),
             "domains better",
             f"speed-up to {baseline}'s final loss",
         ],
