@@ -31,6 +31,7 @@ from doremi.methods.history import read_history
 from doremi.pipeline import stages
 from tests.runs import alphas, config, config_path, losses
 from trainer.checkpoint.checkpoint import checkpoint_dir, latest_checkpoint
+from trainer.config.fp8 import torchao_version
 from trainer.config.schema import load_config
 from trainer.config.tools import read_yaml
 
@@ -286,6 +287,19 @@ def test_cached_reference_gives_the_online_weights(stores, root, reference, exac
     run = train_proxy(stores, root / "cached", reference, f"mixing.doremi.reference_cache={cache}")
     assert_close_alphas(alphas(run), alphas(exact), 1e-6)
     assert max_alpha_change(exact) > 1e-3
+
+
+@pytest.mark.skipif(torchao_version() is None, reason="FP8 runs on torchao: pip install -e '.[fp8]'")
+def test_fp8_reference_moves_the_reference_losses_slightly(stores, root, reference, exact):
+    """`mixing.doremi.reference_fp8` (tests/test_online_reference.py checks its products): the
+    proxy trains on the same batches, its reference losses within FP8 rounding of the
+    reference's own, and alpha follows them."""
+    run = train_proxy(stores, root / "fp8-ref", reference, "mixing.doremi.reference_fp8=true")
+    ref = [r["ref_loss"] for r in read_history(run)]
+    want = [r["ref_loss"] for r in read_history(exact)]
+    diff = max(abs(a - b) for x, y in zip(ref, want) for a, b in zip(x, y))
+    assert len(ref) == PROXY_STEPS and 1e-5 < diff < 1e-2, diff
+    assert_close_alphas(alphas(run), alphas(exact), 1e-2)
 
 
 def test_score_and_evaluation_report_progress_on_stderr(stores, root, reference, capsys, monkeypatch):

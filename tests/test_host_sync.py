@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from doremi.pipeline import stages
 from tests.runs import config
+from trainer.config.fp8 import torchao_version
 from trainer.optim.master_weights import MasterWeightAdamW
 from trainer.run import loop
 from trainer.run.loop import Trainer
@@ -131,6 +132,8 @@ PROXY = {
     "exact, 2 micro-batches": ["train.micro_batches=2"],
     "resample": ["mixing.doremi.mode=resample"],
     "bf16 params": ["train.precision=bf16", "train.param_dtype=bf16"],
+    "bf16 compute, fp32 params": ["train.precision=bf16", "train.param_dtype=fp32"],
+    **({"fp8 reference": ["mixing.doremi.reference_fp8=true"]} if torchao_version() else {}),
 }
 
 

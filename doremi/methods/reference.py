@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +25,8 @@ from trainer.config.tools import ConfigError
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import forward_only
 from trainer.records.run_dir import RECORD_FILE, require_finished
+
+C = TypeVar("C", bound=TrainerConfig)
 
 
 def run_dir_of(checkpoint: Path) -> Path:
@@ -87,6 +90,27 @@ def reference_config(cfg: ExperimentConfig, checkpoint: Path) -> ExperimentConfi
     return dataclasses.replace(cfg, model=ref.model)
 
 
+def fp8_reference(cfg: C, path: str) -> C:
+    """`cfg` (a reference's, `reference_config`) with the forward GEMMs of its linears in FP8
+    (`mixing.<method>.reference_fp8`; `trainer.model.fp8`, torchao's tensorwise recipe with
+    dynamic scaling): the frozen reference's forward is a quarter of the proxy step's FLOPs and
+    FP8 GEMMs run them faster on Hopper (docs/design.md section 4, "The online reference's
+    cost"). A reference that trained
+    in FP8 keeps its own `model.fp8`; otherwise every linear with an FP8 path (attention's where
+    the model has attention, the MLP's unless its experts replace it; the head stays in bf16)."""
+    from trainer.config.fp8 import FP8_LAYERS, Fp8Config
+    from trainer.config.mamba import ATTENTION, layer_mixers
+
+    model = cfg.model
+    if model.fp8 is not None:
+        return cfg
+    attention = ATTENTION in layer_mixers(model.block_pattern, model.n_layers)
+    layers = [n for n in FP8_LAYERS if (attention if n in ("qkv", "proj") else model.moe is None)]
+    if not layers:
+        raise ConfigError(f"{path}: the reference model has no linear with an FP8 path (no attention, MoE experts)")
+    return dataclasses.replace(cfg, model=dataclasses.replace(model, fp8=Fp8Config(layers=layers)))
+
+
 def require_reference(cfg: ExperimentConfig) -> Path:
     """The reference checkpoint. A reference named by its run directory must have finished and
     not be training still (`trainer.records.run_dir.require_finished`; docs/design.md section 6b); a
@@ -101,19 +125,59 @@ def require_reference(cfg: ExperimentConfig) -> Path:
     return resolve_checkpoint(reference)
 
 
+def matmul_weights_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store every column- and row-parallel linear's weight of a frozen `model` in `dtype`, the
+    dtype autocast computes its matmuls in; returns how many changed. Under autocast an fp32
+    weight is cast to bf16 at every forward (the reference's weights read and written once
+    more per step, docs/design.md section 4 "The online reference's cost"); the linears cast
+    their weight to the autocast dtype themselves (`trainer.parallel.tensor._compute_dtype`,
+    or autocast's own F.linear rule), to the same values, so the losses do not change. Norms,
+    embeddings (a tied head included), the MoE router and Mamba's own parameters keep theirs."""
+    from trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight.dtype != dtype:
+            module.weight.data = module.weight.data.to(dtype)
+            n += 1
+    return n
+
+
+def fp8_weights_once(model: torch.nn.Module) -> int:
+    """Cast the weight of every FP8 linear of a frozen `model` that torchao runs whole (tp 1,
+    dynamic scaling) to FP8 once (`trainer.model.fp8.Fp8Matmul.freeze_weight`), instead of an
+    amax and a cast of each weight at every forward; the same FP8 values. Returns how many.
+    Call it after `matmul_weights_in`: the copy is cast from the weight in its compute dtype."""
+    n = 0
+    for module in model.modules():
+        mm = getattr(module, "fp8", None)
+        if mm is not None and mm.whole and mm.tp.size == 1:
+            mm.freeze_weight(module.weight)
+            n += 1
+    return n
+
+
 class OnlineReference:
     """Forward the frozen reference over the proxy's micro-batches (no grad, no activations)."""
 
     def __init__(self, model: torch.nn.Module, facts: RunFacts, pc: ParallelContext):
-        """`facts`: those of the reference's config (its autocast)."""
+        """`facts`: those of the reference's config (its autocast). Under autocast (fp32
+        parameters computing in bf16) the linears' weights are kept in bf16 (`matmul_weights_in`);
+        FP8 linears' weights are cast to FP8 once (`fp8_weights_once`)."""
         self.model, self.pc = model, pc
         self.autocast = facts.autocast()
+        if isinstance(self.autocast, torch.autocast):
+            matmul_weights_in(model, self.autocast.fast_dtype)
+        fp8_weights_once(model)
 
     def __call__(self, step: int, micro_batches: list[dict]) -> None:
-        with torch.inference_mode(), self.autocast:
+        """Under `no_grad` (`forward_only`'s), not `inference_mode`: the same kernels, and torchao's
+        FP8 tensors with rowwise scales refuse the reshape that inference mode leaves undecomposed
+        (a reference trained with `model.fp8.scaling: rowwise`)."""
+        with self.autocast:
             losses = forward_only(self.model, micro_batches, self.pc)
         for loss, b in zip(losses, micro_batches):
-            b["ref_loss"] = loss.float().clone()
+            b["ref_loss"] = loss.float()
 
 
 class CachedReference:

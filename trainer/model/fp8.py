@@ -166,6 +166,28 @@ class Fp8Matmul:
             amax_to_scale,
         )
         self._roles = {"x": GemmInputRole.INPUT, "w": GemmInputRole.WEIGHT, "g": GemmInputRole.GRAD_OUTPUT}
+        #: A frozen weight's FP8 copy (W^T), cast once (`freeze_weight`); None: cast per forward.
+        self.frozen_weight_t = None
+
+    def freeze_weight(self, w: torch.Tensor) -> None:
+        """For a model whose weights never change (the DoReMi reference, doremi/methods/reference.py):
+        cast `w` (in the dtype the linear computes in) to FP8 once, as torchao's `linear` would at
+        every forward, to the same values (a dynamic scale of an unchanged weight). tp 1 and
+        dynamic scaling only (`whole`): the tp path reduces amaxes per forward."""
+        if not self.whole or self.tp.size != 1:
+            raise ValueError("Fp8Matmul.freeze_weight: only a tp-1 linear with dynamic scaling")
+        from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+
+        cast = self.config.cast_config_weight
+        self.frozen_weight_t = hp_tensor_to_float8_dynamic(
+            w.detach().t(),
+            cast.target_dtype,
+            self.mm_config,
+            gemm_input_role=self._roles["w"],
+            scaling_granularity=cast.scaling_granularity,
+            axiswise_dim=get_maybe_axiswise_dim(0, cast.scaling_granularity),
+            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2,
+        )
 
     def __deepcopy__(self, memo) -> Fp8Matmul:
         length = self.delayed.length if self.delayed is not None else 0
@@ -179,7 +201,8 @@ class Fp8Matmul:
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """y = x W^T at tp 1 with dynamic scaling: torchao's float8 linear as it stands (its
         autograd Function is `allow_in_graph`, so `torch.compile` traces it with the model)."""
-        return self._linear.apply(x, w.t(), self.mm_config, self.config)
+        w_t = w.t() if self.frozen_weight_t is None else self.frozen_weight_t
+        return self._linear.apply(x, w_t, self.mm_config, self.config)
 
     # -- scales -------------------------------------------------------------------------------
     def _amax(self, op: Operand, dim: int | None) -> torch.Tensor:

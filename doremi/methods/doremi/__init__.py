@@ -19,13 +19,14 @@ from trainer.run.hooks import MethodContext, MixingHook
 
 def build(cfg: Any, ctx: MethodContext) -> MixingHook:
     """The proxy's hook, its reference losses read from `reference_cache` when set, else from
-    the frozen reference checkpoint run online."""
+    the frozen reference checkpoint run online (its linears in FP8 with `reference_fp8`)."""
     from data.store import read_manifest
     from data.weights import resolve_weights
     from doremi.methods.doremi.method import DoReMi
     from doremi.methods.reference import (
         CachedReference,
         OnlineReference,
+        fp8_reference,
         load_frozen,
         reference_config,
         require_reference,
@@ -51,6 +52,8 @@ def build(cfg: Any, ctx: MethodContext) -> MixingHook:
     else:
         ck = require_reference(cfg)
         ref_cfg = reference_config(cfg, ck)
+        if d.reference_fp8:
+            ref_cfg = fp8_reference(ref_cfg, "mixing.doremi.reference_fp8")
         ref_facts = RunFacts.resolve(ref_cfg, ctx.pc)
         ref = OnlineReference(load_frozen(ref_cfg, ck, ctx.pc, ref_facts), ref_facts, ctx.pc)
     return DoReMi(d, ctx, sampling, ref)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from data.config import PathStr, Weights
+from trainer.config.fp8 import require_torchao
 from trainer.config.tools import ConfigError
 
 
@@ -32,6 +33,10 @@ class DoReMiConfig:
     update: Literal["exact", "lagged"] = "exact"
     # Directory of cached per-token reference losses (`doremi score`); None: online reference.
     reference_cache: PathStr | None = None
+    # The online reference's forward with its linears' GEMMs in FP8 (tensorwise, dynamic scaling;
+    # needs torchao, `.[fp8]`): faster on Hopper, but the reference losses change slightly (FP8
+    # rounding of weights and activations), so alpha does too. Off: the reference as it trained.
+    reference_fp8: bool = False
     # `doremi average`: the tuned weights are the mean of alpha_t over the proxy's steps t >= this.
     average_from_step: int = 1
     # Iterated DoReMi (`doremi pipeline`): round r+1's reference trains on round r's averaged
@@ -53,6 +58,13 @@ class DoReMiConfig:
                 f"{path}.reference_cache: a cache needs a fixed proxy data stream, but "
                 f"{path}.mode 'resample' draws the data from alpha"
             )
+        if self.reference_fp8 and self.reference_cache:
+            raise ConfigError(
+                f"{path}.reference_fp8: applies to the online reference's forward, but "
+                f"{path}.reference_cache reads cached losses instead; set one of them"
+            )
+        if self.reference_fp8:
+            require_torchao(f"{path}.reference_fp8")
         if self.rounds < 1:
             raise ConfigError(f"{path}.rounds: expected >= 1, got {self.rounds}")
         if self.average_from_step < 1:

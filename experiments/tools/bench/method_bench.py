@@ -59,7 +59,10 @@ temporary directory; no checkpoint is written (the bench calls `train_step`, nev
 
 Usage (repository root):
     python experiments/tools/bench/method_bench.py [--presets 280m,1b] [--steps 8] [--warmup 3] \
-        [--deadline SECONDS] [--out DIR] [--device cuda|cpu]
+        [--deadline SECONDS] [--out DIR] [--device cuda|cpu] [--variants plain,doge]
+
+`--variants` times only the named rows (default: all, in the catalog's order); `vs plain` needs
+plain among them.
 """
 
 from __future__ import annotations
@@ -490,11 +493,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--deadline", type=float, default=540.0, help="seconds: skip variants that would end later")
     p.add_argument("--out", type=Path, default=None, help="directory for method_bench.md and method_bench.json")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, of {', '.join(VARIANTS)} (vs plain needs plain)",
+    )
     args = p.parse_args(argv)
     presets = [s for s in args.presets.split(",") if s]
     unknown = [s for s in presets if s not in SHAPES]
     if unknown or args.steps < 1 or args.warmup < 0:
         p.error(f"expected presets of {', '.join(SHAPES)}, --steps >= 1, --warmup >= 0 (got {args})")
+    chosen = {s for s in args.variants.split(",") if s}
+    if not chosen or chosen - set(VARIANTS):
+        p.error(f"expected --variants of {', '.join(VARIANTS)} (got {args.variants!r})")
+    variants = [v for v in VARIANTS if v in chosen]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -547,7 +559,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         for name in presets:
             last = FIRST_COST[name]
-            for variant in VARIANTS:
+            for variant in variants:
                 estimate = last * (2 if variant == "doge" else 1)
                 if time.perf_counter() - t0 + estimate > args.deadline:
                     notes.append(f"{name} {variant}: skipped (deadline {args.deadline:g}s)")

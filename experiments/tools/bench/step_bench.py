@@ -9,8 +9,10 @@ micro-batch) it times, in this order:
   mean-token weighting, clipping at 1.0, AdamW;
 - doremi-cached: the DoReMi proxy step (exact mode, `doremi.methods.doremi.method.DoReMi`) with reference
   losses from `doremi.methods.reference.CachedReference` (a cache written for the bench);
-- doremi-online: the same with `OnlineReference`: a bf16 reference model forwarded under
-  inference mode before the proxy step;
+- doremi-online: the same with `OnlineReference`: a bf16 reference model forwarded without
+  autograd before the proxy step;
+- doremi-online fp8 (torchao installed, FP8 GPU): the same with the reference's linears in FP8
+  (`mixing.doremi.reference_fp8`, `doremi.methods.reference.fp8_reference`);
 - at 1B, plain again with recompute selective and full (peak memory against the plan);
 - paired (`--paired`, default 1B): the baseline and plain steps both alive, timed in alternating
   windows, so that neither gets the cooler GPU of running first;
@@ -60,12 +62,14 @@ from data.config import DataConfig  # noqa: E402
 from doremi.methods import reference_cache  # noqa: E402
 from doremi.methods.doremi.config import DoReMiConfig  # noqa: E402
 from doremi.methods.doremi.method import DoReMi  # noqa: E402
-from doremi.methods.reference import CachedReference, OnlineReference, freeze  # noqa: E402
+from doremi.methods.reference import CachedReference, OnlineReference, fp8_reference, freeze  # noqa: E402
 from trainer.build import RunFacts  # noqa: E402
+from trainer.config.fp8 import torchao_version  # noqa: E402
 from trainer.config.presets import PRESETS  # noqa: E402
 from trainer.config.schema import ModelConfig, ParallelismConfig, TrainConfig, TrainerConfig  # noqa: E402
 from trainer.feed.weighting import MeanTokenLoss  # noqa: E402
 from trainer.model.flops import flops_per_token, non_embedding_params  # noqa: E402
+from trainer.model.fp8 import native_fp8  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.model.ops import rope  # noqa: E402
 from trainer.model.ops.kernels import Kernels  # noqa: E402
@@ -92,6 +96,7 @@ COST = {
     "plain": 35,
     "doremi-cached": 5,
     "doremi-online": 20,
+    "doremi-online-fp8": 25,
     "selective": 20,
     "full": 10,
     "ablation": 40,
@@ -427,6 +432,15 @@ class FrameworkStep:
             fn()
 
 
+def fp8_reference_runs(device: torch.device) -> bool:
+    """`mixing.doremi.reference_fp8`'s row runs here: torchao installed and `torch._scaled_mm`
+    on the device (elsewhere torchao emulates FP8, slower than bf16: nothing to time)."""
+    if torchao_version() is None or not native_fp8(device):
+        print("skipped doremi-online-fp8: needs torchao (.[fp8]) and an FP8 GPU", flush=True)
+        return False
+    return True
+
+
 def make_hook(run_dir: Path, pc: ParallelContext, reference) -> DoReMi:
     ctx = MethodContext(
         domains=[f"d{i}" for i in range(K_DOMAINS)],
@@ -508,6 +522,17 @@ def run_framework(
         step = FrameworkStep(facts, model, opt, pc, batch, make_hook(tmp / f"online-{name}", pc, ref))
         row = measure(name, "doremi online ref", step, steps, 3, fpt + ref_fpt, peak, base, None)
         row.note = "MFU counts the reference forward"
+        emit(row)
+        del ref_model, ref, step
+        free()
+
+    if doremi and fp8_reference_runs(device) and time_left("doremi-online-fp8"):
+        ref_cfg = fp8_reference(cfg, "step_bench")
+        ref_model = freeze(Llama(ref_cfg.model, cfg.parallelism, pc, seed=1, kernels=kernels), facts)
+        ref = OnlineReference(ref_model, facts, pc)
+        step = FrameworkStep(facts, model, opt, pc, batch, make_hook(tmp / f"online-fp8-{name}", pc, ref))
+        row = measure(name, "doremi online ref fp8", step, steps, 3, fpt + ref_fpt, peak, base, None)
+        row.note = f"MFU counts the reference forward; its {', '.join(ref_cfg.model.fp8.layers)} in FP8"
         emit(row)
         del ref_model, ref, step
         free()
