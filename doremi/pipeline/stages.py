@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from data import artifact
 from data.batch import collate
@@ -21,7 +20,7 @@ from data.weights_file import WEIGHTS_FILE, write_weights_file
 from doremi.config import METHODS, ExperimentConfig, load_saved_config
 from doremi.errors import DoReMiError
 from doremi.methods.history import average_weights, read_history
-from doremi.methods.reference import load_frozen, reference_config, require_reference, run_dir_of
+from doremi.methods.reference import OnlineReference, load_frozen, reference_config, require_reference, run_dir_of
 from doremi.methods.reference_cache import (
     check_out,
     create_arrays,
@@ -38,7 +37,6 @@ from trainer.build import RunFacts, init_parallel
 from trainer.checkpoint.checkpoint import resolve_checkpoint
 from trainer.config.tools import ConfigError, read_yaml
 from trainer.feed.data_feed import DataFeed
-from trainer.parallel.pipeline_schedule import forward_only
 from trainer.records.run_dir import recorded_stage, require_finished
 from trainer.run.evaluate import evaluate_domains
 from trainer.run.loop import Trainer
@@ -121,14 +119,13 @@ def score(cfg: ExperimentConfig, out_dir: str | Path) -> Path:
     visited = _visited_sequences(feed, weights, cfg.train.steps)
     stamp = reference_stamp(ck)
     facts = RunFacts.resolve(ref_cfg, pc)  # cfg's train and parallelism: its micro-batch size
-    model = load_frozen(ref_cfg, ck, pc, facts)
-    ctx = facts.autocast()
+    reference = OnlineReference(load_frozen(ref_cfg, ck, pc, facts), facts, pc)
     tmp = staging_dir(out)
     seq_len = cfg.data.seq_len
     if pc.is_main:
         create_arrays(tmp, feed.domains, [feed.train.num_sequences(d) for d in range(len(feed.domains))], seq_len)
     pc.barrier()
-    _score_visited(model, feed, visited, tmp, pc, ctx, facts.micro_batch_size)
+    _score_visited(reference, feed, visited, tmp, pc, facts.micro_batch_size)
     pc.barrier()
     if pc.is_main:
         publish(
@@ -156,9 +153,13 @@ def _visited_sequences(feed: DataFeed, weights: Any, steps: int) -> list[set[int
     return visited
 
 
-def _score_visited(model: Any, feed: DataFeed, visited: list[set[int]], tmp: Path, pc: Any, ctx: Any, mbs: int) -> None:
-    """Score each visited sequence once into the staged arrays; dp ranks split the chunks.
-    Rank 0 reports its chunks done on stderr (data/progress.py): at scale this is minutes."""
+def _score_visited(
+    reference: OnlineReference, feed: DataFeed, visited: list[set[int]], tmp: Path, pc: Any, mbs: int
+) -> None:
+    """Score each visited sequence once into the staged arrays; dp ranks split the chunks. The
+    forward is the online reference's (`OnlineReference`), so a cached and an online proxy read
+    the same losses. Rank 0 reports its chunks done on stderr (data/progress.py): at scale this
+    is minutes."""
     total = sum(len(range(pc.dp_rank, -(-len(v) // mbs), pc.dp)) for v in visited)
     countdown = Countdown("score: batch", total) if pc.is_main else None
     done = 0
@@ -171,10 +172,9 @@ def _score_visited(model: Any, feed: DataFeed, visited: list[set[int]], tmp: Pat
         arr = open_for_scoring(tmp, name) if writer else None
         for chunk in mine:
             batch = collate(feed.train, [(d, i) for i in chunk], device=pc.device)
-            with torch.inference_mode(), ctx:
-                losses = forward_only(model, [batch], pc)
+            reference(0, [batch])
             if writer:
-                arr[chunk] = losses[0].float().cpu().numpy()
+                arr[chunk] = batch["ref_loss"].cpu().numpy()
             done += 1
             if countdown is not None:
                 countdown.done(done, name)
