@@ -45,8 +45,8 @@ def test_moe_bench_writes_the_layer_rows_when_the_step_fails_and_exits_1(bench, 
         mb.main([*argv, "--device", "cpu", "--out", str(tmp_path)])
     assert stop.value.code == 1
     rows = json.loads((tmp_path / "moe_bench.json").read_text())["rows"]
-    assert [r["variant"] for r in rows[:2]] == ["framework", "plain"] and all(r["ms"] > 0 for r in rows[:2])
-    assert rows[2] == {"part": "step", "error": "OutOfMemoryError: out of memory"}
+    assert [r["variant"] for r in rows[:4]] == ["framework", "plain"] * 2 and all(r["ms"] > 0 for r in rows[:4])
+    assert rows[4] == {"part": "step", "error": "OutOfMemoryError: out of memory"}
 
 
 class _Recorder(torch.nn.Module):

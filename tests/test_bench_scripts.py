@@ -209,6 +209,17 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(tmp_path):
     assert float(table[0].split("|")[vs]) == 1.0
 
 
+def test_method_bench_times_only_the_chosen_variants_in_the_catalogs_order(capsys):
+    """`--variants doge,plain` gives exactly those rows, plain first; an unknown name exits 2."""
+    mb = bench_module("method_bench")
+    argv = ["--presets", "tiny", "--steps", "1", "--warmup", "0", "--device", "cpu"]
+    result = mb.main([*argv, "--variants", "doge,plain"])
+    assert [r["variant"] for r in result["rows"]] == ["plain", "doge"]
+    with pytest.raises(SystemExit) as e:
+        mb.main([*argv, "--variants", "plain,dogee"])
+    assert e.value.code == 2 and "expected --variants of plain, doge" in capsys.readouterr().err
+
+
 def test_stacked_bench_runs_both_sides_on_a_tiny_shape_on_the_cpu(capsys):
     """`stacked_bench.main` at a tiny shape on the CPU: the ordinary runs one by one and the
     stacked models both step, and the speed-up is the ratio of their step times."""
@@ -234,15 +245,20 @@ def test_mamba_bench_runs_the_layer_and_the_hybrid_step_on_the_cpu(tmp_path):
 
 
 def test_moe_bench_runs_both_moe_implementations_and_the_step_on_the_cpu(tmp_path):
-    """`moe_bench.main` at the `moe-tiny` shape on the CPU: the framework's dropless MoE and the
-    plain per-expert loop compute the same outputs and are both timed; the step's MFU is
+    """`moe_bench.main` at the `moe-tiny` shape on the CPU: the framework's dropless MoE (eager and
+    compiled, its graph breaks counted) and the plain per-expert loop compute the same outputs
+    and are all timed, each framework row with its speedup over the loop; the step's MFU is
     tokens/s x the counted (active) FLOPs / 989e12."""
     bench = bench_module("moe_bench")
     argv = ["--preset", "moe-tiny", "--micro-batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1"]
     result = bench.main([*argv, "--device", "cpu", "--out", str(tmp_path)])
-    ours, plain, step = result["rows"]
-    assert ours["variant"] == "framework" and plain["variant"] == "plain" and ours["ms"] > 0 and plain["ms"] > 0
-    assert ours["max_abs_diff"] < 1e-5
+    ours, plain, ours_compiled, plain_compiled, step = result["rows"]
+    assert ours["variant"] == ours_compiled["variant"] == "framework" and plain["variant"] == "plain"
+    assert not ours["compiled"] and ours_compiled["compiled"] and ours["ms"] > 0 and plain["ms"] > 0
+    assert ours["speedup_vs_plain"] == pytest.approx(plain["ms"] / ours["ms"])
+    assert ours["max_abs_diff"] < 1e-5 and ours["grouped_mm"] is False
+    assert ours_compiled["graph_breaks"] >= 0 and plain_compiled["variant"] == "plain" and not step["compiled"]
+    assert ours_compiled["speedup_vs_plain"] == pytest.approx(plain_compiled["ms"] / ours_compiled["ms"])
     assert step["mfu"] == pytest.approx(step["tokens_per_s"] * step["flops_per_token"] / 989e12)
     assert (tmp_path / "moe_bench.json").exists()
 
@@ -283,8 +299,33 @@ def test_fp8_bench_train_smoke_runs_both_arms_and_plots_their_curves(stores, tmp
     assert [s for s, _ in fp8["curve"]] == [1, 2, 3] and bf16["finite"] and fp8["finite"]
     assert fp8["val_loss_vs_bf16"] == pytest.approx(fp8["final_val_loss"] / bf16["final_val_loss"] - 1)
     assert fp8["curve"] != bf16["curve"] and abs(fp8["val_loss_vs_bf16"]) < 0.05
+    assert fp8["nonfinite_steps"] == [] and fp8["seconds"] > 0 and fp8["val_curve"][-1] == (3, fp8["final_val_loss"])
+    assert fp8["accepted"] == (abs(fp8["val_loss_vs_bf16"]) <= 0.005)
     assert (tmp_path / "fp8_train.png").stat().st_size > 0 and (tmp_path / "fp8_train.json").exists()
     assert _fp8_bench().main(argv)["rows"] == result["rows"]
+
+
+def test_fp8_bench_counts_the_steps_whose_loss_or_gradient_norm_is_not_finite():
+    rows = [{"step": 1, "loss": 2.0, "grad_norm": 1.0}, {"step": 2, "loss": float("nan"), "grad_norm": 1.0}]
+    rows += [{"step": 3, "loss": 2.0, "grad_norm": float("inf")}, {"step": 3, "val_loss": {"a": 1.0}}]
+    rows += [{"step": 4, "loss": "nan", "grad_norm": 1.0}]  # as metrics.jsonl writes it
+    assert _fp8_bench().nonfinite_steps(rows) == [2, 3, 4]
+
+
+def test_fp8_bench_converts_the_same_linears_in_plain_and_parses_inductor_settings():
+    bench = _fp8_bench()
+    keep = bench.plain_filter(("gate_up", "down"))
+    fqns = ["layers.0.wqkv", "layers.0.wo", "layers.0.w_gate_up", "layers.3.w_down", "output"]
+    assert [f for f in fqns if keep(None, f)] == ["layers.0.w_gate_up", "layers.3.w_down"]
+    assert not bench.plain_filter(tuple(bench.PLAIN_LINEARS))(None, "output")  # the head stays bf16
+    assert bench.plain_filter((), head=True)(None, "output")
+    settings = ["coordinate_descent_tuning=true", "max_autotune_gemm_backends=TRITON,ATEN"]
+    assert bench.inductor_settings(settings) == {
+        "coordinate_descent_tuning": True,
+        "max_autotune_gemm_backends": "TRITON,ATEN",
+    }
+    with pytest.raises(ValueError, match="torch._inductor.config key, got 'no_such_key=1'"):
+        bench.inductor_settings(["no_such_key=1"])
 
 
 class _Parsed(Exception):

@@ -130,10 +130,32 @@ def _dispatched(
     recv_table = recv_counts.tolist()
     recv = [sum(r) for r in recv_table]
     x = _AllToAll.apply(sorted_x, send, recv, ep.group)
-    perm = regroup_by_expert(recv_table).to(x.device)
-    out = experts(x[perm], recv_counts.sum(0))
-    back = torch.empty_like(out).index_copy(0, perm, out)
-    return _AllToAll.apply(back, recv, send, ep.group)
+    perm = regroup_by_expert(recv_table)
+    inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel()))
+    perm, inverse = perm.to(x.device), inverse.to(x.device)
+    out = experts(permute_rows(x, perm, inverse), recv_counts.sum(0))
+    return _AllToAll.apply(permute_rows(out, inverse, perm), recv, send, ep.group)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """rows = x[index] for a permutation `index` whose inverse is `inverse`. Backward is the
+    inverse gather, g[inverse]: a permutation's gradient needs no accumulation, where autograd's
+    own for `x[index]` is an accumulating scatter (on CUDA a sort of the indices first)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        return g.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """x[index] for a permutation `index` (inverse `inverse`); its gradient a gather too."""
+    return _PermuteRows.apply(x, index, inverse)
 
 
 def regroup_by_expert(table: list[list[int]]) -> torch.Tensor:

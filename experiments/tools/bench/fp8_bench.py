@@ -13,9 +13,21 @@ layers, 32 heads, 8 KV heads, ffn 14336). Acceptance (issue 36): tensorwise >= 1
 
 `train`: the 120M model of experiments/notes/COMPARISON.md (d 896, 12 layers, 14 heads, ffn 2432)
 on the quickstart data (the embedded corpus), bf16 and FP8 tensorwise, `--train-steps` steps
-each from the same seed (32 x 512 tokens a step; a run already finished under `--work` is read,
-not rerun, so the arms can be split over calls); the loss curves in one plot (`fp8_train.png`), the final validation
-losses (mean over domains) and their ratio, and whether any loss was not finite.
+each from the same seed and batches (`--train-batch` x 512 tokens a step, the token-proportional
+mixture: the corpus has about 1.07M training tokens, so 2000 steps of 8 sequences read it 7.6
+times, and a uniform mixture would read its smallest domain 32 times: memorisation, not the
+arithmetic, would then decide the validation loss; a run already finished under `--work` is
+read, not rerun, so the arms can be split over calls); the training and validation curves in
+one plot (`fp8_train.png`), the final validation losses (mean over domains), FP8's relative
+difference, the steps whose loss or gradient norm was not finite (the trainer stops at the
+first, `trainer.run.health`: its step is kept), each arm's seconds, and the acceptance (issue 36:
+within 0.5% of bf16, no non-finite step). torchao's casts saturate, so an FP8 overflow shows
+as a non-finite loss or gradient norm only where it reaches bf16 arithmetic.
+
+Step options for the search of a higher ratio at 1b (experiments/notes/FP8.md): `--fp8-layers`
+(the block linears in FP8, the same roles in ours and in plain), `--plain-head` (plain's head in
+FP8 too, as `convert_to_float8_training` without a filter does; ours has no FP8 head), and
+`--inductor KEY=VALUE ...` (`torch._inductor.config` settings for every compile of the run).
 
 `--smoke`: the same code on the CPU at toy sizes (train: `--config`'s model and data as they
 are), FP8 in torchao's emulation, steps compiled with the `aot_eager` backend (dynamo's graph
@@ -23,8 +35,9 @@ breaks are counted as on the GPU): not a result.
 
 Usage (repository root; torchao from `pip install -e .[fp8]`):
     python experiments/tools/bench/fp8_bench.py step [--sizes 1b 4096] [--scalings tensorwise] \\
-        [--micro-batch 4] [--seq 2048] [--steps 10] [--warmup 3] [--out DIR]
-    python experiments/tools/bench/fp8_bench.py train [--train-steps 2000] [--out DIR]
+        [--micro-batch 4] [--seq 2048] [--steps 10] [--warmup 3] [--fp8-layers qkv proj gate_up down] \\
+        [--plain-head] [--inductor KEY=VALUE ...] [--out DIR]
+    python experiments/tools/bench/fp8_bench.py train [--train-steps 2000] [--train-batch 8] [--out DIR]
 """
 
 from __future__ import annotations
@@ -61,6 +74,43 @@ SIZES: dict[str, tuple[str, dict]] = {
 }
 #: The 120M main-run shape of experiments/notes/COMPARISON.md (vocab: the quickstart BPE).
 MODEL_120M = dict(d_model=896, n_layers=12, n_heads=14, n_kv_heads=14, ffn_dim=2432)
+#: `model.fp8.layers` names -> plain_llama's linear of that role (`--fp8-layers` converts the same in both).
+PLAIN_LINEARS = {"qkv": "wqkv", "proj": "wo", "gate_up": "w_gate_up", "down": "w_down"}
+#: Issue 36's acceptance of the training run: |FP8 / bf16 - 1| of the final validation loss.
+VAL_TOLERANCE = 0.005
+
+
+def plain_filter(layers: tuple[str, ...], head: bool = False) -> Callable[[torch.nn.Module, str], bool]:
+    """torchao's `module_filter_fn` converting plain_llama's linears of the roles in `layers`, and
+    the head (`output`) only with `head`: `convert_to_float8_training` without a filter converts
+    it too, which ours cannot (`model.fp8.layers` has no head), so by default plain keeps it in bf16."""
+    names = {PLAIN_LINEARS[name] for name in layers} | ({"output"} if head else set())
+    return lambda _, fqn: fqn.rsplit(".", 1)[-1] in names
+
+
+def inductor_settings(pairs: list[str]) -> dict[str, bool | int | float | str]:
+    """`--inductor KEY=VALUE` as `torch._inductor.config` settings (true/false, numbers, else
+    strings); an unknown key is a ValueError, before anything compiles."""
+    import torch._inductor.config as inductor
+
+    out: dict[str, bool | int | float | str] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not hasattr(inductor, key):
+            raise ValueError(f"--inductor expects KEY=VALUE with a torch._inductor.config key, got {pair!r}")
+        low = raw.lower()
+        value: bool | int | float | str = raw
+        if low in ("true", "false"):
+            value = low == "true"
+        else:
+            for kind in (int, float):
+                try:
+                    value = kind(raw)
+                    break
+                except ValueError:
+                    pass
+        out[key] = value
+    return out
 
 
 def graph_breaks() -> int:
@@ -129,7 +179,9 @@ def plain(cfg: ModelConfig, args, device: torch.device, scaling: str | None) -> 
             from torchao.float8 import convert_to_float8_training
 
             fp8 = linear_config(*SCALINGS[scaling], emulate=not native_fp8(device))
-            convert_to_float8_training(model, config=fp8, module_filter_fn=lambda _, fqn: fqn != "output")
+            convert_to_float8_training(
+                model, config=fp8, module_filter_fn=plain_filter(tuple(args.fp8_layers), args.plain_head)
+            )
         opt = torch.optim.AdamW(model.parameters(), lr=plain_llama.LR, fused=device.type == "cuda")
         fwd = torch.compile(model, backend="inductor" if device.type == "cuda" else "aot_eager")
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -164,7 +216,8 @@ def bench_steps(args, device: torch.device) -> tuple[list[dict], bool]:
         cfg = replace(model_config(preset, **overrides), max_seq_len=max(args.seq, 16))
         parts: list[tuple[str, Callable[[], dict]]] = [("ours/bf16", lambda c=cfg: ours(c, args, device, "bf16"))]
         for s in args.scalings:
-            fp8 = replace(cfg, fp8=Fp8Config(scaling=SCALINGS[s][0], grad_dtype=SCALINGS[s][1]))
+            layers = list(args.fp8_layers)
+            fp8 = replace(cfg, fp8=Fp8Config(scaling=SCALINGS[s][0], grad_dtype=SCALINGS[s][1], layers=layers))
             parts.append((f"ours/{s}", lambda c=fp8, s=s: ours(c, args, device, s)))
         parts.append(("plain/bf16", lambda c=cfg: plain(c, args, device, None)))
         parts += [(f"plain/{s}", lambda c=cfg, s=s: plain(c, args, device, s)) for s in args.scalings]
@@ -193,14 +246,28 @@ def step_table(rows: list[dict]) -> list[str]:
 # -- the training run -----------------------------------------------------------------------------
 
 
+def nonfinite_steps(rows: list[dict]) -> list[int]:
+    """The logged steps whose loss or gradient norm is NaN or infinite (metrics.jsonl writes
+    those as the strings "nan", "inf": `trainer.records.metrics`)."""
+    return [
+        r["step"]
+        for r in rows
+        if "loss" in r and not all(math.isfinite(float(r.get(k, 0.0))) for k in ("loss", "grad_norm"))
+    ]
+
+
 def train_run(args, device: torch.device, label: str, work: Path) -> dict:
     """One run of the 120M model on the quickstart data (`--smoke`: `--config`'s own model and
-    data): its loss curve, final validation loss (mean over domains) and whether every logged
-    loss was finite."""
+    data): its loss curve, validation curve and final validation loss (mean over domains), the
+    non-finite steps, and its seconds (kept in the run directory, so a finished run read again
+    gives the same row)."""
+    import time
+
     from doremi.config import ExperimentConfig
     from doremi.pipeline import stages
     from trainer.config.schema import load_config
     from trainer.records.metrics import read_jsonl
+    from trainer.run.health import NonFiniteError
 
     run = work / label
     sets = [
@@ -211,8 +278,11 @@ def train_run(args, device: torch.device, label: str, work: Path) -> dict:
         f"train.run_dir={run}",
         f"checkpoint.every={args.train_steps}",
         "checkpoint.keep=1",
-        "logging.every=1",
+        # every 10 steps on the GPU: each logged step reads the device; the trainer's health
+        # check still stops at the first non-finite step, logged or not (`trainer.run.health`)
+        f"logging.every={1 if args.smoke else 10}",
         "logging.progress=false",
+        "data.domain_weights=tokens",
     ]
     if not args.smoke:
         seq = 512
@@ -221,7 +291,7 @@ def train_run(args, device: torch.device, label: str, work: Path) -> dict:
             f"model.max_seq_len={seq}",
             f"data.seq_len={seq}",
             f"data.store_dir={work / f'stores-{seq}'}",
-            "train.global_batch_size=32",
+            f"train.global_batch_size={args.train_batch}",
             "train.lr=1e-3",
             "train.min_lr=1e-4",
         ]
@@ -232,15 +302,32 @@ def train_run(args, device: torch.device, label: str, work: Path) -> dict:
         from data.preprocess import preprocess
 
         preprocess(cfg.data, progress=False)
-    metrics = run / "metrics.jsonl"
-    if not metrics.exists() or not any(r.get("step") == args.train_steps for r in read_jsonl(metrics)):
-        stages.train(cfg)  # a finished run (an earlier call on the same machine) is read, not rerun
+    metrics, facts = run / "metrics.jsonl", run / "fp8_bench_run.json"
+    if not facts.exists():  # a finished run (an earlier call on the same machine) is read, not rerun
+        start, stopped_at = time.perf_counter(), None
+        try:
+            stages.train(cfg)
+        except NonFiniteError as e:
+            stopped_at = e.step
+        facts.write_text(json.dumps({"seconds": time.perf_counter() - start, "stopped_at": stopped_at}))
+    done = json.loads(facts.read_text())
     rows = read_jsonl(metrics)
-    curve = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    val = [r for r in rows if "val_loss" in r][-1]["val_loss"]
-    final = sum(val.values()) / len(val)
-    finite = all(math.isfinite(v) for _, v in curve) and math.isfinite(final)
-    return {"part": "train", "variant": label, "curve": curve, "final_val_loss": final, "finite": finite}
+    curve = [(r["step"], float(r["loss"])) for r in rows if "loss" in r]
+    val_curve = [
+        (r["step"], sum(map(float, r["val_loss"].values())) / len(r["val_loss"])) for r in rows if "val_loss" in r
+    ]
+    bad = sorted({*nonfinite_steps(rows), *([done["stopped_at"]] if done["stopped_at"] else [])})
+    final = val_curve[-1][1] if val_curve and not bad else math.nan
+    return {
+        "part": "train",
+        "variant": label,
+        "curve": curve,
+        "val_curve": val_curve,
+        "final_val_loss": final,
+        "nonfinite_steps": bad,
+        "finite": not bad and math.isfinite(final),
+        "seconds": done["seconds"],
+    }
 
 
 def plot_curves(runs: list[dict], path: Path) -> None:
@@ -250,9 +337,18 @@ def plot_curves(runs: list[dict], path: Path) -> None:
     ax = fig.add_subplot()
     for r in runs:
         steps, losses = zip(*r["curve"])
-        ax.plot(steps, losses, label=f"{r['variant']} (val {r['final_val_loss']:.4f})", linewidth=0.8)
+        line = ax.plot(steps, losses, label=f"{r['variant']} train", linewidth=0.8)[0]
+        if r["val_curve"]:
+            ax.plot(
+                *zip(*r["val_curve"]),
+                marker="o",
+                markersize=3,
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{r['variant']} validation (final {r['final_val_loss']:.4f})",
+            )
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss (validation: mean over domains)")
     ax.set_title("120M on the quickstart data: bf16 against FP8 (torchao)")
     ax.legend()
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -268,6 +364,7 @@ def bench_train(args, device: torch.device, out: Path) -> tuple[list[dict], bool
     for r in done:
         if base is not None:
             r["val_loss_vs_bf16"] = r["final_val_loss"] / base["final_val_loss"] - 1.0
+            r["accepted"] = bool(abs(r["val_loss_vs_bf16"]) <= VAL_TOLERANCE and r["finite"] and base["finite"])
     if done:
         out.mkdir(parents=True, exist_ok=True)
         plot_curves(done, out / "fp8_train.png")
@@ -279,11 +376,27 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("mode", nargs="?", choices=["step", "train"], default="step")
     p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["1b", "4096"])
     p.add_argument("--scalings", nargs="+", choices=list(SCALINGS), default=["tensorwise"])
+    p.add_argument(
+        "--fp8-layers",
+        nargs="+",
+        choices=list(PLAIN_LINEARS),
+        default=list(PLAIN_LINEARS),
+        help="step: the block linears in FP8, in ours (model.fp8.layers) and in plain",
+    )
+    p.add_argument("--plain-head", action="store_true", help="step: plain's head in FP8 too (ours has no such path)")
+    p.add_argument(
+        "--inductor",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="torch._inductor.config settings for the compiles",
+    )
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--train-steps", type=int, default=2000)
+    p.add_argument("--train-batch", type=int, default=8, help="train: sequences of 512 tokens per step")
     p.add_argument("--work", type=Path, default=ROOT / "runs/fp8_bench")
     p.add_argument("--config", type=Path, default=ROOT / "experiments/configs/quickstart.yaml", help="train's data")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -295,6 +408,12 @@ def main(argv: list[str] | None = None) -> dict:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     device = torch.device(args.device)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    try:
+        inductor = inductor_settings(args.inductor)
+    except ValueError as e:
+        p.error(str(e))
+    for key, value in inductor.items():
+        setattr(torch._inductor.config, key, value)
     native = native_fp8(device)
     out = args.out or args.work
     if args.mode == "step":
@@ -303,15 +422,17 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         rows, ok = bench_train(args, device, out)
         lines = [
-            f"{r['variant']:10s} final val loss {r['final_val_loss']:.4f}"
+            f"{r['variant']:10s} final val loss {r['final_val_loss']:.4f}, {r['seconds']:.0f} s"
             + (f" ({r['val_loss_vs_bf16']:+.2%} vs bf16)" if "val_loss_vs_bf16" in r else "")
-            + ("" if r["finite"] else "  NOT FINITE")
+            + ("" if r["finite"] else f"  NOT FINITE at steps {r['nonfinite_steps'][:5]}")
+            + (f"; acceptance (within {VAL_TOLERANCE:.1%}, all finite): {r['accepted']}" if "accepted" in r else "")
             for r in rows
             if "error" not in r
         ]
     head = f"{args.mode} on {device} ({'torch._scaled_mm' if native else 'EMULATED: not a result'}), torch {torch.__version__}"
     print("\n".join([head, *lines]), flush=True)
-    result = {"mode": args.mode, "device": str(device), "native_fp8": native, "torch": torch.__version__, "rows": rows}
+    result = {"mode": args.mode, "device": str(device), "native_fp8": native, "torch": torch.__version__}
+    result |= {"fp8_layers": args.fp8_layers, "plain_head": args.plain_head, "inductor": inductor, "rows": rows}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"fp8_{args.mode}.json").write_text(json.dumps(result, indent=1))
