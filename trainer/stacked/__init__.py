@@ -13,7 +13,8 @@ rounding: the same initialisation (`Llama` with the run's seed), the same batche
 per mixture seeded as `trainer.feed.data_feed.DataFeed`), the same objective (the mean token loss), the
 same clipping (each model's own global norm) and the same torch AdamW on the stacked tensors.
 
-Modules: `layers` (the batched ops), `model` (`StackedLlama`, stacking and unstacking),
+Modules: `layers` (the batched ops), `model` (`StackedLlama`, stacking and unstacking), `head`
+(the training head's loss and gradients model by model, no logits kept),
 `optim` (AdamW and the per-model clip), `feed` (per-mixture samplers, stacked batches),
 `evaluate` (per-domain validation loss [M, k]), `run` (one chunk of models trained together),
 `train` (`train_stacked`, chunking, `StackedResult`).

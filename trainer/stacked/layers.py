@@ -1,8 +1,11 @@
 """The weight-holding layers of `trainer.stacked.model`, each weight with a leading model
 dimension M, each op one batched kernel over the M models.
 
-Activations are [M, s, b, ...]: the model dimension first (so that a projection is one
-`torch.bmm` over [M, s b, in]), then `trainer.model.llama`'s [s, b] order. A layer's weight
+Activations are [M, b, s, ...]: the model dimension first (so that a projection is one
+`torch.bmm` over [M, b s, in]), then the batch's own [b, s] order, so that the M b sequences
+that RoPE and attention see are a view ([M b, s, ...], `trainer.stacked.model.to_heads`), not
+a copy (`trainer.model.llama`'s [s, b] order cost a permuting copy of the QKV projection and of
+the attention output per layer, and of their gradients: design section 4d). A layer's weight
 `weight[m]` is model m's weight in `Llama` (same name, same shape), so stacking and unstacking
 is indexing.
 """
@@ -54,7 +57,7 @@ class StackedEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(models, rows, dim, device=device))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """ids [M, b, s] -> hidden [M, s, b, d]."""
+        """ids [M, b, s] -> hidden [M, b, s, d]."""
         m = input_ids.shape[0]
         offsets = torch.arange(m, device=input_ids.device).view(m, 1, 1) * self.rows
-        return F.embedding(input_ids.transpose(1, 2) + offsets, self.weight.flatten(0, 1))
+        return F.embedding(input_ids + offsets, self.weight.flatten(0, 1))

@@ -5,9 +5,9 @@ The math is `trainer.model.llama.Llama`'s at tp = pp = 1, op for op: embedding, 
 `trainer.model.layers.causal_attention`, output projection; RMSNorm, fused [gate | up], the
 fused SwiGLU, down projection), final RMSNorm, head, and the per-token cross entropy of
 `Kernels.cross_entropy`. Only the batching over models is new: projections are `torch.bmm`
-over [M, s b, in] (`trainer.stacked.layers`), and RoPE and attention see the M models as M
-times the batch ([s, M b, ...]): attention never mixes sequences, so model m's queries meet
-only model m's keys.
+over [M, b s, in] (`trainer.stacked.layers`), and RoPE and attention see the M models as M
+times the batch ([s, M b, ...], a transposed view of the [M, b, s, ...] activations): attention
+never mixes sequences, so model m's queries meet only model m's keys.
 
 Parameters carry `Llama`'s names, so model m is `{name: p[m]}` (`unstack`), and a stacked model
 is built from M ordinary `Llama`s initialised with their seeds (`stack_llamas`): the
@@ -30,6 +30,7 @@ from trainer.model.ops.kernels import Kernels
 from trainer.model.ops.swiglu import swiglu
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.tensor import padded_vocab_size
+from trainer.stacked.head import stacked_head_objective
 from trainer.stacked.layers import StackedEmbedding, StackedLinear, StackedRMSNorm
 
 
@@ -39,15 +40,16 @@ def _checkpoint(fn, *args):
 
 
 def to_heads(x: torch.Tensor) -> torch.Tensor:
-    """[M, s, b, w] -> [s, M b, w]: the models as more sequences of one batch."""
-    m, s, b, w = x.shape
-    return x.permute(1, 0, 2, 3).reshape(s, m * b, w)
+    """[M, b, s, w] -> [s, M b, w]: the models as more sequences of one batch, a view (RoPE
+    reads rows of any strides, `trainer.model.ops.rope`)."""
+    return x.flatten(0, 1).transpose(0, 1)
 
 
 def from_heads(x: torch.Tensor, models: int) -> torch.Tensor:
-    """[s, M b, w] -> [M, s, b, w] (a view)."""
-    s, mb, w = x.shape
-    return x.view(s, models, mb // models, w).transpose(0, 1)
+    """[s, M b, w] -> [M, b, s, w], a view (the gradient of attention's output, [M, b s, w]
+    from the output projection's backward, reaches SDPA's backward without a copy; the output
+    itself is [s, M b]-major as RoPE's q is, and the projection copies it: design 4d-iii)."""
+    return x.transpose(0, 1).unflatten(0, (models, -1))
 
 
 class StackedAttention(nn.Module):
@@ -60,7 +62,7 @@ class StackedAttention(nn.Module):
         self.out = StackedLinear(models, cfg.n_heads * hd, cfg.d_model, device)
 
     def core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE and causal attention: [M, s, b, (h + 2 kv) hd] -> [M, s, b, h hd]."""
+        """RoPE and causal attention: [M, b, s, (h + 2 kv) hd] -> [M, b, s, h hd]."""
         q, k, v = self.kernels.rope_qkv(to_heads(qkv), cos, sin, self.heads, self.kv_heads)
         return from_heads(causal_attention(q, k, v, self.impl, self.kernels.sdpa_priority), qkv.shape[0])
 
@@ -121,6 +123,9 @@ class StackedLlama(nn.Module):
         device = torch.device(device)
         self.cfg, self.models = cfg, models
         self.kernels = kernels or Kernels()
+        #: The training head through `trainer.stacked.head` (False: the unfused head, which
+        #: keeps the logits for backward; the same numbers, for stacked_bench's comparison).
+        self.fused_head = True
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, 1)
         impl = resolve_attention(cfg.attention, device)
         self.embed = StackedEmbedding(models, self.padded_vocab, cfg.d_model, device)
@@ -140,30 +145,52 @@ class StackedLlama(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.cfg.tie_embeddings else self.head.weight
 
-    def _run(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _run(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.embed(input_ids)
-        seq = x.shape[1]
+        seq = x.shape[2]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.rope_cos.shape[0]}")
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         for block in self.layers.values():
             x = block(x, cos, sin)
-        m, s, b, d = x.shape
-        logits = torch.bmm(self.norm(x).reshape(m, s * b, d), self.head_weight().transpose(1, 2))
-        losses = self.kernels.cross_entropy(
-            logits, labels.transpose(1, 2).reshape(m, s * b), self.cfg.vocab_size, IGNORE_INDEX
-        )
-        return losses.view(m, s, b).transpose(1, 2).contiguous()
+        m, b, s, d = x.shape
+        h = self.norm(x).reshape(m, b * s, d)
+        if weights is not None and self.fused_head:
+            # The dtype autocast gives the head's bmm in the unfused path below.
+            device = h.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+            objective, losses = stacked_head_objective(
+                h.to(dtype),
+                self.head_weight().to(dtype),
+                labels.reshape(m, b * s),
+                weights.reshape(m, b * s),
+                self.cfg.vocab_size,
+                IGNORE_INDEX,
+            )
+            return objective, losses.view(m, b, s)
+        logits = torch.bmm(h, self.head_weight().transpose(1, 2))
+        losses = self.kernels.cross_entropy(logits, labels.reshape(m, b * s), self.cfg.vocab_size, IGNORE_INDEX)
+        losses = losses.view(m, b, s)
+        return losses if weights is None else ((weights * losses).sum(), losses.detach())
 
-    def forward(self, batch: dict) -> torch.Tensor:
-        """Per-token losses [M, b, s] (fp32) of model m on `input_ids[m]`, `labels[m]`."""
+    def forward(
+        self, batch: dict, weights: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Per-token losses [M, b, s] (fp32) of model m on `input_ids[m]`, `labels[m]`. Given
+        `weights` [M, b, s] (each token's weight in the training objective): (the objective
+        sum(weights * losses), to call backward on, and the losses, detached), the head's
+        logits and their gradient made chunk by chunk in the forward (`trainer.stacked.head`;
+        its loss is `trainer.model.ops.cross_entropy`'s, whatever `kernels.cross_entropy` is)
+        unless `fused_head` is off."""
         input_ids, labels = batch["input_ids"], batch["labels"]
         if input_ids.shape[0] != self.models or labels.shape != input_ids.shape:
             raise ValueError(
                 f"StackedLlama: expected input_ids and labels [{self.models}, b, s], "
                 f"got {tuple(input_ids.shape)} and {tuple(labels.shape)}"
             )
-        return self._run_compiled(input_ids, labels)
+        return self._run_compiled(input_ids, labels, weights)
 
     # -- one model in, one model out ---------------------------------------------------------
     @torch.no_grad()

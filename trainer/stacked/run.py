@@ -3,7 +3,8 @@
 Per step t: draw each run's global batch (`trainer.stacked.feed`), count each run's tokens N_m,
 forward and backward every micro-batch with weight 1 / N_m on model m's non-masked tokens (the
 ordinary mean token loss, `trainer.feed.weighting.MeanTokenLoss`: gradients summed over
-micro-batches, the normalisation in the weights), clip each model by its own global norm, one
+micro-batches, the normalisation in the weights, which the forward takes, so that the head makes
+its gradient there: `trainer.stacked.head`), clip each model by its own global norm, one
 AdamW step for all at the shared `trainer.run.schedule_extension.scheduled_lr(t)`. The models are
 independent in the summed objective, so model m's gradient is its run's gradient.
 """
@@ -65,11 +66,11 @@ class StackedRun:
         loss_sum = torch.zeros(self.feed.models, dtype=torch.float64, device=scale.device)
         tokens = torch.zeros_like(loss_sum)
         for b in batches:
-            with self.autocast:
-                losses = self.model(b)
             mask = b["labels"] != IGNORE_INDEX
-            (mask.to(torch.float32) * scale.view(-1, 1, 1) * losses).sum().backward()
-            loss_sum += torch.where(mask, losses.detach().double(), 0.0).sum(dim=(1, 2))
+            with self.autocast:
+                objective, losses = self.model(b, mask.to(torch.float32) * scale.view(-1, 1, 1))
+            objective.backward()
+            loss_sum += torch.where(mask, losses.double(), 0.0).sum(dim=(1, 2))
             tokens += mask.sum(dim=(1, 2))
         norms = clip_per_model(self.params, self.cfg.train.grad_clip)
         lr = scheduled_lr(step, self.cfg.train, None)

@@ -16,11 +16,15 @@ loss, clipping at 1.0, AdamW at the scheduled rate.
   CUDA) in chunks of `--chunk-size`, the step time the median over the timed steps.
 Speed-up = M x (one run's step) / (the stacked step of all M); `runs in its time` = the
 stacked step over one run's step (at most 8 meets the target). `--compile` sets
-`model.compile` for both (whole-model graphs on CUDA).
+`model.compile` for both (whole-model graphs on CUDA). `--unfused-head`: the stacked head
+unfused (its logits kept for backward, as before issue 37) instead of `trainer.stacked.head`'s
+(design section 4d-iii), to compare.
 
 Usage (repository root; defaults: the ~5M shape, 64 models):
     python experiments/tools/bench/stacked_bench.py [--models 64] [--steps 5] [--device cuda]
-On the CPU the numbers are a smoke test, not a result.
+On the CPU the numbers are a smoke test, not a result. `--profile N` then profiles one more
+stacked step (`torch.profiler`) and prints its N costliest kernels: where the step goes, the
+first thing to read before changing it (issue 37 item 4; design section 4d-iii).
 """
 
 from __future__ import annotations
@@ -147,12 +151,29 @@ def stacked(cfg: TrainerConfig, batches: dict[str, torch.Tensor], args: argparse
         part = {k: v[start : start + size] for k, v in batches.items()}
         seeds = list(range(start, start + len(part["labels"])))
         runs.append(StackedRun(cfg, SyntheticFeed(part), seeds, device, facts.autocast()))
+        runs[-1].model.fused_head = not args.unfused_head
 
     def step() -> None:
         for run in runs:
             run.train_step()
 
-    return timed(step, device, args.warmup, args.steps)
+    times = timed(step, device, args.warmup, args.steps)
+    if args.profile:
+        print(profile_table(step, device, args.profile), flush=True)
+    return times
+
+
+def profile_table(step, device: torch.device, rows: int) -> str:
+    """One profiled `step` (already warm): its `rows` costliest ops by device time (self time,
+    so that a kernel is not counted again under the op that launched it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -171,6 +192,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--compile", action="store_true")
+    p.add_argument(
+        "--unfused-head",
+        action="store_true",
+        help="the unfused stacked head (its logits kept for backward), to compare",
+    )
+    p.add_argument("--profile", type=int, default=0, help="print the stacked step's N costliest kernels (0: none)")
     return p.parse_args(argv)
 
 
@@ -200,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{result['device']}{note}: {args.models} models of {params / 1e6:.2f}M parameters, "
         f"d_model {args.d_model}, {args.layers} layers, batch {args.batch} x {args.seq}\n"
         f"  one run's step       {single * 1e3:9.2f} ms  (median of {args.single} runs x {args.steps} steps)\n"
-        f"  all {args.models} stacked      {together * 1e3:9.2f} ms  (chunks of {args.chunk_size or args.models})\n"
+        f"  all {args.models} stacked      {together * 1e3:9.2f} ms  (chunks of {args.chunk_size or args.models}, "
+        f"{'unfused' if args.unfused_head else 'fused'} head)\n"
         f"  speed-up             {result['speedup']:9.2f} x  (= the stacked step costs "
         f"{result['runs_in_stacked_time']:.2f} runs one by one; target <= 8 at M = 64)"
     )
