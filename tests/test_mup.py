@@ -100,6 +100,29 @@ def test_param_groups_keep_order_and_scale_lr_in_both_optimizers():
     assert by_param[id(model.norm.weight)] == pytest.approx(2e-2)
 
 
+def test_a_hidden_matrix_decays_as_much_per_step_as_at_the_base_width():
+    """microsoft/mup `MuAdam` (mup/optim.py): a matrix-like parameter's lr is divided by the width
+    multiplier and its weight decay multiplied by it, so lr x weight_decay per step is the base
+    width's; vectors and the embedding keep theirs, undecayed vectors stay at 0."""
+    model = Llama(model_cfg(128, 32))  # r = 4
+    named = list(model.named_parameters())
+    decays = {id(p): (g["lr_scale"], g["weight_decay"]) for g in param_groups(named, 0.1) for p in g["params"]}
+    down, embed, norm = model.layers["0"].mlp.down.weight, model.embed.weight, model.norm.weight
+    assert decays[id(down)] == (0.25, pytest.approx(0.4))
+    assert decays[id(embed)] == (1.0, 0.1)
+    assert decays[id(norm)] == (1.0, 0.0)
+    opt = MasterWeightAdamW(named, TrainConfig(lr=1e-2, weight_decay=0.1), ParallelContext.single())
+    with torch.no_grad():
+        before = opt.master_weights()
+        for p in opt.params:
+            p.grad = torch.zeros_like(p)
+    opt.step(1e-2)
+    after = opt.master_weights()
+    for name, p in named:  # a zero gradient: the step is the decay alone, 1 - lr x wd = 0.999
+        want = before[name] * (0.999 if p.ndim >= 2 else 1.0)
+        torch.testing.assert_close(after[name], want, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_master_weight_adamw_applies_per_parameter_lr():
     """The bf16 master-weight optimizer against torch AdamW with the muP param groups, on the
     same (bf16-representable) gradients: the fp32 masters agree."""

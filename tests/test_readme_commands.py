@@ -360,17 +360,18 @@ def test_seeds_then_compare(workdir):
 
 def test_mup_transfer_sweep(workdir, tmp_path):
     args = argv("python experiments/tools/mup_transfer.py")
-    out = tmp_path / "mup.md"
-    tiny = ["--widths", "32", "64", "--lrs", "1e-3", "1e-2", "--steps", "2", "--work", str(tmp_path / "w")]
-    done = run(workdir, [*args, *tiny, "--out", str(out), "--set", "train.eval_sequences=16"])
+    out = tmp_path / "mup"
+    tiny = ["--widths", "32", "64", "--lrs", "1e-3", "1e-2", "--steps", "2", "--batch", "2", "--seq", "16"]
+    done = run(workdir, [*args, *tiny, "--base-width", "32", "--out", str(out)])
     for param in ("standard", "mup"):
         block = done.stdout.split(f"**{param}**")[1]
         cells = re.findall(r"^\| (0\.01|0\.001) \| (\S+) \| (\S+) \|$", block, re.M)[:2]
         assert [c[0] for c in cells] == ["0.001", "0.01"]
         assert all(float(v.strip("*")) > 0 for c in cells for v in c[1:])
         assert "best lr per width: 32: " in block
-    assert out.read_text().startswith("# muP transfer sweep (quickstart data)")
-    assert len(list((tmp_path / "w").iterdir())) == 2 * 2 * 2  # parametrizations x widths x lrs
+    assert (out / "mup_transfer.md").read_text().startswith("# muP transfer sweep (quickstart data)")
+    runs = json.loads((out / "mup_transfer.json").read_text())["runs"]
+    assert len(runs) == 2 * 2 * 2 - 2  # parametrizations x widths x lrs, the base width's once
 
 
 def test_config_docs_regenerates_docs_config_md(tmp_path):

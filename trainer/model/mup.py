@@ -33,6 +33,13 @@ that the model at r = 1 is exactly the model without muP (muTransfer's base mode
   hidden matrix; the router [experts, d] is one whose fan_out (the expert count) stays fixed, so
   its init multiplier is sigma(d, E) / sigma(d / r, E) (1 / r for E < d / r) and its lr 1 / r.
 
+A hidden matrix's weight decay is multiplied by r as its lr is divided by it
+(`trainer.optim.param_groups.scaled_weight_decay`, the `mup` package's MuAdam rule), so the
+per-step decay lr * wd stays the base width's. Adam's eps (1e-8) is also unscaled: at width 1024 the hidden matrices' median sqrt(v) is
+still about 1.6e-5 (a CPU check, 40 steps of the sweep), so eps does not enter the update.
+Widths grow head_dim with n_heads fixed, which the 1 / d_head attention scale is for (TP-V
+Section 4).
+
 Learning-rate multipliers are set on the parameters (`_lr_scale`) and read by the optimizers'
 param groups (`trainer.optim.param_groups`). Checkpoints hold the same tensors; the muP
 multipliers are part of the function the weights compute, so a muP checkpoint must be loaded

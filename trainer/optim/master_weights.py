@@ -63,7 +63,7 @@ from trainer.optim.adamw_update import (
 )
 from trainer.optim.clip import clip_coefficient, global_grad_norm
 from trainer.optim.multi_tensor import TensorBlocks, aligned
-from trainer.optim.param_groups import decay_first, lr_scale
+from trainer.optim.param_groups import decay_first, lr_scale, scaled_weight_decay
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.data_parallel import (
     DEFAULT_BUCKET_NUMEL,
@@ -335,7 +335,8 @@ class MasterWeightAdamW:
         self._update_each(grads)
 
     def _update_each(self, grads: Sequence[torch.Tensor]) -> None:
-        """The flat update per local parameter, eagerly, each with lr x its `_lr_scales` entry."""
+        """The flat update per local parameter, eagerly, each with lr x its `_lr_scales` entry and
+        the weight decay `scaled_weight_decay` gives for it (only matrices decay)."""
         c = self.cfg
         a = self._span[0]
         views = zip(
@@ -360,7 +361,7 @@ class MasterWeightAdamW:
                 c.beta1,
                 c.beta2,
                 c.eps,
-                c.weight_decay,
+                scaled_weight_decay(c.weight_decay, scale),
             )
 
     def zero_grad(self) -> None:
