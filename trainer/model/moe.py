@@ -166,7 +166,6 @@ def _grouped_mm_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
 
 
 @functools.cache
-@torch.compiler.assume_constant_result
 def _grouped_mm_runs(device: torch.device) -> bool:
     """One tiny bf16 forward + backward through `torch._grouped_mm` on `device` (its kernels
     exist for some GPU architectures only); False: the loop over slices is used instead. The
@@ -177,7 +176,9 @@ def _grouped_mm_runs(device: torch.device) -> bool:
     cached for the process, and the first MoE forward may run under `no_grad` or
     `inference_mode` (an evaluation, DoReMi's reference scoring, the bench's output check),
     where `backward` raises and the probe answered False for good, sending every later training
-    forward of the process to the loop (issue 37: the H100 layer bench's eager rows)."""
+    forward of the process to the loop (issue 37: the H100 layer bench's eager rows). Marked a
+    constant for dynamo when the first MoE block is built (`_probe_is_constant`), not at import:
+    `torch.compiler.assume_constant_result` imports dynamo, which importing the trainer must not."""
     with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
         try:
             x = torch.randn(32, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -188,6 +189,13 @@ def _grouped_mm_runs(device: torch.device) -> bool:
             return True
         except (RuntimeError, NotImplementedError):
             return False
+
+
+@functools.cache
+def _probe_is_constant() -> None:
+    """Mark `_grouped_mm_runs`'s function (under its cache) as a constant for dynamo, so that a
+    compiled MoE block reads its cached answer instead of tracing the probe's backward."""
+    torch.compiler.assume_constant_result(_grouped_mm_runs.__wrapped__)
 
 
 #: Rows of each expert's group given to `torch._grouped_mm`, a multiple of 16 bytes of bf16: its
@@ -362,6 +370,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg, tp: TensorParallel, ep: ExpertParallel | None = None, device=None):
         super().__init__()
+        _probe_is_constant()
         moe: MoEConfig = cfg.moe
         self.moe = moe
         self.tp = tp
