@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from trainer.model.ops.cross_entropy import (
-    BLOCK,
     cross_entropy_backward_torch,
+    cross_entropy_backward_triton,
     cross_entropy_torch,
     cross_entropy_triton,
     triton_kernels,
@@ -50,23 +50,7 @@ def _loss_and_grad(
     writing over the logits where Triton runs (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     if triton_runs_on(logits.device) and triton_kernels() is not None:
         loss, lse = cross_entropy_triton(logits, target, vocab_size, ignore_index)
-        n, cols = logits.shape
-        if logits.numel():
-            triton_kernels()[1][(n, -(-cols // BLOCK))](
-                weights,
-                logits,
-                target,
-                lse,
-                logits,
-                vocab_size,
-                cols,
-                logits.stride(0),
-                logits.stride(0),
-                ignore_index,
-                BLOCK_SIZE=BLOCK,
-                num_warps=8,
-            )
-        return loss, logits
+        return loss, cross_entropy_backward_triton(weights, logits, target, lse, vocab_size, ignore_index, out=logits)
     loss, lse = cross_entropy_torch(logits, target, vocab_size, ignore_index)
     return loss, cross_entropy_backward_torch(weights, logits, target, lse, vocab_size, ignore_index)
 

@@ -95,10 +95,15 @@ def cross_entropy_backward_triton(
     lse: torch.Tensor,
     vocab_size: int,
     ignore_index: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """dlogits [n, V] in the logits' dtype, into `out` when given (which may be `logits` itself:
+    each program reads its block of a row before writing it; the stacked head,
+    trainer/stacked/head.py, writes the gradient over the logits it no longer needs)."""
     _, backward = triton_kernels()
     logits, target, grad = _rows(logits), target.contiguous(), grad.contiguous()
-    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if out is None:
+        out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     n, cols = logits.shape
     if out.numel():
         backward[(n, -(-cols // BLOCK))](
