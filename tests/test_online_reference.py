@@ -36,6 +36,15 @@ def with_model(model: ModelConfig) -> TrainerConfig:
     return TrainerConfig(model=model)
 
 
+def random_batch(rows: int, seed: int) -> dict[str, torch.Tensor]:
+    """`rows` sequences of 16 random token ids below the tokenizer's 250, labels likewise."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, 250, (rows, 16), generator=g),
+        "labels": torch.randint(0, 250, (rows, 16), generator=g),
+    }
+
+
 def test_every_linear_with_an_fp8_path_goes_to_fp8_and_a_reference_trained_in_fp8_keeps_its_own():
     dense = fp8_reference(with_model(CFG), PATH).model
     assert dense.fp8 == Fp8Config(layers=["qkv", "proj", "gate_up", "down"])
@@ -93,11 +102,7 @@ def fake_quantised_linears(model: torch.nn.Module) -> None:
 
 @needs_torchao
 def test_fp8_reference_losses_are_fp8_products_and_close_to_the_references():
-    g = torch.Generator().manual_seed(0)
-    batch = {
-        "input_ids": torch.randint(0, 250, (3, 16), generator=g),
-        "labels": torch.randint(0, 250, (3, 16), generator=g),
-    }
+    batch = random_batch(3, seed=0)
     fp8 = reference_losses(fp8_reference(with_model(CFG), PATH).model, batch)
     want = reference_losses(CFG, batch, fake_quantised_linears)
     plain = reference_losses(CFG, batch)
@@ -123,11 +128,7 @@ def test_under_autocast_the_linears_weights_are_kept_in_bf16_with_the_same_losse
         pc = ParallelContext.single()
         facts = RunFacts.resolve(cfg, pc)
         assert facts.param_dtype == torch.float32 and isinstance(facts.autocast(), torch.autocast)
-        g = torch.Generator().manual_seed(5)
-        batch = {
-            "input_ids": torch.randint(0, 250, (2, 16), generator=g),
-            "labels": torch.randint(0, 250, (2, 16), generator=g),
-        }
+        batch = random_batch(2, seed=5)
         fp32 = freeze(Llama(model_cfg, seed=6), facts)
         with torch.no_grad(), facts.autocast():
             (want,) = forward_only(fp32, [batch], pc)
@@ -168,11 +169,7 @@ def test_fp8_weights_cast_once_give_the_per_forward_casts_losses_to_the_bit(trai
     cfg = TrainerConfig(model=model_cfg, train=train)
     pc = ParallelContext.single()
     facts = RunFacts.resolve(cfg, pc)
-    g = torch.Generator().manual_seed(7)
-    batch = {
-        "input_ids": torch.randint(0, 250, (2, 16), generator=g),
-        "labels": torch.randint(0, 250, (2, 16), generator=g),
-    }
+    batch = random_batch(2, seed=7)
     per_forward = freeze(Llama(model_cfg, seed=8), facts)
     with torch.no_grad(), facts.autocast():
         (want,) = forward_only(per_forward, [batch], pc)
