@@ -26,18 +26,8 @@ each domain's gradient is kept: summed over dp (its norm is not a sum of partial
 to `Alignment.domain_clip` like `torch.nn.utils.clip_grad_norm_` (as is g_T), its norm and its
 inner product with g_T taken on dp rank 0 of the counting ranks. Then
 `hook.alignment_weights(t, a, norms, lr_t)` gives w [k] and the update is sum_i w_i g_i, not
-renormalised. Memory: k + 1 gradients (the kept ones and g_T); communication: k + 1 dp
-all-reduces of the model's gradient (the optimizer's own dp sum then adds the zeros of dp ranks
-other than 0 to rank 0's sum).
-
-At 1B these passes over the model's gradients, not the arithmetic, are what the deferred step
-adds beside its target pass (docs/design.md section 4c-iii): so autograd's gradients are kept as
-they are, not copied (`_reduced`); a clip is a coefficient c (clipped g = c g) applied to the
-inner products and to the domain's weight, never a pass over the gradient (`_clip_coef`); a
-domain's norm and alignment come from one pass over it (`fp32_norm_dot`); and the update is
-built in the first domain's gradient, in L2-sized pieces. About 150 bytes touched per
-parameter at bf16 and k = 4 (about 30 reaching HBM when the chunks' upcasts stay in L2), where
-copying, clipping and dotting separately touched about 250.
+renormalised. Memory: k + 2 gradient copies; communication: k + 1 dp all-reduces of the model's
+gradient (the optimizer's own dp sum then adds the zeros of dp ranks other than 0 to rank 0's sum).
 """
 
 from __future__ import annotations
@@ -69,12 +59,8 @@ def counts_before_dp_reduction(name: str, param: torch.Tensor, pc: ParallelConte
     return pc.tp == 1 or get_shard_spec(param) is not None or pc.tp_rank == 0
 
 
-#: Elements per chunk of a low-precision dot product: its two fp32 upcasts (16 MiB each, in
-#: buffers reused chunk after chunk) fit the GPU's L2 cache (50 MB on an H100) from the copy
-#: that writes them to the dots that read them, so a pass over bf16 gradients costs about their
-#: reads, not three times their bytes again in fp32 traffic; smaller chunks would add kernels
-#: (four a chunk) whose launch gaps cost more than the traffic saved.
-_DOT_CHUNK = 1 << 22
+#: Elements per chunk of a low-precision dot product (a bounded fp32 temporary, 64 MiB).
+_DOT_CHUNK = 1 << 24
 
 
 def fp32_dot(g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -82,45 +68,13 @@ def fp32_dot(g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     gradients (a bf16 model without fp32 main grads, one micro-batch) would otherwise give a
     bf16 dot, 3 significant digits. fp32 inputs take one BLAS dot; others are upcast chunk by
     chunk, so no temporary the size of the parameter is made."""
-    if g is t:
-        return fp32_norm_dot(g, t)[0]
     g, t = g.reshape(-1), t.reshape(-1)
     if g.dtype == torch.float32 and t.dtype == torch.float32:
         return torch.dot(g, t).to(torch.float64)
-    return _upcast_dots(g, t, norm=False)[1]
-
-
-def fp32_norm_dot(g: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(<g, g>, <g, t>) as fp64 scalars, accumulated in fp32 as `fp32_dot`, each chunk of a
-    low-precision g upcast once for both (t may be g): a deferred DoGE domain needs its
-    gradient's norm and its alignment, and such passes over the whole model's gradients, not
-    their arithmetic, are the step's extra cost (docs/design.md section 4c-iii)."""
-    same = g is t
-    g, t = g.reshape(-1), t.reshape(-1)
-    if g.dtype == torch.float32 and t.dtype == torch.float32:
-        sq = torch.dot(g, g).to(torch.float64)
-        return sq, sq if same else torch.dot(g, t).to(torch.float64)
-    sums = _upcast_dots(g, g if same else t, norm=True)
-    return sums[0], sums[0] if same else sums[1]
-
-
-def _upcast_dots(g: torch.Tensor, t: torch.Tensor, norm: bool) -> torch.Tensor:
-    """[<g, g> (0 unless `norm`), <g, t> (0 when t is g)] in fp64 of two flat tensors: each
-    chunk's fp32 dot written into its own slot (no accumulation kernel per chunk), the slots
-    added in fp64."""
-    n = g.numel()
-    size = min(_DOT_CHUNK, max(n, 1))
-    out = torch.zeros(2, -(-n // size), dtype=torch.float32, device=g.device)
-    g_buf = torch.empty(size, dtype=torch.float32, device=g.device)
-    t_buf = None if t is g else torch.empty(size, dtype=torch.float32, device=g.device)
-    for i, start in enumerate(range(0, n, size)):
-        m = min(size, n - start)
-        gf = g_buf[:m].copy_(g[start : start + m])
-        if norm:
-            torch.dot(gf, gf, out=out[0, i])
-        if t_buf is not None:
-            torch.dot(gf, t_buf[:m].copy_(t[start : start + m]), out=out[1, i])
-    return out.to(torch.float64).sum(1)
+    out = torch.zeros((), dtype=torch.float64, device=g.device)
+    for gc, tc in zip(g.split(_DOT_CHUNK), t.split(_DOT_CHUNK)):
+        out += torch.dot(gc.float(), tc.float()).to(torch.float64)
+    return out
 
 
 def _grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -143,52 +97,39 @@ def _synced_grads(model: torch.nn.Module, params: Sequence[torch.Tensor], pc: Pa
     return _grads(params)
 
 
-def _reduced(grads: list[torch.Tensor], params: Sequence[torch.Tensor], pc: ParallelContext) -> list[torch.Tensor]:
-    """This step's gradients summed over dp (the same whole-batch gradient on every dp rank), in
-    tensors that the gradient buffers no longer use: autograd's own are taken as they are
-    (`_clear` then drops them, and the next backward allocates new ones), fp32 main grads
-    (reset in place) and any tensor met twice are copied. A copy per domain would be one more
-    pass over the whole model's gradients."""
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
-    for g, p in zip(grads, params):
-        g = g.detach()
-        if getattr(p, "main_grad", None) is not None or g.data_ptr() in seen:
-            g = g.clone()
-        seen.add(g.data_ptr())
-        out.append(g)
+def _reduced_clone(grads: list[torch.Tensor], pc: ParallelContext) -> list[torch.Tensor]:
+    """A copy of this step's gradients summed over dp: the same whole-batch gradient on every
+    dp rank."""
+    out = [g.detach().clone() for g in grads]
     if pc.dp > 1:
         for g in out:
             dist.all_reduce(g, group=pc.dp_group)
     return out
 
 
-def _full_norm_dot(
-    a: list[torch.Tensor], b: list[torch.Tensor], counted: list[bool], pc: ParallelContext
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(<a, a>, <a, b>) over the whole model (fp64 0-dim each; b may be a) of two dp-reduced
-    gradients, in one pass over a: each element counted once, by dp rank 0 of the ranks that
-    count it before the reduction; one all-reduce for both."""
-    sums = torch.zeros(2, dtype=torch.float64, device=pc.device)
+def _full_dot(a: list[torch.Tensor], b: list[torch.Tensor], counted: list[bool], pc: ParallelContext) -> torch.Tensor:
+    """<a, b> over the whole model (fp64 0-dim) of two dp-reduced gradients: each element
+    counted once, by dp rank 0 of the ranks that count it before the reduction."""
+    dot = torch.zeros((), dtype=torch.float64, device=pc.device)
     if pc.dp_rank == 0:
         for x, y, c in zip(a, b, counted):
             if c:
-                sq, dot = fp32_norm_dot(x, y)
-                sums[0] += sq
-                sums[1] += dot
+                dot += fp32_dot(x, y)
     if pc.world_size > 1:
-        dist.all_reduce(sums)
-    return sums[0], sums[1]
+        dist.all_reduce(dot)
+    return dot
 
 
-def _clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_`'s coefficient min(1, max_norm / (norm + 1e-6)) when
-    max_norm > 0, else 1 (fp64). The clip is not applied to the gradient: the coefficient
-    scales the inner products and the domain's weight, which is the same number without a
-    pass over the gradient (docs/design.md section 4c-iii)."""
+def _clip(grads: list[torch.Tensor], max_norm: float, counted: list[bool], pc: ParallelContext) -> torch.Tensor:
+    """Scales a dp-reduced gradient in place by `torch.nn.utils.clip_grad_norm_`'s coefficient
+    min(1, max_norm / (norm + 1e-6)) when max_norm > 0; returns its norm after the clip (fp64)."""
+    norm = _full_dot(grads, grads, counted, pc).sqrt()
     if max_norm > 0:
-        return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    return torch.ones_like(norm)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        norm = norm * coef
+    return norm
 
 
 def aligned_step(
@@ -210,14 +151,13 @@ def aligned_step(
     counted = [counts_before_dp_reduction(n, p, pc) for n, p in named_params]
     size = max(b["input_ids"].shape[0] for b in micro_batches)
     schedule = "afab" if pc.pp > 1 else "1f1b"
-    g_target, target_coef = _target_gradient(model, params, counted, spec, feed, step, size, schedule, pc)
+    g_target = _target_gradient(model, params, counted, spec, feed, step, size, schedule, pc)
 
     by_domain = _by_domain(micro_batches, k)
-    total = [] if spec.deferred else [torch.zeros_like(g) for g in g_target]
+    total = [torch.zeros_like(g) for g in g_target]
     norm = torch.zeros((), dtype=torch.float64, device=pc.device)
     alignment = torch.zeros(k, dtype=torch.float64, device=pc.device)
     norms = torch.zeros(k, dtype=torch.float64, device=pc.device)
-    coefs = torch.ones(k, dtype=torch.float64, device=pc.device)
     kept: list[list[torch.Tensor]] = []
     losses: list[torch.Tensor] = []
     batches: list[dict] = []
@@ -230,13 +170,11 @@ def aligned_step(
             batches += group
         grads = _synced_grads(model, params, pc)
         if spec.deferred:
-            kept.append(_reduced(grads, params, pc))
-            sq, dot = _full_norm_dot(kept[-1], g_target, counted, pc)
-            coefs[d] = _clip_coef(sq.sqrt(), spec.domain_clip)
-            norms[d] = sq.sqrt() * coefs[d]
-            alignment[d] = coefs[d] * (dot * target_coef)
+            kept.append(_reduced_clone(grads, pc))
+            norms[d] = _clip(kept[-1], spec.domain_clip, counted, pc)
+            alignment[d] = _full_dot(kept[-1], g_target, counted, pc)
         else:
-            dot = _partial_dot(grads, g_target, counted, pc) * target_coef
+            dot = _partial_dot(grads, g_target, counted, pc)
             alignment[d] = dot
             m = hook.alignment_weight(step, d, dot, signals.lr).to(torch.float64)
             norm += m
@@ -244,8 +182,8 @@ def aligned_step(
                 acc.addcmul_(g, m.to(acc.dtype))
         _clear(params)
     if spec.deferred:
-        total = _deferred_sum(hook, step, alignment, norms, coefs, kept, signals, pc)
-    _write_grads(params, total, None if spec.deferred else norm)
+        _add_deferred(hook, step, alignment, norms, kept, total, norm, signals, pc)
+    _write_grads(params, total, norm)
     signals.alignment = alignment
     return global_stats(losses, batches, k, pc)
 
@@ -260,10 +198,9 @@ def _target_gradient(
     size: int,
     schedule: str,
     pc: ParallelContext,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
+) -> list[torch.Tensor]:
     """g_T: the gradient of the mean token loss on the target batch, summed over dp (every rank
-    holds the whole-batch gradient), and the coefficient of its clip to `spec.domain_clip`
-    (`_clip_coef`: the clipped g_T is coefficient x g_T); the buffers are left clear."""
+    holds the whole-batch gradient) and clipped to `spec.domain_clip`; the buffers are left clear."""
     target = feed.target_batches(step, np.asarray(spec.weights, dtype=np.float64), spec.sequences, size)
     target_tokens = torch.zeros((), dtype=torch.float64, device=pc.device)
     for b in target:
@@ -273,12 +210,11 @@ def _target_gradient(
     _clear(params)
     if target:
         train_schedule(model, target, pc, schedule, MeanTokenLoss(target_tokens), few_ok=True)
-    g_target = _reduced(_synced_grads(model, params, pc), params, pc)
-    coef = torch.ones((), dtype=torch.float64, device=pc.device)
+    g_target = _reduced_clone(_synced_grads(model, params, pc), pc)
     if spec.domain_clip > 0:
-        coef = _clip_coef(_full_norm_dot(g_target, g_target, counted, pc)[0].sqrt(), spec.domain_clip)
+        _clip(g_target, spec.domain_clip, counted, pc)
     _clear(params)
-    return g_target, coef
+    return g_target
 
 
 def _by_domain(micro_batches: list[dict], k: int) -> list[list[tuple[int, int]]]:
@@ -300,7 +236,8 @@ def _domain_losses(
     pc: ParallelContext,
 ) -> list[torch.Tensor]:
     """Runs domain `d`'s micro-batches with only that domain weighted, leaving g_d in the buffers."""
-    one_hot = torch.eye(k, dtype=torch.float64, device=pc.device)[d]  # no host value on the device
+    one_hot = torch.zeros(k, dtype=torch.float64, device=pc.device)
+    one_hot[d] = 1.0
     return train_schedule(model, group, pc, schedule, DomainWeights(one_hot, signals.tokens), few_ok=True)
 
 
@@ -318,56 +255,34 @@ def _partial_dot(
     return dot
 
 
-def _deferred_sum(
+def _add_deferred(
     hook: MixingHook,
     step: int,
     alignment: torch.Tensor,
     norms: torch.Tensor,
-    coefs: torch.Tensor,
     kept: list[list[torch.Tensor]],
+    total: list[torch.Tensor],
+    norm: torch.Tensor,
     signals: StepSignals,
     pc: ParallelContext,
-) -> list[torch.Tensor]:
-    """The deferred update sum_i w_i c_i g_i (c_i: domain i's clip coefficient, so c_i g_i is
-    its clipped gradient), not renormalised, built in place in the first domain's gradient (one
-    pass over each kept gradient, no further copy); on dp rank 0 only: every dp rank holds the
-    reduced sum, and the optimizer's dp sum of (total, 0, ..., 0) gives it back exactly. Each
-    parameter is done in L2-sized pieces (`_DOT_CHUNK`), so that the piece of the sum stays in
-    cache while every domain's piece is added to it: one read of each kept gradient and one
-    write, not k reads and writes of the sum."""
+) -> None:
+    """The deferred update sum_i w_i g_i into `total` (on dp rank 0 only), not renormalised."""
     w = hook.alignment_weights(step, alignment, norms, signals.lr).to(torch.float64)
-    signals.grad_norms = norms
-    scale = w * coefs
-    total = kept[0]
-    if pc.dp > 1 and pc.dp_rank != 0:
-        for acc in total:
-            acc.zero_()
-    else:
-        cast: dict[torch.dtype, torch.Tensor] = {}
-        for j, acc in enumerate(total):
-            s = cast.setdefault(acc.dtype, scale.to(acc.dtype))
-            for acc_piece, *pieces in _pieces([grads[j] for grads in kept]):
-                acc_piece.mul_(s[0])
-                for d, g in enumerate(pieces, start=1):
-                    acc_piece.addcmul_(g, s[d])
+    for d, grads in enumerate(kept):
+        for acc, g in zip(total, grads):
+            acc.addcmul_(g, w[d].to(acc.dtype))
     kept.clear()
-    return total
+    if pc.dp > 1 and pc.dp_rank != 0:  # every dp rank holds the reduced sum: the optimizer's
+        for acc in total:  # dp sum of (total, 0, ..., 0) gives it back exactly
+            acc.zero_()
+    norm.fill_(1.0)
+    signals.grad_norms = norms
 
 
-def _pieces(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-    """Matching flat views of same-shaped tensors, `_DOT_CHUNK` elements each (the tensors
-    whole when one is not contiguous)."""
-    if not all(x.is_contiguous() for x in tensors):
-        return [tuple(tensors)]
-    return list(zip(*(x.view(-1).split(_DOT_CHUNK) for x in tensors)))
-
-
-def _write_grads(params: list[torch.Tensor], total: list[torch.Tensor], norm: torch.Tensor | None) -> None:
-    """total / norm (None: total as it is) into each parameter's gradient buffer (its fp32 main
-    grad when it has one)."""
+def _write_grads(params: list[torch.Tensor], total: list[torch.Tensor], norm: torch.Tensor) -> None:
+    """total / norm into each parameter's gradient buffer (its fp32 main grad when it has one)."""
     for p, acc in zip(params, total):
-        if norm is not None:
-            acc.div_(norm.to(acc.dtype))
+        acc.div_(norm.to(acc.dtype))
         if getattr(p, "main_grad", None) is not None:
             grad_of(p).copy_(acc)
         else:
