@@ -2,7 +2,7 @@
 
     python experiments/launch/doremi_study.py PHASE --out $OUT [--seeds 1,2,3,4]
         [--work runs/doremi_study] [--corpus runs/real_corpus] [--deadline SECONDS]
-        [--synthetic] [--steps N] [--set KEY=VALUE ...]
+        [--synthetic] [--steps N] [--set KEY=VALUE ...] [--session LABEL]
 
 PHASE is one of
 - `determinism`: the main shape twice with `train.deterministic` on and twice with it off, same
@@ -23,7 +23,10 @@ process, an interrupted one resumes from its checkpoint. Arms run one after anot
 a run is then a function of its seeds (trainer/run/determinism.py). --deadline sends the running
 stage SIGTERM after that many seconds (it saves a checkpoint and exits); the same command again
 resumes. The run directories, without checkpoints, and the log are packed as
-$OUT/<phase>.tar.xz, with launch.json (commands, seconds per stage, device, exit status).
+$OUT/<phase>.tar.xz, with launch.json (commands, seconds per stage, device, exit status);
+with `--session LABEL` the records of each call go to `<phase>/session-LABEL/` instead
+(`launch-call<n>.json`, `launch.log`, `stores-manifest.json`), so that the archive the next
+session unpacks keeps every session's records apart with no hand-merging.
 Exit status: 0 all finished, 1 a stage failed, 2 bad usage, 3 stopped at the deadline.
 """
 
@@ -32,7 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,16 +189,55 @@ def determinism_table(folder: Path) -> str:
     return "\n".join(lines)
 
 
-def pack(out: Path, phase: str, folder: Path, log: Path, info: dict, stores: Path) -> Path:
-    (folder / "launch.json").write_text(json.dumps(info, indent=1) + "\n")
+def records_dir(folder: Path, session: str) -> Path:
+    """Where a call's launch records go: the phase's folder itself, or with `--session LABEL`
+    its `session-LABEL/`, so that the calls of one device session leave their records apart from
+    other sessions' in the archive that the next session unpacks (the study spans sessions)."""
+    return folder / f"session-{session}" if session else folder
+
+
+def pack(
+    out: Path,
+    phase: str,
+    folder: Path,
+    info: dict,
+    stores: Path,
+    session: str = "",
+    unfinished: frozenset = frozenset(),
+) -> Path:
+    """The run directories (without checkpoints) and the call's records (the log among them), as
+    `$OUT/<phase>.tar.xz`. The directories named in `unfinished` (stages interrupted or not yet
+    begun) are left out: their checkpoints never travel, so a later session redoes them from the
+    start, and a partial directory in the archive would only stand in the way of that.
+    With a session label the record is `session-LABEL/launch-call<n>.json` (n counting this
+    session's calls) and the stores' manifest `session-LABEL/stores-manifest.json`; without, one
+    `launch.json` and `stores/manifest.json`, rewritten by every call."""
+    records = records_dir(folder, session)
+    records.mkdir(parents=True, exist_ok=True)
+    if session:
+        n = 1 + len(list(records.glob("launch-call*.json")))
+        (records / f"launch-call{n}.json").write_text(json.dumps(info, indent=1) + "\n")
+        if (stores / "manifest.json").is_file():
+            shutil.copyfile(stores / "manifest.json", records / "stores-manifest.json")
+    else:
+        (folder / "launch.json").write_text(json.dumps(info, indent=1) + "\n")
     archive = out / f"{phase}.tar.xz"
     with tarfile.open(archive, "w:xz") as tar:
-        tar.add(folder, arcname=phase, filter=lambda t: None if "/checkpoints" in t.name else t)
-        if (stores / "manifest.json").is_file():
+        tar.add(folder, arcname=phase, filter=lambda t: None if _left_out(t.name, unfinished) else t)
+        if not session and (stores / "manifest.json").is_file():
             tar.add(stores / "manifest.json", arcname=f"{phase}/stores/manifest.json")
-        if log.is_file():
-            tar.add(log, arcname=f"{phase}/launch.log")
     return archive
+
+
+def _left_out(member: str, unfinished: frozenset) -> bool:
+    parts = member.split("/")
+    return "checkpoints" in parts or (len(parts) > 1 and parts[1] in unfinished)
+
+
+def left_unfinished(stages: list[Stage], folder: Path) -> frozenset:
+    """The run directories of which no stage is finished (a proxy's directory stays once its
+    training is, whether or not its average is)."""
+    return frozenset({s.name for s in stages} - {s.name for s in stages if finished(s, folder)})
 
 
 def batches(stages: list[Stage], side_by_side: int) -> list[list[int]]:
@@ -296,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--synthetic", action="store_true")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--set", action="append", default=[], dest="sets")
+    ap.add_argument(
+        "--session",
+        default="",
+        help="a label (e.g. 8): this call's launch records, log and stores manifest go to <phase>/session-LABEL/",
+    )
     ap.add_argument("--side-by-side", type=int, default=1, help="main runs at once on the one GPU (default 1)")
     ap.add_argument("--calibration", help="study: the calibration.json whose gate lets the study start")
     ap.add_argument(
@@ -312,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         die(f"--side-by-side: expected >= 1, got {args.side_by_side}")
     if not seeds or len(set(seeds)) != len(seeds):
         die(f"--seeds: expected distinct seeds, got {args.seeds!r}")
+    if args.session and not re.fullmatch(r"[A-Za-z0-9._-]+", args.session):
+        die(f"--session: expected a label of letters, digits, '.', '_' or '-', got {args.session!r}")
     if args.phase == "study":
         check_gate(args.calibration)
     work = Path(args.work).resolve()
@@ -330,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibrate": lambda: calibration_stages(seeds),
         "study": lambda: study_stages(seeds, folder),
     }[args.phase]()
+    planned = list(stages)
     main_overrides = main_sets(CONFIG)
     cmds = [command(s, folder, base, main_overrides, args.sets) for s in stages]
     preprocess = [sys.executable, "-m", "doremi", "preprocess", str(CONFIG)]
@@ -346,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONUNBUFFERED"] = "1"
     start = time.time()
     deadline = start + args.deadline if args.deadline else None
-    log = folder / "launch.log"
+    log = records_dir(folder, args.session) / "launch.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     say = lambda m: print(f"[{int(time.time() - start)}s] {m}", flush=True)  # noqa: E731
     info: dict = {
         "command": "python experiments/launch/doremi_study.py " + shlex.join(sys.argv[1:] if argv is None else argv),
@@ -384,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         table = determinism_table(folder)
         (folder / "determinism.md").write_text(table + "\n")
         print(table)
-    archive = pack(out, args.phase, folder, log, info, stores)
+    archive = pack(out, args.phase, folder, info, stores, args.session, left_unfinished(planned, folder))
     say(f"packed {archive} ({archive.stat().st_size / 1e6:.1f} MB); exit {status}")
     return status
 
