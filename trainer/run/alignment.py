@@ -236,8 +236,7 @@ def _domain_losses(
     pc: ParallelContext,
 ) -> list[torch.Tensor]:
     """Runs domain `d`'s micro-batches with only that domain weighted, leaving g_d in the buffers."""
-    one_hot = torch.zeros(k, dtype=torch.float64, device=pc.device)
-    one_hot[d] = 1.0
+    one_hot = torch.eye(k, dtype=torch.float64, device=pc.device)[d]  # `one_hot[d] = 1.0` would copy a host value
     return train_schedule(model, group, pc, schedule, DomainWeights(one_hot, signals.tokens), few_ok=True)
 
 
