@@ -49,6 +49,15 @@ def signals(counts, losses) -> StepSignals:
     )
 
 
+def assert_state(method: ADO, h, rho, policy, average, average_abs: float = 1e-14) -> None:
+    """The released update's state after a step: the smoothed credit h (L135-137), the
+    preference rho, the policy p and its time average p_avg (L113-114)."""
+    assert method.h.tolist() == pytest.approx(h, abs=1e-15)
+    assert method.rho.tolist() == pytest.approx(rho, abs=1e-14)
+    assert method.policy.tolist() == pytest.approx(policy, abs=1e-14)
+    assert method.average.tolist() == pytest.approx(average, abs=average_abs)
+
+
 def test_variant_defaults_and_draws(tmp_path):
     cfg = ADOConfig()
     cfg.validate()
@@ -89,24 +98,21 @@ def test_released_update_by_hand(tmp_path):
     method = ADO(cfg, make_ctx(tmp_path))
     method.params = [list(law) for law in LAWS]
     method.after_step(1, signals([3, 1, 0], [5.0, 6.0, 7.0]))
-    assert method.h.tolist() == pytest.approx([0.525, 0.295, 0.18], abs=1e-15)
-    assert method.rho.tolist() == pytest.approx(
-        [0.9778095304983008, 0.012284052972177042, 0.009906416529522377], abs=1e-14
+    assert_state(
+        method,
+        h=[0.525, 0.295, 0.18],
+        rho=[0.9778095304983008, 0.012284052972177042, 0.009906416529522377],
+        policy=[0.5477809530498301, 0.2712284052972177, 0.18099064165295226],
+        average=method.rho.tolist(),
+        average_abs=1e-15,
     )
-    assert method.policy.tolist() == pytest.approx(
-        [0.5477809530498301, 0.2712284052972177, 0.18099064165295226], abs=1e-14
-    )
-    assert method.average.tolist() == pytest.approx(method.rho.tolist(), abs=1e-15)
     method.after_step(2, signals([1, 2, 1], [4.0, 5.0, 6.0]))
-    assert method.h.tolist() == pytest.approx([0.4975, 0.3155, 0.187], abs=1e-15)
-    assert method.rho.tolist() == pytest.approx(
-        [0.9707263628306205, 0.01936660163665248, 0.009907035532727131], abs=1e-14
-    )
-    assert method.policy.tolist() == pytest.approx(
-        [0.9771012137315328, 0.012992307838624586, 0.009906478429842852], abs=1e-14
-    )
-    assert method.average.tolist() == pytest.approx(
-        [0.9742679466644606, 0.01582532730441476, 0.009906726031124753], abs=1e-14
+    assert_state(
+        method,
+        h=[0.4975, 0.3155, 0.187],
+        rho=[0.9707263628306205, 0.01936660163665248, 0.009907035532727131],
+        policy=[0.9771012137315328, 0.012992307838624586, 0.009906478429842852],
+        average=[0.9742679466644606, 0.01582532730441476, 0.009906726031124753],
     )
     # the clip may leave an entry under 0.01 (L245-250): no second floor on the policy
     assert method.policy[2] < 0.01

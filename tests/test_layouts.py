@@ -77,10 +77,15 @@ LAYOUTS: dict[str, list[str]] = {
         "train.micro_batches=2",
     ],
 }
+#: The world-2 layouts, one per kind of sharding: the proxy trains at each, and the (2,2,2)
+#: checkpoint resumes at each.
+WORLD2: dict[str, list[str]] = {
+    "dp2": ["parallelism.dp=2"],
+    "tp2": ["parallelism.tp=2"],
+    "pp2": ["parallelism.pp=2", "train.micro_batches=2"],
+}
 PROXY_LAYOUTS: dict[str, list[str]] = {
-    "proxy-dp2": ["parallelism.dp=2"],
-    "proxy-tp2": ["parallelism.tp=2"],
-    "proxy-pp2": ["parallelism.pp=2", "train.micro_batches=2"],
+    **{f"proxy-{name}": sets for name, sets in WORLD2.items()},
     "proxy-tp2-pp2-dp2": [
         "parallelism.tp=2",
         "parallelism.pp=2",
@@ -89,11 +94,7 @@ PROXY_LAYOUTS: dict[str, list[str]] = {
         "train.micro_batches=2",
     ],
 }
-RESUME_AT: dict[str, list[str]] = {
-    "resume-dp2": ["parallelism.dp=2"],
-    "resume-tp2": ["parallelism.tp=2"],
-    "resume-pp2": ["parallelism.pp=2", "train.micro_batches=2"],
-}
+RESUME_AT: dict[str, list[str]] = {f"resume-{name}": sets for name, sets in WORLD2.items()}
 
 
 @pytest.fixture(scope="module")
