@@ -2,7 +2,9 @@
 
 `spawn(fn, world_size, *args)` starts N processes with a free port; each calls
 `fn(rank, world_size, *args)` after `init_process_group`. A failure on any rank fails the test
-with that rank's traceback.
+with that rank's traceback. The ranks compute on the CPU on a machine with GPUs too: in a gloo
+group made before it, the trainer resolves `train.device: auto` to the CPU
+(`trainer.parallel.context.resolve_device`, tests/test_gloo_device.py).
 
 The ranks are forked from a forkserver that imported torch and the trainer once (PRELOAD), not
 started fresh: a fresh rank spent about 4 s of CPU importing them, which was a third of the

@@ -268,34 +268,37 @@ def _fp8_bench():
 
 
 def test_fp8_bench_steps_smoke_compiles_ours_and_torchaos_plain_model_on_the_cpu(tmp_path):
-    """`fp8_bench.py step --smoke`: our model and plain_llama, bf16 and FP8 tensorwise (torchao
-    emulated), each compiled (`aot_eager`) in one run; ratios to each model's own bf16 row, and
-    the FP8 step adds no graph break to its model's bf16 step."""
+    """`fp8_bench.py step --smoke --with-head`: our model and plain_llama, bf16, FP8 tensorwise
+    and FP8 tensorwise with the LM head in FP8 too (torchao emulated), each compiled (`aot_eager`)
+    in one run; ratios to each model's own bf16 row, and the FP8 steps add no graph break to
+    their model's bf16 step."""
     pytest.importorskip("torchao.float8")
-    result = _fp8_bench().main(["step", "--smoke", "--out", str(tmp_path)])
+    result = _fp8_bench().main(["step", "--smoke", "--with-head", "--out", str(tmp_path)])
     rows = {(r["model"], r["variant"]): r for r in result["rows"]}
-    assert set(rows) == {(m, v) for m in ("ours", "plain") for v in ("bf16", "tensorwise")}
+    assert set(rows) == {(m, v) for m in ("ours", "plain") for v in ("bf16", "tensorwise", "tensorwise+head")}
     for (model, _), r in rows.items():
         assert r["size"] == "smoke" and r["ms"] > 0
         assert r["ratio_vs_bf16"] == pytest.approx(r["tokens_per_s"] / rows[(model, "bf16")]["tokens_per_s"])
-    assert rows[("plain", "bf16")]["graph_breaks"] == rows[("plain", "tensorwise")]["graph_breaks"] == 0
-    assert rows[("ours", "tensorwise")]["graph_breaks"] == rows[("ours", "bf16")]["graph_breaks"]
+    for model in ("ours", "plain"):
+        breaks = {rows[(model, v)]["graph_breaks"] for v in ("bf16", "tensorwise", "tensorwise+head")}
+        assert breaks == ({0} if model == "plain" else {rows[("ours", "bf16")]["graph_breaks"]})
     assert result["native_fp8"] is False and (tmp_path / "fp8_step.json").exists()
 
 
 def test_fp8_bench_train_smoke_runs_both_arms_and_plots_their_curves(stores, tmp_path):
-    """`fp8_bench.py train --smoke`: a few steps of bf16 and FP8 (the tests' tiny model and data),
-    finite losses, the final validation losses and their ratio, one plot; a rerun reads the
-    finished runs instead of training again."""
+    """`fp8_bench.py train --smoke --with-head`: a few steps of bf16, FP8 and FP8 with the LM head
+    in FP8 too (the tests' tiny model and data), finite losses, the final validation losses and
+    their ratio, one plot; a rerun reads the finished runs instead of training again."""
     pytest.importorskip("torchao.float8")
     from tests.runs import config_path
 
     yaml = config_path(stores, tmp_path / "unused")
     argv = ["train", "--smoke", "--train-steps", "3", "--config", str(yaml), "--work", str(tmp_path / "w")]
-    argv += ["--out", str(tmp_path)]
+    argv += ["--with-head", "--out", str(tmp_path)]
     result = _fp8_bench().main(argv)
-    bf16, fp8 = result["rows"]
-    assert (bf16["variant"], fp8["variant"]) == ("bf16", "tensorwise")
+    bf16, fp8, head = result["rows"]
+    assert (bf16["variant"], fp8["variant"], head["variant"]) == ("bf16", "tensorwise", "tensorwise+head")
+    assert head["finite"] and head["curve"] != fp8["curve"] and abs(head["val_loss_vs_bf16"]) < 0.05
     assert [s for s, _ in fp8["curve"]] == [1, 2, 3] and bf16["finite"] and fp8["finite"]
     assert fp8["val_loss_vs_bf16"] == pytest.approx(fp8["final_val_loss"] / bf16["final_val_loss"] - 1)
     assert fp8["curve"] != bf16["curve"] and abs(fp8["val_loss_vs_bf16"]) < 0.05

@@ -212,8 +212,10 @@ def test_delayed_histories_record_training_gemms_through_the_linear_not_evaluati
 
 
 def test_config_errors_name_the_key():
-    with pytest.raises(ConfigError, match=r"model.fp8.layers: expected a non-empty list"):
-        Fp8Config(layers=["qkv", "head"]).validate()
+    with pytest.raises(
+        ConfigError, match=r"model.fp8.layers: expected a non-empty list of qkv, proj, gate_up, down, head, got"
+    ):
+        Fp8Config(layers=["qkv", "embed"]).validate()
     with pytest.raises(ConfigError, match=r"model.fp8.amax_history: rowwise scaling is dynamic"):
         Fp8Config(scaling="rowwise", grad_dtype="e4m3", amax_history=4).validate()
     with pytest.raises(ConfigError, match=r"model.fp8.grad_dtype: rowwise scaling needs e4m3"):
@@ -275,14 +277,80 @@ def test_only_the_named_linears_run_in_fp8_and_state_dict_is_unchanged():
         assert torch.equal(fp8.state_dict()[k], v)
 
 
+@pytest.mark.parametrize("tie,mup", [(False, False), (True, False), (True, True)])
+def test_fp8_head_is_the_heads_matmul_on_the_weight_it_reads_at_each_forward(tie, mup):
+    """`head` in `model.fp8.layers`: the logits are the FP8 product of the final norm's output
+    (times muP's logit multiplier) and the head's weight, the embedding matrix when tied, cast
+    from that weight at every forward (no second copy: a changed weight changes the next logits);
+    the parameters and the state dict are the model's without it."""
+    from trainer.config.mup import MupConfig
+    from trainer.config.schema import ModelConfig
+    from trainer.model.fp8 import fp8_matmuls
+    from trainer.model.llama import Llama
+    from trainer.parallel.tied import head_weight
+
+    shape = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64}
+    common = {**shape, "tie_embeddings": tie, "mup": MupConfig(base_width=16) if mup else None}
+    model = Llama(ModelConfig(**common, fp8=Fp8Config(layers=["down", "head"])))
+    plain = Llama(ModelConfig(**common, fp8=Fp8Config(layers=["down"])))
+    assert plain.head_fp8 is None and model.head_fp8.style == COLUMN and model.head_fp8.whole
+    assert len(fp8_matmuls(model)) == len(fp8_matmuls(plain)) + 1 == 3
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    assert ("head.weight" in dict(model.named_parameters())) is not tie
+    assert model.logit_scale == (0.5 if mup else 1.0)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        x = model.hidden(None, {"input_ids": ids})
+        h = (model.norm(x) * model.logit_scale).reshape(-1, 32)
+        for scale in (1.0, 3.0):
+            head_weight(model).mul_(scale)
+            w = head_weight(model)
+            got = model._local_logits(x).reshape(-1, w.shape[0])
+            torch.testing.assert_close(got, fake_quantise(h, E4M3) @ fake_quantise(w, E4M3).t(), rtol=1e-6, atol=1e-6)
+            exact = h @ w.t()
+            assert 1e-4 < float((got - exact).abs().max() / exact.abs().max()) < 0.1
+
+
+def test_fp8_head_keeps_its_delayed_history_under_its_name():
+    from trainer.config.schema import ModelConfig
+    from trainer.model.fp8 import amax_histories
+    from trainer.model.llama import Llama
+
+    shape = {"vocab_size": 64, "d_model": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64}
+    model = Llama(ModelConfig(**shape, fp8=Fp8Config(layers=["qkv", "head"], amax_history=2)))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(None, {"input_ids": ids, "labels": ids}).mean().backward()
+    end_fp8_step(model, ParallelContext.single())
+    histories = amax_histories(model, ParallelContext.single())
+    assert sorted(histories) == ["head", "layers.0.attn.qkv"]
+    assert histories["head"]["steps"] == 1 and sorted(histories["head"]["history"]) == ["g", "w", "x"]
+
+
 # -- the trainer under layouts ------------------------------------------------------------------
 
 COMMON = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=1", "train.eval_every=3"]
+TIED = "model.tie_embeddings=true"
+WITH_HEAD = "model.fp8.layers=[qkv,proj,gate_up,down,head]"
 FP8 = {
     "tensorwise": ["model.fp8.layers=[qkv,proj,gate_up,down]"],
     "rowwise": ["model.fp8.scaling=rowwise", "model.fp8.grad_dtype=e4m3"],
     "delayed": ["model.fp8.amax_history=4"],
+    "head": [WITH_HEAD],
+    "tensorwise-tied": [TIED, "model.fp8.layers=[qkv,proj,gate_up,down]"],
+    "head-tied": [TIED, WITH_HEAD],
 }
+
+
+def model_sets(fp8: str) -> list[str]:
+    """An FP8 variant's architecture keys beyond the test model's (loading a checkpoint checks them)."""
+    return [s for s in FP8[fp8] if s == TIED]
+
+
+def plain_run(fp8: str) -> str:
+    """The single-process run in high precision that an FP8 variant is compared with."""
+    return "single-plain" + ("-tied" if model_sets(fp8) else "")
+
+
 #: Pipeline stages with full / selective recompute, 1F1B / AFAB, without tp.
 PIPELINE: dict[str, tuple[str, list[str]]] = {
     "tensorwise-pp4-1f1b-full": (
@@ -330,6 +398,26 @@ TP: dict[str, tuple[str, list[str]]] = {
             "parallelism.sequence_parallel=true",
             "parallelism.zero1=true",
             "train.micro_batches=2",
+        ],
+    ),
+    "head-tp2-pp2-sp-1f1b-full": (
+        "head",
+        [
+            "parallelism.tp=2",
+            "parallelism.pp=2",
+            "parallelism.sequence_parallel=true",
+            "parallelism.recompute=full",
+            "train.micro_batches=4",
+        ],
+    ),
+    "head-tied-tp2-pp2-sp-async": (
+        "head-tied",
+        [
+            "parallelism.tp=2",
+            "parallelism.pp=2",
+            "parallelism.sequence_parallel=true",
+            "parallelism.tp_async=true",
+            "train.micro_batches=4",
         ],
     ),
 }
@@ -387,6 +475,7 @@ def runs(stores, tmp_path_factory) -> Path:
     for name, sets in FP8.items():
         stages.train(config(stores, root / f"single-{name}", *COMMON, *sets, "train.micro_batches=4"))
     stages.train(config(stores, root / "single-plain", *COMMON, "train.micro_batches=4"))
+    stages.train(config(stores, root / "single-plain-tied", *COMMON, TIED, "train.micro_batches=4"))
     layouts = {**PIPELINE, **TP}
     jobs = [(str(root / name), [*COMMON, *FP8[fp8], *sets]) for name, (fp8, sets) in layouts.items()]
     spawn(fp8_worker, 4, str(stores), jobs, str(root / "gemms.pt"))
@@ -407,10 +496,10 @@ def test_tp_gemms_equal_one_process_only_with_tp_reduced_amaxes(runs):
             assert d > 1e-2, key
 
 
-def initial_params(stores: Path, run: Path) -> dict[str, torch.Tensor]:
+def initial_params(stores: Path, run: Path, *model_sets: str) -> dict[str, torch.Tensor]:
     from trainer.build import build_model
 
-    model = build_model(config(stores, Path(str(run) + "-init")), ParallelContext.single())
+    model = build_model(config(stores, Path(str(run) + "-init"), *model_sets), ParallelContext.single())
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -440,21 +529,29 @@ def test_fp8_layout_matches_single_process_to_fp8_rounding(runs, stores, name):
     assert len(got_losses) == 3
     assert got_losses[0] == pytest.approx(want_losses[0], rel=1e-6)
     assert got_losses == pytest.approx(want_losses, rel=LOSS_RTOL)
-    want, got = final_params(stores, runs / f"single-{fp8}"), final_params(stores, runs / name)
-    err = update_error(got, want, initial_params(stores, runs / f"single-{fp8}"))
-    fp8_effect = update_error(
-        final_params(stores, runs / "single-plain"), want, initial_params(stores, runs / "single-plain")
-    )
+    arch, plain = model_sets(fp8), runs / plain_run(fp8)
+    want, got = final_params(stores, runs / f"single-{fp8}", *arch), final_params(stores, runs / name, *arch)
+    err = update_error(got, want, initial_params(stores, runs / f"single-{fp8}", *arch))
+    fp8_effect = update_error(final_params(stores, plain, *arch), want, initial_params(stores, plain, *arch))
     print(f"{name}: update error {err:.2e} (FP8 against fp32: {fp8_effect:.2e})")
     assert err < UPDATE_RTOL, err
 
 
 def test_fp8_runs_differ_from_high_precision_but_little(runs):
-    plain = losses(runs / "single-plain")
     for name in FP8:
-        got = losses(runs / f"single-{name}")
+        plain, got = losses(runs / plain_run(name)), losses(runs / f"single-{name}")
         assert got != pytest.approx(plain, rel=1e-6)
         assert got == pytest.approx(plain, rel=2e-2)
+
+
+def test_fp8_head_changes_the_loss_by_fp8_rounding_only(runs):
+    """The same FP8 run with the LM head's GEMMs in FP8 too (`head`, opt in) against its
+    high-precision head: different from the first step (the logits are quantised), and within
+    the FP8 runs' tolerance of it."""
+    for tied in ("", "-tied"):
+        with_head, without = losses(runs / f"single-head{tied}"), losses(runs / f"single-tensorwise{tied}")
+        assert with_head[0] != pytest.approx(without[0], rel=1e-6)
+        assert with_head == pytest.approx(without, rel=2e-2)
 
 
 # -- delayed scaling across a resume --------------------------------------------------------------

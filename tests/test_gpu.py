@@ -183,10 +183,41 @@ def test_whole_stage_graph_matches_eager_for_every_recompute_mode():
             torch.testing.assert_close(g0[n], g1[n], rtol=1e-4, atol=1e-5, msg=f"{mode} {n}")
 
 
+@cuda
+def test_compiled_stage_under_changing_batch_sizes_matches_eager():
+    """trainer/model/batch_compile.py on the GPU: inductor and the Triton ops with the batch
+    dimension symbolic (sizes past the first two), fp32, losses and gradients against eager for
+    every size, with no more graphs than the CPU test counts (two static, one symbolic, dynamo's
+    batch of one)."""
+    from torch._dynamo.utils import counters
+
+    from trainer.config.presets import PRESETS
+    from trainer.config.schema import ModelConfig
+    from trainer.model.llama import Llama
+    from trainer.parallel.context import ParallelContext
+
+    dev = torch.device("cuda")
+    pc = ParallelContext.single(dev)
+    torch._dynamo.reset()
+    models = [Llama(ModelConfig(**{**PRESETS["tiny"], "n_layers": 3}, compile=c), pc=pc, seed=0) for c in (True, False)]
+    g = torch.Generator(device=dev).manual_seed(0)
+    for b in (4, 2, 3, 5, 1, 6, 4):
+        ids = torch.randint(0, 256, (b, 32), device=dev, generator=g)
+        got, want = (m(None, {"input_ids": ids, "labels": ids}) for m in models)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"batch {b}")
+        got.sum().backward()
+        want.sum().backward()
+    grads = [dict(m.named_parameters()) for m in models]
+    for n, p in grads[1].items():
+        torch.testing.assert_close(grads[0][n].grad, p.grad, rtol=1e-4, atol=1e-4, msg=n)
+    assert counters["stats"]["unique_graphs"] <= 4
+
+
 if __name__ == "__main__":
     test_triton_update_on_grad_tensors_equals_the_compiled_flat_update()
     test_triton_cross_entropy_matches_the_torch_op_at_the_bench_vocabulary()
     test_triton_rope_matches_the_compiled_torch_ops_at_the_bench_shape()
     test_triton_sums_of_squares_match_float64_on_bf16_gradients()
     test_whole_stage_graph_matches_eager_for_every_recompute_mode()
+    test_compiled_stage_under_changing_batch_sizes_matches_eager()
     print("ok")

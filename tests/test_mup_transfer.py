@@ -168,3 +168,36 @@ def test_mup_emb_scales_only_the_embedding_lr_and_shares_the_base_width_runs(mt,
     order = mt.batch_order(len(data.starts), 1, one.batch, one.seed)
     assert mt.train_one(cfg, one, data, order, "mup-emb", 128, 1e-3, torch.device("cpu")).finite
     assert (seen["embed.weight"], seen["head.weight"], seen["layers.0.attn.qkv.weight"]) == (0.5, 1.0, 0.25)
+
+
+def test_the_code_hash_covers_every_python_file_s_bytes(mt, tmp_path):
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "sub" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "notes.md").write_text("not code\n")
+    (tmp_path / "tool.py").write_text("y = 2\n")
+    before = mt.code_hash(tmp_path, ("pkg", "tool.py"))
+    (tmp_path / "pkg" / "notes.md").write_text("edited\n")
+    assert mt.code_hash(tmp_path, ("pkg", "tool.py")) == before
+    (tmp_path / "pkg" / "sub" / "a.py").write_text("x = 2\n")
+    assert mt.code_hash(tmp_path, ("pkg", "tool.py")) != before
+    assert mt.CODE == ("trainer", "data", "experiments/tools/mup_transfer.py")
+    assert mt.code_hash() == mt.code_hash()
+
+
+def test_runs_kept_by_other_code_are_run_again(mt, stores, tmp_path, monkeypatch):
+    """A run kept under `--work` is reused only under the same `code_hash`: after a change to the
+    trainer (muP's weight-decay rule, say) it would be stale."""
+    cfg = config(stores, tmp_path / "run")
+    s = sweep(mt, widths=(32,), lrs=(1e-3,), steps=1)
+    head = {"command": "test", "device": "cpu", "estimate_s": 0.0, "setup": {"config": "tiny"}}
+    work = tmp_path / "work"
+    first = mt.sweep_runs(cfg, s, torch.device("cpu"), None, {**head}, work=work)
+    assert json.loads((work / "mup_transfer.json").read_text())["code"] == mt.code_hash()
+    same = {**head}
+    assert mt.sweep_runs(cfg, s, torch.device("cpu"), None, same, 0, work) == first and same["reused"] == 1
+    monkeypatch.setattr(mt, "code_hash", lambda: "changed")
+    changed = {**head}
+    assert mt.sweep_runs(cfg, s, torch.device("cpu"), None, changed, 0, work) == [] and changed["reused"] == 0
+    again = mt.sweep_runs(cfg, s, torch.device("cpu"), None, changed, work=work)
+    assert [(r.param, r.width, r.lr) for r in again] == [("standard", 32, 1e-3)] and changed["reused"] == 0
+    assert json.loads((work / "mup_transfer.json").read_text())["code"] == "changed"

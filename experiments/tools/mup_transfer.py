@@ -33,7 +33,8 @@ seconds; rewritten after each run, so a sweep cut short keeps what finished) and
 `mup_transfer.png` (validation loss against lr, one line per width, standard beside muP).
 `--max-seconds`: start no run after that many seconds, and write the tables of the runs done;
 the runs are also kept under `--work`, so the same command again on the same machine runs only
-the rest.
+the rest, as long as the code is the same (`code_hash`: after a change to the trainer, such as
+muP's weight-decay rule, a kept run would be stale, and every run is made again).
 
 Usage (repository root; the config's stores are built first when missing):
     python experiments/tools/mup_transfer.py [--widths 256 512 1024] [--lrs 0.0005 0.001 ... 0.032] \\
@@ -75,6 +76,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from data.artifact import content_hash, file_hash  # noqa: E402
 from data.errors import UserError  # noqa: E402
 from doremi.config import ExperimentConfig  # noqa: E402
 from trainer.config.mup import MupConfig  # noqa: E402
@@ -92,6 +94,9 @@ TEXT_DOMAINS = ("code", "docs", "notes")
 #: estimate assumes: small eager models reach less, so the estimate is a floor (see `estimate_seconds`).
 PEAK_BF16 = 989e12
 ESTIMATE_MFU = 0.30
+#: The source whose bytes decide a run's numbers (`code_hash`): the trainer (model, optimizer,
+#: schedule, muP), `data/` (the stores the tokens are read from) and this tool.
+CODE = ("trainer", "data", "experiments/tools/mup_transfer.py")
 
 
 class SweepError(UserError, ValueError):
@@ -127,6 +132,17 @@ class RunResult:
     finite: bool
     shared: bool = False  # the base-width run, the same model under every parametrization
     extra: dict = field(default_factory=dict)
+
+
+def code_hash(root: Path = ROOT, paths: tuple[str, ...] = CODE) -> str:
+    """One hash of the Python files under `paths` (each file's bytes through `data.artifact`'s
+    `file_hash`, then `content_hash` of the names and hashes): the key, besides the sweep and the
+    setup, under which an earlier call's runs kept in `--work` are reused."""
+    files: list[Path] = []
+    for name in paths:
+        path = root / name
+        files += [path] if path.is_file() else sorted(path.rglob("*.py"))
+    return content_hash({f.relative_to(root).as_posix(): file_hash(f) for f in files})
 
 
 def ffn_dim(width: int) -> int:
@@ -441,13 +457,15 @@ def write_outputs(out: Path, results: list[RunResult], sweep: Sweep, head: dict,
     plot(results, sweep, out / "mup_transfer.png")
 
 
-def earlier_runs(state: Path | None, sweep: Sweep, setup: dict | None) -> list[RunResult]:
-    """The runs that an earlier call of the same sweep (grid, run length, config, device) left in
-    `state` before it was cut short; none when anything differs."""
+def earlier_runs(state: Path | None, sweep: Sweep, setup: dict | None, code: str | None) -> list[RunResult]:
+    """The runs that an earlier call of the same sweep (grid, run length, config, device) with the
+    same code (`code_hash`) left in `state` before it was cut short; none when anything differs."""
     if state is None or not state.exists():
         return []
     data = json.loads(state.read_text())
     if data.get("sweep") != json.loads(json.dumps(asdict(sweep))) or data.get("setup") != setup:
+        return []
+    if data.get("code") != code:
         return []
     return [RunResult(**r) for r in data["runs"]]
 
@@ -464,11 +482,12 @@ def sweep_runs(
     """Every run of `runs_to_make` in this process (until `max_seconds`), the outputs rewritten
     after each; with `work`, the runs are also kept in `work/mup_transfer.json`, and those an
     earlier call of the same sweep kept there are not run again (a sweep cut short by a time
-    limit is finished by the same command on the same machine)."""
+    limit is finished by the same command on the same machine, with the same code)."""
     check_sweep(sweep, cfg.model.n_heads)
     t0 = time.perf_counter()
     state = work / "mup_transfer.json" if work is not None else None
-    results = earlier_runs(state, sweep, head.get("setup"))
+    head["code"] = code_hash()
+    results = earlier_runs(state, sweep, head.get("setup"), head["code"])
     head["reused"] = len(results)
     done = {(r.param, r.width, r.lr) for r in results}
     data = load_tokens(cfg, sweep, device)
@@ -539,7 +558,12 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
             "torch": torch.__version__,
             "estimate_s": estimate_seconds(cfgs, sweep),
         }
-        head["setup"] = {"config": str(args.config), "set": list(args.set), "device": head["device"]}
+        head["setup"] = {
+            "config": str(args.config),
+            "config_hash": file_hash(args.config),
+            "set": list(args.set),
+            "device": head["device"],
+        }
         print(
             f"{len(cfgs)} runs; estimated {head['estimate_s']:.0f} s at {ESTIMATE_MFU:.0%} MFU of an H100", flush=True
         )

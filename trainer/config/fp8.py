@@ -11,8 +11,13 @@ from typing import Literal
 from trainer.config.mamba import ATTENTION, layer_mixers
 from trainer.config.tools import ConfigError
 
-#: `model.fp8.layers` names -> the linear's name in a block.
+#: `model.fp8.layers` names -> the linear's name in a block (the default list).
 FP8_LAYERS: dict[str, str] = {"qkv": "attn.qkv", "proj": "attn.out", "gate_up": "mlp.gate_up", "down": "mlp.down"}
+#: `model.fp8.layers`' name of the LM head: opt in, never in the default list, because its
+#: effect on the loss is unmeasured (experiments/notes/FP8.md, grid G1).
+HEAD = "head"
+#: Every name `model.fp8.layers` accepts.
+FP8_LAYER_NAMES: tuple[str, ...] = (*FP8_LAYERS, HEAD)
 
 
 #: The torchao releases whose float8 internals `trainer.model.fp8` is written against (the `[fp8]` extra).
@@ -66,7 +71,8 @@ class Fp8Config:
     """FP8 GEMMs for chosen linear layers (`trainer.model.fp8`); master weights, optimizer and
     checkpoints unchanged."""
 
-    # Linears whose GEMMs run in FP8: any of qkv, proj (attention output), gate_up, down.
+    # Linears whose GEMMs run in FP8: any of qkv, proj (attention output), gate_up, down, and
+    # head (the LM head, tied or not; opt in: not in the default, its accuracy is unmeasured).
     layers: list[str] = field(default_factory=lambda: list(FP8_LAYERS))
     # `tensorwise`: one scale per operand; `rowwise`: one per row / column (dynamic only).
     scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
@@ -77,9 +83,11 @@ class Fp8Config:
     amax_history: int = 0
 
     def validate(self, path: str = "model.fp8") -> None:
-        unknown = [name for name in self.layers if name not in FP8_LAYERS]
+        unknown = [name for name in self.layers if name not in FP8_LAYER_NAMES]
         if unknown or not self.layers:
-            raise ConfigError(f"{path}.layers: expected a non-empty list of {', '.join(FP8_LAYERS)}, got {self.layers}")
+            raise ConfigError(
+                f"{path}.layers: expected a non-empty list of {', '.join(FP8_LAYER_NAMES)}, got {self.layers}"
+            )
         require_torchao(path)
         if self.amax_history < 0:
             raise ConfigError(f"{path}.amax_history: expected >= 0, got {self.amax_history}")

@@ -160,7 +160,8 @@ class TrainConfig:
     # moments (trainer.optim.master_weights). `auto`: bf16 when the compute precision resolves to bf16
     # and the optimizer is adamw, fp32 otherwise (trainer.plan.resolve.param_dtype).
     param_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    # `auto`: cuda when available, else cpu.
+    # `auto`: cuda when available, else cpu; cpu in a gloo process group made before the trainer
+    # joins it (the multi-process tests; trainer.parallel.context.resolve_device).
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Steps between validation evaluations (0: only at the end).
     eval_every: int = 0

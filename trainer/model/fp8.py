@@ -56,8 +56,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from trainer.config.fp8 import FP8_LAYERS, require_torchao
+from trainer.config.fp8 import FP8_LAYERS, HEAD, require_torchao
 from trainer.config.tools import ConfigError
+from trainer.parallel.tied import head_weight
 
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -278,29 +279,48 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def apply_fp8(stage: nn.Module, fp8_cfg, device: torch.device | None = None) -> int:
     """Give every linear named in `fp8_cfg.layers` (`FP8_LAYERS`) of `stage`'s blocks an
-    `Fp8Matmul`; returns how many. The head and embedding stay in high precision (the logits'
-    and the loss's sensitivity, as in every FP8 recipe). A linear runs `torch._scaled_mm` on a
-    `native_fp8` device when its local weight's dims are multiples of 16, else torchao's emulation."""
+    `Fp8Matmul`, and the last stage's LM head one (`stage.head_fp8`) where `layers` names
+    `head`; returns how many. The embedding lookup stays in high precision, and the head does
+    unless asked for (opt in: the logits' and the loss's sensitivity, which every FP8 recipe but
+    torchao's unfiltered `convert_to_float8_training` respects). A linear runs
+    `torch._scaled_mm` on a `native_fp8` device when its local weight's dims are multiples of
+    16, else torchao's emulation."""
     if fp8_cfg is None:
         return 0
     from trainer.parallel.tensor import RowParallelLinear
 
     native = device is not None and native_fp8(device)
-    suffixes = tuple("." + FP8_LAYERS[name] for name in fp8_cfg.layers)
+
+    def matmul(style: str, tp, weight: torch.Tensor) -> Fp8Matmul:
+        aligned = all(d % 16 == 0 for d in weight.shape)
+        return Fp8Matmul(style, tp, fp8_cfg.scaling, fp8_cfg.grad_dtype, fp8_cfg.amax_history, native and aligned)
+
+    suffixes = tuple("." + FP8_LAYERS[name] for name in fp8_cfg.layers if name in FP8_LAYERS)
     n = 0
     for name, module in stage.named_modules():
-        if name.endswith(suffixes):
-            style = ROW if isinstance(module, RowParallelLinear) else COLUMN
-            aligned = all(d % 16 == 0 for d in module.weight.shape)
-            module.fp8 = Fp8Matmul(
-                style, module.tp, fp8_cfg.scaling, fp8_cfg.grad_dtype, fp8_cfg.amax_history, native and aligned
-            )
+        if suffixes and name.endswith(suffixes):
+            module.fp8 = matmul(ROW if isinstance(module, RowParallelLinear) else COLUMN, module.tp, module.weight)
             n += 1
+    if HEAD in fp8_cfg.layers and getattr(stage, "is_last", False):
+        stage.head_fp8 = matmul(COLUMN, stage.tp, head_weight(stage))
+        n += 1
     return n
 
 
+def _named_matmuls(model: nn.Module) -> list[tuple[str, Fp8Matmul]]:
+    """Every `Fp8Matmul` of `model` by its linear's module name: a block linear's own (`fp8`),
+    and a stage's LM head (`head_fp8`, named `head`, tied or not: the head is the matmul)."""
+    out = []
+    for name, m in model.named_modules():
+        if getattr(m, "fp8", None) is not None:
+            out.append((name, m.fp8))
+        if getattr(m, "head_fp8", None) is not None:
+            out.append((f"{name}.{HEAD}" if name else HEAD, m.head_fp8))
+    return out
+
+
 def fp8_matmuls(model: nn.Module) -> list[Fp8Matmul]:
-    return [m.fp8 for m in model.modules() if getattr(m, "fp8", None) is not None]
+    return [mm for _, mm in _named_matmuls(model)]
 
 
 @torch.no_grad()
@@ -326,11 +346,7 @@ def end_fp8_step(model: nn.Module, pc) -> None:
 
 
 def _delayed_by_name(model: nn.Module) -> dict[str, AmaxHistory]:
-    return {
-        name: m.fp8.delayed
-        for name, m in model.named_modules()
-        if getattr(m, "fp8", None) is not None and m.fp8.delayed is not None
-    }
+    return {name: mm.delayed for name, mm in _named_matmuls(model) if mm.delayed is not None}
 
 
 def amax_histories(model: nn.Module, pc) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from data.batch import IGNORE_INDEX
 from trainer.config.mamba import ATTENTION, MAMBA, check_mamba_tp, layer_mixers
 from trainer.config.tools import ConfigError
+from trainer.model.batch_compile import BatchCompiled
 from trainer.model.fp8 import apply_fp8
 from trainer.model.init import init_parameters
 from trainer.model.layers import (
@@ -148,7 +149,7 @@ class Block(nn.Module):
 
     def compile_body(self, enabled: bool) -> None:
         """Run `body` compiled (its own graph) or eagerly (alone, or inside a compiled stage)."""
-        self._compiled = torch.compile(self.body, dynamic=False) if enabled else None
+        self._compiled = BatchCompiled(self.body, (1, None, None)) if enabled else None
 
     @property
     def recompute(self) -> str:
@@ -218,6 +219,7 @@ class LlamaStage(nn.Module):
                 self.head = tp_module("head", tp, (self.padded_vocab,), cfg.d_model, device=device)
         self.set_recompute(recompute)
         self.logit_scale = 1.0  # muP's readout multiplier (`trainer.model.mup`)
+        self.head_fp8 = None  # the head's FP8 GEMMs (`model.fp8.layers: [..., head]`, `apply_fp8`)
         apply_mup(self, cfg)
         apply_fp8(self, getattr(cfg, "fp8", None), device)
         cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
@@ -233,8 +235,8 @@ class LlamaStage(nn.Module):
         for block in self.layers.values():
             block.compile_body(scope == "blocks")
         fused_head = self._fused_loss and not self._whole_graph
-        self._losses = torch.compile(self.head_losses, dynamic=False) if fused_head else self.head_losses
-        self._run_compiled = torch.compile(self._run, dynamic=False) if self._whole_graph else self._run
+        self._losses = BatchCompiled(self.head_losses, (1, 0)) if fused_head else self.head_losses
+        self._run_compiled = BatchCompiled(self._run, (1, 0, 0)) if self._whole_graph else self._run
 
     # -- the inter-stage tensor ------------------------------------------------------------
     def activation_shape(self, batch_size: int, seq_len: int) -> tuple[int, ...]:
@@ -280,7 +282,7 @@ class LlamaStage(nn.Module):
         """[s, b, padded_vocab / tp]: this rank's vocabulary slice over the full sequence."""
         h = self.norm(x)
         h = h if self.logit_scale == 1.0 else h * self.logit_scale
-        return column_parallel_linear(h, head_weight(self), self.tp)
+        return column_parallel_linear(h, head_weight(self), self.tp, self.head_fp8)
 
     def head_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Final norm, head and per-token cross entropy: [s(/tp), b, d], [b, s] -> [b, s] fp32."""

@@ -14,6 +14,20 @@ import torch.distributed as dist
 from trainer.config.launch_env import launch_world_size, local_rank
 
 
+def resolve_device(device: str, backend: str, group_backend: str | None) -> str:
+    """The device `train.device` names for this process. `auto`: CUDA when available, except in a
+    gloo process group made before the trainer joins it, with `parallelism.backend` auto (the
+    tests' CPU ranks, tests/distributed.py): its ranks compute on the CPU, as the group does,
+    whatever GPUs the machine has (gloo has no CUDA reduce-scatter or all-to-all, and one GPU
+    cannot be every rank's). A run that makes its own group (torchrun), or joins one the trainer
+    made (a pipeline's later stages), or names its backend, chooses as it always did."""
+    if device != "auto":
+        return device
+    if group_backend == "gloo" and backend == "auto":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def grid_coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
     """(pp_rank, dp_rank, tp_rank) of a global rank."""
     return rank // (tp * dp), (rank // tp) % dp, rank % tp
@@ -120,8 +134,7 @@ class ParallelContext:
         With no torchrun environment and tp = pp = dp = 1, returns a single-process context. The
         launched world size must be tp x pp x dp: `trainer.build.init_parallel` checks it first.
         """
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(device, backend, dist.get_backend() if dist.is_initialized() else None)
         dev = torch.device(device, local_rank()) if device == "cuda" else torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)

@@ -69,7 +69,12 @@ SPEC = MethodSpec(
     build=build,
     needs_reference=True,
     moved_from="doremi",
-    average_keys=("eta", "smoothing", "update", "mode"),
+    # the options that change alpha_t, which a weights file averaged from the proxy records: the
+    # update (eta, smoothing, update, mode), the data the proxy draws (proxy_sampling) and the
+    # reference losses it reads (reference_fp8: FP8 rounding). The reference's identity is in
+    # the proxy's fingerprint (`reference`, `reference_cache` are path options), which the
+    # file's `sources` names; `reference_weights` is not read by a proxy given its reference.
+    average_keys=("eta", "smoothing", "update", "mode", "proxy_sampling", "reference_fp8"),
     path_options=("reference", "reference_weights", "proxy_sampling", "reference_cache"),
     bookkeeping_options=("rounds", "rounds_tolerance", "average_from_step"),
 )

@@ -12,7 +12,8 @@ layers, 32 heads, 8 KV heads, ffn 14336). Acceptance (issue 36): tensorwise >= 1
 >= 1.25x at 4096, and not below plain's ratio by more than 0.03.
 
 `train`: the 120M model of experiments/notes/COMPARISON.md (d 896, 12 layers, 14 heads, ffn 2432)
-on the quickstart data (the embedded corpus), bf16 and FP8 tensorwise, `--train-steps` steps
+on the quickstart data (the embedded corpus), bf16 and FP8 tensorwise (`--with-head`: and a
+`tensorwise+head` arm, the LM head in FP8 too), `--train-steps` steps
 each from the same seed and batches (`--train-batch` x 512 tokens a step, the token-proportional
 mixture: the corpus has about 1.07M training tokens, so 2000 steps of 8 sequences read it 7.6
 times, and a uniform mixture would read its smallest domain 32 times: memorisation, not the
@@ -25,9 +26,11 @@ within 0.5% of bf16, no non-finite step). torchao's casts saturate, so an FP8 ov
 as a non-finite loss or gradient norm only where it reaches bf16 arithmetic.
 
 Step options for the search of a higher ratio at 1b (experiments/notes/FP8.md): `--fp8-layers`
-(the block linears in FP8, the same roles in ours and in plain), `--plain-head` (plain's head in
-FP8 too, as `convert_to_float8_training` without a filter does; ours has no FP8 head), and
-`--inductor KEY=VALUE ...` (`torch._inductor.config` settings for every compile of the run).
+(the block linears in FP8, the same roles in ours and in plain), `--with-head` (per scaling, one
+more row of each model with its LM head in FP8 too, `<scaling>+head`: ours with `head` in
+`model.fp8.layers`, plain as `convert_to_float8_training` without a filter converts it; grid G1),
+`--plain-head` (plain's head in FP8 in its every FP8 row, ours unchanged), and `--inductor
+KEY=VALUE ...` (`torch._inductor.config` settings for every compile of the run).
 
 `--smoke`: the same code on the CPU at toy sizes (train: `--config`'s model and data as they
 are), FP8 in torchao's emulation, steps compiled with the `aot_eager` backend (dynamo's graph
@@ -36,8 +39,8 @@ breaks are counted as on the GPU): not a result.
 Usage (repository root; torchao from `pip install -e .[fp8]`):
     python experiments/tools/bench/fp8_bench.py step [--sizes 1b 4096] [--scalings tensorwise] \\
         [--micro-batch 4] [--seq 2048] [--steps 10] [--warmup 3] [--fp8-layers qkv proj gate_up down] \\
-        [--plain-head] [--inductor KEY=VALUE ...] [--out DIR]
-    python experiments/tools/bench/fp8_bench.py train [--train-steps 2000] [--train-batch 8] [--out DIR]
+        [--with-head] [--plain-head] [--inductor KEY=VALUE ...] [--out DIR]
+    python experiments/tools/bench/fp8_bench.py train [--train-steps 2000] [--train-batch 8] [--with-head] [--out DIR]
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from trainer.config.fp8 import Fp8Config  # noqa: E402
+from trainer.config.fp8 import FP8_LAYERS, HEAD, Fp8Config  # noqa: E402
 from trainer.config.schema import ModelConfig  # noqa: E402
 from trainer.model.fp8 import linear_config, native_fp8  # noqa: E402
 
@@ -76,6 +79,8 @@ SIZES: dict[str, tuple[str, dict]] = {
 MODEL_120M = dict(d_model=896, n_layers=12, n_heads=14, n_kv_heads=14, ffn_dim=2432)
 #: `model.fp8.layers` names -> plain_llama's linear of that role (`--fp8-layers` converts the same in both).
 PLAIN_LINEARS = {"qkv": "wqkv", "proj": "wo", "gate_up": "w_gate_up", "down": "w_down"}
+#: The variant suffix of a row whose LM head runs in FP8 too (`--with-head`).
+WITH_HEAD = "+" + HEAD
 #: Issue 36's acceptance of the training run: |FP8 / bf16 - 1| of the final validation loss.
 VAL_TOLERANCE = 0.005
 
@@ -83,7 +88,7 @@ VAL_TOLERANCE = 0.005
 def plain_filter(layers: tuple[str, ...], head: bool = False) -> Callable[[torch.nn.Module, str], bool]:
     """torchao's `module_filter_fn` converting plain_llama's linears of the roles in `layers`, and
     the head (`output`) only with `head`: `convert_to_float8_training` without a filter converts
-    it too, which ours cannot (`model.fp8.layers` has no head), so by default plain keeps it in bf16."""
+    it too; ours only with `head` in `model.fp8.layers` (opt in), so by default plain keeps it in bf16."""
     names = {PLAIN_LINEARS[name] for name in layers} | ({"output"} if head else set())
     return lambda _, fqn: fqn.rsplit(".", 1)[-1] in names
 
@@ -166,9 +171,10 @@ def plain_shape(cfg: ModelConfig, args) -> plain_llama.Shape:
     )
 
 
-def plain(cfg: ModelConfig, args, device: torch.device, scaling: str | None) -> dict:
+def plain(cfg: ModelConfig, args, device: torch.device, scaling: str | None, head: bool = False) -> dict:
     """plain_llama's step (bf16 parameters on a GPU, fp32 on the CPU), optionally through
-    torchao's own module swap: the yardstick for what torchao gives without our layers."""
+    torchao's own module swap: the yardstick for what torchao gives without our layers. `head`:
+    its head converted too (else as `--plain-head` says)."""
     shape = plain_shape(cfg, args)
 
     def build() -> Callable[[], dict]:
@@ -180,7 +186,7 @@ def plain(cfg: ModelConfig, args, device: torch.device, scaling: str | None) -> 
 
             fp8 = linear_config(*SCALINGS[scaling], emulate=not native_fp8(device))
             convert_to_float8_training(
-                model, config=fp8, module_filter_fn=plain_filter(tuple(args.fp8_layers), args.plain_head)
+                model, config=fp8, module_filter_fn=plain_filter(tuple(args.fp8_layers), head or args.plain_head)
             )
         opt = torch.optim.AdamW(model.parameters(), lr=plain_llama.LR, fused=device.type == "cuda")
         fwd = torch.compile(model, backend="inductor" if device.type == "cuda" else "aot_eager")
@@ -196,7 +202,8 @@ def plain(cfg: ModelConfig, args, device: torch.device, scaling: str | None) -> 
 
         return measure
 
-    return {"part": "step", "model": "plain", **compiled_row(build, scaling or "bf16")}
+    label = (scaling or "bf16") + (WITH_HEAD if head else "")
+    return {"part": "step", "model": "plain", **compiled_row(build, label)}
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
@@ -214,13 +221,20 @@ def bench_steps(args, device: torch.device) -> tuple[list[dict], bool]:
     for size in args.sizes:
         preset, overrides = SIZES[size]
         cfg = replace(model_config(preset, **overrides), max_seq_len=max(args.seq, 16))
+        heads = (False, True) if args.with_head else (False,)
         parts: list[tuple[str, Callable[[], dict]]] = [("ours/bf16", lambda c=cfg: ours(c, args, device, "bf16"))]
         for s in args.scalings:
-            layers = list(args.fp8_layers)
-            fp8 = replace(cfg, fp8=Fp8Config(scaling=SCALINGS[s][0], grad_dtype=SCALINGS[s][1], layers=layers))
-            parts.append((f"ours/{s}", lambda c=fp8, s=s: ours(c, args, device, s)))
+            for head in heads:
+                layers = [*args.fp8_layers, *([HEAD] if head else [])]
+                fp8 = replace(cfg, fp8=Fp8Config(scaling=SCALINGS[s][0], grad_dtype=SCALINGS[s][1], layers=layers))
+                label = s + (WITH_HEAD if head else "")
+                parts.append((f"ours/{label}", lambda c=fp8, label=label: ours(c, args, device, label)))
         parts.append(("plain/bf16", lambda c=cfg: plain(c, args, device, None)))
-        parts += [(f"plain/{s}", lambda c=cfg, s=s: plain(c, args, device, s)) for s in args.scalings]
+        parts += [
+            (f"plain/{s}{WITH_HEAD if head else ''}", lambda c=cfg, s=s, head=head: plain(c, args, device, s, head))
+            for s in args.scalings
+            for head in heads
+        ]
         for name, fn in parts:
             new: list[dict] = []
             ok &= run_part(new, f"{size}/{name}", lambda fn=fn: [fn()])
@@ -230,14 +244,14 @@ def bench_steps(args, device: torch.device) -> tuple[list[dict], bool]:
 
 
 def step_table(rows: list[dict]) -> list[str]:
-    lines = [f"{'size':6s} {'model':6s} {'variant':10s} {'ms':>9s} {'tokens/s':>10s} {'x bf16':>7s} {'breaks':>6s}"]
+    lines = [f"{'size':6s} {'model':6s} {'variant':15s} {'ms':>9s} {'tokens/s':>10s} {'x bf16':>7s} {'breaks':>6s}"]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['size']:6s} {r['model']:6s} {r['variant']:10s} FAILED: {r['error']}")
+            lines.append(f"{r['size']:6s} {r['model']:6s} {r['variant']:15s} FAILED: {r['error']}")
             continue
         ratio = f"{r['ratio_vs_bf16']:7.3f}" if "ratio_vs_bf16" in r else " " * 7
         lines.append(
-            f"{r['size']:6s} {r['model']:6s} {r['variant']:10s} {r['ms']:9.2f} {r['tokens_per_s']:10.0f} "
+            f"{r['size']:6s} {r['model']:6s} {r['variant']:15s} {r['ms']:9.2f} {r['tokens_per_s']:10.0f} "
             f"{ratio} {r['graph_breaks']:6d}"
         )
     return lines
@@ -296,7 +310,10 @@ def train_run(args, device: torch.device, label: str, work: Path) -> dict:
             "train.min_lr=1e-4",
         ]
     if label != "bf16":
-        sets += [f"model.fp8.scaling={SCALINGS[label][0]}", f"model.fp8.grad_dtype={SCALINGS[label][1]}"]
+        scaling = SCALINGS[label.removesuffix(WITH_HEAD)]
+        sets += [f"model.fp8.scaling={scaling[0]}", f"model.fp8.grad_dtype={scaling[1]}"]
+        if label.endswith(WITH_HEAD):
+            sets.append(f"model.fp8.layers=[{','.join([*FP8_LAYERS, HEAD])}]")
     cfg = load_config(args.config, sets, cls=ExperimentConfig)
     if not (Path(cfg.data.store_dir) / "manifest.json").exists():
         from data.preprocess import preprocess
@@ -357,7 +374,8 @@ def plot_curves(runs: list[dict], path: Path) -> None:
 def bench_train(args, device: torch.device, out: Path) -> tuple[list[dict], bool]:
     rows: list[dict] = []
     ok = True
-    for label in ("bf16", *args.scalings):
+    labels = [s + head for s in args.scalings for head in ("", *([WITH_HEAD] if args.with_head else []))]
+    for label in ("bf16", *labels):
         ok &= run_part(rows, f"train/{label}", lambda label=label: [train_run(args, device, label, args.work)])
     done = [r for r in rows if "error" not in r]
     base = next((r for r in done if r["variant"] == "bf16"), None)
@@ -383,7 +401,13 @@ def main(argv: list[str] | None = None) -> dict:
         default=list(PLAIN_LINEARS),
         help="step: the block linears in FP8, in ours (model.fp8.layers) and in plain",
     )
-    p.add_argument("--plain-head", action="store_true", help="step: plain's head in FP8 too (ours has no such path)")
+    p.add_argument(
+        "--with-head",
+        action="store_true",
+        help="per scaling, one more row with the LM head in FP8 too: step, ours (model.fp8.layers + head) and "
+        "plain; train, an arm",
+    )
+    p.add_argument("--plain-head", action="store_true", help="step: plain's head in FP8 in every FP8 row (ours not)")
     p.add_argument(
         "--inductor",
         nargs="*",
@@ -432,7 +456,8 @@ def main(argv: list[str] | None = None) -> dict:
     head = f"{args.mode} on {device} ({'torch._scaled_mm' if native else 'EMULATED: not a result'}), torch {torch.__version__}"
     print("\n".join([head, *lines]), flush=True)
     result = {"mode": args.mode, "device": str(device), "native_fp8": native, "torch": torch.__version__}
-    result |= {"fp8_layers": args.fp8_layers, "plain_head": args.plain_head, "inductor": inductor, "rows": rows}
+    result |= {"fp8_layers": args.fp8_layers, "plain_head": args.plain_head, "with_head": args.with_head}
+    result |= {"inductor": inductor, "rows": rows}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"fp8_{args.mode}.json").write_text(json.dumps(result, indent=1))
