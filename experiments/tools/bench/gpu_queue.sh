@@ -5,13 +5,14 @@
 # the powered study (experiments/results/doremi_study.md) comes first, these in what is left.
 # Every bench writes under $OUT (the only folder that comes back from the device machine) and
 # its log is teed there; each runs under its own timeout so a slow one cannot starve the next.
-# Call 3 installs torchao from runs/wheels_gpu (carry it) when it is not importable.
+# Calls 3 and 5 install torchao from runs/wheels_gpu (carry it) when it is not importable.
 #
 #   bash experiments/tools/bench/gpu_queue.sh 1   # issue 35: ODM, ADO, Aioli at 1B (Aioli's validation
 #                                                 # cost row); issue 37: the MoE step after the grouped-kernel fix
 #   bash experiments/tools/bench/gpu_queue.sh 2   # issue 37: stacked 64 vs 8 one by one, fused and unfused head, profiled
-#   bash experiments/tools/bench/gpu_queue.sh 3   # issue 36: the 120M FP8 training run; FP8.md's grid G1
+#   bash experiments/tools/bench/gpu_queue.sh 3   # issue 36: the 120M FP8 training run (bf16, FP8, FP8 with its head)
 #   bash experiments/tools/bench/gpu_queue.sh 4   # issue 35: DoGE at 1B (after its one-pass step: PERFORMANCE.md)
+#   bash experiments/tools/bench/gpu_queue.sh 5   # issue 36: FP8 steps at 1B with and without the head (FP8.md, G1)
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -28,13 +29,11 @@ commands() {
         echo "stacked_bench 200 $PY $B/stacked_bench.py --device cuda --compile --models 64 --single 8 --profile 15"
         echo "stacked_bench 200 $PY $B/stacked_bench.py --device cuda --compile --models 64 --single 8 --unfused-head"
         ;;
-    3)
-        echo "fp8_bench 290 $PY $B/fp8_bench.py train --out \$OUT/fp8"
-        echo "fp8_bench 250 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 8 --plain-head --out \$OUT/fp8_g1"
-        ;;
+    3) echo "fp8_bench 400 $PY $B/fp8_bench.py train --with-head --out \$OUT/fp8" ;;
+    5) echo "fp8_bench 560 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 8 --with-head --out \$OUT/fp8_g1" ;;
     4) echo "method_bench 330 $PY $B/method_bench.py --presets 1b --variants plain,doge --deadline 300 --out \$OUT/method_bench" ;;
     *)
-        echo "gpu_queue.sh: expected a call number 1, 2, 3 or 4, got '$1'" >&2
+        echo "gpu_queue.sh: expected a call number 1 to 5, got '$1'" >&2
         return 2
         ;;
     esac
@@ -46,7 +45,7 @@ if [ "${1:-}" = "--print" ]; then
 fi
 : "${OUT:?gpu_queue.sh: set OUT to the folder that comes back (the device tool sets it)}"
 list=$(commands "${1:-}") || exit 2
-if [ "${1:-}" = 3 ] && ! $PY -c "import torchao" 2>/dev/null; then
+if { [ "${1:-}" = 3 ] || [ "${1:-}" = 5 ]; } && ! $PY -c "import torchao" 2>/dev/null; then
     $PY -m pip install -q --no-deps runs/wheels_gpu/torchao-*.whl || exit 1
 fi
 status=0
