@@ -186,12 +186,12 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(tmp_path):
     result = mb.main(["--presets", "tiny", "--steps", "4", "--warmup", "1", "--device", "cpu", "--out", str(out)])
     assert sorted(p.name for p in out.iterdir()) == ["method_bench.json", "method_bench.md"]
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == list(mb.VARIANTS) == ["plain", "doge", "odm", "aioli", "ado"]  # the catalog's order
+    assert list(rows) == list(mb.VARIANTS) == ["plain", "doge", "doge-1p", "odm", "aioli", "ado"]  # the catalog's
     for r in rows.values():
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and len(r["steps_s"]) == 4, r
         assert r["grad_bytes"] == 4 * r["params"] > 0
     assert rows["aioli"]["val_passes"] > 0 and rows["aioli"]["val_s_per_step"] > 0
-    assert all(rows[v]["val_passes"] == 0 for v in ("plain", "odm", "ado", "doge"))
+    assert all(rows[v]["val_passes"] == 0 for v in ("plain", "odm", "ado", "doge", "doge-1p"))
     assert rows["ado"]["refits"], "no ADO refit in the timed steps"
     text = (out / "method_bench.md").read_text()
     assert "tiny" in text and "CPU: not a result" in text and "--presets tiny" in text
@@ -210,11 +210,12 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(tmp_path):
 
 
 def test_method_bench_times_only_the_chosen_variants_in_the_catalogs_order(capsys):
-    """`--variants doge,plain` gives exactly those rows, plain first; an unknown name exits 2."""
+    """`--variants doge-1p,doge,plain` gives exactly those rows, plain first; an unknown name exits 2."""
     mb = bench_module("method_bench")
     argv = ["--presets", "tiny", "--steps", "1", "--warmup", "0", "--device", "cpu"]
-    result = mb.main([*argv, "--variants", "doge,plain"])
-    assert [r["variant"] for r in result["rows"]] == ["plain", "doge"]
+    result = mb.main([*argv, "--variants", "doge-1p,doge,plain"])
+    assert [r["variant"] for r in result["rows"]] == ["plain", "doge", "doge-1p"]
+    assert all(r["step_s"] > 0 for r in result["rows"]), result["notes"]
     with pytest.raises(SystemExit) as e:
         mb.main([*argv, "--variants", "plain,dogee"])
     assert e.value.code == 2 and "expected --variants of plain, doge" in capsys.readouterr().err

@@ -28,6 +28,12 @@ inner product with g_T taken on dp rank 0 of the counting ranks. Then
 `hook.alignment_weights(t, a, norms, lr_t)` gives w [k] and the update is sum_i w_i g_i, not
 renormalised. Memory: k + 2 gradient copies; communication: k + 1 dp all-reduces of the model's
 gradient (the optimizer's own dp sum then adds the zeros of dp ranks other than 0 to rank 0's sum).
+
+One pass (`Alignment.one_pass`, docs/design.md section 4c-iii): instead of one pass per domain,
+ONE forward and backward of the rank's sequences sorted by domain leaves every domain's gradient
+G [k, *shape] per parameter (`trainer.run.group_grads`); the products, norms, clip coefficients,
+weights and the update are then the same quantities taken from G in a few kernels per parameter
+(`_one_pass`). Memory as deferred: k + 2 gradient copies.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from trainer.parallel.pipeline_schedule import train_schedule
 from trainer.parallel.shard import get_shard_spec
 from trainer.parallel.tensor import sync_sequence_parallel_grads
 from trainer.parallel.tied import is_tied_duplicate, sync_tied_grads
+from trainer.run.group_grads import GroupGrads, group_offsets
 from trainer.run.hooks import Alignment, MixingHook, StepSignals
 from trainer.run.step import StepStats, global_stats
 
@@ -154,6 +161,8 @@ def aligned_step(
     g_target = _target_gradient(model, params, counted, spec, feed, step, size, schedule, pc)
 
     by_domain = _by_domain(micro_batches, k)
+    if spec.one_pass:
+        return _one_pass(model, named_params, counted, by_domain, g_target, signals, step, hook, feed, size, pc)
     total = [torch.zeros_like(g) for g in g_target]
     norm = torch.zeros((), dtype=torch.float64, device=pc.device)
     alignment = torch.zeros(k, dtype=torch.float64, device=pc.device)
@@ -276,6 +285,134 @@ def _add_deferred(
             acc.zero_()
     norm.fill_(1.0)
     signals.grad_norms = norms
+
+
+def _one_pass(
+    model: torch.nn.Module,
+    named_params: Sequence[tuple[str, torch.Tensor]],
+    counted: list[bool],
+    by_domain: list[list[tuple[int, int]]],
+    g_target: list[torch.Tensor],
+    signals: StepSignals,
+    step: int,
+    hook: MixingHook,
+    feed: DataFeed,
+    size: int,
+    pc: ParallelContext,
+) -> StepStats:
+    """`Alignment.one_pass`: every domain's gradient G[d] from ONE forward and backward of this
+    rank's sequences sorted by domain (`trainer.run.group_grads`), in micro-batches of the run's
+    size, under the objective sum_d (mean loss over domain d's tokens); then the k-pass step's
+    products, norms, clip coefficients and weights from G in a few kernels per parameter
+    (`group_products`, `combine`). Deferred: G is summed over dp, the clip of domain d is the
+    coefficient c_d of its norm, a_d = c_d <G[d], g_T>, and the update sum_d w_d c_d G[d] is
+    written on dp rank 0 (zeros elsewhere), as `_add_deferred` does. Otherwise the weights
+    m_d = `alignment_weight` of the partial products, and sum_d m_d G[d] / sum_d m_d on every rank."""
+    spec = hook.needs.alignment
+    assert spec is not None
+    k = feed.k
+    params = [p for _, p in named_params]
+    items = [it for group in by_domain for it in group]
+    chunks = [items[j : j + size] for j in range(0, len(items), size)]
+    batches = [collate(feed.train, c, device=pc.device) for c in chunks]
+    weighting = DomainWeights(torch.ones(k, dtype=torch.float64, device=pc.device), signals.tokens)
+    _clear(params)
+    losses: list[torch.Tensor] = []
+    with GroupGrads(model, named_params, k) as gg:
+        for c, b in zip(chunks, batches):
+            gg.announce(b, group_offsets([d for d, _ in c], k))
+        if batches:
+            losses = train_schedule(model, batches, pc, "1f1b", weighting, few_ok=True)
+    grads = gg.grads()
+    _clear(params)
+    if spec.deferred:
+        if pc.dp > 1:
+            for g in grads:
+                dist.all_reduce(g, group=pc.dp_group)
+        prods = group_products(grads, g_target, counted, norms=True, here=pc.dp_rank == 0)
+        if pc.world_size > 1:
+            dist.all_reduce(prods)
+        raw = prods[1].sqrt()
+        coef = clip_coefficients(raw, spec.domain_clip)
+        norms, alignment = raw * coef, prods[0] * coef
+        scale = hook.alignment_weights(step, alignment, norms, signals.lr).to(torch.float64) * coef
+        signals.grad_norms = norms
+        zero = pc.dp > 1 and pc.dp_rank != 0
+    else:
+        prods = group_products(grads, g_target, counted, norms=False, here=True)
+        if pc.world_size > 1:
+            dist.all_reduce(prods)
+        alignment = prods[0]
+        m = torch.stack([hook.alignment_weight(step, d, alignment[d], signals.lr).to(torch.float64) for d in range(k)])
+        scale, zero = m / m.sum(), False
+    total = []
+    while grads:  # each G freed once combined: at most k + 2 gradient copies at a time
+        g = grads.pop(0)
+        total.append(torch.zeros(g.shape[1:], dtype=g.dtype, device=g.device) if zero else combine(scale, g))
+    _write_grads(params, total, torch.ones((), dtype=torch.float64, device=pc.device))
+    signals.alignment = alignment
+    return global_stats(losses, batches, k, pc)
+
+
+def clip_coefficients(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_`'s coefficient min(1, max_norm / (norm + 1e-6)) of each
+    norm (as `_clip`), or ones when max_norm <= 0."""
+    if max_norm <= 0:
+        return torch.ones_like(norms)
+    return torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+
+
+def group_products(
+    grads: list[torch.Tensor], g_target: list[torch.Tensor], counted: list[bool], norms: bool, here: bool
+) -> torch.Tensor:
+    """[2, k] fp64: <G[d], g_T> and (`norms`) ||G[d]||^2 over the parameters this rank counts
+    (zeros where not `here`): per parameter one GEMV of G viewed [k, n] with g_T (`rows_dot`)
+    and one norm over its rows, each accumulated in fp32 whatever the gradients' dtype, added
+    over parameters in fp64."""
+    k = grads[0].shape[0] if grads else 0
+    device = grads[0].device if grads else None
+    out = torch.zeros(2, k, dtype=torch.float64, device=device)
+    if not here:
+        return out
+    for g, t, c in zip(grads, g_target, counted):
+        if c:
+            flat = g.reshape(k, -1)
+            out[0] += rows_dot(flat, t.reshape(-1)).to(torch.float64)
+            if norms:
+                out[1] += torch.linalg.vector_norm(flat, dim=1, dtype=torch.float32).square().to(torch.float64)
+    return out
+
+
+#: Devices found not to run `torch.mm(..., out_dtype=torch.float32)` on bf16 / fp16 operands.
+_NO_FP32_OUT: set[str] = set()
+
+
+def rows_dot(flat: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+    """flat [k, n] @ vec [n] in fp32 [k]: one GEMV for fp32 operands; for low-precision ones on
+    CUDA one GEMM with an fp32 output (`out_dtype`: cuBLAS accumulates in fp32, and the result
+    is not rounded to bf16, which would leave 3 significant digits), else upcast in chunks of at
+    most `_DOT_CHUNK` elements (no fp32 temporary the size of G). Untested on a GPU: where the
+    fp32-output GEMM is missing, the first call falls back to the chunks for good."""
+    if flat.dtype == torch.float32 and vec.dtype == torch.float32:
+        return torch.mv(flat, vec)
+    kind = flat.device.type
+    if kind == "cuda" and flat.dtype == vec.dtype and kind not in _NO_FP32_OUT:
+        try:
+            return torch.mm(flat, vec.reshape(-1, 1), out_dtype=torch.float32).view(-1)
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without the fp32-output GEMM
+            _NO_FP32_OUT.add(kind)
+    out = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device)
+    step = max(1, _DOT_CHUNK // flat.shape[0])
+    for gc, tc in zip(flat.split(step, dim=1), vec.split(step)):
+        out += torch.mv(gc.float(), tc.float())
+    return out
+
+
+def combine(scale: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """sum_d scale[d] G[d] (G [k, *shape]) as one GEMV in G's dtype (fp32 accumulation; for bf16
+    gradients the weights are rounded to bf16, as the k-pass step's `addcmul_` rounds them)."""
+    k = g.shape[0]
+    return torch.mv(g.reshape(k, -1).t(), scale.to(g.dtype)).view(g.shape[1:])
 
 
 def _write_grads(params: list[torch.Tensor], total: list[torch.Tensor], norm: torch.Tensor) -> None:

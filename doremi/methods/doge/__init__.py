@@ -15,13 +15,32 @@ from trainer.run.hooks import MethodContext, MixingHook
 def check_layout(cfg: Any) -> None:
     """DoGE's step runs each domain's sequences of a rank as their own micro-batches, so dp ranks
     run different numbers of forwards; expert parallelism's all-to-all needs every rank of its
-    group in every forward, so the two would wait on each other for ever: refused."""
+    group in every forward, so the two would wait on each other for ever: refused. `one_pass`
+    splits the weight gradients of dense linears, norms and the embedding by domain
+    (trainer/run/group_grads.py): tp, pp, MoE and Mamba blocks and FP8 linears are refused."""
+    from trainer.config.mamba import has_mamba
     from trainer.config.tools import ConfigError
 
     if cfg.parallelism.ep > 1:
         raise ConfigError(
             f"mixing.doge: DoGE's per-domain gradients do not run under expert parallelism "
             f"(parallelism.ep = {cfg.parallelism.ep}); expected parallelism.ep: 1"
+        )
+    if not cfg.mixing.doge.one_pass:
+        return
+    m, par = cfg.model, cfg.parallelism
+    reasons = [
+        (par.tp > 1, f"parallelism.tp = {par.tp}"),
+        (par.pp > 1, f"parallelism.pp = {par.pp}"),
+        (m.moe is not None, "model.moe is set"),
+        (has_mamba(m), "model.block_pattern has Mamba blocks"),
+        (m.fp8 is not None, "model.fp8 is set"),
+    ]
+    why = next((text for bad, text in reasons if bad), None)
+    if why:
+        raise ConfigError(
+            f"mixing.doge.one_pass: per-domain gradients in one pass need a dense model at tp 1 and pp 1 "
+            f"without FP8, got {why}; set mixing.doge.one_pass: false"
         )
 
 

@@ -125,7 +125,13 @@ class DoGE(MethodBase):
         self.sampling = np.asarray(sampling, dtype=np.float64)
         self.clip = score_clip(cfg)
         self.authors = cfg.variant == "authors"
-        spec = Alignment(tuple(float(x) for x in target), target_batch, domain_clip(cfg), deferred=self.authors)
+        spec = Alignment(
+            tuple(float(x) for x in target),
+            target_batch,
+            domain_clip(cfg),
+            deferred=self.authors,
+            one_pass=cfg.one_pass,
+        )
         self.needs = Needs(alignment=spec)
         self.log_alpha = torch.full((ctx.k,), -float(np.log(ctx.k)), dtype=torch.float64, device=ctx.device)
         self.log = MethodLog(ctx)

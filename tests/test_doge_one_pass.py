@@ -1,0 +1,253 @@
+"""DoGE's one-pass step (`mixing.doge.one_pass`): per-group weight gradients from one forward and
+backward (trainer/run/group_grads.py) equal each group's own backward, and the aligned step
+(trainer/run/alignment.py `_one_pass`) writes the k-pass step's update, products and weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainer.run.alignment as alignment
+import trainer.run.loop as loop
+from doremi.methods.doge import check_layout
+from doremi.methods.history import read_history
+from doremi.pipeline import stages
+from tests.runs import config
+from tests.test_doge_host_sync import BF16, OffHost
+from tests.test_method_doge import fit_capturing_gradients
+from tests.test_model import _cfg
+from trainer.config.fp8 import Fp8Config
+from trainer.config.moe import MoEConfig
+from trainer.config.tools import ConfigError
+from trainer.model.llama import Llama
+from trainer.run.group_grads import GroupGrads, group_offsets
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _rows(groups: list[int], s: int = 12, vocab: int = 256, seed: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    b = len(groups)
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    labels[0, :2] = -100
+    return {
+        "input_ids": torch.randint(0, vocab, (b, s), generator=g),
+        "labels": labels,
+        "domain_ids": torch.tensor(groups),
+    }
+
+
+def _weights(batch: dict, k: int) -> torch.Tensor:
+    """Per-token weight 1 / n_g on group g's tokens: the sum over groups of each group's mean loss."""
+    mask = batch["labels"] != -100
+    ids = batch["domain_ids"]
+    n = torch.stack([(mask & (ids == g)[:, None]).sum() for g in range(k)]).double()
+    return mask.double() * (1.0 / n.clamp_min(1))[ids][:, None]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_per_group_gradients_equal_each_groups_own_backward(tied):
+    """Groups of 3, 0, 1 and 2 rows (one empty), in two micro-batches: G[g] of every parameter
+    of a tiny dense Llama (fp64) equals the gradient of group g's mean loss by autograd alone."""
+    k, groups = 4, [0, 0, 0, 2, 3, 3]
+    model = Llama(_cfg(tie_embeddings=tied)).double()
+    named = list(model.named_parameters())
+    batch = _rows(groups)
+    w = _weights(batch, k)
+    halves = [{key: v[:4] for key, v in batch.items()}, {key: v[4:] for key, v in batch.items()}]
+    with GroupGrads(model, named, k) as gg:
+        for h in halves:
+            gg.announce(h, group_offsets(h["domain_ids"].tolist(), k))
+        for h, hw in zip(halves, (w[:4], w[4:])):
+            (model(None, h) * hw).sum().backward()
+    got = gg.grads()
+    assert all(p.grad is None for _, p in named)
+    assert "forward" not in vars(model) and all(getattr(m, "fp8", None) is None for m in model.modules())
+    for g in range(k):
+        rows = batch["domain_ids"] == g
+        loss = (model(None, batch) * w * rows[:, None]).sum()
+        want = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+        for (name, p), G, ref in zip(named, got, want):
+            assert G.shape == (k, *p.shape)
+            torch.testing.assert_close(
+                G[g], torch.zeros_like(p) if ref is None else ref, rtol=1e-10, atol=1e-13, msg=name
+            )
+    assert not got[0][1].any()  # the empty group
+
+
+def test_the_compiled_stage_takes_one_more_graph_and_keeps_it(monkeypatch):
+    """The compiled model (one graph per stage, as on CUDA; here dynamo with AOTAutograd's eager
+    backend on the CPU): over 3 steps of an ordinary pass then a one-pass one, dynamo makes two
+    graphs (no recompile per step, no graph break), whose per-group gradients are the eager
+    model's."""
+    import torch._dynamo
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs: list[int] = []
+    real = torch.compile
+
+    def backend(gm, inputs):
+        graphs.append(len(gm.graph.nodes))
+        return aot_eager(gm, inputs)
+
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None: real(fn, backend=backend, dynamic=dynamic))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    k, cfg = 3, _cfg(tie_embeddings=True)
+    model, eager = Llama(cfg), Llama(cfg)
+    for m in (model, eager):
+        m._fused_loss = True  # the tp = 1 head of a compiled model (LlamaStage.__init__)
+    model._compiled = True
+    model.set_recompute("none")
+    try:
+        for step in range(3):
+            batch = _rows([0, 0, 1, 1, 1, 2], seed=step)
+            model(None, batch).sum().backward()  # an ordinary pass (the target's)
+            got = []
+            for m in (model, eager):
+                with GroupGrads(m, list(m.named_parameters()), k) as gg:
+                    gg.announce(batch, group_offsets(batch["domain_ids"].tolist(), k))
+                    m(None, batch).sum().backward()
+                got.append(gg.grads())
+            for a, b in zip(*got):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert len(graphs) == 2 and not torch._dynamo.utils.counters["graph_break"]
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_norms_and_update_from_the_stacked_gradients(dtype):
+    """`group_products` and `combine` on G [3, ...] of two parameters (one not counted) against
+    fp64: the products and norms fp32-accurate whatever G's dtype, the update to G's precision."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(3, 40, 50, generator=gen).to(dtype), torch.randn(3, 7, generator=gen).to(dtype)]
+    target = [torch.randn(40, 50, generator=gen).to(dtype), torch.randn(7, generator=gen).to(dtype)]
+    got = alignment.group_products(grads, target, [True, False], norms=True, here=True)
+    g, t = grads[0].double().reshape(3, -1), target[0].double().reshape(-1)
+    torch.testing.assert_close(got, torch.stack([g @ t, (g * g).sum(1)]), rtol=1e-6, atol=1e-9)
+    assert not alignment.group_products(grads, target, [True, True], norms=False, here=False).any()
+    scale = torch.tensor([0.5, -1.25, 2.0], dtype=torch.float64)
+    want = (scale[:, None, None] * grads[0].double()).sum(0)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(alignment.combine(scale, grads[0]).double(), want, rtol=tol, atol=tol)
+
+
+def test_group_offsets_need_sorted_rows():
+    assert group_offsets([0, 0, 2, 3, 3], 4) == (0, 2, 2, 3, 5)
+    assert group_offsets([], 2) == (0, 0, 0)
+    with pytest.raises(ValueError, match=r"^group gradients: rows must be sorted by group, got \[1, 0\]$"):
+        group_offsets([1, 0], 2)
+
+
+def test_a_parameter_without_a_per_group_gradient_is_refused():
+    model = Llama(_cfg())
+    model.extra = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ConfigError, match=r"^group gradients \(DoGE's one pass\): no per-group gradient for extra;"):
+        GroupGrads(model, list(model.named_parameters()), 2)
+
+
+SETS = ["train.decay=constant", "train.warmup_steps=0", "train.lr=0.01", "mixing.method=doge", "train.grad_clip=0"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["train.steps=2", "train.micro_batches=2", "mixing.doge.domain_grad_clip=0.05"],  # authors, the clip binding
+        ["train.steps=2", "mixing.doge.variant=paper", "model.tie_embeddings=true"],
+    ],
+)
+def test_one_pass_writes_the_k_pass_update(stores, tmp_path, extra):
+    """The same proxy run with `one_pass` on and off: equal products, norms and weights at every
+    step, and the same gradient written at the last (fp32 rounding)."""
+    runs = {}
+    for on in (False, True):
+        cfg = config(stores, tmp_path / str(on), *SETS, *extra, f"mixing.doge.one_pass={str(on).lower()}")
+        trainer = stages.proxy_trainer(cfg)
+        assert trainer.hook.needs.alignment.one_pass is on
+        runs[on] = (fit_capturing_gradients(trainer), read_history(tmp_path / str(on)))
+    (k_pass, want), (one, got) = runs[False], runs[True]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
+    for a, b in zip(want, got):
+        assert b["alignment"] == pytest.approx(a["alignment"], rel=1e-5, abs=1e-12)
+        assert b["weights"] == pytest.approx(a["weights"], abs=1e-7)
+        assert b.get("grad_norm") == (None if "grad_norm" not in a else pytest.approx(a["grad_norm"], rel=1e-5))
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    for name, g in k_pass.items():
+        torch.testing.assert_close(one[name], g, rtol=1e-4, atol=1e-7, msg=name)
+    assert max(abs(x - 1 / 3) for x in got[-1]["weights"]) > 1e-3  # the weights moved
+    if "grad_norm" in got[0]:
+        assert got[0]["grad_norm"] == pytest.approx([0.05] * 3, rel=1e-5)  # every domain clipped
+
+
+def _dp_worker(rank: int, world: int, store: str, run: str) -> None:
+    stages.train_proxy(config(Path(store), Path(run), *DP, "parallelism.dp=2"))
+
+
+DP = [*SETS, "train.steps=2", "train.micro_batches=2", "mixing.doge.one_pass=true"]
+
+
+def test_one_pass_under_dp2_logs_the_single_process_step(stores, tmp_path):
+    """Each rank's per-domain gradients summed over dp before the norms and products: dp 2 logs
+    the norms, products and weights of one process."""
+    from tests.distributed import spawn
+
+    stages.train_proxy(config(stores, tmp_path / "single", *DP))
+    spawn(_dp_worker, 2, str(stores), str(tmp_path / "dp"))
+    want, got = read_history(tmp_path / "single"), read_history(tmp_path / "dp")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
+    for a, b in zip(want, got):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["alignment"] == pytest.approx(a["alignment"], rel=1e-5, abs=1e-12)
+        assert b["weights"] == pytest.approx(a["weights"], abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "why"),
+    [
+        ("parallelism", "tp", 2, "parallelism.tp = 2"),
+        ("parallelism", "pp", 2, "parallelism.pp = 2"),
+        ("model", "moe", MoEConfig(), "model.moe is set"),
+        ("model", "block_pattern", "MA", "model.block_pattern has Mamba blocks"),
+        ("model", "fp8", Fp8Config(), "model.fp8 is set"),
+    ],
+)
+def test_one_pass_refuses_what_it_cannot_split(stores, tmp_path, section, key, value, why):
+    """One line naming the key and the reason (the method's `check`, run before any stage)."""
+    cfg = config(stores, tmp_path / "run", *SETS, "mixing.doge.one_pass=true")
+    check_layout(cfg)
+    setattr(getattr(cfg, section), key, value)
+    with pytest.raises(ConfigError, match=rf"^mixing.doge.one_pass: .* got {why}; set mixing.doge.one_pass: false$"):
+        check_layout(cfg)
+
+
+def test_the_one_pass_step_does_not_wait_for_the_device(stores, tmp_path, monkeypatch):
+    """tests/test_doge_host_sync.py's detector on the one-pass step (collation on the host apart)."""
+    mode = OffHost()
+
+    def on_host(fn):
+        def run(*args, **kwargs):
+            mode.host += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                mode.host -= 1
+
+        return run
+
+    sets = [*SETS, "train.steps=1", "mixing.doge.one_pass=true", *BF16]
+    trainer = stages.proxy_trainer(config(stores, tmp_path / "run", *sets))
+    assert trainer.hook.needs.alignment.one_pass
+    monkeypatch.setattr(alignment, "collate", on_host(alignment.collate))
+    monkeypatch.setattr(trainer.feed, "target_batches", on_host(trainer.feed.target_batches))
+    step = alignment.aligned_step
+
+    def watched(*args, **kwargs):
+        with mode:
+            return step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "aligned_step", watched)
+    trainer.fit()
+    assert mode.seen == []

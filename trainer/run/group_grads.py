@@ -1,0 +1,262 @@
+"""Per-group weight gradients from one forward and backward (DoGE's one-pass step,
+`Alignment.one_pass`; docs/design.md section 4c, experiments/notes/PERFORMANCE.md "DoGE at 1B").
+
+A batch whose rows (sequences) are sorted by group, with each group's row count known on the
+host, gives every parameter p a gradient per group G_p [k, *p.shape]: G_p[g] is the gradient of
+the step's objective restricted to group g's rows. Rows never mix in a dense Llama (attention
+is within a sequence; no batch statistic), so each weight's gradient is a sum over rows, and
+splitting that sum by group needs no extra forward or backward. Each parameter has, for the
+pass, a leaf [k, *shape] (the weight broadcast over groups, requiring grad) whose gradient
+autograd accumulates over the micro-batches; the parameters' own gradients stay empty:
+
+- linears (`trainer.parallel.tensor`'s column- and row-parallel linears and the LM head, at
+  tp 1): their `mm` hook (the FP8 one's place) runs y = x W^T and the input gradient g W as
+  usual, and the weight gradient as one GEMM per group, dW_g = g_g^T x_g, stacked into the
+  leaf's gradient (the same FLOPs as the one GEMM it replaces). Activations are [s, b, d], so a
+  group's rows are a slice of dim 1: each segment's x and g are copied contiguous (about one
+  more read and write of every linear's activations per step), and the stack is one more write
+  of the k gradients;
+- the embedding: its lookup, whose backward adds each token's gradient at [group, id] of the
+  leaf's gradient (one `index_add_` over [k * vocab, d]); a tied head's GEMMs add into the same
+  leaf;
+- RMSNorm weights: the leaf holds the weight's values, indexed by each row's group, so
+  autograd's index backward gives the per-group sums.
+
+Any other parameter (MoE experts and router, Mamba's, tp > 1's shards) is refused, never
+silently left without its gradient. The model's own forward is untouched: `GroupGrads`
+installs the hooks on the modules' instances for the duration of its `with` block only; a
+compiled stage traces them as one more graph, kept from step to step (no graph break,
+tests/test_doge_one_pass.py).
+
+Memory: the k gradient copies G (in the gradients' dtype: fp32 where main grads are attached,
+else the parameters'), the only gradient the pass writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainer.config.tools import ConfigError
+from trainer.model.layers import RMSNorm
+from trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from trainer.parallel.tied import head_weight
+
+
+@dataclass
+class RowGroups:
+    """The groups of the micro-batch whose forward runs now: `offsets` [k + 1] (host; group g
+    is rows offsets[g]:offsets[g + 1]) and `rows` [b], each row's group (on the device)."""
+
+    offsets: tuple[int, ...] = ()
+    rows: torch.Tensor | None = None
+
+
+def group_offsets(groups: Sequence[int], k: int) -> tuple[int, ...]:
+    """Offsets [k + 1] of rows sorted by group (`groups`: each row's group, non-decreasing)."""
+    if any(a > b for a, b in zip(groups, groups[1:])):
+        raise ValueError(f"group gradients: rows must be sorted by group, got {list(groups)}")
+    counts = [0] * k
+    for g in groups:
+        counts[g] += 1
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return tuple(out)
+
+
+def segment_grads(g: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """[k, out, in]: g_i^T x_i for the rows (dim 1 of [s, b, .]) of each group i (zeros for an
+    empty group: a product over no rows)."""
+    gt, xt = g.transpose(0, 1), x.transpose(0, 1)
+    parts = []
+    for i in range(len(offsets) - 1):
+        lo, hi = offsets[i], offsets[i + 1]
+        parts.append(gt[lo:hi].reshape(-1, g.shape[-1]).t().matmul(xt[lo:hi].reshape(-1, x.shape[-1])))
+    return torch.stack(parts).to(dtype)
+
+
+class _GroupLinear(torch.autograd.Function):
+    """y = x W^T; W's gradient goes per group to `leaf` [k, *W.shape], none to W itself."""
+
+    @staticmethod
+    def forward(ctx, x, weight, leaf, offsets):
+        ctx.save_for_backward(x, weight)
+        ctx.offsets, ctx.dtype = offsets, leaf.dtype
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        grad_x = torch.matmul(g, weight) if ctx.needs_input_grad[0] else None
+        return grad_x, None, segment_grads(g, x, ctx.offsets, ctx.dtype), None
+
+
+class _GroupEmbedding(torch.autograd.Function):
+    """ids [s, b] -> weight[ids]; the weight's gradient goes to `leaf`[group of the row, id]."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, leaf, rows):
+        ctx.save_for_backward(ids, rows)
+        ctx.shape, ctx.dtype = leaf.shape, leaf.dtype
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        ids, rows = ctx.saved_tensors
+        k, vocab, d = ctx.shape
+        index = (rows.unsqueeze(0) * vocab + ids).reshape(-1)
+        out = g.new_zeros((k * vocab, d), dtype=ctx.dtype).index_add_(0, index, g.reshape(-1, d).to(ctx.dtype))
+        return None, None, out.view(k, vocab, d), None
+
+
+@dataclass
+class GroupMatmul:
+    """A linear's `mm` hook (`trainer.parallel.tensor.column_parallel_linear`, tp 1: `whole`)
+    whose weight gradient goes per group to `leaf` [k, *weight.shape]."""
+
+    leaf: torch.Tensor
+    groups: RowGroups
+    whole: bool = field(default=True, init=False)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _GroupLinear.apply(x, weight, self.leaf, self.groups.offsets)
+
+
+def _grad_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype a step keeps p's gradient in: its fp32 main grad where attached."""
+    return torch.float32 if getattr(p, "main_grad", None) is not None else p.dtype
+
+
+def _receiver(p: torch.Tensor, k: int) -> torch.Tensor:
+    """A leaf [k, *p.shape] that only receives gradients (its values are never read): one
+    element broadcast, no storage of the parameter's size."""
+    return torch.zeros((), dtype=_grad_dtype(p), device=p.device).expand(k, *p.shape).requires_grad_()
+
+
+class GroupGrads:
+    """Within `with GroupGrads(stage, params, k) as gg:`, every forward of `stage` whose batch
+    was announced by `gg.announce(batch, offsets)` leaves, after its backward, each parameter's
+    per-group gradient in `gg.grads()` (in `params`' order), summed over the micro-batches.
+
+    Each parameter has a leaf [k, *shape] (`leaves`), the weight broadcast over groups, whose
+    gradient autograd accumulates: the parameters' own gradients are left empty."""
+
+    def __init__(self, stage: nn.Module, named_params: Sequence[tuple[str, torch.Tensor]], k: int):
+        self.stage, self.k = stage, k
+        self.groups = RowGroups()
+        self.params = [p for _, p in named_params]
+        self._offsets: dict[int, tuple[int, ...]] = {}
+        self._patched: list[tuple[object, str, object, bool]] = []
+        self._linears: list[nn.Module] = []
+        self._embeds: list[VocabParallelEmbedding] = []
+        self._norms: list[RMSNorm] = []
+        covered = self._plan()
+        names = [n for n, p in named_params if id(p) not in covered]
+        if names:
+            raise ConfigError(
+                f"group gradients (DoGE's one pass): no per-group gradient for {', '.join(names[:4])}"
+                f"{' ...' if len(names) > 4 else ''}; only dense linears, RMSNorm and the embedding at tp 1"
+            )
+        norms = {id(m.weight) for m in self._norms}
+        self.leaves = {
+            id(p): (
+                p.detach().to(_grad_dtype(p)).expand(k, *p.shape).requires_grad_()
+                if id(p) in norms
+                else _receiver(p, k)
+            )
+            for p in self.params
+        }
+
+    def _plan(self) -> set[int]:
+        """Which modules get hooks; returns the ids of the parameters they cover."""
+        covered: set[int] = set()
+        head = getattr(self.stage, "head", None)
+        for m in self.stage.modules():
+            tp = getattr(m, "tp", None)
+            if tp is not None and getattr(tp, "size", 1) != 1:
+                raise ConfigError(f"group gradients (DoGE's one pass): tensor parallel (tp {tp.size}) is not supported")
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear) and m is not head:
+                if m.fp8 is not None:
+                    raise ConfigError("group gradients (DoGE's one pass): FP8 linears are not supported")
+                self._linears.append(m)
+            elif isinstance(m, VocabParallelEmbedding):
+                self._embeds.append(m)
+            elif isinstance(m, RMSNorm):
+                self._norms.append(m)
+            else:
+                continue
+            covered.add(id(m.weight))
+        if getattr(self.stage, "is_last", False):
+            if getattr(self.stage, "head_fp8", None) is not None:
+                raise ConfigError("group gradients (DoGE's one pass): an FP8 head is not supported")
+            covered.add(id(head_weight(self.stage)))
+        return covered
+
+    def announce(self, batch: dict, offsets: tuple[int, ...]) -> None:
+        """`batch`'s rows are sorted by group, group g being rows offsets[g]:offsets[g + 1]."""
+        self._offsets[id(batch)] = offsets
+
+    def _set(self, obj: object, name: str, value: object) -> None:
+        had = name in vars(obj)
+        self._patched.append((obj, name, vars(obj).get(name), had))
+        setattr(obj, name, value)
+
+    def __enter__(self) -> GroupGrads:
+        groups, stage, leaves = self.groups, self.stage, self.leaves
+        forward = stage.forward
+
+        def stage_forward(hidden, batch):
+            groups.offsets = self._offsets[id(batch)]
+            groups.rows = batch["domain_ids"]
+            return forward(hidden, batch)
+
+        self._set(stage, "forward", stage_forward)
+        for m in self._linears:
+            self._set(m, "fp8", GroupMatmul(leaves[id(m.weight)], groups))
+        if getattr(stage, "is_last", False):
+            self._set(stage, "head_fp8", GroupMatmul(leaves[id(head_weight(stage))], groups))
+        for m in self._embeds:
+            self._set(m, "forward", _embedding(m, leaves[id(m.weight)], groups))
+        for m in self._norms:
+            self._set(m, "forward", _norm(m, leaves[id(m.weight)], groups))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, old, had in reversed(self._patched):
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+        self._patched.clear()
+
+    def grads(self) -> list[torch.Tensor]:
+        """G_p [k, *p.shape] for each parameter, in the order given (zeros where no backward
+        reached it); handed over once: the leaves are dropped."""
+        out = []
+        for p in self.params:
+            leaf = self.leaves[id(p)]
+            out.append(
+                torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device) if leaf.grad is None else leaf.grad
+            )
+        self.leaves = {}
+        return out
+
+
+def _embedding(m: VocabParallelEmbedding, leaf: torch.Tensor, groups: RowGroups):
+    def forward(input_ids: torch.Tensor) -> torch.Tensor:
+        return _GroupEmbedding.apply(input_ids.t(), m.weight, leaf, groups.rows)
+
+    return forward
+
+
+def _norm(m: RMSNorm, leaf: torch.Tensor, groups: RowGroups):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        w = leaf[groups.rows].to(x.dtype)  # [b, d]: each row's group's weight
+        return F.rms_norm(x, (x.shape[-1],), None, m.eps) * w
+
+    return forward
