@@ -1,6 +1,7 @@
 """DoGE's one-pass step (`mixing.doge.one_pass`): per-group weight gradients from one forward and
 backward (trainer/run/group_grads.py) equal each group's own backward, and the aligned step
-(trainer/run/alignment.py `_one_pass`) writes the k-pass step's update, products and weights."""
+(trainer/run/alignment.py `_one_pass`, the target's sequences folded in as one more group) writes
+the k-pass step's update, products and weights."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import trainer.run.loop as loop
 from doremi.methods.doge import check_layout
 from doremi.methods.history import read_history
 from doremi.pipeline import stages
-from tests.runs import config
+from tests.runs import config, losses
 from tests.test_doge_host_sync import BF16, OffHost
 from tests.test_method_doge import fit_capturing_gradients
 from tests.test_model import _cfg
@@ -182,24 +183,121 @@ def test_one_pass_writes_the_k_pass_update(stores, tmp_path, extra):
         assert got[0]["grad_norm"] == pytest.approx([0.05] * 3, rel=1e-5)  # every domain clipped
 
 
-def _dp_worker(rank: int, world: int, store: str, run: str) -> None:
-    stages.train_proxy(config(Path(store), Path(run), *DP, "parallelism.dp=2"))
+#: case -> (settings, the folded pass's micro-batch rows: 8 training rows (2 with the empty
+#: domain) and T target rows, over the step's own count of micro-batches, as equal as can be).
+FOLDS = {
+    "authors, the clip binding on the target": (
+        ["train.micro_batches=2", "mixing.doge.domain_grad_clip=0.05"],
+        [4, 5],
+    ),
+    "T = 3 over two micro-batches": (["train.micro_batches=2", "mixing.doge.target_sequences=3"], [5, 6]),
+    "an empty domain (2 sequences, 3 domains)": (
+        ["train.global_batch_size=2", "mixing.doge.target_sequences=2"],
+        [4],
+    ),
+    "paper, tied": (
+        ["mixing.doge.variant=paper", "model.tie_embeddings=true", "mixing.doge.target_sequences=3"],
+        [11],
+    ),
+}
+
+
+@pytest.mark.parametrize(("extra", "rows"), list(FOLDS.values()), ids=list(FOLDS))
+def test_the_folded_step_writes_the_k_pass_and_the_unfolded_update(stores, tmp_path, monkeypatch, extra, rows):
+    """The target's sequences folded into the one pass as group k (`FOLD_TARGET`, one
+    `train_schedule` per step, no copy of g_T) against the k-pass step and the one-pass step with
+    the target's own pass: equal products, norms, weights, training loss and gradient written
+    (fp32 rounding; one step, as Adam's first update turns the rounding of near-zero gradient
+    elements into whole steps of the learning rate, which a second step's gradients would show)."""
+    calls: list[list[int]] = []
+    schedule, clips, clip = alignment.train_schedule, [], alignment.clip_coefficients
+
+    def watched_schedule(model, batches, *args, **kwargs):
+        calls.append([b["input_ids"].shape[0] for b in batches])
+        return schedule(model, batches, *args, **kwargs)
+
+    monkeypatch.setattr(alignment, "train_schedule", watched_schedule)
+
+    def watched_clip(norms, max_norm):
+        out = clip(norms, max_norm)
+        if norms.dim() == 0:  # the folded step's target: the domains' come as one [k] call
+            clips.append(out)
+        return out
+
+    monkeypatch.setattr(alignment, "clip_coefficients", watched_clip)
+    runs = {}
+    for name, on, fold in (("k-pass", False, True), ("unfolded", True, False), ("folded", True, True)):
+        monkeypatch.setattr(alignment, "FOLD_TARGET", fold)
+        if fold and on:
+            monkeypatch.setattr(alignment, "_reduced_clone", None)
+        cfg = config(stores, tmp_path / name, *SETS, "train.steps=1", *extra, f"mixing.doge.one_pass={str(on).lower()}")
+        trainer = stages.proxy_trainer(cfg)
+        calls.clear()
+        runs[name] = (fit_capturing_gradients(trainer), read_history(tmp_path / name), losses(tmp_path / name))
+    assert calls == [rows]  # the folded run's step: one pass
+    want_grads, want, want_losses = runs["k-pass"]
+    for name in ("unfolded", "folded"):
+        grads, got, got_losses = runs[name]
+        assert [r["step"] for r in got] == [r["step"] for r in want] == [1]
+        assert got_losses == pytest.approx(want_losses, rel=1e-5)
+        for a, b in zip(want, got):
+            assert b["alignment"] == pytest.approx(a["alignment"], rel=1e-5, abs=1e-12)
+            assert b["weights"] == pytest.approx(a["weights"], rel=1e-5, abs=1e-7)
+            assert b.get("grad_norm") == (None if "grad_norm" not in a else pytest.approx(a["grad_norm"], rel=1e-5))
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        for param, g in want_grads.items():
+            torch.testing.assert_close(
+                grads[param], g, rtol=1e-4, atol=1e-7, msg=lambda m, p=param: f"{name}: {p}: {m}"
+            )
+    assert max(abs(x - 1 / 3) for x in want[-1]["weights"]) > 1e-3  # the weights moved
+    if "domain_grad_clip=0.05" in extra:
+        assert clips and all(float(c) < 1 for c in clips)  # the target's clip binds
+    if "train.global_batch_size=2" in extra:
+        assert 0.0 in want[0]["alignment"]  # a domain absent from the step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gram_matrix_gives_group_products_numbers(dtype):
+    """`group_gram` of [G; g_T] (G [3, ...] of two parameters, one not counted): its last column
+    and diagonal are `group_products`' products and norms to fp32 rounding whatever G's dtype,
+    its corner ||g_T||^2, against fp64."""
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(3, 40, 50, generator=gen).to(dtype), torch.randn(3, 7, generator=gen).to(dtype)]
+    target = [torch.randn(40, 50, generator=gen).to(dtype), torch.randn(7, generator=gen).to(dtype)]
+    stacked = [torch.cat([g, t[None]]) for g, t in zip(grads, target)]
+    gram = alignment.group_gram(stacked, [True, False], here=True)
+    want = alignment.group_products(grads, target, [True, False], norms=True, here=True)
+    torch.testing.assert_close(torch.stack([gram[:3, 3], gram.diagonal()[:3]]), want, rtol=1e-6, atol=1e-9)
+    t = target[0].double().reshape(-1)
+    assert gram.dtype == torch.float64 and float(gram[3, 3]) == pytest.approx(float(t @ t), rel=1e-6)
+    torch.testing.assert_close(gram, gram.t())
+    assert not alignment.group_gram(stacked, [True, True], here=False).any()
+
+
+def _dp_worker(rank: int, world: int, store: str, run: str, extra: list[str]) -> None:
+    stages.train_proxy(config(Path(store), Path(run), *DP, *extra, "parallelism.dp=2"))
 
 
 DP = [*SETS, "train.steps=2", "train.micro_batches=2", "mixing.doge.one_pass=true"]
 
 
-def test_one_pass_under_dp2_logs_the_single_process_step(stores, tmp_path):
-    """Each rank's per-domain gradients summed over dp before the norms and products: dp 2 logs
-    the norms, products and weights of one process."""
+@pytest.mark.parametrize(
+    "extra",
+    [["mixing.doge.domain_grad_clip=0.05"], ["mixing.doge.variant=paper", "mixing.doge.target_sequences=3"]],
+    ids=["authors, T = 1 (rank 0 has no target row), the clips binding", "paper, T = 3 (1 and 2 rows)"],
+)
+def test_one_pass_under_dp2_logs_the_single_process_step(stores, tmp_path, extra):
+    """The folded target's gradient G[k] summed over dp with the domains' (authors) or alone
+    (paper, whose products are partial) before the norms and products: dp 2 logs the norms,
+    products and weights of one process."""
     from tests.distributed import spawn
 
-    stages.train_proxy(config(stores, tmp_path / "single", *DP))
-    spawn(_dp_worker, 2, str(stores), str(tmp_path / "dp"))
+    stages.train_proxy(config(stores, tmp_path / "single", *DP, *extra))
+    spawn(_dp_worker, 2, str(stores), str(tmp_path / "dp"), extra)
     want, got = read_history(tmp_path / "single"), read_history(tmp_path / "dp")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
     for a, b in zip(want, got):
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b.get("grad_norm") == (None if "grad_norm" not in a else pytest.approx(a["grad_norm"], rel=1e-5))
         assert b["alignment"] == pytest.approx(a["alignment"], rel=1e-5, abs=1e-12)
         assert b["weights"] == pytest.approx(a["weights"], abs=1e-7)
 

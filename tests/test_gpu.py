@@ -213,6 +213,24 @@ def test_compiled_stage_under_changing_batch_sizes_matches_eager():
     assert counters["stats"]["unique_graphs"] <= 4
 
 
+@cuda
+def test_gram_and_row_products_of_bf16_gradients_take_the_fp32_output_gemm():
+    """DoGE's one-pass products (trainer/run/alignment.py `rows_gram`, `rows_dot`) on bf16 G
+    [k + 1, n] at the 1B embedding's size: one GEMM with an fp32 output (no fallback to the
+    chunked upcast, whose launches cost the step), fp32-accurate against fp64."""
+    from trainer.run import alignment
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    flat = torch.randn(5, 32000 * 2048, device=dev, generator=g).bfloat16()
+    gram, dots = alignment.rows_gram(flat), alignment.rows_dot(flat[:4], flat[4])
+    assert not alignment._NO_FP32_OUT and gram.dtype == dots.dtype == torch.float32
+    want = flat.double() @ flat.double().t()
+    atol = 1e-6 * flat.shape[1]  # fp32 accumulation over n terms of size ~1; a bf16 output is 2e-3 relative
+    torch.testing.assert_close(gram.double(), want, rtol=1e-5, atol=atol)
+    torch.testing.assert_close(dots.double(), want[:4, 4], rtol=1e-5, atol=atol)
+
+
 if __name__ == "__main__":
     test_triton_update_on_grad_tensors_equals_the_compiled_flat_update()
     test_triton_cross_entropy_matches_the_torch_op_at_the_bench_vocabulary()
@@ -220,4 +238,5 @@ if __name__ == "__main__":
     test_triton_sums_of_squares_match_float64_on_bf16_gradients()
     test_whole_stage_graph_matches_eager_for_every_recompute_mode()
     test_compiled_stage_under_changing_batch_sizes_matches_eager()
+    test_gram_and_row_products_of_bf16_gradients_take_the_fp32_output_gemm()
     print("ok")

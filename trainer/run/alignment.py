@@ -29,11 +29,12 @@ inner product with g_T taken on dp rank 0 of the counting ranks. Then
 renormalised. Memory: k + 2 gradient copies; communication: k + 1 dp all-reduces of the model's
 gradient (the optimizer's own dp sum then adds the zeros of dp ranks other than 0 to rank 0's sum).
 
-One pass (`Alignment.one_pass`, docs/design.md section 4c-iii): instead of one pass per domain,
-ONE forward and backward of the rank's sequences sorted by domain leaves every domain's gradient
-G [k, *shape] per parameter (`trainer.run.group_grads`); the products, norms, clip coefficients,
-weights and the update are then the same quantities taken from G in a few kernels per parameter
-(`_one_pass`). Memory as deferred: k + 2 gradient copies.
+One pass (`Alignment.one_pass`, docs/design.md section 4c-iii): instead of the target's pass and
+one pass per domain, ONE forward and backward of the rank's sequences sorted by domain, its target
+sequences after them as group k, leaves every domain's gradient and the target's, G [k + 1, *shape]
+per parameter (`trainer.run.group_grads`); the products, norms, clip coefficients, weights and the
+update are then the same quantities taken from G, the products and norms from one Gram matrix per
+parameter (`_one_pass`, `group_gram`). Memory as deferred: k + 2 gradient copies.
 """
 
 from __future__ import annotations
@@ -158,9 +159,10 @@ def aligned_step(
     counted = [counts_before_dp_reduction(n, p, pc) for n, p in named_params]
     size = max(b["input_ids"].shape[0] for b in micro_batches)
     schedule = "afab" if pc.pp > 1 else "1f1b"
-    g_target = _target_gradient(model, params, counted, spec, feed, step, size, schedule, pc)
-
     by_domain = _by_domain(micro_batches, k)
+    if spec.one_pass and FOLD_TARGET:
+        return _one_pass(model, named_params, counted, by_domain, None, signals, step, hook, feed, size, pc)
+    g_target = _target_gradient(model, params, counted, spec, feed, step, size, schedule, pc)
     if spec.one_pass:
         return _one_pass(model, named_params, counted, by_domain, g_target, signals, step, hook, feed, size, pc)
     total = [torch.zeros_like(g) for g in g_target]
@@ -292,7 +294,7 @@ def _one_pass(
     named_params: Sequence[tuple[str, torch.Tensor]],
     counted: list[bool],
     by_domain: list[list[tuple[int, int]]],
-    g_target: list[torch.Tensor],
+    g_target: list[torch.Tensor] | None,
     signals: StepSignals,
     step: int,
     hook: MixingHook,
@@ -301,57 +303,157 @@ def _one_pass(
     pc: ParallelContext,
 ) -> StepStats:
     """`Alignment.one_pass`: every domain's gradient G[d] from ONE forward and backward of this
-    rank's sequences sorted by domain (`trainer.run.group_grads`), in micro-batches of the run's
-    size, under the objective sum_d (mean loss over domain d's tokens); then the k-pass step's
-    products, norms, clip coefficients and weights from G in a few kernels per parameter
-    (`group_products`, `combine`). Deferred: G is summed over dp, the clip of domain d is the
-    coefficient c_d of its norm, a_d = c_d <G[d], g_T>, and the update sum_d w_d c_d G[d] is
-    written on dp rank 0 (zeros elsewhere), as `_add_deferred` does. Otherwise the weights
+    rank's sequences sorted by domain (`trainer.run.group_grads`), under the objective sum_d
+    (mean loss over domain d's tokens); then the k-pass step's products, norms, clip
+    coefficients and weights from G in a few kernels per parameter (`group_gram`, `combine`).
+
+    `g_target` None (`FOLD_TARGET`, docs/design.md section 4c-iii): the target's sequences join
+    the same pass as group k (`_folded_batches`), so g_T = G[k] (no pass of its own, no copy), its
+    clip c_T a coefficient from the Gram matrix, and <G[d], c_T g_T> = c_T <G[d], g_T>. Given,
+    g_T is the target pass's clipped gradient (`_target_gradient`, the form before the fold).
+    Deferred: G is summed over dp, the clip of domain d is the coefficient c_d of its norm,
+    a_d = c_d <G[d], g_T>, and the update sum_d w_d c_d G[d] is written on dp rank 0 (zeros
+    elsewhere), as `_add_deferred` does. Otherwise (g_T alone summed over dp) the weights
     m_d = `alignment_weight` of the partial products, and sum_d m_d G[d] / sum_d m_d on every rank."""
     spec = hook.needs.alignment
     assert spec is not None
     k = feed.k
     params = [p for _, p in named_params]
     items = [it for group in by_domain for it in group]
-    chunks = [items[j : j + size] for j in range(0, len(items), size)]
-    batches = [collate(feed.train, c, device=pc.device) for c in chunks]
-    weighting = DomainWeights(torch.ones(k, dtype=torch.float64, device=pc.device), signals.tokens)
+    if g_target is None:
+        batches, offsets, train_rows, weighting = _folded_batches(feed, spec, step, items, size, signals.tokens, pc)
+    else:
+        chunks = [items[j : j + size] for j in range(0, len(items), size)]
+        batches = [collate(feed.train, c, device=pc.device) for c in chunks]
+        offsets = [group_offsets([d for d, _ in c], k) for c in chunks]
+        train_rows = [len(c) for c in chunks]
+        weighting = DomainWeights(torch.ones(k, dtype=torch.float64, device=pc.device), signals.tokens)
     _clear(params)
     losses: list[torch.Tensor] = []
-    with GroupGrads(model, named_params, k) as gg:
-        for c, b in zip(chunks, batches):
-            gg.announce(b, group_offsets([d for d, _ in c], k))
+    with GroupGrads(model, named_params, k + 1 if g_target is None else k) as gg:
+        for b, o in zip(batches, offsets):
+            gg.announce(b, o)
         if batches:
             losses = train_schedule(model, batches, pc, "1f1b", weighting, few_ok=True)
     grads = gg.grads()
     _clear(params)
+    if g_target is None:  # the target's rows close each micro-batch: the step's statistics are the rest's
+        batches = [{"domain_ids": b["domain_ids"][:r], "labels": b["labels"][:r]} for b, r in zip(batches, train_rows)]
+        losses = [loss[:r] for loss, r in zip(losses, train_rows)]
+    if pc.dp > 1 and (spec.deferred or g_target is None):
+        for g in grads:
+            dist.all_reduce(g if spec.deferred else g[k:], group=pc.dp_group)
+    dots, squares, target_square = _alignment_products(grads, g_target, counted, k, spec.deferred, pc)
+    c_target = clip_coefficients(target_square.sqrt(), spec.domain_clip) if g_target is None else 1.0
     if spec.deferred:
-        if pc.dp > 1:
-            for g in grads:
-                dist.all_reduce(g, group=pc.dp_group)
-        prods = group_products(grads, g_target, counted, norms=True, here=pc.dp_rank == 0)
-        if pc.world_size > 1:
-            dist.all_reduce(prods)
-        raw = prods[1].sqrt()
+        raw = squares.sqrt()
         coef = clip_coefficients(raw, spec.domain_clip)
-        norms, alignment = raw * coef, prods[0] * coef
+        norms, alignment = raw * coef, dots * coef * c_target
         scale = hook.alignment_weights(step, alignment, norms, signals.lr).to(torch.float64) * coef
         signals.grad_norms = norms
         zero = pc.dp > 1 and pc.dp_rank != 0
     else:
-        prods = group_products(grads, g_target, counted, norms=False, here=True)
-        if pc.world_size > 1:
-            dist.all_reduce(prods)
-        alignment = prods[0]
+        alignment = dots * c_target
         m = torch.stack([hook.alignment_weight(step, d, alignment[d], signals.lr).to(torch.float64) for d in range(k)])
         scale, zero = m / m.sum(), False
     total = []
     while grads:  # each G freed once combined: at most k + 2 gradient copies at a time
-        g = grads.pop(0)
+        g = grads.pop(0)[:k]
         total.append(torch.zeros(g.shape[1:], dtype=g.dtype, device=g.device) if zero else combine(scale, g))
     _write_grads(params, total, torch.ones((), dtype=torch.float64, device=pc.device))
     signals.alignment = alignment
     return global_stats(losses, batches, k, pc)
+
+
+#: The one-pass step folds the target batch into its pass as group k (docs/design.md section
+#: 4c-iii). False runs the target's own pass first, the form before the fold: the reference
+#: tests/test_doge_one_pass.py compares the folded step with; no config key selects it.
+FOLD_TARGET = True
+
+
+class _FoldedWeights:
+    """The folded pass's objective: weight 1 / n_d on domain d's tokens (`DomainWeights` with
+    all weights 1: the sum of the domains' mean losses) and 1 / N_T on the target's, group k
+    (`MeanTokenLoss(N_T)`'s coefficient): each group's gradient is that of its own pass."""
+
+    needs_forward_losses = False
+
+    def __init__(self, k: int, domain_tokens: torch.Tensor, target_tokens: torch.Tensor):
+        domains = DomainWeights(torch.ones(k, dtype=torch.float64, device=domain_tokens.device), domain_tokens)
+        target = MeanTokenLoss(target_tokens).scale.to(domains.per_domain.device).reshape(1)
+        self.per_group = torch.cat([domains.per_domain, target])
+
+    def prepare(self, losses: list[torch.Tensor], batches: list[dict]) -> None:
+        pass
+
+    def token_weights(self, index: int, batch: dict) -> torch.Tensor:
+        mask = batch["labels"] != IGNORE_INDEX
+        return mask.to(torch.float32) * self.per_group.to(mask.device)[batch["domain_ids"]][:, None]
+
+
+def _folded_batches(
+    feed: DataFeed,
+    spec: Alignment,
+    step: int,
+    items: list[tuple[int, int]],
+    size: int,
+    domain_tokens: torch.Tensor,
+    pc: ParallelContext,
+) -> tuple[list[dict], list[tuple[int, ...]], list[int], _FoldedWeights]:
+    """This rank's training rows sorted by domain followed by its share of the target's
+    sequences (`feed.target_batches`, as `_target_gradient` draws them) as group k, cut into the
+    step's own number of micro-batches (ceil(rows / size), at least one) as equal as they can be,
+    so a target of T sequences adds about T / m rows to each and no pass of its own (at 1B, one
+    micro-batch of B + 1 rows). Returns the micro-batches, their group offsets [k + 2], each
+    one's count of training rows (they come first) and the objective."""
+    k = feed.k
+    target = feed.target_batches(
+        step, np.asarray(spec.weights, dtype=np.float64), spec.sequences, max(1, spec.sequences)
+    )
+    target_tokens = torch.zeros((), dtype=torch.float64, device=pc.device)
+    for b in target:
+        target_tokens += (b["labels"] != IGNORE_INDEX).sum()
+    if pc.dp > 1:
+        dist.all_reduce(target_tokens, group=pc.dp_group)
+    weighting = _FoldedWeights(k, domain_tokens, target_tokens)
+    parts = [collate(feed.train, items, device=pc.device)] if items else []
+    parts += [{**b, "domain_ids": torch.full_like(b["domain_ids"], k)} for b in target]
+    groups = [d for d, _ in items] + [k] * sum(b["input_ids"].shape[0] for b in target)
+    if not groups:
+        return [], [], [], weighting
+    whole = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+    m = max(1, -(-len(items) // size))
+    cuts = [len(groups) * j // m for j in range(m + 1)]
+    spans = [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+    batches = [{key: v[lo:hi] for key, v in whole.items()} for lo, hi in spans]
+    offsets = [group_offsets(groups[lo:hi], k + 1) for lo, hi in spans]
+    train_rows = [max(0, min(hi, len(items)) - lo) for lo, hi in spans]
+    return batches, offsets, train_rows, weighting
+
+
+def _alignment_products(
+    grads: list[torch.Tensor],
+    g_target: list[torch.Tensor] | None,
+    counted: list[bool],
+    k: int,
+    deferred: bool,
+    pc: ParallelContext,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(<G[d], g_T> [k], ||G[d]||^2 [k] (deferred), ||g_T||^2 (folded)) over the whole model,
+    fp64, summed over the world. Deferred, G is dp-reduced: dp rank 0 counts it. Otherwise
+    every rank's partial products add up; g_T (G[k]) is dp-reduced, so its norm is dp rank
+    0's. Folded: one Gram matrix of [G[0..k-1]; g_T] per parameter (`group_gram`)."""
+    if g_target is None:
+        gram = group_gram(grads, counted, here=pc.dp_rank == 0 or not deferred)
+        if not deferred and pc.dp_rank != 0:
+            gram[k, k] = 0.0
+        out = torch.cat([gram[:k, k], gram.diagonal()[:k], gram[k, k:]])
+    else:
+        prods = group_products(grads, g_target, counted, norms=deferred, here=pc.dp_rank == 0 or not deferred)
+        out = torch.cat([prods.reshape(-1), prods.new_zeros(1)])
+    if pc.world_size > 1:
+        dist.all_reduce(out)
+    return out[:k], out[k : 2 * k], out[2 * k]
 
 
 def clip_coefficients(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -380,6 +482,40 @@ def group_products(
             out[0] += rows_dot(flat, t.reshape(-1)).to(torch.float64)
             if norms:
                 out[1] += torch.linalg.vector_norm(flat, dim=1, dtype=torch.float32).square().to(torch.float64)
+    return out
+
+
+def group_gram(grads: list[torch.Tensor], counted: list[bool], here: bool) -> torch.Tensor:
+    """[r, r] fp64: the Gram matrix of the rows of G (G_p [r, *p.shape], here [G[0..k-1]; g_T])
+    over the parameters this rank counts (zeros where not `here`): every <G[d], g_T>, ||G[d]||^2
+    and ||g_T||^2 from one GEMM per parameter (`rows_gram`), so G is read once, not once for the
+    products and once more for the norms as `group_products` does (the same numbers to fp32
+    rounding); accumulated in fp32 whatever the gradients' dtype, added over parameters in fp64."""
+    r = grads[0].shape[0] if grads else 0
+    out = torch.zeros(r, r, dtype=torch.float64, device=grads[0].device if grads else None)
+    if not here:
+        return out
+    for g, c in zip(grads, counted):
+        if c:
+            out += rows_gram(g.reshape(r, -1)).to(torch.float64)
+    return out
+
+
+def rows_gram(flat: torch.Tensor) -> torch.Tensor:
+    """flat [r, n] @ flat^T in fp32 [r, r]: as `rows_dot`, one GEMM (fp32 operands, or on CUDA
+    low-precision ones with an fp32 output), else upcast in chunks of at most `_DOT_CHUNK`."""
+    if flat.dtype == torch.float32:
+        return torch.mm(flat, flat.t())
+    kind = flat.device.type
+    if kind == "cuda" and kind not in _NO_FP32_OUT:
+        try:
+            return torch.mm(flat, flat.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without the fp32-output GEMM
+            _NO_FP32_OUT.add(kind)
+    out = torch.zeros(flat.shape[0], flat.shape[0], dtype=torch.float32, device=flat.device)
+    for gc in flat.split(max(1, _DOT_CHUNK // flat.shape[0]), dim=1):
+        gc = gc.float()
+        out += torch.mm(gc, gc.t())
     return out
 
 

@@ -63,9 +63,10 @@ class Alignment:
     #: the domains' mean gradient norm): the step keeps the k domain gradients and asks
     #: `alignment_weights` once, instead of `alignment_weight` per domain.
     deferred: bool = False
-    #: Every domain's gradient from ONE forward and backward of the step's sequences sorted by
-    #: domain (`trainer.run.group_grads`) instead of one pass per domain: k gradient copies, as
-    #: deferred; dense models at tp 1 and pp 1 only (the method's config refuses the rest).
+    #: Every domain's gradient and the target's from ONE forward and backward of the step's
+    #: sequences sorted by domain, the target's after them as group k (`trainer.run.group_grads`),
+    #: instead of the target's pass and one pass per domain: k + 1 gradient copies and the update,
+    #: as deferred; dense models at tp 1 and pp 1 only (the method's config refuses the rest).
     one_pass: bool = False
 
 

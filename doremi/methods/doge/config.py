@@ -36,12 +36,13 @@ class DoGEConfig:
     # Clip each domain's gradient and the target's to this L2 norm before the inner products
     # (variant authors only; their max_grad_norm); None: 5.0; 0: no clip.
     domain_grad_clip: float | None = None
-    # Every domain's gradient from ONE forward and backward of the step's sequences sorted by
-    # domain (per-domain weight gradients, trainer/run/group_grads.py) instead of one pass per
-    # domain's micro-batches: the same update (equal to fp32 rounding), fewer and fuller passes
-    # (issue 35's floor of 0.85 of a plain step; the k-pass step measured 0.735 at 1B). Memory: k
-    # gradient copies, as the k-pass step. Dense models at tp 1 and pp 1 without FP8 only. Not
-    # yet measured on a GPU (experiments/notes/PERFORMANCE.md), hence off by default.
+    # Every domain's gradient and the target's from ONE forward and backward of the step's
+    # sequences sorted by domain, the target's after them (per-group weight gradients,
+    # trainer/run/group_grads.py) instead of the target's pass and one pass per domain's
+    # micro-batches: the same update (equal to fp32 rounding), fewer and fuller passes (issue 35's
+    # floor of 0.85 of a plain step; the k-pass step measured 0.735 at 1B). Memory: k + 1
+    # gradient copies and the update, as the k-pass step. Dense models at tp 1 and pp 1 without
+    # FP8 only. Not yet measured on a GPU (experiments/notes/PERFORMANCE.md), hence off by default.
     one_pass: bool = False
 
     def validate(self, path: str = "mixing.doge") -> None:

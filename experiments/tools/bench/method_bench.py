@@ -16,8 +16,9 @@ the step, clipping, the optimizer):
   over the default 1000 steps); Aioli with probe intervals of 2 steps, one sweep, rounds of
   k * 2 + 2 steps, so that a validation pass follows every other timed step; DoGE with its
   default target batch (`target_sequences` None: an eighth of the global batch, at least one);
-- doge-1p: DoGE with `mixing.doge.one_pass: true` (every domain's gradient from one forward and
-  backward, trainer/run/group_grads.py; `VARIANT_OPTIONS`), against issue 35's floor of 0.85.
+- doge-1p: DoGE with `mixing.doge.one_pass: true` (every domain's gradient and the target's, its
+  sequences folded in as one more group, from one forward and backward, trainer/run/group_grads.py;
+  `VARIANT_OPTIONS`), against issue 35's floor of 0.85 as the k-pass row.
 `train.steps` (what the methods' schedules see) is that of a 1000-step run; the bench runs only
 the first warm-up + timed steps of it.
 The config is the GPU configs' (experiments/configs/gpu_scale.yaml, pile_280m.yaml): on CUDA
@@ -54,7 +55,7 @@ on CUDA here, one micro-batch on one GPU); `peak - plain` is given in such copie
 DoGE's bound (plain + 2 copies: its target gradient and its running weighted sum) reads off.
 
 Acceptance (the issue): ODM, ADO and Aioli at least 0.98x a plain step (validation apart), DoGE
-at least 0.8x with a peak of at most plain + 2 gradient copies. DoGE's compute floor is
+(both rows) at least 0.85x with a peak of at most plain + 2 gradient copies. DoGE's compute floor is
 B / (B + T) of a plain step (B sequences per step, T target sequences): printed per preset.
 
 Run dirs (`train.run_dir`: the methods' `domain_weights.jsonl`) are written under the
@@ -130,11 +131,10 @@ ADO_REFIT, ADO_DEFAULT_REFIT = 4, ADOConfig().refit_every
 NOMINAL_STEPS = 1000
 #: Tokens per synthetic document.
 DOC_TOKENS = 512
-ODM_MIN, ADO_MIN, AIOLI_MIN, DOGE_MIN, DOGE_COPIES = 0.98, 0.98, 0.98, 0.8, 2.0
-#: Issue 35 item 5's floor for DoGE, which the one-pass step is built to meet.
-DOGE_1P_MIN = 0.85
+#: Issue 35 item 5's floors; DoGE's (0.85) holds for both its rows (`DOGE_ROWS`).
+ODM_MIN, ADO_MIN, AIOLI_MIN, DOGE_MIN, DOGE_COPIES = 0.98, 0.98, 0.98, 0.85, 2.0
 #: The issue's floor per method; an online method it does not name is held to 0.98 like ODM's.
-THRESHOLDS = {"odm": ODM_MIN, "ado": ADO_MIN, "aioli": AIOLI_MIN, "doge": DOGE_MIN, "doge-1p": DOGE_1P_MIN}
+THRESHOLDS = {"odm": ODM_MIN, "ado": ADO_MIN, "aioli": AIOLI_MIN, **dict.fromkeys(DOGE_ROWS, DOGE_MIN)}
 DEFAULT_MIN = 0.98
 
 
