@@ -6,6 +6,7 @@ with muP equal to one process."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from tests.runs import config, final_params, losses, run_stage
 from trainer.config.mup import MupConfig
 from trainer.config.schema import ModelConfig, TrainConfig
 from trainer.config.tools import ConfigError
-from trainer.model.llama import Llama
+from trainer.model.init import init_parameters
+from trainer.model.llama import Llama, LlamaStage
 from trainer.model.mup import (
     attention_scale,
     init_multiplier,
@@ -30,6 +32,8 @@ from trainer.optim.master_weights import MasterWeightAdamW
 from trainer.optim.param_groups import param_groups
 from trainer.optim.sharded import ShardedOptimizer
 from trainer.parallel.context import ParallelContext
+from trainer.parallel.shard import get_shard_spec, unshard
+from trainer.parallel.tensor import TensorParallel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -152,14 +156,70 @@ def test_master_weight_adamw_applies_per_parameter_lr():
     assert {g["lr_scale"] for g in groups} == {0.25, 1.0}
 
 
+# -- zero init (model.mup.zero_init) -------------------------------------------------------------
+
+
+def zero_cfg(**kw) -> ModelConfig:
+    return model_cfg(128, 64, **kw)
+
+
+def test_zero_init_zeroes_the_head_and_the_query_rows_only():
+    cfg = zero_cfg()
+    on_cfg = replace(cfg, mup=MupConfig(base_width=64, zero_init=True))
+    off, on = dict(Llama(cfg, seed=5).named_parameters()), dict(Llama(on_cfg, seed=5).named_parameters())
+    q = cfg.n_heads * cfg.head_dim  # 4 x 32 = 128 of the qkv's 128 + 2 x 64 rows
+    assert on["head.weight"].shape == (256, 128) and not on["head.weight"].any()
+    for name, p in off.items():
+        if name.endswith("attn.qkv.weight"):
+            assert on[name].shape == (256, 128) and not on[name][:q].any(), name
+            assert torch.equal(on[name][q:], p[q:]) and p[:q].abs().min() > 0, name
+        elif name != "head.weight":
+            assert torch.equal(on[name], p), name
+    assert {n for n in off if n.endswith("attn.qkv.weight")} == {"layers.0.attn.qkv.weight", "layers.1.attn.qkv.weight"}
+
+
+def test_zero_init_is_the_same_model_at_tp1_and_tp2():
+    """Each tp rank's slice of [q; k; v] holds its heads' q rows (zero) then its k and v rows;
+    put back together (`unshard`) the ranks' tensors are the one-process model's."""
+    cfg = replace(zero_cfg(), mup=MupConfig(base_width=64, zero_init=True))
+    ref = dict(Llama(cfg, seed=5).named_parameters())
+    ranks = []
+    for rank in range(2):
+        stage = LlamaStage(cfg, TensorParallel(size=2, rank=rank), range(cfg.n_layers), True, True)
+        init_parameters(stage, cfg, 5, rank, 2)
+        ranks.append(dict(stage.named_parameters()))
+    assert set(ranks[0]) == set(ref)
+    local_q = cfg.n_heads * cfg.head_dim // 2
+    assert not ranks[1]["layers.0.attn.qkv.weight"][:local_q].any()
+    assert ranks[1]["layers.0.attn.qkv.weight"][local_q:].abs().min() > 0
+    for name, p in ref.items():
+        full = unshard([r[name].detach() for r in ranks], get_shard_spec(ranks[0][name]))
+        assert torch.equal(full, p.detach()), name
+
+
+def test_zero_init_refuses_tied_embeddings():
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.mup.zero_init: a tied head is the embedding, which cannot start at zero; "
+        r"set model.tie_embeddings=false or model.mup.zero_init=false$",
+    ):
+        replace(zero_cfg(), tie_embeddings=True, mup=MupConfig(base_width=64, zero_init=True)).validate()
+    replace(zero_cfg(), tie_embeddings=True).validate()  # without zero_init, tied is fine
+
+
 # -- coordinate check ---------------------------------------------------------------------------
 
 
-def activation_rms(d: int, base: int | None, steps: int = 10, lr: float = 1e-2) -> dict[str, float]:
+def activation_rms(
+    d: int, base: int | None, steps: int = 10, lr: float = 1e-2, zero_init: bool = False
+) -> dict[str, float]:
     """RMS of the embedding output, each block's output and the logits after `steps` Adam steps
     on a fixed random batch (4 x 16 tokens)."""
     torch.manual_seed(0)
-    model = Llama(model_cfg(d, base, init_std=0.02, depth_scaled_init=False))
+    cfg = model_cfg(d, base, init_std=0.02, depth_scaled_init=False)
+    if zero_init:
+        cfg = replace(cfg, mup=MupConfig(base_width=base, zero_init=True))
+    model = Llama(cfg)
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)}
     opt = ShardedOptimizer(
@@ -193,6 +253,15 @@ def test_coordinate_check_mup_keeps_activations_width_independent():
     assert max(mup_ratio.values()) < 2.0, mup_ratio
     assert sp_ratio["logits"] > 2.0, sp_ratio  # 3.5 measured
     assert min(sp_ratio[k] for k in ("block0", "block1")) > 100.0, sp_ratio  # > 3000 measured
+
+
+def test_coordinate_check_holds_with_zero_init():
+    """The same check with `model.mup.zero_init`: the zero head and queries move by the
+    width-independent amounts muP gives them."""
+    narrow, wide = activation_rms(128, 128, zero_init=True), activation_rms(2048, 128, zero_init=True)
+    ratio = {k: max(wide[k] / narrow[k], narrow[k] / wide[k]) for k in narrow}
+    assert set(ratio) == {"embed", "block0", "block1", "logits"}
+    assert max(ratio.values()) < 2.0, ratio
 
 
 # -- a tp2 x pp2 run with muP -------------------------------------------------------------------

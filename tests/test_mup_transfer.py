@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.runs import config
+from trainer.config.tools import ConfigError
 from trainer.model.flops import flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,6 +169,37 @@ def test_mup_emb_scales_only_the_embedding_lr_and_shares_the_base_width_runs(mt,
     order = mt.batch_order(len(data.starts), 1, one.batch, one.seed)
     assert mt.train_one(cfg, one, data, order, "mup-emb", 128, 1e-3, torch.device("cpu")).finite
     assert (seen["embed.weight"], seen["head.weight"], seen["layers.0.attn.qkv.weight"]) == (0.5, 1.0, 0.25)
+
+
+def test_zero_init_is_for_the_mup_arms_whose_base_width_runs_are_their_own(mt, stores, tmp_path):
+    """`--zero-init`: the muP arms start with a zero head and queries, the standard arm as
+    before; at the base width the two are then different models, each run there."""
+    s = sweep(mt, params=("standard", "mup", "mup-emb"), zero_init=True)
+    assert mt.runs_to_make(s)[:4] == [
+        ("standard", 32, 1e-3),
+        ("mup", 32, 1e-3),
+        ("standard", 32, 1e-2),
+        ("mup", 32, 1e-2),
+    ]
+    assert len(mt.runs_to_make(s)) == 4 + 6
+    results = [mt.RunResult(p, w, lr, float(i), {}, [], 0.0, True) for i, (p, w, lr) in enumerate(mt.runs_to_make(s))]
+    g = mt.grid(results, s)
+    assert g["standard"][(32, 1e-3)] == 0 and g["mup"][(32, 1e-3)] == g["mup-emb"][(32, 1e-3)] == 1
+    cfg = config(stores, tmp_path / "run")
+    assert mt.model_config(cfg.model, 64, "mup", s).mup.zero_init
+    assert mt.model_config(cfg.model, 64, "standard", s).mup is None
+    assert not mt.model_config(cfg.model, 64, "mup", sweep(mt)).mup.zero_init
+    with pytest.raises(ConfigError, match=r"^model.mup.zero_init: a tied head is the embedding"):
+        mt.model_config(replace(cfg.model, tie_embeddings=True), 64, "mup", s)
+    # runs kept under --work without zero init are not reused with it, and the other way round
+    one = sweep(mt, widths=(32,), lrs=(1e-3,), steps=1, params=("mup",))
+    head = {"command": "test", "device": "cpu", "estimate_s": 0.0, "setup": {"config": "tiny"}}
+    work = tmp_path / "work"
+    first = mt.sweep_runs(cfg, one, torch.device("cpu"), None, {**head}, work=work)
+    zero = {**head}
+    assert mt.sweep_runs(cfg, replace(one, zero_init=True), torch.device("cpu"), None, zero, 0, work) == []
+    assert zero["reused"] == 0 and json.loads((work / "mup_transfer.json").read_text())["sweep"]["zero_init"] is False
+    assert mt.sweep_runs(cfg, one, torch.device("cpu"), None, {**head}, 0, work) == first
 
 
 def test_the_code_hash_covers_every_python_file_s_bytes(mt, tmp_path):

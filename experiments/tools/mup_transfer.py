@@ -21,7 +21,9 @@ embedded corpus it repeats the smallest domain least). Eager, not compiled (five
 parametrization, would cost more than the runs); on a GPU bf16 autocast over fp32 parameters,
 as the trainer's fp32-parameter runs (`trainer.build._autocast`). At the base width the muP
 model is the standard one (r = 1, `trainer.model.mup`): those runs are made once and appear in
-both tables.
+both tables. `--zero-init`: the muP arms start with a zero head and zero queries
+(`model.mup.zero_init`, Tensor Programs V's recommendation), the standard arm as before; the
+muP model at the base width then differs from the standard one, and each has its own runs there.
 
 Outputs under `--out`: `mup_transfer.md` (the tables, the command, the time estimated from FLOPs
 and the time taken; under each table the grid's best lr per width and the fitted optimum, the
@@ -40,7 +42,8 @@ Usage (repository root; the config's stores are built first when missing):
     python experiments/tools/mup_transfer.py [--widths 256 512 1024] [--lrs 0.0005 0.001 ... 0.032] \\
         [--steps 500] [--batch 16] [--seq 128] [--base-width 256] [--domains code docs notes] \\
         [--max-seconds S] [--device cuda] [--config experiments/configs/quickstart.yaml] \\
-        [--params standard mup [mup-emb]] [--set key=value ...] [--work runs/mup_transfer] [--out DIR]
+        [--params standard mup [mup-emb]] [--zero-init] [--set key=value ...] [--work runs/mup_transfer] \\
+        [--out DIR]
 
 The defaults are the GPU sweep's. Learning rates: seven, a factor 2 apart (the standard
 parametrization's best lr should fall about 4x from width 256 to 1024, two grid points, and the
@@ -118,6 +121,7 @@ class Sweep:
     val_sequences: int = 128  # per domain, at most
     domains: tuple[str, ...] = ()  # trained and evaluated on; empty: all the stores'
     curve_every: int = 10  # the loss curve keeps the mean of each window of this many steps
+    zero_init: bool = False  # the muP arms with `model.mup.zero_init` (zero head and queries)
 
 
 @dataclass
@@ -166,7 +170,9 @@ def model_config(base, width: int, param: str, sweep: Sweep):
         raise SweepError(
             "mup_transfer: --params mup-emb scales the embedding's lr, which tied embeddings share with the head"
         )
-    mup = MupConfig(base_width=sweep.base_width) if param != "standard" else None
+    mup = MupConfig(base_width=sweep.base_width, zero_init=sweep.zero_init) if param != "standard" else None
+    if mup is not None:
+        mup.validate("model.mup", base.tie_embeddings)
     return replace(
         base,
         d_model=width,
@@ -186,15 +192,24 @@ def train_config(base, lr: float, sweep: Sweep):
     return replace(base, lr=lr, min_lr=lr / 10, steps=sweep.steps, global_batch_size=sweep.batch, micro_batches=1)
 
 
+def base_run(param: str, sweep: Sweep) -> str:
+    """The parametrization whose base-width run stands for `param`'s: at r = 1 every one is the
+    same model (the first of `sweep.params`), except that with `sweep.zero_init` the muP arms
+    (zero head and queries) differ from the standard one, and share the first muP arm's."""
+    if sweep.zero_init:
+        return param if param == "standard" else next(p for p in sweep.params if p != "standard")
+    return sweep.params[0]
+
+
 def runs_to_make(sweep: Sweep) -> list[tuple[str, int, float]]:
-    """(parametrization, width, lr) of every run, width by width; at the base width every
-    parametrization is the same model (r = 1), run once as the first of `sweep.params`."""
+    """(parametrization, width, lr) of every run, width by width; at the base width the runs of
+    parametrizations that are the same model there are made once (`base_run`)."""
     return [
         (param, w, lr)
         for w in sweep.widths
         for lr in sweep.lrs
         for param in sweep.params
-        if not (w == sweep.base_width and param != sweep.params[0])
+        if not (w == sweep.base_width and param != base_run(param, sweep))
     ]
 
 
@@ -335,13 +350,15 @@ def train_one(
 
 
 def grid(results: list[RunResult], sweep: Sweep) -> dict[str, dict[tuple[int, float], float]]:
-    """param -> (width, lr) -> validation loss, the base-width runs filled into every table."""
+    """param -> (width, lr) -> validation loss, a base-width run filled into the tables of every
+    parametrization it stands for (`base_run`)."""
     out: dict[str, dict[tuple[int, float], float]] = {p: {} for p in sweep.params}
     for r in results:
         out[r.param][(r.width, r.lr)] = r.val_loss
         if r.width == sweep.base_width:
             for p in sweep.params:
-                out[p][(r.width, r.lr)] = r.val_loss
+                if base_run(p, sweep) == r.param:
+                    out[p][(r.width, r.lr)] = r.val_loss
     return out
 
 
@@ -449,7 +466,8 @@ def write_outputs(out: Path, results: list[RunResult], sweep: Sweep, head: dict,
         f"{len(results) - head.get('reused', 0)} runs ({head.get('reused', 0)} more from an earlier call) "
         f"(estimated from FLOPs at {ESTIMATE_MFU:.0%} MFU of an H100: {head['estimate_s']:.0f} s). "
         f"Validation loss, mean over domains, after {sweep.steps} steps of {sweep.batch} x {sweep.seq} tokens; "
-        f"bold: the best learning rate of each width; base width {sweep.base_width}.",
+        f"bold: the best learning rate of each width; base width {sweep.base_width}"
+        f"{'; muP arms with zero init of the head and the queries (model.mup.zero_init)' if sweep.zero_init else ''}.",
         "",
         *table(results, sweep),
     ]
@@ -499,7 +517,7 @@ def sweep_runs(
             print(f"--max-seconds {max_seconds:g} reached: {param} width {w} lr {lr:g} and after not run", flush=True)
             break
         r = train_one(cfg, sweep, data, order, param, w, lr, device)
-        r.shared = w == sweep.base_width and len(sweep.params) > 1
+        r.shared = w == sweep.base_width and sum(base_run(p, sweep) == param for p in sweep.params) > 1
         results.append(r)
         print(f"{param} width {w} lr {lr:g}: {r.val_loss:.4f} ({r.seconds:.1f} s)", flush=True)
         for folder in (out, work):
@@ -522,6 +540,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     p.add_argument("--base-width", type=int, default=256)
     p.add_argument("--params", nargs="+", default=list(DEFAULT_PARAMS), choices=PARAMS)
     p.add_argument("--seed", type=int, default=0, help="init and batch order, the same for every run")
+    p.add_argument("--zero-init", action="store_true", help="muP arms with model.mup.zero_init (zero head and queries)")
     p.add_argument("--val-sequences", type=int, default=128, help="validation sequences per domain, at most")
     p.add_argument(
         "--domains", nargs="*", default=list(TEXT_DOMAINS), help="trained and evaluated on (none given: every domain)"
@@ -545,6 +564,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
         seed=args.seed,
         val_sequences=args.val_sequences,
         domains=tuple(args.domains),
+        zero_init=args.zero_init,
     )
     device = torch.device(args.device)
     try:

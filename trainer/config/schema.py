@@ -113,7 +113,7 @@ class ModelConfig:
             self.fp8.validate(f"{path}.fp8")
             check_fp8_layers(self, path)
         if self.mup is not None:
-            self.mup.validate(f"{path}.mup")
+            self.mup.validate(f"{path}.mup", self.tie_embeddings)
 
 
 @dataclass

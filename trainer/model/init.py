@@ -8,7 +8,8 @@ and last pipeline stages (`trainer.parallel.tied`) start equal.
 
 Scheme: normal(0, init_std) for every matrix; the output projections (attention out, FFN down)
 scaled by 1/sqrt(2 n_layers) when `depth_scaled_init` (GPT-2, Radford et al. 2019: one residual
-branch per sublayer); norm weights one; padded vocabulary rows zero. Mamba-2's convolution,
+branch per sublayer); norm weights one; padded vocabulary rows zero; under `model.mup.zero_init`
+the head and the query rows zero (`trainer.model.mup.zero_rows`). Mamba-2's convolution,
 dt_bias, A_log and D as mamba_ssm draws them (`trainer.model.mamba.mixer.mamba_full_tensor`).
 """
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from trainer.model.mamba.mixer import mamba_full_tensor
-from trainer.model.mup import init_multiplier
+from trainer.model.mup import init_multiplier, zero_rows
 from trainer.parallel.expert import ep_full_shape, ep_slice
 from trainer.parallel.shard import full_shape, get_shard_spec, shard
 
@@ -64,6 +65,7 @@ def full_tensor(name: str, shape: tuple[int, ...], cfg, seed: int, device: torch
     rows = cfg.vocab_size if name in _VOCAB_MATRICES else shape[0]
     out = torch.zeros(shape, device=device)
     out[:rows].normal_(0.0, std, generator=gen)
+    out[: zero_rows(name, cfg)] = 0.0
     return out
 
 

@@ -33,6 +33,14 @@ that the model at r = 1 is exactly the model without muP (muTransfer's base mode
   hidden matrix; the router [experts, d] is one whose fan_out (the expert count) stays fixed, so
   its init multiplier is sigma(d, E) / sigma(d / r, E) (1 / r for E < d / r) and its lr 1 / r.
 
+Zero init (`model.mup.zero_init`, off by default): the head and the query rows of each
+`attn.qkv` start at zero, TP-V's recommendation (Yang et al. 2022, Appendix D.2; the `mup`
+package's `readout_zero_init` / `query_zero_init`). The random readout and queries of a finite
+width add fluctuations of the logits and attention at init that shrink with the width (the
+infinite-width limit has none), so the narrow model's best lr differs from the wide one's. The
+first step moves only the head (a zero head passes no gradient back), the later ones every
+weight. Refused with tied embeddings (a tied head is the embedding).
+
 A hidden matrix's weight decay is multiplied by r as its lr is divided by it
 (`trainer.optim.param_groups.scaled_weight_decay`, the `mup` package's MuAdam rule), so the
 per-step decay lr * wd stays the base width's. Adam's eps (1e-8) is also unscaled: at width 1024 the hidden matrices' median sqrt(v) is
@@ -119,6 +127,22 @@ def attention_scale(cfg) -> float | None:
         return None
     base_head_dim = cfg.head_dim / width_ratio(cfg)
     return math.sqrt(base_head_dim) / cfg.head_dim
+
+
+def zero_rows(name: str, cfg) -> int:
+    """How many leading rows of parameter `name`'s single-process tensor `model.mup.zero_init`
+    sets to zero: all of the head's, the q rows of a fused [q; k; v] projection (the first
+    n_heads x head_dim); 0 otherwise. Zeroed after the normal draw, so every other value is the
+    one drawn without zero_init, and before the tp cut, so each rank holds its heads' zero q
+    rows and tp1 and tp2 give the same model."""
+    mup = getattr(cfg, "mup", None)
+    if mup is None or not mup.zero_init:
+        return 0
+    if name == "head.weight":
+        return cfg.vocab_size
+    if name.endswith("attn.qkv.weight"):
+        return cfg.n_heads * cfg.head_dim
+    return 0
 
 
 def apply_mup(stage: nn.Module, cfg) -> None:

@@ -13,6 +13,7 @@
 #   bash experiments/tools/bench/gpu_queue.sh 3   # issue 36: the 120M FP8 training run (bf16, FP8, FP8 with its head)
 #   bash experiments/tools/bench/gpu_queue.sh 4   # issue 35: DoGE at 1B, k passes and one pass (`mixing.doge.one_pass`)
 #   bash experiments/tools/bench/gpu_queue.sh 5   # issue 36: FP8 steps at 1B with and without the head (FP8.md, G1)
+#   bash experiments/tools/bench/gpu_queue.sh 6   # issue 36: the muP transfer sweep with zero head and query init
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -32,8 +33,9 @@ commands() {
     3) echo "fp8_bench 400 $PY $B/fp8_bench.py train --with-head --out \$OUT/fp8" ;;
     5) echo "fp8_bench 560 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 8 --with-head --out \$OUT/fp8_g1" ;;
     4) echo "method_bench 560 $PY $B/method_bench.py --presets 1b --variants plain,doge,doge-1p --deadline 530 --out \$OUT/method_bench" ;;
+    6) echo "mup_transfer 260 $PY experiments/tools/mup_transfer.py --max-seconds 200 --zero-init --out \$OUT/mup_zero" ;;
     *)
-        echo "gpu_queue.sh: expected a call number 1 to 5, got '$1'" >&2
+        echo "gpu_queue.sh: expected a call number 1 to 6, got '$1'" >&2
         return 2
         ;;
     esac
