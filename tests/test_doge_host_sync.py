@@ -30,7 +30,9 @@ class OffHost(HostSyncs):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def test_the_aligned_step_does_not_wait_for_the_device(stores, tmp_path, monkeypatch):
+@pytest.mark.parametrize("one_pass", [False, True], ids=["k passes", "one pass"])
+def test_the_aligned_step_does_not_wait_for_the_device(stores, tmp_path, monkeypatch, one_pass):
+    """The k-pass step and the one-pass step (`mixing.doge.one_pass`, tests/test_doge_one_pass.py)."""
     mode = OffHost()
 
     def on_host(fn):
@@ -43,7 +45,9 @@ def test_the_aligned_step_does_not_wait_for_the_device(stores, tmp_path, monkeyp
 
         return run
 
-    trainer = stages.proxy_trainer(config(stores, tmp_path / "run", *SETS, *BF16, "mixing.method=doge"))
+    sets = [*SETS, *BF16, "mixing.method=doge", f"mixing.doge.one_pass={str(one_pass).lower()}"]
+    trainer = stages.proxy_trainer(config(stores, tmp_path / "run", *sets))
+    assert trainer.hook.needs.alignment.one_pass == one_pass
     monkeypatch.setattr(alignment, "collate", on_host(alignment.collate))
     monkeypatch.setattr(trainer.feed, "target_batches", on_host(trainer.feed.target_batches))
     step = alignment.aligned_step

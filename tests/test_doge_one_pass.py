@@ -11,12 +11,10 @@ import pytest
 import torch
 
 import trainer.run.alignment as alignment
-import trainer.run.loop as loop
 from doremi.methods.doge import check_layout
 from doremi.methods.history import read_history
 from doremi.pipeline import stages
 from tests.runs import config, losses
-from tests.test_doge_host_sync import BF16, OffHost
 from tests.test_method_doge import fit_capturing_gradients
 from tests.test_model import _cfg
 from trainer.config.fp8 import Fp8Config
@@ -319,33 +317,3 @@ def test_one_pass_refuses_what_it_cannot_split(stores, tmp_path, section, key, v
     setattr(getattr(cfg, section), key, value)
     with pytest.raises(ConfigError, match=rf"^mixing.doge.one_pass: .* got {why}; set mixing.doge.one_pass: false$"):
         check_layout(cfg)
-
-
-def test_the_one_pass_step_does_not_wait_for_the_device(stores, tmp_path, monkeypatch):
-    """tests/test_doge_host_sync.py's detector on the one-pass step (collation on the host apart)."""
-    mode = OffHost()
-
-    def on_host(fn):
-        def run(*args, **kwargs):
-            mode.host += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                mode.host -= 1
-
-        return run
-
-    sets = [*SETS, "train.steps=1", "mixing.doge.one_pass=true", *BF16]
-    trainer = stages.proxy_trainer(config(stores, tmp_path / "run", *sets))
-    assert trainer.hook.needs.alignment.one_pass
-    monkeypatch.setattr(alignment, "collate", on_host(alignment.collate))
-    monkeypatch.setattr(trainer.feed, "target_batches", on_host(trainer.feed.target_batches))
-    step = alignment.aligned_step
-
-    def watched(*args, **kwargs):
-        with mode:
-            return step(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "aligned_step", watched)
-    trainer.fit()
-    assert mode.seen == []
