@@ -101,3 +101,37 @@ def test_the_archive_leaves_out_what_a_later_session_redoes_from_the_start(launc
     assert unfinished == {"uniform-seed5", "doremi-seed5"}
     files = members(launcher.pack(tmp_path, "study", folder, {}, stores, "8", unfinished))
     assert {n.split("/")[1] for n in files} == {"proxy-seed5", "natural-seed5", "session-8"}
+
+
+def stores_and_runs(tmp_path: Path, runs: dict[str, tuple[str, str]]) -> tuple[Path, Path]:
+    """Stores with fingerprint "f" * 64 and run directories whose headers name (status, stores fingerprint)."""
+    from data import artifact
+
+    stores = tmp_path / "stores"
+    stores.mkdir()
+    artifact.write(stores / "manifest.json", artifact.Header(kind="stores", fingerprint="f" * 64), {"domains": []})
+    folder = tmp_path / "study"
+    for name, (status, fp) in runs.items():
+        (folder / name).mkdir(parents=True)
+        header = artifact.Header(kind="run", status=status, sources=[artifact.Source("stores", str(stores), fp)])
+        artifact.write(folder / name / "run.json", header, {"stage": "train"})
+    return folder, stores
+
+
+def test_finished_runs_on_the_same_stores_pass(launcher, tmp_path):
+    folder, stores = stores_and_runs(tmp_path, {"uniform-seed1": ("finished", "f" * 64)})
+    assert launcher.stores_mismatch(folder, stores) is None
+
+
+def test_finished_runs_on_other_stores_are_named(launcher, tmp_path):
+    folder, stores = stores_and_runs(
+        tmp_path,
+        {
+            "uniform-seed1": ("finished", "a" * 64),
+            "natural-seed1": ("finished", "a" * 64),
+            "doremi-seed1": ("finished", "f" * 64),
+            "uniform-seed2": ("interrupted", "b" * 64),
+        },
+    )
+    line = launcher.stores_mismatch(folder, stores)
+    assert line == f"{stores}: stores fingerprint {'f' * 16}, but finished runs were trained on {'a' * 16} (natural-seed1, uniform-seed1)"

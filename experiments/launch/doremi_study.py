@@ -27,7 +27,8 @@ $OUT/<phase>.tar.xz, with launch.json (commands, seconds per stage, device, exit
 with `--session LABEL` the records of each call go to `<phase>/session-LABEL/` instead
 (`launch-call<n>.json`, `launch.log`, `stores-manifest.json`), so that the archive the next
 session unpacks keeps every session's records apart with no hand-merging.
-Exit status: 0 all finished, 1 a stage failed, 2 bad usage, 3 stopped at the deadline.
+Exit status: 0 all finished, 1 a stage failed, 2 bad usage or stores other than those of the
+finished runs (`stores_mismatch`; nothing runs), 3 stopped at the deadline.
 """
 
 from __future__ import annotations
@@ -309,6 +310,32 @@ def run_stages(
             return
 
 
+def stores_mismatch(folder: Path, stores: Path) -> str | None:
+    """One line naming the finished runs in `folder` that were trained on other stores than
+    `stores` (their headers' `stores` source against the stores' own fingerprint), or None.
+
+    A study spans sessions, and each fresh machine rebuilds the corpus and the stores: a seed
+    trained on other data than the seeds before it would enter the pairs' table silently, so
+    the launcher compares before it starts any stage (docs/design.md section 6b)."""
+    sys.path.insert(0, str(ROOT))
+    from data import artifact
+
+    header = artifact.read(stores)
+    want = header.fingerprint if header is not None else None
+    other: dict[str, list[str]] = {}
+    for record in sorted(folder.glob("*/run.json")):
+        run = artifact.read(record)
+        if run is None or run.status != "finished":
+            continue
+        for source in run.sources:
+            if source.kind == "stores" and source.fingerprint != want:
+                other.setdefault(str(source.fingerprint)[:16], []).append(record.parent.name)
+    if not other:
+        return None
+    seen = "; ".join(f"{fp} ({', '.join(runs)})" for fp, runs in sorted(other.items()))
+    return f"{stores}: stores fingerprint {str(want)[:16]}, but finished runs were trained on {seen}"
+
+
 def check_gate(calibration: str | None) -> None:
     """The study starts only on the calibration gate's final GO (`doremi study calibrate`:
     every planned pair measured). A study spans several sessions, so one call may run fewer
@@ -414,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     if pre.returncode:
         say("preprocess FAILED: " + " | ".join(log.read_text(errors="replace").splitlines()[-5:]))
         status = 1
+    elif (mismatch := stores_mismatch(folder, stores)) is not None:
+        say(f"stopped before any stage: {mismatch}")
+        info["stores_mismatch"] = mismatch
+        status = 2
     else:
         todo = [i for i, stage in enumerate(stages) if not finished(stage, folder)]
         for i in sorted(set(range(len(stages))) - set(todo)):

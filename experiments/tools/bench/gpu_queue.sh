@@ -13,12 +13,16 @@
 #   bash experiments/tools/bench/gpu_queue.sh 3   # issue 36: the 120M FP8 training run (bf16, FP8, FP8 with its head)
 #   bash experiments/tools/bench/gpu_queue.sh 4   # issue 35: DoGE at 1B, k passes and one pass (`mixing.doge.one_pass`)
 #   bash experiments/tools/bench/gpu_queue.sh 5   # issue 36: FP8 steps at 1B with and without the head (FP8.md, G1)
-#   bash experiments/tools/bench/gpu_queue.sh 6   # issue 36: the muP transfer sweep with zero head and query init
+#   bash experiments/tools/bench/gpu_queue.sh 6   # issue 36: the muP transfer sweep on the grid centred on width 256's
+#                                                 # optimum (mup_transfer.py's docstring), seeds 0 and 1
+#   bash experiments/tools/bench/gpu_queue.sh 7   # issue 36: the same grid with zero head and query init
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
 PY=${PYTHON:-python3}
 B=experiments/tools/bench
+#: Five learning rates a factor 2 apart with width 256's fitted optimum (0.00153, first GPU sweep) at the centre.
+MUP_CENTRED="0.000375 0.00075 0.0015 0.003 0.006"
 
 commands() {
     case "$1" in
@@ -33,9 +37,13 @@ commands() {
     3) echo "fp8_bench 400 $PY $B/fp8_bench.py train --with-head --out \$OUT/fp8" ;;
     5) echo "fp8_bench 560 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 8 --with-head --out \$OUT/fp8_g1" ;;
     4) echo "method_bench 560 $PY $B/method_bench.py --presets 1b --variants plain,doge,doge-1p --deadline 530 --out \$OUT/method_bench" ;;
-    6) echo "mup_transfer 260 $PY experiments/tools/mup_transfer.py --max-seconds 200 --zero-init --out \$OUT/mup_zero" ;;
+    6)
+        echo "mup_transfer_centred 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --out \$OUT/mup_centred"
+        echo "mup_transfer_centred_seed1 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --seed 1 --out \$OUT/mup_centred_seed1"
+        ;;
+    7) echo "mup_transfer_zero 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --zero-init --out \$OUT/mup_zero" ;;
     *)
-        echo "gpu_queue.sh: expected a call number 1 to 6, got '$1'" >&2
+        echo "gpu_queue.sh: expected a call number 1 to 7, got '$1'" >&2
         return 2
         ;;
     esac
