@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from doremi.pipeline import stages
-from tests.compare_runs import assert_same_alphas, assert_same_params
+from tests.compare_runs import COMPARED, assert_same_alphas, assert_same_params
 from tests.distributed import spawn
 from tests.paths import QUICKSTART
 from tests.runs import alphas, config, final_params, losses, run_stage
@@ -171,14 +171,7 @@ def test_bad_mamba_config_is_one_line(model, tp, match):
 # -- layouts ----------------------------------------------------------------------------------
 
 HYBRID = ["model.preset=hybrid-tiny", "model.mamba.chunk_size=12"]  # 4 layers M A M A; 32 tokens: 12 + 12 + 8
-COMMON = [
-    *HYBRID,
-    "train.eps=1e-4",
-    "train.decay=constant",
-    "train.warmup_steps=0",
-    "checkpoint.keep=1",
-    "train.eval_every=3",
-]
+COMMON = [*HYBRID, *COMPARED]
 LAYOUTS: dict[str, list[str]] = {
     "tp2-dp4": ["parallelism.tp=2", "parallelism.dp=4"],
     "pp2-dp4-mb2": ["parallelism.pp=2", "parallelism.dp=4", "train.micro_batches=2"],
