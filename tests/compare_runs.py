@@ -1,10 +1,16 @@
-"""What the layout tests assert of two runs that must agree: a layout's run against the
-single-process one (docs/design.md section 5, "What must be layout-invariant")."""
+"""What the layout tests assert of two runs that must agree, a layout's run against the
+single-process one (docs/design.md section 5, "What must be layout-invariant"), and the settings
+both run under."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+#: The --set list of both runs of a comparison. Adam divides by |g| + eps: a larger eps keeps
+#: summation-order rounding of near-zero gradients from being amplified to ~lr, so the parameter
+#: comparison is about the gradients.
+COMPARED = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=1", "train.eval_every=3"]
 
 
 def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -29,15 +29,16 @@ checkpoint: {{resume: true}}
 """
 
 
-def config_path(store: Path, run: Path) -> Path:
-    """The experiment YAML of a test run, written beside its run directory."""
+def config_path(store: Path, run: Path, template: str = STORE_YAML) -> Path:
+    """The experiment YAML of a test run, `template` with its store and run directories, written
+    beside its run directory."""
     path = Path(str(run) + ".yaml")
-    atomic_write_text(path, STORE_YAML.format(store=store, run=run))
+    atomic_write_text(path, template.format(store=store, run=run))
     return path
 
 
-def config(store: Path, run: Path, *sets: str) -> ExperimentConfig:
-    return load_config(config_path(store, run), list(sets), cls=ExperimentConfig)
+def config(store: Path, run: Path, *sets: str, template: str = STORE_YAML) -> ExperimentConfig:
+    return load_config(config_path(store, run, template), list(sets), cls=ExperimentConfig)
 
 
 def losses(run: Path) -> list[float]:

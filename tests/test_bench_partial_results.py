@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.scripts import bench_module
+from trainer.config.schema import model_config
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ class _Recorder(torch.nn.Module):
 @pytest.mark.parametrize(("param_dtype", "expected"), [(torch.float32, True), (torch.bfloat16, False)])
 def test_model_step_row_autocasts_fp32_parameters_only(bench, param_dtype, expected):
     timing = bench["timing"]
-    cfg = timing.model_config("tiny")
+    cfg = model_config(preset="tiny")
     model = _Recorder(param_dtype)
     row = timing.model_step_row(model, cfg, "tiny", 2, 8, 2, 1, torch.device("cpu"), torch.bfloat16)
     assert model.autocast == [expected] * 3

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 
 from data.apportion import apportion
-from data.atomic import atomic_write_text
 from data.preprocess import preprocess
 from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
@@ -32,7 +31,6 @@ from doremi.pipeline import stages
 from tests.runs import alphas, config, config_path, losses
 from trainer.checkpoint.checkpoint import checkpoint_dir, latest_checkpoint
 from trainer.config.fp8 import torchao_version
-from trainer.config.schema import load_config
 from trainer.config.tools import read_yaml
 
 # A constant LR keeps the schedule the same whatever train.steps is; Adam's eps = 1e-4 keeps the
@@ -190,9 +188,7 @@ logging: {{progress: false}}
 
 
 def behaviour_config(root: Path, run: str, *sets: str) -> ExperimentConfig:
-    path = root / f"{run}.yaml"
-    atomic_write_text(path, BEHAVIOUR_YAML.format(store=root / "stores", run=root / run))
-    return load_config(path, list(sets), cls=ExperimentConfig)
+    return config(root / "stores", root / run, *sets, template=BEHAVIOUR_YAML)
 
 
 def test_tuned_weights_order_domains_by_learnability(tmp_path):

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from doremi.pipeline import stages
+from tests.compare_runs import COMPARED
 from tests.distributed import spawn
 from tests.runs import config, final_params, losses, run_stage
 from trainer.config.fp8 import Fp8Config, torchao_version
@@ -328,7 +329,6 @@ def test_fp8_head_keeps_its_delayed_history_under_its_name():
 
 # -- the trainer under layouts ------------------------------------------------------------------
 
-COMMON = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=1", "train.eval_every=3"]
 TIED = "model.tie_embeddings=true"
 WITH_HEAD = "model.fp8.layers=[qkv,proj,gate_up,down,head]"
 FP8 = {
@@ -473,11 +473,11 @@ def fp8_worker(rank: int, world: int, store: str, jobs: list, out: str) -> None:
 def runs(stores, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fp8")
     for name, sets in FP8.items():
-        stages.train(config(stores, root / f"single-{name}", *COMMON, *sets, "train.micro_batches=4"))
-    stages.train(config(stores, root / "single-plain", *COMMON, "train.micro_batches=4"))
-    stages.train(config(stores, root / "single-plain-tied", *COMMON, TIED, "train.micro_batches=4"))
+        stages.train(config(stores, root / f"single-{name}", *COMPARED, *sets, "train.micro_batches=4"))
+    stages.train(config(stores, root / "single-plain", *COMPARED, "train.micro_batches=4"))
+    stages.train(config(stores, root / "single-plain-tied", *COMPARED, TIED, "train.micro_batches=4"))
     layouts = {**PIPELINE, **TP}
-    jobs = [(str(root / name), [*COMMON, *FP8[fp8], *sets]) for name, (fp8, sets) in layouts.items()]
+    jobs = [(str(root / name), [*COMPARED, *FP8[fp8], *sets]) for name, (fp8, sets) in layouts.items()]
     spawn(fp8_worker, 4, str(stores), jobs, str(root / "gemms.pt"))
     return root
 
@@ -564,7 +564,7 @@ def test_delayed_scaling_resumes_exactly_from_its_saved_histories(stores, tmp_pa
 
     from trainer.checkpoint.checkpoint import checkpoint_dir
 
-    sets = [*COMMON, *FP8["delayed"], "train.steps=6", "checkpoint.every=1", "checkpoint.keep=10"]
+    sets = [*COMPARED, *FP8["delayed"], "train.steps=6", "checkpoint.every=1", "checkpoint.keep=10"]
     whole = tmp_path / "whole"
     stages.train(config(stores, whole, *sets))
     crashed = tmp_path / "crashed"

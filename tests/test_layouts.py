@@ -25,13 +25,9 @@ from pathlib import Path
 import pytest
 
 from doremi.pipeline import stages
-from tests.compare_runs import assert_same_alphas, assert_same_params
+from tests.compare_runs import COMPARED, assert_same_alphas, assert_same_params
 from tests.distributed import spawn, world_size
 from tests.runs import alphas, config, final_params, losses, run_stage, single_process_runs, val_losses
-
-# Adam divides by |g| + eps: a larger eps keeps summation-order rounding of near-zero gradients
-# from being amplified to ~lr, so the parameter comparison is about the gradients.
-COMMON = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=1", "train.eval_every=3"]
 
 LAYOUTS: dict[str, list[str]] = {
     "tp2": ["parallelism.tp=2"],
@@ -100,22 +96,22 @@ RESUME_AT: dict[str, list[str]] = {f"resume-{name}": sets for name, sets in WORL
 @pytest.fixture(scope="module")
 def runs(stores, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("layouts")
-    proxy = single_process_runs(stores, root, COMMON, ["train.steps=5"])
+    proxy = single_process_runs(stores, root, COMPARED, ["train.steps=5"])
     stages.train_proxy(config(stores, root / "proxy-single-mb4", *proxy, "train.micro_batches=4"))
 
     jobs: dict[int, dict[str, list]] = {2: {}, 4: {}, 8: {}}
     for name, sets in LAYOUTS.items():
-        jobs[world_size(sets)].setdefault("train", []).append((str(root / name), [*COMMON, *sets]))
+        jobs[world_size(sets)].setdefault("train", []).append((str(root / name), [*COMPARED, *sets]))
     for name, sets in PROXY_LAYOUTS.items():
         jobs[world_size(sets)].setdefault("train-proxy", []).append((str(root / name), [*proxy, *sets]))
     ckpt = root / "ckpt-222"
-    jobs[8]["train"].append((str(ckpt), [*COMMON, "train.steps=2", *LAYOUTS["tp2-pp2-dp2-all"]]))
+    jobs[8]["train"].append((str(ckpt), [*COMPARED, "train.steps=2", *LAYOUTS["tp2-pp2-dp2-all"]]))
     for size in (8, 4):
         for stage, stage_jobs in jobs[size].items():
             spawn(run_stage, size, stage, str(stores), stage_jobs)
     for name, sets in RESUME_AT.items():
         shutil.copytree(ckpt, root / name)
-        jobs[2].setdefault("train", []).append((str(root / name), [*COMMON, "train.steps=4", *sets]))
+        jobs[2].setdefault("train", []).append((str(root / name), [*COMPARED, "train.steps=4", *sets]))
     for stage, stage_jobs in jobs[2].items():
         spawn(run_stage, 2, stage, str(stores), stage_jobs)
     return root

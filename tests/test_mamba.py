@@ -20,24 +20,18 @@ import torch
 import torch.nn.functional as F
 
 from doremi.pipeline import stages
-from tests.compare_runs import assert_same_alphas, assert_same_params
+from tests.compare_runs import COMPARED, assert_same_alphas, assert_same_params
 from tests.distributed import spawn
 from tests.paths import QUICKSTART
 from tests.runs import alphas, config, final_params, losses, run_stage
 from trainer.config.mamba import layer_mixers, ssd_flops_per_token
-from trainer.config.schema import ModelConfig, apply_preset
+from trainer.config.schema import model_config
 from trainer.config.tools import ConfigError, from_dict
 from trainer.model.flops import flops_per_token, non_embedding_params, param_count
 from trainer.model.mamba.mixer import causal_depthwise_conv, gated_group_rms_norm
 from trainer.model.mamba.ssd import segsum, ssd_chunked, ssd_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def model_cfg(**model) -> ModelConfig:
-    raw = {"model": model}
-    apply_preset(raw)
-    return from_dict(ModelConfig, raw["model"], "model")
 
 
 def scan_inputs(b: int, T: int, H: int, P: int, G: int, N: int, seed: int = 0) -> list[torch.Tensor]:
@@ -104,7 +98,7 @@ def test_causal_depthwise_conv_and_gated_norm_by_definition():
 def test_hybrid_model_is_causal_and_chunk_size_does_not_change_it():
     from trainer.model.llama import Llama
 
-    cfg = model_cfg(preset="hybrid-tiny", n_layers=4)
+    cfg = model_config(preset="hybrid-tiny", n_layers=4)
     ids = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
     base = Llama(cfg)(None, batch).detach()
@@ -114,7 +108,7 @@ def test_hybrid_model_is_causal_and_chunk_size_does_not_change_it():
     torch.testing.assert_close(after[:, :15], base[:, :15], rtol=0, atol=0)
     assert (after[:, 15:] - base[:, 15:]).abs().max() > 1e-4
     for chunk in (1, 5, 64):
-        other = model_cfg(preset="hybrid-tiny", n_layers=4, mamba={"chunk_size": chunk})
+        other = model_config(preset="hybrid-tiny", n_layers=4, mamba={"chunk_size": chunk})
         torch.testing.assert_close(Llama(other)(None, batch).detach(), base, rtol=1e-5, atol=1e-5)
 
 
@@ -125,10 +119,10 @@ def test_block_pattern_tiles_and_the_counts_match_the_model():
     assert layer_mixers("MA", 3) == ["mamba", "attention", "mamba"]
     assert layer_mixers("", 2) == ["attention", "attention"]
     for preset in ("hybrid-tiny", "hybrid-quickstart", "hybrid-1b"):
-        cfg = model_cfg(preset=preset)
+        cfg = model_config(preset=preset)
         stage = LlamaStage(cfg, TensorParallel(), range(cfg.n_layers), True, True, device="meta")
         assert param_count(cfg) == sum(p.numel() for p in stage.parameters()), preset
-    big = model_cfg(preset="hybrid-1b")
+    big = model_config(preset="hybrid-1b")
     assert 1.0e9 < param_count(big) < 1.2e9
     # 16 layers M M M A: attention's 6 d s in 4 of them, the scan in the other 12
     scan = ssd_flops_per_token(big)
@@ -139,7 +133,7 @@ def test_block_pattern_tiles_and_the_counts_match_the_model():
 def test_mamba_init_matches_mamba_ssm_ranges():
     from trainer.model.llama import Llama
 
-    cfg = model_cfg(preset="hybrid-tiny")
+    cfg = model_config(preset="hybrid-tiny")
     params = dict(Llama(cfg).named_parameters())
     dt = F.softplus(params["layers.0.mamba.dt_bias"])
     assert dt.min() >= 1e-3 - 1e-7 and dt.max() <= 0.1 + 1e-6
@@ -177,14 +171,7 @@ def test_bad_mamba_config_is_one_line(model, tp, match):
 # -- layouts ----------------------------------------------------------------------------------
 
 HYBRID = ["model.preset=hybrid-tiny", "model.mamba.chunk_size=12"]  # 4 layers M A M A; 32 tokens: 12 + 12 + 8
-COMMON = [
-    *HYBRID,
-    "train.eps=1e-4",
-    "train.decay=constant",
-    "train.warmup_steps=0",
-    "checkpoint.keep=1",
-    "train.eval_every=3",
-]
+COMMON = [*HYBRID, *COMPARED]
 LAYOUTS: dict[str, list[str]] = {
     "tp2-dp4": ["parallelism.tp=2", "parallelism.dp=4"],
     "pp2-dp4-mb2": ["parallelism.pp=2", "parallelism.dp=4", "train.micro_batches=2"],

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.interpreter import needs_triton, run_interpreted
-from trainer.config.schema import ModelConfig, apply_preset
+from trainer.config.schema import ModelConfig, apply_preset, model_config
 from trainer.config.tools import ConfigError, from_dict
 from trainer.model.mamba import kernels
 from trainer.model.mamba.kernels import chunk_scan_combined_reference, mamba1_placeholder, resolve_kernel
@@ -45,12 +45,6 @@ needs_mamba_src = pytest.mark.skipif(
     not (MAMBA_SRC / "mamba_ssm").is_dir() or not EINOPS_WHEEL.exists(),
     reason="mamba_ssm source not unpacked in runs/wheels_gpu (kernels.md)",
 )
-
-
-def model_cfg(**model) -> ModelConfig:
-    raw = {"model": model}
-    apply_preset(raw)
-    return from_dict(ModelConfig, raw["model"], "model")
 
 
 def mixer_with_params(cfg: ModelConfig, tp: TensorParallel, seed: int = 0) -> Mamba2Mixer:
@@ -86,13 +80,13 @@ def test_kernel_resolves_on_the_device_and_a_bad_choice_is_one_line(monkeypatch)
 def test_asking_for_mamba_ssm_without_it_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr("trainer.config.mamba.mamba_ssm_installed", lambda: False)
     with pytest.raises(ConfigError) as err:
-        model_cfg(preset="hybrid-tiny", mamba={"kernel": "mamba_ssm"})
+        model_config(preset="hybrid-tiny", mamba={"kernel": "mamba_ssm"})
     assert str(err.value) == (
         "model.mamba.kernel: 'mamba_ssm' needs the mamba_ssm package, not installed: "
         "MAMBA_SKIP_CUDA_BUILD=TRUE pip install --no-build-isolation -e '.[mamba]' (mamba-ssm==2.3.2.post1)"
     )
     with pytest.raises(ConfigError, match="model.mamba.kernel"):
-        model_cfg(preset="hybrid-tiny", mamba={"kernel": "triton"})
+        model_config(preset="hybrid-tiny", mamba={"kernel": "triton"})
 
 
 def test_the_cli_refuses_mamba_ssm_without_it_with_exit_2(tmp_path, capsys, monkeypatch):
@@ -134,7 +128,7 @@ def test_the_mamba1_placeholder_is_there_only_for_the_import():
 def test_mixer_calls_the_kernel_as_mamba2_does(tp_size, tp_rank, seq):
     """The kernel path (dt raw, bias and softplus in the kernel, D, no z) equals the PyTorch SSD,
     output and every parameter's gradient, on all heads or on one tp rank's (ngroups 2)."""
-    cfg = model_cfg(preset="hybrid-tiny")
+    cfg = model_config(preset="hybrid-tiny")
     torch_mixer = mixer_with_params(cfg, TensorParallel(size=tp_size, rank=tp_rank))
     kernel_mixer = mixer_with_params(cfg, TensorParallel(size=tp_size, rank=tp_rank))
     kernel_mixer.chunk_scan = chunk_scan_combined_reference
@@ -208,10 +202,11 @@ for name in ("ssd_bmm", "ssd_chunk_state", "ssd_state_passing", "ssd_chunk_scan"
     for obj in vars(importlib.import_module("mamba_ssm.ops.triton." + name)).values():
         if isinstance(obj, Autotuner):
             obj.configs = obj.configs[:1]
-from tests.test_mamba_kernels import mixer_with_params, model_cfg
+from tests.test_mamba_kernels import mixer_with_params
+from trainer.config.schema import model_config
 from trainer.parallel.tensor import TensorParallel
 torch.set_num_threads(1)
-cfg = model_cfg(preset="hybrid-tiny")
+cfg = model_config(preset="hybrid-tiny")
 mixers = [mixer_with_params(cfg, TensorParallel()) for _ in range(2)]
 mixers[1].chunk_scan = scan
 zxbcdt = torch.randn(20, 2, mixers[0].in_proj.weight.shape[0], generator=torch.Generator().manual_seed(3))
@@ -264,7 +259,7 @@ def recording_backend(graphs: list[torch.fx.GraphModule]):
 
 def test_compiled_mixer_is_one_graph_without_scan_ops():
     graphs: list[torch.fx.GraphModule] = []
-    cfg = model_cfg(preset="hybrid-tiny")
+    cfg = model_config(preset="hybrid-tiny")
     mixer = mixer_with_params(cfg, TensorParallel())
     torch._dynamo.reset()
     compiled = torch.compile(mixer, backend=recording_backend(graphs), fullgraph=True)
@@ -287,7 +282,7 @@ def test_hybrid_model_trains_compiled_as_eagerly():
     from trainer.model.llama import Llama
 
     graphs: list[torch.fx.GraphModule] = []
-    cfg = model_cfg(preset="hybrid-tiny", n_layers=4, mamba={"chunk_size": 8})
+    cfg = model_config(preset="hybrid-tiny", n_layers=4, mamba={"chunk_size": 8})
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
     losses = {}
@@ -324,7 +319,7 @@ def test_mixer_compiles_with_inductor():
     minutes of a loaded two-core machine: the C++ build, four cold). Opt-in, so that the suite's
     budget (issue 43: under 10 minutes) holds; the class of failure it guards against, scan ops
     in the graph and graph breaks, is caught in the suite by the two aot_eager tests above."""
-    cfg = model_cfg(preset="hybrid-tiny")
+    cfg = model_config(preset="hybrid-tiny")
     mixer = mixer_with_params(cfg, TensorParallel())
     torch._dynamo.reset()
     compiled = torch.compile(mixer, fullgraph=True)

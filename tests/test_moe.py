@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from doremi.pipeline import stages
-from tests.compare_runs import assert_same_alphas, assert_same_params
+from tests.compare_runs import COMPARED, assert_same_alphas, assert_same_params
 from tests.distributed import spawn, world_size
 from tests.runs import alphas, config, final_params, losses, run_stage, single_process_runs, val_losses
 from trainer.config.moe import MoEConfig
@@ -181,11 +181,7 @@ MOE = [
     "model.moe.shared_experts=1",
     "model.moe.aux_loss_coef=0.1",
     "model.moe.z_loss_coef=0.01",
-    "train.eps=1e-4",
-    "train.decay=constant",
-    "train.warmup_steps=0",
-    "checkpoint.keep=1",
-    "train.eval_every=3",
+    *COMPARED,
     "train.eval_sequences=10",  # batches of a domain not a multiple of dp: evaluation pads under ep
 ]
 EP2 = ["parallelism.dp=2", "parallelism.ep=2"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from doremi.pipeline import stages
-from tests.compare_runs import assert_same_params
+from tests.compare_runs import COMPARED, assert_same_params
 from tests.distributed import spawn
 from tests.runs import config, final_params, losses, run_stage
 from trainer.config.mup import MupConfig
@@ -266,7 +266,6 @@ def test_coordinate_check_holds_with_zero_init():
 
 # -- a tp2 x pp2 run with muP -------------------------------------------------------------------
 
-COMMON = ["train.eps=1e-4", "train.decay=constant", "train.warmup_steps=0", "checkpoint.keep=1", "train.eval_every=3"]
 MUP = ["model.mup.base_width=32", "train.micro_batches=4"]
 LAYOUT = ["parallelism.tp=2", "parallelism.pp=2", "parallelism.sequence_parallel=true"]
 
@@ -274,9 +273,9 @@ LAYOUT = ["parallelism.tp=2", "parallelism.pp=2", "parallelism.sequence_parallel
 @pytest.fixture(scope="module")
 def runs(stores, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mup")
-    stages.train(config(stores, root / "single", *COMMON, *MUP))
-    stages.train(config(stores, root / "plain", *COMMON, "train.micro_batches=4"))
-    spawn(run_stage, 4, "train", str(stores), [(str(root / "tp2-pp2-sp"), [*COMMON, *MUP, *LAYOUT])])
+    stages.train(config(stores, root / "single", *COMPARED, *MUP))
+    stages.train(config(stores, root / "plain", *COMPARED, "train.micro_batches=4"))
+    spawn(run_stage, 4, "train", str(stores), [(str(root / "tp2-pp2-sp"), [*COMPARED, *MUP, *LAYOUT])])
     return root
 
 

@@ -130,13 +130,21 @@ def n_mamba_layers(model_cfg) -> int:
     return layer_mixers(getattr(model_cfg, "block_pattern", ""), model_cfg.n_layers).count(MAMBA)
 
 
-def mamba_mixer_params(model_cfg) -> int:
-    """One Mamba-2 mixer's parameters (d_i = expand d, c = d_i + 2 G N): in_proj d (2 d_i + 2 G N
-    + H), the convolution c (d_conv + 1), dt_bias, A_log and D 3 H, the gated norm d_i, out_proj
-    d_i d."""
+def mamba_projection_params(model_cfg) -> int:
+    """One Mamba-2 mixer's matmul weights (d_i = expand d): in_proj d (2 d_i + 2 G N + H) and
+    out_proj d_i d; what its FLOPs per token count besides the scan."""
     m, d = model_cfg.mamba, model_cfg.d_model
     di, heads, bc = m.d_inner(d), m.n_heads(d), m.ngroups * m.d_state
-    return d * (2 * di + 2 * bc + heads) + (di + 2 * bc) * (m.d_conv + 1) + 3 * heads + di + di * d
+    return d * (2 * di + 2 * bc + heads) + di * d
+
+
+def mamba_mixer_params(model_cfg) -> int:
+    """One Mamba-2 mixer's parameters (d_i = expand d, c = d_i + 2 G N): its projections
+    (`mamba_projection_params`), the convolution c (d_conv + 1), dt_bias, A_log and D 3 H, the
+    gated norm d_i."""
+    m, d = model_cfg.mamba, model_cfg.d_model
+    di, heads, bc = m.d_inner(d), m.n_heads(d), m.ngroups * m.d_state
+    return mamba_projection_params(model_cfg) + (di + 2 * bc) * (m.d_conv + 1) + 3 * heads + di
 
 
 def ssd_flops_per_token(model_cfg) -> int:

@@ -84,13 +84,20 @@ def check_moe_layout(moe: MoEConfig | None, n_layers: int, model_ffn_dim: int, t
         )
 
 
+def moe_mlp_params(cfg, active: bool) -> int:
+    """One MoE block's MLP parameters (model `cfg` with `moe`): all of them (`active` False), or
+    those a token computes with (top-k and shared experts' SwiGLUs, the router)."""
+    moe: MoEConfig = cfg.moe
+    d, f = cfg.d_model, moe.ffn_dim(cfg.ffn_dim)
+    experts = (moe.top_k if active else moe.num_experts) + moe.shared_experts
+    return experts * 3 * d * f + moe.num_experts * d
+
+
 def moe_params_delta(cfg, active: bool) -> int:
     """Parameters the MoE blocks of model `cfg` have beyond the dense SwiGLUs they replace: all
-    of them (`active` False), or those a token computes with (top-k and shared experts, router)."""
+    of them (`active` False), or those a token computes with (`moe_mlp_params`)."""
     moe: MoEConfig | None = getattr(cfg, "moe", None)
     if moe is None:
         return 0
-    d, f = cfg.d_model, moe.ffn_dim(cfg.ffn_dim)
-    experts = (moe.top_k if active else moe.num_experts) + moe.shared_experts
-    per_block = experts * 3 * d * f + moe.num_experts * d - 3 * d * cfg.ffn_dim
+    per_block = moe_mlp_params(cfg, active) - 3 * cfg.d_model * cfg.ffn_dim
     return len(moe.moe_layers(cfg.n_layers)) * per_block

@@ -451,6 +451,15 @@ def apply_preset(raw: dict[str, Any]) -> None:
         raw["model"] = merged
 
 
+def model_config(**section: Any) -> ModelConfig:
+    """The `model` section `section` read as `load_config` reads it (its preset's keys under the
+    given ones, then checked): one model's config for what builds a model without an experiment
+    file, such as the benches and the tests."""
+    raw = {"model": section}
+    apply_preset(raw)
+    return from_dict(ModelConfig, raw["model"], "model")
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None, cls: type[C] = TrainerConfig) -> C:  # type: ignore[assignment]
     """Read YAML, apply `--set` overrides, resolve the model preset, validate, return `cls`."""
     raw = read_yaml(path) if path is not None else {}

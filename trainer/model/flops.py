@@ -18,20 +18,22 @@ from trainer.config.mamba import mamba_mixer_params, n_mamba_layers, ssd_flops_p
 from trainer.config.moe import moe_params_delta
 
 
-def layer_params(cfg) -> int:
+def attention_params(cfg) -> int:
+    """One attention mixer's: the fused q, k, v projection and the output projection."""
     d, hd = cfg.d_model, cfg.head_dim
-    attn = d * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * d
-    mlp = 3 * d * cfg.ffn_dim
-    return attn + mlp + 2 * d
+    return d * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * d
+
+
+def layer_params(cfg) -> int:
+    d = cfg.d_model
+    return attention_params(cfg) + 3 * d * cfg.ffn_dim + 2 * d
 
 
 def blocks_params(cfg) -> int:
     """Every block's parameters: attention blocks `layer_params`, Mamba-2 blocks their mixer
     instead of attention's."""
-    d, hd = cfg.d_model, cfg.head_dim
-    attn = d * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * d
     mamba = n_mamba_layers(cfg)
-    return cfg.n_layers * layer_params(cfg) + mamba * (mamba_mixer_params(cfg) - attn)
+    return cfg.n_layers * layer_params(cfg) + mamba * (mamba_mixer_params(cfg) - attention_params(cfg))
 
 
 def param_count(cfg) -> int:

@@ -60,12 +60,12 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from trainer.config.fp8 import FP8_LAYERS, HEAD, Fp8Config  # noqa: E402
-from trainer.config.schema import ModelConfig  # noqa: E402
+from trainer.config.schema import ModelConfig, model_config  # noqa: E402
 from trainer.model.fp8 import linear_config, native_fp8  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plain_llama  # noqa: E402
-from timing import model_config, model_step_row, run_part, timed  # noqa: E402
+from timing import model_step_row, run_part, timed  # noqa: E402
 
 #: model.fp8 (scaling, grad_dtype) per scaling, as torchao's recipes of those names.
 SCALINGS = {"tensorwise": ("tensorwise", "e5m2"), "rowwise": ("rowwise", "e4m3")}
@@ -220,7 +220,7 @@ def bench_steps(args, device: torch.device) -> tuple[list[dict], bool]:
     ok = True
     for size in args.sizes:
         preset, overrides = SIZES[size]
-        cfg = replace(model_config(preset, **overrides), max_seq_len=max(args.seq, 16))
+        cfg = replace(model_config(preset=preset, **overrides), max_seq_len=max(args.seq, 16))
         heads = (False, True) if args.with_head else (False,)
         parts: list[tuple[str, Callable[[], dict]]] = [("ours/bf16", lambda c=cfg: ours(c, args, device, "bf16"))]
         for s in args.scalings:

@@ -38,9 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from trainer.config.mamba import ssd_flops_per_token  # noqa: E402
-from trainer.config.schema import ModelConfig, apply_preset  # noqa: E402
-from trainer.config.tools import from_dict  # noqa: E402
+from trainer.config.mamba import mamba_projection_params, ssd_flops_per_token  # noqa: E402
+from trainer.config.schema import ModelConfig, model_config  # noqa: E402
 from trainer.model.init import init_parameters  # noqa: E402
 from trainer.model.mamba.kernels import load_chunk_scan, mamba1_placeholder, resolve_kernel  # noqa: E402
 from trainer.model.mamba.mixer import Mamba2Mixer  # noqa: E402
@@ -50,16 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import add_model_args, bench_args, model_step_row, run_parts, timed  # noqa: E402
 
 
-def model_config(preset: str, compile: bool) -> ModelConfig:
-    raw = {"model": {"preset": preset, "compile": compile}}
-    apply_preset(raw)
-    return from_dict(ModelConfig, raw["model"], "model")
-
-
 def mixer_flops(cfg: ModelConfig, tokens: int) -> float:
-    m, d = cfg.mamba, cfg.d_model
-    di, bc, heads = m.d_inner(d), m.ngroups * m.d_state, m.n_heads(d)
-    return tokens * (3 * 2 * (d * (2 * di + 2 * bc + heads) + di * d) + ssd_flops_per_token(cfg))
+    return tokens * (3 * 2 * mamba_projection_params(cfg) + ssd_flops_per_token(cfg))
 
 
 def with_kernel(cfg: ModelConfig, kernel: str) -> ModelConfig:
@@ -158,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_model_args(ap, "hybrid-1b")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     args, device, dtype = bench_args(ap, argv)
-    cfg = model_config(args.preset, args.compile and device.type == "cuda")
+    cfg = model_config(preset=args.preset, compile=args.compile and device.type == "cuda")
     parts = {
         "layer": lambda: bench_layer(cfg, args, device, dtype),
         "step": lambda: [bench_step(cfg, args, device, dtype)],

@@ -51,8 +51,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from trainer.config.schema import ModelConfig, apply_preset  # noqa: E402
-from trainer.config.tools import from_dict  # noqa: E402
+from trainer.config.moe import moe_mlp_params  # noqa: E402
+from trainer.config.schema import ModelConfig, model_config  # noqa: E402
 from trainer.model.init import init_parameters  # noqa: E402
 from trainer.model.moe import MoE, set_global_batch  # noqa: E402
 from trainer.parallel.tensor import TensorParallel  # noqa: E402
@@ -61,10 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import add_model_args, bench_args, model_step_row, run_parts, timed  # noqa: E402
 
 
-def model_config(preset: str) -> ModelConfig:
-    raw = {"model": {"preset": preset}}
-    apply_preset(raw)
-    cfg = from_dict(ModelConfig, raw["model"], "model")
+def moe_model_config(preset: str) -> ModelConfig:
+    cfg = model_config(preset=preset)
     if cfg.moe is None:
         raise SystemExit(f"--preset {preset}: not a MoE preset (no model.moe)")
     return cfg
@@ -108,9 +106,7 @@ def _plain_shared(moe: MoE, flat: torch.Tensor, out: torch.Tensor) -> torch.Tens
 
 
 def active_flops(cfg: ModelConfig, tokens: int) -> float:
-    moe = cfg.moe
-    f = moe.ffn_dim(cfg.ffn_dim)
-    return 6.0 * tokens * ((moe.top_k + moe.shared_experts) * 3 * cfg.d_model * f + moe.num_experts * cfg.d_model)
+    return 6.0 * tokens * moe_mlp_params(cfg, active=True)
 
 
 def graph_breaks() -> int:
@@ -265,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--parts", default="layer,step,step-compiled", help="comma-separated: which parts run")
     args, device, dtype = bench_args(ap, argv)
-    cfg = model_config(args.preset)
+    cfg = moe_model_config(args.preset)
     parts = {
         "layer": lambda: bench_layer(cfg, args, device, dtype),
         "step": lambda: [bench_step(cfg, args, device, dtype, False)],

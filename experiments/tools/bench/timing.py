@@ -1,7 +1,7 @@
-"""What the model-feature benches share (fp8_bench, mamba_bench, moe_bench): a preset's model
-config, the timer (CUDA events on a GPU, wall clock elsewhere), and one optimizer step of a
-whole single-process model timed into a row with its MFU against the datasheet peak, and the
-output tail (parts that fail alone, the result printed and written)."""
+"""What the model-feature benches share (fp8_bench, mamba_bench, moe_bench): the timer (CUDA
+events on a GPU, wall clock elsewhere), one optimizer step of a whole single-process model timed
+into a row with its MFU against the datasheet peak, and the output tail (parts that fail alone,
+the result printed and written). A preset's model config is `trainer.config.schema.model_config`."""
 
 from __future__ import annotations
 
@@ -17,19 +17,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from trainer.config.schema import ModelConfig, apply_preset  # noqa: E402
-from trainer.config.tools import from_dict  # noqa: E402
+from trainer.config.schema import ModelConfig  # noqa: E402
 from trainer.model.flops import flops_per_token  # noqa: E402
 
 #: bf16 dense peak of an H100/H200 from the datasheet (FLOP/s), for MFU.
 PEAK_BF16 = 989e12
-
-
-def model_config(preset: str, **overrides) -> ModelConfig:
-    """A model preset as a ModelConfig, with `overrides` (model keys) on top."""
-    raw = {"model": {"preset": preset, **overrides}}
-    apply_preset(raw)
-    return from_dict(ModelConfig, raw["model"], "model")
 
 
 def timed(fn: Callable[[], object], steps: int, warmup: int, device: torch.device) -> list[float]:
