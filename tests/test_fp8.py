@@ -456,7 +456,8 @@ def gemm_worker(rank: int, world: int, out: str) -> None:
                 y = fn(xl, wl, tp2, mm)
                 y.backward(g.chunk(2, -1)[r] if col else g)
                 d = max(
-                    float((a - b).abs().max()) for a, b in ((y.detach(), want_y), (xl.grad, want_x), (wl.grad, want_w))
+                    float((a - b).abs().max() / b.abs().max())
+                    for a, b in ((y.detach(), want_y), (xl.grad, want_x), (wl.grad, want_w))
                 )
                 key = f"{scaling}-{style}-{'reduced' if reduced else 'per-shard'}"
                 worst[key] = max(worst.get(key, 0.0), d)
@@ -486,12 +487,14 @@ def test_tp_gemms_equal_one_process_only_with_tp_reduced_amaxes(runs):
     """Tensorwise, a shard's own amax gives other scales and other FP8 values. Rowwise (torchao's
     recipe) rounds scales down to powers of two, and FP8 rounding is invariant under a power-of-two
     rescaling short of saturation and subnormals: per-shard scales change (almost) nothing there,
-    and the tp reduction is what keeps the two scales equal at all."""
+    and the tp reduction is what keeps the two scales equal at all. Differences are relative to
+    the largest element of each output (an absolute 1e-5 was within one ulp of the outlier's
+    products on some CPUs)."""
     worst = torch.load(runs / "gemms.pt")
     assert len(worst) == 8
     for key, d in worst.items():
         if key.endswith("reduced"):
-            assert d < 1e-5, key  # the same FP8 elements; fp32 summation order only
+            assert d < 1e-6, key  # the same FP8 elements; fp32 summation order only (measured <= 1.2e-7)
         elif key.startswith("tensorwise"):
             assert d > 1e-2, key
 
