@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -64,7 +66,7 @@ CALIBRATION = ROOT / "experiments" / "results" / "doremi_study" / "calibration.j
 PHASE, STUDY_PHASE = "comparison", "study"
 
 
-def study_launcher():
+def study_launcher() -> ModuleType:
     """experiments/launch/doremi_study.py as a module (its dataclasses look their module up)."""
     name = "doremi_study"
     if name not in sys.modules:
@@ -93,7 +95,7 @@ def _main_sets(config: Path) -> tuple[str, ...]:
     return tuple(study_launcher().main_sets(config))
 
 
-def stage_of(step: planning.Step, protocol: Protocol, work: Path):
+def stage_of(step: planning.Step, protocol: Protocol, work: Path) -> tuple[Any, Path]:
     """The study launcher's `Stage` for one step of the plan, and the folder it runs in (the
     study's for a reused arm, the comparison's for the rest)."""
     study = study_launcher()
@@ -198,6 +200,8 @@ def price_table(protocol: Protocol, steps: list[planning.Step], seeds: tuple[int
 
 
 def summary(protocol: Protocol, steps: list[planning.Step], todo: list[planning.Step], seeds: tuple[int, ...]) -> str:
+    """The dry run's closing part: the price per arm, by group and in all for the stages still to
+    run (`todo`), the sessions they take, and why main runs are not stacked."""
     total = planning.total_seconds(todo)
     groups = {g: sum(s.price.seconds for s in todo if s.group == g and not s.reused) for g in protocol.order}
     without_sweeps = total - groups.get(SWEPT, 0.0)
@@ -224,7 +228,7 @@ def summary(protocol: Protocol, steps: list[planning.Step], todo: list[planning.
     return "\n".join(out)
 
 
-def power_lines(protocol: Protocol, decision) -> str:
+def power_lines(protocol: Protocol, decision: Any) -> str:
     from doremi.study import stats
 
     cal = json.loads(CALIBRATION.read_text()) if CALIBRATION.is_file() else None
@@ -297,14 +301,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(
-    args,
-    study,
+    args: argparse.Namespace,
+    study: ModuleType,
     work: Path,
     stores: Path,
     preprocess: list[str],
     ours: list[planning.Step],
     todo: list[planning.Step],
-    base,
+    base: list[str],
 ) -> int:
     """Preprocess, then the stages still to run (`todo` of the comparison's own, `ours`) one
     after another, then pack (the study launcher's `run_stages` and `pack`)."""

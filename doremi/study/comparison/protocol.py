@@ -35,9 +35,12 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from doremi.study.calibration import GateDecision, decide
 from doremi.study.comparison.epochs import capacity_multiple, corpus_multiple, over_the_rule, sweep_token_cap
 from doremi.study.comparison.price import Measured
-from doremi.study.design import DESIGN, Design, Stage
+from doremi.study.design import DESIGN, Design, Endpoint, GuardrailRule, Rule, Stage
 from doremi.study.runs import StudyError
 
 #: Kinds of arm: a named mixture; a proxy's averaged weights; a method on the main run itself;
@@ -389,15 +392,15 @@ class Protocol:
     order: tuple[str, ...] = (STATIC, TRANSFERRED, ONLINE, "equal_compute", SWEPT)
 
     @property
-    def rule(self):
+    def rule(self) -> Rule:
         return self.design.rule
 
     @property
-    def guardrails(self):
+    def guardrails(self) -> GuardrailRule:
         return self.design.guardrails
 
     @property
-    def endpoint(self):
+    def endpoint(self) -> Endpoint:
         return self.design.endpoint
 
     def arm(self, name: str) -> Arm:
@@ -517,7 +520,7 @@ def check_reused(protocol: Protocol) -> None:
         raise ProtocolError(f"the study's arms {', '.join(missing)} are not reused (every arm of the study is one)")
 
 
-def sweep_mixtures(protocol: Protocol, seed: int):
+def sweep_mixtures(protocol: Protocol, seed: int) -> np.ndarray:
     """The mixtures seed `seed`'s sweep will train ([runs, k]), as `doremi sweep` draws them
     from the sweep's keys and the stores (doremi/offline/sweep.py `design`)."""
     from doremi.offline.fit.design import dirichlet_design, epoch_caps
@@ -582,12 +585,10 @@ def check(protocol: Protocol, seeds: tuple[int, ...] = ()) -> None:
 # -- pairs, from the calibration's gate ------------------------------------------------------------------
 
 
-def pairs_from_calibration(path: str | Path, design: Design = DESIGN):
+def pairs_from_calibration(path: str | Path, design: Design = DESIGN) -> GateDecision:
     """The gate's decision (doremi/study/calibration.py `decide`) recomputed from the committed
     calibration's sigma_D; refused unless it is a final GO equal to the one recorded. Every arm
     then runs seeds 1 to `decision.pairs`, the study's seeds."""
-    from doremi.study.calibration import decide
-
     try:
         doc = json.loads(Path(path).read_text())
         sigma_d, recorded = float(doc["sigma_d"]), doc["decision"]
