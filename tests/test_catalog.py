@@ -200,6 +200,7 @@ SCANNED = ("doremi", "trainer", "data")
 ALLOWED = {
     "doremi/__init__.py": "the package's documented API re-exports DoReMi's pure update functions",
     "doremi/study/design.py": "the pre-registered DoReMi study names the arms it compares",
+    "doremi/study/comparison/protocol.py": "the pre-registered comparison names its arms and their methods' options",
 }
 
 #: Uses that are not the method's: the program and the package are named `doremi` too.
