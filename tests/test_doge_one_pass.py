@@ -126,7 +126,9 @@ def test_products_norms_and_update_from_the_stacked_gradients(dtype):
     target = [torch.randn(40, 50, generator=gen).to(dtype), torch.randn(7, generator=gen).to(dtype)]
     got = alignment.group_products(grads, target, [True, False], norms=True, here=True)
     g, t = grads[0].double().reshape(3, -1), target[0].double().reshape(-1)
-    torch.testing.assert_close(got, torch.stack([g @ t, (g * g).sum(1)]), rtol=1e-6, atol=1e-9)
+    # fp32 sums of 2000 products: about sqrt(2000) x 6e-8 = 3e-6 relative, in an order each
+    # CPU's kernels choose (1.2e-6 seen on one host, below 1e-6 on another)
+    torch.testing.assert_close(got, torch.stack([g @ t, (g * g).sum(1)]), rtol=1e-5, atol=1e-9)
     assert not alignment.group_products(grads, target, [True, True], norms=False, here=False).any()
     scale = torch.tensor([0.5, -1.25, 2.0], dtype=torch.float64)
     want = (scale[:, None, None] * grads[0].double()).sum(0)
@@ -171,11 +173,14 @@ def test_one_pass_writes_the_k_pass_update(stores, tmp_path, extra):
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
     for a, b in zip(want, got):
         assert b["alignment"] == pytest.approx(a["alignment"], rel=1e-5, abs=1e-12)
-        assert b["weights"] == pytest.approx(a["weights"], abs=1e-7)
+        assert b["weights"] == pytest.approx(a["weights"], abs=1e-6)  # 1.2e-7 seen: fp32 order of the sums
         assert b.get("grad_norm") == (None if "grad_norm" not in a else pytest.approx(a["grad_norm"], rel=1e-5))
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     for name, g in k_pass.items():
-        torch.testing.assert_close(one[name], g, rtol=1e-4, atol=1e-7, msg=name)
+        # the written gradient sums the domains' weighted gradients, which cancel: fp32 order
+        # differences reach 6e-5 of a tensor's largest element (one CPU host), a wrong domain
+        # weight or a lost domain moves it by 1e-3 and more
+        torch.testing.assert_close(one[name], g, rtol=1e-4, atol=1e-4 * float(g.abs().max()), msg=name)
     assert max(abs(x - 1 / 3) for x in got[-1]["weights"]) > 1e-3  # the weights moved
     if "grad_norm" in got[0]:
         assert got[0]["grad_norm"] == pytest.approx([0.05] * 3, rel=1e-5)  # every domain clipped
@@ -265,7 +270,7 @@ def test_the_gram_matrix_gives_group_products_numbers(dtype):
     stacked = [torch.cat([g, t[None]]) for g, t in zip(grads, target)]
     gram = alignment.group_gram(stacked, [True, False], here=True)
     want = alignment.group_products(grads, target, [True, False], norms=True, here=True)
-    torch.testing.assert_close(torch.stack([gram[:3, 3], gram.diagonal()[:3]]), want, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(torch.stack([gram[:3, 3], gram.diagonal()[:3]]), want, rtol=1e-5, atol=1e-9)
     t = target[0].double().reshape(-1)
     assert gram.dtype == torch.float64 and float(gram[3, 3]) == pytest.approx(float(t @ t), rel=1e-6)
     torch.testing.assert_close(gram, gram.t())

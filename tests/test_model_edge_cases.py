@@ -192,7 +192,9 @@ def test_moe_ep2_resumes_at_ep1_dp2_and_hybrid_tp2_at_tp1(stores, tmp_path):
         assert losses(tmp_path / got) == pytest.approx(losses(tmp_path / want), rel=1e-5)
         a, b = _params(stores, tmp_path / want, sets), _params(stores, tmp_path / got, sets)
         for name in a:
-            torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5, msg=name)
+            # Adam's normalised step turns fp32 order differences in near-zero gradient elements
+            # into parameter differences: 1.3e-5 seen on one CPU host, 0.5% of one step at lr 3e-3
+            torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=5e-5, msg=name)
 
 
 def test_grouped_experts_take_the_autocast_dtype(monkeypatch):
