@@ -6,8 +6,9 @@ import pytest
 from data.config import DataConfig, DomainSource, SyntheticSpec, TokenizerConfig
 from data.errors import DataError
 from data.preprocess import preprocess
+from data.stats import empirical_entropy
 from data.store import open_stores
-from data.synthetic import empirical_entropy, entropy, markov_table, symbol_ids
+from data.synthetic import entropy, markov_table, symbol_ids
 
 SPECS = {
     "noise": SyntheticSpec(kind="noise", num_tokens=200_000, vocab=64, seed=1),
