@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data.apportion import apportion
 from data.atomic import atomic_write_text
-from data.preprocess import preprocess
+from data.preprocess.preprocess import preprocess
+from data.sampling.apportion import apportion
 from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
 from doremi.methods.history import read_history

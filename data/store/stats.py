@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from data.errors import DataError
-from data.store import TokenStores
+from data.store.store import TokenStores
 
 
 def unigram_entropy(stores: TokenStores, domain: str, split: str = "validation") -> float:
