@@ -12,7 +12,7 @@ from data.errors import DataError
 #: trainer.config.tools.NUMBER; `[true, false, true]` must not train on weights 1, 0, 1).
 Weight = Annotated[float, "number"]
 #: The forms of a mixture: `uniform`, `tokens`, a weights JSON path, a list in domain order, or
-#: a mapping domain -> weight (data.weights.resolve_weights).
+#: a mapping domain -> weight (data.sampling.weights.resolve_weights).
 #: A file-system path, read against the current directory and saved absolute in a run's
 #: config.yaml (the "path" tag is trainer.config.tools.PATH).
 PathStr = Annotated[str, "path"]
@@ -171,7 +171,7 @@ class DataConfig:
     domain_weights: Weights = "uniform"
     # No domain is read more than this many epochs of its train tokens: the main run's mixture
     # (`domain_weights`) is capped at max_epochs x tokens / budget, the excess spread over the
-    # other domains in proportion (data/mixtures.py epoch_capped); None: the mixture as given.
+    # other domains in proportion (data/sampling/mixtures.py epoch_capped); None: the mixture as given.
     max_epochs: float | None = None
     # Seed of the sampler's draw order.
     seed: int = 0
@@ -182,7 +182,7 @@ class DataConfig:
     # `none`: every consumer reads the whole validation split. `dev_test`: each domain's
     # validation documents are split by document (fixed by split_seed) into a dev half that
     # methods, sweeps and fits read and a test half the verdict is computed on
-    # (data/validation_split.py, docs/design.md 3b).
+    # (data/store/validation_split.py, docs/design.md 3b).
     validation_split: Literal["none", "dev_test"] = "none"
     # `dev_test`: share of each domain's validation documents in the dev half.
     dev_fraction: float = 0.5

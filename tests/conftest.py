@@ -80,7 +80,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def stores(tmp_path_factory) -> Path:
     """Token stores of three synthetic domains (noise, repetitive, sparse Markov), built once."""
-    from data.preprocess import preprocess
+    from data.preprocess.preprocess import preprocess
 
     root = tmp_path_factory.mktemp("stores")
     store = root / "stores"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import xxhash
 
-from data.store import MANIFEST_FILE
+from data.store.store import MANIFEST_FILE
 
 
 def store_hashes(store_dir: str, plain_sources: Collection[str] = ()) -> dict[str, str]:

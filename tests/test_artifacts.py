@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from data import artifact
-from data.store import read_manifest
+from data.store.store import read_manifest
 from doremi.commands.cli import main
 from doremi.pipeline import stages
 from tests.runs import STORE_YAML, config
@@ -241,8 +241,8 @@ def test_damaged_stores_are_refused_by_every_reader(made, tmp_path, capsys, comm
 
 
 def test_stores_before_hashes_are_read_with_a_note_and_preprocess_adds_them(made, tmp_path, capsys):
-    from data.preprocess import preprocess
-    from data.store import open_stores
+    from data.preprocess.preprocess import preprocess
+    from data.store.store import open_stores
 
     store = copy(made["stores"], tmp_path / "stores")
     doc = json.loads((store / "manifest.json").read_text())

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.batch import IGNORE_INDEX
+from data.store.batch import IGNORE_INDEX
 from doremi.pipeline import stages
 from tests.bf16 import rounded_half_away
 from tests.distributed import spawn

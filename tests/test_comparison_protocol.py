@@ -130,7 +130,7 @@ def test_the_arms_are_pre_registered_and_the_study_s_are_reused():
 
 
 def test_unimax_at_two_epochs_would_be_uniform_so_the_arm_takes_one():
-    from data.mixtures import unimax_weights
+    from data.sampling.mixtures import unimax_weights
 
     budget = DESIGN.main.schedule.tokens
     assert unimax_weights(CORPUS.train_tokens, budget, 2.0).tolist() == pytest.approx([1 / 12] * 12, rel=1e-12)

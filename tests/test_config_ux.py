@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from data.store import open_stores
-from data.tokenizer import load_tokenizer
+from data.store.store import open_stores
+from data.tokenizer.tokenizer import load_tokenizer
 from doremi.commands.cli import build_parser, main
 from doremi.commands.config_docs import DOCS_PAGE, REGENERATE, experiment_keys, markdown
 from doremi.config import ExperimentConfig
@@ -264,7 +264,7 @@ def test_inspect_prints_the_manifest_and_decoded_documents(stores, capsys):
 def test_counts_table_fits_100_columns_with_bytes_per_split():
     from types import SimpleNamespace
 
-    from data.store import DomainEntry, SplitCounts
+    from data.store.store import DomainEntry, SplitCounts
     from doremi.commands.inspect import counts_table
 
     long = "a-domain-name-longer-than-the-table-allows"

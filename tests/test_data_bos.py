@@ -1,4 +1,4 @@
-"""BOS decided per tokenizer (issue 42 point 4, data/bos.py): a `tokenizer.json` whose
+"""BOS decided per tokenizer (issue 42 point 4, data/tokenizer/bos.py): a `tokenizer.json` whose
 post-processor prepends a special token (as Llama 3's) puts it before every document in the
 stores, unless `data.tokenizer.add_bos: false`; the exported tokenizer gives, in transformers,
 the ids the stores hold."""
@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from data.bos import bos_token, without_bos
 from data.config import DataConfig, DomainSource, TokenizerConfig
-from data.preprocess import preprocess, tokenizer_fingerprint
-from data.store import open_stores
-from data.tokenizer import load_tokenizer
-from data.tokenizer_export import tokenizer_files
+from data.preprocess.preprocess import preprocess, tokenizer_fingerprint
+from data.store.store import open_stores
+from data.tokenizer.bos import bos_token, without_bos
+from data.tokenizer.export import tokenizer_files
+from data.tokenizer.tokenizer import load_tokenizer
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 TEXTS = [f"Document {i}: the weights of domain {i % 5} are {i * 0.125} ünï ✓" for i in range(40)]

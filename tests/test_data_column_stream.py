@@ -1,5 +1,5 @@
 """The domain-column route (one file set, a column names the domain: The Pile's
-`meta.pile_set_name`) read by streaming JSON lines (data/readers.py `column_rows`, issue 42
+`meta.pile_set_name`) read by streaming JSON lines (data/sources/readers.py `column_rows`, issue 42
 item 1), in memory bounded by one batch, as per-(domain, file) tasks.
 
 EXPECTED holds the XXH3-64 hashes of the store files, computed with the code before this change
@@ -17,7 +17,7 @@ import pytest
 
 from data.config import DataConfig, DomainSource, TokenizerConfig
 from data.errors import DataError
-from data.preprocess import preprocess
+from data.preprocess.preprocess import preprocess
 from tests.store_hashes import store_hashes
 
 zstandard = pytest.importorskip("zstandard")
@@ -134,7 +134,7 @@ def test_the_route_streams_without_datasets(tmp_path, monkeypatch):
     each (domain, file) are a task of their own."""
     import datasets
 
-    from data.sources import SourceReader, column_plans, plan_domains
+    from data.sources.sources import SourceReader, column_plans, plan_domains
 
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("loaded through datasets"))
     cfg = configs(tmp_path, corpus(tmp_path))["all"]

@@ -2,10 +2,10 @@ import hashlib
 import json
 
 from data.config import DataConfig, DomainSource, SyntheticSpec, TokenizerConfig
-from data.preprocess import preprocess
-from data.sources import CORPUS_DIR, embedded_domains, read_embedded
-from data.store import open_stores
-from data.tokenizer import load_tokenizer
+from data.preprocess.preprocess import preprocess
+from data.sources.sources import CORPUS_DIR, embedded_domains, read_embedded
+from data.store.store import open_stores
+from data.tokenizer.tokenizer import load_tokenizer
 
 
 def test_embedded_corpus_files_match_their_record():

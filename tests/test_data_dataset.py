@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from data.batch import IGNORE_INDEX, collate
 from data.config import DataConfig, DomainSource
-from data.dataset import PAD, PackedDomains
-from data.preprocess import preprocess
-from data.store import open_stores
-from data.validation import validation_batches
+from data.preprocess.preprocess import preprocess
+from data.store.batch import IGNORE_INDEX, collate
+from data.store.dataset import PAD, PackedDomains
+from data.store.store import open_stores
+from data.store.validation import validation_batches
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import pytest
 
 from data.config import DataConfig, DomainSource
 from data.errors import DataError
-from data.preprocess import fingerprint, preprocess
-from data.sources import digest, plan_domains
+from data.preprocess.preprocess import fingerprint, preprocess
+from data.sources.sources import digest, plan_domains
 
 datasets = pytest.importorskip("datasets")
 

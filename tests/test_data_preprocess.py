@@ -6,11 +6,11 @@ import pytest
 
 from data.config import DataConfig, DomainSource, SyntheticSpec, TokenizerConfig
 from data.errors import DataError
-from data.preprocess import StoresInUseError, byte_budgets, preprocess, tokenizer_training_texts
-from data.sources import SourceReader, plan_domains
-from data.split import validation_mask
-from data.store import MANIFEST_FILE, open_stores, token_dtype
-from data.tokenizer import ByteTokenizer, load_tokenizer
+from data.preprocess.preprocess import StoresInUseError, byte_budgets, preprocess, tokenizer_training_texts
+from data.preprocess.split import validation_mask
+from data.sources.sources import SourceReader, plan_domains
+from data.store.store import MANIFEST_FILE, open_stores, token_dtype
+from data.tokenizer.tokenizer import ByteTokenizer, load_tokenizer
 
 DOCS = {
     "alpha": [f"document {i}: {'ünï ✓ ' * (i % 7)}line\nsecond line {i * i}\n" for i in range(40)],
@@ -100,7 +100,7 @@ def test_rerun_does_no_work_and_changes_rebuild(tmp_path, monkeypatch):
     cfg = config(tmp_path, jsonl_domains(tmp_path))
     first = preprocess(cfg, progress=False)
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "stores").rglob("*")}
-    import data.preprocess as pre
+    import data.preprocess.preprocess as pre
 
     monkeypatch.setattr(pre, "_build", lambda *a, **k: pytest.fail("rebuilt unchanged stores"))
     assert preprocess(cfg, progress=False) == first

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from data.config import DataConfig, DomainSource
-from data.preprocess import preprocess
+from data.preprocess.preprocess import preprocess
 from data.progress import ENV, Countdown, Progress, duration, interval_from_env, si
 
 

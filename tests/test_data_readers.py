@@ -1,4 +1,4 @@
-"""Streaming readers (data/readers.py, issue 42): rows read lazily in bounded batches, the same
+"""Streaming readers (data/sources/readers.py, issue 42): rows read lazily in bounded batches, the same
 rows as the whole-file reads, `.jsonl.zst` a known format."""
 
 import itertools
@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data import readers
 from data.config import DataConfig, DomainSource
 from data.errors import DataError
-from data.preprocess import preprocess
-from data.sources import SourceReader, plan_domains
+from data.preprocess.preprocess import preprocess
+from data.sources import readers
+from data.sources.sources import SourceReader, plan_domains
 
 
 def _lines(n: int) -> bytes:

@@ -4,10 +4,10 @@ import math
 import numpy as np
 import pytest
 
-from data.apportion import apportion
 from data.errors import DataError
-from data.holdout import holdout_split
-from data.sampler import DomainBatchSampler, interleave
+from data.sampling.apportion import apportion
+from data.sampling.holdout import holdout_split
+from data.sampling.sampler import DomainBatchSampler, interleave
 
 NUM = [37, 11, 5, 60]
 

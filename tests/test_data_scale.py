@@ -1,4 +1,4 @@
-"""datatrove's executors running our preprocessing shares (data/scale.py, data/scale_steps.py;
+"""datatrove's executors running our preprocessing shares (data/preprocess/scale.py, data/preprocess/scale_steps.py;
 issue 42 item 2, the extra `[scale]`): the stores equal those of one process, with datatrove's
 local executor (3 tasks in 2 workers; one build killed with SIGKILL and resumed) and its SLURM
 executor (the sbatch scripts it writes, run by a fake `sbatch`)."""
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from data import tasks
 from data.errors import DataError
-from data.preprocess import preprocess
-from data.store import MANIFEST_FILE
+from data.preprocess import tasks
+from data.preprocess.preprocess import preprocess
+from data.store.store import MANIFEST_FILE
 from tests.test_data_tasks import config, corpus, store_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,8 +58,8 @@ def test_the_local_executor_with_three_tasks_gives_the_bytes_of_one_process(tmp_
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    from data import tasks
-    from data.scale import run_preprocess
+    from data.preprocess import tasks
+    from data.preprocess.scale import run_preprocess
     from doremi.config import ExperimentConfig
     from trainer.config.schema import load_config
 
@@ -130,7 +130,7 @@ def test_without_datatrove_the_executor_is_refused_in_one_line(tmp_path, monkeyp
 )
 def test_executor_options_that_do_not_fit_are_refused(tmp_path, args, message):
     from data.config import DataConfig
-    from data.scale import run_preprocess
+    from data.preprocess.scale import run_preprocess
 
     _datatrove()
     cfg = DataConfig(store_dir=str(tmp_path / "s"))

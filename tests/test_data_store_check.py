@@ -1,4 +1,4 @@
-"""The token-id check of opened stores reads the file in blocks (data/store.py
+"""The token-id check of opened stores reads the file in blocks (data/store/store.py
 first_id_at_least, issue 42: a reduction over a memory map of a multi-GB split counted every page
 in the resident set): the same position as a whole-array search, across block boundaries."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data import store
+from data.store import store
 
 
 @pytest.mark.parametrize("block", [1, 3, 4, 1 << 24])

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from data.config import DataConfig, DomainSource, TokenizerConfig
-from data.preprocess import preprocess
+from data.preprocess.preprocess import preprocess
 from tests.store_hashes import store_hashes
 
 PLAIN = {"j", "jmax", "tline", "tpara", "tdoc", "emb"}

@@ -5,9 +5,10 @@ import pytest
 
 from data.config import DataConfig, DomainSource, SyntheticSpec, TokenizerConfig
 from data.errors import DataError
-from data.preprocess import preprocess
-from data.store import open_stores
-from data.synthetic import empirical_entropy, entropy, markov_table, symbol_ids
+from data.preprocess.preprocess import preprocess
+from data.sources.synthetic import entropy, markov_table, symbol_ids
+from data.store.stats import empirical_entropy
+from data.store.store import open_stores
 
 SPECS = {
     "noise": SyntheticSpec(kind="noise", num_tokens=200_000, vocab=64, seed=1),
@@ -53,7 +54,7 @@ def test_empirical_entropy_matches_recorded(stores, name):
 def test_markov_needs_its_context():
     """Learnable but hard: the order-2 context gives log(branching); one token of context does not."""
     spec = SPECS["markov"]
-    from data.synthetic import markov
+    from data.sources.synthetic import markov
 
     stream = markov(spec)
     assert empirical_entropy([stream], 2) == pytest.approx(math.log(3), rel=0.01)

@@ -1,4 +1,4 @@
-"""Preprocessing as tasks per (domain, file) (data/tasks.py, issue 42): the stores' bytes do
+"""Preprocessing as tasks per (domain, file) (data/preprocess/tasks.py, issue 42): the stores' bytes do
 not depend on the number of processes nor on interruptions, and a build killed with SIGKILL
 resumes from its finished tasks."""
 
@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data import tasks
 from data.config import DataConfig, DomainSource, TokenizerConfig
-from data.preprocess import preprocess
-from data.store import MANIFEST_FILE
+from data.preprocess import tasks
+from data.preprocess.preprocess import preprocess
+from data.store.store import MANIFEST_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_one_process_and_two_give_the_same_bytes(tmp_path, monkeypatch):
 
 
 def _files(cfg, name):
-    from data.sources import SourceReader, plan_domains
+    from data.sources.sources import SourceReader, plan_domains
 
     plan = next(p for p in plan_domains(cfg) if p.name == name)
     source = SourceReader(cfg, None).open(plan)
@@ -105,9 +105,9 @@ def test_an_interrupted_build_resumes_from_its_finished_tasks(tmp_path, monkeypa
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    from data import tasks
+    from data.preprocess import tasks
     from data.config import DataConfig, DomainSource, TokenizerConfig
-    from data.preprocess import preprocess
+    from data.preprocess.preprocess import preprocess
 
     cfg = DataConfig(**eval(sys.argv[1]))
     cfg.domains = [DomainSource(**d) for d in cfg.domains]
@@ -150,7 +150,7 @@ def test_a_build_killed_twice_resumes_to_the_same_bytes(tmp_path):
 def test_shares_on_several_nodes_then_the_merge_give_the_same_bytes(tmp_path, monkeypatch):
     """Three shares (as three nodes would run them: tasks 0,3,6 / 1,4 / 2,5), then `preprocess`
     merges without running a task; a share run again finds its tasks finished."""
-    from data.preprocess import preprocess_share
+    from data.preprocess.preprocess import preprocess_share
 
     domains = corpus(tmp_path)
     fresh, shared = config(tmp_path, domains, "fresh"), config(tmp_path, domains, "shared")
@@ -166,7 +166,7 @@ def test_shares_on_several_nodes_then_the_merge_give_the_same_bytes(tmp_path, mo
 
 def test_a_share_outside_its_count_is_refused(tmp_path):
     from data.errors import DataError
-    from data.preprocess import preprocess_share
+    from data.preprocess.preprocess import preprocess_share
 
     cfg = config(tmp_path, corpus(tmp_path), "s")
     with pytest.raises(DataError, match=r"^task share 3 of 3: expected 0 <= index < count$"):

@@ -5,7 +5,7 @@ import pytest
 
 from data.config import TokenizerConfig
 from data.errors import DataError
-from data.tokenizer import (
+from data.tokenizer.tokenizer import (
     ByteTokenizer,
     build_tokenizer,
     expected_identity,
@@ -93,7 +93,7 @@ def test_word_level_tokenizer_without_eos_is_rejected(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["uint16", "int32"])
 def test_encode_flat_is_the_documents_ids_with_eos_after_each(bpe, tmp_path, dtype):
-    """`encode_flat` (what the stores append, data.encode) is `flat_with_eos` of the per-document
+    """`encode_flat` (what the stores append, data.preprocess.encode) is `flat_with_eos` of the per-document
     arrays, in the store's dtype, for the byte tokenizer, a BPE and a BOS-adding tokenizer; the
     BPE's ids are those of the library's `encode_batch` (ours calls `encode_batch_fast`)."""
     from tests.test_data_bos import llama3_like_tokenizer

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from data.errors import DataError
-from data.store import DomainEntry, Manifest, SplitCounts
-from data.weights import resolve_weights
+from data.sampling.weights import resolve_weights
+from data.store.store import DomainEntry, Manifest, SplitCounts
 
 
 def manifest(train_tokens: dict[str, int]) -> Manifest:

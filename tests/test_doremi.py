@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data.apportion import apportion
-from data.preprocess import preprocess
+from data.preprocess.preprocess import preprocess
+from data.sampling.apportion import apportion
 from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
 from doremi.methods.history import read_history

@@ -327,7 +327,7 @@ def test_grid_and_one_hot_designs():
 
 
 def test_provenance_written_through_weights_file(tmp_path):
-    from data.weights_file import read_weights_file
+    from data.sampling.weights_file import read_weights_file
 
     h = HeldOut(spearman=0.97, mae=0.01, folds=5, n=128, seed=0)
     prov = proposal_provenance(

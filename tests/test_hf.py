@@ -206,8 +206,8 @@ def test_generate_from_an_export(runs, tmp_path):
 
 
 def test_bpe_tokenizer_exports(tmp_path):
-    from data.tokenizer import train_bpe
-    from data.tokenizer_export import tokenizer_files
+    from data.tokenizer.export import tokenizer_files
+    from data.tokenizer.tokenizer import train_bpe
 
     bpe = train_bpe(["the cat sat on the mat, the end. " * 20, "doremi mixes domains"], 300)
     for name, text in tokenizer_files(bpe, 64).items():

@@ -2,9 +2,9 @@
 on the real domains goes clearly below their unigram entropy (issue 3; the 2-minute figures are
 in experiments/notes/FOUNDATION.md)."""
 
-from data.preprocess import preprocess
-from data.stats import unigram_entropy
-from data.store import open_stores
+from data.preprocess.preprocess import preprocess
+from data.store.stats import unigram_entropy
+from data.store.store import open_stores
 from doremi.config import ExperimentConfig
 from doremi.pipeline import stages
 from tests.paths import QUICKSTART

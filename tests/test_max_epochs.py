@@ -1,10 +1,10 @@
 """`data.max_epochs`: the main run reads its fixed mixture capped so that no domain repeats
 more than that many epochs, counted as the run realises them: sequences drawn over the
-sampler's pool (data/mixtures.py sequence_capped)."""
+sampler's pool (data/sampling/mixtures.py sequence_capped)."""
 
 import numpy as np
 
-from data.mixtures import sequence_capped
+from data.sampling.mixtures import sequence_capped
 from tests.runs import config
 from trainer.records.metrics import read_jsonl
 

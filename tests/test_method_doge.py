@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.batch import IGNORE_INDEX
+from data.store.batch import IGNORE_INDEX
 from doremi.methods.doge.method import DoGEConfig, doge_scores, doge_update
 from doremi.methods.history import read_history
 from doremi.pipeline import stages

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from data.validation_split import CONSUMERS, MethodSplitError, split_for
+from data.store.validation_split import CONSUMERS, MethodSplitError, split_for
 from doremi.config import METHODS, OFFLINE_METHODS
 from doremi.methods.registry import BUILDERS, READS, Reads, check_needs, check_reads, method_factory, reads
 from doremi.reports.report import format_reads

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from data.errors import DataError
-from data.mixtures import (
+from data.sampling.mixtures import (
     MixtureSpec,
     is_mixture_name,
     parse_mixture,
@@ -10,7 +10,7 @@ from data.mixtures import (
     unimax_allocation,
     unimax_weights,
 )
-from data.weights import NAMED_MIXTURES, check_spec, resolve_weights
+from data.sampling.weights import NAMED_MIXTURES, check_spec, resolve_weights
 from doremi.outputs.main_runs import main_run_name, mixtures
 from tests.test_data_weights import manifest
 
@@ -181,7 +181,7 @@ def test_main_run_names():
 
 
 def test_epoch_capped_hand_cases():
-    from data.mixtures import epoch_capped
+    from data.sampling.mixtures import epoch_capped
 
     tokens, budget = [100, 400, 900], 1000  # caps at 1 epoch: 0.1, 0.4, 0.9
     # a over: 0.1; b, c share 0.9 as 0.3 : 0.2 -> 0.54, 0.36; b over: 0.4; c takes the rest 0.5.
@@ -194,7 +194,7 @@ def test_epoch_capped_hand_cases():
 
 
 def test_sequence_capped_counts_sequences_with_one_of_slack():
-    from data.mixtures import sequence_capped
+    from data.sampling.mixtures import sequence_capped
 
     # pools of 101, 401, 900 sequences, a run of 1000: caps (E n - 1) / S = 0.1, 0.4, 0.899
     np.testing.assert_allclose(

@@ -158,7 +158,7 @@ def test_a_weights_file_summing_to_0_7_is_refused(stores, tmp_path):
 
 def test_weights_rules():
     from data.errors import DataError
-    from data.weights import check_sum
+    from data.sampling.weights import check_sum
 
     domains = ["a", "b", "c"]
     assert check_sum([1, 1, 2], domains, "k").tolist() == [0.25, 0.25, 0.5]  # whole-number ratios

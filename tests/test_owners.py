@@ -13,7 +13,7 @@ import torch
 
 from data import artifact
 from data.errors import DataError, UserError
-from data.weights_file import WEIGHTS_FILE, read_mixture_file, read_weights_file, write_weights_file
+from data.sampling.weights_file import WEIGHTS_FILE, read_mixture_file, read_weights_file, write_weights_file
 from doremi.commands.cli import main
 from doremi.errors import DoReMiError
 from doremi.methods.history import HistoryError, read_weights_json, write_weights_json
@@ -174,7 +174,18 @@ def test_bf16_optimizer_state_mismatch_is_one_line_exit_2(tmp_path, capsys, monk
 #: its own room and the rooms before it, never from one after it (docs/architecture.md). A
 #: module belongs to the room of its longest matching prefix (a package, folder or module).
 ROOMS: dict[str, list[tuple[str, ...]]] = {
-    "data": [("data",)],
+    "data": [
+        # the lowest layer: user errors, atomic writes, progress lines; the package itself (its
+        # empty __init__.py, which `from data import artifact` names) and the corpus's build script
+        ("data", "data.errors", "data.atomic", "data.progress"),
+        # artifact headers (written atomically) and the `data` config section
+        ("data.artifact", "data.config"),
+        ("data.store",),
+        # side by side on the stores: where documents come from, tokenizers, weights and sampling
+        ("data.sources", "data.tokenizer", "data.sampling"),
+        # `doremi preprocess`, which uses all of them
+        ("data.preprocess",),
+    ],
     "trainer": [
         ("trainer.config",),
         ("trainer.parallel",),

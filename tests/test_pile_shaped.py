@@ -49,8 +49,8 @@ def test_the_same_seed_gives_the_same_bytes(tmp_path):
 
 def _tokenizer(path: Path) -> None:
     from data.config import TokenizerConfig
-    from data.sources import read_embedded
-    from data.tokenizer import build_tokenizer, save_tokenizer
+    from data.sources.sources import read_embedded
+    from data.tokenizer.tokenizer import build_tokenizer, save_tokenizer
 
     texts = read_embedded("docs") + read_embedded("code")
     save_tokenizer(build_tokenizer(TokenizerConfig(kind="bpe", vocab_size=512), iter(texts)), path)
@@ -59,7 +59,7 @@ def _tokenizer(path: Path) -> None:
 def test_the_pile_config_preprocesses_a_pile_shaped_corpus(tmp_path, capsys):
     """About 3 MB in 22 domains, zstd JSON lines with meta.pile_set_name (also in The Pile's own
     layout of mixed shards); `doremi preprocess` on the pile config, paths alone changed."""
-    from data.readers import open_binary
+    from data.sources.readers import open_binary
     from doremi.commands.cli import main
 
     corpus = tmp_path / "pile"
@@ -100,7 +100,7 @@ def test_the_piles_own_layout_splits_by_meta_pile_set_name(tmp_path):
     """`--shards`: the same documents in mixed shards, split by the domain column
     `meta.pile_set_name` (a field of the `meta` struct): 22 domains, the same counts."""
     from data.config import DataConfig
-    from data.preprocess import preprocess
+    from data.preprocess.preprocess import preprocess
 
     counts = ps.write_corpus(tmp_path / "pile", 300_000, seed=1, shards=2)
     cfg = DataConfig(

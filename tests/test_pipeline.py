@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from data.batch import IGNORE_INDEX
+from data.store.batch import IGNORE_INDEX
 from tests.distributed import spawn
 from trainer.feed.weighting import MeanTokenLoss
 from trainer.parallel.context import ParallelContext

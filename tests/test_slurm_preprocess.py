@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 from data.config import DataConfig, DomainSource
-from data.preprocess import preprocess
+from data.preprocess.preprocess import preprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "launch" / "slurm" / "preprocess.sbatch"

@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from data.errors import DataError
-from data.sources import first_non_utf8, read_jsonl_rows
+from data.sources.sources import first_non_utf8, read_jsonl_rows
 from doremi.pipeline import stages
 from tests.runs import config, config_path
 from trainer.checkpoint.checkpoint import latest_checkpoint
@@ -179,7 +179,7 @@ def test_non_utf8_input_names_the_file_and_the_line(tmp_path):
 def test_preprocess_of_a_non_utf8_text_file_names_the_line(tmp_path):
     pytest.importorskip("datasets")
     from data.config import DataConfig, DomainSource
-    from data.preprocess import preprocess
+    from data.preprocess.preprocess import preprocess
 
     text = tmp_path / "b.txt"
     text.write_bytes(b"one\n\ntwo\nthr\xffee\n")

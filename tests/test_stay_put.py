@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from data.atomic import atomic_write_text
-from data.preprocess import changed_inputs, preprocess
-from data.store import read_manifest
+from data.preprocess.preprocess import changed_inputs, preprocess
+from data.store.store import read_manifest
 from doremi.commands.cli import main
 from doremi.config import ExperimentConfig
 from doremi.pipeline import stages

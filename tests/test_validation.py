@@ -9,9 +9,9 @@ import torch
 
 from data.config import DataConfig, DomainSource
 from data.errors import DataError
-from data.preprocess import preprocess
-from data.store import read_manifest
-from data.weights import resolve_weights
+from data.preprocess.preprocess import preprocess
+from data.sampling.weights import resolve_weights
+from data.store.store import read_manifest
 from doremi.commands.cli import main
 from doremi.methods.history import HistoryError, WeightHistory, read_weights_json
 from tests.runs import config_path

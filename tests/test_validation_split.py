@@ -1,4 +1,4 @@
-"""The dev/test validation split (data/validation_split.py, docs/design.md 3b): by document,
+"""The dev/test validation split (data/store/validation_split.py, docs/design.md 3b): by document,
 deterministic, each half packed on its own; methods and fits read dev, the verdict test, a method
 asking for test is refused; the per-sequence file of an evaluation reproduces its logged loss."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from data.errors import DataError, UserError
-from data.store import open_stores
-from data.validation_split import (
+from data.store.store import open_stores
+from data.store.validation_split import (
     CONSUMERS,
     DEV,
     TEST,
@@ -168,8 +168,8 @@ def test_method_reads_dev_only_and_the_verdict_test_only_by_document(stores, tmp
 
 
 def test_default_arrangement_packs_the_whole_validation_split_as_before(stores, tmp_path):
-    from data.dataset import PackedDomains
-    from data.validation import validation_batches
+    from data.store.dataset import PackedDomains
+    from data.store.validation import validation_batches
 
     feed = DataFeed(config(stores, tmp_path / "feed").data, 8, 1, ParallelContext.single(), seed=0)
     whole = PackedDomains(open_stores(stores), "validation", 32)

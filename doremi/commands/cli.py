@@ -52,7 +52,7 @@ def _print_losses(domains: list[str], losses) -> None:
 
 
 def cmd_preprocess(args):
-    from data.scale import run_preprocess
+    from data.preprocess.scale import run_preprocess
 
     cfg = _config(args)
     if not is_launch_main():
@@ -155,7 +155,7 @@ def cmd_score(args):
 
 
 def cmd_average(args):
-    from data.weights_file import read_weights_file
+    from data.sampling.weights_file import read_weights_file
     from doremi.pipeline import stages
 
     out = stages.average(args.run_dir, args.out, args.from_step, args.allow_unfinished)

@@ -29,8 +29,8 @@ import yaml
 from data import artifact
 from data.atomic import atomic_write_text, staging_dir
 from data.errors import UserError
-from data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from data.tokenizer_export import tokenizer_files
+from data.tokenizer.export import tokenizer_files
+from data.tokenizer.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from trainer.checkpoint.checkpoint import META, checkpoint_fingerprint, load_checkpoint, resolve_checkpoint
 from trainer.config.schema import ModelConfig
 from trainer.config.tools import ConfigError, from_dict, read_yaml

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from data.progress import si
-from data.store import MANIFEST_FILE, Manifest, open_stores
-from data.tokenizer import load_tokenizer
+from data.store.store import MANIFEST_FILE, Manifest, open_stores
+from data.tokenizer.tokenizer import load_tokenizer
 from doremi.errors import DoReMiError
 
 

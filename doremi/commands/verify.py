@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 from data import artifact
-from data.store import SPLITS, TokenStores, read_manifest, verify_contents
-from data.weights_file import WEIGHTS_FILE, is_weights_doc, read_mixture_file
+from data.sampling.weights_file import WEIGHTS_FILE, is_weights_doc, read_mixture_file
+from data.store.store import SPLITS, TokenStores, read_manifest, verify_contents
 from trainer.checkpoint.checkpoint import META, resolve_checkpoint
 from trainer.records.run_dir import RECORD_FILE
 

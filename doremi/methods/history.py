@@ -7,7 +7,7 @@ signals (DoReMi: `excess` lambda_t, `proxy_loss`, `ref_loss`; a method that draw
 a torn last line (no newline) is ignored on read and dropped on resume.
 
 The tuned weights are the mean of alpha_t over t = 1..T (Xie et al. 2023, Algorithm 1, output
-step); `data.weights_file` writes them with their provenance.
+step); `data.sampling.weights_file` writes them with their provenance.
 Only one process (global rank 0) should own a `WeightHistory`.
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from data.atomic import atomic_write_text
 from data.errors import DataError, UserError
-from data.weights_file import per_domain_list, read_weights_file, write_weights_file
+from data.sampling.weights_file import per_domain_list, read_weights_file, write_weights_file
 
 HISTORY_FILE = "domain_weights.jsonl"
 #: Per-domain fields every record holds, and those checked and converted when present.
@@ -177,7 +177,7 @@ def average_weights(history: Sequence[Mapping[str, Any]], from_step: int = 1) ->
 def write_weights_json(
     path: str | os.PathLike, domains: Sequence[str], weights: Any, provenance: Mapping[str, Any]
 ) -> Path:
-    """`data.weights_file.write_weights_file` under the name, and with the error class
+    """`data.sampling.weights_file.write_weights_file` under the name, and with the error class
     (HistoryError), that the package's API has always given it."""
     try:
         return write_weights_file(path, domains, weights, provenance)
@@ -186,7 +186,7 @@ def write_weights_json(
 
 
 def read_weights_json(path: str | os.PathLike) -> dict[str, Any]:
-    """`data.weights_file.read_weights_file` under the package API's name and error class."""
+    """`data.sampling.weights_file.read_weights_file` under the package API's name and error class."""
     try:
         return read_weights_file(path)
     except DataError as e:

@@ -12,8 +12,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from data.batch import to_device
-from data.store import MANIFEST_FILE, read_manifest
+from data.store.batch import to_device
+from data.store.store import MANIFEST_FILE, read_manifest
 from doremi.config import ExperimentConfig, load_saved_config
 from doremi.errors import DoReMiError
 from doremi.methods.reference_cache import CACHE_VERSION  # noqa: F401 (imported from here by tests)

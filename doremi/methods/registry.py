@@ -20,7 +20,7 @@ a reference (its spec's `needs_reference`) runs as a proxy only, after its refer
 
 Each spec's `reads` declares the data the method reads to choose a mixture (issue 35 point 3;
 the report lists it): its training batches' losses, validation losses (and through which
-`data.validation_split.CONSUMERS` entry, each of which must be a dev reader: `check_reads`),
+`data.store.validation_split.CONSUMERS` entry, each of which must be a dev reader: `check_reads`),
 per-domain gradients, a sweep's losses, a reference model's losses. A built method whose `Needs`
 ask for more than its declaration is refused (`check_needs`).
 """
@@ -160,7 +160,7 @@ def reads(name: str) -> Reads:
 def check_reads(name: str, declared: Reads) -> None:
     """Refuse (MethodSplitError) a declaration that reads validation data other than the dev
     half: a consumer that would read the verdict's test sequences under `dev_test`."""
-    from data.validation_split import DEV, MethodSplitError, split_for
+    from data.store.validation_split import DEV, MethodSplitError, split_for
 
     for consumer in declared.validation:
         try:
@@ -177,7 +177,7 @@ def check_reads(name: str, declared: Reads) -> None:
 def check_needs(name: str, needs: Needs) -> None:
     """Refuse (MethodSplitError) a built method whose `Needs` read more than its spec's `reads`
     declares: validation passes or target batches not declared, or any split other than dev."""
-    from data.validation_split import MethodSplitError, check_method_split
+    from data.store.validation_split import MethodSplitError, check_method_split
 
     declared = reads(name)
     check_method_split(needs.validation_split, name)

@@ -27,7 +27,7 @@ ROLES = (PROXY, ONLINE, OFFLINE)
 @dataclass(frozen=True)
 class Reads:
     """The data a method reads to choose its mixture. `validation`: the validation consumers
-    (`data.validation_split.CONSUMERS`) whose losses or batches it reads; every one must read the
+    (`data.store.validation_split.CONSUMERS`) whose losses or batches it reads; every one must read the
     dev half under `data.validation_split: dev_test`, never the verdict's test half."""
 
     training_batches: bool = False

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from data import artifact
-from data.preprocess import check_stores_match
-from data.store import read_manifest
-from data.weights import resolve_weights
+from data.preprocess.preprocess import check_stores_match
+from data.sampling.weights import resolve_weights
+from data.store.store import read_manifest
 from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
 from doremi.methods import registry

@@ -1,6 +1,6 @@
 """What a proposal's weights JSON records about where its weights come from.
 
-The file itself is `data.weights_file.write_weights_file`'s format, `{"domains", "weights",
+The file itself is `data.sampling.weights_file.write_weights_file`'s format, `{"domains", "weights",
 ...provenance}`; this module only builds the provenance (plain JSON values) and hands both over.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from data.weights_file import write_weights_file
+from data.sampling.weights_file import write_weights_file
 from doremi.methods.registry import OFFLINE, names
 from doremi.offline.fit.checks import FitError
 from doremi.offline.fit.evaluate import HeldOut

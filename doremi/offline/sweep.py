@@ -41,8 +41,8 @@ import numpy as np
 from data import artifact
 from data.atomic import atomic_write_text
 from data.progress import Countdown
-from data.store import Manifest, read_manifest
-from data.weights import resolve_weights
+from data.sampling.weights import resolve_weights
+from data.store.store import Manifest, read_manifest
 from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
 from doremi.offline.fit.design import (

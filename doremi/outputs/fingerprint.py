@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from data.store import MANIFEST_FILE, read_manifest
+from data.store.store import MANIFEST_FILE, read_manifest
 from doremi.config import ExperimentConfig
 from doremi.methods import registry
 from doremi.outputs.main_runs import REFERENCE_RUN

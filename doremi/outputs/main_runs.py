@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from data.errors import DataError
-from data.mixtures import parse_mixture
-from data.weights import NAMED_MIXTURES
-from data.weights_file import WEIGHTS_FILE
+from data.sampling.mixtures import parse_mixture
+from data.sampling.weights import NAMED_MIXTURES
+from data.sampling.weights_file import WEIGHTS_FILE
 from doremi.methods import registry
 
 #: The catalog's method that needs a reference (doremi/methods/registry.py; DoReMi): its rounds
@@ -21,7 +21,7 @@ REFERENCE_RUN = (registry.with_reference() or ("",))[0]
 
 def main_run_name(baseline: str) -> str:
     """A baseline's main run: its name (`uniform`, `tokens`, `temperature2`, `temperature1.5`,
-    `unimax4`: `data.mixtures.MixtureSpec.run_name`) or its weights file's stem. A named form
+    `unimax4`: `data.sampling.mixtures.MixtureSpec.run_name`) or its weights file's stem. A named form
     that does not parse gets its text without colons here; `check_spec` refuses it with its key."""
     if baseline not in NAMED_MIXTURES:
         return Path(baseline).stem

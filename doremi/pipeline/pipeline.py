@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from data import artifact
-from data.store import read_manifest
-from data.weights_file import WEIGHTS_FILE, copy_weights_file, read_weights_file
+from data.sampling.weights_file import WEIGHTS_FILE, copy_weights_file, read_weights_file
+from data.store.store import read_manifest
 from doremi.config import OFFLINE_METHODS, ExperimentConfig
 from doremi.methods.registry import spec
 from doremi.offline.propose import check_fit_quality, describe_quality, fit_quality, propose
@@ -255,7 +255,7 @@ class Pipeline:
         return self._made
 
     def _run(self) -> dict[str, Any]:
-        from data.preprocess import preprocess
+        from data.preprocess.preprocess import preprocess
 
         cfg = self.cfg
         # `preprocess` itself refuses stores built from other inputs; the marker skips even its

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from data import artifact
-from data.batch import collate
 from data.progress import Countdown
-from data.weights import resolve_weights
-from data.weights_file import WEIGHTS_FILE, write_weights_file
+from data.sampling.weights import resolve_weights
+from data.sampling.weights_file import WEIGHTS_FILE, write_weights_file
+from data.store.batch import collate
 from doremi.config import METHODS, ExperimentConfig, load_saved_config
 from doremi.errors import DoReMiError
 from doremi.methods.history import average_weights, read_history

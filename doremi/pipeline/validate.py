@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from data.errors import DataError
-from data.sources import known_domains
-from data.weights import check_spec
+from data.sampling.weights import check_spec
+from data.sources.sources import known_domains
 from doremi.config import METHODS, OFFLINE_METHODS, ExperimentConfig
 from doremi.errors import DoReMiError
 from doremi.methods.registry import spec

@@ -653,7 +653,7 @@ def measure_pipeline(root: str | Path, main: bool = True, manifest: Any = None) 
 def _root_manifest(root: Path) -> Any:
     """The manifest of the stores a pipeline root's runs read (the first config.yaml that names
     one); None when no run saved a config or the stores are gone."""
-    from data.store import read_manifest
+    from data.store.store import read_manifest
     from trainer.config.tools import read_yaml
 
     for cfg in sorted(root.glob("*/*/config.yaml")) + sorted(root.glob("methods/*/proxy/config.yaml")):
@@ -668,7 +668,7 @@ def _root_manifest(root: Path) -> Any:
 
 def sweep_pools(train_tokens: Sequence[int], seq_len: int, holdout: int) -> list[int]:
     """Sequences each domain's sampler draws from: the packed train sequences
-    ((tokens - 1) // seq_len, as data.dataset.PackedDomains) less those held out."""
+    ((tokens - 1) // seq_len, as data.store.dataset.PackedDomains) less those held out."""
     pools = []
     for t in train_tokens:
         n = max(int(t) - 1, 0) // seq_len

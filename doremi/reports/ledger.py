@@ -191,7 +191,7 @@ def evaluation_tokens(cfg: dict[str, Any], passes: int, run: Path | None = None)
     store = cfg["data"].get("store_dir")
     whole = cfg["data"].get("validation_split", "none") == "none"  # dev_test: a half, by documents
     if whole and store and (Path(store) / "manifest.json").is_file():
-        from data.store import read_manifest
+        from data.store.store import read_manifest
 
         return float(passes * sum(d.validation.tokens for d in read_manifest(store).domains))
     return None

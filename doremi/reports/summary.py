@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from data.store import Manifest, open_stores
-from data.weights import resolve_weights
-from data.weights_file import WEIGHTS_FILE
+from data.sampling.weights import resolve_weights
+from data.sampling.weights_file import WEIGHTS_FILE
+from data.store.store import Manifest, open_stores
 from doremi.config import GuardrailConfig
 from doremi.methods import registry
 from doremi.methods.history import HistoryError, read_history
@@ -150,7 +150,7 @@ def run_max_epochs(run: Path) -> float | None:
 
 def read_mixture(run: Path, domains: list[str]) -> np.ndarray | None:
     """The fixed mixture a run read, from its last logged nominal counts (sum_t B x w_t,
-    data/sampler.py): under `data.max_epochs` the cap depends on the run's sampler pools, so
+    data/sampling/sampler.py): under `data.max_epochs` the cap depends on the run's sampler pools, so
     the run's log, not its config, says what it read. None before its first logged step."""
     path = run / "metrics.jsonl"
     rows = [r for r in read_jsonl(path) if "nominal_sequences" in r.get("realised", {})] if path.is_file() else []

@@ -182,7 +182,7 @@ def weights_used(run: Path, domains: list[str]) -> list[float] | None:
     import yaml
 
     from data.errors import UserError
-    from data.store import read_manifest
+    from data.store.store import read_manifest
     from doremi.reports.summary import logged_weights, run_mixture
 
     history = logged_weights(run, "sampling") if (run / "domain_weights.jsonl").is_file() else []

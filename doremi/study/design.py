@@ -163,7 +163,7 @@ class Design:
     arms: tuple[Arm, ...] = (
         Arm("uniform", "uniform"),
         Arm("doremi", "the proxy's alpha averaged over all its steps", ("reference", "proxy")),
-        Arm("natural", "tokens"),  # token shares of the capped corpus (data/mixtures.py `tokens`)
+        Arm("natural", "tokens"),  # token shares of the capped corpus (data/sampling/mixtures.py `tokens`)
     )
     endpoint: Endpoint = field(default_factory=Endpoint)
     rule: Rule = field(default_factory=Rule)

@@ -5,7 +5,7 @@ run directory named `<arm>-seed<k>` (`uniform-seed1`, `doremi-seed1`, `reference
 anywhere under a root. A run's result is its last evaluation row in metrics.jsonl: the
 per-domain test loss (`test_loss`, the verdict's half of the validation documents) where the
 row has it, else `val_loss` (under `data.validation_split: dev_test` a main run's `val_loss` is
-the test half, data/validation_split.py); its throughput is the median `tokens_per_s` of its training rows
+the test half, data/store/validation_split.py); its throughput is the median `tokens_per_s` of its training rows
 after the first (which includes compilation). A run that stopped before its configured
 `train.steps` is unfinished: a study never pools it silently.
 """

@@ -85,7 +85,7 @@ def die(msg: str) -> None:
 def natural_weights(corpus_manifest: Path, out: Path) -> Path:
     """Weights proportional to each source's uncapped size in bytes (the corpus manifest's
     `uncapped_bytes`), as a weights JSON."""
-    from data.weights_file import write_weights_file
+    from data.sampling.weights_file import write_weights_file
 
     raw = json.loads(corpus_manifest.read_text())
     outputs = raw["outputs"]

@@ -26,8 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from data.store import Manifest, read_manifest  # noqa: E402
-from data.weights_file import WEIGHTS_FILE, read_weights_file  # noqa: E402
+from data.sampling.weights_file import WEIGHTS_FILE, read_weights_file  # noqa: E402
+from data.store.store import Manifest, read_manifest  # noqa: E402
 from doremi.reports.guardrails import measure_pipeline, run_level_snr  # noqa: E402
 from doremi.reports.report import markdown_table, steps_to_target  # noqa: E402
 from doremi.study.compare import MainRun, mean_se, read_root  # noqa: E402

@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from data.errors import DataError  # noqa: E402
-from data.store import Manifest, read_manifest  # noqa: E402
+from data.store.store import Manifest, read_manifest  # noqa: E402
 from doremi.config import ExperimentConfig, load_saved_config  # noqa: E402
 from doremi.reports.report import fmt, format_table, markdown_table, plot_final_loss, plot_val_loss, plot_weight_history  # noqa: E402
 from doremi.reports.summary import collect_run  # noqa: E402

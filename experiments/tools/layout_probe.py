@@ -261,7 +261,7 @@ def world(sets):
 
 
 def build_store():
-    from data.preprocess import preprocess
+    from data.preprocess.preprocess import preprocess
     from tests.runs import config
 
     if not STORE.exists():

@@ -236,7 +236,7 @@ class Tokens:
 
 def packed_starts(lengths: list[int], seq: int) -> list[int]:
     """Starts of the non-overlapping windows of seq + 1 tokens (consecutive windows share one
-    token, as `data.dataset.PackedDomains`) within each of the concatenated streams of `lengths`."""
+    token, as `data.store.dataset.PackedDomains`) within each of the concatenated streams of `lengths`."""
     starts, offset = [], 0
     for n in lengths:
         starts += [offset + i * seq for i in range(max(n - 1, 0) // seq)]
@@ -256,8 +256,8 @@ def batch_order(n_sequences: int, steps: int, batch: int, seed: int) -> torch.Te
 def load_tokens(cfg: ExperimentConfig, sweep: Sweep, device: torch.device) -> Tokens:
     import numpy as np
 
-    from data.preprocess import preprocess
-    from data.store import open_stores
+    from data.preprocess.preprocess import preprocess
+    from data.store.store import open_stores
 
     if not (Path(cfg.data.store_dir) / "manifest.json").exists():
         preprocess(cfg.data, progress=False)

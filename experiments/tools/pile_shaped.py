@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from data.sources import read_embedded  # noqa: E402
+from data.sources.sources import read_embedded  # noqa: E402
 
 #: (config domain name, meta.pile_set_name, raw GiB, epochs): The Pile paper, Table 1. The
 #: effective share (raw x epochs, the "% of Pile" column) is what The Pile trains on; the files

@@ -10,7 +10,7 @@ recipe's (a BPE of 512 trained on the embedded corpus, as tests/test_pile_shaped
 unless `--tokenizer` names another `tokenizer.json`. Each measurement runs in a fresh process
 and times only the work, after the imports:
 
-- `ours`: `data.preprocess.preprocess(cfg, force=True)`: read and parse the files, split, encode,
+- `ours`: `data.preprocess.preprocess.preprocess(cfg, force=True)`: read and parse the files, split, encode,
   write the task parts, merge them into the stores, hash them, write the manifest;
 - `encode_batch`: every document of the same files, read into memory first (not timed), then
   `Tokenizer.encode_batch(batch, add_special_tokens=False)` on batches of 256 documents (the
@@ -65,7 +65,7 @@ def load_data_config(config: Path):
 
 def read_texts(config: Path) -> list[str]:
     """Every document of the config's domain files, in order (the texts `ours` encodes)."""
-    from data.readers import open_binary
+    from data.sources.readers import open_binary
 
     cfg = load_data_config(config)
     texts = []
@@ -77,7 +77,7 @@ def read_texts(config: Path) -> list[str]:
 
 
 def measure_ours(config: Path) -> dict:
-    from data.preprocess import preprocess
+    from data.preprocess.preprocess import preprocess
 
     cfg = load_data_config(config)
     cpu, wall = cpu_seconds(), time.perf_counter()
@@ -147,8 +147,8 @@ def prepare(work: Path, total_mb: float, tokenizer: Path | None) -> tuple[Path, 
         tokenizer = work / "tokenizer.json"
         if not tokenizer.is_file():
             from data.config import TokenizerConfig
-            from data.sources import read_embedded
-            from data.tokenizer import build_tokenizer, save_tokenizer
+            from data.sources.sources import read_embedded
+            from data.tokenizer.tokenizer import build_tokenizer, save_tokenizer
 
             texts = read_embedded("docs") + read_embedded("code")
             save_tokenizer(build_tokenizer(TokenizerConfig(kind="bpe", vocab_size=512), iter(texts)), tokenizer)

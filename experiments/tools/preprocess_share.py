@@ -1,5 +1,5 @@
 """Run one share of a `doremi preprocess` build: tasks I, I + N, I + 2N, ... of the config's
-per-file tasks (data/tasks.py), recorded in the store directory's work directory, so that N
+per-file tasks (data/preprocess/tasks.py), recorded in the store directory's work directory, so that N
 nodes that see one store directory tokenize a corpus together (issue 42 point 2):
 
     .venv/bin/python experiments/tools/preprocess_share.py CONFIG.yaml --task I --of N [--set k=v ...]
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from data.errors import UserError
-    from data.preprocess import preprocess_share
+    from data.preprocess.preprocess import preprocess_share
     from doremi.config import ExperimentConfig
     from trainer.config.schema import load_config
 

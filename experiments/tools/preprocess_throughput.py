@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from data.config import DataConfig, DomainSource, TokenizerConfig
-from data.preprocess import preprocess
-from data.sources import read_embedded
+from data.preprocess.preprocess import preprocess
+from data.sources.sources import read_embedded
 
 
 def generate_jsonl(path: Path, megabytes: int, seed: int = 0) -> int:

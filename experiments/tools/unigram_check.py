@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 
-from data.preprocess import preprocess
-from data.stats import unigram_entropy
-from data.store import open_stores
+from data.preprocess.preprocess import preprocess
+from data.store.stats import unigram_entropy
+from data.store.store import open_stores
 from doremi.config import ExperimentConfig
 from doremi.pipeline import stages
 from trainer.config.schema import load_config

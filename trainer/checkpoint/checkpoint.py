@@ -396,7 +396,7 @@ def save_checkpoint(
     data: dict[str, Any] | None = None,
 ) -> Path:
     """Write this step's checkpoint from every rank (collective); keep the newest `keep`
-    (0: all). `data`: the identity of the stores it was trained on (`data.store.Manifest.identity`),
+    (0: all). `data`: the identity of the stores it was trained on (`data.store.store.Manifest.identity`),
     which `load_checkpoint` compares. Returns the checkpoint directory."""
     _check_extra(extra)
     final = checkpoint_dir(run_dir, step)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from data.config import DataConfig, PathStr
-from data.store import MANIFEST_FILE, read_manifest
+from data.store.store import MANIFEST_FILE, read_manifest
 from trainer.config.fp8 import Fp8Config, check_fp8_layers
 from trainer.config.launch_env import launch_world_size, launched
 from trainer.config.mamba import MambaConfig, check_block_pattern, check_mamba_tp

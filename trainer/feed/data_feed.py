@@ -7,16 +7,16 @@ from typing import Any
 
 import numpy as np
 
-from data.batch import collate
 from data.config import DataConfig
-from data.dataset import PackedDomains
 from data.errors import DataError
-from data.holdout import holdout_split
-from data.preprocess import check_stores_match
-from data.sampler import DomainBatchSampler, interleave
-from data.store import open_stores
-from data.validation import validation_items
-from data.validation_split import ALL, sequence_documents, split_for, validation_view
+from data.preprocess.preprocess import check_stores_match
+from data.sampling.holdout import holdout_split
+from data.sampling.sampler import DomainBatchSampler, interleave
+from data.store.batch import collate
+from data.store.dataset import PackedDomains
+from data.store.store import open_stores
+from data.store.validation import validation_items
+from data.store.validation_split import ALL, sequence_documents, split_for, validation_view
 from trainer.config.tools import ConfigError
 from trainer.parallel.context import ParallelContext
 
@@ -71,7 +71,7 @@ class DataFeed:
 
     def step_batches(self, step: int, weights: np.ndarray, draws: str = "exact") -> list[dict]:
         """This rank's micro-batches of global batch `step` (1-based), on the device, drawn as
-        exact counts or random draws (`data.sampler`)."""
+        exact counts or random draws (`data.sampling.sampler`)."""
         local = self.sampler.local(step - 1, weights, self.pc.dp_rank, self.pc.dp, self.micro_batches, draws)
         return [collate(self.train, items, device=self.pc.device) for items in local]
 
@@ -84,7 +84,7 @@ class DataFeed:
 
     def validation_half(self, consumer: str) -> str:
         """The validation documents `consumer` reads: `all`, `dev` or `test`
-        (data.validation_split.CONSUMERS)."""
+        (data.store.validation_split.CONSUMERS)."""
         return split_for(consumer, self.validation_split)
 
     def _num_validation(self, d: int, half: str, sequences: int) -> int:
@@ -116,7 +116,7 @@ class DataFeed:
 
     def validation_documents(self, sequences: int, consumer: str) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per domain, the (first, last) validation document id of each sequence `validation`
-        gives `consumer` (data.validation_split.sequence_documents): what per-sequence losses
+        gives `consumer` (data.store.validation_split.sequence_documents): what per-sequence losses
         are clustered by."""
         half = self.validation_half(consumer)
         view, offsets, ids = self._view(half)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from data.batch import IGNORE_INDEX
+from data.store.batch import IGNORE_INDEX
 
 
 class MeanTokenLoss:

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from data.batch import IGNORE_INDEX
+from data.store.batch import IGNORE_INDEX
 from trainer.config.mamba import ATTENTION, MAMBA, check_mamba_tp, layer_mixers
 from trainer.config.tools import ConfigError
 from trainer.model.batch_compile import BatchCompiled

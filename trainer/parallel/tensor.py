@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data.batch import IGNORE_INDEX
+from data.store.batch import IGNORE_INDEX
 from trainer.parallel.buffer import GatherBuffer
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.main_grad import grad_of

@@ -9,7 +9,7 @@ by global rank 0 after a fresh run's first step:
   position in global-rank order (two arms of one study run the same layout, so their lists
   compare entry by entry);
 - `first_batch`: per domain, the sequence indices of the first step's global batch, in the
-  order the domain's stream hands them out (`data.sampler.DomainBatchSampler.stream`).
+  order the domain's stream hands them out (`data.sampling.sampler.DomainBatchSampler.stream`).
 
 Two arms with different mixtures draw different counts per domain, but from the same per-domain
 streams, so for every domain one arm's list is a prefix of the other's (`check_paired`).

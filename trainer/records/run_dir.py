@@ -202,7 +202,7 @@ def without(rec: dict[str, Any], *keys: str) -> dict[str, Any]:
 def sources(cfg: Any) -> list[artifact.Source]:
     """What a run is made from: its stores (by the manifest's fingerprint) and what its
     path-valued keys name (`content_id`)."""
-    from data.store import MANIFEST_FILE
+    from data.store.store import MANIFEST_FILE
 
     out = []
     store_dir = getattr(getattr(cfg, "data", None), "store_dir", None)

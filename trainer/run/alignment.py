@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data.batch import IGNORE_INDEX, collate
+from data.store.batch import IGNORE_INDEX, collate
 from trainer.feed.data_feed import DataFeed
 from trainer.feed.weighting import DomainWeights, MeanTokenLoss
 from trainer.parallel.context import ParallelContext

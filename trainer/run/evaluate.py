@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data.batch import IGNORE_INDEX
 from data.progress import Countdown
+from data.store.batch import IGNORE_INDEX
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.expert import uses_expert_parallel
 from trainer.parallel.pipeline_schedule import broadcast_from_last_stage, forward_only

@@ -10,7 +10,7 @@ layout. Each step t the loop calls, on every rank:
 
 1. `sampling_weights(t)`: the domain weights this step's global batch is drawn with, as exact
    counts (the default) or, under `needs.draws == "random"`, as independent random draws
-   (bandits need true draws for their importance weights; `data.sampler`).
+   (bandits need true draws for their importance weights; `data.sampling.sampler`).
 2. `prepare_batches(t, micro_batches)`: attach per-token data (reference losses) before any
    forward.
 3. `loss_weights(t, signals)`: per-domain weights w of this step's objective
@@ -89,7 +89,7 @@ class Needs:
     #: Per-domain gradient inner products with a target gradient (DoGE).
     alignment: Alignment | None = None
     #: The validation documents the losses and the target come from: only `dev` is handed to
-    #: a method (the verdict is computed on `test`; data/validation_split.py); any other is refused.
+    #: a method (the verdict is computed on `test`; data/store/validation_split.py); any other is refused.
     validation_split: str = "dev"
 
 

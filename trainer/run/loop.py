@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.batch import IGNORE_INDEX
-from data.mixtures import sequence_capped
-from data.validation_split import STAGE_EVALUATION, check_method_split
-from data.weights import resolve_weights
+from data.sampling.mixtures import sequence_capped
+from data.sampling.weights import resolve_weights
+from data.store.batch import IGNORE_INDEX
+from data.store.validation_split import STAGE_EVALUATION, check_method_split
 from trainer.build import RunFacts, build_model, init_parallel, seed_everything
 from trainer.checkpoint.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config.schema import TrainerConfig, auto_notes
@@ -66,7 +66,7 @@ class Trainer:
         training run), left out of the fingerprint that a resume must match. `stage` (train,
         reference, proxy) is recorded in `run.json`: another stage refuses the directory.
         `method`: the data-mixing method (`trainer.run.hooks`); None trains on `data.domain_weights`.
-        `evaluation`: the consumer of this run's own evaluation (data.validation_split.CONSUMERS;
+        `evaluation`: the consumer of this run's own evaluation (data.store.validation_split.CONSUMERS;
         None: the stage's, `verdict` for a main run), which picks its validation documents."""
         self.cfg = cfg
         self.auto_notes = auto_notes(cfg)  # before the config is replaced below, which drops them

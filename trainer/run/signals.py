@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from data.batch import IGNORE_INDEX
+from data.store.batch import IGNORE_INDEX
 from trainer.feed.domains import domain_sums
 from trainer.feed.weighting import DomainWeights, MeanTokenLoss
 from trainer.parallel.context import ParallelContext

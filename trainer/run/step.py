@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from data.batch import IGNORE_INDEX
+from data.store.batch import IGNORE_INDEX
 from trainer.feed.domains import domain_sums
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.pipeline_schedule import LossWeighting, broadcast_from_last_stage, train_schedule

@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from data.batch import IGNORE_INDEX
+from data.store.batch import IGNORE_INDEX
 from trainer.stacked.model import StackedLlama
 
 

@@ -1,7 +1,7 @@
 """The batches of M runs, each on its own mixture, stacked to [M, b, s].
 
 Model m must see exactly the batches `trainer.run.loop.Trainer` would draw with
-`data.domain_weights = mixtures[m]`: its own `data.sampler.DomainBatchSampler` (the exact-count
+`data.domain_weights = mixtures[m]`: its own `data.sampling.sampler.DomainBatchSampler` (the exact-count
 sampler carries each domain's remainder from step to step, so one sampler per mixture), with
 the feed's seed and pools (the train sequences less the holdout), read from the one set of
 token stores that `trainer.feed.data_feed.DataFeed` opens. Single process: dp rank 0 of 1.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from data.batch import IGNORE_INDEX, collate, to_device
-from data.sampler import DomainBatchSampler
+from data.sampling.sampler import DomainBatchSampler
+from data.store.batch import IGNORE_INDEX, collate, to_device
 from trainer.feed.data_feed import DataFeed
 
 #: The per-row tensors that are stacked (the host-side `items` and `sequence_ids` are not).
@@ -21,7 +21,7 @@ STACKED_KEYS = ("input_ids", "labels", "domain_ids")
 
 
 class StackedFeed:
-    """`weights` [M, k]: each run's resolved mixture (`data.weights.resolve_weights`)."""
+    """`weights` [M, k]: each run's resolved mixture (`data.sampling.weights.resolve_weights`)."""
 
     def __init__(self, feed: DataFeed, weights: np.ndarray, micro_batches: int):
         self.feed = feed

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from data.batch import IGNORE_INDEX
+from data.store.batch import IGNORE_INDEX
 from trainer.config.schema import ModelConfig
 from trainer.model.layers import causal_attention, resolve_attention, rope_tables
 from trainer.model.llama import RECOMPUTE_MODES, Llama

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from data.batch import IGNORE_INDEX
 from data.progress import Countdown
+from data.store.batch import IGNORE_INDEX
 from trainer.config.schema import TrainerConfig
 from trainer.run.schedule_extension import scheduled_lr
 from trainer.stacked.evaluate import evaluate_stacked

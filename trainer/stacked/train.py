@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from data.progress import Countdown
-from data.weights import resolve_weights
+from data.sampling.weights import resolve_weights
 from trainer.build import RunFacts, check_device, seed_everything
 from trainer.config.schema import TrainerConfig
 from trainer.config.tools import ConfigError

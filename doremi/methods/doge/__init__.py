@@ -52,8 +52,8 @@ def extra_sequences(options: dict[str, Any], global_batch_size: int) -> int:
 
 
 def build(cfg: Any, ctx: MethodContext) -> MixingHook:
-    from data.store import read_manifest
-    from data.weights import resolve_weights
+    from data.sampling.weights import resolve_weights
+    from data.store.store import read_manifest
     from doremi.methods.doge.method import DoGE, target_sequences
 
     check_layout(cfg)

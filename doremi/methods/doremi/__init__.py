@@ -20,8 +20,8 @@ from trainer.run.hooks import MethodContext, MixingHook
 def build(cfg: Any, ctx: MethodContext) -> MixingHook:
     """The proxy's hook, its reference losses read from `reference_cache` when set, else from
     the frozen reference checkpoint run online (its linears in FP8 with `reference_fp8`)."""
-    from data.store import read_manifest
-    from data.weights import resolve_weights
+    from data.sampling.weights import resolve_weights
+    from data.store.store import read_manifest
     from doremi.methods.doremi.method import DoReMi
     from doremi.methods.reference import (
         CachedReference,

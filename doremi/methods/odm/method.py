@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from data.weights import check_weights
+from data.sampling.weights import check_weights
 from doremi.methods.log import MethodLog
 from doremi.methods.odm.config import ESTIMATORS, POLICIES, REWARDS, ODMConfig
 from trainer.run.hooks import MethodBase, MethodContext, Needs, StepSignals

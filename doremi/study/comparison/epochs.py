@@ -3,8 +3,8 @@ mixture reads, what token cap keeps a sweep within the rule, and how far a mixtu
 trained before it breaks it (docs/design.md section 4f; the rule: section 4e's guardrails).
 
 A run draws whole sequences from each domain's pool (its packed train sequences less the
-holdout; data/sampler.py), so epochs are sequences over the pool, and the exact sampler's count
-stays within one sequence of the nominal one (data/mixtures.py `sequence_capped`: the cap keeps
+holdout; data/sampling/sampler.py), so epochs are sequences over the pool, and the exact sampler's count
+stays within one sequence of the nominal one (data/sampling/mixtures.py `sequence_capped`: the cap keeps
 one sequence of slack). A sweep's `sweep.max_epochs` caps weights in tokens instead
 (doremi/offline/fit/design.py `epoch_caps`, over the domains' train tokens), and a pool holds
 fewer tokens than its domain (each document's tail shorter than a window is dropped): a token
@@ -69,5 +69,5 @@ def capacity_multiple(
 
 def corpus_multiple(pools: Sequence[int], run_sequences: int, max_epochs: float) -> float:
     """How many times `run_sequences` any mixture can draw within `max_epochs` epochs of every
-    domain: beyond it no run is within the rule (data/mixtures.py `epoch_capped` refuses)."""
+    domain: beyond it no run is within the rule (data/sampling/mixtures.py `epoch_capped` refuses)."""
     return float(max_epochs * sum(pools) / run_sequences)

@@ -75,7 +75,7 @@ class Arm:
     sweep's fit (SWEPT). `reused`: the study's arm of this name (its runs are read, not rerun).
     `step_ratio`: the method's measured step time relative to a plain step. `validation_share`:
     its validation passes' FLOPs as a share of its training FLOPs (a bound). `fit_seconds`: the
-    host time of a SWEPT arm's fit. `reads`: validation consumers (data/validation_split.py
+    host time of a SWEPT arm's fit. `reads`: validation consumers (data/store/validation_split.py
     CONSUMERS) the arm reads beyond those derived from its kind and method."""
 
     name: str
@@ -109,7 +109,7 @@ class Corpus:
 
     @property
     def natural(self) -> tuple[float, ...]:
-        """Token shares (`tokens`, data/mixtures.py)."""
+        """Token shares (`tokens`, data/sampling/mixtures.py)."""
         total = sum(self.train_tokens)
         return tuple(n / total for n in self.train_tokens)
 
@@ -440,7 +440,7 @@ def arm_reads(arm: Arm) -> tuple[str, ...]:
 def check_reads(protocol: Protocol) -> None:
     """Refuse an arm that reads anything but the dev half of the validation documents under the
     protocol's split: the verdict is computed on the test half (docs/design.md 3b)."""
-    from data.validation_split import DEV, split_for
+    from data.store.validation_split import DEV, split_for
 
     for arm in protocol.arms:
         for consumer in arm_reads(arm):

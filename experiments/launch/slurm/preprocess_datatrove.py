@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from data.errors import UserError
-    from data.scale import SlurmSpec, slurm_executors
+    from data.preprocess.scale import SlurmSpec, slurm_executors
     from doremi.config import ExperimentConfig
     from trainer.config.schema import load_config
 

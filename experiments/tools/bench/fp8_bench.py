@@ -316,7 +316,7 @@ def train_run(args, device: torch.device, label: str, work: Path) -> dict:
             sets.append(f"model.fp8.layers=[{','.join([*FP8_LAYERS, HEAD])}]")
     cfg = load_config(args.config, sets, cls=ExperimentConfig)
     if not (Path(cfg.data.store_dir) / "manifest.json").exists():
-        from data.preprocess import preprocess
+        from data.preprocess.preprocess import preprocess
 
         preprocess(cfg.data, progress=False)
     metrics, facts = run / "metrics.jsonl", run / "fp8_bench_run.json"

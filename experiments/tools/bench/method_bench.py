@@ -25,8 +25,8 @@ The config is the GPU configs' (experiments/configs/gpu_scale.yaml, pile_280m.ya
 bf16 compute with bf16 parameters and fp32 master weights and main gradients
 (`precision: bf16`, `param_dtype: auto`) and `model.compile: true`; on the CPU fp32, eager.
 
-Data: four synthetic domains (`data.synthetic`: noise, repeat, two Markov chains), preprocessed
-once into token stores in a temporary directory (`data.preprocess.preprocess`, byte tokenizer;
+Data: four synthetic domains (`data.sources.synthetic`: noise, repeat, two Markov chains), preprocessed
+once into token stores in a temporary directory (`data.preprocess.preprocess.preprocess`, byte tokenizer;
 the model's vocabulary is the preset's, larger than the tokenizer's 257 ids, which changes no
 cost). Each domain's train split holds at least (warm-up + timed steps) x global batch x
 seq_len + 1 tokens, so no run reads a domain twice even when a method draws its whole batch
@@ -95,7 +95,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_bench  # noqa: E402
 
 from data.config import DataConfig, DomainSource, SyntheticSpec  # noqa: E402
-from data.preprocess import preprocess  # noqa: E402
+from data.preprocess.preprocess import preprocess  # noqa: E402
 from doremi.config import ExperimentConfig  # noqa: E402
 from doremi.methods.ado.method import ADOConfig  # noqa: E402
 from doremi.methods.aioli.method import AioliConfig  # noqa: E402
@@ -185,7 +185,7 @@ def domains(num_tokens: int) -> list[DomainSource]:
 
 def store_config(root: Path, train_tokens: int, val_tokens: int) -> DataConfig:
     """Stores whose every domain has at least `train_tokens` train and `val_tokens` validation
-    tokens: whole documents, the validation share chosen so that the split (`data.split`, a
+    tokens: whole documents, the validation share chosen so that the split (`data.preprocess.split`, a
     rounded count of documents) gives exactly `val_docs` of them."""
     train_docs = -(-train_tokens // DOC_TOKENS) + 1
     val_docs = -(-val_tokens // DOC_TOKENS) + 1

@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from data.batch import IGNORE_INDEX  # noqa: E402
 from data.config import DataConfig  # noqa: E402
+from data.store.batch import IGNORE_INDEX  # noqa: E402
 from trainer.build import RunFacts, build_model  # noqa: E402
 from trainer.config.schema import ModelConfig, TrainConfig, TrainerConfig  # noqa: E402
 from trainer.optim.build import build_optimizer  # noqa: E402

@@ -5,7 +5,7 @@ It is read two ways because it serves two purposes. `doremi average` writes the 
 it, a distribution with where it came from (`read_weights_file` reads that back and holds it to
 a distribution). A config key that takes a mixture (`data.domain_weights`, `pipeline.baselines`,
 ...) may name one too, possibly written by hand: `read_mixture_file` checks only the file's
-form, and `data.weights` checks its numbers as it checks a mixture given in any other form.
+form, and `data.sampling.weights` checks its numbers as it checks a mixture given in any other form.
 
 A file this code writes carries an artifact header (`data.artifact`; docs/design.md section 6b)
 under `artifact`: kind `weights` (`doremi average`) or `fit` (`doremi fit`), the hash of its
@@ -158,7 +158,7 @@ def copy_weights_file(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
 
 #: The field of a hand-written weights file whose numbers are relative: `"normalize": true` asks
-#: for them to be rescaled to sum 1 (data.weights.check_sum); without it they must sum to 1.
+#: for them to be rescaled to sum 1 (data.sampling.weights.check_sum); without it they must sum to 1.
 NORMALIZE = "normalize"
 
 

@@ -4,7 +4,7 @@ A domain's split is one token stream (doc0 EOS doc1 EOS ...). Sequence i covers 
 [i*seq_len, i*seq_len + seq_len + 1): inputs are its first seq_len tokens, labels its last
 seq_len, so consecutive sequences share one token and every token is a label once (GPT-style
 packing across document boundaries). With `pad_last`, a final partial sequence is kept and
-padded with PAD (-1), which `data.batch.collate` turns into ignored labels.
+padded with PAD (-1), which `data.store.batch.collate` turns into ignored labels.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from data.errors import DataError
-from data.store import TokenStores, check_split
+from data.store.store import TokenStores, check_split
 
 PAD = -1
 

@@ -98,27 +98,3 @@ def check_fits(spec: SyntheticSpec, vocab_size: int, eos_id: int, where: str) ->
         raise DataError(
             f"{where}: synthetic vocab {spec.vocab} needs token ids up to {top}, but the tokenizer has {vocab_size} ids"
         )
-
-
-def empirical_entropy(documents: list[np.ndarray], order: int) -> float:
-    """Plug-in conditional entropy H(x_t | previous `order` tokens) in nats, counted within
-    documents (order 0: the unigram entropy)."""
-    rows = []
-    for doc in documents:
-        doc = np.asarray(doc, dtype=np.int64)
-        if len(doc) > order:
-            rows.append(np.stack([doc[j : len(doc) - order + j] for j in range(order + 1)], axis=1))
-    if not rows:
-        raise DataError("empirical_entropy: no document longer than the order")
-    grams = np.concatenate(rows)
-    _, joint = np.unique(grams, axis=0, return_counts=True)
-    h_joint = _plugin(joint)
-    if order == 0:
-        return h_joint
-    _, ctx = np.unique(grams[:, :-1], axis=0, return_counts=True)
-    return h_joint - _plugin(ctx)
-
-
-def _plugin(counts: np.ndarray) -> float:
-    p = counts / counts.sum()
-    return float(-(p * np.log(p)).sum())

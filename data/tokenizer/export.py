@@ -6,10 +6,10 @@ Every tokenizer kind maps:
   own `tokenizer.json`, as it is;
 - the byte tokenizer: a `tokenizers` BPE with no merges whose vocabulary is the 256 byte tokens
   `<0x00>`..`<0xFF>` (ids 0..255, byte fallback: every character becomes its UTF-8 bytes, as in
-  Llama 2's tokenizer) and `<|endoftext|>` = 256, the same ids as `data.tokenizer.ByteTokenizer`
+  Llama 2's tokenizer) and `<|endoftext|>` = 256, the same ids as `data.tokenizer.tokenizer.ByteTokenizer`
   for any text (except the literal text `<|endoftext|>`, which the HF one reads as the EOS).
 
-Neither adds a BOS token, except a tokenizer whose post-processor puts one first (data.bos):
+Neither adds a BOS token, except a tokenizer whose post-processor puts one first (data.tokenizer.bos):
 the stores hold it before every document (unless `data.tokenizer.add_bos: false` removed the
 template from the tokenizer), so the exported file adds it as training saw it.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from data.tokenizer import EOS_TEXT, ByteTokenizer, HFTokenizer
+from data.tokenizer.tokenizer import EOS_TEXT, ByteTokenizer, HFTokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

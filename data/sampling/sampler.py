@@ -1,11 +1,11 @@
 """Global batches drawn from domain weights, reproducible from (seed, step, cursors, deficits).
 
 Per step: the global batch holds `apportion(deficits, weights, B)` sequences of each domain
-(data/apportion.py): each domain carries what it is owed from step to step, so that over any
+(data/sampling/apportion.py): each domain carries what it is owed from step to step, so that over any
 first T steps its realised count is within one sequence of sum_t B x w_t[i] under fixed weights
 (within two when the weights change every step), and a small weight is drawn as often as it
 asks, not rounded away. Each domain is read as an endless stream of epochs over its pool (its
-training sequences less those held back, data/holdout.py); epoch e of domain d is the
+training sequences less those held back, data/sampling/holdout.py); epoch e of domain d is the
 permutation `default_rng([seed, d, e]).permutation(len(pool_d))`, and the stream position is
 the domain's cursor: the number of sequences of that domain drawn before this step. Because the
 weights may change every step, the cursors and deficits carry the history; with the step and
@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from data.apportion import apportion, interleave
 from data.errors import DataError
-from data.weights import check_weights
+from data.sampling.apportion import apportion, interleave
+from data.sampling.weights import check_weights
 
 Item = tuple[int, int]  # (domain index, sequence index)
 

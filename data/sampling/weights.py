@@ -6,7 +6,7 @@ come from a weights file that says `"normalize": true`; anything else (a file su
 refused naming its sum (`check_sum`; docs/design.md section 3), since a mixture that silently
 became another is a wrong result.
 
-The named forms (`uniform`, `tokens`, `temperature:T`, `unimax:E`) are `data.mixtures`'. The same
+The named forms (`uniform`, `tokens`, `temperature:T`, `unimax:E`) are `data.sampling.mixtures`'. The same
 forms are read by `mixing.doremi.reference_weights` and `mixing.doremi.proxy_sampling`; every error
 names the key (or file) it came from. A weight is a number: `true` or `"0.5"` is refused, not
 read as 1 or 0.5, since a mixture typed wrongly must not train silently on something else.
@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from data import mixtures
 from data.errors import DataError
-from data.store import Manifest
-from data.weights_file import asks_to_normalize, read_mixture_file
+from data.sampling import mixtures
+from data.sampling.weights_file import asks_to_normalize, read_mixture_file
+from data.store.store import Manifest
 
 WHERE = "data.domain_weights"
 
@@ -34,7 +34,7 @@ WHERE = "data.domain_weights"
 SUM_TOLERANCE = 0.01
 
 #: The mixtures named by a word rather than given as numbers or a weights file: `value in
-#: NAMED_MIXTURES` is true for any string in a named form (`data.mixtures.is_mixture_name`).
+#: NAMED_MIXTURES` is true for any string in a named form (`data.sampling.mixtures.is_mixture_name`).
 NAMED_MIXTURES = mixtures.NAMED_MIXTURES
 
 
@@ -158,7 +158,7 @@ def resolve_weights(
     budget_tokens: int | None = None,
 ) -> np.ndarray:
     """A named mixture (`uniform`, `tokens`: proportional to train tokens, `temperature:T`,
-    `unimax:E`: see `data.mixtures`), a weights-JSON path, a list in domain order, or a mapping
+    `unimax:E`: see `data.sampling.mixtures`), a weights-JSON path, a list in domain order, or a mapping
     name -> value; normalised to sum 1 (given numbers: `check_sum`'s rule). `where`: the key it was read from. `budget_tokens`: the
     run's token budget (steps x global batch x seq_len), which `unimax` needs (without it,
     `unimax` is a DataError naming `where`); the other forms ignore it. The cap of

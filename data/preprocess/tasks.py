@@ -1,8 +1,8 @@
 """Tokenizing local-file domains as independent tasks, one per (domain, file), recorded when
 finished so that an interrupted build resumes (issue 42 point 2).
 
-A task reads its file's rows (data.readers), splits them with its slice of the domain's
-validation mask (data.split: the mask is a function of the document index and the seed, and a
+A task reads its file's rows (data.sources.readers), splits them with its slice of the domain's
+validation mask (data.preprocess.split: the mask is a function of the document index and the seed, and a
 task knows the index of its first row from the scan's per-file counts), tokenizes them and
 writes part files plus a `.done.json` marker (written last, atomically) into a work directory
 `<store>/.tasks-<key>`, keyed by the build's fingerprint, tokenizer and dtype, which outlives the
@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 
 from data.atomic import atomic_write_text
-from data.encode import _init_worker, _worker, encode_texts
 from data.errors import DataError
+from data.preprocess.encode import _init_worker, _worker, encode_texts
 from data.progress import Progress
-from data.readers import FileRows
-from data.sources import digest
-from data.store import DTYPES, INDEX_DTYPE, SplitWriter
+from data.sources.readers import FileRows
+from data.sources.sources import digest
+from data.store.store import DTYPES, INDEX_DTYPE, SplitWriter
 
 #: report(domain, tokens, UTF-8 bytes) of one tokenized batch (data.progress).
 Report = Callable[[str, int, int], None]

@@ -84,7 +84,7 @@ class Manifest:
     sources: dict[str, str] = field(default_factory=dict)
     split: dict[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
-    # What the fingerprint hashes, by part (data.preprocess.fingerprint_inputs), so that a
+    # What the fingerprint hashes, by part (data.preprocess.preprocess.fingerprint_inputs), so that a
     # rebuild from other inputs can name what changed; empty for stores of older versions.
     inputs: dict[str, Any] = field(default_factory=dict)
     # The artifact header (data.artifact.Header as JSON): the files' sizes and hashes; None for

@@ -1,11 +1,11 @@
-"""`doremi preprocess`: tokenize every domain into per-domain token stores (see data.store).
+"""`doremi preprocess`: tokenize every domain into per-domain token stores (see data.store.store).
 
 Steps: resolve and fingerprint the sources; stop if the stores already hold that fingerprint;
 otherwise, in a staging directory inside the store directory, read each text domain, split its
-documents into train/validation (data.split), build the tokenizer (training a BPE on the train
-documents), tokenize in `num_proc` processes (local files as resumable tasks per file,
-data.tasks; other sources as one ordered stream, data.encode), generate the synthetic domains,
-then move the files into place and write `manifest.json` last. Every input error is raised
+documents into train/validation (data.preprocess.split), build the tokenizer (training a BPE on
+the train documents), tokenize in `num_proc` processes (local files as resumable tasks per file,
+data.preprocess.tasks; other sources as one ordered stream, data.preprocess.encode), generate the
+synthetic domains, then move the files into place and write `manifest.json` last. Every input error is raised
 before anything in the store directory changes; an interrupted commit leaves no manifest, so
 the next run rebuilds (reusing the finished tasks).
 """
@@ -25,12 +25,24 @@ from typing import Any
 
 import numpy as np
 
-from data.bos import bos_token
 from data.config import DataConfig, TokenizerConfig
-from data.encode import Encoder
 from data.errors import DataError
+from data.preprocess.encode import Encoder
+from data.preprocess.split import validation_mask
+from data.preprocess.tasks import (
+    TASKS_PREFIX,
+    Task,
+    domain_tasks,
+    finished,
+    merge,
+    remove_work_dirs,
+    run_tasks,
+    split_rows,
+    task_key,
+    work_dir,
+)
 from data.progress import Progress, datasets_bars
-from data.sources import (
+from data.sources.sources import (
     DomainPlan,
     SourceReader,
     TextSource,
@@ -41,8 +53,8 @@ from data.sources import (
     plan_domains,
     shared_dataset_digest,
 )
-from data.split import validation_mask
-from data.store import (
+from data.sources.synthetic import check_fits, entropy, generate_documents, symbol_ids
+from data.store.store import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     DomainEntry,
@@ -55,20 +67,8 @@ from data.store import (
     token_dtype,
     write_manifest,
 )
-from data.synthetic import check_fits, entropy, generate_documents, symbol_ids
-from data.tasks import (
-    TASKS_PREFIX,
-    Task,
-    domain_tasks,
-    finished,
-    merge,
-    remove_work_dirs,
-    run_tasks,
-    split_rows,
-    task_key,
-    work_dir,
-)
-from data.tokenizer import TOKENIZER_FILE, build_tokenizer, save_tokenizer
+from data.tokenizer.bos import bos_token
+from data.tokenizer.tokenizer import TOKENIZER_FILE, build_tokenizer, save_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def tokenizer_fingerprint(cfg: TokenizerConfig) -> Any:
     if path.is_dir():
         path = path / TOKENIZER_FILE
     content = file_digest(str(path)) if path.is_file() else cfg.path
-    if path.is_file() and _defines_bos(path):  # the stores' bytes depend on add_bos (data.bos)
+    if path.is_file() and _defines_bos(path):  # the stores' bytes depend on add_bos (data.tokenizer.bos)
         return [cfg.kind, content, cfg.eos_token, {"add_bos": cfg.add_bos}]
     return [cfg.kind, content, cfg.eos_token]
 
@@ -212,7 +212,7 @@ def preprocess_share(cfg: DataConfig, index: int, count: int, progress: bool = T
     """Run share `index` of `count` of the build's tasks (tasks index, index + count, ...) and
     record them, for builds spread over nodes that see one store directory (a shared file
     system: experiments/launch/slurm/preprocess.sbatch). Every share reads the same inputs and
-    builds the same tokenizer, hence the same work directory (data.tasks); the stores and
+    builds the same tokenizer, hence the same work directory (data.preprocess.tasks); the stores and
     manifest are written by a later `preprocess`, which runs the tasks still missing and merges
     them (same bytes as one process: tests/test_data_tasks.py). Returns (tasks run here, tasks
     in the share); (0, 0) when the stores are already up to date."""
@@ -240,7 +240,7 @@ def preprocess_share(cfg: DataConfig, index: int, count: int, progress: bool = T
 
 _SPLIT_FILES = {f"{split}.{ext}" for split in ("train", "validation") for ext in ("bin", "idx")}
 _OWN_NAMES = {TOKENIZER_FILE, ".lock", "stage.json", "stage.started.json"}
-_OWN_PREFIXES = (".staging-", ".old-", ".datatrove-", TASKS_PREFIX)  # .datatrove-: data.scale's logs
+_OWN_PREFIXES = (".staging-", ".old-", ".datatrove-", TASKS_PREFIX)  # .datatrove-: data.preprocess.scale's logs
 
 
 def _refuse_foreign(store: Path) -> None:
@@ -297,7 +297,7 @@ def _refuse_other_inputs(store: Path, fp: str, inputs: dict[str, Any]) -> None:
 
 
 def _split_batches(source: TextSource, mask: np.ndarray, field: str) -> Iterator[tuple[list[str], list[str]]]:
-    """(train texts, validation texts) per read batch (data.tasks.split_rows)."""
+    """(train texts, validation texts) per read batch (data.preprocess.tasks.split_rows)."""
     return split_rows(source.batches(READ_ROWS), mask, source.name, field)
 
 
@@ -329,7 +329,7 @@ def tokenizer_training_texts(
 
 @dataclasses.dataclass
 class Prepared:
-    """A build's inputs read and its tokenizer built: what the tasks (data.tasks) and the merge
+    """A build's inputs read and its tokenizer built: what the tasks (data.preprocess.tasks) and the merge
     need, the same on every node that prepares the same config."""
 
     plans: list[DomainPlan]

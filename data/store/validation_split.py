@@ -5,7 +5,7 @@ Methods and fits that read validation losses (Aioli's probes, DoGE's target, the
 RegMix and mixing-law fits read) would otherwise be tuned on the very sequences the verdict is
 computed on. Under `data.validation_split: dev_test` each domain's validation documents are split
 by document, fixed by (split seed, domain name) alone like the train/validation split
-(`data.split`), at read time from the existing stores (their `.idx` offsets give the document
+(`data.preprocess.split`), at read time from the existing stores (their `.idx` offsets give the document
 boundaries, so stores already built keep working). Each half is packed into sequences on its
 own, so no dev sequence holds a test token. `CONSUMERS` is the one table of who reads which half:
 everything a method, a fit or a search run reads is dev, the verdict is test. Under `none`, the
@@ -18,9 +18,9 @@ import zlib
 
 import numpy as np
 
-from data.dataset import PackedDomains
 from data.errors import DataError, UserError
-from data.store import TokenStores
+from data.store.dataset import PackedDomains
+from data.store.store import TokenStores
 
 #: `data.validation_split`: one validation set for all (`none`), or dev for methods and fits,
 #: test for the verdict (`dev_test`).

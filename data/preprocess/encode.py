@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from data.tokenizer import tokenizer_from_spec
+from data.tokenizer.tokenizer import tokenizer_from_spec
 
 Encoded = tuple[np.ndarray, np.ndarray]  # flat tokens (docs + EOS each), tokens per doc incl. EOS
 

@@ -1,5 +1,5 @@
 """Where each domain's documents come from: local files (JSON lines, text, parquet and arrow
-streamed by data.readers, csv and whole-JSON files through `datasets`), one dataset split by a
+streamed by data.sources.readers, csv and whole-JSON files through `datasets`), one dataset split by a
 domain column, a hub dataset, the embedded corpus, or a synthetic generator.
 
 `plan_domains` resolves the config into one `DomainPlan` per domain (with a fingerprint of its
@@ -23,7 +23,7 @@ from typing import Any
 from data.config import DataConfig, DomainSource, SyntheticSpec
 from data.errors import DataError
 from data.progress import datasets_bars
-from data.readers import (
+from data.sources.readers import (
     ColumnScan,
     FileRows,
     arrow_rows,
@@ -38,7 +38,7 @@ from data.readers import (
     text_rows,
 )
 
-CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+CORPUS_DIR = Path(__file__).resolve().parents[1] / "corpus"
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 FORMATS = {
     ".jsonl": "json",
@@ -96,7 +96,7 @@ def expand_paths(paths: list[str], where: str) -> list[str]:
     return out
 
 
-#: JSON-lines files are read here (data.readers), without `datasets` (which a GPU machine may lack).
+#: JSON-lines files are read here (data.sources.readers), without `datasets` (which a GPU machine may lack).
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz", ".jsonl.bz2", ".jsonl.zst")
 
 
@@ -106,14 +106,14 @@ def jsonl_opener(path: str) -> Callable[..., Any] | None:
 
 
 def read_jsonl_rows(files: list[str], text_field: str, where: str) -> list[Any]:
-    """`text_field` of every line of JSON-lines files, in order, as a list (data.readers streams
+    """`text_field` of every line of JSON-lines files, in order, as a list (data.sources.readers streams
     them; this is for small files and tests)."""
     scan_jsonl(files, text_field, where)
     return list(iter_jsonl(files, text_field, where))
 
 
 def file_rows(fmt: str, files: list[str], plan: DomainPlan, where: str) -> FileRows | None:
-    """The domain's files read by a streaming reader (data.readers), or None where only
+    """The domain's files read by a streaming reader (data.sources.readers), or None where only
     `datasets` reads them (csv, whole-JSON `.json`, `.lz4` and compressed parquet/arrow)."""
     compressed = any(f.lower().endswith(COMPRESSION_SUFFIXES) for f in files)
     if all(jsonl_opener(f) for f in files):
@@ -256,7 +256,7 @@ def known_domains(cfg: DataConfig) -> list[str] | None:
     dataset split by a column) the built stores', else None (known only once it is read)."""
     if not cfg.dataset or any(not (d.paths or d.hub or d.embedded or d.synthetic) for d in cfg.domains):
         return [d.name for d in cfg.domains]
-    from data.store import MANIFEST_FILE, read_manifest
+    from data.store.store import MANIFEST_FILE, read_manifest
 
     if (Path(cfg.store_dir) / MANIFEST_FILE).is_file():
         return read_manifest(cfg.store_dir).domain_names
@@ -294,8 +294,8 @@ class TextSource:
     name: str
     num_rows: int
     read: Callable[[int], Iterator[list[Any]]]
-    # Local files read by data.readers: the first `num_rows` of their rows, in file order, can
-    # be read as one task per file (data.tasks).
+    # Local files read by data.sources.readers: the first `num_rows` of their rows, in file order, can
+    # be read as one task per file (data.preprocess.tasks).
     files: FileRows | None = None
 
     def batches(self, rows: int) -> Iterator[list[Any]]:
@@ -398,7 +398,7 @@ class SourceReader:
         return self._shared, self._shared_index
 
     def _column_scan(self) -> ColumnScan | None:
-        """JSON lines split by a domain column, streamed (data.readers.scan_column: counts per
+        """JSON lines split by a domain column, streamed (data.sources.readers.scan_column: counts per
         value and file, not an index of every row); None for other formats (`datasets`)."""
         if self._scan is None:
             files, _ = _file_group(self.cfg.dataset, "data.dataset")

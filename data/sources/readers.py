@@ -6,7 +6,7 @@ Issue 42: a domain of hundreds of GB cannot be held as a list of documents. Each
 `scan` (one pass that counts the rows and raises every error the full read would, before
 anything is written) and a `batches(rows)` generator that re-reads the files in the same order,
 so memory is bounded by one batch whatever the domain's size. The row count is what the split
-needs (data.split: the validation mask is a function of the document index and the seed), so the
+needs (data.preprocess.split: the validation mask is a function of the document index and the seed), so the
 stores' bytes are those of the former whole-domain reads (tests/test_data_stream_golden.py). The
 rows are those `datasets` gave for text, parquet and arrow (its text builder: universal newlines,
 `\\n\\n` paragraphs, empty files skipped), and those of the former `read_jsonl_rows` for JSON lines.
@@ -91,7 +91,7 @@ def rebatch(values: Iterable[Any], rows: int) -> Iterator[list[Any]]:
 @dataclass(frozen=True)
 class FileRows:
     """One domain's rows from its files: `counts` per file (from the scan), and reads in file
-    order, fresh on every call. Plain data, so that a task of one file (data.tasks) can be sent
+    order, fresh on every call. Plain data, so that a task of one file (data.preprocess.tasks) can be sent
     to a worker process."""
 
     kind: str  # jsonl, text, parquet, arrow, or column (JSON lines of one domain-column value)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.dataset import PAD, PackedDomains
+from data.store.dataset import PAD, PackedDomains
 
 IGNORE_INDEX = -100
 

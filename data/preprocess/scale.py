@@ -2,9 +2,9 @@
 item 2; docs/design.md section 3a-iii).
 
 datatrove (the field's engine for tokenizing at this scale: local, SLURM and Ray executors) runs
-our shares (data.scale_steps, data.preprocess.preprocess_share); the merge is ours, so the stores
-are byte-identical to one process (tests/test_data_scale.py). datatrove is imported only here,
-after a check that names the extra, so that the default path never needs it.
+our shares (data.preprocess.scale_steps, data.preprocess.preprocess.preprocess_share); the merge
+is ours, so the stores are byte-identical to one process (tests/test_data_scale.py). datatrove is
+imported only here, after a check that names the extra, so that the default path never needs it.
 
 Its logs and per-rank completion records go to `<store>/.datatrove-<key>`, keyed by the inputs'
 fingerprint, the executor and the number of tasks: a record of another build (other inputs, or
@@ -22,10 +22,10 @@ from typing import Any
 
 from data.config import DataConfig
 from data.errors import DataError
-from data.preprocess import fingerprint, preprocess
-from data.sources import plan_domains
-from data.store import Manifest
-from data.tasks import task_key
+from data.preprocess.preprocess import fingerprint, preprocess
+from data.preprocess.tasks import task_key
+from data.sources.sources import plan_domains
+from data.store.store import Manifest
 
 SCALE_HINT = "pip install -e .[scale] (or: pip install datatrove)"
 LOGS_PREFIX = ".datatrove-"
@@ -72,7 +72,7 @@ def preprocess_datatrove_local(cfg: DataConfig, tasks: int, progress: bool = Tru
     remove_logs(store, keep=logs)
     from datatrove.executor.local import LocalPipelineExecutor
 
-    from data.scale_steps import PreprocessShare
+    from data.preprocess.scale_steps import PreprocessShare
 
     step = PreprocessShare(dataclasses.replace(cfg, num_proc=1))
     LocalPipelineExecutor([step], tasks=tasks, workers=min(tasks, cfg.num_proc), logging_dir=str(logs)).run()
@@ -105,7 +105,7 @@ def slurm_executors(cfg: DataConfig, tasks: int, spec: SlurmSpec) -> tuple[Any, 
     remove_logs(logs.parent, keep=logs)
     from datatrove.executor.slurm import SlurmPipelineExecutor
 
-    from data.scale_steps import PreprocessMerge, PreprocessShare
+    from data.preprocess.scale_steps import PreprocessMerge, PreprocessShare
 
     node_cfg = dataclasses.replace(cfg, num_proc=spec.cpus_per_task)
     common = {

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from data.batch import collate
-from data.dataset import PackedDomains
+from data.store.batch import collate
+from data.store.dataset import PackedDomains
 
 
 def validation_items(

@@ -1,10 +1,10 @@
 """`doremi preprocess` as datatrove pipeline steps (issue 42 item 2: datatrove's executors, local,
 SLURM or Ray, are the field's tool to spread tokenizing over many machines; the optional extra
-`[scale]`). This module imports datatrove; data/scale.py imports it only once datatrove is known
+`[scale]`). This module imports datatrove; data/preprocess/scale.py imports it only once datatrove is known
 to be installed.
 
 The steps only call our own build: datatrove rank r of `world_size` runs share r of the build's
-per-(domain, file) tasks (data.preprocess.preprocess_share: our readers, our tokenizer, our part
+per-(domain, file) tasks (data.preprocess.preprocess.preprocess_share: our readers, our tokenizer, our part
 files and finished-task markers), and the merge step runs `preprocess` (the tasks still missing,
 the stores, the manifest last). So the stores' bytes are those of one process whatever executor
 ran the shares; datatrove adds its scheduling, logs and per-rank completion records, which skip a
@@ -18,7 +18,7 @@ from typing import Any
 from datatrove.pipeline.base import PipelineStep
 
 from data.config import DataConfig
-from data.preprocess import preprocess, preprocess_share
+from data.preprocess.preprocess import preprocess, preprocess_share
 
 
 class _BuildStep(PipelineStep):

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from data.bos import bos_token, without_bos
 from data.config import TokenizerConfig
 from data.errors import DataError
+from data.tokenizer.bos import bos_token, without_bos
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TEXT = "<|endoftext|>"
@@ -52,7 +52,7 @@ def _sha256(text: str) -> str:
 
 def flat_with_eos(arrays: list[np.ndarray], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """(the documents' ids with `eos_id` after each, as one `dtype` array; tokens per document,
-    EOS included): what a store appends (data.store.SplitWriter)."""
+    EOS included): what a store appends (data.store.store.SplitWriter)."""
     eos = np.array([eos_id], dtype=dtype)
     parts = []
     for a in arrays:
@@ -111,7 +111,7 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A `tokenizers.Tokenizer`, encoding without added special tokens except the BOS that its
-    post-processor puts first (`bos_id`; data.bos): what the model sees in the stores is what
+    post-processor puts first (`bos_id`; data.tokenizer.bos): what the model sees in the stores is what
     transformers gives with the exported tokenizer."""
 
     kind = "hf"
@@ -188,7 +188,7 @@ def _find_eos(tok: Any, wanted: str | None, where: str) -> int:
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     """Byte-level BPE (GPT-2 pre-tokenization, all 256 bytes in the alphabet so that any text
     round-trips), EOS `<|endoftext|>` = id 0, trained on `texts` (the caller chooses and caps
-    them: `data.preprocess.tokenizer_training_texts`)."""
+    them: `data.preprocess.preprocess.tokenizer_training_texts`)."""
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -233,7 +233,7 @@ def build_tokenizer(
     cfg: TokenizerConfig, texts_for_training: Iterable[str] | None = None
 ) -> ByteTokenizer | HFTokenizer:
     """The tokenizer that `cfg` asks for; `bpe` trains on `texts_for_training`. With
-    `add_bos: false`, a `file`/`hf` tokenizer's BOS-adding template is removed (data.bos)."""
+    `add_bos: false`, a `file`/`hf` tokenizer's BOS-adding template is removed (data.tokenizer.bos)."""
     tok = _build_tokenizer(cfg, texts_for_training)
     if isinstance(tok, HFTokenizer) and tok.bos_id is not None and not cfg.add_bos:
         from tokenizers import Tokenizer as RawTokenizer
@@ -288,7 +288,7 @@ def save_tokenizer(tok: ByteTokenizer | HFTokenizer, path: Path) -> None:
 
 def load_tokenizer(store_dir: str | Path) -> ByteTokenizer | HFTokenizer:
     """The tokenizer saved with the stores in `store_dir`, checked against the manifest."""
-    from data.store import read_manifest
+    from data.store.store import read_manifest
 
     store = Path(store_dir)
     identity = read_manifest(store).tokenizer

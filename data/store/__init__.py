@@ -1,0 +1,2 @@
+"""The token stores and what reads them: the format and manifest, packed sequences, batches,
+validation."""
