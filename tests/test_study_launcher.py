@@ -134,4 +134,7 @@ def test_finished_runs_on_other_stores_are_named(launcher, tmp_path):
         },
     )
     line = launcher.stores_mismatch(folder, stores)
-    assert line == f"{stores}: stores fingerprint {'f' * 16}, but finished runs were trained on {'a' * 16} (natural-seed1, uniform-seed1)"
+    assert (
+        line
+        == f"{stores}: stores fingerprint {'f' * 16}, but finished runs were trained on {'a' * 16} (natural-seed1, uniform-seed1)"
+    )
