@@ -32,6 +32,7 @@ import csv
 import io
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ import numpy as np
 from data import artifact
 from data.atomic import atomic_write_text
 from data.progress import Countdown
+from data.sampling.mixtures import SEQUENCE_SLACK
 from data.sampling.weights import resolve_weights
 from data.store.store import Manifest, read_manifest
 from doremi.config import ExperimentConfig
@@ -55,6 +57,7 @@ from doremi.offline.fit.design import (
     smoothed_one_hot_design,
 )
 from doremi.outputs.fingerprint import fingerprint, stage_keys
+from trainer.feed.data_feed import pool_sizes
 from trainer.records import run_dir as rundir
 from trainer.records.metrics import read_jsonl
 
@@ -85,13 +88,41 @@ NOT_RESULT_KEYS = (
 )
 
 
+def sequence_caps(
+    pools: Sequence[int], run_sequences: int, max_epochs: float, domains: Sequence[str], key: str
+) -> np.ndarray:
+    """Per-domain weight caps under which a run of `run_sequences` sequences reads no domain more
+    than `max_epochs` epochs, counted as the run realises them: sequences over its sampler's
+    pools (trainer/feed/data_feed.py `pool_sizes`), with the exact sampler's slack of one
+    sequence: u_i = min(1, max(max_epochs * pool_i - 1, 0) / run_sequences), the cap a main run
+    applies under `data.max_epochs` (data/sampling/mixtures.py `sequence_capped`). A cap counted
+    in tokens let a small domain read 2.16 epochs under `sweep.max_epochs: 2` (the pools hold
+    fewer tokens than the domains). A domain whose pool cannot give one sequence within the cap
+    is refused, naming `key`."""
+    short = [i for i, n in enumerate(pools) if max_epochs * n <= SEQUENCE_SLACK]
+    if short:
+        i = short[0]
+        raise DoReMiError(
+            f"{key} {max_epochs:g}: domain {domains[i]!r}'s sampler pool holds {pools[i]} sequences, too few to "
+            "read any within the cap"
+        )
+    return epoch_caps(pools, run_sequences, max_epochs, slack=SEQUENCE_SLACK)
+
+
+def run_sequences(cfg: ExperimentConfig) -> int:
+    """Sequences a run of `cfg` draws: train.steps x train.global_batch_size."""
+    return cfg.train.steps * cfg.train.global_batch_size
+
+
 def design(cfg: ExperimentConfig, manifest: Manifest) -> Design:
-    """The sweep's mixtures: its designs in the configured order, each within the epoch caps of
-    the run's token budget when `sweep.max_epochs` is set."""
+    """The sweep's mixtures: its designs in the configured order, each within `sequence_caps`
+    of a sweep run when `sweep.max_epochs` is set."""
     s, k = cfg.sweep, len(manifest.domains)
     check_design_keys(cfg, k)
-    tokens = [d.train.tokens for d in manifest.domains]
-    caps = epoch_caps(tokens, cfg.budget_tokens, s.max_epochs) if s.max_epochs is not None else None
+    caps = None
+    if s.max_epochs is not None:
+        pools = pool_sizes(cfg.data)
+        caps = sequence_caps(pools, run_sequences(cfg), s.max_epochs, manifest.domain_names, "sweep.max_epochs")
     parts = []
     for name in s.designs:
         if name == "dirichlet":
