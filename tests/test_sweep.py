@@ -1,10 +1,12 @@
 """`doremi sweep` (doremi/offline/sweep.py): the tables of a sweep killed mid-way and resumed equal an
-uninterrupted sweep's; a sweep directory made under other keys is refused with the keys named;
-stacked runs give the tables of runs one by one."""
+uninterrupted sweep's; a sweep directory made under other keys is refused with the keys named, and
+one made under another design with the first mixture that differs; stacked runs give the tables
+of runs one by one; the design and a fit's proposal are capped in the sequences a run reads."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -238,6 +240,42 @@ def test_the_design_is_capped_in_sequences_over_the_pools_and_no_run_reads_past_
     assert read_old.max() == pytest.approx(840 / 642, abs=1 / 642)  # a grid row of 0.7 on noise
     assert read_new.max() <= 1.0
     assert read_new.max() >= 600 / 642  # the grid's 0.5 on noise: the caps do not bind below them
+
+
+def test_a_sweep_made_under_another_design_is_refused_and_start_over_moves_it(stores, tmp_path, monkeypatch, capsys):
+    """The directory of a sweep whose design was drawn under the token caps, resumed with the same
+    keys: refused with one line naming it and the first mixture that differs, nothing touched;
+    `checkpoint.start_over: true` moves it aside and starts the design computed now."""
+    import json
+
+    from data.store.store import read_manifest
+    from doremi.offline import sweep
+
+    root = tmp_path / "sweep"
+    path = config_path(stores, tmp_path / "cfg")
+    cfg = config(stores, tmp_path / "cfg", *sweep_sets(root, *CAPPED))
+    manifest = read_manifest(cfg.data.store_dir)
+    with monkeypatch.context() as m:
+        m.setattr(sweep, "sequence_caps", lambda *args: token_caps(cfg, manifest))
+        sweep.Sweep(cfg).open()  # the directory as the sweep made it before its caps counted sequences
+
+    def files() -> dict[Path, bytes]:
+        return {p: p.read_bytes() for p in root.iterdir() if p.name != ".lock"}  # the lock: rundir.locked's
+
+    before = files()
+    args = [a for s in sweep_sets(root, *CAPPED) for a in ("--set", s)]
+    assert main(["sweep", str(path), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{root}: its saved design differs from the one these keys give now (" in err[0]
+    assert re.search(r"\(\d+ mixtures saved, \d+ now; \d+ differ, the first run \d+: \w+ [0-9.e-]+ saved, ", err[0])
+    assert err[0].endswith(" now) (checkpoint.start_over: true moves it aside)")
+    assert files() == before
+    again = config(stores, tmp_path / "cfg", *sweep_sets(root, *CAPPED, "checkpoint.start_over=true"))
+    fresh = sweep.Sweep(again)
+    fresh.open()
+    assert f"{root}: checkpoint.start_over: the previous sweep was moved to " in capsys.readouterr().out
+    assert json.loads((root / "sweep.json").read_text())["design"] == json.loads(json.dumps(fresh.design.rows()))
+    sweep.Sweep(cfg).open()  # the same design again: accepted
 
 
 def test_a_fit_caps_its_proposal_in_the_main_runs_sequences(stores, whole, tmp_path):
