@@ -169,9 +169,10 @@ class DataConfig:
     # `uniform`, `tokens` (proportional to train tokens), a weights JSON path, or a list of
     # values in domain order / a mapping from domain name to value.
     domain_weights: Weights = "uniform"
-    # No domain is read more than this many epochs of its train tokens: the main run's mixture
-    # (`domain_weights`) is capped at max_epochs x tokens / budget, the excess spread over the
-    # other domains in proportion (data/sampling/mixtures.py epoch_capped); None: the mixture as given.
+    # No domain is read more than this many epochs of its sampler pool (its train sequences less
+    # the holdout): the main run's mixture (`domain_weights`) is capped at (max_epochs x pool - 1)
+    # / (steps x batch), the excess spread over the other domains in proportion
+    # (data/sampling/mixtures.py sequence_capped); None: the mixture as given.
     max_epochs: float | None = None
     # Seed of the sampler's draw order.
     seed: int = 0

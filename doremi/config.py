@@ -72,8 +72,9 @@ class SweepConfig:
     temperature: float = 1.0
     # A mixture with a nonzero weight below this is drawn again.
     min_weight: float = 0.0
-    # No run reads a domain more than this many epochs (weights capped at max_epochs x tokens /
-    # the run's budget); None: no cap.
+    # No run reads a domain more than this many epochs, counted as a run reads them: weights
+    # capped at (max_epochs x pool - 1) / (steps x batch), the pool being the domain's train
+    # sequences less the holdout (doremi/offline/sweep.py sequence_caps); None: no cap.
     max_epochs: float | None = None
     # The grid design's resolution.
     grid_steps: int = 4
@@ -151,9 +152,9 @@ class FitConfig:
     simulations: int = 100_000
     # ... and how many with the best predicted loss are averaged into the proposal.
     top_k: int = 128
-    # The proposal reads no domain more than this many epochs of the main run's token budget
-    # (in `doremi pipeline`, pipeline.main's train section; with `doremi fit`, this config's);
-    # None: no cap.
+    # The proposal reads no domain more than this many epochs in the main run (in `doremi
+    # pipeline`, pipeline.main's; with `doremi fit`, this config's), counted as that run reads
+    # them: sequences over its pools, as sweep.max_epochs; None: no cap.
     max_epochs: float | None = None
     # Folds of the held-out evaluation (rank correlation and error on runs the fit did not see).
     folds: int = 5

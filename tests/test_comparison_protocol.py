@@ -22,7 +22,6 @@ from doremi.study.comparison.epochs import (
     corpus_multiple,
     epochs_read,
     over_the_rule,
-    sweep_token_cap,
 )
 from doremi.study.comparison.protocol import (
     CORPUS,
@@ -342,11 +341,15 @@ TOKENS, POOLS, SEQ, RUN = (1000, 3000, 6000), (9, 28, 58), 100, 40
 
 
 def test_the_epoch_arithmetic_on_a_small_table():
+    from doremi.offline.fit.design import epoch_caps
+    from doremi.offline.sweep import sequence_caps
+
     assert epochs_read((0.5, 0.25, 0.25), POOLS, RUN).tolist() == pytest.approx([20 / 9, 10 / 28, 10 / 58])
-    # (2 pool - 1) x seq / tokens = 1.7, 1.8333, 1.9167: the smallest
-    assert sweep_token_cap(TOKENS, POOLS, SEQ, 2.0) == 1.7
+    # the sweep's caps: min(1, (2 pool - 1) / 40) = 0.425, 1, 1; in tokens a's would be 2 x 1000 / 4000 = 0.5
+    assert sequence_caps(POOLS, RUN, 2.0, "abc", "sweep.max_epochs").tolist() == [0.425, 1.0, 1.0]
+    assert epoch_caps(TOKENS, RUN * SEQ, 2.0)[0] == 0.5
     assert over_the_rule([(0.5, 0.25, 0.25), (0.2, 0.4, 0.4)], "abc", POOLS, RUN, 2.0) == ["row 0: a 2.3333 epochs"]
-    # a: (0.425 x 40 + 1) / 9 = 2.0 exactly, within; the token cap's largest weight for a
+    # a: (0.425 x 40 + 1) / 9 = 2.0 exactly, within; the sequence cap's largest weight for a
     assert over_the_rule([(0.425, 0.3, 0.275)], "abc", POOLS, RUN, 2.0) == []
     assert capacity_multiple((1 / 3, 1 / 3, 1 / 3), POOLS, RUN, 2.0) == pytest.approx(2 * 9 / (40 / 3))
     assert corpus_multiple(POOLS, RUN, 2.0) == pytest.approx(2 * 95 / 40)
@@ -355,7 +358,7 @@ def test_the_epoch_arithmetic_on_a_small_table():
 def test_the_sweep_reads_no_domain_beyond_two_epochs():
     s = PROTOCOL.sweep
     assert (s.runs, s.designs, s.prior, s.stacked, s.run_sequences) == (64, ("dirichlet",), "tokens", True, 96_000)
-    assert s.max_epochs == 1.8531  # prose: (2 x 6467 - 1) x 1024 / 7146528 = 1.85313
+    assert s.max_epochs == DESIGN.guardrails.max_epochs == 2.0  # the sweep caps in sequences, as runs read
     check_sweep(PROTOCOL, seeds_for(6))
     # no one-hot run fits: the largest pool, c's, holds 0.8156 of a run at 2 epochs
     assert max(2 * p / s.run_sequences for p in CORPUS.pools) == pytest.approx(2 * 39148 / 96_000)

@@ -255,6 +255,15 @@ def test_dirichlet_design_caps_minimum_determinism():
     assert json.dumps(d.rows()[0])
 
 
+def test_epoch_caps_keep_their_slack():
+    """A sweep counts its caps in sequences over its pools, with one of slack (the exact sampler's
+    realised count may run one past the nominal one): (2 x 9 - 1) / 40 = 0.425; a pool too small
+    to give a sequence within the slack gets a cap of 0."""
+    assert epoch_caps([9, 28, 58], budget_tokens=40, max_epochs=2.0, slack=1.0).tolist() == [0.425, 1.0, 1.0]
+    assert epoch_caps([1, 80], budget_tokens=40, max_epochs=0.5, slack=1.0).tolist() == [0.0, 39 / 40]
+    assert epoch_caps([9, 28, 58], budget_tokens=40, max_epochs=2.0).tolist() == [0.45, 1.0, 1.0]
+
+
 @pytest.mark.parametrize(
     "kwargs, weights_sha, params_sha",
     [
@@ -370,6 +379,7 @@ def _one_line(exc: pytest.ExceptionInfo) -> None:
         (lambda: dirichlet_design([0.9, 0.1], 4, seed=0, caps=[0.505, 0.5], max_draws=20), "within the caps"),
         (lambda: grid_design(1, 4), "k:"),
         (lambda: epoch_caps([1, 2], budget_tokens=0, max_epochs=1), "budget_tokens"),
+        (lambda: epoch_caps([1, 2], budget_tokens=1, max_epochs=1, slack=-1), "slack"),
         (
             lambda: propose_regmix(
                 fit_regressor(sweep(8), np.ones(8), "ridge"), UNIFORM, options=RegMixOptions(100, 200)

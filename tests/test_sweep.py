@@ -1,10 +1,12 @@
 """`doremi sweep` (doremi/offline/sweep.py): the tables of a sweep killed mid-way and resumed equal an
-uninterrupted sweep's; a sweep directory made under other keys is refused with the keys named;
-stacked runs give the tables of runs one by one."""
+uninterrupted sweep's; a sweep directory made under other keys is refused with the keys named, and
+one made under another design with the first mixture that differs; stacked runs give the tables
+of runs one by one; the design and a fit's proposal are capped in the sequences a run reads."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -171,3 +173,140 @@ def test_fit_of_too_few_runs_is_one_line(stores, whole, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["doremi fit: error: mixing law: 3 runs are too few for 3 domains; expected at least 5"]
     assert not (root / "mixing_law.json").exists()
+
+
+# -- the caps of sweep.max_epochs, in the unit a run reads -------------------------------------------
+
+#: A sweep whose runs read more than a pool: 150 steps x 8 = 1200 sequences, pools of 642, 642 and
+#: 1484 sequences (26955, 26955, 53909 train tokens at seq_len 32, 200 held out each). At 1 epoch
+#: the caps in sequences are (642 - 1) / 1200 = 0.534 for noise and easy; counted in tokens they
+#: were 26955 / (1200 x 32) = 0.702, which lets a run read 1.31 epochs of noise.
+CAPPED = (
+    "data.holdout_sequences=200",
+    "train.steps=150",
+    "sweep.max_epochs=1",
+    "sweep.designs=[dirichlet, grid, one_hot]",
+    "sweep.grid_steps=10",
+    "sweep.runs=32",
+)
+
+
+def token_caps(cfg, manifest) -> np.ndarray:
+    """The caps `doremi sweep` drew its design under before it counted sequences: train tokens
+    over the run's token budget."""
+    from doremi.offline.fit.design import epoch_caps
+
+    return epoch_caps([d.train.tokens for d in manifest.domains], cfg.budget_tokens, cfg.sweep.max_epochs)
+
+
+def realised_epochs(cfg, weights: np.ndarray) -> np.ndarray:
+    """[n, k]: the epochs each run's sampler reads over the run, built as a stacked sweep run
+    builds it (trainer/stacked/feed.py over trainer/feed/data_feed.py's pools) and drawn for every
+    step of the run."""
+    from data.sampling.weights import resolve_weights
+    from trainer.feed.data_feed import DataFeed
+    from trainer.parallel.context import ParallelContext
+    from trainer.stacked.feed import StackedFeed
+
+    t = cfg.train
+    feed = DataFeed(cfg.data, t.global_batch_size, t.micro_batches, ParallelContext.single(), seed=cfg.data.seed)
+    rows = np.stack([resolve_weights(row.tolist(), feed.manifest) for row in weights])
+    stacked = StackedFeed(feed, rows, t.micro_batches)
+    for sampler, w in zip(stacked.samplers, stacked.weights):
+        for step in range(t.steps):
+            sampler.global_batch(step, w)
+    return np.array([s.epochs() for s in stacked.samplers])
+
+
+def test_the_design_is_capped_in_sequences_over_the_pools_and_no_run_reads_past_the_cap(stores, tmp_path, monkeypatch):
+    from data.store.store import read_manifest
+    from doremi.offline import sweep
+    from trainer.feed.data_feed import pool_sizes
+
+    cfg = config(stores, tmp_path / "cfg", *sweep_sets(tmp_path / "sweep", *CAPPED))
+    manifest = read_manifest(cfg.data.store_dir)
+    assert [d.train.tokens for d in manifest.domains] == [26955, 26955, 53909]
+    assert pool_sizes(cfg.data) == [642, 642, 1484]
+    caps = sweep.sequence_caps([642, 642, 1484], 1200, 1.0, manifest.domain_names, "sweep.max_epochs")
+    assert caps.tolist() == [641 / 1200, 641 / 1200, 1.0]
+    new = sweep.design(cfg, manifest)
+    assert np.all(new.weights <= caps + 1e-6)
+    assert new.names.count("one_hot") == 1 and new.weights[new.names.index("one_hot")].tolist() == [0.0, 0.0, 1.0]
+    monkeypatch.setattr(sweep, "sequence_caps", lambda *args: token_caps(cfg, manifest))
+    old = sweep.design(cfg, manifest)
+    # the grid rows with 0.6 or 0.7 on noise or easy: within the token caps, beyond the pools
+    assert old.names.count("grid") - new.names.count("grid") == 18
+    read_old, read_new = realised_epochs(cfg, old.weights), realised_epochs(cfg, new.weights)
+    assert read_old.max() == pytest.approx(840 / 642, abs=1 / 642)  # a grid row of 0.7 on noise
+    assert read_new.max() <= 1.0
+    assert read_new.max() >= 600 / 642  # the grid's 0.5 on noise: the caps do not bind below them
+
+
+def test_a_sweep_made_under_another_design_is_refused_and_start_over_moves_it(stores, tmp_path, monkeypatch, capsys):
+    """The directory of a sweep whose design was drawn under the token caps, resumed with the same
+    keys: refused with one line naming it and the first mixture that differs, nothing touched;
+    `checkpoint.start_over: true` moves it aside and starts the design computed now."""
+    import json
+
+    from data.store.store import read_manifest
+    from doremi.offline import sweep
+
+    root = tmp_path / "sweep"
+    path = config_path(stores, tmp_path / "cfg")
+    cfg = config(stores, tmp_path / "cfg", *sweep_sets(root, *CAPPED))
+    manifest = read_manifest(cfg.data.store_dir)
+    with monkeypatch.context() as m:
+        m.setattr(sweep, "sequence_caps", lambda *args: token_caps(cfg, manifest))
+        sweep.Sweep(cfg).open()  # the directory as the sweep made it before its caps counted sequences
+
+    def files() -> dict[Path, bytes]:
+        return {p: p.read_bytes() for p in root.iterdir() if p.name != ".lock"}  # the lock: rundir.locked's
+
+    before = files()
+    args = [a for s in sweep_sets(root, *CAPPED) for a in ("--set", s)]
+    assert main(["sweep", str(path), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{root}: its saved design differs from the one these keys give now (" in err[0]
+    assert re.search(r"\(\d+ mixtures saved, \d+ now; \d+ differ, the first run \d+: \w+ [0-9.e-]+ saved, ", err[0])
+    assert err[0].endswith(" now) (checkpoint.start_over: true moves it aside)")
+    assert files() == before
+    again = config(stores, tmp_path / "cfg", *sweep_sets(root, *CAPPED, "checkpoint.start_over=true"))
+    fresh = sweep.Sweep(again)
+    fresh.open()
+    assert f"{root}: checkpoint.start_over: the previous sweep was moved to " in capsys.readouterr().out
+    assert json.loads((root / "sweep.json").read_text())["design"] == json.loads(json.dumps(fresh.design.rows()))
+    sweep.Sweep(cfg).open()  # the same design again: accepted
+
+
+def test_a_fit_caps_its_proposal_in_the_main_runs_sequences(stores, whole, tmp_path):
+    """`fit.max_epochs` counts what the main run will read: sequences over its pools, one of
+    slack, so that run reads the proposal unchanged under `data.max_epochs`. At 0.4347 epochs of
+    a main run of 1200 sequences over pools of 642, 642 and 1484 the caps, (0.4347 pool - 1) /
+    1200, sum to 1.0002: every proposal sits at them. Counted in tokens they were 0.305, 0.305,
+    0.610, and noise at 0.305 reads (0.305 x 1200 + 1) / 642 = 0.57 epochs."""
+    import json
+
+    from data.sampling.mixtures import sequence_capped
+
+    path = config_path(stores, tmp_path / "cfg")
+    out = tmp_path / "fit.json"
+    max_epochs, pools = 0.4347, [642, 642, 1484]
+    caps = [(max_epochs * n - 1) / 1200 for n in pools]
+    main_run = CAPPED[:2]  # 150 steps x 8 sequences, 200 held out of each domain
+    sets = [
+        *sweep_sets(whole),
+        *main_run,
+        f"fit.max_epochs={max_epochs}",
+        "fit.folds=2",
+        "fit.mixing_law.variant=direct",
+    ]
+    args = [a for s in sets for a in ("--set", s)]
+    assert main(["fit", str(path), "--method", "mixing_law", "--out", str(out), *args]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["caps"] == pytest.approx(caps, rel=0, abs=1e-15)
+    assert doc["caps_counted"] == {"unit": "sequences", "pools": pools, "run_sequences": 1200, "slack": 1.0}
+    assert np.all(np.array(doc["weights"]) <= np.array(caps) + 1e-9) and sum(caps) - 1 < 3e-4
+    run = config(stores, tmp_path / "main", *main_run, f"data.max_epochs={max_epochs}")
+    assert realised_epochs(run, np.array([doc["weights"]])).max() <= max_epochs
+    read = sequence_capped(doc["weights"], pools, 1200, max_epochs)
+    np.testing.assert_allclose(read, doc["weights"], rtol=0, atol=1e-12)  # the main run's cap moves nothing

@@ -191,16 +191,22 @@ def epoch_capped(
     return w
 
 
+#: Sequences a domain's realised count may run past its nominal one under the exact sampler
+#: (data/sampling/apportion.py: within one sequence under fixed weights): the slack every epoch
+#: cap counted in sequences keeps, so that the realised epochs never pass the cap.
+SEQUENCE_SLACK = 1.0
+
+
 def sequence_capped(
     weights: Sequence[float] | np.ndarray, pools: Sequence[int], run_sequences: int, max_epochs: float
 ) -> np.ndarray:
     """`data.max_epochs` as a run realises it: epochs are sequences drawn over the domain's pool
-    (its packed train sequences less the holdout, data/sampling/sampler.py `epochs`), not tokens: a
-    pool's sequences hold fewer tokens than the domain (each document's tail shorter than a
-    window is dropped), and a cap counted in tokens let a study's domain read 2.08 epochs under
-    `max_epochs: 2`. The exact sampler's count stays within one sequence of the nominal one, so
-    the cap keeps one sequence of slack: the realised epochs never pass `max_epochs`."""
-    return epoch_capped(weights, pools, run_sequences, max_epochs, slack=1.0)
+    (its packed train sequences less the holdout, trainer/feed/data_feed.py `pool_sizes`), not
+    tokens: a pool's sequences hold fewer tokens than the domain (the holdout, and the stream's
+    tail shorter than a window), and a cap counted in tokens let a study's domain read 2.08
+    epochs under `max_epochs: 2`. The exact sampler's count stays within one sequence of the
+    nominal one, so the cap keeps `SEQUENCE_SLACK`: the realised epochs never pass `max_epochs`."""
+    return epoch_capped(weights, pools, run_sequences, max_epochs, slack=SEQUENCE_SLACK)
 
 
 def named_weights(

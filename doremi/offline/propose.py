@@ -9,7 +9,8 @@ regressor and top-k average in doremi/methods/regmix/, data mixing laws' law and
 step/size-law extrapolation in doremi/methods/mixing_law/). A fit that draws around the sweep's
 prior (`fit_reads_prior`) gets it once checked to be the sweep's; one that extrapolates to the
 main run (`fit_reads_main_size`) gets the sizes, tokens and curves. Every proposal keeps every
-weight within `fit.max_epochs` epochs of the main run's token budget.
+domain within `fit.max_epochs` epochs of the main run, counted as that run reads them (sequences
+over its sampler's pools, doremi/offline/sweep.py `sequence_caps`).
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ import numpy as np
 
 from data import artifact
 from data.preprocess.preprocess import check_stores_match
+from data.sampling.mixtures import SEQUENCE_SLACK
 from data.sampling.weights import resolve_weights
 from data.store.store import read_manifest
 from doremi.config import ExperimentConfig
 from doremi.errors import DoReMiError
 from doremi.methods import registry
-from doremi.offline.fit.design import epoch_caps
 from doremi.offline.fit.table import FitResult, SweepTable
 from doremi.offline.provenance import proposal_provenance, write_proposal
-from doremi.offline.sweep import SWEEP_FILE, final_table, loss_curves, sweep_keys
+from doremi.offline.sweep import SWEEP_FILE, final_table, loss_curves, run_sequences, sequence_caps, sweep_keys
+from trainer.feed.data_feed import pool_sizes
 from trainer.model.flops import non_embedding_params
 from trainer.records.run_dir import changed_keys
 
@@ -44,11 +46,14 @@ def propose(
     budget: int | None = None,
     allow_unfinished: bool = False,
     main_params: float | None = None,
+    main: ExperimentConfig | None = None,
 ) -> Path:
     """Fit `method` to the sweep in `sweep_dir` (default `sweep.run_dir`) and write its mixture
-    to `out`. `budget`: the token budget of the run the mixture is for (default the config's),
-    against which `fit.max_epochs` caps the weights and to which the mixing law's step law
-    extrapolates; `main_params`: that run's model size (default the config's model's)."""
+    to `out`. `main`: the config of the run the mixture is for (default `cfg`): `fit.max_epochs`
+    caps the weights in its unit, sequences over its sampler's pools (`sequence_caps`, the cap
+    that run applies under `data.max_epochs`, so that it reads the proposal unchanged);
+    `budget`: its token budget (default `main`'s), to which the mixing law's step law
+    extrapolates; `main_params`: its model size (default `main`'s model's)."""
     offline = registry.names(registry.OFFLINE)  # the catalog's when called (a test may extend it)
     if method not in offline:
         raise DoReMiError(f"--method: expected one of {', '.join(offline)}, got {method!r}")
@@ -61,8 +66,13 @@ def propose(
     if manifest.domain_names != domains:
         raise DoReMiError(f"{root}: the sweep's domains {domains} are not the stores' {manifest.domain_names}")
     f = cfg.fit
-    budget = budget or cfg.budget_tokens
-    tokens = [d.train.tokens for d in manifest.domains]
+    main = main or cfg
+    budget = budget or main.budget_tokens
+    caps = counted = None
+    if f.max_epochs is not None:
+        pools, sequences = pool_sizes(main.data), run_sequences(main)
+        caps = sequence_caps(pools, sequences, f.max_epochs, domains, "fit.max_epochs")
+        counted = {"unit": "sequences", "pools": pools, "run_sequences": sequences, "slack": SEQUENCE_SLACK}
     n = len(weights)
     folds = min(f.folds, n // 2)
     table = SweepTable(
@@ -70,7 +80,7 @@ def propose(
         weights=weights,
         per_domain=np.stack([losses[d] for d in domains], axis=1),
         target=resolve_weights(f.target, manifest, "fit.target", budget),
-        caps=epoch_caps(tokens, budget, f.max_epochs) if f.max_epochs is not None else None,
+        caps=caps,
         folds=folds,
         skipped=None if folds >= 2 else f"{n} runs are too few for 2 folds",
         budget=budget,
@@ -84,7 +94,7 @@ def propose(
         keys = json.loads((root / SWEEP_FILE).read_text()).get("keys", {})
         table = replace(
             table,
-            main_params=float(main_params or non_embedding_params(cfg.model)),
+            main_params=float(main_params or non_embedding_params(main.model)),
             proxy_params=proxy_params,
             proxy_tokens=int(keys.get("train.steps", cfg.train.steps)) * per_step,
             tokens_per_step=per_step,
@@ -92,7 +102,7 @@ def propose(
         )
     assert spec.fit is not None  # an offline spec has one (MethodSpec.__post_init__)
     result: FitResult = spec.fit(cfg, table)
-    provenance = _provenance(method, table, f, n, result)
+    provenance = _provenance(method, table, f, n, result, counted)
     sources = [artifact.Source("sweep", str(root), made_from.fingerprint)] if made_from else []
     notes = []
     if made_from is not None and made_from.status != "finished":
@@ -100,9 +110,12 @@ def propose(
     return write_proposal(out, domains, result.weights, provenance, sources=sources, notes=notes)
 
 
-def _provenance(method: str, t: SweepTable, f: Any, n: int, result: FitResult) -> dict[str, Any]:
-    """What the weights JSON records of the fit: the method's options, its held-out check, and
-    the sweep it was fitted to (its runs and compute), then the method's own record."""
+def _provenance(
+    method: str, t: SweepTable, f: Any, n: int, result: FitResult, counted: dict[str, Any] | None
+) -> dict[str, Any]:
+    """What the weights JSON records of the fit: the method's options, its held-out check, the
+    sweep it was fitted to (its runs and compute), what its caps count (`caps_counted`: the
+    main run's pools and sequences), then the method's own record."""
     sweep = json.loads((t.root / SWEEP_FILE).read_text())
     return proposal_provenance(
         method=method,
@@ -119,6 +132,7 @@ def _provenance(method: str, t: SweepTable, f: Any, n: int, result: FitResult) -
             "sweep_runs": len(sweep.get("design", [])),
             "compute": sweep.get("compute"),
             "held_out_skipped": result.skipped,
+            "caps_counted": counted,
             **result.record,
         },
     )

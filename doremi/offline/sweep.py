@@ -23,7 +23,9 @@ same losses to rounding. Files under `sweep.run_dir`:
 Tables are rewritten atomically after every finished run (or chunk of stacked runs), so a sweep
 killed mid-way resumes from the runs it finished (a run one by one resumes from its own
 checkpoint) and ends with the same tables as an uninterrupted one. A sweep directory made under
-other keys is refused with the keys named (`checkpoint.start_over: true` moves it aside).
+other keys is refused with the keys named, and one whose saved design is not the one its keys
+give now (the code that draws or caps it changed) with the first mixture that differs
+(`checkpoint.start_over: true` moves either aside).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import csv
 import io
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ import numpy as np
 from data import artifact
 from data.atomic import atomic_write_text
 from data.progress import Countdown
+from data.sampling.mixtures import SEQUENCE_SLACK
 from data.sampling.weights import resolve_weights
 from data.store.store import Manifest, read_manifest
 from doremi.config import ExperimentConfig
@@ -55,6 +59,7 @@ from doremi.offline.fit.design import (
     smoothed_one_hot_design,
 )
 from doremi.outputs.fingerprint import fingerprint, stage_keys
+from trainer.feed.data_feed import pool_sizes
 from trainer.records import run_dir as rundir
 from trainer.records.metrics import read_jsonl
 
@@ -85,13 +90,41 @@ NOT_RESULT_KEYS = (
 )
 
 
+def sequence_caps(
+    pools: Sequence[int], run_sequences: int, max_epochs: float, domains: Sequence[str], key: str
+) -> np.ndarray:
+    """Per-domain weight caps under which a run of `run_sequences` sequences reads no domain more
+    than `max_epochs` epochs, counted as the run realises them: sequences over its sampler's
+    pools (trainer/feed/data_feed.py `pool_sizes`), with the exact sampler's slack of one
+    sequence: u_i = min(1, max(max_epochs * pool_i - 1, 0) / run_sequences), the cap a main run
+    applies under `data.max_epochs` (data/sampling/mixtures.py `sequence_capped`). A cap counted
+    in tokens let a small domain read 2.16 epochs under `sweep.max_epochs: 2` (the pools hold
+    fewer tokens than the domains). A domain whose pool cannot give one sequence within the cap
+    is refused, naming `key`."""
+    short = [i for i, n in enumerate(pools) if max_epochs * n <= SEQUENCE_SLACK]
+    if short:
+        i = short[0]
+        raise DoReMiError(
+            f"{key} {max_epochs:g}: domain {domains[i]!r}'s sampler pool holds {pools[i]} sequences, too few to "
+            "read any within the cap"
+        )
+    return epoch_caps(pools, run_sequences, max_epochs, slack=SEQUENCE_SLACK)
+
+
+def run_sequences(cfg: ExperimentConfig) -> int:
+    """Sequences a run of `cfg` draws: train.steps x train.global_batch_size."""
+    return cfg.train.steps * cfg.train.global_batch_size
+
+
 def design(cfg: ExperimentConfig, manifest: Manifest) -> Design:
-    """The sweep's mixtures: its designs in the configured order, each within the epoch caps of
-    the run's token budget when `sweep.max_epochs` is set."""
+    """The sweep's mixtures: its designs in the configured order, each within `sequence_caps`
+    of a sweep run when `sweep.max_epochs` is set."""
     s, k = cfg.sweep, len(manifest.domains)
     check_design_keys(cfg, k)
-    tokens = [d.train.tokens for d in manifest.domains]
-    caps = epoch_caps(tokens, cfg.budget_tokens, s.max_epochs) if s.max_epochs is not None else None
+    caps = None
+    if s.max_epochs is not None:
+        pools = pool_sizes(cfg.data)
+        caps = sequence_caps(pools, run_sequences(cfg), s.max_epochs, manifest.domain_names, "sweep.max_epochs")
     parts = []
     for name in s.designs:
         if name == "dirichlet":
@@ -174,6 +207,31 @@ def read_table(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def design_change(saved: Any, now: list[dict[str, Any]], domains: Sequence[str]) -> str | None:
+    """What differs between the design a sweep directory saved (sweep.json's `design`) and the
+    one computed now, as a few words naming the first mixture that differs; None when they are
+    the same, or when nothing was saved to compare."""
+    if saved is None:
+        return None
+    now = json.loads(json.dumps(now))  # as sweep.json holds it
+    if not isinstance(saved, list) or not all(isinstance(row, dict) for row in saved):
+        return "its sweep.json's 'design' is not a list of mixtures"
+    differ = [i for i, (a, b) in enumerate(zip(saved, now)) if a != b]
+    if not differ and len(saved) == len(now):
+        return None
+    what = f"its saved design differs from the one these keys give now ({len(saved)} mixtures saved, {len(now)} now"
+    if not differ:
+        return what + ")"
+    i = differ[0]
+    a, b = saved[i], now[i]
+    if a.get("weights") != b.get("weights") and len(a.get("weights") or []) == len(b["weights"]) == len(domains):
+        j = next(j for j, (x, y) in enumerate(zip(a["weights"], b["weights"])) if x != y)
+        first = f"{domains[j]} {a['weights'][j]!r} saved, {b['weights'][j]!r} now"
+    else:
+        first = f"{a.get('design')} {a.get('params')} saved, {b['design']} {b['params']} now"
+    return f"{what}; {len(differ)} differ, the first run {i}: {first})"
+
+
 class Sweep:
     """One sweep directory: its design, its finished runs, and the tables written from them."""
 
@@ -189,20 +247,22 @@ class Sweep:
 
     # -- the directory -----------------------------------------------------------------------
     def open(self) -> None:
-        """Start the directory, or check that the one there was made under the same keys."""
+        """Start the directory, or check that the one there was made under the same keys and
+        holds the same design: the keys fix the design only as long as the code that draws it
+        (and caps it) is unchanged, and a sweep resumed under another design would mix two."""
         path = self.root / SWEEP_FILE
         if path.is_file():
             saved = json.loads(path.read_text())
             if saved.get("fingerprint") != self.fp:
+                why = f"a sweep made under other keys is there: {rundir.changed_keys(saved.get('keys', {}), self.keys)}"
+            else:
+                why = design_change(saved.get("design"), self.design.rows(), self.domains)
+            if why is not None:
                 if self.cfg.checkpoint.start_over:
                     moved = rundir.move_aside(self.root)
                     print(f"{self.root}: checkpoint.start_over: the previous sweep was moved to {moved}", flush=True)
                 else:
-                    raise DoReMiError(
-                        f"{self.root}: a sweep made under other keys is there: "
-                        f"{rundir.changed_keys(saved.get('keys', {}), self.keys)} "
-                        f"(checkpoint.start_over: true moves it aside)"
-                    )
+                    raise DoReMiError(f"{self.root}: {why} (checkpoint.start_over: true moves it aside)")
         self.root.mkdir(parents=True, exist_ok=True)
         self._read_losses()
         self._write()

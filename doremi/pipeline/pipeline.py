@@ -34,7 +34,7 @@ from data.store.store import read_manifest
 from doremi.config import OFFLINE_METHODS, ExperimentConfig
 from doremi.methods.registry import spec
 from doremi.offline.propose import check_fit_quality, describe_quality, fit_quality, propose
-from doremi.offline.sweep import run_sweep, sweep_keys
+from doremi.offline.sweep import run_sequences, run_sweep, sweep_keys
 from doremi.outputs.fingerprint import (  # noqa: F401 (store_fingerprint: imported from here by tests)
     MAIN_IGNORES,
     METHOD_IGNORES,
@@ -63,6 +63,7 @@ from doremi.reports.summary import log_comparison, summarize
 from trainer.config.launch_env import is_launch_main, launch_world_size
 from trainer.config.schema import apply_preset
 from trainer.config.tools import apply_overrides, from_dict, read_yaml, to_dict
+from trainer.feed.data_feed import pool_sizes
 from trainer.model.flops import non_embedding_params
 from trainer.records import run_dir as rundir
 
@@ -399,12 +400,17 @@ class Pipeline:
             "method": name,
             "main budget": budget,
             **({"main params": params} if spec(name).fit_reads_main_size else {}),
+            **(
+                {"main sequences": run_sequences(main), "main pools": pool_sizes(main.data)}
+                if cfg.fit.max_epochs is not None
+                else {}
+            ),
         }
         self._run_stage(
             f"{name}: fit",
             out,
             keys,
-            lambda: str(propose(cfg, name, out, sweep, budget, main_params=params)),
+            lambda: str(propose(cfg, name, out, sweep, budget, main_params=params, main=main)),
             main_only=True,
         )
         tuned = read_weights_file(out)

@@ -24,6 +24,26 @@ from trainer.parallel.context import ParallelContext
 TARGET_DRAWS = 0x7A6E
 
 
+def train_splits(train: PackedDomains, data: DataConfig) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per domain (pool, held): the packed train sequences a run's sampler draws from, and those
+    held back from every run (`data.holdout_sequences`, data/sampling/holdout.py)."""
+    return [
+        holdout_split(train.num_sequences(i), data.holdout_sequences, data.split_seed, name)
+        for i, name in enumerate(train.domains)
+    ]
+
+
+def pool_sizes(data: DataConfig) -> list[int]:
+    """Sequences in each domain's sampler pool of a run under `data`, as `DataFeed` builds it:
+    its train split packed at `data.seq_len` less the holdout. A run reads epochs in this unit
+    (data/sampling/sampler.py), so it is what every epoch cap counts in: `data.max_epochs`
+    (data/sampling/mixtures.py `sequence_capped`), `sweep.max_epochs` and `fit.max_epochs`
+    (doremi/offline/sweep.py `sequence_caps`). A pool holds fewer tokens than its domain: the
+    holdout, and the stream's tail shorter than a window."""
+    train = PackedDomains(open_stores(data.store_dir), "train", data.seq_len)
+    return [len(pool) for pool, _ in train_splits(train, data)]
+
+
 class DataFeed:
     def __init__(
         self,
@@ -43,9 +63,7 @@ class DataFeed:
         self.domains: list[str] = list(self.stores.domains)
         self.train = PackedDomains(self.stores, "train", data.seq_len)
         counts = [self.train.num_sequences(i) for i in range(len(self.domains))]
-        splits = [
-            holdout_split(n, data.holdout_sequences, data.split_seed, name) for n, name in zip(counts, self.domains)
-        ]
+        splits = train_splits(self.train, data)
         self.heldout = [held for _, held in splits]
         self.sampler = DomainBatchSampler(counts, global_batch_size, seed, pools=[pool for pool, _ in splits])
         self.validation_split = data.validation_split

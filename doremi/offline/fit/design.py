@@ -12,8 +12,10 @@ parameters. All are deterministic (random ones from a seed) and pure.
 - `one_hot_design`, `smoothed_one_hot_design`: one domain alone, or 1 - eps on one domain and
   eps / (k - 1) on each of the others.
 
-Caps: `epoch_caps` turns a number of epochs into per-domain upper bounds, weight_i <= max_epochs *
-tokens_i / budget_tokens (RegMix's `MAXIMUM_USAGE`, there applied to the prior: min(15 p_i, 1)).
+Caps: `epoch_caps` turns a number of epochs into per-domain upper bounds, weight_i <= (max_epochs *
+n_i - slack) / budget (RegMix's `MAXIMUM_USAGE`, there applied to the prior: min(15 p_i, 1)); a
+sweep counts n_i and the budget in sequences over its sampler's pools, with one of slack
+(doremi/offline/sweep.py `sequence_caps`).
 """
 
 from __future__ import annotations
@@ -65,9 +67,14 @@ def concat_designs(*designs: Design) -> Design:
     )
 
 
-def epoch_caps(tokens: Sequence[float] | np.ndarray, budget_tokens: float, max_epochs: float) -> np.ndarray:
-    """Per-domain weight caps u_i = min(1, max_epochs * tokens_i / budget_tokens): a run of
-    `budget_tokens` reads domain i at most `max_epochs` times (RegMix's `MAXIMUM_USAGE` bound)."""
+def epoch_caps(
+    tokens: Sequence[float] | np.ndarray, budget_tokens: float, max_epochs: float, slack: float = 0.0
+) -> np.ndarray:
+    """Per-domain weight caps u_i = min(1, max(max_epochs * tokens_i - slack, 0) / budget_tokens):
+    a run of `budget_tokens` reads domain i at most `max_epochs` times (RegMix's `MAXIMUM_USAGE`
+    bound) even when its realised count runs `slack` past the nominal one. The counts may be in
+    any unit the budget is in: a sweep counts sequences over its sampler's pools with one of
+    slack, as a run realises epochs (doremi/offline/sweep.py `sequence_caps`)."""
     n = np.asarray(tokens, dtype=np.float64)
     if n.ndim != 1 or n.size < 2 or not np.all(np.isfinite(n)) or np.any(n <= 0):
         raise FitError(f"tokens: expected a positive count per domain (k >= 2), got {np.asarray(tokens).tolist()}")
@@ -75,7 +82,9 @@ def epoch_caps(tokens: Sequence[float] | np.ndarray, budget_tokens: float, max_e
         raise FitError(f"budget_tokens: expected a positive number, got {budget_tokens}")
     if not (math.isfinite(max_epochs) and max_epochs > 0):
         raise FitError(f"max_epochs: expected a positive number, got {max_epochs}")
-    return np.minimum(1.0, max_epochs * n / budget_tokens)
+    if not (math.isfinite(slack) and slack >= 0):
+        raise FitError(f"slack: expected a number >= 0, got {slack}")
+    return np.minimum(1.0, np.maximum(max_epochs * n - slack, 0.0) / budget_tokens)
 
 
 def _within_caps(w: np.ndarray, caps: np.ndarray) -> np.ndarray:

@@ -1,15 +1,12 @@
 """The 2-epoch rule as arithmetic on a plan, before any run: how many epochs of each domain a
-mixture reads, what token cap keeps a sweep within the rule, and how far a mixture can be
-trained before it breaks it (docs/design.md section 4f; the rule: section 4e's guardrails).
+mixture reads, whether a mixture breaks the rule, and how far a mixture can be trained before it
+does (docs/design.md section 4f; the rule: section 4e's guardrails).
 
 A run draws whole sequences from each domain's pool (its packed train sequences less the
-holdout; data/sampling/sampler.py), so epochs are sequences over the pool, and the exact sampler's count
-stays within one sequence of the nominal one (data/sampling/mixtures.py `sequence_capped`: the cap keeps
-one sequence of slack). A sweep's `sweep.max_epochs` caps weights in tokens instead
-(doremi/offline/fit/design.py `epoch_caps`, over the domains' train tokens), and a pool holds
-fewer tokens than its domain (each document's tail shorter than a window is dropped): a token
-cap of 2 lets a small domain read more than 2 epochs. `sweep_token_cap` is the token cap under
-which no domain can.
+holdout; trainer/feed/data_feed.py `pool_sizes`), so epochs are sequences over the pool, and the
+exact sampler's count stays within one sequence of the nominal one (data/sampling/mixtures.py
+`sequence_capped`: the cap keeps one sequence of slack). A sweep caps its design in the same unit
+(doremi/offline/sweep.py `sequence_caps`), so `sweep.max_epochs` is the rule's own number.
 """
 
 from __future__ import annotations
@@ -18,6 +15,8 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from data.sampling.mixtures import SEQUENCE_SLACK
 
 
 def epochs_read(weights: Sequence[float] | np.ndarray, pools: Sequence[int], run_sequences: int) -> np.ndarray:
@@ -31,7 +30,7 @@ def over_the_rule(
     pools: Sequence[int],
     run_sequences: int,
     max_epochs: float,
-    slack: float = 1.0,
+    slack: float = SEQUENCE_SLACK,
 ) -> list[str]:
     """`row r: <domain> <epochs>` for each mixture (rows of `weights`) and domain whose draw,
     `slack` sequences past the nominal count, would read more than `max_epochs` epochs."""
@@ -43,19 +42,6 @@ def over_the_rule(
         for r, i in zip(*np.nonzero(worst > max_epochs * (1 + 1e-12)))
         if w[r, i] > 0
     ]
-
-
-def sweep_token_cap(
-    tokens: Sequence[int], pools: Sequence[int], seq_len: int, max_epochs: float, slack: float = 1.0
-) -> float:
-    """The largest `sweep.max_epochs` (a cap in train tokens over the run's token budget, as the
-    sweep counts it) under which every domain stays within `max_epochs` epochs of its pool
-    counted in sequences with `slack`: w_i <= E n_i / (N seq_len) implies w_i N + slack <=
-    max_epochs pool_i when E <= (max_epochs pool_i - slack) seq_len / n_i, for every i. Rounded
-    down to 4 decimals (it is written into a config)."""
-    n, p = np.asarray(tokens, dtype=np.float64), np.asarray(pools, dtype=np.float64)
-    exact = float(np.min((max_epochs * p - slack) * seq_len / n))
-    return math.floor(exact * 1e4) / 1e4
 
 
 def capacity_multiple(

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from doremi.study.calibration import GateDecision, decide
-from doremi.study.comparison.epochs import capacity_multiple, corpus_multiple, over_the_rule, sweep_token_cap
+from doremi.study.comparison.epochs import capacity_multiple, corpus_multiple, over_the_rule
 from doremi.study.comparison.price import Measured
 from doremi.study.design import DESIGN, Design, Endpoint, GuardrailRule, Rule, Stage
 from doremi.study.runs import StudyError
@@ -287,10 +287,11 @@ class SweepPlan:
     Its runs have the study's proxy shape and schedule (`stage`), like every other method's
     search. `runs`: LightGBM's two leaves of 20 need 40 runs, and the 5-fold held-out check fits
     on 4/5 of them, so at least 50; 64 is the framework's default. The design is Dirichlet around
-    the natural mixture (RegMix's), capped by `max_epochs` in tokens (`sweep_token_cap`: no run
-    reads a domain beyond the rule's epochs counted in sequences; a cap of 2 in tokens would let
-    prose read 2.16). No one-hot run: at 96,000 sequences a run, no domain holds two epochs of
-    them (c, the largest pool, 39,148 sequences, could take 0.82), so no exemption is needed.
+    the natural mixture (RegMix's), capped at the rule's `max_epochs` in the unit a run reads
+    (sequences over the sampler's pools, one of slack: doremi/offline/sweep.py `sequence_caps`),
+    so no run reads a domain beyond 2 epochs. No one-hot run: at 96,000 sequences a run, no
+    domain holds two epochs of them (c, the largest pool, 39,148 sequences, could take 0.82), so
+    no exemption is needed.
     Stacked (trainer/stacked/), `chunk_size` runs at a time: a stacked chunk stopped at a deadline
     starts again, so a chunk must fit one device call (4 x 76 s one by one); it is not a result
     key (doremi/offline/sweep.py NOT_RESULT_KEYS), so memory may change it at run time. Every
@@ -302,11 +303,7 @@ class SweepPlan:
     runs: int = 64
     designs: tuple[str, ...] = ("dirichlet",)
     prior: str = "tokens"
-    max_epochs: float = field(
-        default_factory=lambda: sweep_token_cap(
-            CORPUS.train_tokens, CORPUS.pools, DESIGN.proxy.schedule.seq_len, DESIGN.guardrails.max_epochs
-        )
-    )
+    max_epochs: float = DESIGN.guardrails.max_epochs
     stacked: bool = True
     chunk_size: int = 4
     eval_points: int = 10
@@ -522,11 +519,13 @@ def check_reused(protocol: Protocol) -> None:
 
 def sweep_mixtures(protocol: Protocol, seed: int) -> np.ndarray:
     """The mixtures seed `seed`'s sweep will train ([runs, k]), as `doremi sweep` draws them
-    from the sweep's keys and the stores (doremi/offline/sweep.py `design`)."""
-    from doremi.offline.fit.design import dirichlet_design, epoch_caps
+    from the sweep's keys and the stores (doremi/offline/sweep.py `design`, its caps
+    `sequence_caps` over the corpus's pools)."""
+    from doremi.offline.fit.design import dirichlet_design
+    from doremi.offline.sweep import sequence_caps
 
     s, c = protocol.sweep, protocol.corpus
-    caps = epoch_caps(c.train_tokens, s.run_sequences * s.stage.schedule.seq_len, s.max_epochs)
+    caps = sequence_caps(c.pools, s.run_sequences, s.max_epochs, c.domains, "sweep.max_epochs")
     return dirichlet_design(c.natural, s.runs, seed=seed, caps=caps).weights
 
 
