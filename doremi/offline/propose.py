@@ -68,11 +68,7 @@ def propose(
     f = cfg.fit
     main = main or cfg
     budget = budget or main.budget_tokens
-    caps = counted = None
-    if f.max_epochs is not None:
-        pools, sequences = pool_sizes(main.data), run_sequences(main)
-        caps = sequence_caps(pools, sequences, f.max_epochs, domains, "fit.max_epochs")
-        counted = {"unit": "sequences", "pools": pools, "run_sequences": sequences, "slack": SEQUENCE_SLACK}
+    caps, counted = _fit_caps(f.max_epochs, main, domains)
     n = len(weights)
     folds = min(f.folds, n // 2)
     table = SweepTable(
@@ -90,16 +86,7 @@ def propose(
         check_prior(cfg, root)
         table = replace(table, prior=resolve_weights(cfg.sweep.prior, manifest, "sweep.prior", budget))
     if spec.fit_reads_main_size:
-        proxy_params, per_step = proxy_of(cfg, root)
-        keys = json.loads((root / SWEEP_FILE).read_text()).get("keys", {})
-        table = replace(
-            table,
-            main_params=float(main_params or non_embedding_params(main.model)),
-            proxy_params=proxy_params,
-            proxy_tokens=int(keys.get("train.steps", cfg.train.steps)) * per_step,
-            tokens_per_step=per_step,
-            curves=lambda: loss_curves(root),
-        )
+        table = _with_sizes(table, cfg, root, float(main_params or non_embedding_params(main.model)))
     assert spec.fit is not None  # an offline spec has one (MethodSpec.__post_init__)
     result: FitResult = spec.fit(cfg, table)
     provenance = _provenance(method, table, f, n, result, counted)
@@ -108,6 +95,33 @@ def propose(
     if made_from is not None and made_from.status != "finished":
         notes.append(f"--allow-unfinished: fitted a sweep that did not finish ({made_from.describe()})")
     return write_proposal(out, domains, result.weights, provenance, sources=sources, notes=notes)
+
+
+def _fit_caps(
+    max_epochs: float | None, main: ExperimentConfig, domains: list[str]
+) -> tuple[np.ndarray | None, dict | None]:
+    """`fit.max_epochs`' caps over the main run's pools and sequences (`sequence_caps`), and how
+    they were counted, for the proposal's provenance; (None, None) without the key."""
+    if max_epochs is None:
+        return None, None
+    pools, sequences = pool_sizes(main.data), run_sequences(main)
+    caps = sequence_caps(pools, sequences, max_epochs, domains, "fit.max_epochs")
+    return caps, {"unit": "sequences", "pools": pools, "run_sequences": sequences, "slack": SEQUENCE_SLACK}
+
+
+def _with_sizes(table: SweepTable, cfg: ExperimentConfig, root: Path, main_params: float) -> SweepTable:
+    """`table` with what the nested laws extrapolate across: the proxies' size and tokens (from
+    the sweep), the main run's size, and the proxies' loss curves (read when the fit asks)."""
+    proxy_params, per_step = proxy_of(cfg, root)
+    keys = json.loads((root / SWEEP_FILE).read_text()).get("keys", {})
+    return replace(
+        table,
+        main_params=main_params,
+        proxy_params=proxy_params,
+        proxy_tokens=int(keys.get("train.steps", cfg.train.steps)) * per_step,
+        tokens_per_step=per_step,
+        curves=lambda: loss_curves(root),
+    )
 
 
 def _provenance(

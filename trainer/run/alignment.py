@@ -307,14 +307,13 @@ def _one_pass(
     (mean loss over domain d's tokens); then the k-pass step's products, norms, clip
     coefficients and weights from G in a few kernels per parameter (`group_gram`, `combine`).
 
-    `g_target` None (`FOLD_TARGET`, docs/design.md section 4c-iii): the target's sequences join
-    the same pass as group k (`_folded_batches`), so g_T = G[k] (no pass of its own, no copy), its
-    clip c_T a coefficient from the Gram matrix, and <G[d], c_T g_T> = c_T <G[d], g_T>. Given,
-    g_T is the target pass's clipped gradient (`_target_gradient`, the form before the fold).
-    Deferred: G is summed over dp, the clip of domain d is the coefficient c_d of its norm,
-    a_d = c_d <G[d], g_T>, and the update sum_d w_d c_d G[d] is written on dp rank 0 (zeros
-    elsewhere), as `_add_deferred` does. Otherwise (g_T alone summed over dp) the weights
-    m_d = `alignment_weight` of the partial products, and sum_d m_d G[d] / sum_d m_d on every rank."""
+    `g_target` None (`FOLD_TARGET`, docs/design.md 4c-iii): the target's sequences join the pass
+    as group k (`_folded_batches`), g_T = G[k] (no pass of its own, no copy), its clip c_T from the
+    Gram matrix, <G[d], c_T g_T> = c_T <G[d], g_T>; given, the target pass's clipped gradient.
+    Deferred: G is summed over dp, domain d clipped by the coefficient c_d of its norm, a_d =
+    c_d <G[d], g_T>, the update sum_d w_d c_d G[d] written on dp rank 0 (zeros elsewhere), as
+    `_add_deferred` does; otherwise (g_T alone summed over dp) sum_d m_d G[d] / sum_d m_d on every
+    rank, m_d = `alignment_weight` of the partial products (`_one_pass_scale`)."""
     spec = hook.needs.alignment
     assert spec is not None
     k = feed.k
@@ -323,11 +322,7 @@ def _one_pass(
     if g_target is None:
         batches, offsets, train_rows, weighting = _folded_batches(feed, spec, step, items, size, signals.tokens, pc)
     else:
-        chunks = [items[j : j + size] for j in range(0, len(items), size)]
-        batches = [collate(feed.train, c, device=pc.device) for c in chunks]
-        offsets = [group_offsets([d for d, _ in c], k) for c in chunks]
-        train_rows = [len(c) for c in chunks]
-        weighting = DomainWeights(torch.ones(k, dtype=torch.float64, device=pc.device), signals.tokens)
+        batches, offsets, train_rows, weighting = _grouped_batches(feed, items, size, signals.tokens, pc)
     _clear(params)
     losses: list[torch.Tensor] = []
     with GroupGrads(model, named_params, k + 1 if g_target is None else k) as gg:
@@ -345,17 +340,8 @@ def _one_pass(
             dist.all_reduce(g if spec.deferred else g[k:], group=pc.dp_group)
     dots, squares, target_square = _alignment_products(grads, g_target, counted, k, spec.deferred, pc)
     c_target = clip_coefficients(target_square.sqrt(), spec.domain_clip) if g_target is None else 1.0
-    if spec.deferred:
-        raw = squares.sqrt()
-        coef = clip_coefficients(raw, spec.domain_clip)
-        norms, alignment = raw * coef, dots * coef * c_target
-        scale = hook.alignment_weights(step, alignment, norms, signals.lr).to(torch.float64) * coef
-        signals.grad_norms = norms
-        zero = pc.dp > 1 and pc.dp_rank != 0
-    else:
-        alignment = dots * c_target
-        m = torch.stack([hook.alignment_weight(step, d, alignment[d], signals.lr).to(torch.float64) for d in range(k)])
-        scale, zero = m / m.sum(), False
+    alignment, scale = _one_pass_scale(hook, step, dots * c_target, squares, signals, k)
+    zero = spec.deferred and pc.dp > 1 and pc.dp_rank != 0
     total = []
     while grads:  # each G freed once combined: at most k + 2 gradient copies at a time
         g = grads.pop(0)[:k]
@@ -365,7 +351,37 @@ def _one_pass(
     return global_stats(losses, batches, k, pc)
 
 
-#: The one-pass step folds the target batch into its pass as group k (docs/design.md section
+def _grouped_batches(
+    feed: DataFeed, items: list[tuple[int, int]], size: int, tokens: torch.Tensor, pc: ParallelContext
+) -> tuple[list[dict], list[tuple[int, ...]], list[int], DomainWeights]:
+    """The one-pass step's micro-batches of this rank's (domain, sequence) items, sorted by
+    domain, without the target (its gradient given): each with its group offsets, all rows
+    training rows, every domain weighted 1 (the per-domain means of `GroupGrads`)."""
+    chunks = [items[j : j + size] for j in range(0, len(items), size)]
+    batches = [collate(feed.train, c, device=pc.device) for c in chunks]
+    offsets = [group_offsets([d for d, _ in c], feed.k) for c in chunks]
+    weighting = DomainWeights(torch.ones(feed.k, dtype=torch.float64, device=pc.device), tokens)
+    return batches, offsets, [len(c) for c in chunks], weighting
+
+
+def _one_pass_scale(
+    hook: MixingHook, step: int, dots: torch.Tensor, squares: torch.Tensor, signals: StepSignals, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alignment, scale of each G[d] in the update) from the products with the clipped target
+    (`dots`) and the squared norms: deferred, each domain clipped by its coefficient c_d and the
+    method's weights of the clipped alignments times c_d (the norms go to `signals`); otherwise
+    the per-domain `alignment_weight`s normalised to sum 1 (docstring of `_one_pass`)."""
+    if hook.needs.alignment.deferred:
+        raw = squares.sqrt()
+        coef = clip_coefficients(raw, hook.needs.alignment.domain_clip)
+        norms, alignment = raw * coef, dots * coef
+        signals.grad_norms = norms
+        return alignment, hook.alignment_weights(step, alignment, norms, signals.lr).to(torch.float64) * coef
+    m = torch.stack([hook.alignment_weight(step, d, dots[d], signals.lr).to(torch.float64) for d in range(k)])
+    return dots, m / m.sum()
+
+
+#: The one-pass step folds the target batch into its pass as group k#: The one-pass step folds the target batch into its pass as group k (docs/design.md section
 #: 4c-iii). False runs the target's own pass first, the form before the fold: the reference
 #: tests/test_doge_one_pass.py compares the folded step with; no config key selects it.
 FOLD_TARGET = True
