@@ -59,8 +59,9 @@ ARMS: dict[str, Arm] = {
     "natref-s2": Arm(2, (), ("mixing.doremi.reference_weights={natural}",)),
 }
 
-#: The comparison of every method of the catalog (doremi/methods/registry.py; issue 21, the design
-#: and its rule: experiments/notes/COMPARISON.md), with the schedules that fit the study's length.
+#: The first plan's comparison of every method of the catalog (doremi/methods/registry.py; issue 21,
+#: its design and rule in experiments/notes/COMPARISON.md as of dc3a74a; superseded by the
+#: pre-registered protocol of doremi/study/comparison/), with the schedules that fit the study's length.
 COMPARE_SETS = (
     f"pipeline.methods=[{', '.join(specs())}]",
     "mixing.doge.target_sequences=30",

@@ -11,7 +11,8 @@ none). Sizes: `1b` (the `bench-1b` preset, plain_llama's `1b`) and `4096` (d_mod
 layers, 32 heads, 8 KV heads, ffn 14336). Acceptance (issue 36): tensorwise >= 1.20x at 1b and
 >= 1.25x at 4096, and not below plain's ratio by more than 0.03.
 
-`train`: the 120M model of experiments/notes/COMPARISON.md (d 896, 12 layers, 14 heads, ffn 2432)
+`train`: the 120M main model of the first real-data study (experiments/results/doremi_real.md;
+d 896, 12 layers, 14 heads, ffn 2432)
 on the quickstart data (the embedded corpus), bf16 and FP8 tensorwise (`--with-head`: and a
 `tensorwise+head` arm, the LM head in FP8 too), `--train-steps` steps
 each from the same seed and batches (`--train-batch` x 512 tokens a step, the token-proportional
@@ -75,7 +76,8 @@ SIZES: dict[str, tuple[str, dict]] = {
     "4096": ("bench-1b", dict(d_model=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336)),
     "smoke": ("tiny", dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)),
 }
-#: The 120M main-run shape of experiments/notes/COMPARISON.md (vocab: the quickstart BPE).
+#: The 120M main-run shape of the first real-data study (experiments/results/doremi_real.md);
+#: vocab: the quickstart BPE.
 MODEL_120M = dict(d_model=896, n_layers=12, n_heads=14, n_kv_heads=14, ffn_dim=2432)
 #: `model.fp8.layers` names -> plain_llama's linear of that role (`--fp8-layers` converts the same in both).
 PLAIN_LINEARS = {"qkv": "wqkv", "proj": "wo", "gate_up": "w_gate_up", "down": "w_down"}
