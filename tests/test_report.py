@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 
 import pytest
+import yaml
 
 from doremi.reports.report import FINAL_LOSS_PNG, VAL_LOSS_PNG, WEIGHTS_PNG, format_table, write_report
 
@@ -250,3 +251,17 @@ def test_closing_summary_fits_100_columns_best_first_against_the_baseline():
         "0/3",
     ]
     assert format_summary({"doremi": [1.0]}, None).splitlines()[1].split() == ["doremi", "1.0000", "1.0000"]
+
+
+def test_setup_table_names_the_proxy_keys_that_change_its_algorithm(tmp_path):
+    from doremi.reports.summary import setup_table
+
+    model = {"d_model": 16, "n_layers": 1, "n_heads": 2, "ffn_dim": 32, "vocab_size": 512}
+    train = {"steps": 4, "global_batch_size": 2, "lr": 0.001, "min_lr": 0.0001, "seed": 3}
+    doremi = {"eta": 1.0, "smoothing": 0.001, "update": "lagged", "reference_fp8": True, "rounds": 1}
+    proxy = tmp_path / "round1" / "proxy"
+    proxy.mkdir(parents=True)
+    cfg = {"model": model, "train": train, "data": {"seq_len": 8}, "mixing": {"doremi": doremi}}
+    (proxy / "config.yaml").write_text(yaml.safe_dump(cfg))
+    table = setup_table(tmp_path)
+    assert table.splitlines()[-1] == "DoReMi: eta 1.0, smoothing 0.001, update lagged, reference_fp8 True, rounds 1."

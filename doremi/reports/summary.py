@@ -41,7 +41,17 @@ def tokens_per_byte(manifest: Manifest) -> list[float | None]:
 
 
 #: The DoReMi keys a reader needs to know what the proxy did (docs/design.md section 4).
-PROXY_KEYS = ("eta", "smoothing", "reference_weights", "proxy_sampling", "mode", "rounds", "average_from_step")
+PROXY_KEYS = (
+    "eta",
+    "smoothing",
+    "reference_weights",
+    "proxy_sampling",
+    "mode",
+    "update",
+    "reference_fp8",
+    "rounds",
+    "average_from_step",
+)
 
 
 def _trained_tokens(run: Path) -> int | None:
