@@ -199,6 +199,7 @@ def test_compiled_stage_under_changing_batch_sizes_matches_eager():
     dev = torch.device("cuda")
     pc = ParallelContext.single(dev)
     torch._dynamo.reset()
+    counters.clear()  # reset() leaves the process-wide counters with the earlier tests' graphs
     models = [Llama(ModelConfig(**{**PRESETS["tiny"], "n_layers": 3}, compile=c), pc=pc, seed=0) for c in (True, False)]
     g = torch.Generator(device=dev).manual_seed(0)
     for b in (4, 2, 3, 5, 1, 6, 4):
@@ -217,7 +218,12 @@ def test_compiled_stage_under_changing_batch_sizes_matches_eager():
 def test_gram_and_row_products_of_bf16_gradients_take_the_fp32_output_gemm():
     """DoGE's one-pass products (trainer/run/alignment.py `rows_gram`, `rows_dot`) on bf16 G
     [k + 1, n] at the 1B embedding's size: one GEMM with an fp32 output (no fallback to the
-    chunked upcast, whose launches cost the step), fp32-accurate against fp64."""
+    chunked upcast, whose launches cost the step), fp32-accurate against fp64: within the error of
+    an fp32 sum of n products, c sqrt(n) 2^-24 sum_k |g_ik g_jk| (c = 4; the ninth session's H100
+    measured 45,782 at the diagonal's 6.5e7, 0.7e-3 relative, c = 1.4, where the earlier rtol 1e-5
+    had asked for more than an fp32 sum over 65M terms gives). The bound is about a bf16 output's
+    rounding of the diagonal (2^-9 relative, 1.3e5 here), so the dtype assertion, not the bound,
+    tells the fp32-output GEMM apart."""
     from trainer.run import alignment
 
     dev = torch.device("cuda")
@@ -225,10 +231,11 @@ def test_gram_and_row_products_of_bf16_gradients_take_the_fp32_output_gemm():
     flat = torch.randn(5, 32000 * 2048, device=dev, generator=g).bfloat16()
     gram, dots = alignment.rows_gram(flat), alignment.rows_dot(flat[:4], flat[4])
     assert not alignment._NO_FP32_OUT and gram.dtype == dots.dtype == torch.float32
-    want = flat.double() @ flat.double().t()
-    atol = 1e-6 * flat.shape[1]  # fp32 accumulation over n terms of size ~1; a bf16 output is 2e-3 relative
-    torch.testing.assert_close(gram.double(), want, rtol=1e-5, atol=atol)
-    torch.testing.assert_close(dots.double(), want[:4, 4], rtol=1e-5, atol=atol)
+    exact = flat.double()
+    want = exact @ exact.t()
+    bound = 4 * flat.shape[1] ** 0.5 * 2.0**-24 * (exact.abs() @ exact.abs().t())
+    assert ((gram.double() - want).abs() <= bound).all(), ((gram.double() - want).abs() / bound).max()
+    assert ((dots.double() - want[:4, 4]).abs() <= bound[:4, 4]).all()
 
 
 if __name__ == "__main__":
