@@ -10,7 +10,7 @@ import numpy as np
 from data.config import DataConfig
 from data.errors import DataError
 from data.preprocess.preprocess import check_stores_match
-from data.sampling.holdout import holdout_split
+from data.sampling.pools import pool_sizes, train_splits
 from data.sampling.sampler import DomainBatchSampler, interleave
 from data.store.batch import collate
 from data.store.dataset import PackedDomains
@@ -23,25 +23,7 @@ from trainer.parallel.context import ParallelContext
 #: Separates the generator of target draws from the sampler's.
 TARGET_DRAWS = 0x7A6E
 
-
-def train_splits(train: PackedDomains, data: DataConfig) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per domain (pool, held): the packed train sequences a run's sampler draws from, and those
-    held back from every run (`data.holdout_sequences`, data/sampling/holdout.py)."""
-    return [
-        holdout_split(train.num_sequences(i), data.holdout_sequences, data.split_seed, name)
-        for i, name in enumerate(train.domains)
-    ]
-
-
-def pool_sizes(data: DataConfig) -> list[int]:
-    """Sequences in each domain's sampler pool of a run under `data`, as `DataFeed` builds it:
-    its train split packed at `data.seq_len` less the holdout. A run reads epochs in this unit
-    (data/sampling/sampler.py), so it is what every epoch cap counts in: `data.max_epochs`
-    (data/sampling/mixtures.py `sequence_capped`), `sweep.max_epochs` and `fit.max_epochs`
-    (doremi/offline/sweep.py `sequence_caps`). A pool holds fewer tokens than its domain: the
-    holdout, and the stream's tail shorter than a window."""
-    train = PackedDomains(open_stores(data.store_dir), "train", data.seq_len)
-    return [len(pool) for pool, _ in train_splits(train, data)]
+__all__ = ["TARGET_DRAWS", "DataFeed", "pool_sizes"]  # pool_sizes: owned by data/sampling/pools.py
 
 
 class DataFeed:
