@@ -120,3 +120,23 @@ def test_a_run_that_needs_more_than_the_pools_hold_is_refused_before_step_0(stor
         f"than train.steps x train.global_batch_size = 12 x 8 = 96; raise data.max_epochs, add data or shorten the run"
     )
     assert not (tmp_path / "odm" / "metrics.jsonl").exists()
+
+
+def test_pipeline_stages_may_set_max_epochs_and_the_stores_do_not_depend_on_it(stores, tmp_path):
+    """`data.max_epochs` changes how a run draws, not the stores: `pipeline.main` and
+    `pipeline.proxy` may set it (the study caps its main runs there) and the preprocess stage's
+    fingerprint does not read it, so changing it rebuilds nothing."""
+    from doremi.outputs.fingerprint import store_keys
+    from doremi.pipeline.pipeline import Pipeline
+    from tests.runs import config_path
+
+    exp = config_path(stores, tmp_path / "run")
+    sets = [
+        f"pipeline.run_dir={tmp_path / 'root'}",
+        "pipeline.main.data.max_epochs=2",
+        "pipeline.proxy.data.max_epochs=3",
+    ]
+    pipe = Pipeline(exp, sets)
+    assert pipe.stage_config(pipe.p.main).data.max_epochs == 2.0
+    assert pipe.stage_config(pipe.p.proxy).data.max_epochs == 3.0
+    assert store_keys(config(stores, tmp_path / "a", "data.max_epochs=2")) == store_keys(config(stores, tmp_path / "b"))
