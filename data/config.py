@@ -169,10 +169,13 @@ class DataConfig:
     # `uniform`, `tokens` (proportional to train tokens), a weights JSON path, or a list of
     # values in domain order / a mapping from domain name to value.
     domain_weights: Weights = "uniform"
-    # No domain is read more than this many epochs of its sampler pool (its train sequences less
-    # the holdout): the main run's mixture (`domain_weights`) is capped at (max_epochs x pool - 1)
-    # / (steps x batch), the excess spread over the other domains in proportion
-    # (data/sampling/mixtures.py sequence_capped); None: the mixture as given.
+    # No run reads a domain more than this many epochs of its sampler pool (its train sequences
+    # less the holdout), whatever chooses its mixture: the sampler stops a domain at
+    # floor(max_epochs x pool) sequences and hands its share to the other domains in proportion
+    # (data/sampling/sampler.py), and a fixed mixture (`domain_weights`) is capped ahead of the
+    # run at (max_epochs x pool - 1) / (steps x batch) the same way (data/sampling/mixtures.py
+    # sequence_capped); a run that needs more than the pools hold at this cap is refused before
+    # step 0. None: no cap.
     max_epochs: float | None = None
     # Seed of the sampler's draw order.
     seed: int = 0

@@ -22,36 +22,48 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
-
 
 def threshold(k: int) -> float:
     """Tijdeman's eligibility threshold 1 / (2k - 2) (0 for a single domain)."""
     return 1.0 / (2 * k - 2) if k > 1 else 0.0
 
 
-def apportion(deficit: Sequence[float], weights: Sequence[float], total: int) -> tuple[list[int], list[float]]:
+def apportion(
+    deficit: Sequence[float], weights: Sequence[float], total: int, room: Sequence[float] | None = None
+) -> tuple[list[int], list[float]]:
     """(counts summing to `total`, deficits after the step) for one step with `weights`
-    (non-negative, summing to 1) and the deficits carried in (summing to 0)."""
+    (non-negative, summing to 1) and the deficits carried in (summing to 0).
+
+    `room`: at most room[i] sequences of domain i this step (the sampler's epoch caps; None: no
+    limit, and their sum must reach `total`). A domain at its room is passed over, so each slot
+    it would have taken goes by the same rule to the domains still open, whose deficits grow with
+    their weights: the freed share is handed out in proportion to the weights; the passed-over
+    domain keeps what it is owed in its deficit. Where no open domain is eligible the slot goes
+    to the open domain owed most. While no room binds the counts are those of no room at all."""
     d = [float(x) for x in deficit]
     w = [float(x) for x in weights]
     k = len(w)
     delta = threshold(k) - 1e-12
     counts = [0] * k
+    full = [room is not None and room[i] <= 0 for i in range(k)]
     for _ in range(total):
         best, key = -1, (math.inf, math.inf, 0)
         for i in range(k):
             d[i] += w[i]
         for i in range(k):
-            if d[i] < delta:
+            if d[i] < delta or full[i]:
                 continue
             cand = ((1.0 - d[i]) / w[i] if w[i] > 0 else math.inf, -d[i], i)
             if best < 0 or cand < key:
                 best, key = i, cand
-        if best < 0:  # unreachable while the deficits sum to 0 (one is >= 1/k >= delta)
-            best = int(np.argmax(d))
+        if best < 0:  # without room: unreachable while the deficits sum to 0 (one is >= 1/k >= delta)
+            open_ = [i for i in range(k) if not full[i]]
+            if not open_:
+                raise ValueError(f"apportion: room {list(room or [])} holds fewer than {total} sequences")
+            best = max(open_, key=lambda i: (d[i], -i))
         d[best] -= 1.0
         counts[best] += 1
+        full[best] = room is not None and counts[best] >= room[best]
     return counts, d
 
 

@@ -20,19 +20,24 @@ from data.errors import DataError
 MAX_SHARE = 0.25
 
 
-def holdout_split(
-    num_sequences: int, count: int, split_seed: int, domain: str, where: str = "data.holdout_sequences"
-) -> tuple[np.ndarray, np.ndarray]:
-    """(pool, held): the sorted sequence indices runs may draw, and the `count` held back."""
+def check_holdout(num_sequences: int, count: int, domain: str, where: str = "data.holdout_sequences") -> None:
+    """Refuse a holdout below 0 or above `MAX_SHARE` of the domain's training sequences."""
     if count < 0:
         raise DataError(f"{where}: expected >= 0, got {count}")
-    if count == 0:
-        return np.arange(num_sequences, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    if count > MAX_SHARE * num_sequences:
+    if count and count > MAX_SHARE * num_sequences:
         raise DataError(
             f"{where}: domain {domain!r} has {num_sequences} training sequences; holding "
             f"back {count} leaves too few (at most {int(MAX_SHARE * num_sequences)} allowed)"
         )
+
+
+def holdout_split(
+    num_sequences: int, count: int, split_seed: int, domain: str, where: str = "data.holdout_sequences"
+) -> tuple[np.ndarray, np.ndarray]:
+    """(pool, held): the sorted sequence indices runs may draw, and the `count` held back."""
+    check_holdout(num_sequences, count, domain, where)
+    if count == 0:
+        return np.arange(num_sequences, dtype=np.int64), np.zeros(0, dtype=np.int64)
     rng = np.random.default_rng([split_seed, zlib.crc32(domain.encode("utf-8"))])
     held = np.sort(rng.choice(num_sequences, size=count, replace=False)).astype(np.int64)
     keep = np.ones(num_sequences, dtype=bool)

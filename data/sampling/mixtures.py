@@ -201,7 +201,7 @@ def sequence_capped(
     weights: Sequence[float] | np.ndarray, pools: Sequence[int], run_sequences: int, max_epochs: float
 ) -> np.ndarray:
     """`data.max_epochs` as a run realises it: epochs are sequences drawn over the domain's pool
-    (its packed train sequences less the holdout, trainer/feed/data_feed.py `pool_sizes`), not
+    (its packed train sequences less the holdout, data/sampling/pools.py `pool_sizes`), not
     tokens: a pool's sequences hold fewer tokens than the domain (the holdout, and the stream's
     tail shorter than a window), and a cap counted in tokens let a study's domain read 2.08
     epochs under `max_epochs: 2`. The exact sampler's count stays within one sequence of the

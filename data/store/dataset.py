@@ -17,6 +17,15 @@ from data.store.store import TokenStores, check_split
 PAD = -1
 
 
+def packed_count(tokens: int, seq_len: int, pad_last: bool = False) -> int:
+    """Sequences of `seq_len` (+1) packed from a stream of `tokens` tokens: (tokens - 1) //
+    seq_len, one more for a padded partial last sequence under `pad_last`."""
+    n = int(tokens) - 1
+    if n <= 0:
+        return 0
+    return -(-n // seq_len) if pad_last else n // seq_len
+
+
 class PackedDomains:
     def __init__(self, stores: TokenStores, split: str, seq_len: int, pad_last: bool | None = None):
         """`pad_last` defaults to True for validation (use every token) and False for train."""
@@ -36,10 +45,7 @@ class PackedDomains:
         return len(self.domains)
 
     def num_sequences(self, domain_index: int) -> int:
-        n = len(self._tokens[domain_index]) - 1
-        if n <= 0:
-            return 0
-        return -(-n // self.seq_len) if self.pad_last else n // self.seq_len
+        return packed_count(len(self._tokens[domain_index]), self.seq_len, self.pad_last)
 
     def sequence(self, domain_index: int, i: int) -> np.ndarray:
         """seq_len + 1 tokens as int64 (PAD after the end of a padded last sequence)."""

@@ -25,6 +25,7 @@ import numpy as np
 from data import artifact
 from data.preprocess.preprocess import check_stores_match
 from data.sampling.mixtures import SEQUENCE_SLACK
+from data.sampling.pools import pool_sizes
 from data.sampling.weights import resolve_weights
 from data.store.store import read_manifest
 from doremi.config import ExperimentConfig
@@ -33,7 +34,6 @@ from doremi.methods import registry
 from doremi.offline.fit.table import FitResult, SweepTable
 from doremi.offline.provenance import proposal_provenance, write_proposal
 from doremi.offline.sweep import SWEEP_FILE, final_table, loss_curves, run_sequences, sequence_caps, sweep_keys
-from trainer.feed.data_feed import pool_sizes
 from trainer.model.flops import non_embedding_params
 from trainer.records.run_dir import changed_keys
 

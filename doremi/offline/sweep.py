@@ -45,6 +45,7 @@ from data import artifact
 from data.atomic import atomic_write_text
 from data.progress import Countdown
 from data.sampling.mixtures import SEQUENCE_SLACK
+from data.sampling.pools import pool_sizes
 from data.sampling.weights import resolve_weights
 from data.store.store import Manifest, read_manifest
 from doremi.config import ExperimentConfig
@@ -59,7 +60,6 @@ from doremi.offline.fit.design import (
     smoothed_one_hot_design,
 )
 from doremi.outputs.fingerprint import fingerprint, stage_keys
-from trainer.feed.data_feed import pool_sizes
 from trainer.records import run_dir as rundir
 from trainer.records.metrics import read_jsonl
 
@@ -95,7 +95,7 @@ def sequence_caps(
 ) -> np.ndarray:
     """Per-domain weight caps under which a run of `run_sequences` sequences reads no domain more
     than `max_epochs` epochs, counted as the run realises them: sequences over its sampler's
-    pools (trainer/feed/data_feed.py `pool_sizes`), with the exact sampler's slack of one
+    pools (data/sampling/pools.py `pool_sizes`), with the exact sampler's slack of one
     sequence: u_i = min(1, max(max_epochs * pool_i - 1, 0) / run_sequences), the cap a main run
     applies under `data.max_epochs` (data/sampling/mixtures.py `sequence_capped`). A cap counted
     in tokens let a small domain read 2.16 epochs under `sweep.max_epochs: 2` (the pools hold

@@ -26,6 +26,7 @@ from trainer.records.run_dir import flatten_keys, record_keys
 SAMPLING_KEYS = (
     "seed",
     "domain_weights",
+    "max_epochs",
     "seq_len",
     "num_proc",
     "holdout_sequences",

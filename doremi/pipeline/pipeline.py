@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from data import artifact
+from data.sampling.pools import pool_sizes
 from data.sampling.weights_file import WEIGHTS_FILE, copy_weights_file, read_weights_file
 from data.store.store import read_manifest
 from doremi.config import OFFLINE_METHODS, ExperimentConfig
@@ -63,7 +64,6 @@ from doremi.reports.summary import log_comparison, summarize
 from trainer.config.launch_env import is_launch_main, launch_world_size
 from trainer.config.schema import apply_preset
 from trainer.config.tools import apply_overrides, from_dict, read_yaml, to_dict
-from trainer.feed.data_feed import pool_sizes
 from trainer.model.flops import non_embedding_params
 from trainer.records import run_dir as rundir
 

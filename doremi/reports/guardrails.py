@@ -21,6 +21,7 @@ from typing import IO, Any, Literal
 
 import numpy as np
 
+from data.sampling.pools import pool_size
 from doremi.config import GuardrailConfig
 from doremi.errors import DoReMiError
 from doremi.methods import registry
@@ -666,16 +667,6 @@ def _root_manifest(root: Path) -> Any:
     return None
 
 
-def sweep_pools(train_tokens: Sequence[int], seq_len: int, holdout: int) -> list[int]:
-    """Sequences each domain's sampler draws from: the packed train sequences
-    ((tokens - 1) // seq_len, as data.store.dataset.PackedDomains) less those held out."""
-    pools = []
-    for t in train_tokens:
-        n = max(int(t) - 1, 0) // seq_len
-        pools.append(n - holdout if holdout and n > holdout else n)
-    return pools
-
-
 def nominal_epochs(weights: Sequence[float], sequences: int, pools: Sequence[int]) -> list[float]:
     """Epochs a run of `sequences` sequences reads of each domain under `weights` (the exact-count
     sampler draws every domain's share to within one sequence)."""
@@ -711,9 +702,8 @@ def measure_sweep(sweep: Path, manifest: Any) -> list[RunMeasures]:
             return [*out, missing]
         m = RunMeasures(name, "sweep", keys.get("train.global_batch_size"))
         domains = [d.name for d in manifest.domains]
-        pools = sweep_pools(
-            [d.train.tokens for d in manifest.domains], int(keys["data.seq_len"]), int(keys["data.holdout_sequences"])
-        )
+        seq_len, holdout = int(keys["data.seq_len"]), int(keys["data.holdout_sequences"])
+        pools = [pool_size(d.train.tokens, seq_len, holdout, d.name) for d in manifest.domains]
         sequences = int(keys["train.steps"]) * int(keys["train.global_batch_size"])
         m.epochs = dict(zip(domains, nominal_epochs([float(row[d]) for d in domains], sequences, pools)))
         out.append(m)

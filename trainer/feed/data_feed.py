@@ -10,8 +10,8 @@ import numpy as np
 from data.config import DataConfig
 from data.errors import DataError
 from data.preprocess.preprocess import check_stores_match
-from data.sampling.holdout import holdout_split
-from data.sampling.sampler import DomainBatchSampler, interleave
+from data.sampling.pools import pool_sizes, train_splits
+from data.sampling.sampler import DomainBatchSampler, cursor_caps, interleave
 from data.store.batch import collate
 from data.store.dataset import PackedDomains
 from data.store.store import open_stores
@@ -23,25 +23,7 @@ from trainer.parallel.context import ParallelContext
 #: Separates the generator of target draws from the sampler's.
 TARGET_DRAWS = 0x7A6E
 
-
-def train_splits(train: PackedDomains, data: DataConfig) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per domain (pool, held): the packed train sequences a run's sampler draws from, and those
-    held back from every run (`data.holdout_sequences`, data/sampling/holdout.py)."""
-    return [
-        holdout_split(train.num_sequences(i), data.holdout_sequences, data.split_seed, name)
-        for i, name in enumerate(train.domains)
-    ]
-
-
-def pool_sizes(data: DataConfig) -> list[int]:
-    """Sequences in each domain's sampler pool of a run under `data`, as `DataFeed` builds it:
-    its train split packed at `data.seq_len` less the holdout. A run reads epochs in this unit
-    (data/sampling/sampler.py), so it is what every epoch cap counts in: `data.max_epochs`
-    (data/sampling/mixtures.py `sequence_capped`), `sweep.max_epochs` and `fit.max_epochs`
-    (doremi/offline/sweep.py `sequence_caps`). A pool holds fewer tokens than its domain: the
-    holdout, and the stream's tail shorter than a window."""
-    train = PackedDomains(open_stores(data.store_dir), "train", data.seq_len)
-    return [len(pool) for pool, _ in train_splits(train, data)]
+__all__ = ["TARGET_DRAWS", "DataFeed", "pool_sizes"]  # pool_sizes: owned by data/sampling/pools.py
 
 
 class DataFeed:
@@ -65,7 +47,11 @@ class DataFeed:
         counts = [self.train.num_sequences(i) for i in range(len(self.domains))]
         splits = train_splits(self.train, data)
         self.heldout = [held for _, held in splits]
-        self.sampler = DomainBatchSampler(counts, global_batch_size, seed, pools=[pool for pool, _ in splits])
+        pools = [pool for pool, _ in splits]
+        #: `data.max_epochs`, which caps every run's draws (fixed or changing mixtures alike).
+        self.max_epochs = data.max_epochs
+        caps = None if data.max_epochs is None else cursor_caps([len(p) for p in pools], data.max_epochs)
+        self.sampler = DomainBatchSampler(counts, global_batch_size, seed, pools=pools, caps=caps, names=self.domains)
         self.validation_split = data.validation_split
         self._val_args = (data.seq_len, data.dev_fraction, data.split_seed)
         self._views: dict[str, tuple[PackedDomains, list[np.ndarray], list[np.ndarray]]] = {}
@@ -92,6 +78,32 @@ class DataFeed:
         exact counts or random draws (`data.sampling.sampler`)."""
         local = self.sampler.local(step - 1, weights, self.pc.dp_rank, self.pc.dp, self.micro_batches, draws)
         return [collate(self.train, items, device=self.pc.device) for items in local]
+
+    def check_allowance(self, steps: int) -> None:
+        """Refuse, before step 0, a run of `steps` global batches that asks for more sequences
+        than its pools hold at `data.max_epochs` (the sampler would stop at the step the last
+        pool ran out, after spending the compute before it)."""
+        caps, b = self.sampler.caps, self.sampler.global_batch_size
+        if caps is None or sum(caps) >= steps * b:
+            return
+        e = self.max_epochs
+        raise DataError(
+            f"data.max_epochs {e:g}: the pools hold {sum(caps)} sequences at {e:g} epochs each, fewer than "
+            f"train.steps x train.global_batch_size = {steps} x {b} = {steps * b}; raise data.max_epochs, "
+            f"add data or shorten the run"
+        )
+
+    def drawn_weights(self, asked: np.ndarray) -> np.ndarray:
+        """The weights the step drawn last was drawn with: `asked`, unless the epoch caps moved
+        them (data/sampling/sampler.py), so that a method learns what it was given."""
+        return self.sampler.weights if self.sampler.capped else asked
+
+    def exhausted(self) -> dict[str, int | None] | None:
+        """Per domain, the step at which it was read to `data.max_epochs` (None: not yet); None
+        without a cap."""
+        if self.sampler.caps is None:
+            return None
+        return {name: self.sampler.exhausted.get(d) for d, name in enumerate(self.domains)}
 
     def _view(self, half: str) -> tuple[PackedDomains, list[np.ndarray], list[np.ndarray]]:
         """(packed sequences, stream offsets, document ids) of a validation half, or of `all`."""

@@ -84,12 +84,16 @@ def _losses(values: dict[str, Any]) -> str:
 
 def summary_lines(run_dir: str | Path, step: int, last: dict[str, Any], weights_file: Path | None = None) -> list[str]:
     """What the run left: its directory and step, the last logged train loss, the last per-domain
-    validation losses when it evaluated, and a proxy's weights file."""
+    validation losses when it evaluated, the step each domain was read to `data.max_epochs`, and
+    a proxy's weights file."""
     lines = [f"run directory {run_dir}: step {step}"]
     if "loss" in last:
         lines.append(f"final train loss {last['loss']:.4f}")
     if isinstance(last.get("val_loss"), dict):
         lines.append(f"final validation loss: {_losses(last['val_loss'])}")
+    exhausted = {d: t for d, t in (last.get("exhausted") or {}).items() if t is not None}
+    if exhausted:
+        lines.append("read to data.max_epochs: " + ", ".join(f"{d} at step {t}" for d, t in exhausted.items()))
     if weights_file is not None:
         lines.append(f"domain weights: {weights_file}")
     return lines

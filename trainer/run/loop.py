@@ -87,6 +87,7 @@ class Trainer:
         )
         self.feed.check_vocab(cfg.model.vocab_size)
         self.hook: MixingHook = FixedMixture(self._fixed_weights()) if method is None else method(self.method_context())
+        self.feed.check_allowance(cfg.train.steps)
         check_method_split(self.hook.needs.validation_split, type(self.hook).__name__)
         if self.hook.needs.stats_before_backward and cfg.parallelism.pp_schedule != "afab":
             # The weights need every forward of the step before any backward; the stage split
@@ -206,11 +207,15 @@ class Trainer:
         step, pc, hook, k = self.step, self.pc, self.hook, self.feed.k
         weights = hook.sampling_weights(step)
         batches = self.feed.step_batches(step, weights, hook.needs.draws)
+        self._announce_exhausted(step)
         hook.prepare_batches(step, batches)
         domain_tokens = domain_token_counts(batches, k, pc)
         self.realised_tokens += domain_tokens
         signals = StepSignals(
-            weights=weights, sequences=np.array(self.feed.sampler.counts), tokens=domain_tokens, lr=self.lr(step)
+            weights=self.feed.drawn_weights(weights),
+            sequences=np.array(self.feed.sampler.counts),
+            tokens=domain_tokens,
+            lr=self.lr(step),
         )
         if hook.needs.alignment is not None:
             with self.autocast:
@@ -249,9 +254,23 @@ class Trainer:
         self.method_evals["tokens"] += sum(int((b["labels"] != IGNORE_INDEX).sum()) for d in batches for b in d)
         self.method_evals["seconds"] += time.perf_counter() - t0
 
+    def _announce_exhausted(self, step: int) -> None:
+        """One line (rank 0) for each domain the step just drawn read to `data.max_epochs`: from
+        here the sampler hands its share to the others (data/sampling/sampler.py)."""
+        sampler = self.feed.sampler
+        lines = [
+            f"data.max_epochs {self.feed.max_epochs:g}: domain {self.feed.domains[d]!r} read "
+            f"{sampler.epochs()[d]:.4g} epochs of its pool ({sampler.cursors[d]} sequences) at step {step}; "
+            f"the other domains take its share"
+            for d in sampler.newly_exhausted
+        ]
+        say(lines, self.facts.is_main)
+
     def _fixed_weights(self) -> np.ndarray:
-        """`data.domain_weights` as the run reads them: capped at `data.max_epochs`, with a line
-        naming each domain the cap moved (rank 0)."""
+        """`data.domain_weights` as the run reads them: capped at `data.max_epochs` ahead of the
+        run, with a line naming each domain the cap moved (rank 0). The sampler's own caps, which
+        every run has under `data.max_epochs`, then never bind (`sequence_capped` keeps the exact
+        sampler's slack of one sequence)."""
         d, manifest = self.cfg.data, self.feed.manifest
         given = resolve_weights(d.domain_weights, manifest, "data.domain_weights", self.cfg.budget_tokens)
         if d.max_epochs is None:
@@ -441,6 +460,7 @@ class Trainer:
         self.last = last
 
     def _row(self, step: int, stats: StepStats, tokens_per_s: float, extra: dict[str, Any]) -> dict[str, Any]:
+        exhausted = self.feed.exhausted()  # the step each domain was read to data.max_epochs
         row: dict[str, Any] = {
             "step": step,
             "loss": float(stats.loss),
@@ -450,6 +470,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "domain_loss": dict(zip(self.feed.domains, stats.domain_loss.tolist())),
             "epochs": dict(zip(self.feed.domains, self.feed.sampler.epochs())),
+            **({} if exhausted is None else {"exhausted": exhausted}),
             "realised": {
                 "sequences": dict(zip(self.feed.domains, self.feed.sampler.drawn())),
                 "tokens": dict(zip(self.feed.domains, (int(x) for x in self.realised_tokens.tolist()))),

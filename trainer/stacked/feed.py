@@ -3,8 +3,9 @@
 Model m must see exactly the batches `trainer.run.loop.Trainer` would draw with
 `data.domain_weights = mixtures[m]`: its own `data.sampling.sampler.DomainBatchSampler` (the exact-count
 sampler carries each domain's remainder from step to step, so one sampler per mixture), with
-the feed's seed and pools (the train sequences less the holdout), read from the one set of
-token stores that `trainer.feed.data_feed.DataFeed` opens. Single process: dp rank 0 of 1.
+the feed's seed, pools (the train sequences less the holdout) and epoch caps (`data.max_epochs`),
+read from the one set of token stores that `trainer.feed.data_feed.DataFeed` opens. Single
+process: dp rank 0 of 1.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ class StackedFeed:
         base = feed.sampler
         counts = [feed.train.num_sequences(d) for d in range(feed.k)]
         self.samplers = [
-            DomainBatchSampler(counts, base.global_batch_size, base.seed, pools=base.pools) for _ in self.weights
+            DomainBatchSampler(
+                counts, base.global_batch_size, base.seed, pools=base.pools, caps=base.caps, names=base.names
+            )
+            for _ in self.weights
         ]
 
     @property

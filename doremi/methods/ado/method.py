@@ -710,6 +710,9 @@ class ADO(MethodBase):
         tokens = signals.tokens.tolist()
         loss_sum = signals.loss_sum.tolist()
         used = self.policy
+        # The policy as drawn: less what the run's epoch caps moved (data/sampling/sampler.py); the
+        # policy itself while no cap binds. The credit and the log read it; pibar averages the policy.
+        drawn = np.asarray(signals.weights, dtype=np.float64)
         for i, s in enumerate(sequences):
             self.seen[i] += s
         self.total += sum(sequences)
@@ -723,7 +726,7 @@ class ADO(MethodBase):
                 self.h, np.asarray(sequences, dtype=np.float64) / sum(sequences), cfg.credit_smoothing
             )
         else:
-            self.h = credit_update(self.h, used, cfg.credit_smoothing)
+            self.h = credit_update(self.h, drawn, cfg.credit_smoothing)
         if self.choices["average"] == "policy":
             self.average = running_mean(self.average, self.average_count, used)
             self.average_count += 1
@@ -767,7 +770,7 @@ class ADO(MethodBase):
                 "weights": weights,
                 "tokens": tokens,
                 "sequences": sequences,
-                "sampling": used.tolist(),
+                "sampling": drawn.tolist(),
                 "loss": loss,
                 "credit": self.h.tolist(),
             }

@@ -16,7 +16,9 @@ so a step pulls several arms at once. The multi-draw rule: every domain drawn th
 non-masked tokens) gets the reward L_i / pi_t(i), L_i being its mean training loss per token over
 the global batch (`StepSignals.domain_loss`), folded in once per step; a domain not drawn keeps
 its R_hat. The weights logged for step t (`weights`) are pi_{t+1}, the policy after the update;
-`sampling` is pi_t.
+`sampling` is pi_t as drawn: under `data.max_epochs` a domain read to its cap gets no more
+draws and its share goes to the others (data/sampling/sampler.py), and pi_t(i) is then the
+probability the sequences were actually drawn with (`StepSignals.weights`), not the policy's.
 
 The authors' code (github alon-albalak/online-data-mixing, `megatron/data/data_sampling_utils.py`,
 `SmoothedMeanWeightUpdater`, which its README names the paper's method, and `Exp3WeightUpdater`)
@@ -163,8 +165,17 @@ class ODM(MethodBase):
         one_hot[arm] = 1.0
         return one_hot
 
+    def drawn_probabilities(self, step: int, signals: StepSignals) -> np.ndarray:
+        """pi_t(i) as the step realised it, what a reward is divided by: per-sequence draws come
+        from `signals.weights`, the policy less what the run's epoch caps moved
+        (data/sampling/sampler.py; the policy itself while no cap binds); a whole-batch draw
+        pulled its arm with the policy's probability."""
+        if self.cfg.draw_unit == "sequence":
+            return np.asarray(signals.weights, dtype=np.float64)
+        return self.policy(step)
+
     def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]:
-        pi = self.policy(step)
+        pi = self.drawn_probabilities(step, signals)
         assert signals.loss_sum is not None
         loss = signals.domain_loss.cpu().numpy().astype(np.float64)
         tokens = signals.tokens.tolist()

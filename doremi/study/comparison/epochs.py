@@ -3,7 +3,7 @@ mixture reads, whether a mixture breaks the rule, and how far a mixture can be t
 does (docs/design.md section 4f; the rule: section 4e's guardrails).
 
 A run draws whole sequences from each domain's pool (its packed train sequences less the
-holdout; trainer/feed/data_feed.py `pool_sizes`), so epochs are sequences over the pool, and the
+holdout; data/sampling/pools.py `pool_sizes`), so epochs are sequences over the pool, and the
 exact sampler's count stays within one sequence of the nominal one (data/sampling/mixtures.py
 `sequence_capped`: the cap keeps one sequence of slack). A sweep caps its design in the same unit
 (doremi/offline/sweep.py `sequence_caps`), so `sweep.max_epochs` is the rule's own number.

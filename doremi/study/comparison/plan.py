@@ -46,8 +46,9 @@ STACKED_MAIN_RUNS = (
     "(metrics.jsonl, config.yaml, run.json, pairing.json) for doremi study summarize to read;",
     "(2) checkpoint and resume: none, a stopped chunk starts again, while M stacked main runs of 240 s each "
     "outlast a 600-s device call unless stacking is about M times faster;",
-    "(3) per-model mixtures: static ones only (one sampler per mixture), without data.max_epochs' cap on them "
-    "and without any method's hook, so online arms cannot stack;",
+    "(3) per-model mixtures: static ones only (one sampler per mixture), not capped ahead of the run by "
+    "data.max_epochs (its samplers stop a domain at the cap, but spread the rest otherwise than an ordinary run's "
+    "sequence_capped mixture) and without any method's hook, so online arms cannot stack;",
     "(4) determinism and equality: deterministic kernels are honoured, but a stacked model equals its ordinary run "
     "to fp32 rounding (tests/test_stacked.py, 1e-5 relative) with fp32 parameters where the study's main runs keep "
     "bf16 parameters with fp32 master weights, so a stacked arm would not be bitwise the run the reused uniform, "
