@@ -278,3 +278,22 @@ def test_state_dict_is_json(tmp_path):
     state = m.state_dict()
     assert json.loads(json.dumps(state)) == state
     m.close()
+
+
+def test_one_arm_per_step_is_refused_under_an_epoch_cap():
+    from types import SimpleNamespace
+
+    from doremi.methods.odm import check_caps
+    from trainer.config.tools import ConfigError
+
+    def cfg(draw_unit, max_epochs):
+        return SimpleNamespace(
+            mixing=SimpleNamespace(odm=ODMConfig(draw_unit=draw_unit)), data=SimpleNamespace(max_epochs=max_epochs)
+        )
+
+    for draw_unit, max_epochs in (("sequence", 2.0), ("batch", None), ("sequence", None)):
+        check_caps(cfg(draw_unit, max_epochs))
+    with pytest.raises(
+        ConfigError, match=r"^mixing.odm.draw_unit: batch pulls one domain per step and cannot keep data.max_epochs 2: "
+    ):
+        check_caps(cfg("batch", 2.0))
