@@ -13,8 +13,11 @@ The gradient needs the weight of each token's loss in the objective before backw
 minimises sum over models and tokens of w[m, t] loss[m, t] (w: 1 / N_m on model m's
 non-masked tokens, `trainer.stacked.run`). Each op is the unfused head's, with the same
 arguments: the logits bmm, `Kernels.cross_entropy`'s kernels (Triton on CUDA, torch ops
-elsewhere) with the upstream gradient w, and autograd's two bmm's of the logits bmm's backward;
-each model's numbers are computed on its own rows, so they do not depend on the chunking.
+elsewhere) with the upstream gradient w, and the two bmm's of the logits bmm's backward, the
+head weight's as the transpose of autograd's (grad^T h, written into the gradient in place,
+where autograd makes h^T grad and copies its transpose: the same products, summed over the
+same tokens, without a strided copy of [m, V, d] per chunk); each model's numbers are computed
+on its own rows, so they do not depend on the chunking.
 `stacked_head_objective` returns the objective, whose backward scales the saved gradients by
 the upstream gradient (1 in training: exact).
 """
@@ -82,9 +85,10 @@ def stacked_head(
         )
         loss[c] = chunk_loss.view(-1, n)
         dz = dz.view(logits.shape)
-        # autograd's backward of bmm(h, wt): grad @ wt^T and h^T @ grad.
+        # autograd's backward of bmm(h, wt): grad @ wt^T and h^T @ grad, the latter as its
+        # transpose grad^T @ h, written in place (no strided copy of [m, V, d] per chunk).
         torch.bmm(dz, wt.transpose(1, 2), out=dh[c])
-        dweight[c] = torch.bmm(h[c].transpose(1, 2), dz).transpose(1, 2)
+        torch.bmm(dz.transpose(1, 2), h[c], out=dweight[c])
     return (weights * loss).sum(), loss, dh, dweight
 
 
