@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements still pending (seventh session's list; the eighth got no machine), as device-tool calls of at most
+# The GPU measurements still pending (seventh session's list; the eighth got no machine, the ninth ran the study's seed 5
+# and the stacked bench), as device-tool calls of at most
 # 600 s each. A session has 30 device minutes, counted from asking for the machine (a start of a
 # minute or more, again after any gap of more than 30 s between calls) until it is given back;
 # the powered study (experiments/results/doremi_study.md) comes first, these in what is left.
