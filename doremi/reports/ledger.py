@@ -119,7 +119,13 @@ def trained_measured(rows: list[dict]) -> float | None:
 def sweep_cost(root: Path) -> dict[str, float] | None:
     """The offline methods' cost: their shared sweep (`sweep.json`'s compute: every small run's
     training and evaluations) and its measured seconds; None before the sweep ran."""
-    meta = root / SWEEP_DIR / "sweep.json"
+    return sweep_dir_cost(root / SWEEP_DIR)
+
+
+def sweep_dir_cost(sweep: Path) -> dict[str, float] | None:
+    """`sweep_cost` of the sweep directory `sweep` itself (a pipeline's `sweep/`, a comparison's
+    `sweep-seed<k>/`)."""
+    meta = sweep / "sweep.json"
     if not meta.is_file():
         return None
     import json
@@ -129,10 +135,10 @@ def sweep_cost(root: Path) -> dict[str, float] | None:
     cost["validation"] = float(compute.get("eval_flops", 0.0))
     cost["total"] = cost["train"] + cost["validation"]
     cost["tokens"] = float(compute.get("train_tokens", 0) + compute.get("eval_tokens", 0))
-    runs = sorted((root / SWEEP_DIR / "runs").glob("*/metrics.jsonl"))
+    runs = sorted((sweep / "runs").glob("*/metrics.jsonl"))
     measured = [trained_measured(read_jsonl(m)) for m in runs]
     cost["trained_measured"] = sum(measured) if runs and all(m is not None for m in measured) else None
-    marker = dir_marker(root / SWEEP_DIR)
+    marker = dir_marker(sweep)
     cost["seconds"] = json.loads(marker.read_text()).get("seconds") if marker.is_file() else None
     cost["validation_seconds"] = None
     return cost
@@ -266,3 +272,13 @@ def arm_ledger(runs: list[tuple[str, Path]]) -> dict[str, Any]:
         else:
             stages[kind] = c
     return {"stages": stages, "sum": sum_costs(list(stages.values())), "missing": missing}
+
+
+def sweep_stage_cost(sweep: Path) -> dict[str, float | None] | None:
+    """A sweep as one stage of a study arm's ledger (`arm_ledger`'s parts): its training and
+    evaluations are search (its fit reads the evaluations), so both are in `train_flops_total`;
+    its GPU-seconds are its measured wall-clock seconds. None before the sweep ran."""
+    cost: dict[str, float | None] | None = sweep_dir_cost(sweep)  # type: ignore[assignment]
+    if cost is None:
+        return None
+    return {**cost, "evaluation": 0.0, "train_flops_total": cost["total"], "gpu_seconds": cost.get("seconds")}

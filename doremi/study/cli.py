@@ -1,5 +1,8 @@
-"""`doremi study calibrate ROOT` and `doremi study summarize ARCHIVE_OR_DIR --out DIR`
-(docs/design.md section 4e). Refusals (the gate's NO-GO, unfinished runs, missing partners)
+"""`doremi study calibrate ROOT`, `doremi study summarize ARCHIVE_OR_DIR --out DIR` (docs/design.md
+section 4e) and `doremi study compare-methods SOURCE [SOURCE ...] --out DIR` (section 4f). The last
+is a verb like its siblings, named apart from the top-level `doremi compare` (mixtures of pipeline
+roots, no protocol): it compares the comparison protocol's methods, from several archives (the
+study's and the comparison's). Refusals (the gate's NO-GO, unfinished runs, missing partners)
 are `StudyError`s: one line, exit status 2 (doremi/commands/cli.py)."""
 
 from __future__ import annotations
@@ -19,8 +22,14 @@ def cmd_summarize(args: argparse.Namespace) -> None:
     run_summary(args.source, args.out, calibration=args.calibration)
 
 
+def cmd_compare_methods(args: argparse.Namespace) -> None:
+    from doremi.study.comparison.summary import run_comparison
+
+    run_comparison(args.sources, args.out, calibration=args.calibration)
+
+
 def add_parser(sub) -> None:
-    """The `study` command and its two subcommands, on doremi/commands/cli.py's subparsers."""
+    """The `study` command and its subcommands, on doremi/commands/cli.py's subparsers."""
     sp = sub.add_parser("study", help="a powered mixture study: calibration gate, verdict table")
     inner = sp.add_subparsers(dest="study_command", required=True)
     cal = inner.add_parser("calibrate", help="sigma_run, sigma_D, throughput and the go/no-go gate")
@@ -41,7 +50,22 @@ def add_parser(sub) -> None:
         "--calibration", help="the calibration's calibration.json: note arms with fewer pairs than its gate"
     )
     summ.set_defaults(fn=cmd_summarize)
-    for p in (cal, summ):
+    comp = inner.add_parser(
+        "compare-methods", help="the comparison's table under both cost views, recomputed from its archives"
+    )
+    comp.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="run directories, or .tar.xz/.tar.gz/.tar archives of them (the study's and the comparison's)",
+    )
+    comp.add_argument("--out", required=True, help="directory for comparison.md, comparison.json and comparison.png")
+    comp.add_argument(
+        "--calibration",
+        help="the calibration's calibration.json: every arm needs its gate's pairs (default: the most any arm has)",
+    )
+    comp.set_defaults(fn=cmd_compare_methods)
+    for p in (cal, summ, comp):
         p.add_argument(
             "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for input errors"
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import tarfile
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,8 @@ def unpack(archive: Path, into: Path) -> Path:
         with tarfile.open(archive) as tf:
             tf.extractall(into, filter="data")
     except (tarfile.TarError, EOFError) as e:
-        raise StudyError(f"{archive}: not a readable tar archive ({e})") from None
+        why = " ".join(str(e).split())  # tarfile lists each method it tried on a line of its own
+        raise StudyError(f"{archive}: not a readable tar archive ({why})") from None
     return into
 
 
@@ -58,30 +59,45 @@ def read_sequences(run: Path, step: int) -> SequenceLosses | None:
         return {str(d): (mean[domain == i], docs[domain == i]) for i, d in enumerate(z["domains"].tolist())}
 
 
-def compute_of(dirs: Mapping[tuple[str, int], Path], arm: str, stages: tuple[str, ...], seeds: tuple[int, ...]):
+def compute_of(
+    dirs: Mapping[tuple[str, int], Path],
+    arm: str,
+    stages: tuple[str, ...],
+    seeds: tuple[int, ...],
+    kinds: Mapping[str, str] | None = None,
+    extra: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None,
+):
     """Per seed the arm's ledger (its search stages and its main run), and the mean over seeds
-    of the summed parts (None where a seed's part is unknown)."""
-    from doremi.reports.ledger import arm_ledger
+    of the summed parts (None where a seed's part is unknown). `kinds`: a stage's ledger kind
+    where it is not its name (the comparison's `odm_proxy` is a `method` run); `extra`: per
+    seed, stages costed elsewhere (a sweep, which is no run directory) added to the sums."""
+    from doremi.reports.ledger import arm_ledger, sum_costs
 
     per_seed, missing = {}, []
     for s in seeds:
-        runs = [(st, dirs[(st, s)]) for st in stages if (st, s) in dirs]
+        runs = [((kinds or {}).get(st, st), dirs[(st, s)]) for st in stages if (st, s) in dirs]
         missing += [f"{st}-seed{s}" for st in stages if (st, s) not in dirs]
         per_seed[s] = arm_ledger([*runs, ("main", dirs[(arm, s)])])
+        if extra and extra.get(s):
+            per_seed[s]["stages"].update(extra[s])
+            per_seed[s]["sum"] = sum_costs(list(per_seed[s]["stages"].values()))
     sums = [c["sum"] for c in per_seed.values()]
     keys = sums[0].keys() if sums else ()
     mean = {k: (sum(x[k] for x in sums) / len(sums) if all(x[k] is not None for x in sums) else None) for k in keys}
     return {"per_seed_mean": mean, "per_seed": per_seed, "missing": missing}
 
 
-def guardrail_findings(dirs: Mapping[tuple[str, int], Path], design: Design) -> list[str]:
+def guardrail_findings(
+    dirs: Mapping[tuple[str, int], Path], design: Design, main_runs: Collection[str] | None = None
+) -> list[str]:
     """The rule's guardrails over every run: the reference's memorisation gap beyond its own SE
-    (doremi/reports/guardrails.py) and the epochs read, at the design's thresholds; one line each."""
+    (doremi/reports/guardrails.py) and the epochs read, at the design's thresholds; one line each.
+    `main_runs`: the names of main runs (default: the design's arms)."""
     from doremi.config import GuardrailConfig
     from doremi.reports.guardrails import check_run, warnings
 
     cfg = GuardrailConfig(memorisation_gap=design.guardrails.memorisation_gap, max_epochs=design.guardrails.max_epochs)
-    arms = {a.name for a in design.arms}
+    arms = set(main_runs) if main_runs is not None else {a.name for a in design.arms}
     out = []
     for (name, _), path in sorted(dirs.items()):
         kind = name if name in ("reference", "proxy") else "main" if name in arms else None
@@ -172,18 +188,27 @@ def _arm_row(r: Any) -> list[str]:
     ]
 
 
-def _arms_table(summary: dict[str, Any], design: Design) -> str:
-    """The verdict table: one row per arm, against the rule's baseline."""
+def _arms_table(
+    summary: dict[str, Any],
+    design: Design,
+    extra: Sequence[list[str]] = (),
+    baseline: str | None = None,
+    more: Sequence[str] = (),
+    cells: Sequence[Sequence[str]] = (),
+) -> str:
+    """The verdict table: one row per arm, against the rule's baseline (or `baseline`, named so
+    in the header). `extra`: rows after the arms' (the comparison's withheld arms); `more`:
+    columns after the study's, with each arm's `cells` in them."""
     from doremi.reports.report import markdown_table
 
     rule = design.rule
-    rows = [_arm_row(r) for r in summary["results"]]
+    rows = [_arm_row(r) + list(x) for r, x in zip(summary["results"], cells or [()] * len(summary["results"]))]
     return markdown_table(
         [
             "arm",
             "pairs",
             f"mean {summary['split']} loss ± SE",
-            f"minus {rule.baseline} ± SE",
+            f"minus {baseline or rule.baseline} ± SE",
             f"{rule.ci_level:.0%} CI",
             "verdict",
             f"TOST ±{rule.margin:g}",
@@ -193,8 +218,9 @@ def _arms_table(summary: dict[str, Any], design: Design) -> str:
             "compute per seed (search + main)",
             "GPU-s per seed (training steps)",
             f"SE <= {rule.max_se:g}",
+            *more,
         ],
-        rows,
+        rows + [list(r) for r in extra],
     )
 
 

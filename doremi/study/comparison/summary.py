@@ -1,0 +1,481 @@
+"""`doremi study compare-methods SOURCE [SOURCE ...] --out DIR`: the comparison's table, every
+number recomputed from its archives (issue 39; docs/design.md section 4f).
+
+SOURCE: directories or archives (as `doremi study summarize` reads them) of run directories: the
+study's (uniform, natural, DoReMi and its reference and proxy) and the comparison's (the
+launcher's stages: `<arm>-seed<k>`, `<method>_proxy-seed<k>`, `sweep-seed<k>`,
+`<baseline>_x<m>-seed<k>`). Every name is read from the protocol (protocol.py `Protocol`, plan.py
+`arm_steps`, `EqualCompute.name`), none restated here.
+
+Two views of cost (cost.py):
+
+- **equal main-run tokens**: per arm, the study's row exactly (verdict.py `arm_result`: paired
+  differences against uniform by seed, interval, verdict, TOST, worst domain, domains better with
+  clustered SEs), and its compute from the ledger (search stages, a sweep, the main run);
+- **equal total compute**: per arm and seed, the compute multiple 1 + search FLOPs / the plain
+  main run's (cost.py `search_flops`, `compute_multiple`, from the ledger's `train_flops_total`),
+  each baseline's per-domain losses at that multiple from its runs at the protocol's multiples
+  (`baseline_at`: measured, interpolated or extrapolated, and beyond the corpus), and the same rule
+  on those pairs. A seed whose multiple cannot be had (a search stage or a baseline point missing)
+  withholds the arm in this view.
+
+Every arm is judged on the same seeds, 1 to the calibration gate's pairs (or, without a
+calibration, the most any arm has): an arm with fewer is listed as incomplete with what it
+lacks, never judged on fewer pairs. Writes comparison.md, comparison.json and comparison.png.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from data.atomic import atomic_write_text
+from doremi.study.comparison.cost import (
+    EQUAL_COMPUTE,
+    EQUAL_TOKENS,
+    BaselineAt,
+    CostError,
+    Point,
+    baseline_at,
+    compute_multiple,
+    search_flops,
+)
+from doremi.study.comparison.plan import SEARCH, arm_steps
+from doremi.study.comparison.protocol import PROTOCOL, Arm, Protocol, baseline_capacity, corpus_capacity, seeds_for
+from doremi.study.runs import RUN_NAME, Pairs, RunResult, StudyError, find_run_dirs, pair_runs, read_run
+from doremi.study.summarize import (
+    ARCHIVES,
+    _arms_table,
+    _domain_table,
+    _guard_text,
+    compute_of,
+    gate_notes,
+    guardrail_findings,
+    read_sequences,
+    to_json,
+    unpack,
+)
+from doremi.study.verdict import ArmResult, arm_result, baseline_result, verdict_line
+
+COMPARISON_MD, COMPARISON_JSON, COMPARISON_PNG = "comparison.md", "comparison.json", "comparison.png"
+INCOMPLETE = "incomplete"
+
+
+@dataclass(frozen=True)
+class Withheld:
+    """An arm without the comparison's pairs in one view: what it has and what it lacks."""
+
+    arm: str
+    pairs: int
+    need: int
+    lacks: tuple[str, ...]
+
+    def row(self, columns: int) -> list[str]:
+        return [self.arm, f"{self.pairs} of {self.need}", *[""] * 3, INCOMPLETE, *[""] * (columns - 6)]
+
+    def line(self) -> str:
+        return f"{self.arm}: {INCOMPLETE}, {self.pairs} of {self.need} pairs ({'; '.join(self.lacks)}); no verdict"
+
+
+@dataclass(frozen=True)
+class AtCompute:
+    """An arm against one baseline at the arm's total compute: per seed its multiple and how the
+    baseline there was had (`BaselineAt`), and the rule's row on those pairs."""
+
+    result: ArmResult
+    baseline: str
+    at: tuple[BaselineAt, ...]
+
+    def cells(self, capacity: float) -> list[str]:
+        ms = [b.multiple for b in self.at]
+        multiple = f"{sum(ms) / len(ms):.3f}" + (f" ({min(ms):.3f}-{max(ms):.3f})" if max(ms) > min(ms) else "")
+        flags = dict.fromkeys(b.how + (f"; {b.flag()}" if b.flag() else "") for b in self.at)
+        if max(ms) > capacity:
+            flags[f"{self.baseline}'s mixture capped at 2 epochs beyond {capacity:.2f}x"] = None
+        return [multiple, "; ".join(flags)]
+
+
+def search_stages(protocol: Protocol, arm: Arm) -> tuple[dict[str, str], str | None]:
+    """The arm's search run directories, stage name -> ledger kind (a DoReMi-like proxy is `proxy`:
+    its reference's forward is counted; another method's proxy is `method`), and its sweep's
+    directory name (None without one), from the plan's steps of seed 1 (`arm_steps`)."""
+    from doremi.methods import registry
+
+    kinds, sweep = {}, None
+    for step in arm_steps(protocol, arm, 1):
+        if step.role != SEARCH or step.verb == "average":
+            continue
+        stage = RUN_NAME.match(step.name)["arm"]  # type: ignore[index]
+        if step.verb == "fit":
+            sweep = stage
+        elif step.verb == "train-reference":
+            kinds[stage] = "reference"
+        else:
+            kinds[stage] = "proxy" if registry.spec(arm.method).needs_reference else "method"
+    return kinds, sweep
+
+
+def find_sources(roots: Sequence[Path]) -> tuple[dict[tuple[str, int], Path], dict[tuple[str, int], Path]]:
+    """Run directories and sweep directories (`<name>-seed<k>` holding a sweep.json) under every
+    root; one name twice over the roots refuses, as within one (`find_run_dirs`)."""
+    runs: dict[tuple[str, int], Path] = {}
+    sweeps: dict[tuple[str, int], Path] = {}
+    for root in roots:
+        found = find_run_dirs(root)
+        found_sweeps = {}
+        for meta in sorted(root.rglob("sweep.json")):
+            m = RUN_NAME.match(meta.parent.name)
+            if m is not None:
+                found_sweeps[(m["arm"], int(m["seed"]))] = meta.parent
+        for have, new in ((runs, found), (sweeps, found_sweeps)):
+            for key, path in new.items():
+                if key in have:
+                    raise StudyError(f"two run directories for {key[0]}-seed{key[1]}: {have[key]} and {path}")
+                have[key] = path
+    return runs, sweeps
+
+
+def check_corpus(runs: Mapping[tuple[str, int], RunResult], protocol: Protocol) -> None:
+    """Refuse a main run whose domains are not the protocol's corpus (a run of another study)."""
+    want = protocol.corpus.domains
+    for r in runs.values():
+        if r.domains != want:
+            raise StudyError(
+                f"{r.path}: domains {', '.join(r.domains)} are not the comparison's corpus ({', '.join(want)})"
+            )
+
+
+def lacking(runs: Mapping[tuple[str, int], RunResult], names: Sequence[str], seeds: Sequence[int]) -> list[str]:
+    """For each seed, the runs of `names` missing or unfinished."""
+    out = []
+    for s in seeds:
+        for name in names:
+            r = runs.get((name, s))
+            out += [f"{name}-seed{s} missing"] if r is None else [r.describe_unfinished()] if r.unfinished else []
+    return out
+
+
+def add_search(compute: dict[str, Any], plain: Mapping[int, float], n_search: int) -> None:
+    """Per seed the arm's search FLOPs (cost.py `search_flops`: its search stages, and its main run
+    beyond the plain one of that seed) into `compute` as `search_flops`, None where a search stage
+    or the plain run is missing; their mean over seeds as `search_flops_mean`."""
+    per_seed = {}
+    for s, ledger in compute["per_seed"].items():
+        stages = ledger["stages"]
+        search = [c["train_flops_total"] for k, c in stages.items() if k != "main"]
+        known = len(search) >= n_search and s in plain
+        per_seed[s] = search_flops(search, stages["main"]["train_flops_total"], plain[s]) if known else None
+    values = list(per_seed.values())
+    compute["search_flops"] = per_seed
+    compute["search_flops_mean"] = sum(values) / len(values) if values and None not in values else None
+
+
+def at_compute(
+    protocol: Protocol,
+    pairs: Pairs,
+    compute: Mapping[str, Any],
+    plain: Mapping[int, float],
+    runs: Mapping[tuple[str, int], RunResult],
+    flops: Mapping[tuple[str, int], float],
+    baseline: str,
+) -> AtCompute | Withheld:
+    """The arm against `baseline` at the arm's total compute, seed by seed (see the module);
+    `compute` holds the arm's search FLOPs per seed (`add_search`)."""
+    eq, capacity = protocol.equal_compute, corpus_capacity(protocol)
+    bases, at, lacks = [], [], []
+    for a in pairs.runs:
+        s = a.seed
+        search = compute["search_flops"][s]
+        if search is None:
+            lacks.append(f"seed {s}: a search stage is missing, its compute is unknown")
+            continue
+        names = [eq.name(baseline, m) for m in eq.multiples]
+        points = [Point(flops[(n, s)] / plain[s], runs[(n, s)].final) for n in names if (n, s) in flops]
+        try:
+            b = baseline_at(points, compute_multiple(search, plain[s]), capacity)
+        except CostError as e:
+            lacks.append(f"seed {s}: {baseline} at the arm's compute: {e}")
+            continue
+        at.append(b)
+        bases.append(replace(runs[(baseline, s)], name=f"{baseline}@{b.multiple:.3f}x-seed{s}", final=b.losses))
+    if lacks:
+        return Withheld(pairs.arm, len(at), len(pairs.runs), tuple(lacks))
+    view = Pairs(pairs.arm, baseline, pairs.seeds, pairs.runs, tuple(bases))
+    return AtCompute(arm_result(view, protocol.design, None, compute), baseline, tuple(at))
+
+
+def compare(
+    roots: Sequence[Path], protocol: Protocol = PROTOCOL, gate: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Both views for every arm of `protocol` from the run directories under `roots`."""
+    design, eq = protocol.design, protocol.equal_compute
+    base = design.rule.baseline
+    dirs, sweeps = find_sources(roots)
+    points = [eq.name(b, m) for b in eq.baselines for m in eq.multiples]
+    mains = [a.name for a in protocol.arms] + [p for p in points if p not in {a.name for a in protocol.arms}]
+    runs = {k: read_run(p) for k, p in dirs.items() if k[0] in mains}
+    check_corpus(runs, protocol)
+    if not any(a == base for a, _ in runs):
+        raise StudyError(f"{', '.join(map(str, roots))}: no {base}-seed<k> run (the baseline of the rule)")
+    finished = [len({s for (a, s), r in runs.items() if a == arm.name and not r.unfinished}) for arm in protocol.arms]
+    need = int(gate["pairs"]) if gate and gate.get("go") else max(finished)
+    seeds = seeds_for(need)
+    runs = {k: r for k, r in runs.items() if k[1] in seeds}
+    sequences = {k: read_sequences(r.path, r.final_step) for k, r in runs.items()}
+    flops = {k: _run_flops(r.path) for k, r in runs.items() if k[0] in points and not r.unfinished}
+    plain = {s: flops[(base, s)] for s in seeds if (base, s) in flops}
+    tokens: list[ArmResult] = []
+    computed: dict[str, list[AtCompute]] = {b: [] for b in eq.baselines}
+    withheld: dict[str, list[Withheld]] = {EQUAL_TOKENS: [], **{b: [] for b in eq.baselines}}
+    for arm in protocol.arms:
+        if arm.name == base:
+            continue
+        lacks = lacking(runs, (arm.name, base), seeds)
+        if lacks:
+            have = sum(
+                1 for s in seeds if all((n, s) in runs and not runs[(n, s)].unfinished for n in (arm.name, base))
+            )
+            w = Withheld(arm.name, have, need, tuple(lacks))
+            for v in withheld.values():
+                v.append(w)
+            continue
+        pairs = pair_runs(runs, arm.name, base)
+        kinds, sweep = search_stages(protocol, arm)
+        extra = {s: {"sweep": c} for s in seeds if (c := _sweep(sweeps, sweep, s)) is not None}
+        compute = compute_of(dirs, arm.name, tuple(kinds), seeds, kinds, extra)
+        compute["missing"] += [f"{sweep}-seed{s}" for s in seeds if sweep and s not in extra]
+        add_search(compute, plain, len(kinds) + bool(sweep))
+        tokens.append(arm_result(pairs, design, sequences, compute))
+        for b in (b for b in eq.baselines if b != arm.name):
+            got = at_compute(protocol, pairs, compute, plain, runs, flops, b)
+            (withheld[b] if isinstance(got, Withheld) else computed[b]).append(got)  # type: ignore[arg-type]
+    bases = [r for (a, _), r in sorted(runs.items()) if a == base and not r.unfinished]
+    first = bases[0] if bases else next(r for (a, _), r in runs.items() if a == base)
+    base_compute = compute_of(dirs, base, (), tuple(r.seed for r in bases))
+    add_search(base_compute, plain, 0)
+    baseline = baseline_result(bases or [first], base_compute)
+    return {
+        "results": [baseline, *tokens],
+        "at_compute": computed,
+        "withheld": withheld,
+        "pairs": need,
+        "seeds": list(seeds),
+        "guardrails": guardrail_findings(dirs, design, mains),
+        "split": first.split,
+        "domains": list(first.domains),
+        "unfinished": sorted(r.describe_unfinished() for r in runs.values() if r.unfinished),
+        "gate": gate_notes(gate, tokens),
+        "baseline_curve": _curve(protocol, runs, flops, plain),
+    }
+
+
+def _run_flops(run: Path) -> float:
+    from doremi.reports.ledger import study_run_cost
+
+    cost = study_run_cost(run, "main")
+    if cost is None:
+        raise StudyError(f"{run}: no config.yaml, so no compute")
+    return float(cost["train_flops_total"])
+
+
+def _sweep(sweeps: Mapping[tuple[str, int], Path], name: str | None, seed: int) -> dict[str, Any] | None:
+    from doremi.reports.ledger import sweep_stage_cost
+
+    return None if name is None or (name, seed) not in sweeps else sweep_stage_cost(sweeps[(name, seed)])
+
+
+def _curve(
+    protocol: Protocol,
+    runs: Mapping[tuple[str, int], RunResult],
+    flops: Mapping[tuple[str, int], float],
+    plain: Mapping[int, float],
+) -> dict[str, list[tuple[float, float, int]]]:
+    """Per baseline, (mean compute in FLOPs, mean endpoint, seeds) at each measured multiple."""
+    eq, out = protocol.equal_compute, {}
+    for b in eq.baselines:
+        out[b] = []
+        for m in eq.multiples:
+            have = [(flops[k], runs[k].endpoint) for k in runs if k[0] == eq.name(b, m) and k in flops]
+            if have:
+                out[b].append((sum(f for f, _ in have) / len(have), sum(e for _, e in have) / len(have), len(have)))
+    return out
+
+
+# -- the report --------------------------------------------------------------------------------------
+
+
+def _search_cell(r: ArmResult) -> list[str]:
+    """The arm's search FLOPs per seed (`add_search`), mean over seeds."""
+    f = r.compute.get("search_flops_mean")
+    return ["" if f is None else f"{f / 1e15:.2f} PFLOP"]
+
+
+def _total_pflops(r: ArmResult) -> float | None:
+    f = r.compute.get("per_seed_mean", {}).get("train_flops_total")
+    return None if f is None else f / 1e15
+
+
+def format_markdown(summary: dict[str, Any], protocol: Protocol = PROTOCOL, command: str = "") -> str:
+    from doremi.study.comparison.cost import VIEWS
+
+    design, eq = protocol.design, protocol.equal_compute
+    rule = design.rule
+    results, cols = summary["results"], 13
+    view1 = _arms_table(
+        summary,
+        design,
+        extra=[w.row(cols + 1) for w in summary["withheld"][EQUAL_TOKENS]],
+        more=("of which search, per seed",),
+        cells=[_search_cell(r) for r in results],
+    )
+    views2 = []
+    for b in eq.baselines:
+        rows = summary["at_compute"][b]
+        cap = baseline_capacity(protocol, b)
+        part = {"results": [r.result for r in rows], "split": summary["split"]}
+        table = _arms_table(
+            part,
+            design,
+            extra=[w.row(cols + 2) for w in summary["withheld"][b]],
+            baseline=f"{b} at the arm's compute",
+            more=("compute multiple (mean over seeds)", f"{b} there"),
+            cells=[r.cells(cap) for r in rows],
+        )
+        views2.append(f"### Against {b}\n\n{table}")
+    withheld = [w.line() for ws in summary["withheld"].values() for w in ws]
+    notes = [n for r in results for n in r.notes] + summary["unfinished"] + summary["gate"] + withheld
+    notes += [
+        f"{r.arm}: no run directory {m}; its compute leaves that stage out"
+        for r in results
+        for m in r.compute.get("missing", [])
+    ]
+    note_text = "\n".join(f"- {n}" for n in dict.fromkeys(notes)) or "- none"
+    lines = "\n".join(f"- {verdict_line(r, design)}" for r in results if r.paired is not None)
+    uniform_at = {
+        "results": [r.result for r in summary["at_compute"].get(rule.baseline, [])],
+        "domains": summary["domains"],
+    }
+    return f"""# The comparison: every mixing method against {rule.baseline}, {summary["pairs"]} pairs
+
+Written by `{command}` from the raw logs; the protocol is doremi/study/comparison/protocol.py's
+and the rule doremi/study/design.py's, fixed before the runs. Endpoint: mean {summary["split"]} loss
+over domains at the final step (nats/token); differences are arm minus baseline, paired by seed
+(negative: the arm is better). Every arm is judged on seeds {", ".join(map(str, summary["seeds"]))}; an arm
+with fewer is {INCOMPLETE} (no verdict). Compute: model FLOPs per seed (doremi/reports/ledger.py
+`train_flops_total`: training, a reference's forward, a target batch, validation passes, a sweep).
+
+## View 1: {VIEWS[0]}
+
+{lines or "- no arm complete"}
+
+{view1}
+## View 2: {VIEWS[1]}
+
+Each baseline at the arm's compute multiple (1 + search FLOPs / the plain main run's, per seed),
+its per-domain losses {eq.interpolation} (measured at {", ".join(f"{m}x" for m in eq.multiples)});
+beyond the largest it is extrapolated, beyond {corpus_capacity(protocol):.2f}x no run is within the
+2-epoch rule: both are flagged in the last column.
+
+{chr(10).join(views2)}
+## Guardrails
+
+{_guard_text(summary["guardrails"], design)}
+
+## Per domain, {VIEWS[0]} (mean over seeds ± SE)
+
+{_domain_table(summary, design) if len(results) > 1 else "no arm complete"}
+## Per domain, {VIEWS[1]}, against {rule.baseline} (mean over seeds ± SE)
+
+{_domain_table(uniform_at, design) if uniform_at["results"] else "no arm complete"}
+![comparison](comparison.png)
+
+## Notes
+
+{note_text}
+"""
+
+
+def to_doc(summary: dict[str, Any]) -> dict[str, Any]:
+    """comparison.json: view 1 as study.json's results, view 2 per baseline, the withheld arms."""
+    out = to_json({k: v for k, v in summary.items() if k not in ("at_compute", "withheld")})
+    out[EQUAL_COMPUTE] = {
+        b: [{**to_json({"results": [r.result]})["results"][0], "at": [asdict(x) for x in r.at]} for r in rows]
+        for b, rows in summary["at_compute"].items()
+    }
+    out["withheld"] = {v: [asdict(w) for w in ws] for v, ws in summary["withheld"].items()}
+    return out
+
+
+def plot(path: Path, summary: dict[str, Any], protocol: Protocol = PROTOCOL) -> None:
+    """Mean test loss against total compute per seed: one point per arm, its bar the 95% interval
+    of its paired difference from the baseline placed around its mean (the interval the verdict
+    reads), and each baseline's measured multiples joined (the line view 2 interpolates on)."""
+    from matplotlib.figure import Figure
+
+    from doremi.reports.report import _save
+
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.subplots()
+    for b, curve in summary["baseline_curve"].items():
+        if curve:
+            ax.plot([f / 1e15 for f, _, _ in curve], [e for _, e, _ in curve], "s--", label=f"{b} (1x, 2x, ...)")
+    for r in summary["results"]:
+        x = _total_pflops(r)
+        if x is None or r.paired is None:
+            continue
+        p = r.paired
+        ax.errorbar([x], [r.mean_loss], yerr=[[p.mean - p.ci[0]], [p.ci[1] - p.mean]], fmt="o", capsize=4)
+        ax.annotate(r.arm, (x, r.mean_loss), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xscale("log")
+    ax.set(
+        xlabel="total compute per seed (search + main, PFLOP)",
+        ylabel=f"mean {summary['split']} loss (nats/token)",
+        title=f"{protocol.rule.ci_level:.0%} interval of the paired difference, {summary['pairs']} pairs",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def run_comparison(
+    sources: Sequence[str | Path],
+    out: str | Path,
+    protocol: Protocol = PROTOCOL,
+    calibration: str | Path | None = None,
+) -> dict[str, Any]:
+    """Recompute the comparison from `sources` (directories or archives) into `out`. Every input
+    is read and checked before anything is written."""
+    paths, out = [Path(s) for s in sources], Path(out)
+    for p in paths:
+        if not p.exists():
+            raise StudyError(f"{p}: not found")
+        if p.is_file() and not p.name.endswith(ARCHIVES):
+            raise StudyError(f"{p}: expected a directory or a {', '.join(ARCHIVES)} archive")
+    gate = None
+    if calibration is not None:
+        try:
+            gate = json.loads(Path(calibration).read_text())["decision"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StudyError(f"{calibration}: not a calibration.json ({e})") from None
+    command = " ".join(["doremi study compare-methods", *map(str, paths), "--out", str(out)])
+    command += f" --calibration {calibration}" if calibration is not None else ""
+    with tempfile.TemporaryDirectory(prefix="doremi-comparison-") as tmp:
+        roots = [unpack(p, Path(tmp) / str(i)) if p.is_file() else p for i, p in enumerate(paths)]
+        summary = compare(roots, protocol, gate)
+        text = format_markdown(summary, protocol, command)
+        doc = json.dumps(to_doc(summary), indent=1, default=str) + "\n"
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / COMPARISON_JSON, doc)
+        plot(out / COMPARISON_PNG, summary, protocol)
+        atomic_write_text(out / COMPARISON_MD, text)
+    for r in summary["results"]:
+        if r.paired is not None:
+            print(verdict_line(r, protocol.design))
+    for w in dict.fromkeys(w for ws in summary["withheld"].values() for w in ws):
+        print(w.line())
+    print(f"written: {out / COMPARISON_MD}, {out / COMPARISON_JSON}, {out / COMPARISON_PNG}")
+    return summary

@@ -1,0 +1,179 @@
+"""doremi/study/comparison/summary.py (`doremi study compare-methods`): the comparison's two views
+from synthetic run directories (tests/test_study_verdict.py's), against numbers computed here
+by hand: a paired difference, a compute multiple, a baseline interpolated at it; an arm short of
+a seed withheld; two archives round trip; bad sources refused in one line."""
+
+from __future__ import annotations
+
+import json
+import math
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from doremi.commands.cli import main
+from doremi.study import stats
+from doremi.study.comparison.cost import EQUAL_COMPUTE
+from doremi.study.comparison.protocol import CORPUS, PROTOCOL
+from doremi.study.comparison.summary import COMPARISON_JSON, COMPARISON_MD, COMPARISON_PNG, compare
+from doremi.study.design import DESIGN, SMALL, SMALL_SCHEDULE
+from tests.test_study_calibration import write_run
+from tests.test_study_verdict import _flops, write_search_run
+
+SEEDS = (1, 2, 3)
+STEPS = DESIGN.main.schedule.steps
+MAIN_TOKENS = DESIGN.main.schedule.tokens
+DOMAINS = CORPUS.domains
+ODM = [-0.02, -0.03, -0.025]
+ONLINE = [-0.05, -0.04, -0.06]
+X2 = -0.1  # uniform_x2 minus uniform, every domain
+ONLINE_EVAL_TOKENS = 3 * MAIN_TOKENS // 2  # a forward of 1.5 main runs' tokens: multiple 1.5
+
+
+def losses(endpoint: float) -> np.ndarray:
+    """write_run's per-domain losses: the endpoint plus offsets from -0.5 to +0.5."""
+    k = len(DOMAINS)
+    return np.array([endpoint + 0.5 * (2 * i - (k - 1)) / (k - 1) for i in range(k)])
+
+
+def uniform(seed: int) -> float:
+    return 3.0 + 0.02 * seed
+
+
+def main_run(root: Path, name: str, endpoint: float, seed: int, multiple: int = 1) -> Path:
+    return write_run(root, name, endpoint, seed, final_step=STEPS * multiple, planned=STEPS * multiple, domains=DOMAINS)
+
+
+def online_run(root: Path, name: str, endpoint: float, seed: int) -> None:
+    """A method on the main run: its config names it and its metrics count its validation passes."""
+    run = main_run(root, name, endpoint, seed)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["mixing"] = {"main": "odm"}
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": STEPS, "method_evals": {"tokens": ONLINE_EVAL_TOKENS, "seconds": 2.0}}) + "\n")
+
+
+def write_comparison(study: Path, comparison: Path, seeds: tuple[int, ...] = SEEDS) -> None:
+    """The study's runs (uniform, natural) under `study`; the comparison's (baselines at 2x, ODM as a
+    proxy and online, UniMax short of seed 3) under `comparison`."""
+    for s in seeds:
+        u = uniform(s)
+        main_run(study, f"uniform-seed{s}", u, s)
+        main_run(study, f"natural-seed{s}", u + 0.03, s)
+        main_run(comparison, f"uniform_x2-seed{s}", u + X2, s, multiple=2)
+        main_run(comparison, f"natural_x2-seed{s}", u + 0.03 - 0.08, s, multiple=2)
+        write_search_run(comparison, f"odm_proxy-seed{s}", s)
+        main_run(comparison, f"odm-seed{s}", u + ODM[s - 1], s)
+        online_run(comparison, f"odm_online-seed{s}", u + ONLINE[s - 1], s)
+        if s < 3:
+            main_run(comparison, f"unimax-seed{s}", u - 0.01, s)
+
+
+def _pack(folder: Path, archive: Path) -> Path:
+    with tarfile.open(archive, "w:xz") as tf:
+        tf.add(folder, arcname=folder.name)
+    return archive
+
+
+def test_both_views_against_hand_computed_numbers(tmp_path):
+    write_comparison(tmp_path / "study", tmp_path / "comparison")
+    s = compare([tmp_path / "study", tmp_path / "comparison"], PROTOCOL)
+    assert s["pairs"] == 3 and s["seeds"] == [1, 2, 3]
+    by_arm = {r.arm: r for r in s["results"]}
+    assert list(by_arm) == ["uniform", "natural", "odm", "odm_online"]
+    # View 1: the study's rule on odm - uniform per seed.
+    odm = by_arm["odm"]
+    assert odm.paired.mean == pytest.approx(np.mean(ODM), abs=1e-12)
+    assert odm.paired.se == pytest.approx(stats.paired_test(ODM).se, abs=1e-12)
+    assert odm.paired.verdict == "works"
+    big, small = _flops(DESIGN.main.shape, 1024), _flops(SMALL, 1024)
+    proxy_flops = small * SMALL_SCHEDULE.tokens
+    assert odm.compute["per_seed_mean"]["train_flops_total"] == pytest.approx(
+        proxy_flops + big * MAIN_TOKENS, rel=1e-12
+    )
+    # Search: the proxy's training; online, the main run's validation passes (a forward, a third).
+    assert odm.compute["search_flops_mean"] == pytest.approx(proxy_flops, rel=1e-12)
+    assert by_arm["odm_online"].compute["search_flops_mean"] == pytest.approx(big / 3 * ONLINE_EVAL_TOKENS, rel=1e-12)
+    # View 2, against uniform: the compute multiples 1 + search / plain main.
+    at = {r.result.arm: r for r in s["at_compute"]["uniform"]}
+    assert [b.multiple for b in at["odm"].at] == pytest.approx([1 + proxy_flops / (big * MAIN_TOKENS)] * 3, rel=1e-12)
+    assert [b.multiple for b in at["odm_online"].at] == pytest.approx([1.5] * 3, rel=1e-12)
+    assert {b.how for b in at["odm_online"].at} == {"interpolated"}
+    # The baseline at 1.5x, per domain the power law through 1x and 2x: L1 (L2 / L1)^log2(1.5).
+    x = math.log(1.5) / math.log(2)
+    want = [losses(uniform(k)) * (losses(uniform(k) + X2) / losses(uniform(k))) ** x for k in SEEDS]
+    assert at["odm_online"].at[0].losses == pytest.approx(tuple(want[0]), rel=1e-12)
+    diffs = [uniform(k) + ONLINE[k - 1] - w.mean() for k, w in zip(SEEDS, want)]
+    assert at["odm_online"].result.paired.mean == pytest.approx(np.mean(diffs), abs=1e-12)
+    assert at["odm_online"].result.paired.ci == pytest.approx(stats.paired_test(diffs).ci, abs=1e-12)
+    # natural: no search, so the baseline there is the measured 1x run, and view 2 is view 1.
+    assert [b.how for b in at["natural"].at] == ["measured"] * 3
+    assert at["natural"].result.paired.mean == pytest.approx(by_arm["natural"].paired.mean, abs=1e-12)
+    # Against natural at the arm's compute: natural itself is not an arm there.
+    assert [r.result.arm for r in s["at_compute"]["natural"]] == ["odm", "odm_online"]
+
+
+def test_an_arm_short_of_a_seed_is_withheld_by_name(tmp_path):
+    write_comparison(tmp_path / "study", tmp_path / "comparison")
+    s = compare([tmp_path / "study", tmp_path / "comparison"], PROTOCOL)
+    unimax = next(w for w in s["withheld"]["equal main-run tokens"] if w.arm == "unimax")
+    assert (unimax.pairs, unimax.need, unimax.lacks) == (2, 3, ("unimax-seed3 missing",))
+    assert unimax.line() == "unimax: incomplete, 2 of 3 pairs (unimax-seed3 missing); no verdict"
+    assert "unimax" not in {r.arm for r in s["results"]}
+    # A calibration asking 4 pairs withholds every arm, the ones with 3 too.
+    s4 = compare([tmp_path / "study", tmp_path / "comparison"], PROTOCOL, {"go": True, "pairs": 4})
+    assert [r.arm for r in s4["results"]] == ["uniform"]
+    odm = next(w for w in s4["withheld"]["uniform"] if w.arm == "odm")
+    assert odm.pairs == 3 and odm.lacks == ("odm-seed4 missing", "uniform-seed4 missing")
+
+
+def test_two_archives_round_trip_through_the_command(tmp_path, capsys):
+    write_comparison(tmp_path / "study", tmp_path / "comparison")
+    sources = [_pack(tmp_path / d, tmp_path / f"{d}.tar.xz") for d in ("study", "comparison")]
+    out = tmp_path / "out"
+    assert main(["study", "compare-methods", *map(str, sources), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1].startswith("odm vs uniform: works (-0.0250 nats, 95% CI [")
+    assert "unimax: incomplete, 2 of 3 pairs (unimax-seed3 missing); no verdict" in printed
+    doc = json.loads((out / COMPARISON_JSON).read_text())
+    again = compare([tmp_path / "study", tmp_path / "comparison"], PROTOCOL)
+    assert [r["paired"] and r["paired"]["mean"] for r in doc["results"]] == [
+        r.paired and r.paired.mean for r in again["results"]
+    ]
+    online = next(r for r in doc[EQUAL_COMPUTE]["uniform"] if r["arm"] == "odm_online")
+    assert online["paired"]["mean"] == next(
+        r.result.paired.mean for r in again["at_compute"]["uniform"] if r.result.arm == "odm_online"
+    )
+    md = (out / COMPARISON_MD).read_text()
+    assert "| odm_online | 3 |" in md and "| unimax | 2 of 3 |" in md and "1.500 | interpolated |" in md
+    assert f"doremi study compare-methods {sources[0]} {sources[1]} --out {out}" in md
+    assert (out / COMPARISON_PNG).is_file()
+
+
+@pytest.mark.parametrize("bad", ["archive", "corpus", "no_uniform"])
+def test_bad_sources_are_one_line_and_write_nothing(tmp_path, capsys, bad):
+    study, comparison = tmp_path / "study", tmp_path / "comparison"
+    write_comparison(study, comparison)
+    sources = [study, comparison]
+    if bad == "archive":
+        sources[1] = tmp_path / "comparison.tar.xz"
+        sources[1].write_bytes(b"not xz")
+        want = f"{sources[1]}: not a readable tar archive"
+    elif bad == "corpus":
+        write_run(comparison, "temperature-seed1", 3.0, 1)  # domains a, b
+        want = f"{comparison / 'temperature-seed1'}: domains a, b are not the comparison's corpus"
+    else:
+        for s in SEEDS:
+            for f in (study / f"uniform-seed{s}").iterdir():
+                f.unlink()
+            (study / f"uniform-seed{s}").rmdir()
+        want = f"{study}, {comparison}: no uniform-seed<k> run"
+    out = tmp_path / "out"
+    assert main(["study", "compare-methods", *map(str, sources), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"doremi study: error: {want}")
+    assert not out.exists()
