@@ -352,6 +352,24 @@ def plot(path: Path, summary: dict[str, Any], design: Design = DESIGN) -> None:
     _save(fig, path)
 
 
+def check_source(source: Path) -> None:
+    """Refuse a source that is neither a directory nor an archive `unpack` reads."""
+    if not source.exists():
+        raise StudyError(f"{source}: not found")
+    if source.is_file() and not source.name.endswith(ARCHIVES):
+        raise StudyError(f"{source}: expected a directory or a {', '.join(ARCHIVES)} archive")
+
+
+def read_gate(calibration: str | Path | None) -> dict[str, Any] | None:
+    """The calibration's decision (calibration.json's `decision`), None without a calibration."""
+    if calibration is None:
+        return None
+    try:
+        return json.loads(Path(calibration).read_text())["decision"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StudyError(f"{calibration}: not a calibration.json ({e})") from None
+
+
 def run_summary(
     source: str | Path, out: str | Path, design: Design = DESIGN, calibration: str | Path | None = None
 ) -> dict[str, Any]:
@@ -361,14 +379,8 @@ def run_summary(
     source, out = Path(source), Path(out)
     if not source.exists():
         raise StudyError(f"{source}: not found")
-    gate = None
-    if calibration is not None:
-        try:
-            gate = json.loads(Path(calibration).read_text())["decision"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise StudyError(f"{calibration}: not a calibration.json ({e})") from None
-    if source.is_file() and not source.name.endswith(ARCHIVES):
-        raise StudyError(f"{source}: expected a directory or a {', '.join(ARCHIVES)} archive")
+    gate = read_gate(calibration)
+    check_source(source)
     with tempfile.TemporaryDirectory(prefix="doremi-study-") as tmp:
         root = unpack(source, Path(tmp)) if source.is_file() else source
         summary = summarize(root, design, gate)

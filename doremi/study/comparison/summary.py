@@ -48,13 +48,14 @@ from doremi.study.comparison.plan import SEARCH, arm_steps
 from doremi.study.comparison.protocol import PROTOCOL, Arm, Protocol, baseline_capacity, corpus_capacity, seeds_for
 from doremi.study.runs import RUN_NAME, Pairs, RunResult, StudyError, find_run_dirs, pair_runs, read_run
 from doremi.study.summarize import (
-    ARCHIVES,
     _arms_table,
     _domain_table,
     _guard_text,
+    check_source,
     compute_of,
     gate_notes,
     guardrail_findings,
+    read_gate,
     read_sequences,
     to_json,
     unpack,
@@ -451,16 +452,8 @@ def run_comparison(
     is read and checked before anything is written."""
     paths, out = [Path(s) for s in sources], Path(out)
     for p in paths:
-        if not p.exists():
-            raise StudyError(f"{p}: not found")
-        if p.is_file() and not p.name.endswith(ARCHIVES):
-            raise StudyError(f"{p}: expected a directory or a {', '.join(ARCHIVES)} archive")
-    gate = None
-    if calibration is not None:
-        try:
-            gate = json.loads(Path(calibration).read_text())["decision"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise StudyError(f"{calibration}: not a calibration.json ({e})") from None
+        check_source(p)
+    gate = read_gate(calibration)
     command = " ".join(["doremi study compare-methods", *map(str, paths), "--out", str(out)])
     command += f" --calibration {calibration}" if calibration is not None else ""
     with tempfile.TemporaryDirectory(prefix="doremi-comparison-") as tmp:
