@@ -31,6 +31,8 @@ ODM = [-0.02, -0.03, -0.025]
 ONLINE = [-0.05, -0.04, -0.06]
 X2 = -0.1  # uniform_x2 minus uniform, every domain
 ONLINE_EVAL_TOKENS = 3 * MAIN_TOKENS // 2  # a forward of 1.5 main runs' tokens: multiple 1.5
+PLAIN = _flops(DESIGN.main.shape, 1024) * MAIN_TOKENS
+SWEEP = (1.25 * PLAIN, 0.25 * PLAIN)  # training and evaluations: multiple 2.5, beyond 2x and the corpus
 
 
 def losses(endpoint: float) -> np.ndarray:
@@ -71,6 +73,10 @@ def write_comparison(study: Path, comparison: Path, seeds: tuple[int, ...] = SEE
         online_run(comparison, f"odm_online-seed{s}", u + ONLINE[s - 1], s)
         if s < 3:
             main_run(comparison, f"unimax-seed{s}", u - 0.01, s)
+        sweep = comparison / f"sweep-seed{s}"
+        sweep.mkdir(parents=True)
+        (sweep / "sweep.json").write_text(json.dumps({"compute": {"train_flops": SWEEP[0], "eval_flops": SWEEP[1]}}))
+        main_run(comparison, f"regmix-seed{s}", u + 0.01, s)
 
 
 def _pack(folder: Path, archive: Path) -> Path:
@@ -84,7 +90,7 @@ def test_both_views_against_hand_computed_numbers(tmp_path):
     s = compare([tmp_path / "study", tmp_path / "comparison"], PROTOCOL)
     assert s["pairs"] == 3 and s["seeds"] == [1, 2, 3]
     by_arm = {r.arm: r for r in s["results"]}
-    assert list(by_arm) == ["uniform", "natural", "odm", "odm_online"]
+    assert list(by_arm) == ["uniform", "natural", "odm", "odm_online", "regmix"]
     # View 1: the study's rule on odm - uniform per seed.
     odm = by_arm["odm"]
     assert odm.paired.mean == pytest.approx(np.mean(ODM), abs=1e-12)
@@ -110,11 +116,19 @@ def test_both_views_against_hand_computed_numbers(tmp_path):
     diffs = [uniform(k) + ONLINE[k - 1] - w.mean() for k, w in zip(SEEDS, want)]
     assert at["odm_online"].result.paired.mean == pytest.approx(np.mean(diffs), abs=1e-12)
     assert at["odm_online"].result.paired.ci == pytest.approx(stats.paired_test(diffs).ci, abs=1e-12)
+    # RegMix: the sweep's training and evaluations, 1.5 plain main runs: extrapolated, beyond the corpus.
+    assert [b.multiple for b in at["regmix"].at] == pytest.approx([2.5] * 3, rel=1e-12)
+    assert (
+        at["regmix"].at[0].flag()
+        == "extrapolated beyond the largest measured multiple; beyond the corpus's 2-epoch capacity"
+    )
+    want = losses(uniform(1)) * (losses(uniform(1) + X2) / losses(uniform(1))) ** (math.log(2.5) / math.log(2))
+    assert at["regmix"].at[0].losses == pytest.approx(tuple(want), rel=1e-12)
     # natural: no search, so the baseline there is the measured 1x run, and view 2 is view 1.
     assert [b.how for b in at["natural"].at] == ["measured"] * 3
     assert at["natural"].result.paired.mean == pytest.approx(by_arm["natural"].paired.mean, abs=1e-12)
     # Against natural at the arm's compute: natural itself is not an arm there.
-    assert [r.result.arm for r in s["at_compute"]["natural"]] == ["odm", "odm_online"]
+    assert [r.result.arm for r in s["at_compute"]["natural"]] == ["odm", "odm_online", "regmix"]
 
 
 def test_an_arm_short_of_a_seed_is_withheld_by_name(tmp_path):
@@ -149,7 +163,8 @@ def test_two_archives_round_trip_through_the_command(tmp_path, capsys):
         r.result.paired.mean for r in again["at_compute"]["uniform"] if r.result.arm == "odm_online"
     )
     md = (out / COMPARISON_MD).read_text()
-    assert "| odm_online | 3 |" in md and "| unimax | 2 of 3 |" in md and "1.500 | interpolated |" in md
+    assert "| odm_online | 3 |" in md and "| unimax | 2 of 3 |" in md and "1.500 | interpolated;" in md
+    assert "| 2.500 | extrapolated beyond the largest measured multiple; beyond the corpus" in md
     assert f"doremi study compare-methods {sources[0]} {sources[1]} --out {out}" in md
     assert (out / COMPARISON_PNG).is_file()
 

@@ -94,7 +94,9 @@ class AtCompute:
     def cells(self, capacity: float) -> list[str]:
         ms = [b.multiple for b in self.at]
         multiple = f"{sum(ms) / len(ms):.3f}" + (f" ({min(ms):.3f}-{max(ms):.3f})" if max(ms) > min(ms) else "")
-        flags = dict.fromkeys(b.how + (f"; {b.flag()}" if b.flag() else "") for b in self.at)
+        flags = dict.fromkeys(
+            b.flag() if b.flag().startswith(b.how) else "; ".join(filter(None, (b.how, b.flag()))) for b in self.at
+        )
         if max(ms) > capacity:
             flags[f"{self.baseline}'s mixture capped at 2 epochs beyond {capacity:.2f}x"] = None
         return [multiple, "; ".join(flags)]
@@ -160,7 +162,7 @@ def lacking(runs: Mapping[tuple[str, int], RunResult], names: Sequence[str], see
     return out
 
 
-def add_search(compute: dict[str, Any], plain: Mapping[int, float], n_search: int) -> None:
+def add_search(arm: str, compute: dict[str, Any], plain: Mapping[int, float], n_search: int) -> None:
     """Per seed the arm's search FLOPs (cost.py `search_flops`: its search stages, and its main run
     beyond the plain one of that seed) into `compute` as `search_flops`, None where a search stage
     or the plain run is missing; their mean over seeds as `search_flops_mean`."""
@@ -168,8 +170,11 @@ def add_search(compute: dict[str, Any], plain: Mapping[int, float], n_search: in
     for s, ledger in compute["per_seed"].items():
         stages = ledger["stages"]
         search = [c["train_flops_total"] for k, c in stages.items() if k != "main"]
-        known = len(search) >= n_search and s in plain
-        per_seed[s] = search_flops(search, stages["main"]["train_flops_total"], plain[s]) if known else None
+        try:
+            known = len(search) >= n_search and s in plain
+            per_seed[s] = search_flops(search, stages["main"]["train_flops_total"], plain[s]) if known else None
+        except CostError as e:
+            raise StudyError(f"{arm}-seed{s}: {e}") from None
     values = list(per_seed.values())
     compute["search_flops"] = per_seed
     compute["search_flops_mean"] = sum(values) / len(values) if values and None not in values else None
@@ -249,7 +254,7 @@ def compare(
         extra = {s: {"sweep": c} for s in seeds if (c := _sweep(sweeps, sweep, s)) is not None}
         compute = compute_of(dirs, arm.name, tuple(kinds), seeds, kinds, extra)
         compute["missing"] += [f"{sweep}-seed{s}" for s in seeds if sweep and s not in extra]
-        add_search(compute, plain, len(kinds) + bool(sweep))
+        add_search(arm.name, compute, plain, len(kinds) + bool(sweep))
         tokens.append(arm_result(pairs, design, sequences, compute))
         for b in (b for b in eq.baselines if b != arm.name):
             got = at_compute(protocol, pairs, compute, plain, runs, flops, b)
@@ -257,7 +262,7 @@ def compare(
     bases = [r for (a, _), r in sorted(runs.items()) if a == base and not r.unfinished]
     first = bases[0] if bases else next(r for (a, _), r in runs.items() if a == base)
     base_compute = compute_of(dirs, base, (), tuple(r.seed for r in bases))
-    add_search(base_compute, plain, 0)
+    add_search(base, base_compute, plain, 0)
     baseline = baseline_result(bases or [first], base_compute)
     return {
         "results": [baseline, *tokens],
