@@ -143,6 +143,17 @@ def test_an_arm_short_of_a_seed_is_withheld_by_name(tmp_path):
     assert [r.arm for r in s4["results"]] == ["uniform"]
     odm = next(w for w in s4["withheld"]["uniform"] if w.arm == "odm")
     assert odm.pairs == 3 and odm.lacks == ("odm-seed4 missing", "uniform-seed4 missing")
+    # Without its 2x run, a seed's baseline above 1x cannot be had: the arm is withheld in view 2 only.
+    for f in (tmp_path / "comparison" / "uniform_x2-seed2").iterdir():
+        f.unlink()
+    (tmp_path / "comparison" / "uniform_x2-seed2").rmdir()
+    s = compare([tmp_path / "study", tmp_path / "comparison"], PROTOCOL)
+    assert "odm_online" in {r.arm for r in s["results"]}
+    online = next(w for w in s["withheld"]["uniform"] if w.arm == "odm_online")
+    assert online.pairs == 2 and online.lacks == (
+        "seed 2: uniform at the arm's compute: multiple 1.5: beyond the only measured one (1); no uniform_x2-seed2",
+    )
+    assert [r.result.arm for r in s["at_compute"]["uniform"]] == ["natural"]  # natural: 1x, measured
 
 
 def test_two_archives_round_trip_through_the_command(tmp_path, capsys):

@@ -204,7 +204,10 @@ def at_compute(
         try:
             b = baseline_at(points, compute_multiple(search, plain[s]), capacity)
         except CostError as e:
-            lacks.append(f"seed {s}: {baseline} at the arm's compute: {e}")
+            absent = [f"{n}-seed{s}" for n in names if (n, s) not in flops]
+            lacks.append(
+                f"seed {s}: {baseline} at the arm's compute: {e}" + (f"; no {', '.join(absent)}" if absent else "")
+            )
             continue
         at.append(b)
         bases.append(replace(runs[(baseline, s)], name=f"{baseline}@{b.multiple:.3f}x-seed{s}", final=b.losses))
