@@ -188,7 +188,7 @@ def _arm_row(r: Any) -> list[str]:
     ]
 
 
-def _arms_table(
+def arms_table(
     summary: dict[str, Any],
     design: Design,
     extra: Sequence[list[str]] = (),
@@ -224,7 +224,7 @@ def _arms_table(
     )
 
 
-def _domain_table(summary: dict[str, Any], design: Design) -> str:
+def domain_table(summary: dict[str, Any], design: Design) -> str:
     """Per domain, each arm's difference from the baseline (mean over seeds ± SE)."""
     from doremi.reports.report import markdown_table
 
@@ -236,7 +236,7 @@ def _domain_table(summary: dict[str, Any], design: Design) -> str:
     return markdown_table(["domain", *[f"{r.arm} - {rule.baseline}" for r in results if r.domains]], dom_rows)
 
 
-def _guard_text(guards: list[Any], design: Design) -> str:
+def guard_text(guards: list[Any], design: Design) -> str:
     """That every guardrail of the rule holds, or the ones that failed."""
     return (
         "Every guardrail of the rule holds (memorisation gap - "
@@ -268,10 +268,10 @@ def _verdict_lines(results: list[Any], design: Design, guards: list[Any]) -> str
 
 def format_markdown(summary: dict[str, Any], design: Design = DESIGN, source: str = "") -> str:
     rule, results = design.rule, summary["results"]
-    table = _arms_table(summary, design)
-    dom_table = _domain_table(summary, design)
+    table = arms_table(summary, design)
+    dom_table = domain_table(summary, design)
     guards = summary["guardrails"]
-    guard_text = _guard_text(guards, design)
+    guards_md = guard_text(guards, design)
     note_text = _note_text(summary)
     lines = _verdict_lines(results, design, guards)
     return f"""# The DoReMi study: {", ".join(r.arm for r in results)}
@@ -288,7 +288,7 @@ the arm is better). Verdict: "works" if the mean < -t_(0.95,n-1) x SE, "worse" i
 {table}
 ## Guardrails
 
-{guard_text}
+{guards_md}
 
 ## Per domain (mean over seeds ± SE)
 

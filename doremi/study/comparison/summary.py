@@ -48,12 +48,12 @@ from doremi.study.comparison.plan import SEARCH, arm_steps
 from doremi.study.comparison.protocol import PROTOCOL, Arm, Protocol, baseline_capacity, corpus_capacity, seeds_for
 from doremi.study.runs import RUN_NAME, Pairs, RunResult, StudyError, find_run_dirs, pair_runs, read_run
 from doremi.study.summarize import (
-    _arms_table,
-    _domain_table,
-    _guard_text,
+    arms_table,
     check_source,
     compute_of,
+    domain_table,
     gate_notes,
+    guard_text,
     guardrail_findings,
     read_gate,
     read_sequences,
@@ -252,15 +252,9 @@ def compare(
             for v in withheld.values():
                 v.append(w)
             continue
-        pairs = pair_runs(runs, arm.name, base)
-        kinds, sweep = search_stages(protocol, arm)
-        extra = {s: {"sweep": c} for s in seeds if (c := _sweep(sweeps, sweep, s)) is not None}
-        compute = compute_of(dirs, arm.name, tuple(kinds), seeds, kinds, extra)
-        compute["missing"] += [f"{sweep}-seed{s}" for s in seeds if sweep and s not in extra]
-        add_search(arm.name, compute, plain, len(kinds) + bool(sweep))
-        tokens.append(arm_result(pairs, design, sequences, compute))
-        for b in (b for b in eq.baselines if b != arm.name):
-            got = at_compute(protocol, pairs, compute, plain, runs, flops, b)
+        result, at = _judge(protocol, arm, runs, dirs, sweeps, seeds, sequences, flops, plain)
+        tokens.append(result)
+        for b, got in at.items():
             (withheld[b] if isinstance(got, Withheld) else computed[b]).append(got)  # type: ignore[arg-type]
     bases = [r for (a, _), r in sorted(runs.items()) if a == base and not r.unfinished]
     first = bases[0] if bases else next(r for (a, _), r in runs.items() if a == base)
@@ -280,6 +274,34 @@ def compare(
         "gate": gate_notes(gate, tokens),
         "baseline_curve": _curve(protocol, runs, flops, plain),
     }
+
+
+def _judge(
+    protocol: Protocol,
+    arm: Arm,
+    runs: Mapping[tuple[str, int], RunResult],
+    dirs: Mapping[tuple[str, int], Path],
+    sweeps: Mapping[tuple[str, int], Path],
+    seeds: Sequence[int],
+    sequences: Mapping[tuple[str, int], Any],
+    flops: Mapping[tuple[str, int], float],
+    plain: Mapping[int, float],
+) -> tuple[ArmResult, dict[str, AtCompute | Withheld]]:
+    """One complete arm: its row at equal main tokens (the study's rule, its compute with its
+    search), and per baseline its row at equal total compute (or what withholds it there)."""
+    base = protocol.design.rule.baseline
+    pairs = pair_runs(runs, arm.name, base)
+    kinds, sweep = search_stages(protocol, arm)
+    extra = {s: {"sweep": c} for s in seeds if (c := _sweep(sweeps, sweep, s)) is not None}
+    compute = compute_of(dirs, arm.name, tuple(kinds), tuple(seeds), kinds, extra)
+    compute["missing"] += [f"{sweep}-seed{s}" for s in seeds if sweep and s not in extra]
+    add_search(arm.name, compute, plain, len(kinds) + bool(sweep))
+    at = {
+        b: at_compute(protocol, pairs, compute, plain, runs, flops, b)
+        for b in protocol.equal_compute.baselines
+        if b != arm.name
+    }
+    return arm_result(pairs, protocol.design, sequences, compute), at
 
 
 def _run_flops(run: Path) -> float:
@@ -328,33 +350,29 @@ def _total_pflops(r: ArmResult) -> float | None:
     return None if f is None else f / 1e15
 
 
-def format_markdown(summary: dict[str, Any], protocol: Protocol = PROTOCOL, command: str = "") -> str:
-    from doremi.study.comparison.cost import VIEWS
-
-    design, eq = protocol.design, protocol.equal_compute
-    rule = design.rule
-    results, cols = summary["results"], 13
-    view1 = _arms_table(
-        summary,
-        design,
-        extra=[w.row(cols + 1) for w in summary["withheld"][EQUAL_TOKENS]],
-        more=("of which search, per seed",),
-        cells=[_search_cell(r) for r in results],
-    )
-    views2 = []
-    for b in eq.baselines:
+def _compute_tables(summary: dict[str, Any], protocol: Protocol, cols: int) -> list[str]:
+    """View 2's table against each baseline, with the withheld arms' rows."""
+    out = []
+    for b in protocol.equal_compute.baselines:
         rows = summary["at_compute"][b]
         cap = baseline_capacity(protocol, b)
         part = {"results": [r.result for r in rows], "split": summary["split"]}
-        table = _arms_table(
+        table = arms_table(
             part,
-            design,
+            protocol.design,
             extra=[w.row(cols + 2) for w in summary["withheld"][b]],
             baseline=f"{b} at the arm's compute",
             more=("compute multiple (mean over seeds)", f"{b} there"),
             cells=[r.cells(cap) for r in rows],
         )
-        views2.append(f"### Against {b}\n\n{table}")
+        out.append(f"### Against {b}\n\n{table}")
+    return out
+
+
+def _notes(summary: dict[str, Any]) -> str:
+    """Each arm's notes, the unfinished runs, the gate's, the withheld arms and the stages whose
+    run directories are missing, once each."""
+    results = summary["results"]
     withheld = [w.line() for ws in summary["withheld"].values() for w in ws]
     notes = [n for r in results for n in r.notes] + summary["unfinished"] + summary["gate"] + withheld
     notes += [
@@ -362,7 +380,24 @@ def format_markdown(summary: dict[str, Any], protocol: Protocol = PROTOCOL, comm
         for r in results
         for m in r.compute.get("missing", [])
     ]
-    note_text = "\n".join(f"- {n}" for n in dict.fromkeys(notes)) or "- none"
+    return "\n".join(f"- {n}" for n in dict.fromkeys(notes)) or "- none"
+
+
+def format_markdown(summary: dict[str, Any], protocol: Protocol = PROTOCOL, command: str = "") -> str:
+    from doremi.study.comparison.cost import VIEWS
+
+    design, eq = protocol.design, protocol.equal_compute
+    rule = design.rule
+    results, cols = summary["results"], 13
+    view1 = arms_table(
+        summary,
+        design,
+        extra=[w.row(cols + 1) for w in summary["withheld"][EQUAL_TOKENS]],
+        more=("of which search, per seed",),
+        cells=[_search_cell(r) for r in results],
+    )
+    views2 = _compute_tables(summary, protocol, cols)
+    note_text = _notes(summary)
     lines = "\n".join(f"- {verdict_line(r, design)}" for r in results if r.paired is not None)
     uniform_at = {
         "results": [r.result for r in summary["at_compute"].get(rule.baseline, [])],
@@ -392,14 +427,14 @@ beyond the largest it is extrapolated, beyond {corpus_capacity(protocol):.2f}x n
 {chr(10).join(views2)}
 ## Guardrails
 
-{_guard_text(summary["guardrails"], design)}
+{guard_text(summary["guardrails"], design)}
 
 ## Per domain, {VIEWS[0]} (mean over seeds ± SE)
 
-{_domain_table(summary, design) if len(results) > 1 else "no arm complete"}
+{domain_table(summary, design) if len(results) > 1 else "no arm complete"}
 ## Per domain, {VIEWS[1]}, against {rule.baseline} (mean over seeds ± SE)
 
-{_domain_table(uniform_at, design) if uniform_at["results"] else "no arm complete"}
+{domain_table(uniform_at, design) if uniform_at["results"] else "no arm complete"}
 ![comparison](comparison.png)
 
 ## Notes
