@@ -93,3 +93,24 @@ def test_sd_upper_bound_and_pairing_correlation():
     assert stats.sd_upper_bound(1.0, 4, 0.8) == pytest.approx(1.7275873, abs=1e-6)
     assert stats.pairing_correlation(0.02, 0.02) == pytest.approx(0.5)
     assert stats.pairing_correlation(0.0, 0.02) is None
+
+
+def test_holm_step_down_by_hand():
+    # Sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1: 0.02, 0.03, 0.06, 0.04; running max 0.02,
+    # 0.03, 0.06, 0.06. The step-down stops at 0.03 (> 0.05 / 2), so 0.04 < 0.05 is not rejected.
+    h = stats.holm([0.01, 0.04, 0.03, 0.005], alpha=0.05)
+    assert h.adjusted == pytest.approx((0.03, 0.06, 0.06, 0.02), abs=1e-15)
+    assert h.rejected == (True, False, False, True)
+    # Capped at 1; ties share their adjusted value; the boundary is strict (2 x 0.025 = 0.05).
+    assert stats.holm([0.6, 0.5]).adjusted == (1.0, 1.0)
+    assert stats.holm([0.02, 0.02]).rejected == (True, True)
+    assert stats.holm([0.025, 0.5]).rejected == (False, False)
+    assert stats.holm([]).adjusted == ()
+    with pytest.raises(ValueError, match="p-values in"):
+        stats.holm([1.5])
+
+
+def test_paired_test_p_is_the_one_sided_p_of_the_verdicts_direction():
+    better, worse = stats.paired_test([-0.03, -0.01, -0.02, -0.04]), stats.paired_test([0.03, 0.01, 0.02, 0.04])
+    assert better.p == better.p_lower == pytest.approx(0.0152331458, abs=1e-6)
+    assert worse.p == worse.p_upper == pytest.approx(0.0152331458, abs=1e-6)

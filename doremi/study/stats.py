@@ -55,6 +55,13 @@ class PairedTest:
     p_upper: float  # one-sided p-value of H0 "mean <= 0" (small: the arm is worse)
     verdict: Verdict
 
+    @property
+    def p(self) -> float:
+        """The one-sided p-value in the direction of the mean, the one the verdict reads
+        ("works" iff p_lower < alpha, "worse" iff p_upper < alpha): the p-value Holm's
+        adjustment over the arms takes."""
+        return self.p_lower if self.mean < 0 else self.p_upper
+
 
 def paired_test(diffs: Sequence[float], alpha: float = 0.05, level: float = 0.95) -> PairedTest:
     """Paired t-test (Student 1908) of the differences d_s = arm - baseline over n seeds:
@@ -81,6 +88,35 @@ def paired_test(diffs: Sequence[float], alpha: float = 0.05, level: float = 0.95
     return PairedTest(
         n, mean, sd, se, (mean - half, mean + half), level, alpha, threshold, t, p_lower, p_upper, verdict
     )
+
+
+@dataclass(frozen=True)
+class Holm:
+    """Holm's step-down adjustment of m p-values (in their input order): `adjusted` p-values and
+    whether each hypothesis is rejected at `alpha` over the family."""
+
+    alpha: float
+    adjusted: tuple[float, ...]
+    rejected: tuple[bool, ...]
+
+
+def holm(p_values: Sequence[float], alpha: float = 0.05) -> Holm:
+    """Holm-Bonferroni step-down (Holm 1979, "A simple sequentially rejective multiple test
+    procedure"): with p_(1) <= ... <= p_(m), the adjusted p_(i) is max_{j <= i} min(1, (m - j + 1)
+    p_(j)), and H_(i) is rejected when its adjusted p-value is below `alpha` (strictly, as the
+    rule's verdict reads p < alpha). It controls the family-wise error rate at alpha under any
+    dependence between the tests (here: the arms share the baseline's runs)."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"holm: expected 0 < alpha < 1, got {alpha}")
+    p = np.asarray(p_values, dtype=np.float64).ravel()
+    if p.size and not np.all((p >= 0) & (p <= 1)):
+        raise ValueError(f"holm: expected p-values in [0, 1], got {p.tolist()}")
+    m = p.size
+    order = np.argsort(p, kind="stable")
+    steps = np.minimum(1.0, (m - np.arange(m)) * p[order])
+    adjusted = np.empty(m)
+    adjusted[order] = np.maximum.accumulate(steps) if m else steps
+    return Holm(alpha, tuple(float(a) for a in adjusted), tuple(bool(a < alpha) for a in adjusted))
 
 
 @dataclass(frozen=True)
