@@ -59,6 +59,15 @@ def online_run(root: Path, name: str, endpoint: float, seed: int) -> None:
         f.write(json.dumps({"step": STEPS, "method_evals": {"tokens": ONLINE_EVAL_TOKENS, "seconds": 2.0}}) + "\n")
 
 
+def search_run(root: Path, name: str, seed: int, gap: float = 0.0) -> Path:
+    """write_search_run's run on the comparison's corpus (check_corpus reads its config's domains)."""
+    run = write_search_run(root, name, seed, gap=gap)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["data"]["domains"] = [{"name": d} for d in DOMAINS]
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return run
+
+
 def write_comparison(study: Path, comparison: Path, seeds: tuple[int, ...] = SEEDS) -> None:
     """The study's runs (uniform, natural) under `study`; the comparison's (baselines at 2x, ODM as a
     proxy and online, UniMax short of seed 3) under `comparison`."""
@@ -68,7 +77,7 @@ def write_comparison(study: Path, comparison: Path, seeds: tuple[int, ...] = SEE
         main_run(study, f"natural-seed{s}", u + 0.03, s)
         main_run(comparison, f"uniform_x2-seed{s}", u + X2, s, multiple=2)
         main_run(comparison, f"natural_x2-seed{s}", u + 0.03 - 0.08, s, multiple=2)
-        write_search_run(comparison, f"odm_proxy-seed{s}", s)
+        search_run(comparison, f"odm_proxy-seed{s}", s)
         main_run(comparison, f"odm-seed{s}", u + ODM[s - 1], s)
         online_run(comparison, f"odm_online-seed{s}", u + ONLINE[s - 1], s)
         if s < 3:

@@ -93,18 +93,27 @@ def guardrail_findings(
     """The rule's guardrails over every run: the reference's memorisation gap beyond its own SE
     (doremi/reports/guardrails.py) and the epochs read, at the design's thresholds; one line each.
     `main_runs`: the names of main runs (default: the design's arms)."""
+    return [f.message for _, f in guardrail_warnings(dirs, design, main_runs)]
+
+
+def guardrail_warnings(
+    dirs: Mapping[tuple[str, int], Path], design: Design, main_runs: Collection[str] | None = None
+) -> list[tuple[tuple[str, int], Any]]:
+    """`guardrail_findings` with the run each finding is on, (name, seed) -> its `Finding`: the
+    comparison voids the arms that use that run (doremi/study/comparison/guards.py)."""
     from doremi.config import GuardrailConfig
     from doremi.reports.guardrails import check_run, warnings
 
     cfg = GuardrailConfig(memorisation_gap=design.guardrails.memorisation_gap, max_epochs=design.guardrails.max_epochs)
     arms = set(main_runs) if main_runs is not None else {a.name for a in design.arms}
     out = []
-    for (name, _), path in sorted(dirs.items()):
+    for key, path in sorted(dirs.items()):
+        name = key[0]
         kind = name if name in ("reference", "proxy") else "main" if name in arms else None
         if kind is None:
             continue
         checks = ("memorisation", "epochs") if kind == "reference" else ("epochs",)
-        out += [f.message for f in warnings(check_run(path, kind, cfg, path.name)) if f.check in checks]
+        out += [(key, f) for f in warnings(check_run(path, kind, cfg, path.name)) if f.check in checks]
     return out
 
 
@@ -174,7 +183,7 @@ def _arm_row(r: Any) -> list[str]:
         _pm(r.mean_loss, r.mean_loss_se, sign=False),
         "" if p is None else _pm(p.mean, p.se),
         "" if p is None else f"[{p.ci[0]:+.4f}, {p.ci[1]:+.4f}]",
-        "baseline" if p is None else p.verdict,
+        r.verdict,
         "" if t is None else f"{t.decision} (p {t.p:.3f})",
         "" if r.worst_case is None else _pm(*r.worst_case),
         "" if wd is None else f"{wd.domain} {_pm(wd.mean, wd.se)}",
@@ -308,6 +317,8 @@ def to_json(summary: dict[str, Any]) -> dict[str, Any]:
         d = asdict(r)
         d["worst_domain"] = None if r.worst_domain is None else asdict(r.worst_domain)
         d["domains_better"] = r.better
+        if d["void"] is None:
+            del d["void"]  # study.json as before: the study voids as a whole (guard_text)
         out["results"].append(d)
     return out
 

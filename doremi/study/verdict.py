@@ -52,6 +52,16 @@ class ArmResult:
     se_ok: bool | None = None
     compute: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    #: The guardrail findings that void this arm (the comparison's `guardrail_scope`: an arm,
+    #: not the whole study); None when it stands.
+    void: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        """The table's verdict: the rule's, or that a guardrail voids it ("baseline" unpaired)."""
+        if self.paired is None:
+            return "baseline"
+        return f"void (guardrail: {self.void})" if self.void else self.paired.verdict
 
     @property
     def worst_domain(self) -> DomainDiff | None:
@@ -165,6 +175,6 @@ def verdict_line(r: ArmResult, design: Design) -> str:
     p, t, rule = r.paired, r.tost, design.rule
     flag = "" if r.se_ok else f"; SE {p.se:.4f} > {rule.max_se:g}: the study is under-powered"
     return (
-        f"{r.arm} vs {rule.baseline}: {p.verdict} ({p.mean:+.4f} nats, {rule.ci_level:.0%} CI "
+        f"{r.arm} vs {rule.baseline}: {r.verdict} ({p.mean:+.4f} nats, {rule.ci_level:.0%} CI "
         f"[{p.ci[0]:+.4f}, {p.ci[1]:+.4f}], {p.n} pairs); TOST +-{rule.margin:g}: {t.decision if t else 'n/a'}{flag}"
     )

@@ -44,6 +44,8 @@ from doremi.study.comparison.cost import (
     compute_multiple,
     search_flops,
 )
+from doremi.study.comparison.guards import Voids, guard_text, void_reasons
+from doremi.study.comparison.holm import HolmReading, holm_cells, holm_readings
 from doremi.study.comparison.plan import SEARCH, arm_steps
 from doremi.study.comparison.protocol import PROTOCOL, Arm, Protocol, baseline_capacity, corpus_capacity, seeds_for
 from doremi.study.runs import RUN_NAME, Pairs, RunResult, StudyError, find_run_dirs, pair_runs, read_run
@@ -53,8 +55,7 @@ from doremi.study.summarize import (
     compute_of,
     domain_table,
     gate_notes,
-    guard_text,
-    guardrail_findings,
+    guardrail_warnings,
     read_gate,
     read_sequences,
     to_json,
@@ -142,14 +143,24 @@ def find_sources(roots: Sequence[Path]) -> tuple[dict[tuple[str, int], Path], di
     return runs, sweeps
 
 
-def check_corpus(runs: Mapping[tuple[str, int], RunResult], protocol: Protocol) -> None:
-    """Refuse a main run whose domains are not the protocol's corpus (a run of another study)."""
+def check_corpus(
+    runs: Mapping[tuple[str, int], RunResult], protocol: Protocol, search: Mapping[tuple[str, int], Path] | None = None
+) -> None:
+    """Refuse a main run whose evaluated domains, or a search run (`search`) whose configured
+    domains, are not the protocol's corpus (a run of another study): a proxy on other domains
+    would hand its arm a mixture of them."""
+    import yaml
+
     want = protocol.corpus.domains
-    for r in runs.values():
-        if r.domains != want:
-            raise StudyError(
-                f"{r.path}: domains {', '.join(r.domains)} are not the comparison's corpus ({', '.join(want)})"
-            )
+    found = {r.path: r.domains for r in runs.values()}
+    for path in (search or {}).values():
+        if not (path / "config.yaml").is_file():
+            raise StudyError(f"{path}: no config.yaml, so its domains are unknown")
+        domains = ((yaml.safe_load((path / "config.yaml").read_text()) or {}).get("data") or {}).get("domains") or []
+        found[path] = tuple(d["name"] if isinstance(d, dict) else str(d) for d in domains)
+    for path, domains in found.items():
+        if domains != want:
+            raise StudyError(f"{path}: domains {', '.join(domains)} are not the comparison's corpus ({', '.join(want)})")
 
 
 def lacking(runs: Mapping[tuple[str, int], RunResult], names: Sequence[str], seeds: Sequence[int]) -> list[str]:
@@ -227,7 +238,9 @@ def compare(
     points = [eq.name(b, m) for b in eq.baselines for m in eq.multiples]
     mains = [a.name for a in protocol.arms] + [p for p in points if p not in {a.name for a in protocol.arms}]
     runs = {k: read_run(p) for k, p in dirs.items() if k[0] in mains}
-    check_corpus(runs, protocol)
+    stages = {a.name: _stage_names(protocol, a) for a in protocol.arms}
+    searched = {n for names in stages.values() for n in names}
+    check_corpus(runs, protocol, {k: p for k, p in dirs.items() if k[0] in searched and k[0] not in mains})
     if not any(a == base for a, _ in runs):
         raise StudyError(f"{', '.join(map(str, roots))}: no {base}-seed<k> run (the baseline of the rule)")
     finished = [len({s for (a, s), r in runs.items() if a == arm.name and not r.unfinished}) for arm in protocol.arms]
@@ -261,19 +274,46 @@ def compare(
     base_compute = compute_of(dirs, base, (), tuple(r.seed for r in bases))
     add_search(base, base_compute, plain, 0)
     baseline = baseline_result(bases or [first], base_compute)
+    found = guardrail_warnings(dirs, design, mains)
+    voids = void_reasons(protocol, found, stages)
+    tokens, computed, holm = _scoped(protocol, tokens, computed, voids)
     return {
         "results": [baseline, *tokens],
         "at_compute": computed,
         "withheld": withheld,
         "pairs": need,
         "seeds": list(seeds),
-        "guardrails": guardrail_findings(dirs, design, mains),
+        "guardrails": [f.message for _, f in found],
+        "voids": voids,
+        "holm": holm,
         "split": first.split,
         "domains": list(first.domains),
         "unfinished": sorted(r.describe_unfinished() for r in runs.values() if r.unfinished),
         "gate": gate_notes(gate, tokens),
         "baseline_curve": _curve(protocol, runs, flops, plain),
     }
+
+
+def _stage_names(protocol: Protocol, arm: Arm) -> tuple[str, ...]:
+    """The arm's search run names (`search_stages`), its sweep's among them."""
+    kinds, sweep = search_stages(protocol, arm)
+    return (*kinds, *([sweep] if sweep else []))
+
+
+def _scoped(
+    protocol: Protocol, tokens: list[ArmResult], computed: dict[str, list[AtCompute]], voids: Voids
+) -> tuple[list[ArmResult], dict[str, list[AtCompute]], dict[str, dict[str, HolmReading]]]:
+    """Each view's rows with the arms a guardrail voids marked so (guards.py, the protocol's
+    `guardrail_scope`), and each view's Holm readings over the arms that stand (holm.py)."""
+    alpha = protocol.rule.alpha
+    tokens = [replace(r, void=voids.get(EQUAL_TOKENS, {}).get(r.arm)) for r in tokens]
+    computed = {
+        b: [replace(a, result=replace(a.result, void=voids.get(b, {}).get(a.result.arm))) for a in rows]
+        for b, rows in computed.items()
+    }
+    holm = {EQUAL_TOKENS: holm_readings(tokens, alpha)}
+    holm.update({b: holm_readings([a.result for a in rows], alpha) for b, rows in computed.items()})
+    return tokens, computed, holm
 
 
 def _judge(
@@ -360,10 +400,10 @@ def _compute_tables(summary: dict[str, Any], protocol: Protocol, cols: int) -> l
         table = arms_table(
             part,
             protocol.design,
-            extra=[w.row(cols + 2) for w in summary["withheld"][b]],
+            extra=[w.row(cols + 3) for w in summary["withheld"][b]],
             baseline=f"{b} at the arm's compute",
-            more=("compute multiple (mean over seeds)", f"{b} there"),
-            cells=[r.cells(cap) for r in rows],
+            more=("compute multiple (mean over seeds)", f"{b} there", "Holm"),
+            cells=[r.cells(cap) + h for r, h in zip(rows, holm_cells(part["results"], summary["holm"][b]))],
         )
         out.append(f"### Against {b}\n\n{table}")
     return out
@@ -386,15 +426,16 @@ def _notes(summary: dict[str, Any]) -> str:
 def format_markdown(summary: dict[str, Any], protocol: Protocol = PROTOCOL, command: str = "") -> str:
     from doremi.study.comparison.cost import VIEWS
 
-    design, eq = protocol.design, protocol.equal_compute
+    design, eq, g = protocol.design, protocol.equal_compute, protocol.guardrails
     rule = design.rule
     results, cols = summary["results"], 13
+    holm = holm_cells(results, summary["holm"][EQUAL_TOKENS])
     view1 = arms_table(
         summary,
         design,
-        extra=[w.row(cols + 1) for w in summary["withheld"][EQUAL_TOKENS]],
-        more=("of which search, per seed",),
-        cells=[_search_cell(r) for r in results],
+        extra=[w.row(cols + 2) for w in summary["withheld"][EQUAL_TOKENS]],
+        more=("of which search, per seed", "Holm"),
+        cells=[_search_cell(r) + h for r, h in zip(results, holm)],
     )
     views2 = _compute_tables(summary, protocol, cols)
     note_text = _notes(summary)
@@ -427,7 +468,7 @@ beyond the largest it is extrapolated, beyond {corpus_capacity(protocol):.2f}x n
 {chr(10).join(views2)}
 ## Guardrails
 
-{guard_text(summary["guardrails"], design)}
+{guard_text(summary["guardrails"], summary["voids"], g.max_epochs, g.memorisation_gap, g.se_multiple)}
 
 ## Per domain, {VIEWS[0]} (mean over seeds ± SE)
 

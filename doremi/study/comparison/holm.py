@@ -1,0 +1,49 @@
+"""The comparison's secondary reading: Holm's adjustment over the arms (protocol.py
+`Protocol.multiplicity`; experiments/notes/COMPARISON.md "Multiplicity"; docs/design.md 4f).
+
+Fourteen arms against one baseline at the rule's one-sided alpha call about one arm in twenty
+with no effect. The rule's verdict stays the primary one (the study's); beside it, each table
+gives the verdict of the same one-sided paired t-tests with the family-wise error held at alpha
+by Holm's step-down (doremi/study/stats.py `holm`). The family is one table's arms with a
+verdict: an arm withheld (short of pairs) or voided by a guardrail (guards.py) is not tested.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from doremi.study import stats
+from doremi.study.verdict import ArmResult
+
+
+@dataclass(frozen=True)
+class HolmReading:
+    """One arm's Holm-adjusted one-sided p-value, the verdict it gives at the rule's alpha, and
+    the size of the family it was adjusted over."""
+
+    p_adjusted: float
+    verdict: str
+    family: int
+
+    def cell(self) -> str:
+        return f"{self.verdict} (p {self.p_adjusted:.3f}, {self.family} arms)"
+
+
+def holm_readings(results: Sequence[ArmResult], alpha: float) -> dict[str, HolmReading]:
+    """Per arm with a verdict (paired, not void), Holm over those arms' one-sided p-values of the
+    rule's paired t-test (`PairedTest.p`, the direction of its mean): "works" or "worse" when
+    rejected, else "inconclusive"."""
+    judged = [r for r in results if r.paired is not None and not r.void]
+    h = stats.holm([r.paired.p for r in judged], alpha)  # type: ignore[union-attr]
+    return {
+        r.arm: HolmReading(
+            p, ("works" if r.paired.mean < 0 else "worse") if ok else "inconclusive", len(judged)  # type: ignore[union-attr]
+        )
+        for r, p, ok in zip(judged, h.adjusted, h.rejected)
+    }
+
+
+def holm_cells(results: Sequence[ArmResult], readings: Mapping[str, HolmReading]) -> list[list[str]]:
+    """The "Holm" column of a table: the reading, `void` for a voided arm, empty for the baseline."""
+    return [[readings[r.arm].cell() if r.arm in readings else "void" if r.void else ""] for r in results]
