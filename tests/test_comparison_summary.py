@@ -1,7 +1,8 @@
 """doremi/study/comparison/summary.py (`doremi study compare-methods`): the comparison's two views
 from synthetic run directories (tests/test_study_verdict.py's), against numbers computed here
 by hand: a paired difference, a compute multiple, a baseline interpolated at it; an arm short of
-a seed withheld; two archives round trip; bad sources refused in one line."""
+a seed withheld; Holm's column; a guardrail voiding the arms that use its run; the plot's baseline
+curve; two archives round trip; bad sources refused in one line."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ import yaml
 
 from doremi.commands.cli import main
 from doremi.study import stats
-from doremi.study.comparison.cost import EQUAL_COMPUTE
+from doremi.study.comparison.cost import EQUAL_COMPUTE, EQUAL_TOKENS
+from doremi.study.comparison.guards import voided_by
 from doremi.study.comparison.protocol import CORPUS, PROTOCOL
-from doremi.study.comparison.summary import COMPARISON_JSON, COMPARISON_MD, COMPARISON_PNG, compare
+from doremi.study.comparison.summary import COMPARISON_JSON, COMPARISON_MD, COMPARISON_PNG, compare, format_markdown
 from doremi.study.design import DESIGN, SMALL, SMALL_SCHEDULE
 from tests.test_study_calibration import write_run
 from tests.test_study_verdict import _flops, write_search_run
+
+ARMS = {a.name for a in PROTOCOL.arms}
 
 SEEDS = (1, 2, 3)
 STEPS = DESIGN.main.schedule.steps
@@ -189,7 +193,98 @@ def test_two_archives_round_trip_through_the_command(tmp_path, capsys):
     assert (out / COMPARISON_PNG).is_file()
 
 
-@pytest.mark.parametrize("bad", ["archive", "corpus", "no_uniform"])
+def _p_works(t: float) -> float:
+    from scipy import stats as st
+
+    return float(st.t.cdf(t, 2))
+
+
+def test_holm_column_over_the_arms_of_each_view(tmp_path):
+    write_comparison(tmp_path / "study", tmp_path / "comparison")
+    s = compare([tmp_path / "study", tmp_path / "comparison"], PROTOCOL)
+    # View 1's family: natural and regmix (constant differences, p ~ 0), odm and odm_online (both
+    # t = mean / SE = -0.025 / (0.005 / sqrt 3) = -5 sqrt 3 on 2 df): sorted p x 4, 3, 2, 1.
+    p = _p_works(-5 * math.sqrt(3))
+    holm = s["holm"][EQUAL_TOKENS]
+    assert sorted(holm) == ["natural", "odm", "odm_online", "regmix"]
+    assert {a: h.family for a, h in holm.items()} == dict.fromkeys(holm, 4)
+    assert holm["odm"].p_adjusted == pytest.approx(2 * p, rel=1e-9)
+    assert holm["odm_online"].p_adjusted == pytest.approx(2 * p, rel=1e-9)
+    assert holm["odm"].cell() == f"works (p {2 * p:.3f}, 4 arms)" and holm["natural"].verdict == "worse"
+    # View 2 against natural: its own family (odm, odm_online, regmix).
+    assert {h.family for h in s["holm"]["natural"].values()} == {3}
+    md = format_markdown(s, PROTOCOL)
+    assert "| of which search, per seed | Holm |" in md and "| natural there | Holm |" in md
+    assert f"| works (p {2 * p:.3f}, 4 arms) |" in md
+
+
+def test_voided_by_scopes_a_run_to_the_arms_that_use_it():
+    stages = {"doremi": ("reference", "proxy"), "odm": ("odm_proxy",)}
+    others = ARMS - {"uniform"}  # the rule's baseline is no arm of any view
+    doremi = {"doremi"}
+    assert voided_by(PROTOCOL, "reference", stages) == {EQUAL_TOKENS: doremi, "uniform": doremi, "natural": doremi}
+    assert voided_by(PROTOCOL, "odm_proxy", stages)[EQUAL_TOKENS] == {"odm"}
+    # A baseline's runs: every arm judged against it, in the view that reads them.
+    assert voided_by(PROTOCOL, "uniform_x2", stages) == {EQUAL_TOKENS: set(), "uniform": others, "natural": set()}
+    assert voided_by(PROTOCOL, "uniform", stages) == {EQUAL_TOKENS: others, "uniform": others, "natural": set()}
+    nat = voided_by(PROTOCOL, "natural", stages)
+    assert nat == {EQUAL_TOKENS: {"natural"}, "uniform": {"natural"}, "natural": others - {"natural"}}
+
+
+def test_a_guardrail_voids_that_arm_only_in_both_views(tmp_path, capsys):
+    study, comparison = tmp_path / "study", tmp_path / "comparison"
+    write_comparison(study, comparison)
+    for s_ in SEEDS:  # DoReMi on the study's reference and proxy; seed 2's reference memorised
+        search_run(study, f"reference-seed{s_}", s_, gap=0.3 if s_ == 2 else 0.12)
+        search_run(study, f"proxy-seed{s_}", s_)
+        main_run(study, f"doremi-seed{s_}", uniform(s_) - 0.02 - 0.001 * s_, s_)
+    epochs = {d: 2.5 if d == "prose" else 0.5 for d in DOMAINS}
+    with (comparison / "odm-seed2" / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": STEPS, "epochs": epochs}) + "\n")
+    out = tmp_path / "out"
+    assert main(["study", "compare-methods", str(study), str(comparison), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    s = compare([study, comparison], PROTOCOL)
+    odm_void, doremi_void = "epochs of odm-seed2", "memorisation of reference-seed2"
+    views = [s["results"], *([a.result for a in s["at_compute"][b]] for b in ("uniform", "natural"))]
+    for rows in views:
+        by_arm = {r.arm: r for r in rows}
+        assert by_arm["odm"].void == odm_void and by_arm["odm"].verdict == f"void (guardrail: {odm_void})"
+        online = by_arm["odm_online"]
+        assert online.void is None and online.verdict == online.paired.verdict  # it stands
+        if "doremi" in by_arm:
+            assert by_arm["doremi"].verdict == f"void (guardrail: {doremi_void})"
+    assert "doremi" in {r.arm for r in s["results"]}
+    assert "odm vs uniform: void (guardrail: epochs of odm-seed2) (-0.0250 nats" in printed
+    # Holm's family leaves the voided arms out: natural, odm_online, regmix; odm_online's p is the
+    # largest (rank 3 of 3: multiplier 1).
+    holm = s["holm"][EQUAL_TOKENS]
+    assert sorted(holm) == ["natural", "odm_online", "regmix"]
+    assert holm["odm_online"].p_adjusted == pytest.approx(_p_works(-5 * math.sqrt(3)), rel=1e-9)
+    md = (out / COMPARISON_MD).read_text()
+    assert md.count(f"| void (guardrail: {odm_void}) |") == 3 and "| void |" in md
+    assert "The study does not count" not in md and "the others stand" in md
+    assert s["guardrails"][0].startswith("odm-seed2: prose: ") and len(s["guardrails"]) == 2
+    doc = json.loads((out / COMPARISON_JSON).read_text())
+    assert next(r for r in doc["results"] if r["arm"] == "odm")["void"] == odm_void
+    assert next(r for r in doc[EQUAL_COMPUTE]["uniform"] if r["arm"] == "odm")["void"] == odm_void
+
+
+def test_the_plots_baseline_curve_is_the_tables_interpolation(tmp_path):
+    write_comparison(tmp_path / "study", tmp_path / "comparison")
+    s = compare([tmp_path / "study", tmp_path / "comparison"], PROTOCOL)
+    line = s["baseline_line"]["uniform"]
+    assert len(line) == 33
+    assert [f for f, _ in line[::32]] == pytest.approx([PLAIN, 2 * PLAIN], rel=1e-12)
+    # The middle point, at sqrt(2)x: per seed and domain L1 (L2 / L1)^(1/2), mean over both.
+    mid = np.mean([np.mean(np.sqrt(losses(uniform(k)) * losses(uniform(k) + X2))) for k in SEEDS])
+    assert line[16] == pytest.approx((math.sqrt(2) * PLAIN, mid), rel=1e-12)
+    assert line[0][1] == pytest.approx(np.mean([uniform(k) for k in SEEDS]), rel=1e-12)
+    # A straight segment on the log axis would be the mean of the endpoints there; the curve is below.
+    assert line[16][1] < np.mean([uniform(k) + X2 / 2 for k in SEEDS])
+
+
+@pytest.mark.parametrize("bad", ["archive", "corpus", "search_corpus", "no_uniform"])
 def test_bad_sources_are_one_line_and_write_nothing(tmp_path, capsys, bad):
     study, comparison = tmp_path / "study", tmp_path / "comparison"
     write_comparison(study, comparison)
@@ -201,6 +296,9 @@ def test_bad_sources_are_one_line_and_write_nothing(tmp_path, capsys, bad):
     elif bad == "corpus":
         write_run(comparison, "temperature-seed1", 3.0, 1)  # domains a, b
         want = f"{comparison / 'temperature-seed1'}: domains a, b are not the comparison's corpus"
+    elif bad == "search_corpus":
+        write_search_run(comparison, "doge_proxy-seed1", 1)  # domains a, b
+        want = f"{comparison / 'doge_proxy-seed1'}: domains a, b are not the comparison's corpus"
     else:
         for s in SEEDS:
             for f in (study / f"uniform-seed{s}").iterdir():

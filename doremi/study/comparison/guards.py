@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from doremi.study.comparison.cost import EQUAL_TOKENS
+from doremi.study.comparison.cost import EQUAL_COMPUTE, EQUAL_TOKENS
 from doremi.study.comparison.protocol import Protocol
 
 #: view (EQUAL_TOKENS, or a baseline's name for its equal-compute table) -> arm -> why it is void.
@@ -34,7 +34,7 @@ def voided_by(protocol: Protocol, run: str, stages: Mapping[str, Collection[str]
             hit[b] = {a.name for a in protocol.arms}
             if run == base:
                 hit[EQUAL_TOKENS] = {a.name for a in protocol.arms}
-    return {v: arms - {judged[v]} for v, arms in hit.items()}
+    return {v: arms - {judged[v], base} for v, arms in hit.items()}  # the rule's baseline is no arm
 
 
 def void_reasons(
@@ -58,7 +58,12 @@ def guard_text(messages: Sequence[str], voids: Voids, max_epochs: float, gap: fl
             f"epochs <= {max_epochs:g})."
         )
     lines = [f"- {m}" for m in messages]
-    void = [f"- {view}: {', '.join(f'{a} ({r})' for a, r in arms.items())}" for view, arms in voids.items() if arms]
+    void = [
+        f"- {view if view == EQUAL_TOKENS else f'{EQUAL_COMPUTE} against {view}'}: "
+        + ", ".join(f"{a} ({r})" for a, r in arms.items())
+        for view, arms in voids.items()
+        if arms
+    ]
     return (
         "**A guardrail of the rule failed: it voids the arms that use the run (the protocol's "
         "`guardrail_scope`); the others stand.**\n\n" + "\n".join(lines) + "\n\nVoid, by view:\n\n" + "\n".join(void)

@@ -34,14 +34,13 @@ def holm_readings(results: Sequence[ArmResult], alpha: float) -> dict[str, HolmR
     """Per arm with a verdict (paired, not void), Holm over those arms' one-sided p-values of the
     rule's paired t-test (`PairedTest.p`, the direction of its mean): "works" or "worse" when
     rejected, else "inconclusive"."""
-    judged = [r for r in results if r.paired is not None and not r.void]
-    h = stats.holm([r.paired.p for r in judged], alpha)  # type: ignore[union-attr]
-    return {
-        r.arm: HolmReading(
-            p, ("works" if r.paired.mean < 0 else "worse") if ok else "inconclusive", len(judged)  # type: ignore[union-attr]
-        )
-        for r, p, ok in zip(judged, h.adjusted, h.rejected)
-    }
+    judged = [(r.arm, r.paired) for r in results if r.paired is not None and not r.void]
+    h = stats.holm([paired.p for _, paired in judged], alpha)
+    out = {}
+    for (arm, paired), p, ok in zip(judged, h.adjusted, h.rejected):
+        verdict = ("works" if paired.mean < 0 else "worse") if ok else "inconclusive"
+        out[arm] = HolmReading(p, verdict, len(judged))
+    return out
 
 
 def holm_cells(results: Sequence[ArmResult], readings: Mapping[str, HolmReading]) -> list[list[str]]:

@@ -160,7 +160,9 @@ def check_corpus(
         found[path] = tuple(d["name"] if isinstance(d, dict) else str(d) for d in domains)
     for path, domains in found.items():
         if domains != want:
-            raise StudyError(f"{path}: domains {', '.join(domains)} are not the comparison's corpus ({', '.join(want)})")
+            raise StudyError(
+                f"{path}: domains {', '.join(domains)} are not the comparison's corpus ({', '.join(want)})"
+            )
 
 
 def lacking(runs: Mapping[tuple[str, int], RunResult], names: Sequence[str], seeds: Sequence[int]) -> list[str]:
@@ -236,13 +238,7 @@ def compare(
     base = design.rule.baseline
     dirs, sweeps = find_sources(roots)
     points = [eq.name(b, m) for b in eq.baselines for m in eq.multiples]
-    mains = [a.name for a in protocol.arms] + [p for p in points if p not in {a.name for a in protocol.arms}]
-    runs = {k: read_run(p) for k, p in dirs.items() if k[0] in mains}
-    stages = {a.name: _stage_names(protocol, a) for a in protocol.arms}
-    searched = {n for names in stages.values() for n in names}
-    check_corpus(runs, protocol, {k: p for k, p in dirs.items() if k[0] in searched and k[0] not in mains})
-    if not any(a == base for a, _ in runs):
-        raise StudyError(f"{', '.join(map(str, roots))}: no {base}-seed<k> run (the baseline of the rule)")
+    runs, mains = _read_mains(protocol, roots, dirs)
     finished = [len({s for (a, s), r in runs.items() if a == arm.name and not r.unfinished}) for arm in protocol.arms]
     need = int(gate["pairs"]) if gate and gate.get("go") else max(finished)
     seeds = seeds_for(need)
@@ -275,7 +271,7 @@ def compare(
     add_search(base, base_compute, plain, 0)
     baseline = baseline_result(bases or [first], base_compute)
     found = guardrail_warnings(dirs, design, mains)
-    voids = void_reasons(protocol, found, stages)
+    voids = void_reasons(protocol, found, {a.name: _stage_names(protocol, a) for a in protocol.arms})
     tokens, computed, holm = _scoped(protocol, tokens, computed, voids)
     return {
         "results": [baseline, *tokens],
@@ -291,7 +287,24 @@ def compare(
         "unfinished": sorted(r.describe_unfinished() for r in runs.values() if r.unfinished),
         "gate": gate_notes(gate, tokens),
         "baseline_curve": _curve(protocol, runs, flops, plain),
+        "baseline_line": _line(protocol, runs, flops, plain),
     }
+
+
+def _read_mains(
+    protocol: Protocol, roots: Sequence[Path], dirs: Mapping[tuple[str, int], Path]
+) -> tuple[dict[tuple[str, int], RunResult], list[str]]:
+    """The main runs (the arms' and each baseline's at every multiple) read, and their names;
+    their corpus and the search runs' checked (`check_corpus`), the rule's baseline among them."""
+    eq, base = protocol.equal_compute, protocol.rule.baseline
+    arms = [a.name for a in protocol.arms]
+    mains = arms + [n for b in eq.baselines for m in eq.multiples if (n := eq.name(b, m)) not in arms]
+    runs = {k: read_run(p) for k, p in dirs.items() if k[0] in mains}
+    searched = {n for a in protocol.arms for n in _stage_names(protocol, a)} - set(mains)
+    check_corpus(runs, protocol, {k: p for k, p in dirs.items() if k[0] in searched})
+    if not any(a == base for a, _ in runs):
+        raise StudyError(f"{', '.join(map(str, roots))}: no {base}-seed<k> run (the baseline of the rule)")
+    return runs, mains
 
 
 def _stage_names(protocol: Protocol, arm: Arm) -> tuple[str, ...]:
@@ -373,6 +386,33 @@ def _curve(
             have = [(flops[k], runs[k].endpoint) for k in runs if k[0] == eq.name(b, m) and k in flops]
             if have:
                 out[b].append((sum(f for f, _ in have) / len(have), sum(e for _, e in have) / len(have), len(have)))
+    return out
+
+
+def _line(
+    protocol: Protocol,
+    runs: Mapping[tuple[str, int], RunResult],
+    flops: Mapping[tuple[str, int], float],
+    plain: Mapping[int, float],
+    points: int = 33,
+) -> dict[str, list[tuple[float, float]]]:
+    """Per baseline, (compute in FLOPs, mean endpoint over seeds) at `points` multiples spaced
+    evenly in log between its measured ones, each seed's baseline there by the view's own log-log
+    interpolation (cost.py `baseline_at`): the plot draws the curve the table reads, not a straight
+    segment on a log axis. Only the seeds with every measured multiple; none below two multiples."""
+    eq, out = protocol.equal_compute, {}
+    for b in eq.baselines:
+        names = [eq.name(b, m) for m in eq.multiples]
+        seeds = [s for s in sorted(plain) if all((n, s) in flops for n in names)]
+        at = {s: [Point(flops[(n, s)] / plain[s], runs[(n, s)].final) for n in names] for s in seeds}
+        if len(names) < 2 or not seeds:
+            out[b] = []
+            continue
+        lo = max(min(p.multiple for p in ps) for ps in at.values())
+        hi = min(max(p.multiple for p in ps) for ps in at.values())
+        grid = [lo * (hi / lo) ** (i / (points - 1)) for i in range(points)]
+        scale = sum(plain[s] for s in seeds) / len(seeds)
+        out[b] = [(m * scale, sum(baseline_at(at[s], m).endpoint for s in seeds) / len(seeds)) for m in grid]
     return out
 
 
@@ -498,7 +538,8 @@ def to_doc(summary: dict[str, Any]) -> dict[str, Any]:
 def plot(path: Path, summary: dict[str, Any], protocol: Protocol = PROTOCOL) -> None:
     """Mean test loss against total compute per seed: one point per arm, its bar the 95% interval
     of its paired difference from the baseline placed around its mean (the interval the verdict
-    reads), and each baseline's measured multiples joined (the line view 2 interpolates on)."""
+    reads), and each baseline's measured multiples with the log-log curve between them that view 2
+    interpolates on (`_line`)."""
     from matplotlib.figure import Figure
 
     from doremi.reports.report import _save
@@ -506,15 +547,24 @@ def plot(path: Path, summary: dict[str, Any], protocol: Protocol = PROTOCOL) -> 
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax = fig.subplots()
     for b, curve in summary["baseline_curve"].items():
+        line = summary["baseline_line"].get(b, [])
         if curve:
-            ax.plot([f / 1e15 for f, _, _ in curve], [e for _, e, _ in curve], "s--", label=f"{b} (1x, 2x, ...)")
+            drawn = ax.plot([f / 1e15 for f, _, _ in curve], [e for _, e, _ in curve], "s", label=f"{b} (1x, 2x, ...)")
+            if line:
+                ax.plot([f / 1e15 for f, _ in line], [e for _, e in line], "--", color=drawn[0].get_color())
     for r in summary["results"]:
         x = _total_pflops(r)
         if x is None or r.paired is None:
             continue
         p = r.paired
         ax.errorbar([x], [r.mean_loss], yerr=[[p.mean - p.ci[0]], [p.ci[1] - p.mean]], fmt="o", capsize=4)
-        ax.annotate(r.arm, (x, r.mean_loss), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.annotate(
+            r.arm + (" (void)" if r.void else ""),
+            (x, r.mean_loss),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=8,
+        )
     ax.set_xscale("log")
     ax.set(
         xlabel="total compute per seed (search + main, PFLOP)",
