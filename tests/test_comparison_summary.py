@@ -268,6 +268,7 @@ def test_a_guardrail_voids_that_arm_only_in_both_views(tmp_path, capsys):
     doc = json.loads((out / COMPARISON_JSON).read_text())
     assert next(r for r in doc["results"] if r["arm"] == "odm")["void"] == odm_void
     assert next(r for r in doc[EQUAL_COMPUTE]["uniform"] if r["arm"] == "odm")["void"] == odm_void
+    assert doc["holm"][EQUAL_TOKENS]["odm_online"]["family"] == 3 and "odm" not in doc["holm"]["uniform"]
 
 
 def test_the_plots_baseline_curve_is_the_tables_interpolation(tmp_path):

@@ -21,7 +21,9 @@ Two views of cost (cost.py):
 
 Every arm is judged on the same seeds, 1 to the calibration gate's pairs (or, without a
 calibration, the most any arm has): an arm with fewer is listed as incomplete with what it
-lacks, never judged on fewer pairs. Writes comparison.md, comparison.json and comparison.png.
+lacks, never judged on fewer pairs. Beside the rule's verdict each table gives Holm's adjustment
+over its arms (holm.py); a failing guardrail voids the arms that use its run, not the comparison
+(guards.py). Writes comparison.md, comparison.json and comparison.png.
 """
 
 from __future__ import annotations
@@ -525,13 +527,15 @@ beyond the largest it is extrapolated, beyond {corpus_capacity(protocol):.2f}x n
 
 
 def to_doc(summary: dict[str, Any]) -> dict[str, Any]:
-    """comparison.json: view 1 as study.json's results, view 2 per baseline, the withheld arms."""
-    out = to_json({k: v for k, v in summary.items() if k not in ("at_compute", "withheld")})
+    """comparison.json: view 1 as study.json's results, view 2 per baseline, the withheld arms,
+    each view's Holm readings."""
+    out = to_json({k: v for k, v in summary.items() if k not in ("at_compute", "withheld", "holm")})
     out[EQUAL_COMPUTE] = {
         b: [{**to_json({"results": [r.result]})["results"][0], "at": [asdict(x) for x in r.at]} for r in rows]
         for b, rows in summary["at_compute"].items()
     }
     out["withheld"] = {v: [asdict(w) for w in ws] for v, ws in summary["withheld"].items()}
+    out["holm"] = {v: {a: asdict(h) for a, h in arms.items()} for v, arms in summary["holm"].items()}
     return out
 
 
