@@ -4,8 +4,10 @@
 Fourteen arms against one baseline at the rule's one-sided alpha call about one arm in twenty
 with no effect. The rule's verdict stays the primary one (the study's); beside it, each table
 gives the verdict of the same one-sided paired t-tests with the family-wise error held at alpha
-by Holm's step-down (doremi/study/stats.py `holm`). The family is one table's arms with a
-verdict: an arm withheld (short of pairs) or voided by a guardrail (guards.py) is not tested.
+by Holm's step-down (doremi/study/stats.py `holm`). The family is fixed before the runs: every
+arm the protocol judges in that table (14 against uniform at equal tokens). An arm withheld
+(short of pairs) or voided by a guardrail (guards.py) stays in it with p = 1, so that losing an
+arm never makes the others' threshold easier than the pre-registered 0.05/14.
 """
 
 from __future__ import annotations
@@ -30,16 +32,18 @@ class HolmReading:
         return f"{self.verdict} (p {self.p_adjusted:.3f}, {self.family} arms)"
 
 
-def holm_readings(results: Sequence[ArmResult], alpha: float) -> dict[str, HolmReading]:
-    """Per arm with a verdict (paired, not void), Holm over those arms' one-sided p-values of the
-    rule's paired t-test (`PairedTest.p`, the direction of its mean): "works" or "worse" when
-    rejected, else "inconclusive"."""
+def holm_readings(results: Sequence[ArmResult], alpha: float, family: int) -> dict[str, HolmReading]:
+    """Per arm with a verdict (paired, not void), Holm over the `family` arms the table judges:
+    these arms' one-sided p-values of the rule's paired t-test (`PairedTest.p`, the direction of
+    its mean) and p = 1 for the others. "works" or "worse" when rejected, else "inconclusive"."""
     judged = [(r.arm, r.paired) for r in results if r.paired is not None and not r.void]
-    h = stats.holm([paired.p for _, paired in judged], alpha)
+    if family < len(judged):
+        raise ValueError(f"holm: a family of {family} arms cannot hold the {len(judged)} judged")
+    h = stats.holm([paired.p for _, paired in judged] + [1.0] * (family - len(judged)), alpha)
     out = {}
     for (arm, paired), p, ok in zip(judged, h.adjusted, h.rejected):
         verdict = ("works" if paired.mean < 0 else "worse") if ok else "inconclusive"
-        out[arm] = HolmReading(p, verdict, len(judged))
+        out[arm] = HolmReading(p, verdict, family)
     return out
 
 

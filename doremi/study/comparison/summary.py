@@ -319,15 +319,17 @@ def _scoped(
     protocol: Protocol, tokens: list[ArmResult], computed: dict[str, list[AtCompute]], voids: Voids
 ) -> tuple[list[ArmResult], dict[str, list[AtCompute]], dict[str, dict[str, HolmReading]]]:
     """Each view's rows with the arms a guardrail voids marked so (guards.py, the protocol's
-    `guardrail_scope`), and each view's Holm readings over the arms that stand (holm.py)."""
+    `guardrail_scope`), and each view's Holm readings over the arms the protocol judges there (holm.py)."""
     alpha = protocol.rule.alpha
     tokens = [replace(r, void=voids.get(EQUAL_TOKENS, {}).get(r.arm)) for r in tokens]
     computed = {
         b: [replace(a, result=replace(a.result, void=voids.get(b, {}).get(a.result.arm))) for a in rows]
         for b, rows in computed.items()
     }
-    holm = {EQUAL_TOKENS: holm_readings(tokens, alpha)}
-    holm.update({b: holm_readings([a.result for a in rows], alpha) for b, rows in computed.items()})
+    base = protocol.design.rule.baseline
+    family = {b: sum(a.name not in (base, b) for a in protocol.arms) for b in computed}
+    holm = {EQUAL_TOKENS: holm_readings(tokens, alpha, sum(a.name != base for a in protocol.arms))}
+    holm.update({b: holm_readings([a.result for a in rows], alpha, family[b]) for b, rows in computed.items()})
     return tokens, computed, holm
 
 
