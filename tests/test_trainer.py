@@ -46,6 +46,7 @@ def test_metrics_rows(stores, tmp_path):
     val = [r for r in rows if "val_loss" in r]
     assert len(val) == 1 and set(val[0]["val_loss"]) == {"noise", "easy", "markov"}
     assert val[0]["val_worst"] == max(val[0]["val_loss"].values())
+    assert 0 < val[0]["eval_seconds"] < 60  # the evaluation's wall time, apart from the steps'
     assert (run / "config.yaml").is_file()
 
 

@@ -434,6 +434,7 @@ class Trainer:
                 log.progress(step, loss=row["loss"], tok_s=int(row["tokens_per_s"]))
                 last = row
             if is_last or (cfg.train.eval_every and step % cfg.train.eval_every == 0):  # 0: only at the end
+                t_eval = time.perf_counter()
                 val = self.evaluate(step, is_last)
                 vrow = self._val_row(step, val)
                 if self.feed.holdout and is_last:
@@ -442,6 +443,8 @@ class Trainer:
                     vrow["heldout_loss"] = self._by_domain(held)
                     vrow["seen_loss_se"] = self._by_domain(seen_se)
                     vrow["heldout_loss_se"] = self._by_domain(held_se)
+                # wall seconds of this evaluation (its losses are on the host: the device is done)
+                vrow["eval_seconds"] = time.perf_counter() - t_eval
                 log.log(vrow)
                 last = {**last, **vrow}
                 tokens_since, t0 = 0.0, time.perf_counter()
