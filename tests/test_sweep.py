@@ -219,9 +219,9 @@ def realised_epochs(cfg, weights: np.ndarray) -> np.ndarray:
 
 
 def test_the_design_is_capped_in_sequences_over_the_pools_and_no_run_reads_past_the_cap(stores, tmp_path, monkeypatch):
+    from data.sampling.pools import pool_sizes
     from data.store.store import read_manifest
     from doremi.offline import sweep
-    from trainer.feed.data_feed import pool_sizes
 
     cfg = config(stores, tmp_path / "cfg", *sweep_sets(tmp_path / "sweep", *CAPPED))
     manifest = read_manifest(cfg.data.store_dir)

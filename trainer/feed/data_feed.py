@@ -10,7 +10,7 @@ import numpy as np
 from data.config import DataConfig
 from data.errors import DataError
 from data.preprocess.preprocess import check_stores_match
-from data.sampling.pools import pool_sizes, train_splits
+from data.sampling.pools import train_splits
 from data.sampling.sampler import DomainBatchSampler, cursor_caps, interleave
 from data.store.batch import collate
 from data.store.dataset import PackedDomains
@@ -22,8 +22,6 @@ from trainer.parallel.context import ParallelContext
 
 #: Separates the generator of target draws from the sampler's.
 TARGET_DRAWS = 0x7A6E
-
-__all__ = ["TARGET_DRAWS", "DataFeed", "pool_sizes"]  # pool_sizes: owned by data/sampling/pools.py
 
 
 class DataFeed:
