@@ -12,6 +12,7 @@ after the first (which includes compilation). A run that stopped before its conf
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections.abc import Iterable, Mapping
@@ -105,6 +106,12 @@ def read_run(path: str | Path, name: str | None = None) -> RunResult:
     missing = [d for d, v in losses.items() if v is None]
     if missing:
         raise StudyError(f"{run}: step {last['step']}: no {key} for {', '.join(missing)}")
+    diverged = [d for d, v in losses.items() if not math.isfinite(float(v))]
+    if diverged:
+        raise StudyError(
+            f"{run}: step {last['step']}: {key} is not finite for {', '.join(diverged)}; a diverged run has no "
+            f"result to pair: rerun it or leave it out of the sources"
+        )
     train, data = cfg.get("train", {}), cfg.get("data", {})
     steps = train.get("steps")
     seeds = (train.get("seed"), data.get("seed"))
