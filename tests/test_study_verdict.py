@@ -185,7 +185,6 @@ def test_missing_and_unfinished_seeds_are_left_out_by_name(tmp_path):
     )
 
 
-
 def test_a_diverged_run_is_refused_by_name(tmp_path):
     from doremi.study.runs import StudyError
 
@@ -196,6 +195,7 @@ def test_a_diverged_run_is_refused_by_name(tmp_path):
     write_run(tmp_path, "natural-seed6", float("nan"), 6)
     with pytest.raises(StudyError, match=r"natural-seed6: step \d+: \w+ is not finite for a, b; a diverged run"):
         summarize(tmp_path)
+
 
 def test_bad_source_is_one_line(tmp_path, capsys):
     bad = tmp_path / "logs.zip"
