@@ -100,13 +100,22 @@ def aligned(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.data_ptr() % ADDRESS_ALIGN == 0 for t in tensors)
 
 
-def tensor_pointers(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """int64 [tensors] of the tensors' addresses, on `device`: from pinned memory without blocking
-    on CUDA (the caching host allocator keeps the pinned block until the copy has run)."""
+def tensor_pointers(tensors: Sequence[torch.Tensor], device: torch.device, rows: int = 1) -> torch.Tensor:
+    """int64 [rows * tensors] of the addresses of the tensors' rows, row-major (row r of tensor t
+    at r * tensors + t; `rows` = 1: the tensors' addresses), on `device`: from pinned memory
+    without blocking on CUDA (the caching host allocator keeps the pinned block until the copy
+    has run). The rows' addresses are one broadcast add, not one Python object per row."""
+    pin = device.type == "cuda"
     ptrs = [t.data_ptr() for t in tensors]
-    if device.type != "cuda":
-        return torch.tensor(ptrs, dtype=torch.int64)
-    return torch.tensor(ptrs, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    if rows == 1:
+        host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=pin)
+    else:
+        row_bytes = torch.tensor([t.numel() // rows * t.element_size() for t in tensors], dtype=torch.int64)
+        host = torch.empty(rows, len(ptrs), dtype=torch.int64, pin_memory=pin)
+        starts = torch.arange(rows, dtype=torch.int64).view(-1, 1) * row_bytes
+        torch.add(torch.tensor(ptrs, dtype=torch.int64), starts, out=host)
+        host = host.view(-1)
+    return host.to(device, non_blocking=True) if pin else host
 
 
 def launch(kernel: Any, blocks: TensorBlocks, *args: Any, **meta: Any) -> None:
@@ -133,9 +142,10 @@ def squares_kernels():
 _TRITON_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def uses_triton_squares(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether `sums_of_squares` runs its Triton kernels for these tensors: one device and one
-    floating dtype, contiguous and aligned, where Triton runs."""
+def uses_triton_squares(tensors: Sequence[torch.Tensor], rows: int = 1) -> bool:
+    """Whether `sums_of_squares` runs its Triton kernels for these tensors (cut into `rows` equal
+    rows): one device and one floating dtype, contiguous, each row's address aligned, where
+    Triton runs."""
     if not tensors or not triton_runs_on(tensors[0].device) or squares_kernels() is None:
         return False
     first = tensors[0]
@@ -143,6 +153,10 @@ def uses_triton_squares(tensors: Sequence[torch.Tensor]) -> bool:
         str(first.dtype).removeprefix("torch.") in _TRITON_DTYPES
         and aligned(tensors)
         and all(t.device == first.device and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+        and (
+            rows == 1
+            or all(t.numel() % rows == 0 and t.numel() // rows * t.element_size() % ADDRESS_ALIGN == 0 for t in tensors)
+        )
     )
 
 
@@ -151,27 +165,30 @@ def _squares_blocks(numels: tuple[int, ...], device: torch.device) -> TensorBloc
     return TensorBlocks.build([0] * len(numels), numels, device, SQUARES_BLOCK)
 
 
-def sums_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def sums_of_squares(tensors: Sequence[torch.Tensor], rows: int = 1) -> torch.Tensor:
     """Each tensor's sum of squares in fp32, [len(tensors)]: per-block partial sums, then per
-    tensor over its blocks in order (deterministic: no atomics). See `uses_triton_squares` for
-    what the tensors must be."""
+    tensor over its blocks in order (deterministic: no atomics). With `rows` > 1, each tensor
+    is cut into `rows` equal contiguous rows (a stacked gradient's per-model slices,
+    `trainer.stacked.optim`) and the result is [rows * len(tensors)], row-major: each row's sum
+    exactly the one this function gives for that row passed alone, from one launch whatever
+    `rows` is. See `uses_triton_squares` for what the tensors must be."""
     import triton.language as tl
 
     device = tensors[0].device
-    blocks = _squares_blocks(tuple(t.numel() for t in tensors), device)
+    blocks = _squares_blocks(tuple(t.numel() // rows for t in tensors) * rows, device)
     partials = torch.empty(max(blocks.n_blocks, 1), dtype=torch.float32, device=device)
-    out = torch.empty(len(tensors), dtype=torch.float32, device=device)
+    out = torch.empty(rows * len(tensors), dtype=torch.float32, device=device)
     block_kernel, sums_kernel = squares_kernels()
     dtype = getattr(tl, str(tensors[0].dtype).removeprefix("torch."))
     launch(
         block_kernel,
         blocks,
-        tensor_pointers(tensors, device),
+        tensor_pointers(tensors, device, rows),
         blocks.numels,
         blocks.first_block,
         partials,
         DTYPE=dtype,
         num_warps=4,
     )
-    sums_kernel[(len(tensors),)](partials, blocks.first_block, out, CHUNK=1024)
+    sums_kernel[(rows * len(tensors),)](partials, blocks.first_block, out, CHUNK=1024)
     return out

@@ -24,7 +24,8 @@ from torch.nn import Parameter
 
 from trainer.config.schema import TrainConfig
 from trainer.config.tools import ConfigError
-from trainer.optim.clip import clip_coefficient, squares
+from trainer.optim.clip import clip_coefficient
+from trainer.optim.multi_tensor import sums_of_squares, uses_triton_squares
 
 
 def decayed(stacked: Parameter) -> bool:
@@ -49,15 +50,26 @@ def stacked_adamw(named: Sequence[tuple[str, Parameter]], cfg: TrainConfig) -> t
     )
 
 
-def per_model_grad_norms(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[M] fp32: each model's global gradient norm over its slices of `params` (in order). Each
-    slice's square sum is the ordinary clip's own (`trainer.optim.clip.squares`, on the slice
-    as on a whole parameter), and each model's sum runs over a contiguous row, so a model's norm
-    depends on its gradients only, not on how many models are stacked with it."""
-    grads = [p.grad for p in params if p.grad is not None]
+def slice_squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[M, len(grads)] fp32: the sum of squares of each model's slice of each gradient, each the
+    ordinary clip's own on that slice as on a whole parameter (`trainer.optim.clip.squares`):
+    on CUDA the same Triton kernels over the slices as rows (`sums_of_squares(rows=M)`), elsewhere
+    the same `linalg_vector_norm` reduction that `_foreach_norm` runs per tensor, over each
+    gradient's rows. Either is a fixed number of ops per parameter whatever M is: a slice list
+    of M x parameters views cost one op each (issue 37 item 4)."""
     models = grads[0].shape[0]
-    per_slice = squares([g[m] for m in range(models) for g in grads])
-    return per_slice.view(models, len(grads)).sum(dim=1).sqrt()
+    if uses_triton_squares(grads, rows=models):
+        return sums_of_squares(grads, rows=models).view(models, len(grads))
+    norms = [torch.linalg.vector_norm(g.reshape(models, -1), 2, dim=1, dtype=torch.float32) for g in grads]
+    return torch.stack(norms, dim=1).square()
+
+
+def per_model_grad_norms(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[M] fp32: each model's global gradient norm over its slices of `params` (in order), each
+    model's sum over a contiguous row (`slice_squares`), so a model's norm depends on its
+    gradients only, not on how many models are stacked with it."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return slice_squares(grads).sum(dim=1).sqrt()
 
 
 @torch.no_grad()
