@@ -6,19 +6,26 @@
   one model a chunk, tied or not, and so are those of `fused_head = False` (the bench's
   comparison); its in-place Triton loss gradient bitwise the kernels' own
   (Triton's CPU interpreter);
-- stacked_bench's `--profile` prints the stacked step's costliest ops.
+- stacked_bench's `--profile` prints the stacked step's costliest ops;
+- one training step dispatches as many ops at 64 models as at 8 (no per-model launch: issue 37
+  item 4), and each model's slice squares for the clip are the ordinary clip's, bitwise.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import pytest
 import torch
 
 import trainer.stacked.head as head
+import trainer.stacked.optim as stacked_optim
 from tests.interpreter import needs_triton, run_interpreted
 from tests.scripts import bench_module
 from trainer.config.schema import ModelConfig
+from trainer.optim import clip
 from trainer.stacked.model import from_heads, stack_llamas, to_heads
+from trainer.stacked.run import StackedRun
 
 
 def test_heads_are_views_of_the_model_major_activations():
@@ -31,11 +38,12 @@ def test_heads_are_views_of_the_model_major_activations():
 
 
 def test_models_per_chunk_fits_the_budget():
-    assert head.CHUNK_BYTES == 32 * 2**20
-    assert head.models_per_chunk(64, 4096, 4096, 2) == 1  # the bench's 32 MB a model
-    assert head.models_per_chunk(64, 256, 4096, 2) == 16
+    assert head.CHUNK_BYTES == 4 * 2**30
+    assert head.models_per_chunk(64, 4096, 4096, 2) == 64  # the bench's 2 GiB: one chunk
+    assert head.models_per_chunk(512, 4096, 4096, 2) == 128
+    assert head.models_per_chunk(64, 4096, 50304, 2) == 10
     assert head.models_per_chunk(3, 10, 10, 4) == 3
-    assert head.models_per_chunk(64, 8192, 4096, 4) == 1
+    assert head.models_per_chunk(4, 2**20, 2**12, 4) == 1
 
 
 def _step(tie: bool, head_mode: str):
@@ -106,3 +114,60 @@ def test_stacked_bench_profile_prints_the_costliest_ops(capsys, head_flag):
     out = capsys.readouterr().out
     assert "Self CPU time total" in out and "Name" in out
     assert ("unfused head" if head_flag else "fused head") in out
+
+
+def _step_ops(models: int) -> dict[str, int]:
+    """The aten ops one warm training step of `models` stacked models dispatches (eager, CPU, the
+    bench's step at a small shape)."""
+    sb = bench_module("stacked_bench")
+    args = sb.parse("--d-model 32 --layers 2 --heads 2 --ffn 64 --vocab 128 --seq 16 --batch 2 --device cpu".split())
+    batches = sb.synthetic_batches(models, args, torch.device("cpu"))
+    run = StackedRun(
+        sb.bench_config(args), sb.SyntheticFeed(batches), list(range(models)), torch.device("cpu"), nullcontext()
+    )
+    run.train_step()
+    return sb.op_counts(run.train_step)
+
+
+def test_a_stacked_step_dispatches_as_many_ops_for_64_models_as_for_8(monkeypatch):
+    """Every op covers all models at once: the count is the same at M = 8 and M = 64 (682 ops
+    when written; a head launched model by model, or a clip over per-model slices, added ops in
+    proportion to M: 1106 at 8 and 4578 at 64 before). One model a head chunk
+    (CHUNK_BYTES = 1) shows that the count sees per-model launches."""
+    eight, many = _step_ops(8), _step_ops(64)
+    assert many == eight
+    assert eight["aten::bmm"] == 2 * 4 * 3 + 3  # 4 projections a layer, forward and 2 backward; the head's 3
+    monkeypatch.setattr(head, "CHUNK_BYTES", 1)
+    per_model = _step_ops(64)["aten::bmm"]
+    assert per_model == 2 * 4 * 3 + 3 * 64
+
+
+def test_slice_squares_are_the_ordinary_clips_of_each_slice():
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, *shape, generator=g) * 3 for shape in ((7, 33), (33,), (64, 9))]
+    want = clip.squares([x[m] for m in range(5) for x in grads]).view(5, 3)
+    assert torch.equal(stacked_optim.slice_squares(grads), want)
+
+
+@needs_triton
+def test_triton_slice_squares_are_the_kernels_on_each_slice():
+    """The CUDA path (`sums_of_squares(rows=M)`: one launch, each row a tensor of the pointer
+    table) in the interpreter: bitwise the kernels run on the slices one by one, as before; rows
+    at unaligned addresses take the torch path."""
+    run_interpreted(
+        """
+import torch
+from trainer.optim import multi_tensor as mt
+from trainer.stacked.optim import slice_squares
+g = torch.Generator().manual_seed(0)
+B = mt.SQUARES_BLOCK
+grads = [torch.randn(3, *shape, generator=g) for shape in ((2, B + 4), (B,), (4,))]
+assert mt.uses_triton_squares(grads, rows=3)
+want = mt.sums_of_squares([x[m] for m in range(3) for x in grads]).view(3, 3)
+assert torch.equal(slice_squares(grads), want)
+odd = [torch.randn(3, 5, generator=g)]
+assert not mt.uses_triton_squares(odd, rows=3)
+assert torch.equal(slice_squares(odd), torch.stack(torch._foreach_norm(list(odd[0]), 2)).square().view(3, 1))
+print("ok")
+"""
+    )

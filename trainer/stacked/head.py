@@ -1,13 +1,22 @@
 """The stacked head in training: logits, per-token loss and the head's gradients in one pass,
-a few models at a time, so that no [M, b s, V] logits are kept for backward.
+so that no [M, b s, V] logits are kept for backward.
 
 Why: at the bench shape (64 models, 4096 tokens each, vocabulary 4096; design section 4d-iii)
-the logits are 2.1 GB of bf16, written by the head's bmm, read by the loss, kept, read and
-written again by the loss's backward and read by the two bmm's of the head's backward: about
-13 GB of memory traffic a step, a tenth of the stacked step. Model by model, one model's logits
-(32 MB) are made, used five times and overwritten by their gradient (the loss's backward reads
-each block of logits before it writes it, so it runs in place) while they can still be in the
-GPU's L2 cache (50 MB on an H100), and nothing of them outlives the chunk.
+the logits are 2 GiB of bf16. The unfused head (`StackedLlama.fused_head = False`) keeps them
+from the forward to the backward, where the loss's backward allocates as much again for their
+gradient: two [M, b s, V] buffers live at the start of backward, on top of every layer's saved
+activations. Here the logits are made, used and overwritten by their gradient (the loss's
+backward reads each block of logits before it writes it, so it runs in place) inside the
+forward, and freed before the step's backward begins: one such buffer less at the step's peak
+(2 GiB at the bench shape), none of it alive during the layers' backward.
+
+All models go through each op at once, as every other stacked op (a fixed number of launches
+whatever M is): a head made model by model, so that each model's 32 MB of logits could stay in
+an H100's L2 cache, launched about 6 kernels per model, and the profile showed those launches
+(and a per-chunk copy of the loss) costing more than the L2 saved: the unfused head was 1.6 ms
+faster at 64 models (experiments/results/gpu_session9/README.md). Models are cut into chunks
+only where their logits exceed CHUNK_BYTES, a bound on this op's transient memory, not a cache
+size; a chunk's kernels then move at least CHUNK_BYTES / 2 each, so their launches do not count.
 
 The gradient needs the weight of each token's loss in the objective before backward: training
 minimises sum over models and tokens of w[m, t] loss[m, t] (w: 1 / N_m on model m's
@@ -16,8 +25,8 @@ arguments: the logits bmm, `Kernels.cross_entropy`'s kernels (Triton on CUDA, to
 elsewhere) with the upstream gradient w, and the two bmm's of the logits bmm's backward, the
 head weight's as the transpose of autograd's (grad^T h, written into the gradient in place,
 where autograd makes h^T grad and copies its transpose: the same products, summed over the
-same tokens, without a strided copy of [m, V, d] per chunk); each model's numbers are computed
-on its own rows, so they do not depend on the chunking.
+same tokens, without a strided copy of [m, V, d]); each model's numbers are computed on its
+own rows, so they do not depend on the chunking.
 `stacked_head_objective` returns the objective, whose backward scales the saved gradients by
 the upstream gradient (1 in training: exact).
 """
@@ -35,9 +44,9 @@ from trainer.model.ops.cross_entropy import (
 )
 from trainer.optim.multi_tensor import triton_runs_on
 
-#: Logits bytes per chunk of models (at least one model a chunk): what fits in an H100's 50 MB
-#: L2 with the chunk's hidden states and head weights.
-CHUNK_BYTES = 32 * 2**20
+#: Logits bytes per chunk of models (at least one model a chunk): the bound on the head's
+#: transient memory (the bench's 64 models, 2 GiB, are one chunk).
+CHUNK_BYTES = 4 * 2**30
 
 
 def models_per_chunk(models: int, tokens: int, vocab: int, itemsize: int) -> int:
@@ -72,10 +81,10 @@ def stacked_head(
     models, n, _ = h.shape
     vocab = weight.shape[1]
     labels, weights = labels.contiguous(), weights.to(torch.float32).contiguous()
-    loss = torch.empty(models, n, dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h)
     dweight = torch.empty_like(weight)
     step = models_per_chunk(models, n, vocab, h.element_size())
+    losses = []
     for a in range(0, models, step):
         c = slice(a, min(a + step, models))
         wt = weight[c].transpose(1, 2)
@@ -83,12 +92,13 @@ def stacked_head(
         chunk_loss, dz = _loss_and_grad(
             logits.view(-1, vocab), labels[c].reshape(-1), weights[c].reshape(-1), vocab_size, ignore_index
         )
-        loss[c] = chunk_loss.view(-1, n)
+        losses.append(chunk_loss.view(-1, n))
         dz = dz.view(logits.shape)
         # autograd's backward of bmm(h, wt): grad @ wt^T and h^T @ grad, the latter as its
-        # transpose grad^T @ h, written in place (no strided copy of [m, V, d] per chunk).
+        # transpose grad^T @ h, written in place (no strided copy of [m, V, d]).
         torch.bmm(dz, wt.transpose(1, 2), out=dh[c])
         torch.bmm(dz.transpose(1, 2), h[c], out=dweight[c])
+    loss = losses[0] if len(losses) == 1 else torch.cat(losses)
     return (weights * loss).sum(), loss, dh, dweight
 
 

@@ -24,12 +24,15 @@ Usage (repository root; defaults: the ~5M shape, 64 models):
     python experiments/tools/bench/stacked_bench.py [--models 64] [--steps 5] [--device cuda]
 On the CPU the numbers are a smoke test, not a result. `--profile N` then profiles one more
 stacked step (`torch.profiler`) and prints its N costliest kernels: where the step goes, the
-first thing to read before changing it (issue 37 item 4; design section 4d-iii).
+first thing to read before changing it (issue 37 item 4; design section 4d-iii). `--count-ops`
+prints how many aten ops one stacked step dispatches (`op_counts`), which must not grow with
+`--models`: a per-model op is a per-model kernel launch on the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import statistics
 import sys
@@ -160,7 +163,28 @@ def stacked(cfg: TrainerConfig, batches: dict[str, torch.Tensor], args: argparse
     times = timed(step, device, args.warmup, args.steps)
     if args.profile:
         print(profile_table(step, device, args.profile), flush=True)
+    if args.count_ops:
+        ops = op_counts(step)
+        print(f"one stacked step dispatches {sum(ops.values())} aten ops: {dict(ops.most_common(8))} ...", flush=True)
     return times
+
+
+def op_counts(step) -> collections.Counter:
+    """How many times one `step` (already warm) dispatches each aten op from Python or autograd:
+    the ops not nested in another aten op (a composite's own calls are its business, and vary
+    with sizes on the CPU), each the launch of at most a fixed number of kernels on a GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    counts: collections.Counter = collections.Counter()
+    for event in prof.events():
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if event.name.startswith("aten::") and parent is None:
+            counts[event.name] += 1
+    return counts
 
 
 def profile_table(step, device: torch.device, rows: int) -> str:
@@ -198,6 +222,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the unfused stacked head (its logits kept for backward), to compare",
     )
     p.add_argument("--profile", type=int, default=0, help="print the stacked step's N costliest kernels (0: none)")
+    p.add_argument("--count-ops", action="store_true", help="print the aten ops one stacked step dispatches")
     return p.parse_args(argv)
 
 
