@@ -14,7 +14,7 @@ per mixture seeded as `trainer.feed.data_feed.DataFeed`), the same objective (th
 same clipping (each model's own global norm) and the same torch AdamW on the stacked tensors.
 
 Modules: `layers` (the batched ops), `model` (`StackedLlama`, stacking and unstacking), `head`
-(the training head's loss and gradients model by model, no logits kept),
+(the training head's loss and gradients in the forward, all models at once, no logits kept),
 `optim` (AdamW and the per-model clip), `feed` (per-mixture samplers, stacked batches),
 `evaluate` (per-domain validation loss [M, k]), `run` (one chunk of models trained together),
 `train` (`train_stacked`, chunking, `StackedResult`).

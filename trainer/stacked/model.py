@@ -181,7 +181,7 @@ class StackedLlama(nn.Module):
         """Per-token losses [M, b, s] (fp32) of model m on `input_ids[m]`, `labels[m]`. Given
         `weights` [M, b, s] (each token's weight in the training objective): (the objective
         sum(weights * losses), to call backward on, and the losses, detached), the head's
-        logits and their gradient made chunk by chunk in the forward (`trainer.stacked.head`;
+        logits and their gradient made in the forward (`trainer.stacked.head`;
         its loss is `trainer.model.ops.cross_entropy`'s, whatever `kernels.cross_entropy` is)
         unless `fused_head` is off."""
         input_ids, labels = batch["input_ids"], batch["labels"]
