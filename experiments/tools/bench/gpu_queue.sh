@@ -17,6 +17,9 @@
 #   bash experiments/tools/bench/gpu_queue.sh 6   # issue 36: the muP transfer sweep on the grid centred on width 256's
 #                                                 # optimum (mup_transfer.py's docstring), seeds 0 and 1
 #   bash experiments/tools/bench/gpu_queue.sh 7   # issue 36: the same grid with zero head and query init
+#   bash experiments/tools/bench/gpu_queue.sh 8   # issue 39: a stacked sweep chunk (4 runs) at the study's proxy
+#                                                 # shape against one run: the sweep's price (COMPARISON.md prices
+#                                                 # it one by one until this is measured)
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -42,9 +45,10 @@ commands() {
         echo "mup_transfer_centred 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --out \$OUT/mup_centred"
         echo "mup_transfer_centred_seed1 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --seed 1 --out \$OUT/mup_centred_seed1"
         ;;
+    8) echo "stacked_bench_sweep_shape 300 $PY $B/stacked_bench.py --device cuda --compile --models 4 --single 1 --d-model 384 --layers 6 --heads 6 --ffn 1152 --vocab 2048 --seq 1024 --batch 96 --steps 5 --warmup 2" ;;
     7) echo "mup_transfer_zero 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --zero-init --out \$OUT/mup_zero" ;;
     *)
-        echo "gpu_queue.sh: expected a call number 1 to 7, got '$1'" >&2
+        echo "gpu_queue.sh: expected a call number 1 to 8, got '$1'" >&2
         return 2
         ;;
     esac
