@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements still pending (seventh session's list; the eighth got no machine, the ninth ran the study's seed 5
-# and the stacked bench), as device-tool calls of at most
-# 600 s each. A session has 30 device minutes, counted from asking for the machine (a start of a
+# and the stacked bench, the tenth seed 6 but for its DoReMi run), as device-tool calls of at most
+# 600 s each. Order for the next session, after the study's two calls (about 420 s): 8 (the
+# comparison's sweep price), 2 (stacked, after the session-10 launch changes), 5 (FP8 at 1B with
+# its head, the likeliest way to issue 36's 1.20x), then 4, 6, 1, 3, 7. A session has 30 device minutes, counted from asking for the machine (a start of a
 # minute or more, again after any gap of more than 30 s between calls) until it is given back;
 # the powered study (experiments/results/doremi_study.md) comes first, these in what is left.
 # Every bench writes under $OUT (the only folder that comes back from the device machine) and
