@@ -42,9 +42,9 @@ from doremi.study.comparison.protocol import (
     largest_multiple,
     multiple_stage,
     pairs_from_calibration,
-    seeds_for,
 )
 from doremi.study.design import DESIGN, config_differences
+from doremi.study.runs import seeds_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION = ROOT / "experiments" / "results" / "doremi_study" / "calibration.json"

@@ -207,15 +207,58 @@ def test_bad_source_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_the_calibrations_gate_is_checked(tmp_path, capsys):
-    write_study(tmp_path / "s")
+def _gate(tmp_path: Path, pairs: int) -> Path:
     cal = tmp_path / "calibration.json"
-    cal.write_text(json.dumps({"decision": {"go": True, "pairs": 8, "line": "GO with 8 pairs"}}))
+    cal.write_text(json.dumps({"decision": {"go": True, "pairs": pairs, "line": f"GO with {pairs} pairs"}}))
+    return cal
+
+
+def test_an_arm_short_of_the_gates_pairs_gets_no_verdict(tmp_path, capsys):
+    """The gate asked 8 pairs and the study has 6: no arm is judged (compare-methods' rule too)."""
+    write_study(tmp_path / "s")
     out = tmp_path / "out"
+    cal = _gate(tmp_path, 8)
     assert main(["study", "summarize", str(tmp_path / "s"), "--out", str(out), "--calibration", str(cal)]) == 0
     doc = json.loads((out / STUDY_JSON).read_text())
-    assert doc["gate"] == [
-        "doremi: 6 pairs, fewer than the 8 the calibration's gate decided",
-        "natural: 6 pairs, fewer than the 8 the calibration's gate decided",
+    assert [r["arm"] for r in doc["results"]] == ["uniform"]
+    assert [(w["arm"], w["pairs"], w["need"]) for w in doc["withheld"]] == [("doremi", 6, 8), ("natural", 6, 8)]
+    assert doc["withheld"][0]["lacks"] == [
+        "doremi-seed7 missing",
+        "uniform-seed7 missing",
+        "doremi-seed8 missing",
+        "uniform-seed8 missing",
     ]
-    assert "- doremi: 6 pairs, fewer than the 8" in (out / STUDY_MD).read_text()
+    printed = capsys.readouterr().out
+    assert "doremi: incomplete, 6 of 8 pairs (doremi-seed7 missing; uniform-seed7 missing; " in printed
+    assert "works" not in printed and "worse" not in printed
+    md = (out / STUDY_MD).read_text()
+    assert "| doremi | 6 of 8 |  |  |  | incomplete |" in md
+
+
+def test_the_gates_pairs_are_the_seeds_judged(tmp_path, capsys):
+    """Gate 4 with 6 seeds on disk: the arms are judged on seeds 1-4 exactly, the rest named;
+    an arm missing one of those four pairs is withheld while the other stands."""
+    write_study(tmp_path / "s")
+    for f in (tmp_path / "s" / "natural-seed3").iterdir():
+        f.unlink()
+    (tmp_path / "s" / "natural-seed3").rmdir()
+    summary = summarize(tmp_path / "s", gate={"go": True, "pairs": 4})
+    dore = summary["results"][1]
+    assert dore.arm == "doremi" and dore.seeds == (1, 2, 3, 4)
+    assert dore.paired.mean == pytest.approx(np.mean(DOREMI[:4]), abs=1e-12)
+    assert [w.line() for w in summary["withheld"]] == [
+        "natural: incomplete, 3 of 4 pairs (natural-seed3 missing); no verdict"
+    ]
+    assert summary["gate"] == [
+        "doremi-seed5, doremi-seed6, natural-seed5, natural-seed6, uniform-seed5, uniform-seed6: "
+        "beyond the gate's 4 pairs, not judged"
+    ]
+    # Without a gate, every pair there is.
+    assert summarize(tmp_path / "s")["results"][1].seeds == (1, 2, 3, 4, 5, 6)
+
+
+def test_a_refusing_gate_is_said(tmp_path):
+    write_study(tmp_path / "s")
+    summary = summarize(tmp_path / "s", gate={"go": False, "pairs": 40, "line": "NO-GO: 40 pairs > 12"})
+    assert summary["gate"] == ["the calibration's gate refused the study: NO-GO: 40 pairs > 12"]
+    assert [r.arm for r in summary["results"]] == ["uniform", "doremi", "natural"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,3 +229,51 @@ def pair_runs(runs: Mapping[tuple[str, int], RunResult], arm: str, baseline: str
             f"{arm} against {baseline}: no finished pair" + (f" ({'; '.join(problems)})" if problems else "")
         )
     return Pairs(arm, baseline, tuple(kept), tuple(a_runs), tuple(b_runs), tuple(problems))
+
+
+INCOMPLETE = "incomplete"
+
+
+def seeds_for(pairs: int) -> tuple[int, ...]:
+    """The seeds a pre-registered study judges on: 1 to the calibration gate's pairs."""
+    return tuple(range(1, pairs + 1))
+
+
+def lacking(runs: Mapping[tuple[str, int], RunResult], names: Sequence[str], seeds: Sequence[int]) -> list[str]:
+    """For each seed, the runs of `names` missing or unfinished."""
+    out = []
+    for s in seeds:
+        for name in names:
+            r = runs.get((name, s))
+            out += [f"{name}-seed{s} missing"] if r is None else [r.describe_unfinished()] if r.unfinished else []
+    return out
+
+
+@dataclass(frozen=True)
+class Withheld:
+    """An arm without the pre-registered pairs: what it has and what it lacks. It gets no
+    verdict: judged on fewer pairs than the gate decided, a study would report the power it
+    said it would not rely on (`doremi study summarize` and `compare-methods` alike)."""
+
+    arm: str
+    pairs: int
+    need: int
+    lacks: tuple[str, ...]
+
+    def row(self, columns: int) -> list[str]:
+        return [self.arm, f"{self.pairs} of {self.need}", *[""] * 3, INCOMPLETE, *[""] * (columns - 6)]
+
+    def line(self) -> str:
+        return f"{self.arm}: {INCOMPLETE}, {self.pairs} of {self.need} pairs ({'; '.join(self.lacks)}); no verdict"
+
+
+def withheld(
+    runs: Mapping[tuple[str, int], RunResult], arm: str, baseline: str, seeds: Sequence[int]
+) -> Withheld | None:
+    """`arm` withheld against `baseline` when a run of either is missing or unfinished at one of
+    `seeds`; None when every pair is there."""
+    lacks = lacking(runs, (arm, baseline), seeds)
+    if not lacks:
+        return None
+    have = sum(1 for s in seeds if all((n, s) in runs and not runs[(n, s)].unfinished for n in (arm, baseline)))
+    return Withheld(arm, have, len(seeds), tuple(lacks))

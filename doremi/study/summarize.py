@@ -23,10 +23,12 @@ import numpy as np
 
 from data.atomic import atomic_write_text
 from doremi.study.design import DESIGN, Design
-from doremi.study.runs import StudyError, find_run_dirs, pair_runs, read_run
+from doremi.study.runs import StudyError, Withheld, find_run_dirs, pair_runs, read_run, seeds_for, withheld
 from doremi.study.verdict import ArmResult, SequenceLosses, arm_result, baseline_result, verdict_line
 
 STUDY_MD, STUDY_JSON, STUDY_PNG = "study.md", "study.json", "study.png"
+#: Columns of the verdict table (`arms_table` without `more`).
+ARM_COLUMNS = 13
 ARCHIVES = (".tar.xz", ".tar.gz", ".tgz", ".tar")
 
 
@@ -120,17 +122,29 @@ def guardrail_warnings(
 def summarize(root: Path, design: Design = DESIGN, gate: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every arm's result against the baseline, the notes, the guardrails; a JSON-able dict
     (with the ArmResult objects under `results`). `gate`: the calibration's decision
-    (calibration.json's `decision`); an arm with fewer pairs than it decided is noted."""
+    (calibration.json's `decision`). Under a gate that said go, every arm is judged on the
+    pre-registered seeds, 1 to the gate's pairs, and nothing else: an arm lacking one of those
+    pairs is withheld (`withheld`: no verdict, what it lacks), and runs of later seeds are named
+    and left out. Without a gate, every arm on the seeds it has."""
     dirs = find_run_dirs(root)
     arms = [a.name for a in design.arms]
     runs = {k: read_run(p) for k, p in dirs.items() if k[0] in arms}
     base = design.rule.baseline
     if not any(a == base for a, _ in runs):
         raise StudyError(f"{root}: no {base}-seed<k> run (the baseline of the rule)")
+    seeds = seeds_for(int(gate["pairs"])) if gate and gate.get("go") else None
+    beyond = sorted(f"{a}-seed{s}" for a, s in runs if seeds is not None and s not in seeds)
+    if seeds is not None:
+        runs = {k: r for k, r in runs.items() if k[1] in seeds}
     sequences = {k: read_sequences(r.path, r.final_step) for k, r in runs.items()}
     results: list[ArmResult] = []
+    held: list[Withheld] = []
     for arm in design.arms:
-        if arm.name == base or not any(a == arm.name for a, _ in runs):
+        if arm.name == base or (seeds is None and not any(a == arm.name for a, _ in runs)):
+            continue
+        w = None if seeds is None else withheld(runs, arm.name, base, seeds)
+        if w is not None:
+            held.append(w)
             continue
         pairs = pair_runs(runs, arm.name, base, strict=False)
         results.append(arm_result(pairs, design, sequences, compute_of(dirs, arm.name, arm.search_stages, pairs.seeds)))
@@ -145,23 +159,23 @@ def summarize(root: Path, design: Design = DESIGN, gate: Mapping[str, Any] | Non
         "split": first.split,
         "domains": list(first.domains),
         "unfinished": sorted(r.describe_unfinished() for r in runs.values() if r.unfinished),
-        "gate": gate_notes(gate, results),
+        "gate": gate_notes(gate) + beyond_note(beyond, seeds),
+        "withheld": held,
     }
 
 
-def gate_notes(gate: Mapping[str, Any] | None, results: list[ArmResult]) -> list[str]:
-    """What the calibration's gate says of the pairs the study ran (its acceptance: at least
-    the pairs the gate decided)."""
-    if gate is None:
+def beyond_note(beyond: Sequence[str], seeds: Sequence[int] | None) -> list[str]:
+    """The runs of seeds past the gate's pairs, named once: a study judges the pairs it
+    pre-registered, not the ones it happened to add."""
+    return [f"{', '.join(beyond)}: beyond the gate's {len(seeds or ())} pairs, not judged"] if beyond else []
+
+
+def gate_notes(gate: Mapping[str, Any] | None) -> list[str]:
+    """The calibration's refusal, when its gate refused the study (an arm short of the pairs
+    it decided is withheld, `Withheld`)."""
+    if gate is None or gate.get("go"):
         return []
-    if not gate.get("go"):
-        return [f"the calibration's gate refused the study: {gate.get('line', 'NO-GO')}"]
-    need = int(gate["pairs"])
-    return [
-        f"{r.arm}: {len(r.seeds)} pairs, fewer than the {need} the calibration's gate decided"
-        for r in results
-        if len(r.seeds) < need
-    ]
+    return [f"the calibration's gate refused the study: {gate.get('line', 'NO-GO')}"]
 
 
 def _f(x: float | None, digits: int = 4, sign: bool = False) -> str:
@@ -260,6 +274,7 @@ def _note_text(summary: dict[str, Any]) -> str:
     """The arms' notes, the unfinished runs, the gate, and missing stages, each once."""
     results = summary["results"]
     notes = [n for r in results for n in r.notes] + summary["unfinished"] + summary["gate"]
+    notes += [w.line() for w in summary.get("withheld", ())]
     for r in results:
         notes += [
             f"{r.arm}: no run directory {m}; its compute leaves that stage out" for m in r.compute.get("missing", [])
@@ -277,7 +292,7 @@ def _verdict_lines(results: list[Any], design: Design, guards: list[Any]) -> str
 
 def format_markdown(summary: dict[str, Any], design: Design = DESIGN, source: str = "") -> str:
     rule, results = design.rule, summary["results"]
-    table = arms_table(summary, design)
+    table = arms_table(summary, design, extra=[w.row(ARM_COLUMNS) for w in summary.get("withheld", ())])
     dom_table = domain_table(summary, design)
     guards = summary["guardrails"]
     guards_md = guard_text(guards, design)
@@ -311,7 +326,9 @@ the arm is better). Verdict: "works" if the mean < -t_(0.95,n-1) x SE, "worse" i
 
 
 def to_json(summary: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in summary.items() if k != "results"}
+    out = {k: v for k, v in summary.items() if k not in ("results", "withheld")}
+    if "withheld" in summary:
+        out["withheld"] = [asdict(w) for w in summary["withheld"]]
     out["results"] = []
     for r in summary["results"]:
         d = asdict(r)
@@ -403,5 +420,7 @@ def run_summary(
     for r in summary["results"]:
         if r.paired is not None:
             print(verdict_line(r, design))
+    for w in summary["withheld"]:
+        print(w.line())
     print(f"written: {out / STUDY_MD}, {out / STUDY_JSON}, {out / STUDY_PNG}")
     return summary

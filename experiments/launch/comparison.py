@@ -59,8 +59,8 @@ from doremi.study.comparison.protocol import (  # noqa: E402
     corpus_capacity,
     multiple_stage,
     pairs_from_calibration,
-    seeds_for,
 )
+from doremi.study.runs import seeds_for  # noqa: E402
 
 CALIBRATION = ROOT / "experiments" / "results" / "doremi_study" / "calibration.json"
 PHASE, STUDY_PHASE = "comparison", "study"

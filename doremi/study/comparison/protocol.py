@@ -606,10 +606,6 @@ def pairs_from_calibration(path: str | Path, design: Design = DESIGN) -> GateDec
     return decision
 
 
-def seeds_for(pairs: int) -> tuple[int, ...]:
-    return tuple(range(1, pairs + 1))
-
-
 def baseline_capacity(protocol: Protocol, baseline: str) -> float:
     """Main runs' worth of sequences `baseline`'s mixture can draw before a domain passes the
     rule's epochs (uncapped: its mixture unchanged)."""

@@ -49,9 +49,22 @@ from doremi.study.comparison.cost import (
 from doremi.study.comparison.guards import Voids, guard_text, void_reasons
 from doremi.study.comparison.holm import HolmReading, holm_cells, holm_readings
 from doremi.study.comparison.plan import SEARCH, arm_steps
-from doremi.study.comparison.protocol import PROTOCOL, Arm, Protocol, baseline_capacity, corpus_capacity, seeds_for
-from doremi.study.runs import RUN_NAME, Pairs, RunResult, StudyError, find_run_dirs, pair_runs, read_run
+from doremi.study.comparison.protocol import PROTOCOL, Arm, Protocol, baseline_capacity, corpus_capacity
+from doremi.study.runs import (
+    INCOMPLETE,
+    RUN_NAME,
+    Pairs,
+    RunResult,
+    StudyError,
+    Withheld,
+    find_run_dirs,
+    pair_runs,
+    read_run,
+    seeds_for,
+    withheld,
+)
 from doremi.study.summarize import (
+    ARM_COLUMNS,
     arms_table,
     check_source,
     compute_of,
@@ -66,23 +79,6 @@ from doremi.study.summarize import (
 from doremi.study.verdict import ArmResult, arm_result, baseline_result, verdict_line
 
 COMPARISON_MD, COMPARISON_JSON, COMPARISON_PNG = "comparison.md", "comparison.json", "comparison.png"
-INCOMPLETE = "incomplete"
-
-
-@dataclass(frozen=True)
-class Withheld:
-    """An arm without the comparison's pairs in one view: what it has and what it lacks."""
-
-    arm: str
-    pairs: int
-    need: int
-    lacks: tuple[str, ...]
-
-    def row(self, columns: int) -> list[str]:
-        return [self.arm, f"{self.pairs} of {self.need}", *[""] * 3, INCOMPLETE, *[""] * (columns - 6)]
-
-    def line(self) -> str:
-        return f"{self.arm}: {INCOMPLETE}, {self.pairs} of {self.need} pairs ({'; '.join(self.lacks)}); no verdict"
 
 
 @dataclass(frozen=True)
@@ -167,16 +163,6 @@ def check_corpus(
             )
 
 
-def lacking(runs: Mapping[tuple[str, int], RunResult], names: Sequence[str], seeds: Sequence[int]) -> list[str]:
-    """For each seed, the runs of `names` missing or unfinished."""
-    out = []
-    for s in seeds:
-        for name in names:
-            r = runs.get((name, s))
-            out += [f"{name}-seed{s} missing"] if r is None else [r.describe_unfinished()] if r.unfinished else []
-    return out
-
-
 def add_search(arm: str, compute: dict[str, Any], plain: Mapping[int, float], n_search: int) -> None:
     """Per seed the arm's search FLOPs (cost.py `search_flops`: its search stages, and its main run
     beyond the plain one of that seed) into `compute` as `search_flops`, None where a search stage
@@ -250,23 +236,19 @@ def compare(
     plain = {s: flops[(base, s)] for s in seeds if (base, s) in flops}
     tokens: list[ArmResult] = []
     computed: dict[str, list[AtCompute]] = {b: [] for b in eq.baselines}
-    withheld: dict[str, list[Withheld]] = {EQUAL_TOKENS: [], **{b: [] for b in eq.baselines}}
+    held: dict[str, list[Withheld]] = {EQUAL_TOKENS: [], **{b: [] for b in eq.baselines}}
     for arm in protocol.arms:
         if arm.name == base:
             continue
-        lacks = lacking(runs, (arm.name, base), seeds)
-        if lacks:
-            have = sum(
-                1 for s in seeds if all((n, s) in runs and not runs[(n, s)].unfinished for n in (arm.name, base))
-            )
-            w = Withheld(arm.name, have, need, tuple(lacks))
-            for v in withheld.values():
+        w = withheld(runs, arm.name, base, seeds)
+        if w is not None:
+            for v in held.values():
                 v.append(w)
             continue
         result, at = _judge(protocol, arm, runs, dirs, sweeps, seeds, sequences, flops, plain)
         tokens.append(result)
         for b, got in at.items():
-            (withheld[b] if isinstance(got, Withheld) else computed[b]).append(got)  # type: ignore[arg-type]
+            (held[b] if isinstance(got, Withheld) else computed[b]).append(got)  # type: ignore[arg-type]
     bases = [r for (a, _), r in sorted(runs.items()) if a == base and not r.unfinished]
     first = bases[0] if bases else next(r for (a, _), r in runs.items() if a == base)
     base_compute = compute_of(dirs, base, (), tuple(r.seed for r in bases))
@@ -278,7 +260,7 @@ def compare(
     return {
         "results": [baseline, *tokens],
         "at_compute": computed,
-        "withheld": withheld,
+        "withheld": held,
         "pairs": need,
         "seeds": list(seeds),
         "guardrails": [f.message for _, f in found],
@@ -287,7 +269,7 @@ def compare(
         "split": first.split,
         "domains": list(first.domains),
         "unfinished": sorted(r.describe_unfinished() for r in runs.values() if r.unfinished),
-        "gate": gate_notes(gate, tokens),
+        "gate": gate_notes(gate),
         "baseline_curve": _curve(protocol, runs, flops, plain),
         "baseline_line": _line(protocol, runs, flops, plain),
     }
@@ -457,8 +439,8 @@ def _notes(summary: dict[str, Any]) -> str:
     """Each arm's notes, the unfinished runs, the gate's, the withheld arms and the stages whose
     run directories are missing, once each."""
     results = summary["results"]
-    withheld = [w.line() for ws in summary["withheld"].values() for w in ws]
-    notes = [n for r in results for n in r.notes] + summary["unfinished"] + summary["gate"] + withheld
+    held = [w.line() for ws in summary["withheld"].values() for w in ws]
+    notes = [n for r in results for n in r.notes] + summary["unfinished"] + summary["gate"] + held
     notes += [
         f"{r.arm}: no run directory {m}; its compute leaves that stage out"
         for r in results
@@ -472,7 +454,7 @@ def format_markdown(summary: dict[str, Any], protocol: Protocol = PROTOCOL, comm
 
     design, eq, g = protocol.design, protocol.equal_compute, protocol.guardrails
     rule = design.rule
-    results, cols = summary["results"], 13
+    results, cols = summary["results"], ARM_COLUMNS
     holm = holm_cells(results, summary["holm"][EQUAL_TOKENS])
     view1 = arms_table(
         summary,
