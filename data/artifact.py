@@ -192,14 +192,28 @@ def _load(path: Path) -> Any:
         return None
 
 
+def load_metadata(path: str | os.PathLike) -> Any:
+    """The JSON document of a metadata file of ours (`METADATA_FILES`); one that cannot be
+    parsed (cut short by a copy, a full disk, a hand edit) is an `ArtifactError` naming it, not
+    an artifact "made before headers": read as that, it would skip every check before reading."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(
+            f"{p}: damaged metadata, not valid JSON ({e}); restore it or make the artifact again"
+        ) from None
+
+
 def read(path: str | os.PathLike) -> Header | None:
     """`path`'s header; None for an artifact without one (foreign, or made before headers).
-    A header that lists no files takes those of the document holding it (a checkpoint's
-    `files`)."""
+    A metadata file of ours (`METADATA_FILES`) that is not valid JSON is refused
+    (`load_metadata`). A header that lists no files takes those of the document holding it (a
+    checkpoint's `files`)."""
     held = header_file(path)
     if held is None:
         return None
-    doc = _load(held)
+    doc = load_metadata(held) if held.name in METADATA_FILES else _load(held)
     if not isinstance(doc, dict) or not isinstance(doc.get(HEADER_KEY), dict):
         return None
     header = Header.from_json(doc[HEADER_KEY], str(held))

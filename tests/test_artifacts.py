@@ -304,6 +304,32 @@ def test_average_refuses_an_unfinished_proxy_unless_told_and_then_records_it(mad
     assert header.notes == [f"--allow-unfinished: averaged a run that did not finish ({want.split(';')[0]})"]
 
 
+def _cut(path: Path) -> Path:
+    """`path` cut short mid-document (a copy that stopped, a full disk)."""
+    path.write_bytes(path.read_bytes()[:60])
+    return path
+
+
+@pytest.mark.parametrize("command", ["average", "score", "train-proxy on a cache"])
+def test_damaged_metadata_is_refused_not_read_as_made_before_headers(made, tmp_path, capsys, command):
+    """A run.json or a cache's meta.json that is not valid JSON was read as "no header" (legacy,
+    not checked): an unfinished proxy averaged, an unfinished reference scored, a traceback."""
+    cfg = write_yaml(tmp_path / "exp.yaml", made["stores"], tmp_path / "run")
+    if command == "average":
+        damaged = _cut(copy(made["proxy"], tmp_path / "proxy") / "run.json")
+        argv = ["average", tmp_path / "proxy", "--out", tmp_path / "w.json"]
+    elif command == "score":
+        damaged = _cut(copy(made["ref"], tmp_path / "ref") / "run.json")
+        argv = ["score", cfg, "--set", STEPS, "--set", f"mixing.doremi.reference={tmp_path / 'ref'}"]
+        argv += ["--out", tmp_path / "cache"]
+    else:
+        damaged = _cut(copy(made["cache"], tmp_path / "cache") / "meta.json")
+        argv = _proxy_on_cache(made, tmp_path, tmp_path / "cache")
+    before = tree(tmp_path)
+    refused(capsys, argv, f"{damaged}: damaged metadata, not valid JSON")
+    assert tree(tmp_path) == before
+
+
 # -- weights: edited by hand, or made from another proxy -------------------------------------
 
 

@@ -281,14 +281,12 @@ def require_finished(
 
 def recorded_stage(run_dir: str | os.PathLike) -> str | None:
     """The stage (`train`, `proxy`, `reference`, ...) a run directory's record names; None
-    without a readable record."""
+    without a record."""
     path = Path(run_dir) / RECORD_FILE
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text()).get("stage")
-    except (json.JSONDecodeError, AttributeError):
-        return None
+    doc = artifact.load_metadata(path)  # damaged: refused, not read as a directory of no stage
+    return doc.get("stage") if isinstance(doc, dict) else None
 
 
 def check_stage(run_dir: str | os.PathLike, stage: str) -> None:
