@@ -446,6 +446,29 @@ def test_score_replaces_only_a_reference_cache(made, tmp_path, capsys, target):
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("target", ["stores", "cache", "folder of files"])
+def test_a_run_refuses_a_directory_that_is_not_a_run(made, tmp_path, capsys, target):
+    """`train.run_dir` naming stores, a cache or someone's folder: the run wrote its config.yaml,
+    run.json, metrics and lock into it (a cache then read as a run), even with start_over."""
+    out = {
+        "stores": lambda: copy(made["stores"], tmp_path / "out"),
+        "cache": lambda: copy(made["cache"], tmp_path / "out"),
+        "folder of files": lambda: (tmp_path / "out").mkdir() or (tmp_path / "out" / "config.txt").write_text("mine"),
+    }[target]()
+    out = tmp_path / "out"
+    cfg = write_yaml(tmp_path / "exp.yaml", made["stores"], out)
+    want = {"stores": "holds a stores, not a run", "cache": "holds a reference cache, not a run"}
+    for sets in ([], ["--set", "checkpoint.start_over=true"]):
+        before = tree(tmp_path)
+        refused(
+            capsys,
+            ["train", cfg, "--set", STEPS, *sets],
+            f"{out}: ",
+            want.get(target, "'config.txt', which no run wrote"),
+        )
+        assert tree(tmp_path) == before and not (out / rundir.LOCK_FILE).exists()
+
+
 def test_score_replaces_its_own_cache(made, tmp_path):
     cache = copy(made["cache"], tmp_path / "cache")
     stages.score(config(made["stores"], tmp_path / "scored", STEPS, f"mixing.doremi.reference={made['ref']}"), cache)
