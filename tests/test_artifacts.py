@@ -469,6 +469,22 @@ def test_a_run_refuses_a_directory_that_is_not_a_run(made, tmp_path, capsys, tar
         assert tree(tmp_path) == before and not (out / rundir.LOCK_FILE).exists()
 
 
+@pytest.mark.parametrize("command", ["eval", "export", "score"])
+def test_a_cache_named_as_a_checkpoint_is_named_by_its_kind(made, tmp_path, capsys, command):
+    """A reference cache has a meta.json too: it was read as a checkpoint and refused for a
+    missing config.yaml or model section, naming neither the cache nor what was expected."""
+    cache = made["cache"]
+    cfg = write_yaml(tmp_path / "exp.yaml", made["stores"], tmp_path / "run")
+    argv = {
+        "eval": ["eval", cache],
+        "export": ["export", cache, tmp_path / "hf"],
+        "score": ["score", cfg, "--set", STEPS, "--set", f"mixing.doremi.reference={cache}", "--out", tmp_path / "c"],
+    }[command]
+    before = tree(tmp_path)
+    refused(capsys, argv, f"{cache}: holds a reference cache, expected a checkpoint directory or a run directory")
+    assert tree(tmp_path) == before
+
+
 def test_score_replaces_its_own_cache(made, tmp_path):
     cache = copy(made["cache"], tmp_path / "cache")
     stages.score(config(made["stores"], tmp_path / "scored", STEPS, f"mixing.doremi.reference={made['ref']}"), cache)
