@@ -567,6 +567,16 @@ def test_verify_checks_every_kind(made, capsys):
     assert out.count("ok run ") == 3 and "ok reference cache" in out and "ok weights" in out
 
 
+@pytest.mark.parametrize("weights", [[-0.5, 1.0, 0.5], [float("nan"), 0.5, 0.5], [0.2, 0.2, 0.2]])
+def test_verify_checks_the_numbers_of_a_hand_written_weights_file(tmp_path, capsys, weights):
+    """`verify` said "ok" of weights every run refuses (negative, NaN, not summing to 1)."""
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"domains": ["noise", "easy", "markov"], "weights": weights}))
+    refused(capsys, ["verify", path], str(path), "weights")
+    path.write_text(json.dumps({"domains": ["noise", "easy", "markov"], "weights": [0.5, 0.25, 0.25]}))
+    assert main(["verify", str(path)]) == 0
+
+
 def test_verify_refuses_an_edited_checkpoint_and_a_foreign_directory(made, tmp_path, capsys):
     run = copy(made["ref"], tmp_path / "ref")
     f = latest_checkpoint(run) / "extra.pt"
