@@ -485,6 +485,26 @@ def test_a_cache_named_as_a_checkpoint_is_named_by_its_kind(made, tmp_path, caps
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("command", ["sweep", "pipeline"])
+@pytest.mark.parametrize("target", ["stores", "folder of files"])
+def test_sweep_and_pipeline_refuse_a_root_that_is_not_theirs(made, tmp_path, capsys, command, target):
+    """`sweep.run_dir` or `pipeline.run_dir` naming stores or someone's folder: the sweep
+    overwrote its `losses.csv`, the pipeline its `report.md`, and both wrote into the stores."""
+    out = tmp_path / "out"
+    if target == "stores":
+        copy(made["stores"], out)
+    else:
+        out.mkdir()
+        (out / ("losses.csv" if command == "sweep" else "report.md")).write_text("mine")
+    cfg = write_yaml(tmp_path / "exp.yaml", made["stores"], tmp_path / "run")
+    key = "sweep.run_dir" if command == "sweep" else "pipeline.run_dir"
+    before = tree(tmp_path)
+    kind = command
+    want = f"holds a stores, not a {kind}" if target == "stores" else f"not written by a {kind} (no header)"
+    refused(capsys, [command, cfg, "--set", STEPS, "--set", f"{key}={out}"], f"{out}: ", want, key)
+    assert tree(tmp_path) == before and not (out / rundir.LOCK_FILE).exists()
+
+
 def test_score_replaces_its_own_cache(made, tmp_path):
     cache = copy(made["cache"], tmp_path / "cache")
     stages.score(config(made["stores"], tmp_path / "scored", STEPS, f"mixing.doremi.reference={made['ref']}"), cache)
