@@ -330,6 +330,15 @@ def test_damaged_metadata_is_refused_not_read_as_made_before_headers(made, tmp_p
     assert tree(tmp_path) == before
 
 
+def test_average_refuses_a_proxy_without_its_config(made, tmp_path, capsys):
+    """Without config.yaml, `average` fell back to step 1 and method `doremi` for any proxy."""
+    proxy = copy(made["proxy"], tmp_path / "proxy")
+    (proxy / "config.yaml").unlink()
+    before = tree(tmp_path)
+    refused(capsys, ["average", proxy, "--out", tmp_path / "w.json"], f"{proxy / 'config.yaml'}: missing")
+    assert tree(tmp_path) == before
+
+
 # -- weights: edited by hand, or made from another proxy -------------------------------------
 
 
