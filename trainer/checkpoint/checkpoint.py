@@ -168,7 +168,10 @@ def resolve_checkpoint(path_or_run_dir: str | os.PathLike) -> Path:
     read as a checkpoint and refused for a missing config or model section."""
     p = Path(path_or_run_dir)
     if (p / META).is_file():
-        header = artifact.read(p)
+        try:
+            header = artifact.read(p)
+        except artifact.ArtifactError:  # a damaged meta.json: the loader names it as a checkpoint's
+            return p
         if header is not None and header.kind != "checkpoint":
             raise CheckpointError(
                 f"{p}: holds a {header.kind.replace('_', ' ')}, expected a checkpoint directory or a run directory"
