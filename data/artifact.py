@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,14 +192,28 @@ def _load(path: Path) -> Any:
         return None
 
 
+def load_metadata(path: str | os.PathLike) -> Any:
+    """The JSON document of a metadata file of ours (`METADATA_FILES`); one that cannot be
+    parsed (cut short by a copy, a full disk, a hand edit) is an `ArtifactError` naming it, not
+    an artifact "made before headers": read as that, it would skip every check before reading."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(
+            f"{p}: damaged metadata, not valid JSON ({e}); restore it or make the artifact again"
+        ) from None
+
+
 def read(path: str | os.PathLike) -> Header | None:
     """`path`'s header; None for an artifact without one (foreign, or made before headers).
-    A header that lists no files takes those of the document holding it (a checkpoint's
-    `files`)."""
+    A metadata file of ours (`METADATA_FILES`) that is not valid JSON is refused
+    (`load_metadata`). A header that lists no files takes those of the document holding it (a
+    checkpoint's `files`)."""
     held = header_file(path)
     if held is None:
         return None
-    doc = _load(held)
+    doc = load_metadata(held) if held.name in METADATA_FILES else _load(held)
     if not isinstance(doc, dict) or not isinstance(doc.get(HEADER_KEY), dict):
         return None
     header = Header.from_json(doc[HEADER_KEY], str(held))
@@ -288,6 +302,30 @@ def check_replaceable(path: str | os.PathLike, kind: str, command: str) -> None:
         held = f"a {header.kind.replace('_', ' ')}" if header else "files that are not a " + kind.replace("_", " ")
         raise ArtifactError(
             f"{p}: exists and holds {held}; `{command}` replaces only its own output: choose another path"
+        )
+
+
+def check_output_dir(path: str | os.PathLike, kind: str, what: str, writes: Callable[[str], bool]) -> None:
+    """`path` may take a `kind` output written into it (a sweep's tables, a pipeline root's
+    report): it is absent, an artifact of `kind`, or holds nothing of the names it writes
+    (`writes`) but its lock and temp files. An artifact of another kind, or a file or folder of
+    another's where it writes one (a `report.md`, a `losses.csv`), is one line before anything
+    is written there (docs/design.md section 6b); other files beside are left alone."""
+    p = Path(path)
+    if not p.is_dir():
+        return
+    header = read(p)
+    if header is not None:
+        if header.kind != kind:
+            raise ArtifactError(
+                f"{p}: holds a {header.kind.replace('_', ' ')}, not a {kind}; give {what} a new or empty directory"
+            )
+        return
+    taken = sorted(e.name for e in p.iterdir() if writes(e.name) and e.name != ".lock" and not e.name.endswith(".tmp"))
+    if taken:
+        names = ", ".join(repr(n) for n in taken[:3]) + (" ..." if len(taken) > 3 else "")
+        raise ArtifactError(
+            f"{p}: holds {names}, not written by a {kind} (no header); give {what} a new or empty directory"
         )
 
 

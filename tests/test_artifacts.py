@@ -304,6 +304,41 @@ def test_average_refuses_an_unfinished_proxy_unless_told_and_then_records_it(mad
     assert header.notes == [f"--allow-unfinished: averaged a run that did not finish ({want.split(';')[0]})"]
 
 
+def _cut(path: Path) -> Path:
+    """`path` cut short mid-document (a copy that stopped, a full disk)."""
+    path.write_bytes(path.read_bytes()[:60])
+    return path
+
+
+@pytest.mark.parametrize("command", ["average", "score", "train-proxy on a cache"])
+def test_damaged_metadata_is_refused_not_read_as_made_before_headers(made, tmp_path, capsys, command):
+    """A run.json or a cache's meta.json that is not valid JSON was read as "no header" (legacy,
+    not checked): an unfinished proxy averaged, an unfinished reference scored, a traceback."""
+    cfg = write_yaml(tmp_path / "exp.yaml", made["stores"], tmp_path / "run")
+    if command == "average":
+        damaged = _cut(copy(made["proxy"], tmp_path / "proxy") / "run.json")
+        argv = ["average", tmp_path / "proxy", "--out", tmp_path / "w.json"]
+    elif command == "score":
+        damaged = _cut(copy(made["ref"], tmp_path / "ref") / "run.json")
+        argv = ["score", cfg, "--set", STEPS, "--set", f"mixing.doremi.reference={tmp_path / 'ref'}"]
+        argv += ["--out", tmp_path / "cache"]
+    else:
+        damaged = _cut(copy(made["cache"], tmp_path / "cache") / "meta.json")
+        argv = _proxy_on_cache(made, tmp_path, tmp_path / "cache")
+    before = tree(tmp_path)
+    refused(capsys, argv, f"{damaged}: damaged metadata, not valid JSON")
+    assert tree(tmp_path) == before
+
+
+def test_average_refuses_a_proxy_without_its_config(made, tmp_path, capsys):
+    """Without config.yaml, `average` fell back to step 1 and method `doremi` for any proxy."""
+    proxy = copy(made["proxy"], tmp_path / "proxy")
+    (proxy / "config.yaml").unlink()
+    before = tree(tmp_path)
+    refused(capsys, ["average", proxy, "--out", tmp_path / "w.json"], f"{proxy / 'config.yaml'}: missing")
+    assert tree(tmp_path) == before
+
+
 # -- weights: edited by hand, or made from another proxy -------------------------------------
 
 
@@ -420,6 +455,65 @@ def test_score_replaces_only_a_reference_cache(made, tmp_path, capsys, target):
     assert tree(tmp_path) == before
 
 
+@pytest.mark.parametrize("target", ["stores", "cache", "folder of files"])
+def test_a_run_refuses_a_directory_that_is_not_a_run(made, tmp_path, capsys, target):
+    """`train.run_dir` naming stores, a cache or someone's folder: the run wrote its config.yaml,
+    run.json, metrics and lock into it (a cache then read as a run), even with start_over."""
+    out = {
+        "stores": lambda: copy(made["stores"], tmp_path / "out"),
+        "cache": lambda: copy(made["cache"], tmp_path / "out"),
+        "folder of files": lambda: (tmp_path / "out").mkdir() or (tmp_path / "out" / "config.txt").write_text("mine"),
+    }[target]()
+    out = tmp_path / "out"
+    cfg = write_yaml(tmp_path / "exp.yaml", made["stores"], out)
+    want = {"stores": "holds a stores, not a run", "cache": "holds a reference cache, not a run"}
+    for sets in ([], ["--set", "checkpoint.start_over=true"]):
+        before = tree(tmp_path)
+        refused(
+            capsys,
+            ["train", cfg, "--set", STEPS, *sets],
+            f"{out}: ",
+            want.get(target, "'config.txt', which no run wrote"),
+        )
+        assert tree(tmp_path) == before and not (out / rundir.LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "export", "score"])
+def test_a_cache_named_as_a_checkpoint_is_named_by_its_kind(made, tmp_path, capsys, command):
+    """A reference cache has a meta.json too: it was read as a checkpoint and refused for a
+    missing config.yaml or model section, naming neither the cache nor what was expected."""
+    cache = made["cache"]
+    cfg = write_yaml(tmp_path / "exp.yaml", made["stores"], tmp_path / "run")
+    argv = {
+        "eval": ["eval", cache],
+        "export": ["export", cache, tmp_path / "hf"],
+        "score": ["score", cfg, "--set", STEPS, "--set", f"mixing.doremi.reference={cache}", "--out", tmp_path / "c"],
+    }[command]
+    before = tree(tmp_path)
+    refused(capsys, argv, f"{cache}: holds a reference cache, expected a checkpoint directory or a run directory")
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["sweep", "pipeline"])
+@pytest.mark.parametrize("target", ["stores", "folder of files"])
+def test_sweep_and_pipeline_refuse_a_root_that_is_not_theirs(made, tmp_path, capsys, command, target):
+    """`sweep.run_dir` or `pipeline.run_dir` naming stores or someone's folder: the sweep
+    overwrote its `losses.csv`, the pipeline its `report.md`, and both wrote into the stores."""
+    out = tmp_path / "out"
+    if target == "stores":
+        copy(made["stores"], out)
+    else:
+        out.mkdir()
+        (out / ("losses.csv" if command == "sweep" else "report.md")).write_text("mine")
+    cfg = write_yaml(tmp_path / "exp.yaml", made["stores"], tmp_path / "run")
+    key = "sweep.run_dir" if command == "sweep" else "pipeline.run_dir"
+    before = tree(tmp_path)
+    kind = command
+    want = f"holds a stores, not a {kind}" if target == "stores" else f"not written by a {kind} (no header)"
+    refused(capsys, [command, cfg, "--set", STEPS, "--set", f"{key}={out}"], f"{out}: ", want, key)
+    assert tree(tmp_path) == before and not (out / rundir.LOCK_FILE).exists()
+
+
 def test_score_replaces_its_own_cache(made, tmp_path):
     cache = copy(made["cache"], tmp_path / "cache")
     stages.score(config(made["stores"], tmp_path / "scored", STEPS, f"mixing.doremi.reference={made['ref']}"), cache)
@@ -500,6 +594,16 @@ def test_verify_checks_every_kind(made, capsys):
     assert main(["verify", str(made["root"])]) == 0  # a folder of artifacts: each one inside
     out = capsys.readouterr().out
     assert out.count("ok run ") == 3 and "ok reference cache" in out and "ok weights" in out
+
+
+@pytest.mark.parametrize("weights", [[-0.5, 1.0, 0.5], [float("nan"), 0.5, 0.5], [0.2, 0.2, 0.2]])
+def test_verify_checks_the_numbers_of_a_hand_written_weights_file(tmp_path, capsys, weights):
+    """`verify` said "ok" of weights every run refuses (negative, NaN, not summing to 1)."""
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"domains": ["noise", "easy", "markov"], "weights": weights}))
+    refused(capsys, ["verify", path], str(path), "weights")
+    path.write_text(json.dumps({"domains": ["noise", "easy", "markov"], "weights": [0.5, 0.25, 0.25]}))
+    assert main(["verify", str(path)]) == 0
 
 
 def test_verify_refuses_an_edited_checkpoint_and_a_foreign_directory(made, tmp_path, capsys):

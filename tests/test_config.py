@@ -122,6 +122,16 @@ def test_bad_yaml_and_missing_file(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_a_key_written_twice_is_refused_naming_its_line(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `train:` section silently dropped the
+    first one's keys, so the run trained on values the file did not seem to say."""
+    assert error(tmp_path, "train: {steps: 3}\nlogging: {every: 5}\ntrain: {lr: 0.1}\n") == (
+        f"{tmp_path / 'c.yaml'}: line 3 is not valid YAML (found key 'train' twice)"
+    )
+    assert "line 3 is not valid YAML (found key 'lr' twice)" in error(tmp_path, "train:\n  lr: 0.1\n  lr: 0.2\n")
+    assert load(tmp_path, "train: {steps: 3, lr: 0.1}\n").train.lr == 0.1
+
+
 def test_bad_override_syntax(tmp_path):
     assert "expected KEY.PATH=VALUE" in error(tmp_path, "", "train.steps")
 

@@ -159,3 +159,18 @@ def test_init_from_hf_refuses_models_that_are_not_the_plain_llama(tmp_path):
     load_hf_weights(plain, LLAMA, hf, ParallelContext.single())
     for name, p in plain.named_parameters():
         assert torch.equal(p[:100], source[name][:100]), name
+
+
+def test_import_out_replaces_only_its_own_output(tmp_path):
+    """`doremi import HF --out experiment.yaml` overwrote the experiment file with the model
+    section alone; a file it wrote itself is replaced."""
+    from doremi.commands.hf import import_yaml
+
+    hf = _hf_dir(tmp_path, LLAMA)
+    mine = tmp_path / "experiment.yaml"
+    mine.write_text("train: {steps: 3}\n")
+    assert f"{mine}: exists and was not written by `doremi import`" in doremi_error("import", hf, "--out", mine)
+    assert mine.read_text() == "train: {steps: 3}\n"
+    out = tmp_path / "model.yaml"
+    text = import_yaml(hf, out)
+    assert import_yaml(hf, out) == text == out.read_text()

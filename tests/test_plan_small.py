@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from doremi.commands.cli import main, tied_groups
 from tests.paths import QUICKSTART
 
@@ -43,3 +45,19 @@ def test_plan_of_the_quickstart_has_units_and_collapses_ties(capsys):
             count = int(lines[i].split("(")[1].split(")")[0])
             named = lines[i].split("): ", 1)[1].split("; ")
             assert first and len(named) == count and first.group(2) not in named
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--gpus", "0", "--gpu-memory", "80"], "--gpus: expected a positive number of GPUs, got 0"),
+        (["--gpus", "8", "--gpu-memory", "nan"], "--gpu-memory: expected a positive number of GiB, got nan"),
+        (["--gpus", "8", "--gpu-memory", "80", "--top", "-1"], "--top: expected >= 0, got -1"),
+    ],
+)
+def test_plan_refuses_impossible_arguments_with_one_line(capsys, args, needle):
+    """`--gpus 0` printed "cannot run on 0 GPUs" per stage and `--gpu-memory nan` a plan of
+    "usable nan GiB", both with exit status 0."""
+    assert main(["plan", str(QUICKSTART), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [f"doremi plan: error: {needle}"] and captured.out == ""

@@ -214,10 +214,15 @@ def _hf_parsers(sub) -> None:
 def cmd_plan(args):
     from doremi.pipeline.plan_stages import plan_groups
     from trainer.config.schema import require_vocab_size
+    from trainer.config.tools import ConfigError
 
     # The whole file validated first (a bad key is one line, before any planning); a plan needs
     # the vocabulary as a number (`auto` before the stores exist is one line too).
     require_vocab_size(_config(args))
+    if args.gpus < 1:  # else each stage "cannot run on 0 GPUs" and the command exits 0
+        raise ConfigError(f"--gpus: expected a positive number of GPUs, got {args.gpus}")
+    if args.top < 0:
+        raise ConfigError(f"--top: expected >= 0, got {args.top}")
     for group in plan_groups(args.config, args.set):
         print(_plan_group(group, args))
 

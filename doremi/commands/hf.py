@@ -206,10 +206,23 @@ def import_sections(hf_dir: str | Path) -> dict[str, Any]:
     return sections
 
 
+#: The first line of what `doremi import --out` writes: how it knows a file as its own.
+IMPORT_LINE = "# doremi import "
+
+
 def import_yaml(hf_dir: str | Path, out: str | Path | None = None) -> str:
-    """`import_sections` as YAML (written atomically to `out` when given)."""
+    """`import_sections` as YAML (written atomically to `out` when given). An existing `out` is
+    replaced only if this command wrote it (its first line): an experiment file given as `--out`
+    was overwritten with the model section alone (docs/design.md section 6b)."""
+    if out is not None:
+        o = Path(out)
+        if o.exists() and not (o.is_file() and o.read_bytes().startswith(IMPORT_LINE.encode())):
+            raise artifact.ArtifactError(
+                f"{o}: exists and was not written by `doremi import`; `doremi import --out` replaces only its own "
+                f"output: choose another path"
+            )
     sections = import_sections(hf_dir)
-    text = f"# doremi import {sections['model']['init_from_hf']}: merge into an experiment file\n"
+    text = f"{IMPORT_LINE}{sections['model']['init_from_hf']}: merge into an experiment file\n"
     text += yaml.safe_dump(sections, sort_keys=False)
     if out is not None:
         atomic_write_text(out, text)

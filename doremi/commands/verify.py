@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 from data import artifact
-from data.sampling.weights_file import WEIGHTS_FILE, is_weights_doc, read_mixture_file
+from data.sampling.weights import mixture_from_file
+from data.sampling.weights_file import WEIGHTS_FILE, is_weights_doc
 from data.store.store import SPLITS, TokenStores, read_manifest, verify_contents
 from trainer.checkpoint.checkpoint import META, resolve_checkpoint
 from trainer.records.run_dir import RECORD_FILE
@@ -82,10 +83,10 @@ def _run(path: Path) -> list[str]:
 
 
 def _weights(path: Path) -> list[str]:
-    read_mixture_file(path, str(path))
+    mixture_from_file(path, str(path))  # its numbers too: what a run reading it would refuse
     header = artifact.read(path)
     if header is None:
-        return [f"ok weights {path}: no header (written by hand), form checked"]
+        return [f"ok weights {path}: no header (written by hand), form and numbers checked"]
     return [f"ok {header.kind} {path}: as written ({header.fingerprint}), sources checked where present"]
 
 

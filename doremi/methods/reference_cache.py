@@ -18,7 +18,6 @@ score` replaces a directory only if its header says it is a reference cache (`ch
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -137,7 +136,9 @@ def open_cache(
     meta_path = cache_dir / META_FILE
     if not meta_path.is_file():
         raise DoReMiError(f"{meta_path}: reference cache not found (run `doremi score` first)")
-    meta = json.loads(meta_path.read_text())
+    meta = artifact.load_metadata(meta_path)
+    if not isinstance(meta, dict):
+        raise DoReMiError(f"{meta_path}: not a reference cache's metadata (expected a JSON object)")
     if meta.get("version") != CACHE_VERSION:
         raise DoReMiError(
             f"{meta_path}: reference cache version {meta.get('version')}, this code reads "

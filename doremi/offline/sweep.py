@@ -429,6 +429,10 @@ def run_sweep(cfg: ExperimentConfig) -> Path:
             "(or set sweep.stacked: false)"
         )
     sweep = Sweep(cfg)  # the design and its checks, before anything is written
+    root = Path(cfg.sweep.run_dir)
+    if not (root / SWEEP_FILE).is_file():  # one from before headers is the sweep's own directory
+        ours = {SWEEP_FILE, MIXTURES_FILE, LOSSES_FILE, FINAL_FILE, "runs"}
+        artifact.check_output_dir(root, "sweep", "sweep.run_dir", ours.__contains__)
     with rundir.locked(cfg.sweep.run_dir):
         return sweep.run()
 

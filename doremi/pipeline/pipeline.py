@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -50,6 +51,7 @@ from doremi.outputs.fingerprint import (  # noqa: F401 (store_fingerprint: impor
 from doremi.outputs.main_runs import REFERENCE_RUN, SWEEP_DIR, method_dir, mixtures, online_run_name
 from doremi.outputs.stage_markers import (
     EVAL_OUTPUT,
+    PREVIOUS_DIR,
     done_marker,
     kept_path,
     read_marker,
@@ -208,7 +210,12 @@ class Pipeline:
     # -- the stages ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
-            rundir.on_rank0(lambda: stack.enter_context(rundir.locked(self.root)), is_launch_main())
+
+            def own() -> None:
+                self._check_root()
+                stack.enter_context(rundir.locked(self.root))
+
+            rundir.on_rank0(own, is_launch_main())
             if is_launch_main():
                 remove_marker_temps(self.root)
                 self._write_header("running")
@@ -223,6 +230,21 @@ class Pipeline:
             if is_launch_main():
                 self._write_header("finished")
             return results
+
+    def _check_root(self) -> None:
+        """The root is new, a pipeline root, or holds nothing where the pipeline writes (its
+        report, plots, weights, stage directories): a folder's `report.md` would be overwritten,
+        stores would take a pipeline's outputs (docs/design.md section 6b). A root made before
+        headers is known by its stage markers."""
+        if any(self.root.glob("*.stage.json")) or any(self.root.glob("*/*/stage.json")):
+            return
+        ours = {"report.md", WEIGHTS_FILE, "main", "methods", PREVIOUS_DIR, SWEEP_DIR}
+        artifact.check_output_dir(
+            self.root,
+            "pipeline",
+            "pipeline.run_dir",
+            lambda name: name in ours or name.endswith((".png", ".stage.json")) or re.fullmatch(r"round\d+", name),
+        )
 
     def _write_header(self, status: str) -> None:
         """The root's artifact header (`ROOT/artifact.json`, data/artifact.py): a pipeline root,

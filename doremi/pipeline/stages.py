@@ -210,6 +210,11 @@ def average(
     if not history:
         raise DoReMiError(f"{run}/domain_weights.jsonl: no weight history (is this a proxy run?)")
     cfg_path = run / "config.yaml"
+    if made_from is not None and not cfg_path.is_file():  # a run with a header wrote its config
+        raise DoReMiError(
+            f"{cfg_path}: missing; the proxy's config names its method and mixing.<method>.average_from_step "
+            f"(averaged without it, the weights would be recorded as another method's, from step 1)"
+        )
     saved = read_yaml(cfg_path) if cfg_path.is_file() else {}
     mixing = saved.get("mixing") if isinstance(saved.get("mixing"), dict) else {}
     method = _run_method(mixing, recorded_stage(run)) or METHODS[0]

@@ -163,8 +163,19 @@ def remove_leftovers(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def resolve_checkpoint(path_or_run_dir: str | os.PathLike) -> Path:
+    """A checkpoint directory, or a run directory's latest complete checkpoint. Another artifact
+    with a `meta.json` (a reference cache) is named by its kind (docs/design.md section 6b), not
+    read as a checkpoint and refused for a missing config or model section."""
     p = Path(path_or_run_dir)
     if (p / META).is_file():
+        try:
+            header = artifact.read(p)
+        except artifact.ArtifactError:  # a damaged meta.json: the loader names it as a checkpoint's
+            return p
+        if header is not None and header.kind != "checkpoint":
+            raise CheckpointError(
+                f"{p}: holds a {header.kind.replace('_', ' ')}, expected a checkpoint directory or a run directory"
+            )
         return p
     if (p / "checkpoints").is_dir():
         latest = latest_checkpoint(p)

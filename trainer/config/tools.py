@@ -50,6 +50,26 @@ class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     Python, and a pipeline reads dozens; experiments/notes/SUITE.md)."""
 
 
+def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    """A mapping whose keys are each written once: PyYAML keeps the last of two `train:`
+    sections (or two `lr:` keys) silently, so the first one's keys would be dropped without a
+    word; a duplicate is refused as invalid YAML, naming its line."""
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+        except TypeError:
+            continue  # an unhashable key: the constructor below names it
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark, f"found key {key!r} twice", key_node.start_mark
+            )
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),

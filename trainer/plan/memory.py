@@ -10,6 +10,7 @@ context, NCCL buffers, allocator fragmentation and the backward pass's gradient 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -159,7 +160,7 @@ def plan_memory(
 def _check_plan_inputs(cfg: TrainerConfig, gpu_memory_gb: float, headroom: float) -> None:
     """The plan's own arguments and the batch divisibility, refused before any cost is computed."""
     par, train = cfg.parallelism, cfg.train
-    if gpu_memory_gb <= 0:
+    if not (math.isfinite(gpu_memory_gb) and gpu_memory_gb > 0):  # nan: every comparison false, "usable nan GiB"
         raise ConfigError(f"--gpu-memory: expected a positive number of GiB, got {gpu_memory_gb}")
     if not 0.0 <= headroom < 1.0:
         raise ConfigError(f"headroom: expected a fraction in [0, 1), got {headroom}")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from data import artifact
+from data.errors import UserError
 from trainer.config.tools import ConfigError, to_dict
 
 LOCK_FILE = ".lock"
@@ -281,14 +282,12 @@ def require_finished(
 
 def recorded_stage(run_dir: str | os.PathLike) -> str | None:
     """The stage (`train`, `proxy`, `reference`, ...) a run directory's record names; None
-    without a readable record."""
+    without a record."""
     path = Path(run_dir) / RECORD_FILE
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text()).get("stage")
-    except (json.JSONDecodeError, AttributeError):
-        return None
+    doc = artifact.load_metadata(path)  # damaged: refused, not read as a directory of no stage
+    return doc.get("stage") if isinstance(doc, dict) else None
 
 
 def check_stage(run_dir: str | os.PathLike, stage: str) -> None:
@@ -299,6 +298,45 @@ def check_stage(run_dir: str | os.PathLike, stage: str) -> None:
         raise ConfigError(
             f"{run_dir}: holds a {other} run, not a {stage} run; give this stage its own "
             f"train.run_dir (or set checkpoint.start_over: true to move the {other} run aside)"
+        )
+
+
+#: What only a run writes: a directory holding one of these is a run's, also one made before
+#: `run.json` existed.
+RUN_MARKS = (RECORD_FILE, "config.yaml", "checkpoints", "metrics.jsonl")
+
+
+def _before_a_run(name: str) -> bool:
+    """What a run's directory may hold before the run first writes in it: its lock, a pipeline
+    stage's markers (`stage.started.json`, doremi/outputs/stage_markers.py) and the temp files
+    of atomic writes cut short (`.NAME.XXXX.tmp`, data/atomic.py)."""
+    return (
+        name == LOCK_FILE
+        or (name.startswith("stage.") and name.endswith(".json"))
+        or (name.startswith(".") and name.endswith(".tmp"))
+    )
+
+
+def check_owned(run_dir: str | os.PathLike) -> None:
+    """`train.run_dir` is new, empty or a run's: a run writes config.yaml, run.json and
+    metrics.jsonl into it and removes its temp files, so a directory of another artifact (stores,
+    a reference cache, an export) or of files no run wrote is refused before anything is
+    written or removed (docs/design.md section 6b, deleting only our own)."""
+    p = Path(run_dir)
+    if not p.is_dir():
+        return
+    header = artifact.read(p)
+    if header is not None and header.kind != "run":
+        raise artifact.ArtifactError(
+            f"{p}: holds a {header.kind.replace('_', ' ')}, not a run; give train.run_dir a new or empty directory"
+        )
+    if any((p / name).exists() for name in RUN_MARKS):
+        return
+    foreign = sorted(e.name for e in p.iterdir() if not _before_a_run(e.name))
+    if foreign:
+        raise artifact.ArtifactError(
+            f"{p}: holds {', '.join(repr(n) for n in foreign[:3])}{' ...' if len(foreign) > 3 else ''}, "
+            f"which no run wrote (no {RECORD_FILE} or config.yaml); give train.run_dir a new or empty directory"
         )
 
 
@@ -410,15 +448,17 @@ def locked(run_dir: str | os.PathLike) -> Iterator[None]:
 
 
 def on_rank0(fn: Callable[[], Any], is_main: bool) -> None:
-    """Run `fn` on rank 0 only; a ConfigError it raises is raised on every rank, so that all
-    ranks stop or none (the others would otherwise wait at the next collective for ever)."""
+    """Run `fn` on rank 0 only; an input error it raises (any `UserError`: a config refused, a
+    directory of another artifact, damaged metadata) is raised on every rank as a ConfigError,
+    so that all ranks stop or none (the others would otherwise wait at the next collective for
+    ever)."""
     import torch.distributed as dist
 
     error = None
     if is_main:
         try:
             fn()
-        except ConfigError as e:
+        except UserError as e:
             error = str(e)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         box = [error]

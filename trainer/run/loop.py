@@ -318,6 +318,7 @@ class Trainer:
         with contextlib.ExitStack() as stack:
 
             def own() -> None:
+                rundir.check_owned(self.run_dir)  # before its lock file, temp-file removal or start_over
                 stack.enter_context(rundir.locked(self.run_dir))
                 self._prepare_run_dir()
 
