@@ -41,3 +41,18 @@ def test_every_option_that_changes_alpha_is_an_average_key():
     options = {f.name for f in dataclasses.fields(DoReMiConfig)}
     assert set(SPEC.average_keys) == options - NOT_RECORDED
     assert set(SPEC.average_keys) == {"eta", "smoothing", "update", "mode", "proxy_sampling", "reference_fp8"}
+
+
+def test_from_step_is_checked_whoever_gives_it(tmp_path):
+    """`--from-step` below 1 was taken as "every step"; it is refused as the config's key is."""
+    import pytest
+
+    from doremi.errors import DoReMiError
+
+    fake_proxy(tmp_path / "p", {"eta": 1.0})
+    for bad in (0, -5):
+        with pytest.raises(DoReMiError, match=rf"^--from-step: expected an int >= 1, got {bad}$"):
+            stages.average(tmp_path / "p", tmp_path / "w.json", from_step=bad)
+    assert not (tmp_path / "w.json").exists()
+    doc = json.loads(stages.average(tmp_path / "p", tmp_path / "w.json", from_step=2).read_text())
+    assert doc["weights"] == [0.75, 0.25] and doc["from_step"] == 2

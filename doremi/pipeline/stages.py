@@ -219,10 +219,11 @@ def average(
     mixing = saved.get("mixing") if isinstance(saved.get("mixing"), dict) else {}
     method = _run_method(mixing, recorded_stage(run)) or METHODS[0]
     options = registry_options(saved, method)
+    where = "--from-step"
     if from_step is None:
-        from_step = options.get("average_from_step", 1)
-        if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 1:
-            raise DoReMiError(f"{cfg_path}: mixing.{method}.average_from_step: expected an int >= 1, got {from_step!r}")
+        from_step, where = options.get("average_from_step", 1), f"{cfg_path}: mixing.{method}.average_from_step"
+    if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 1:
+        raise DoReMiError(f"{where}: expected an int >= 1, got {from_step!r}")
     weights = average_weights(history, from_step=from_step)
     out_path = Path(out) if out else run / WEIGHTS_FILE
     steps = [h["step"] for h in history if h["step"] >= from_step]
