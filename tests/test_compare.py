@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from data.artifact import ArtifactError
 from doremi.errors import DoReMiError
 from doremi.study.compare import (
     COMPARE_MD,
@@ -124,8 +125,16 @@ def test_compare_roots_writes_markdown_and_plot(tmp_path):
     text = compare_roots([r1, r2], tmp_path / "out")
     assert text.startswith("# Mixtures against uniform, paired by seed")
     assert "| doremi | seed2 | +0.0000 | -0.5000 | 2/3 | not reached |" in text
-    assert (tmp_path / "out" / COMPARE_MD).read_text().startswith(text)
+    assert (tmp_path / "out" / COMPARE_MD).read_text().startswith("<!-- written by doremi compare -->\n" + text)
     assert (tmp_path / "out" / COMPARE_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A second run replaces its own files; a researcher's compare.md of their own is kept.
+    assert compare_roots([r1, r2], tmp_path / "out") == text
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / COMPARE_MD).write_text("# my notes\n")
+    with pytest.raises(ArtifactError, match=r"compare.md: exists and was not written by doremi; `doremi compare`"):
+        compare_roots([r1, r2], tmp_path / "mine")
+    assert (tmp_path / "mine" / COMPARE_MD).read_text() == "# my notes\n"
+    assert not (tmp_path / "mine" / COMPARE_PNG).exists()
 
 
 def test_cli_compare_bad_input_is_one_line_and_exit_2(tmp_path, capsys):

@@ -262,3 +262,25 @@ def test_a_refusing_gate_is_said(tmp_path):
     summary = summarize(tmp_path / "s", gate={"go": False, "pairs": 40, "line": "NO-GO: 40 pairs > 12"})
     assert summary["gate"] == ["the calibration's gate refused the study: NO-GO: 40 pairs > 12"]
     assert [r.arm for r in summary["results"]] == ["uniform", "doremi", "natural"]
+
+
+def test_summarize_replaces_only_its_own_files(tmp_path, capsys):
+    """A second run replaces study.*; a study.md of a researcher's is refused, nothing written."""
+    write_study(tmp_path / "s")
+    out = tmp_path / "out"
+    assert main(["study", "summarize", str(tmp_path / "s"), "--out", str(out)]) == 0
+    first = (out / STUDY_JSON).read_text()
+    assert json.loads(first)["written_by"] == "doremi study summarize"
+    assert (out / STUDY_MD).read_text().startswith("<!-- written by doremi study summarize -->\n# The DoReMi study")
+    assert main(["study", "summarize", str(tmp_path / "s"), "--out", str(out)]) == 0
+    assert (out / STUDY_JSON).read_text() == first
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / STUDY_MD).write_text("my notes\n")
+    capsys.readouterr()
+    assert main(["study", "summarize", str(tmp_path / "s"), "--out", str(mine)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"doremi study: error: {mine / STUDY_MD}: exists and was not written by doremi; "
+        "`doremi study summarize` replaces only its own study.md: choose another --out"
+    )
+    assert sorted(p.name for p in mine.iterdir()) == [STUDY_MD] and (mine / STUDY_MD).read_text() == "my notes\n"

@@ -219,9 +219,9 @@ def _colors(k: int) -> list:
     return [cmap(i % cmap.N) for i in range(k)]
 
 
-def _save(fig, path: Path) -> None:
+def _save(fig, path: Path, metadata: dict[str, str] | None = None) -> None:
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight", metadata=metadata)
 
 
 def plot_weight_history(path: Path, domains: Sequence[str], weight_history: Sequence[Vector]) -> None:

@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic import atomic_write_text
+from doremi.reports.outputs import WRITTEN_BY, check_outputs, md_mark
 from doremi.study import stats
 from doremi.study.design import DESIGN, Design, Gate, Rule, config_differences
 from doremi.study.runs import RunResult, StudyError, find_runs, pair_runs
 
 CALIBRATION_JSON = "calibration.json"
 CALIBRATION_MD = "calibration.md"
+COMMAND = "doremi study calibrate"
 
 
 class GateRefused(StudyError):
@@ -264,14 +266,15 @@ def run_calibration(root: str | Path, out: str | Path | None = None, budget_pair
         raise StudyError(f"{source}: expected a directory or a {', '.join(ARCHIVES)} archive")
     if source.is_file() and out is None:
         raise StudyError(f"{source}: an archive is read, not written into: give --out")
+    dest = Path(out) if out is not None else source
+    check_outputs(dest, (CALIBRATION_JSON, CALIBRATION_MD), COMMAND)
     with tempfile.TemporaryDirectory(prefix="doremi-calibration-") as tmp:
         runs_root = unpack(source, Path(tmp)) if source.is_file() else source
         c = calibrate(find_runs(runs_root, DESIGN.calibration.arms), DESIGN, budget_pairs)
-    dest = Path(out) if out is not None else source
     dest.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(dest / CALIBRATION_JSON, json.dumps(to_json(c), indent=1) + "\n")
+    atomic_write_text(dest / CALIBRATION_JSON, json.dumps({WRITTEN_BY: COMMAND, **to_json(c)}, indent=1) + "\n")
     text = format_markdown(c)
-    atomic_write_text(dest / CALIBRATION_MD, text)
+    atomic_write_text(dest / CALIBRATION_MD, md_mark(COMMAND) + text)
     print(text, end="")
     print(f"written: {dest / CALIBRATION_JSON}, {dest / CALIBRATION_MD}")
     if not c.decision.go:

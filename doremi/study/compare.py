@@ -30,6 +30,7 @@ from data.atomic import atomic_write_text
 from doremi.config import ExperimentConfig, upgrade_saved
 from doremi.errors import DoReMiError
 from doremi.outputs.stage_markers import eval_result
+from doremi.reports.outputs import check_outputs, md_mark, png_metadata
 from doremi.reports.report import _save, domains_better, markdown_table, speedup, steps_to_target
 from doremi.study.stats import paired_test
 from trainer.records.metrics import read_jsonl
@@ -37,6 +38,7 @@ from trainer.records.run_dir import NOT_RESULT_KEYS
 
 COMPARE_MD = "compare.md"
 COMPARE_PNG = "compare.png"
+COMMAND = "doremi compare"
 
 
 @dataclass
@@ -547,7 +549,7 @@ def plot_compare(path: Path, results: Sequence[Paired], baseline: str) -> None:
         ax.set_xticks(range(len(results)), [p.mixture for p in results])
         ax.set(title=f"{what} validation loss - {baseline}", ylabel="nats per token")
         ax.grid(axis="y", alpha=0.3)
-    _save(fig, path)
+    _save(fig, path, png_metadata(COMMAND))
 
 
 def compare_roots(
@@ -565,6 +567,7 @@ def compare_roots(
     paths = [str(r) for r in roots]
     if len(set(paths)) < len(paths):
         raise DoReMiError(f"compare: a root is given twice ({', '.join(paths)})")
+    check_outputs(Path(out), (COMPARE_MD, COMPARE_PNG), COMMAND)
     names = [Path(r).resolve().name for r in roots]
     labels = names if len(set(names)) == len(names) else paths
     read = {label: read_root(r) for label, r in zip(labels, roots)}
@@ -592,5 +595,5 @@ def compare_roots(
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_compare(out_dir / COMPARE_PNG, results, baseline)
-    atomic_write_text(out_dir / COMPARE_MD, text + f"\n![comparison]({COMPARE_PNG})\n")
+    atomic_write_text(out_dir / COMPARE_MD, md_mark(COMMAND) + text + f"\n![comparison]({COMPARE_PNG})\n")
     return text

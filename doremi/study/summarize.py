@@ -22,11 +22,13 @@ from typing import Any
 import numpy as np
 
 from data.atomic import atomic_write_text
+from doremi.reports.outputs import WRITTEN_BY, check_outputs, md_mark, png_metadata
 from doremi.study.design import DESIGN, Design
 from doremi.study.runs import StudyError, Withheld, find_run_dirs, pair_runs, read_run, seeds_for, withheld
 from doremi.study.verdict import ArmResult, SequenceLosses, arm_result, baseline_result, verdict_line
 
 STUDY_MD, STUDY_JSON, STUDY_PNG = "study.md", "study.json", "study.png"
+COMMAND = "doremi study summarize"
 #: Columns of the verdict table (`arms_table` without `more`).
 ARM_COLUMNS = 13
 ARCHIVES = (".tar.xz", ".tar.gz", ".tgz", ".tar")
@@ -377,7 +379,7 @@ def plot(path: Path, summary: dict[str, Any], design: Design = DESIGN) -> None:
     right.set_xticks(range(len(domains)), domains, rotation=30)
     right.set(ylabel="per-domain difference (nats)", title="per domain, mean ± SE over seeds")
     right.legend(fontsize=8)
-    _save(fig, path)
+    _save(fig, path, png_metadata(COMMAND))
 
 
 def check_source(source: Path) -> None:
@@ -409,12 +411,14 @@ def run_summary(
         raise StudyError(f"{source}: not found")
     gate = read_gate(calibration)
     check_source(source)
+    check_outputs(out, (STUDY_JSON, STUDY_MD, STUDY_PNG), COMMAND)
     with tempfile.TemporaryDirectory(prefix="doremi-study-") as tmp:
         root = unpack(source, Path(tmp)) if source.is_file() else source
         summary = summarize(root, design, gate)
         out.mkdir(parents=True, exist_ok=True)
-        text = format_markdown(summary, design, str(source))
-        atomic_write_text(out / STUDY_JSON, json.dumps(to_json(summary), indent=1, default=str) + "\n")
+        text = md_mark(COMMAND) + format_markdown(summary, design, str(source))
+        doc = {WRITTEN_BY: COMMAND, **to_json(summary)}
+        atomic_write_text(out / STUDY_JSON, json.dumps(doc, indent=1, default=str) + "\n")
         plot(out / STUDY_PNG, summary, design)
         atomic_write_text(out / STUDY_MD, text)
     for r in summary["results"]:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic import atomic_write_text
+from doremi.reports.outputs import WRITTEN_BY, check_outputs, md_mark, png_metadata
 from doremi.study.comparison.cost import (
     EQUAL_COMPUTE,
     EQUAL_TOKENS,
@@ -79,6 +80,7 @@ from doremi.study.summarize import (
 from doremi.study.verdict import ArmResult, arm_result, baseline_result, verdict_line
 
 COMPARISON_MD, COMPARISON_JSON, COMPARISON_PNG = "comparison.md", "comparison.json", "comparison.png"
+COMMAND = "doremi study compare-methods"
 
 
 @dataclass(frozen=True)
@@ -561,7 +563,7 @@ def plot(path: Path, summary: dict[str, Any], protocol: Protocol = PROTOCOL) -> 
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, path)
+    _save(fig, path, png_metadata(COMMAND))
 
 
 def run_comparison(
@@ -576,13 +578,14 @@ def run_comparison(
     for p in paths:
         check_source(p)
     gate = read_gate(calibration)
-    command = " ".join(["doremi study compare-methods", *map(str, paths), "--out", str(out)])
+    check_outputs(out, (COMPARISON_JSON, COMPARISON_MD, COMPARISON_PNG), COMMAND)
+    command = " ".join([COMMAND, *map(str, paths), "--out", str(out)])
     command += f" --calibration {calibration}" if calibration is not None else ""
     with tempfile.TemporaryDirectory(prefix="doremi-comparison-") as tmp:
         roots = [unpack(p, Path(tmp) / str(i)) if p.is_file() else p for i, p in enumerate(paths)]
         summary = compare(roots, protocol, gate)
-        text = format_markdown(summary, protocol, command)
-        doc = json.dumps(to_doc(summary), indent=1, default=str) + "\n"
+        text = md_mark(COMMAND) + format_markdown(summary, protocol, command)
+        doc = json.dumps({WRITTEN_BY: COMMAND, **to_doc(summary)}, indent=1, default=str) + "\n"
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / COMPARISON_JSON, doc)
         plot(out / COMPARISON_PNG, summary, protocol)
