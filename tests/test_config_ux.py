@@ -290,6 +290,13 @@ def test_inspect_without_stores_is_one_line(tmp_path, capsys):
     )
 
 
+def test_inspect_of_nothing_says_what_it_expected(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == (
+        f"doremi inspect: error: {tmp_path / 'nope'}: not found (expected stores, a run directory or a config file)\n"
+    )
+
+
 def test_inspect_a_config_reads_its_store_dir(stores, tmp_path, capsys):
     path = runs.config_path(stores, tmp_path / "r")
     assert main(["inspect", str(path), "-n", "0"]) == 0

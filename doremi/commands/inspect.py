@@ -19,6 +19,8 @@ def store_dir_of(target: str, overrides: list[str]) -> Path:
     from trainer.config.schema import load_config
 
     p = Path(target)
+    if not p.exists():
+        raise DoReMiError(f"{target}: not found (expected stores, a run directory or a config file)")
     if p.is_dir():
         saved = p / "config.yaml"
         if (p / MANIFEST_FILE).is_file() or not saved.is_file():
