@@ -349,7 +349,11 @@ def plot(path: Path, summary: dict[str, Any], design: Design = DESIGN) -> None:
     from doremi.reports.report import _save
 
     results = [r for r in summary["results"] if r.paired is not None]
-    if not results:
+    if not results:  # still written: an earlier run's plot beside this run's table would disagree with it
+        fig = Figure(figsize=(6, 2), layout="constrained")
+        held = ", ".join(w.arm for w in summary.get("withheld", ())) or "none"
+        fig.text(0.5, 0.5, f"no arm judged (withheld: {held})", ha="center", va="center")
+        _save(fig, path, png_metadata(COMMAND))
         return
     domains = summary["domains"]
     fig = Figure(figsize=(12, 4), layout="constrained")
