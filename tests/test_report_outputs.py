@@ -27,6 +27,9 @@ def test_each_format_carries_its_mark(tmp_path):
     js.write_text(json.dumps({WRITTEN_BY: "doremi study summarize", "x": 1}))
     _png(png, png_metadata("doremi study summarize"))
     assert is_ours(md) and is_ours(js) and is_ours(png)
+    (tmp_path / "m.yaml").write_text("# doremi import /hf/llama: merge into an experiment file\nmodel: {}\n")
+    (tmp_path / "e.yaml").write_text("model: {}\n# doremi import\n")
+    assert is_ours(tmp_path / "m.yaml") and not is_ours(tmp_path / "e.yaml")
     md.write_text("# The study\n<!-- written by doremi study summarize -->\n")  # not the first line
     js.write_text(json.dumps({"x": 1, "note": "written_by doremi"}))
     _png(png)  # matplotlib's own Software text

@@ -31,6 +31,7 @@ from data.atomic import atomic_write_text, staging_dir
 from data.errors import UserError
 from data.tokenizer.export import tokenizer_files
 from data.tokenizer.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from doremi.reports.outputs import is_ours
 from trainer.checkpoint.checkpoint import META, checkpoint_fingerprint, load_checkpoint, resolve_checkpoint
 from trainer.config.schema import ModelConfig
 from trainer.config.tools import ConfigError, from_dict, read_yaml
@@ -216,7 +217,7 @@ def import_yaml(hf_dir: str | Path, out: str | Path | None = None) -> str:
     was overwritten with the model section alone (docs/design.md section 6b)."""
     if out is not None:
         o = Path(out)
-        if o.exists() and not (o.is_file() and o.read_bytes().startswith(IMPORT_LINE.encode())):
+        if o.exists() and not is_ours(o):
             raise artifact.ArtifactError(
                 f"{o}: exists and was not written by `doremi import`; `doremi import --out` replaces only its own "
                 f"output: choose another path"

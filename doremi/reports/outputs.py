@@ -8,7 +8,8 @@ researcher's file of the same name and would overwrite either. Each file says wh
 its own format so that it stays an ordinary file:
 - Markdown: a first line `<!-- written by doremi ... -->` (invisible when rendered);
 - JSON: a top-level `written_by` key;
-- PNG: the `Software` text chunk (matplotlib's `metadata`).
+- PNG: the `Software` text chunk (matplotlib's `metadata`);
+- any other text (the YAML `doremi import --out` writes): a first line `# doremi ...`.
 `check_outputs` runs before a command computes or writes anything (docs/design.md section 6b,
 deleting only our own: the artifacts' headers do the same for directories).
 """
@@ -24,6 +25,7 @@ from data.artifact import ArtifactError
 WRITTEN_BY = "written_by"
 _MD_MARK = "<!-- written by "
 _PNG_MARK = b"Software\x00doremi "
+_COMMENT_MARK = b"# doremi "
 
 
 def md_mark(command: str) -> str:
@@ -52,7 +54,8 @@ def is_ours(path: Path) -> bool:
     if path.suffix == ".png":
         with path.open("rb") as f:
             return _PNG_MARK in f.read(1 << 16)
-    return False
+    with path.open("rb") as f:
+        return f.readline().startswith(_COMMENT_MARK)
 
 
 def check_outputs(out: Path, names: Iterable[str], command: str) -> None:
