@@ -339,7 +339,8 @@ class _Parsed(Exception):
 def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monkeypatch):
     """Each call of experiments/tools/bench/gpu_queue.sh: every command line parses with its
     bench's own parser, names presets that exist, writes only under $OUT (nothing else comes back
-    from the device machine), and the timeouts of one call fit the tool's 600 s."""
+    from the device machine), tees to a log name of its own (the eleventh session's call 2 wrote two
+    runs to one name and kept only the second), and the timeouts of one call fit the tool's 600 s."""
     import argparse
     import subprocess
 
@@ -358,6 +359,8 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
         lines = subprocess.run(["bash", str(queue), "--print", str(call)], capture_output=True, text=True, check=True)
         rows = [line.split() for line in lines.stdout.splitlines()]
         assert sum(int(r[1]) for r in rows) <= 600 - 20, call
+        labels = [r[0] for r in rows]
+        assert len(set(labels)) == len(labels), (call, labels)
         for label, _, _, script, *argv in rows:
             name = Path(script).stem
             assert label.startswith(name), (label, script)

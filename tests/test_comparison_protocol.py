@@ -357,7 +357,7 @@ def test_the_epoch_arithmetic_on_a_small_table():
 
 def test_the_sweep_reads_no_domain_beyond_two_epochs():
     s = PROTOCOL.sweep
-    assert (s.runs, s.designs, s.prior, s.stacked, s.run_sequences) == (64, ("dirichlet",), "tokens", True, 96_000)
+    assert (s.runs, s.designs, s.prior, s.stacked, s.run_sequences) == (64, ("dirichlet",), "tokens", False, 96_000)
     assert s.max_epochs == DESIGN.guardrails.max_epochs == 2.0  # the sweep caps in sequences, as runs read
     check_sweep(PROTOCOL, seeds_for(6))
     # no one-hot run fits: the largest pool, c's, holds 0.8156 of a run at 2 epochs

@@ -28,6 +28,9 @@ def test_evaluation_tokens_from_each_source(tmp_path):
     np.savez(run / "eval_sequences" / "step_0000010.npz", tokens=np.full(7, 15, dtype=np.int32))
     assert evaluation_tokens(_cfg(0, "dev_test"), 5, run) == 5 * 7 * 16
     assert evaluation_tokens(_cfg(0, "dev_test", str(tmp_path / "stores")), 5) is None
+    # what the passes logged comes first; a pass that did not log it leaves the other sources
+    assert evaluation_tokens(_cfg(0, "dev_test"), 2, None, [320, 480]) == 800.0
+    assert evaluation_tokens(_cfg(8), 2, None, [320, None]) == 2 * 8 * 3 * 16
 
 
 def test_holdout_tokens_only_with_a_memorisation_row():

@@ -80,6 +80,17 @@ def test_power_pairs_by_iteration():
     assert stats.equivalence_pairs_needed(0.015, 0.01) == 21
 
 
+def test_pairs_for_a_standard_error():
+    # (0.0507 / 0.008)^2 = 40.2 -> 41; exactly (0.024 / 0.008)^2 = 9 (a square that rounds up to
+    # 9.000000000000002 must still give 9); never fewer than 2.
+    assert stats.pairs_for_se(0.0507, 0.008) == 41
+    assert stats.pairs_for_se(0.024, 0.008) == 9 and 0.024 / math.sqrt(9) <= 0.008
+    assert stats.pairs_for_se(0.0241, 0.008) == 10
+    assert stats.pairs_for_se(0.0, 0.008) == 2
+    with pytest.raises(ValueError, match="max_se > 0"):
+        stats.pairs_for_se(0.01, 0.0)
+
+
 def test_sigma_run_pools_within_arm_spread():
     # SS = 2 (1, 2, 3) + 2 (2, 4); df = 2 + 1.
     assert stats.sigma_run({"uniform": [1, 2, 3], "fixed": [2, 4]}) == pytest.approx(math.sqrt(4 / 3), abs=1e-12)

@@ -134,7 +134,12 @@ def test_summarize_from_an_archive_with_compute_and_clustered_ses(tmp_path, caps
     assert main(["study", "summarize", str(archive), "--out", str(out)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("doremi vs uniform: works (-0.0242 nats, 95% CI [")
-    assert printed[1].endswith("SE 0.0105 > 0.008: the study is under-powered")
+    # NATURAL's sd 0.0258: (0.0258 / 0.008)^2 = 10.4 -> 11 pairs for the SE; 12 for 0.02 at 80%
+    # power (detectable effect 0.0199 at 12 pairs).
+    assert printed[1].endswith(
+        "SE 0.0105 > 0.008: the study is under-powered (the pairs' own spread, sigma_D 0.0258, "
+        "asks for 11 pairs for SE <= 0.008 and 12 to detect 0.02 nats)"
+    )
     doc = json.loads((out / STUDY_JSON).read_text())
     assert [r["arm"] for r in doc["results"]] == ["uniform", "doremi", "natural"]
     dore = doc["results"][1]

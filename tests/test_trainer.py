@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,7 +36,7 @@ def test_accumulation_equals_one_big_batch(stores, tmp_path):
 
 def test_metrics_rows(stores, tmp_path):
     run = tmp_path / "run"
-    stages.train(config(stores, run, "train.eval_every=3"))
+    stages.train(config(stores, run, "train.eval_every=3", "train.eval_sequence_losses=final"))
     rows = read_jsonl(run / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
@@ -47,6 +48,9 @@ def test_metrics_rows(stores, tmp_path):
     assert len(val) == 1 and set(val[0]["val_loss"]) == {"noise", "easy", "markov"}
     assert val[0]["val_worst"] == max(val[0]["val_loss"].values())
     assert 0 < val[0]["eval_seconds"] < 60  # the evaluation's wall time, apart from the steps'
+    # the tokens the pass forwarded: every evaluated sequence (eval_sequences/*.npz) x seq_len
+    with np.load(run / "eval_sequences" / "step_0000003.npz") as z:
+        assert val[0]["eval_tokens"] == len(z["tokens"]) * 32 and len(z["tokens"]) > 3
     assert (run / "config.yaml").is_file()
 
 

@@ -28,7 +28,7 @@ result.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,14 +174,19 @@ def compute_ledger(root: Path, methods: list[str], online: list[str]) -> dict[st
 STUDY_PARTS = ("train", "reference", "target", "validation", "evaluation")
 
 
-def evaluation_tokens(cfg: dict[str, Any], passes: int, run: Path | None = None) -> float | None:
-    """Tokens the run's periodic evaluations forwarded: passes x (train.eval_sequences x
+def evaluation_tokens(
+    cfg: dict[str, Any], passes: int, run: Path | None = None, logged: Sequence[Any] = ()
+) -> float | None:
+    """Tokens the run's periodic evaluations forwarded: the sum of their logged `eval_tokens`
+    (`logged`, one per pass) where every pass logged it; else passes x (train.eval_sequences x
     domains x seq_len); with `eval_sequences: 0` (the whole split, the same sequences every
     pass) passes x the sequences of the run's per-sequence file (eval_sequences/*.npz, section
     3b) x seq_len, else the stores' validation tokens (their manifest, where the stores are
     still there and the run read the whole split); None when unknown."""
     if passes == 0:
         return 0.0
+    if len(logged) == passes and all(isinstance(t, (int, float)) for t in logged):
+        return float(sum(logged))
     n, seq = cfg.get("train", {}).get("eval_sequences"), cfg["data"]["seq_len"]
     domains = cfg["data"].get("domains") or []
     if isinstance(n, int) and n > 0 and domains:
@@ -239,8 +244,8 @@ def study_run_cost(run: Path, kind: str) -> dict[str, float | None] | None:
     if cost is None or cfg is None:
         return None
     rows = read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
-    passes = sum(1 for r in rows if isinstance(r.get("val_loss"), dict) or isinstance(r.get("test_loss"), dict))
-    tokens = evaluation_tokens(cfg, passes, run)
+    evals = [r for r in rows if isinstance(r.get("val_loss"), dict) or isinstance(r.get("test_loss"), dict)]
+    tokens = evaluation_tokens(cfg, len(evals), run, [r.get("eval_tokens") for r in evals])
     if tokens is not None:
         tokens += holdout_tokens(cfg, rows)
     cost["evaluation"] = None if tokens is None else _flops_per_token(cfg) / 3 * tokens

@@ -218,6 +218,19 @@ def pairs_needed(
     return None
 
 
+def pairs_for_se(sigma_d: float, max_se: float) -> int:
+    """The fewest pairs (at least 2) whose paired-difference SE, sigma_D / sqrt(n), is at most
+    `max_se`: ceil((sigma_D / max_se)^2). Read with the spread a finished study realised, it says
+    how many pairs its own arms would have needed (the calibration's fixed-weight pairs do not see
+    the spread a method's per-seed search adds)."""
+    if not max_se > 0 or not sigma_d >= 0:
+        raise ValueError(f"pairs_for_se: expected max_se > 0 and sigma_D >= 0, got {max_se}, {sigma_d}")
+    n = math.ceil((sigma_d / max_se) ** 2)
+    if n > 1 and sigma_d / math.sqrt(n - 1) <= max_se:  # the square rounded up past a whole number
+        n -= 1
+    return max(2, n)
+
+
 def equivalence_pairs_needed(
     sigma_d: float, margin: float, alpha: float = 0.05, power: float = 0.8, n_max: int = 100_000
 ) -> int | None:

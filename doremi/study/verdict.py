@@ -173,7 +173,15 @@ def verdict_line(r: ArmResult, design: Design) -> str:
     if r.paired is None:
         return f"{r.arm}: no verdict ({len(r.seeds)} pair)"
     p, t, rule = r.paired, r.tost, design.rule
-    flag = "" if r.se_ok else f"; SE {p.se:.4f} > {rule.max_se:g}: the study is under-powered"
+    flag = ""
+    if not r.se_ok:
+        need = stats.pairs_for_se(p.sd, rule.max_se)
+        detect = stats.pairs_needed(p.sd, rule.mde, rule.alpha, rule.power)
+        flag = (
+            f"; SE {p.se:.4f} > {rule.max_se:g}: the study is under-powered (the pairs' own spread, "
+            f"sigma_D {p.sd:.4f}, asks for {need} pairs for SE <= {rule.max_se:g} and "
+            f"{detect if detect is not None else 'more than 100000'} to detect {rule.mde:g} nats)"
+        )
     return (
         f"{r.arm} vs {rule.baseline}: {r.verdict} ({p.mean:+.4f} nats, {rule.ci_level:.0%} CI "
         f"[{p.ci[0]:+.4f}, {p.ci[1]:+.4f}], {p.n} pairs); TOST +-{rule.margin:g}: {t.decision if t else 'n/a'}{flag}"

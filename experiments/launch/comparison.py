@@ -216,7 +216,7 @@ def summary(protocol: Protocol, steps: list[planning.Step], todo: list[planning.
         f"Total: {_minutes(total)} GPU minutes ({len([s for s in todo if not s.reused])} stages); "
         f"{sessions(total)} sessions of 30 device-minutes, each spending {pre.value:g} s preprocessing "
         "on a fresh machine (a lower bound: a stage cut at a session's end repeats its last checkpoint "
-        "interval, a stacked sweep chunk all of it, and machine starts are not counted)",
+        "interval, and machine starts are not counted)",
         f"Without the swept arms ({', '.join(a.name for a in protocol.arms if a.kind == SWEPT)} and their sweeps): "
         f"{_minutes(without_sweeps)} GPU minutes, "
         f"{sessions(without_sweeps)} sessions",

@@ -142,6 +142,14 @@ class DataFeed:
             ]
         return self._val_cache[key]
 
+    def validation_tokens(self, sequences: int, consumer: str) -> int:
+        """Tokens one evaluation pass of `validation` forwards, over all domains: what a study's
+        compute ledger counts (doremi/reports/ledger.py), logged because a run's half of the
+        validation documents is known only while its stores are."""
+        half = self.validation_half(consumer)
+        view = self._view(half)[0]
+        return sum(self._num_validation(d, half, sequences) for d in range(self.k)) * view.seq_len
+
     def validation_documents(self, sequences: int, consumer: str) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per domain, the (first, last) validation document id of each sequence `validation`
         gives `consumer` (data.store.validation_split.sequence_documents): what per-sequence losses

@@ -499,4 +499,5 @@ class Trainer:
             "val_loss": dict(zip(self.feed.domains, val.tolist())),
             "val_avg": float(np.mean(val)),
             "val_worst": float(np.max(val)),
+            "eval_tokens": self.feed.validation_tokens(self.cfg.train.eval_sequences, self.eval_consumer),
         }

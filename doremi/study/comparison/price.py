@@ -81,7 +81,7 @@ def run_price(
 def sessions(total_seconds: float, overhead: Measured | None = None, per_session: int = SESSION_SECONDS) -> int:
     """Sessions of `per_session` device-seconds that `total_seconds` of stages need when each
     session first spends `overhead` (preprocessing on a fresh machine). A lower bound: stages do
-    not split at session ends (a stopped main run resumes from its last checkpoint, a stacked
-    sweep chunk starts again) and the machine's own start is not counted."""
+    not split at session ends (a stopped run resumes from its last checkpoint, repeating the
+    steps since it) and the machine's own start is not counted."""
     o = (overhead or STAGE_TIMES["preprocess"]).value
     return math.ceil(total_seconds / (per_session - o)) if total_seconds > 0 else 0

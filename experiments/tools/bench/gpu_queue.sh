@@ -37,8 +37,8 @@ commands() {
         echo "moe_bench 170 $PY $B/moe_bench.py --preset moe-1b-active --micro-batch 4 --seq 2048 --steps 10 --warmup 3 --parts step,step-compiled --out \$OUT/moe_bench"
         ;;
     2)
-        echo "stacked_bench 200 $PY $B/stacked_bench.py --device cuda --compile --models 64 --single 8 --profile 15 --count-ops"
-        echo "stacked_bench 200 $PY $B/stacked_bench.py --device cuda --compile --models 64 --single 8 --unfused-head"
+        echo "stacked_bench_fused 200 $PY $B/stacked_bench.py --device cuda --compile --models 64 --single 8 --profile 15 --count-ops"
+        echo "stacked_bench_unfused 200 $PY $B/stacked_bench.py --device cuda --compile --models 64 --single 8 --unfused-head"
         ;;
     3) echo "fp8_bench 400 $PY $B/fp8_bench.py train --with-head --out \$OUT/fp8" ;;
     5) echo "fp8_bench 560 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 8 --with-head --out \$OUT/fp8_g1" ;;
