@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# The GPU measurements still pending (seventh session's list; the eighth got no machine, the ninth ran the study's seed 5
-# and the stacked bench, the tenth seed 6 but for its DoReMi run), as device-tool calls of at most
-# 600 s each. Order for the next session, after the study's two calls (about 420 s): 8 (the
-# comparison's sweep price), 2 (stacked, after the session-10 launch changes), 5 (FP8 at 1B with
-# its head, the likeliest way to issue 36's 1.20x), then 4, 6, 1, 3, 7. A session has 30 device minutes, counted from asking for the machine (a start of a
-# minute or more, again after any gap of more than 30 s between calls) until it is given back;
-# the powered study (experiments/results/doremi_study.md) comes first, these in what is left.
+# The GPU measurements still pending, as device-tool calls of at most 600 s each. The eleventh
+# session ran 8, 2, 5, 6, 7 and call 1's MoE step (experiments/results/gpu_session11); left, in
+# this order: 4 (DoGE one pass), 1 (ODM, ADO, Aioli at 1B; the MoE layer against the plain loop),
+# 3 (the 120M FP8 training run). A session has 30 device minutes, counted from asking for the
+# machine (a start of a minute or more, again after any gap of more than 30 s between calls)
+# until it is given back.
 # Every bench writes under $OUT (the only folder that comes back from the device machine) and
 # its log is teed there; each runs under its own timeout so a slow one cannot starve the next.
 # Calls 3 and 5 install torchao from runs/wheels_gpu (carry it) when it is not importable.
 #
 #   bash experiments/tools/bench/gpu_queue.sh 1   # issue 35: ODM, ADO, Aioli at 1B (Aioli's validation
-#                                                 # cost row); issue 37: the MoE step after the grouped-kernel fix
+#                                                 # cost row); issue 37: the MoE layer against the plain loop
 #   bash experiments/tools/bench/gpu_queue.sh 2   # issue 37: stacked 64 vs 8 one by one, fused and unfused head, profiled
 #   bash experiments/tools/bench/gpu_queue.sh 3   # issue 36: the 120M FP8 training run (bf16, FP8, FP8 with its head)
 #   bash experiments/tools/bench/gpu_queue.sh 4   # issue 35: DoGE at 1B, k passes and one pass (`mixing.doge.one_pass`)
@@ -20,8 +19,7 @@
 #                                                 # optimum (mup_transfer.py's docstring), seeds 0 and 1
 #   bash experiments/tools/bench/gpu_queue.sh 7   # issue 36: the same grid with zero head and query init
 #   bash experiments/tools/bench/gpu_queue.sh 8   # issue 39: a stacked sweep chunk (4 runs) at the study's proxy
-#                                                 # shape against one run: the sweep's price (COMPARISON.md prices
-#                                                 # it one by one until this is measured)
+#                                                 # shape against one run (measured slower: the sweep runs one by one)
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -34,7 +32,7 @@ commands() {
     case "$1" in
     1)
         echo "method_bench 400 $PY $B/method_bench.py --presets 1b --variants plain,odm,ado,aioli --deadline 380 --out \$OUT/method_bench"
-        echo "moe_bench 170 $PY $B/moe_bench.py --preset moe-1b-active --micro-batch 4 --seq 2048 --steps 10 --warmup 3 --parts step,step-compiled --out \$OUT/moe_bench"
+        echo "moe_bench 170 $PY $B/moe_bench.py --preset moe-1b-active --micro-batch 4 --seq 2048 --steps 10 --warmup 3 --parts layer,step-compiled --out \$OUT/moe_bench"
         ;;
     2)
         echo "stacked_bench_fused 200 $PY $B/stacked_bench.py --device cuda --compile --models 64 --single 8 --profile 15 --count-ops"
