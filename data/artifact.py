@@ -3,8 +3,8 @@ the checks a command makes before it reads, replaces or removes one (docs/design
 
 A header holds the artifact's `kind`, the header `format`, its `status` (`running`, `finished`
 at `step` of `steps`, `interrupted`), the `fingerprint` of what determines its content, the
-`sources` it was made from (kind, path and fingerprint of each) and its files' sizes and
-XXH3-64 hashes. It lives inside the metadata file the artifact already has (`manifest.json`,
+`sources` it was made from (kind, path and fingerprint of each), its files' sizes and
+XXH3-64 hashes, and the `code` that wrote it (data/code_identity.py). It lives inside the metadata file the artifact already has (`manifest.json`,
 `run.json`, a checkpoint's or a cache's `meta.json`, a weights JSON) under the key `artifact`,
 or in `artifact.json` for an artifact without one (an export). This module alone writes and
 reads that key; the modules that own each format ask it.
@@ -27,6 +27,7 @@ from typing import Any
 import xxhash
 
 from data.atomic import atomic_write_text
+from data.code_identity import code_identity
 from data.errors import DataError
 
 HEADER_FORMAT = 1
@@ -67,6 +68,9 @@ class Header:
     #: The hash of the document holding the header, less the header (`embed`): a hand edit of
     #: a manifest or a run.json is told apart from the file as written (`check_content`).
     content: str | None = None
+    #: Every code that wrote this artifact, oldest first (data/code_identity.py): a new header
+    #: starts with this process's, and a rewrite by other code (a resumed run) appends its own.
+    code: list[dict[str, Any]] = field(default_factory=lambda: [code_identity()])
     format: int = HEADER_FORMAT
 
     def __post_init__(self) -> None:
@@ -80,9 +84,15 @@ class Header:
     def from_json(cls, raw: Mapping[str, Any], where: str) -> Header:
         try:
             sources = [Source(**s) for s in raw.get("sources", [])]
-            return cls(**{**dict(raw), "sources": sources})
+            return cls(**{**dict(raw), "sources": sources, "code": list(raw.get("code", []))})
         except (TypeError, ValueError) as e:
             raise ArtifactError(f"{where}: not a valid artifact header ({e})") from None
+
+    def stamp(self) -> None:
+        """Record this process's code as the latest to write the artifact (once in a row)."""
+        here = code_identity()
+        if not self.code or self.code[-1] != here:
+            self.code.append(here)
 
     def source(self, kind: str) -> Source | None:
         return next((s for s in self.sources if s.kind == kind), None)
@@ -226,6 +236,7 @@ def embed(doc: Mapping[str, Any], header: Header) -> dict[str, Any]:
     """`doc` with `header` under `artifact` (its `content`: the hash of `doc`): what an owner of
     a metadata format writes."""
     body = {k: v for k, v in doc.items() if k != HEADER_KEY}
+    header.stamp()
     header.content = content_hash(body)
     return {**body, HEADER_KEY: header.to_json()}
 

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from data import artifact
+from data.code_identity import PACKAGES, code_identity, git_commit, sources_digest
 from data.store.store import read_manifest
 from doremi.commands.cli import main
 from doremi.pipeline import stages
@@ -106,6 +107,66 @@ def test_every_artifact_carries_its_header(made):
     ]
     main_run = artifact.read(made["main"])
     assert main_run.source("data.domain_weights").path == str(made["weights"])
+    # and the code that wrote each: this process's, once
+    for header in (stores, ref, proxy, ck, cache, weights, main_run):
+        assert header.code == [code_identity()], header.kind
+
+
+def test_a_rewrite_by_other_code_appends_its_identity_and_a_resume_keeps_the_first(tmp_path, monkeypatch):
+    import data.artifact as artifact_module
+
+    artifact.write(tmp_path, artifact.Header("export", fingerprint="abc"))
+    first = artifact.read(tmp_path).code
+    assert first == [code_identity()]
+    other = {**code_identity(), "sources": "0" * 16}
+    monkeypatch.setattr(artifact_module, "code_identity", lambda: other)
+    header = artifact.read(tmp_path)
+    artifact.write(tmp_path, header)
+    artifact.write(tmp_path, artifact.read(tmp_path))  # the same code again: recorded once
+    assert artifact.read(tmp_path).code == [*first, other]
+    # run.json of a resumed run (same fingerprint) keeps what trained its first steps; a new run does not
+    run = tmp_path / "run"
+    run.mkdir()
+    rundir.write_record(run, {"fingerprint": "f1"}, "running", 0, 4, [])
+    monkeypatch.setattr(artifact_module, "code_identity", lambda: {**other, "sources": "1" * 16})
+    rundir.write_record(run, {"fingerprint": "f1"}, "running", 2, 4, [])
+    assert [c["sources"] for c in artifact.read(run).code] == ["0" * 16, "1" * 16]
+    rundir.write_record(run, {"fingerprint": "f2"}, "running", 0, 4, [])
+    assert [c["sources"] for c in artifact.read(run).code] == ["1" * 16]
+    # a header made before this field reads as written by unknown code
+    doc = json.loads((tmp_path / artifact.HEADER_FILE).read_text())
+    del doc[artifact.HEADER_KEY]["code"]
+    (tmp_path / artifact.HEADER_FILE).write_text(json.dumps(doc))
+    assert artifact.read(tmp_path).code == []
+
+
+def test_the_code_identity_is_the_sources_and_the_checked_out_commit(tmp_path):
+    for pkg in PACKAGES:
+        (tmp_path / pkg / "sub").mkdir(parents=True)
+        (tmp_path / pkg / "sub" / "m.py").write_text(f"X = '{pkg}'\n")
+    digest = sources_digest(tmp_path)
+    (tmp_path / "data" / "__pycache__").mkdir()
+    (tmp_path / "data" / "__pycache__" / "m.py").write_text("cached")
+    (tmp_path / "data" / "notes.md").write_text("not a source")
+    assert sources_digest(tmp_path) == digest
+    (tmp_path / "trainer" / "sub" / "m.py").write_text("X = 'changed'\n")
+    assert sources_digest(tmp_path) != digest
+    # the commit: a branch's ref file, a packed ref, a detached head, a worktree's .git file
+    assert git_commit(tmp_path) is None
+    git = tmp_path / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "packed-refs").write_text("# pack-refs\n" + "a" * 40 + " refs/heads/main\n")
+    assert git_commit(tmp_path) == "a" * 40
+    (git / "refs" / "heads" / "main").write_text("b" * 40 + "\n")
+    assert git_commit(tmp_path) == "b" * 40
+    tree = tmp_path / "wt"
+    (git / "worktrees" / "wt").mkdir(parents=True)
+    (git / "worktrees" / "wt" / "HEAD").write_text("c" * 40 + "\n")
+    (git / "worktrees" / "wt" / "commondir").write_text("../..\n")
+    tree.mkdir()
+    (tree / ".git").write_text(f"gitdir: {git / 'worktrees' / 'wt'}\n")
+    assert git_commit(tree) == "c" * 40
 
 
 def test_header_require_names_both_sides(tmp_path):

@@ -230,6 +230,9 @@ def write_record(
     header = artifact.Header(
         "run", status=status, fingerprint=rec.get("fingerprint"), step=step, steps=steps, sources=made_from
     )
+    before = artifact.read(Path(run_dir) / RECORD_FILE) if (Path(run_dir) / RECORD_FILE).is_file() else None
+    if before is not None and before.fingerprint == header.fingerprint:
+        header.code = before.code  # a resumed run keeps the code that trained its first steps
     artifact.write(Path(run_dir) / RECORD_FILE, header, rec)
 
 
