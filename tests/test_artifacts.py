@@ -650,6 +650,10 @@ def test_verify_checks_every_kind(made, capsys):
         assert main(["verify", str(made[key])]) == 0
         out = capsys.readouterr().out.splitlines()
         assert out[0].startswith(f"{first} {made[key]}"), out
+        if first == "ok run":  # and which code wrote it
+            assert out[1].startswith(f"code: sources {code_identity()['sources']} (") and out[1].endswith(
+                "; the code here"
+            ), out
     assert main(["verify", str(latest_checkpoint(made["ref"]))]) == 0
     assert "ok checkpoint" in capsys.readouterr().out
     assert main(["verify", str(made["root"])]) == 0  # a folder of artifacts: each one inside

@@ -146,9 +146,9 @@ def test_pipeline_under_torchrun(tmp_path):
 def test_version_names_the_project_its_commit_and_packages():
     import torch
 
-    from doremi.environment import project_commit
+    from data.code_identity import code_identity
 
     out = doremi("--version").strip()
     assert out.startswith("doremi 0.1.0") and f"torch {torch.__version__}" in out and "python " in out
-    commit = project_commit()
-    assert commit is None or f"(commit {commit}" in out
+    code = code_identity()
+    assert f"sources {code['sources']})" in out and (code["commit"] is None or f"(commit {code['commit']}, " in out)

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from data import artifact
+from data.code_identity import code_identity
 from data.sampling.weights import mixture_from_file
 from data.sampling.weights_file import WEIGHTS_FILE, is_weights_doc
 from data.store.store import SPLITS, TokenStores, read_manifest, verify_contents
@@ -70,10 +71,27 @@ def _cache(path: Path, header: artifact.Header) -> list[str]:
     return out
 
 
+def code_line(header: artifact.Header) -> str:
+    """Which code wrote the artifact (data/code_identity.py), oldest first, and whether the code
+    now running is it: `code: sources 1a2b... (commit 6a67f66, torch 2.13.0); the code here`."""
+    if not header.code:
+        return "code: not recorded (written before headers named their code)"
+
+    def one(c: dict) -> str:
+        commit = f"commit {c['commit'][:12]}, " if c.get("commit") else ""
+        return f"sources {c.get('sources')} ({commit}torch {c.get('torch')})"
+
+    here = code_identity()["sources"]
+    same = "the code here" if header.code[-1].get("sources") == here else f"not the code here (sources {here})"
+    return "code: " + ", then ".join(one(c) for c in header.code) + f"; {same}"
+
+
 def _run(path: Path) -> list[str]:
     header = artifact.read(path / RECORD_FILE)
     status = "made before headers" if header is None else header.describe()
     out = [f"ok run {path}: {status}"]
+    if header is not None:
+        out.append(code_line(header))
     for ck in sorted((path / "checkpoints").glob("step_*")):
         if (ck / META).is_file() and ck.name.removeprefix("step_").isdigit():
             out += _checkpoint(ck)
