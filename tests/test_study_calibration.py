@@ -143,6 +143,26 @@ def test_calibrate_command_go(tmp_path, capsys):
     assert json.loads((out / CALIBRATION_JSON).read_text())["decision"]["pairs"] == 6
 
 
+def test_a_searched_arm_calibrates_with_pilot_pairs_of_itself(tmp_path, capsys):
+    """`--arm doremi`: the fixed pairs say GO, the searched arm's own pairs (a spread 3 times
+    theirs, from the search's per-seed weights) say NO-GO; the fixed arm is then not needed."""
+    write_calibration(tmp_path, [-0.01, -0.005, 0.0, 0.005])  # sd 0.00645: GO with 6
+    for seed, d in enumerate([0.0, 0.06, -0.02, 0.04], start=1):  # sd 0.0365 > 0.03
+        write_run(tmp_path, f"doremi-seed{seed}", 3.0 + 0.01 * seed + d, seed)
+    runs = find_runs(tmp_path, ("uniform", "doremi"))
+    c = calibrate(runs, DESIGN, arm="doremi")
+    assert c.arms == ("uniform", "doremi") and c.sigma_d == pytest.approx(stats.sigma_d([0.0, 0.06, -0.02, 0.04]))
+    assert calibrate(find_runs(tmp_path, DESIGN.calibration.arms), DESIGN).decision.pairs == 6
+    out = tmp_path / "out"
+    assert main(["study", "calibrate", str(tmp_path), "--arm", "doremi", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("doremi study: error: NO-GO: sigma_D 0.0365 > 0.03")
+    assert (out / CALIBRATION_MD).read_text().splitlines()[1] == "# Calibration: doremi against uniform, 4 pairs"
+    with pytest.raises(StudyError, match="no natural-seed<k> run"):
+        calibrate(runs, DESIGN, arm="natural")
+    with pytest.raises(StudyError, match="is the baseline"):
+        calibrate(runs, DESIGN, arm="uniform")
+
+
 def test_unfinished_runs_and_missing_partners_are_refused_by_name(tmp_path):
     write_calibration(tmp_path, [-0.02, -0.01, 0.0])
     write_run(tmp_path, "uniform-seed4", 3.0, 4)

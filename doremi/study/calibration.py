@@ -132,15 +132,31 @@ def setting_differences(run: RunResult, design: Design) -> list[str]:
     return config_differences(dict(run.config), design.main)
 
 
+def calibration_arms(design: Design, arm: str | None = None) -> tuple[str, str]:
+    """(baseline, arm): the plan's, or the plan's baseline against `arm`. A fixed-weight arm
+    measures the main runs' noise only; an arm whose mixture a search finds on every seed
+    (DoReMi's reference and proxy) adds the spread of what the search finds, which the first
+    study measured at 6 times the fixed pairs' sigma_D (docs/design.md section 4e): such a
+    method calibrates with pilot pairs of itself."""
+    baseline, planned = design.calibration.arms
+    return baseline, planned if arm is None else arm
+
+
 def calibrate(
-    runs: Mapping[tuple[str, int], RunResult], design: Design = DESIGN, budget_pairs: int | None = None
+    runs: Mapping[tuple[str, int], RunResult],
+    design: Design = DESIGN,
+    budget_pairs: int | None = None,
+    arm: str | None = None,
 ) -> Calibration:
-    """The calibration of `runs` (every plan arm's runs finished and paired by seed, else
-    StudyError naming the runs): sigma_run, sigma_D, throughput, the gate's decision."""
-    baseline, arm = design.calibration.arms
-    for name in design.calibration.arms:
+    """The calibration of `runs` (the baseline's and `arm`'s runs, default the plan's, finished
+    and paired by seed, else StudyError naming the runs): sigma_run, sigma_D, throughput, the
+    gate's decision."""
+    baseline, arm = calibration_arms(design, arm)
+    if arm == baseline:
+        raise StudyError(f"calibration: --arm {arm} is the baseline; name the arm paired with it")
+    for name in (baseline, arm):
         if not any(a == name for a, _ in runs):
-            raise StudyError(f"calibration: no {name}-seed<k> run (expected arms {', '.join(design.calibration.arms)})")
+            raise StudyError(f"calibration: no {name}-seed<k> run (expected arms {baseline}, {arm})")
     pairs = pair_runs(runs, arm, baseline, strict=True)
     if len(pairs.seeds) < 2:
         raise StudyError(f"calibration: {len(pairs.seeds)} pair ({arm} against {baseline}); sigma_D needs at least 2")
@@ -256,7 +272,9 @@ def to_json(c: Calibration) -> dict[str, Any]:
     return out
 
 
-def run_calibration(root: str | Path, out: str | Path | None = None, budget_pairs: int | None = None) -> Calibration:
+def run_calibration(
+    root: str | Path, out: str | Path | None = None, budget_pairs: int | None = None, arm: str | None = None
+) -> Calibration:
     """Read ROOT's runs, calibrate, write calibration.json and calibration.md to `out` (default
     ROOT), print the table; a NO-GO raises GateRefused after the files are written."""
     from doremi.study.summarize import ARCHIVES, unpack
@@ -270,7 +288,7 @@ def run_calibration(root: str | Path, out: str | Path | None = None, budget_pair
     check_outputs(dest, (CALIBRATION_JSON, CALIBRATION_MD), COMMAND)
     with tempfile.TemporaryDirectory(prefix="doremi-calibration-") as tmp:
         runs_root = unpack(source, Path(tmp)) if source.is_file() else source
-        c = calibrate(find_runs(runs_root, DESIGN.calibration.arms), DESIGN, budget_pairs)
+        c = calibrate(find_runs(runs_root, calibration_arms(DESIGN, arm)), DESIGN, budget_pairs, arm)
     dest.mkdir(parents=True, exist_ok=True)
     atomic_write_text(dest / CALIBRATION_JSON, json.dumps({WRITTEN_BY: COMMAND, **to_json(c)}, indent=1) + "\n")
     text = format_markdown(c)

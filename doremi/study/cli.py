@@ -13,7 +13,7 @@ import argparse
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from doremi.study.calibration import run_calibration
 
-    run_calibration(args.root, args.out, args.budget_pairs)
+    run_calibration(args.root, args.out, args.budget_pairs, arm=args.arm)
 
 
 def cmd_summarize(args: argparse.Namespace) -> None:
@@ -41,6 +41,13 @@ def add_parser(sub) -> None:
         default=None,
         metavar="N",
         help="most pairs the study may run (default: the design's)",
+    )
+    cal.add_argument(
+        "--arm",
+        default=None,
+        metavar="NAME",
+        help="the arm paired with the baseline (default: the design's fixed-weight arm); a method whose "
+        "mixture comes from a search on every seed calibrates with pilot pairs of itself",
     )
     cal.set_defaults(fn=cmd_calibrate)
     summ = inner.add_parser("summarize", help="the study's table and verdict, recomputed from the raw logs")
