@@ -24,7 +24,7 @@ from data.atomic import atomic_write_text
 from doremi.reports.outputs import WRITTEN_BY, check_outputs, md_mark
 from doremi.study import stats
 from doremi.study.design import DESIGN, Design, Gate, Rule, config_differences
-from doremi.study.runs import RunResult, StudyError, find_runs, pair_runs
+from doremi.study.runs import Pairs, RunResult, StudyError, find_runs, pair_runs
 
 CALIBRATION_JSON = "calibration.json"
 CALIBRATION_MD = "calibration.md"
@@ -139,7 +139,24 @@ def calibration_arms(design: Design, arm: str | None = None) -> tuple[str, str]:
     study measured at 6 times the fixed pairs' sigma_D (docs/design.md section 4e): such a
     method calibrates with pilot pairs of itself."""
     baseline, planned = design.calibration.arms
+    if arm == baseline:
+        raise StudyError(f"calibration: --arm {arm} is the baseline; name the arm paired with it")
     return baseline, planned if arm is None else arm
+
+
+def calibration_pairs(runs: Mapping[tuple[str, int], RunResult], baseline: str, arm: str) -> Pairs:
+    """`arm` against `baseline`, paired by seed: both arms present, at least 2 pairs, every run
+    evaluated on one split (else StudyError naming what is missing)."""
+    for name in (baseline, arm):
+        if not any(a == name for a, _ in runs):
+            raise StudyError(f"calibration: no {name}-seed<k> run (expected arms {baseline}, {arm})")
+    pairs = pair_runs(runs, arm, baseline, strict=True)
+    if len(pairs.seeds) < 2:
+        raise StudyError(f"calibration: {len(pairs.seeds)} pair ({arm} against {baseline}); sigma_D needs at least 2")
+    keys = {(r.loss_key, r.split) for r in (*pairs.runs, *pairs.bases)}
+    if len(keys) > 1:
+        raise StudyError(f"calibration: runs evaluated on different splits ({', '.join(sorted(map(str, keys)))})")
+    return pairs
 
 
 def calibrate(
@@ -152,18 +169,8 @@ def calibrate(
     and paired by seed, else StudyError naming the runs): sigma_run, sigma_D, throughput, the
     gate's decision."""
     baseline, arm = calibration_arms(design, arm)
-    if arm == baseline:
-        raise StudyError(f"calibration: --arm {arm} is the baseline; name the arm paired with it")
-    for name in (baseline, arm):
-        if not any(a == name for a, _ in runs):
-            raise StudyError(f"calibration: no {name}-seed<k> run (expected arms {baseline}, {arm})")
-    pairs = pair_runs(runs, arm, baseline, strict=True)
-    if len(pairs.seeds) < 2:
-        raise StudyError(f"calibration: {len(pairs.seeds)} pair ({arm} against {baseline}); sigma_D needs at least 2")
-    keys = {(r.loss_key, r.split) for r in (*pairs.runs, *pairs.bases)}
-    if len(keys) > 1:
-        raise StudyError(f"calibration: runs evaluated on different splits ({', '.join(sorted(map(str, keys)))})")
-    loss_key, split = keys.pop()
+    pairs = calibration_pairs(runs, baseline, arm)
+    (loss_key, split) = {(r.loss_key, r.split) for r in (*pairs.runs, *pairs.bases)}.pop()
     endpoints = {baseline: [r.endpoint for r in pairs.bases], arm: [r.endpoint for r in pairs.runs]}
     diffs = pairs.diffs
     s_run, s_d = stats.sigma_run(endpoints), stats.sigma_d(diffs)
