@@ -210,6 +210,7 @@ NOT_A_METHOD = (
     re.compile(r'shlex.join\(\["doremi"'),  # the command line a pipeline records
     re.compile(r'(wandb_project|project): str = "doremi"'),  # the wandb project
     re.compile(r'prefix: str = "doremi"'),  # the program's name on its warnings
+    re.compile(r'PACKAGES = \("data", "trainer", "doremi"\)'),  # the packages a code identity hashes
 )
 
 

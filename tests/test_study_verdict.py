@@ -165,6 +165,11 @@ def test_summarize_from_an_archive_with_compute_and_clustered_ses(tmp_path, caps
     md = (out / STUDY_MD).read_text()
     assert "Every guardrail of the rule holds" in md and (out / STUDY_PNG).is_file()
     assert "| doremi | 6 |" in md and "clustered SE" in md
+    # Per seed, the differences sigma_D is the spread of (DOREMI and NATURAL, seed by seed)
+    per_seed = md.split("## Per seed\n\n")[1].split("\n## ")[0].splitlines()
+    assert per_seed[0] == "| seed | doremi - uniform | natural - uniform |"
+    assert per_seed[2] == "| seed 1 | -0.0300 | +0.0500 |" and per_seed[7] == "| seed 6 | -0.0200 | +0.0200 |"
+    assert dore["diffs"] == pytest.approx(DOREMI, abs=1e-12)
     # The same numbers from the directory itself.
     again = summarize(study)
     assert again["results"][1].paired.mean == pytest.approx(dore["paired"]["mean"], abs=0)

@@ -261,6 +261,18 @@ def domain_table(summary: dict[str, Any], design: Design) -> str:
     return markdown_table(["domain", *[f"{r.arm} - {rule.baseline}" for r in results if r.domains]], dom_rows)
 
 
+def seed_table(summary: dict[str, Any], design: Design) -> str:
+    """Per seed, each paired arm's difference from the baseline: the values whose spread is
+    sigma_D, so a reader sees which seeds carry an arm's SE."""
+    from doremi.reports.report import markdown_table
+
+    paired = [r for r in summary["results"] if r.diffs]
+    seeds = sorted({s for r in paired for s in r.seeds})
+    by_arm = [dict(zip(r.seeds, r.diffs)) for r in paired]
+    rows = [[f"seed {s}"] + [f"{d[s]:+.4f}" if s in d else "" for d in by_arm] for s in seeds]
+    return markdown_table(["seed", *[f"{r.arm} - {design.rule.baseline}" for r in paired]], rows)
+
+
 def guard_text(guards: list[Any], design: Design) -> str:
     """That every guardrail of the rule holds, or the ones that failed."""
     return (
@@ -316,6 +328,9 @@ the arm is better). Verdict: "works" if the mean < -t_(0.95,n-1) x SE, "worse" i
 
 {guards_md}
 
+## Per seed
+
+{seed_table(summary, design)}
 ## Per domain (mean over seeds ± SE)
 
 {dom_table}

@@ -55,6 +55,8 @@ class ArmResult:
     #: The guardrail findings that void this arm (the comparison's `guardrail_scope`: an arm,
     #: not the whole study); None when it stands.
     void: str | None = None
+    #: The per-seed differences arm - baseline, in `seeds` order (what sigma_D is the spread of).
+    diffs: tuple[float, ...] = ()
 
     @property
     def verdict(self) -> str:
@@ -154,6 +156,7 @@ def arm_result(
         se_ok=None if paired is None else paired.se <= rule.max_se,
         compute=dict(compute or {}),
         notes=tuple(notes),
+        diffs=tuple(diffs),
     )
 
 

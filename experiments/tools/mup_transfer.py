@@ -444,7 +444,7 @@ def plot(results: list[RunResult], sweep: Sweep, path: Path) -> None:
         ax.set_xticks(sweep.lrs, labels=[f"{lr:g}" for lr in sweep.lrs], rotation=45)
         ax.minorticks_off()
         ax.set_xlabel("learning rate (base)")
-        ax.set_title(f"{param}: best lr " + ", ".join(f"{b:g} (w {w})" for w, b in best.items()), fontsize=9)
+        ax.set_title(f"{param}: best lr\n" + ", ".join(f"{b:g} (w {w})" for w, b in best.items()), fontsize=9)
         ax.legend()
     axes[0].set_ylabel("validation loss (mean over domains)")
     if finite:
