@@ -13,7 +13,7 @@ import yaml
 from doremi.commands.cli import main
 from doremi.reports.ledger import train_seconds
 from doremi.study import stats
-from doremi.study.calibration import CALIBRATION_JSON, CALIBRATION_MD, calibrate, decide
+from doremi.study.calibration import CALIBRATION_JSON, CALIBRATION_MD, calibrate, decide, searched_advice
 from doremi.study.design import DESIGN, Gate, Rule
 from doremi.study.runs import StudyError, find_runs, read_run, throughput
 
@@ -155,7 +155,14 @@ def test_a_searched_arm_calibrates_with_pilot_pairs_of_itself(tmp_path, capsys):
     assert calibrate(find_runs(tmp_path, DESIGN.calibration.arms), DESIGN).decision.pairs == 6
     out = tmp_path / "out"
     assert main(["study", "calibrate", str(tmp_path), "--arm", "doremi", "--out", str(out)]) == 2
-    assert capsys.readouterr().err.startswith("doremi study: error: NO-GO: sigma_D 0.0365 > 0.03")
+    assert capsys.readouterr().err.strip() == (
+        "doremi study: error: NO-GO: sigma_D 0.0365 > 0.03, the gate's largest; its search (reference, proxy) "
+        "finds other weights on every seed: make it steadier (a longer proxy), then calibrate again"
+    )
+    # within the table but over the budget: the budget is the other way
+    wide = searched_advice(decide(0.025, DESIGN.gate, DESIGN.rule, 10), DESIGN, "doremi")
+    assert wide.change.endswith("or raise the budget (--budget-pairs 12), then calibrate again"), wide
+    assert searched_advice(decide(0.025, DESIGN.gate, DESIGN.rule, 10), DESIGN, "fixed").change.startswith("raise")
     assert (out / CALIBRATION_MD).read_text().splitlines()[1] == "# Calibration: doremi against uniform, 4 pairs"
     with pytest.raises(StudyError, match="no natural-seed<k> run"):
         calibrate(runs, DESIGN, arm="natural")

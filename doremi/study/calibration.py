@@ -144,6 +144,22 @@ def calibration_arms(design: Design, arm: str | None = None) -> tuple[str, str]:
     return baseline, planned if arm is None else arm
 
 
+def searched_advice(decision: GateDecision, design: Design, arm: str) -> GateDecision:
+    """A NO-GO on an arm whose mixture a search finds on every seed: the spread is the search's
+    more than the main runs', so the change to make is to the search (or the budget), not the
+    main runs' length."""
+    stages = next((a.search_stages for a in design.arms if a.name == arm), ())
+    if decision.go or not stages:
+        return decision
+    steadier = (
+        f"its search ({', '.join(stages)}) finds other weights on every seed: make it steadier (a longer {stages[-1]})"
+    )
+    if decision.table_pairs is None:  # beyond the table's largest spread no budget is enough
+        return replace(decision, change=f"{steadier}, then calibrate again")
+    more = f"--budget-pairs {decision.power_pairs}" if decision.power_pairs else "--budget-pairs"
+    return replace(decision, change=f"{steadier} or raise the budget ({more}), then calibrate again")
+
+
 def calibration_pairs(runs: Mapping[tuple[str, int], RunResult], baseline: str, arm: str) -> Pairs:
     """`arm` against `baseline`, paired by seed: both arms present, at least 2 pairs, every run
     evaluated on one split (else StudyError naming what is missing)."""
@@ -174,7 +190,7 @@ def calibrate(
     endpoints = {baseline: [r.endpoint for r in pairs.bases], arm: [r.endpoint for r in pairs.runs]}
     diffs = pairs.diffs
     s_run, s_d = stats.sigma_run(endpoints), stats.sigma_d(diffs)
-    decision = decide(s_d, design.gate, design.rule, budget_pairs)
+    decision = searched_advice(decide(s_d, design.gate, design.rule, budget_pairs), design, arm)
     missing = [s for s in design.calibration.seeds if s not in pairs.seeds]
     if missing and decision.go:
         decision = replace(
