@@ -749,3 +749,24 @@ def test_fit_refuses_a_sweep_edited_unfinished_or_of_other_stores(made, sweep, t
     if case == "unfinished":
         assert main([str(a) for a in argv] + ["--allow-unfinished"]) == 0
         assert artifact.read(tmp_path / "fit.json").notes[0].startswith("--allow-unfinished: fitted a sweep")
+
+
+def test_average_pools_several_proxies_into_the_mean_of_their_averages(made, tmp_path, capsys):
+    """`doremi average P1 P2 --out F`: the mean of each proxy's averaged weights, made from both
+    (docs/design.md section 4e: the study's pooled arm); without --out, refused."""
+    other = tmp_path / "proxy2"
+    stages.train_proxy(config(made["stores"], other, STEPS, f"mixing.doremi.reference={made['ref']}", "data.seed=7"))
+    before = tree(tmp_path)
+    refused(capsys, ["average", made["proxy"], other], "--out is required with several runs")
+    assert tree(tmp_path) == before
+    out = tmp_path / "pooled" / "weights.json"
+    assert main(["average", str(made["proxy"]), str(other), "--out", str(out)]) == 0
+    singles = [json.loads(stages.average(p, tmp_path / f"{p.name}.json").read_text()) for p in (made["proxy"], other)]
+    assert singles[0]["weights"] != singles[1]["weights"]
+    doc = json.loads(out.read_text())
+    want = np.mean([s["weights"] for s in singles], axis=0)
+    assert doc["weights"] == pytest.approx((want / want.sum()).tolist(), abs=1e-15)
+    assert doc["pooled_runs"] == 2 and doc["source"] == [str(made["proxy"]), str(other)]
+    header = artifact.read(out)
+    assert [(s.kind, s.path) for s in header.sources] == [("run", str(made["proxy"])), ("run", str(other))]
+    assert main(["verify", str(out)]) == 0

@@ -39,7 +39,9 @@ def test_the_design_is_the_costed_one():
         6,
         0.008,
     )
-    assert [a.name for a in DESIGN.arms] == ["uniform", "doremi", "natural"]
+    assert [a.name for a in DESIGN.arms] == ["uniform", "doremi", "natural", "doremi_pooled"]
+    assert [a.name for a in DESIGN.arms if a.pooled] == ["doremi_pooled"]
+    assert DESIGN.arm("doremi_pooled").search_stages == DESIGN.arm("doremi").search_stages
     assert DESIGN.arm("natural").mixture == "tokens" and DESIGN.arm("doremi").search_stages == ("reference", "proxy")
     assert (DESIGN.guardrails.memorisation_gap, DESIGN.guardrails.se_multiple) == (0.05, 2.0)
     assert [(g.max_sigma_d, g.pairs) for g in DESIGN.gate.steps] == [(0.02, 6), (0.03, 10)]
@@ -112,6 +114,30 @@ def test_the_launcher_names_runs_as_the_design_reads_them(monkeypatch):
     natural = next(s for s in study if s.name == "natural-seed3")
     assert f"data.domain_weights={DESIGN.arm('natural').mixture}" in natural.sets
     assert all(s.main for s in study if s.name in {f"{a.name}-seed3" for a in DESIGN.arms})
+
+
+def test_the_launcher_pools_every_seeds_proxy_before_any_pooled_main_run(monkeypatch):
+    """The pooled arm's weights average the proxies of all --seeds (one `doremi average` with
+    --out), written after the last proxy and read by every seed's doremi_pooled run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("doremi_study_launcher", LAUNCHER)
+    launcher = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, launcher)
+    spec.loader.exec_module(launcher)
+    folder = Path("/w/study")
+    study = launcher.study_stages([1, 2, 3], folder)
+    names = [s.name for s in study]
+    pooled = names.index("pooled")
+    assert pooled > max(i for i, n in enumerate(names) if n.startswith("proxy-seed"))
+    assert names[pooled + 1 :] == [f"doremi_pooled-seed{k}" for k in (1, 2, 3)]
+    assert {n.split("-seed")[0] for n in names if "-seed" in n} >= {a.name for a in DESIGN.arms}
+    cmd = launcher.command(study[pooled], folder, [], [], [])
+    proxies = [f"/w/study/proxy-seed{k}" for k in (1, 2, 3)]
+    assert cmd[1:] == ["-m", "doremi", "average", *proxies, "--out", "/w/study/pooled/weights.json"]
+    for s in study[pooled + 1 :]:
+        assert s.main and "data.domain_weights=/w/study/pooled/weights.json" in s.sets
+        assert s.sets[:2] == (f"train.seed={s.name[-1]}", f"data.seed={s.name[-1]}")
 
 
 def test_the_launcher_runs_consecutive_main_runs_side_by_side_and_everything_else_alone():

@@ -231,7 +231,11 @@ def test_an_arm_short_of_the_gates_pairs_gets_no_verdict(tmp_path, capsys):
     assert main(["study", "summarize", str(tmp_path / "s"), "--out", str(out), "--calibration", str(cal)]) == 0
     doc = json.loads((out / STUDY_JSON).read_text())
     assert [r["arm"] for r in doc["results"]] == ["uniform"]
-    assert [(w["arm"], w["pairs"], w["need"]) for w in doc["withheld"]] == [("doremi", 6, 8), ("natural", 6, 8)]
+    assert [(w["arm"], w["pairs"], w["need"]) for w in doc["withheld"]] == [
+        ("doremi", 6, 8),
+        ("natural", 6, 8),
+        ("doremi_pooled", 0, 8),
+    ]
     assert doc["withheld"][0]["lacks"] == [
         "doremi-seed7 missing",
         "uniform-seed7 missing",
@@ -258,7 +262,9 @@ def test_the_gates_pairs_are_the_seeds_judged(tmp_path, capsys):
     assert dore.arm == "doremi" and dore.seeds == (1, 2, 3, 4)
     assert dore.paired.mean == pytest.approx(np.mean(DOREMI[:4]), abs=1e-12)
     assert [w.line() for w in summary["withheld"]] == [
-        "natural: incomplete, 3 of 4 pairs (natural-seed3 missing); no verdict"
+        "natural: incomplete, 3 of 4 pairs (natural-seed3 missing); no verdict",
+        "doremi_pooled: incomplete, 0 of 4 pairs (doremi_pooled-seed1 missing; doremi_pooled-seed2 missing; "
+        "doremi_pooled-seed3 missing; doremi_pooled-seed4 missing); no verdict",
     ]
     assert summary["gate"] == [
         "doremi-seed5, doremi-seed6, natural-seed5, natural-seed6, uniform-seed5, uniform-seed6: "
@@ -295,3 +301,64 @@ def test_summarize_replaces_only_its_own_files(tmp_path, capsys):
         "`doremi study summarize` replaces only its own study.md: choose another --out"
     )
     assert sorted(p.name for p in mine.iterdir()) == [STUDY_MD] and (mine / STUDY_MD).read_text() == "my notes\n"
+
+
+POOLED = [-0.011, -0.01, -0.012, -0.009, -0.01, -0.008]
+
+
+def write_pooled(root: Path, made_from: range = range(1, 7), odd_seed: int | None = None) -> Path:
+    """The pooled arm's weights file (made from the proxies of `made_from`) and its main runs,
+    each run.json recording that file's content (`odd_seed`: another file's)."""
+    from data import artifact
+    from data.sampling.weights_file import write_weights_file
+    from trainer.records.run_dir import content_id
+
+    weights = root / "pooled" / "weights.json"
+    weights.parent.mkdir()
+    sources = [artifact.Source("run", str(root / f"proxy-seed{k}"), f"{k:016x}") for k in made_from]
+    write_weights_file(weights, ["a", "b"], [0.6, 0.4], {"method": "doremi"}, sources=sources)
+    for seed, d in enumerate(POOLED, start=1):
+        run = write_run(root, f"doremi_pooled-seed{seed}", 3.0 + 0.02 * seed + d, seed)
+        read = "0123456789abcdef" if seed == odd_seed else content_id(str(weights))
+        (run / "run.json").write_text(json.dumps({"keys": {"data.domain_weights (content)": read}}))
+    return weights
+
+
+def test_a_pooled_arm_is_judged_on_its_pairs_and_charged_every_seeds_search(tmp_path):
+    write_study(tmp_path / "s")
+    write_pooled(tmp_path / "s")
+    summary = summarize(tmp_path / "s", gate={"go": True, "pairs": 6})
+    pooled = summary["results"][-1]
+    assert pooled.arm == "doremi_pooled" and pooled.seeds == (1, 2, 3, 4, 5, 6) and not summary["withheld"]
+    p = stats.paired_test(POOLED)
+    assert pooled.paired.mean == pytest.approx(p.mean, abs=1e-12) and pooled.paired.se == pytest.approx(p.se)
+    # Each seed: its main run and all six seeds' references and proxies.
+    small, big = _flops(SMALL, 1024), _flops(DESIGN.main.shape, 1024)
+    want = 6 * small * SMALL_SCHEDULE.tokens * (2 + 1 / 3) + big * DESIGN.main.schedule.tokens
+    assert pooled.compute["per_seed_mean"]["train_flops_total"] == pytest.approx(want, rel=1e-12)
+    stages = pooled.compute["per_seed"][3]["stages"]
+    assert sorted(stages) == sorted(["main", *(f"{st}-seed{k}" for st in ("reference", "proxy") for k in range(1, 7))])
+    doremi = summary["results"][1]
+    assert doremi.compute["per_seed_mean"]["train_flops_total"] == pytest.approx(
+        small * SMALL_SCHEDULE.tokens * (2 + 1 / 3) + big * DESIGN.main.schedule.tokens, rel=1e-12
+    )
+
+
+@pytest.mark.parametrize("fault", ["one seed on other weights", "pooled from five proxies"])
+def test_a_pooled_arm_not_on_its_pre_registered_mixture_is_refused(tmp_path, capsys, fault):
+    write_study(tmp_path / "s")
+    if fault == "one seed on other weights":
+        write_pooled(tmp_path / "s", odd_seed=4)
+        needle = "a pooled arm trains every seed on one weights file, but its runs read doremi_pooled-seed1 "
+    else:
+        write_pooled(tmp_path / "s", made_from=range(1, 6))
+        needle = (
+            "doremi_pooled: its weights pooled/weights.json pool proxy-seed1, proxy-seed2, proxy-seed3, "
+            "proxy-seed4, proxy-seed5; the design pools proxy-seed1, "
+        )
+    cal = _gate(tmp_path, 6)
+    out = tmp_path / "out"
+    assert main(["study", "summarize", str(tmp_path / "s"), "--out", str(out), "--calibration", str(cal)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not out.exists()

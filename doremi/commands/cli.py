@@ -156,9 +156,12 @@ def cmd_score(args):
 
 def cmd_average(args):
     from data.sampling.weights_file import read_weights_file
+    from doremi.errors import DoReMiError
     from doremi.pipeline import stages
 
-    out = stages.average(args.run_dir, args.out, args.from_step, args.allow_unfinished)
+    if len(args.run_dir) > 1 and not args.out:
+        raise DoReMiError("average: --out is required with several runs (their pooled weights belong to no one run)")
+    out = stages.average_runs(args.run_dir, args.out, args.from_step, args.allow_unfinished)
     tuned = read_weights_file(out)
     width = max(len(d) for d in tuned["domains"])
     for d, w in zip(tuned["domains"], tuned["weights"]):
@@ -468,15 +471,17 @@ def _stage_parsers(sub) -> None:
 
 def _artifact_parsers(sub) -> None:
     """The subcommands that read finished runs and checkpoints rather than a config."""
-    sp = sub.add_parser("average", help="average a proxy's per-step domain weights")
-    sp.add_argument("run_dir")
+    sp = sub.add_parser(
+        "average", help="average a proxy's per-step domain weights (several proxies: the mean of their averages)"
+    )
+    sp.add_argument("run_dir", nargs="+", metavar="RUN_DIR")
     sp.add_argument(
         "--from-step",
         type=int,
         default=None,
         help="first step averaged (default: the run's mixing.<method>.average_from_step)",
     )
-    sp.add_argument("--out", help="weights JSON path (default RUN_DIR/weights.json)")
+    sp.add_argument("--out", help="weights JSON path (default RUN_DIR/weights.json; required with several runs)")
     sp.add_argument(
         "--allow-unfinished", action="store_true", help="average a run that did not finish (its header records it)"
     )

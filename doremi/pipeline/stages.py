@@ -203,6 +203,69 @@ def average(
     `from_step` None: the proxy's own `mixing.<method>.average_from_step` (its config.yaml), so that
     `doremi average RUN` averages what the experiment asked for, not silently from step 1."""
     run = Path(run_dir)
+    one = _run_average(run, from_step, allow_unfinished)
+    out_path = Path(out) if out else run / WEIGHTS_FILE
+    write_weights_file(out_path, one.domains, one.weights, one.provenance, sources=one.sources, notes=one.notes)
+    return out_path
+
+
+def average_runs(
+    run_dirs: list[str | Path], out: str | Path, from_step: int | None = None, allow_unfinished: bool = False
+) -> Path:
+    """The mean over several proxies (seeds of one search) of each one's averaged weights
+    (`average`), written to `out` with every run as a source.
+
+    One proxy's averaged weights carry its seed's noise: the DoReMi study measured searched
+    weights that differ by seed enough to dominate the main runs' differences (docs/design.md
+    section 4e). Pooling k searches is the same average DoReMi takes over steps (Xie et al.
+    2023, section 2, "we return the averaged weights"), taken over independent runs as well; its
+    cost is k searches, and a study's ledger charges all of them to the pooled arm."""
+    if len(run_dirs) < 2:
+        return average(run_dirs[0], out, from_step, allow_unfinished)
+    runs = [_run_average(Path(r), from_step, allow_unfinished) for r in run_dirs]
+    first = runs[0]
+    for r in runs[1:]:
+        if r.domains != first.domains:
+            raise DoReMiError(
+                f"{r.provenance['source']}: domains {', '.join(r.domains)} differ from "
+                f"{first.provenance['source']}'s ({', '.join(first.domains)}); pool runs of one corpus"
+            )
+        if r.provenance["method"] != first.provenance["method"]:
+            raise DoReMiError(
+                f"{r.provenance['source']}: method {r.provenance['method']} differs from "
+                f"{first.provenance['source']}'s ({first.provenance['method']}); pool runs of one method"
+            )
+    weights = np.mean([r.weights for r in runs], axis=0)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    provenance: dict[str, Any] = {
+        "source": [r.provenance["source"] for r in runs],
+        "method": first.provenance["method"],
+        "pooled_runs": len(runs),
+        "per_run": [{k: v for k, v in r.provenance.items() if k != "method"} for r in runs],
+    }
+    write_weights_file(
+        Path(out),
+        first.domains,
+        weights / weights.sum(),
+        provenance,
+        sources=[s for r in runs for s in r.sources],
+        notes=[n for r in runs for n in r.notes],
+    )
+    return Path(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Averaged:
+    """One run's averaged weights and what its weights file records of it."""
+
+    domains: list[str]
+    weights: np.ndarray
+    provenance: dict[str, Any]
+    sources: list[artifact.Source]
+    notes: list[str]
+
+
+def _run_average(run: Path, from_step: int | None, allow_unfinished: bool) -> _Averaged:
     made_from = require_finished(  # a proxy killed at step 61 of 300 is refused
         run, "proxy", allow=allow_unfinished, hint="; `doremi average --allow-unfinished` averages it anyway"
     )
@@ -225,7 +288,6 @@ def average(
     if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 1:
         raise DoReMiError(f"{where}: expected an int >= 1, got {from_step!r}")
     weights = average_weights(history, from_step=from_step)
-    out_path = Path(out) if out else run / WEIGHTS_FILE
     steps = [h["step"] for h in history if h["step"] >= from_step]
     provenance: dict[str, Any] = {
         "source": str(run),
@@ -241,8 +303,7 @@ def average(
         sources = [artifact.Source("run", str(run), made_from.fingerprint)]
         if made_from.status != "finished":
             notes = [f"--allow-unfinished: averaged a run that did not finish ({made_from.describe()})"]
-    write_weights_file(out_path, history[0]["domains"], weights, provenance, sources=sources, notes=notes)
-    return out_path
+    return _Averaged(list(history[0]["domains"]), np.asarray(weights, dtype=np.float64), provenance, sources, notes)
 
 
 def evaluate(checkpoint: str | Path, overrides: list[str] | None = None) -> tuple[list[str], np.ndarray]:

@@ -73,11 +73,14 @@ MAIN_SCHEDULE = Schedule(steps=4400, global_batch_size=32, seq_len=1024, lr=6e-4
 @dataclass(frozen=True)
 class Arm:
     """An arm of the study: its main run's mixture and the stages it needs to find that mixture
-    (their compute is the arm's, in the ledger beside its result)."""
+    (their compute is the arm's, in the ledger beside its result). A `pooled` arm trains every
+    seed on one mixture, the mean of the search stages' weights over all the study's seeds
+    (`doremi average PROXY... --out`): its search is every seed's, and so is its compute."""
 
     name: str
     mixture: str
     search_stages: tuple[str, ...] = ()
+    pooled: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,18 @@ class Design:
         Arm("uniform", "uniform"),
         Arm("doremi", "the proxy's alpha averaged over all its steps", ("reference", "proxy")),
         Arm("natural", "tokens"),  # token shares of the capped corpus (data/sampling/mixtures.py `tokens`)
+        # Added after the study's six pairs were judged (session 11), before any run of it, with
+        # a measured reason: the doremi arm's pairs spread sigma_D 0.0507, 6.2x the calibration's
+        # fixed-weight pairs, because each seed's search finds other weights (per-seed difference
+        # against the weight on c: correlation 0.996). Pooled over the six searches the mixture is
+        # one for every seed, so the calibration's fixed-weight gate (GO, 6 pairs) is the one that
+        # applies; each seed is charged all six searches (experiments/results/doremi_study.md).
+        Arm(
+            "doremi_pooled",
+            "the doremi arm's averaged alpha, mean over the proxies of all the study's seeds",
+            ("reference", "proxy"),
+            pooled=True,
+        ),
     )
     endpoint: Endpoint = field(default_factory=Endpoint)
     rule: Rule = field(default_factory=Rule)

@@ -70,20 +70,33 @@ def compute_of(
     seeds: tuple[int, ...],
     kinds: Mapping[str, str] | None = None,
     extra: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None,
+    pooled_from: Sequence[int] | None = None,
 ):
     """Per seed the arm's ledger (its search stages and its main run), and the mean over seeds
     of the summed parts (None where a seed's part is unknown). `kinds`: a stage's ledger kind
     where it is not its name (the comparison's `odm_proxy` is a `method` run); `extra`: per
-    seed, stages costed elsewhere (a sweep, which is no run directory) added to the sums."""
-    from doremi.reports.ledger import arm_ledger, sum_costs
+    seed, stages costed elsewhere (a sweep, which is no run directory) added to the sums;
+    `pooled_from`: the seeds whose searches a pooled arm's mixture averages, all of them
+    charged to each of its seeds (`<stage>-seed<k>` in its stages)."""
+    from doremi.reports.ledger import arm_ledger, study_run_cost, sum_costs
 
     per_seed, missing = {}, []
+    shared: dict[str, Any] = {}
+    for k in pooled_from or ():
+        for st in stages:
+            cost = study_run_cost(dirs[(st, k)], (kinds or {}).get(st, st)) if (st, k) in dirs else None
+            if cost is None:
+                missing.append(f"{st}-seed{k}")
+            else:
+                shared[f"{st}-seed{k}"] = cost
     for s in seeds:
-        runs = [((kinds or {}).get(st, st), dirs[(st, s)]) for st in stages if (st, s) in dirs]
-        missing += [f"{st}-seed{s}" for st in stages if (st, s) not in dirs]
+        own = () if pooled_from is not None else stages
+        runs = [((kinds or {}).get(st, st), dirs[(st, s)]) for st in own if (st, s) in dirs]
+        missing += [f"{st}-seed{s}" for st in own if (st, s) not in dirs]
         per_seed[s] = arm_ledger([*runs, ("main", dirs[(arm, s)])])
-        if extra and extra.get(s):
-            per_seed[s]["stages"].update(extra[s])
+        added = {**shared, **((extra or {}).get(s) or {})}
+        if added:
+            per_seed[s]["stages"].update(added)
             per_seed[s]["sum"] = sum_costs(list(per_seed[s]["stages"].values()))
     sums = [c["sum"] for c in per_seed.values()]
     keys = sums[0].keys() if sums else ()
@@ -149,7 +162,11 @@ def summarize(root: Path, design: Design = DESIGN, gate: Mapping[str, Any] | Non
             held.append(w)
             continue
         pairs = pair_runs(runs, arm.name, base, strict=False)
-        results.append(arm_result(pairs, design, sequences, compute_of(dirs, arm.name, arm.search_stages, pairs.seeds)))
+        pooled = pooled_seeds(dirs, arm.search_stages, seeds) if arm.pooled else None
+        if pooled is not None:
+            check_pooled(root, arm.name, arm.search_stages[-1], pairs.runs, pooled)
+        compute = compute_of(dirs, arm.name, arm.search_stages, pairs.seeds, pooled_from=pooled)
+        results.append(arm_result(pairs, design, sequences, compute))
     bases = sorted((r for (a, _), r in runs.items() if a == base and not r.unfinished), key=lambda r: r.seed)
     if not bases:
         raise StudyError(f"{root}: every {base} run is unfinished")
@@ -164,6 +181,45 @@ def summarize(root: Path, design: Design = DESIGN, gate: Mapping[str, Any] | Non
         "gate": gate_notes(gate) + beyond_note(beyond, seeds),
         "withheld": held,
     }
+
+
+def pooled_seeds(
+    dirs: Mapping[tuple[str, int], Path], stages: Sequence[str], seeds: Sequence[int] | None
+) -> tuple[int, ...]:
+    """The seeds whose searches a pooled arm averages: the gate's pre-registered seeds, or
+    without a gate every seed with a run of its last search stage."""
+    if seeds is not None:
+        return tuple(seeds)
+    return tuple(sorted({k for (name, k) in dirs if stages and name == stages[-1]}))
+
+
+def check_pooled(root: Path, arm: str, stage: str, runs: Sequence[Any], seeds: Sequence[int]) -> None:
+    """Refuse a pooled arm whose main runs did not all train on one weights file, or whose file
+    (found under root by its content) was not made from the `stage` runs of exactly `seeds`:
+    the mixture the arm's verdict is about is then not the one it pre-registered."""
+    from data import artifact
+    from trainer.records.run_dir import RECORD_FILE, content_id
+
+    read = {}
+    for r in runs:
+        record = r.path / RECORD_FILE
+        keys = json.loads(record.read_text()).get("keys", {}) if record.is_file() else {}
+        read[r.name] = keys.get("data.domain_weights (content)")
+    if None in read.values() or len(set(read.values())) != 1:
+        seen = ", ".join(f"{n} {c}" for n, c in sorted(read.items()))
+        raise StudyError(f"{arm}: a pooled arm trains every seed on one weights file, but its runs read {seen}")
+    want = next(iter(read.values()))
+    found = [p for p in sorted(root.rglob("weights.json")) if content_id(str(p)) == want]
+    if not found:
+        raise StudyError(f"{arm}: the weights file its runs trained on (content {want}) is not under {root}")
+    header = artifact.read(found[0])
+    made_from = sorted(Path(src.path).name for src in (header.sources if header else ()) if src.kind == "run")
+    expect = sorted(f"{stage}-seed{k}" for k in seeds)
+    if made_from != expect:
+        raise StudyError(
+            f"{arm}: its weights {found[0].relative_to(root)} pool {', '.join(made_from) or 'no recorded runs'}; "
+            f"the design pools {', '.join(expect)}"
+        )
 
 
 def beyond_note(beyond: Sequence[str], seeds: Sequence[int] | None) -> list[str]:

@@ -14,7 +14,9 @@ PHASE is one of
   first study's averaged DoReMi weights (fixed) on each seed; `doremi study calibrate` reads them.
 - `study`: per seed its reference (on `mixing.doremi.reference_weights`), its DoReMi proxy (data seed
   offset by 1000 from its reference's, so the reference never saw the proxy's batches in the
-  same order), the averaged weights, and the main runs uniform, natural and doremi.
+  same order), the averaged weights, and the main runs uniform, natural and doremi; then the
+  proxies' weights pooled over --seeds (`pooled/weights.json`, `doremi average` of them all) and
+  per seed the main run doremi_pooled on them.
 
 Every stage is an ordinary `doremi` command on experiments/configs/doremi_study.yaml (main runs
 take its `pipeline.main` section as --set overrides), in its own run directory under --work; a
@@ -60,6 +62,9 @@ FIXED_WEIGHTS = (0.0431, 0.1538, 0.0782, 0.0802, 0.0821, 0.0972, 0.0870, 0.0697,
 
 #: The data seed of a proxy is its reference's plus this (study-design.md, "Reference and proxy").
 PROXY_DATA_SEED_OFFSET = 1000
+#: The pooled DoReMi arm (doremi/study/design.py): every seed's main run trains on the mean of
+#: the --seeds proxies' weights, written to POOLED/weights.json once all of them are finished.
+POOLED_ARM, POOLED = "doremi_pooled", "pooled"
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class Stage:
     command: str  # train, train-reference, train-proxy, average
     sets: tuple[str, ...] = ()
     main: bool = False  # take the config's pipeline.main overrides
+    pooled: tuple[str, ...] = ()  # average: the proxies pooled into <name>/weights.json (else <name>'s own)
 
 
 def flat_sets(section: dict, prefix: str = "") -> list[str]:
@@ -122,6 +128,11 @@ def study_stages(seeds: list[int], work: Path) -> list[Stage]:
         out.append(Stage(proxy.name, "average"))
         for arm, weights in (("uniform", "uniform"), ("natural", "tokens"), ("doremi", str(proxy / "weights.json"))):
             out.append(Stage(f"{arm}-seed{s}", "train", seeded(s) + (f"data.domain_weights={weights}",), main=True))
+    pooled = work / POOLED
+    out.append(Stage(pooled.name, "average", pooled=tuple(f"proxy-seed{s}" for s in seeds)))
+    for s in seeds:
+        weights = f"data.domain_weights={pooled / 'weights.json'}"
+        out.append(Stage(f"{POOLED_ARM}-seed{s}", "train", seeded(s) + (weights,), main=True))
     return out
 
 
@@ -149,6 +160,8 @@ def command(stage: Stage, folder: Path, base: list[str], main: list[str], user: 
     """The stage's command line: the data overrides, then the main runs' section, the stage's
     own keys, the user's --set (last, so they win) and the run directory."""
     cmd = [sys.executable, "-m", "doremi", stage.command]
+    if stage.command == "average" and stage.pooled:
+        return cmd + [str(folder / p) for p in stage.pooled] + ["--out", str(folder / stage.name / "weights.json")]
     if stage.command == "average":
         return cmd + [str(folder / stage.name)]
     cmd.append(str(CONFIG))

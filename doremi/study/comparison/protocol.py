@@ -514,7 +514,10 @@ def check_reused(protocol: Protocol) -> None:
             raise ProtocolError(
                 f"arm {arm.name}: reused, so it sets nothing the study's did not ({arm.options[0].key})"
             )
-    missing = sorted({a.name for a in DESIGN.arms} - {a.name for a in protocol.arms if a.reused})
+    # The study's pooled arm is not one: every transferred arm here searches per seed, and
+    # pooling searches would be a change to all of them (experiments/notes/COMPARISON.md).
+    pooled = {a.name for a in DESIGN.arms if a.pooled}
+    missing = sorted({a.name for a in DESIGN.arms} - pooled - {a.name for a in protocol.arms if a.reused})
     if missing:
         raise ProtocolError(f"the study's arms {', '.join(missing)} are not reused (every arm of the study is one)")
 
