@@ -266,16 +266,23 @@ def sum_costs(costs: list[dict[str, float | None]]) -> dict[str, float | None]:
     return out
 
 
-def arm_ledger(runs: list[tuple[str, Path]]) -> dict[str, Any]:
-    """An arm's compute for one seed: per stage (`kind`, run directory), then summed; a stage
-    whose directory has no config.yaml is listed under `missing` and left out of the sums."""
+def arm_ledger(
+    runs: list[tuple[str, Path]], shares: Mapping[str, float] | None = None, by_run: bool = False
+) -> dict[str, Any]:
+    """An arm's compute for one seed: per stage (`kind`, run directory; with `by_run` the run's
+    name, for several runs of one kind), then summed; a stage whose directory has no
+    config.yaml is listed under `missing` and left out of the sums. `shares`: run name -> the
+    fraction of a GPU the run had (several runs side by side time-slice one; the study's
+    launcher records it, doremi/study/sharing.py): its measured GPU-seconds are scaled by it."""
     stages, missing = {}, []
     for kind, run in runs:
         c = study_run_cost(run, kind)
         if c is None:
             missing.append(f"{kind}: {run}")
-        else:
-            stages[kind] = c
+            continue
+        if c.get("gpu_seconds") is not None and shares and run.name in shares:
+            c["gpu_seconds"] = float(c["gpu_seconds"]) * shares[run.name]
+        stages[run.name if by_run else kind] = c
     return {"stages": stages, "sum": sum_costs(list(stages.values())), "missing": missing}
 
 

@@ -25,6 +25,7 @@ from data.atomic import atomic_write_text
 from doremi.reports.outputs import WRITTEN_BY, check_outputs, md_mark, png_metadata
 from doremi.study.design import DESIGN, Design
 from doremi.study.runs import StudyError, Withheld, find_run_dirs, pair_runs, read_run, seeds_for, withheld
+from doremi.study.sharing import shares_of
 from doremi.study.verdict import ArmResult, SequenceLosses, arm_result, baseline_result, verdict_line
 
 STUDY_MD, STUDY_JSON, STUDY_PNG = "study.md", "study.json", "study.png"
@@ -71,32 +72,30 @@ def compute_of(
     kinds: Mapping[str, str] | None = None,
     extra: Mapping[int, Mapping[str, Mapping[str, Any]]] | None = None,
     pooled_from: Sequence[int] | None = None,
+    shares: Mapping[str, float] | None = None,
 ):
     """Per seed the arm's ledger (its search stages and its main run), and the mean over seeds
     of the summed parts (None where a seed's part is unknown). `kinds`: a stage's ledger kind
     where it is not its name (the comparison's `odm_proxy` is a `method` run); `extra`: per
     seed, stages costed elsewhere (a sweep, which is no run directory) added to the sums;
     `pooled_from`: the seeds whose searches a pooled arm's mixture averages, all of them
-    charged to each of its seeds (`<stage>-seed<k>` in its stages)."""
-    from doremi.reports.ledger import arm_ledger, study_run_cost, sum_costs
+    charged to each of its seeds (`<stage>-seed<k>` in its stages); `shares`: run name -> the
+    fraction of the GPU it had (doremi/study/sharing.py), which scales its GPU-seconds."""
+    from doremi.reports.ledger import arm_ledger, sum_costs
 
     per_seed, missing = {}, []
-    shared: dict[str, Any] = {}
-    for k in pooled_from or ():
-        for st in stages:
-            cost = study_run_cost(dirs[(st, k)], (kinds or {}).get(st, st)) if (st, k) in dirs else None
-            if cost is None:
-                missing.append(f"{st}-seed{k}")
-            else:
-                shared[f"{st}-seed{k}"] = cost
+    search = [(st, k) for k in pooled_from or () for st in stages if (st, k) in dirs]
+    missing += [f"{st}-seed{k}" for k in pooled_from or () for st in stages if (st, k) not in dirs]
+    shared = arm_ledger([((kinds or {}).get(st, st), dirs[(st, k)]) for st, k in search], shares, by_run=True)
     for s in seeds:
         own = () if pooled_from is not None else stages
         runs = [((kinds or {}).get(st, st), dirs[(st, s)]) for st in own if (st, s) in dirs]
         missing += [f"{st}-seed{s}" for st in own if (st, s) not in dirs]
-        per_seed[s] = arm_ledger([*runs, ("main", dirs[(arm, s)])])
-        added = {**shared, **((extra or {}).get(s) or {})}
+        per_seed[s] = arm_ledger([*runs, ("main", dirs[(arm, s)])], shares)
+        added = {**shared["stages"], **((extra or {}).get(s) or {})}
         if added:
             per_seed[s]["stages"].update(added)
+            per_seed[s]["missing"] += shared["missing"]
             per_seed[s]["sum"] = sum_costs(list(per_seed[s]["stages"].values()))
     sums = [c["sum"] for c in per_seed.values()]
     keys = sums[0].keys() if sums else ()
@@ -152,6 +151,7 @@ def summarize(root: Path, design: Design = DESIGN, gate: Mapping[str, Any] | Non
     if seeds is not None:
         runs = {k: r for k, r in runs.items() if k[1] in seeds}
     sequences = {k: read_sequences(r.path, r.final_step) for k, r in runs.items()}
+    shares = shares_of(dirs.values())
     results: list[ArmResult] = []
     held: list[Withheld] = []
     for arm in design.arms:
@@ -165,13 +165,13 @@ def summarize(root: Path, design: Design = DESIGN, gate: Mapping[str, Any] | Non
         pooled = pooled_seeds(dirs, arm.search_stages, seeds) if arm.pooled else None
         if pooled is not None:
             check_pooled(root, arm.name, arm.search_stages[-1], pairs.runs, pooled)
-        compute = compute_of(dirs, arm.name, arm.search_stages, pairs.seeds, pooled_from=pooled)
+        compute = compute_of(dirs, arm.name, arm.search_stages, pairs.seeds, pooled_from=pooled, shares=shares)
         results.append(arm_result(pairs, design, sequences, compute))
     bases = sorted((r for (a, _), r in runs.items() if a == base and not r.unfinished), key=lambda r: r.seed)
     if not bases:
         raise StudyError(f"{root}: every {base} run is unfinished")
     first = bases[0]
-    baseline = baseline_result(bases, compute_of(dirs, base, (), tuple(r.seed for r in bases)))
+    baseline = baseline_result(bases, compute_of(dirs, base, (), tuple(r.seed for r in bases), shares=shares))
     return {
         "results": [baseline, *results],
         "guardrails": guardrail_findings(dirs, design),

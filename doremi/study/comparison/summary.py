@@ -64,6 +64,7 @@ from doremi.study.runs import (
     seeds_for,
     withheld,
 )
+from doremi.study.sharing import shares_of
 from doremi.study.summarize import (
     ARM_COLUMNS,
     arms_table,
@@ -253,7 +254,7 @@ def compare(
             (held[b] if isinstance(got, Withheld) else computed[b]).append(got)  # type: ignore[arg-type]
     bases = [r for (a, _), r in sorted(runs.items()) if a == base and not r.unfinished]
     first = bases[0] if bases else next(r for (a, _), r in runs.items() if a == base)
-    base_compute = compute_of(dirs, base, (), tuple(r.seed for r in bases))
+    base_compute = compute_of(dirs, base, (), tuple(r.seed for r in bases), shares=shares_of(dirs.values()))
     add_search(base, base_compute, plain, 0)
     baseline = baseline_result(bases or [first], base_compute)
     found = guardrail_warnings(dirs, design, mains)
@@ -334,7 +335,7 @@ def _judge(
     pairs = pair_runs(runs, arm.name, base)
     kinds, sweep = search_stages(protocol, arm)
     extra = {s: {"sweep": c} for s in seeds if (c := _sweep(sweeps, sweep, s)) is not None}
-    compute = compute_of(dirs, arm.name, tuple(kinds), tuple(seeds), kinds, extra)
+    compute = compute_of(dirs, arm.name, tuple(kinds), tuple(seeds), kinds, extra, shares=shares_of(dirs.values()))
     compute["missing"] += [f"{sweep}-seed{s}" for s in seeds if sweep and s not in extra]
     add_search(arm.name, compute, plain, len(kinds) + bool(sweep))
     at = {
