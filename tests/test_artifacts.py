@@ -758,6 +758,8 @@ def test_average_pools_several_proxies_into_the_mean_of_their_averages(made, tmp
     stages.train_proxy(config(made["stores"], other, STEPS, f"mixing.doremi.reference={made['ref']}", "data.seed=7"))
     before = tree(tmp_path)
     refused(capsys, ["average", made["proxy"], other], "--out is required with several runs")
+    twice = ["average", made["proxy"], other, f"{other}/", "--out", tmp_path / "w.json"]
+    refused(capsys, twice, f"{other}/: given twice (as {other}); pool each run once")
     assert tree(tmp_path) == before
     out = tmp_path / "pooled" / "weights.json"
     assert main(["average", str(made["proxy"]), str(other), "--out", str(out)]) == 0

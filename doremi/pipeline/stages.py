@@ -222,6 +222,11 @@ def average_runs(
     cost is k searches, and a study's ledger charges all of them to the pooled arm."""
     if len(run_dirs) < 2:
         return average(run_dirs[0], out, from_step, allow_unfinished)
+    seen: dict[Path, str | Path] = {}
+    for r in run_dirs:
+        if Path(r).resolve() in seen:
+            raise DoReMiError(f"{r}: given twice (as {seen[Path(r).resolve()]}); pool each run once")
+        seen[Path(r).resolve()] = r
     runs = [_run_average(Path(r), from_step, allow_unfinished) for r in run_dirs]
     first = runs[0]
     for r in runs[1:]:
