@@ -55,3 +55,22 @@ def test_the_ledger_charges_a_shared_run_its_share(tmp_path):
         got["per_seed_mean"]["train_flops_total"]
         == compute_of(runs, "natural", (), (1,))["per_seed_mean"]["train_flops_total"]
     )
+
+
+def test_the_calibration_reads_a_shared_runs_rate_over_its_share(tmp_path):
+    from doremi.study.calibration import calibrate
+    from doremi.study.design import DESIGN
+    from doremi.study.runs import find_runs
+    from tests.test_study_calibration import write_run
+
+    root = tmp_path / "cal"
+    for seed in (1, 2, 3, 4):
+        write_run(root, f"uniform-seed{seed}", 3.0 + 0.01 * seed, seed)
+        write_run(root, f"fixed-seed{seed}", 3.02 + 0.012 * seed, seed)
+    alone = calibrate(find_runs(root, DESIGN.calibration.arms)).tokens_per_s
+    call(root / "session-2", 1, ("uniform-seed1", 2, 300.0, 0), ("fixed-seed1", 2, 300.0, 0))
+    shared = calibrate(find_runs(root, DESIGN.calibration.arms)).tokens_per_s
+    # Seed 1's two runs had half the GPU each: their rates count double, the other seeds' as measured.
+    per_run = alone["uniform"]
+    assert shared["uniform"] == pytest.approx(per_run * (2 + 1 + 1 + 1) / 4)
+    assert shared["all"] == pytest.approx(alone["all"] * 5 / 4)

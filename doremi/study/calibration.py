@@ -25,6 +25,7 @@ from doremi.reports.outputs import WRITTEN_BY, check_outputs, md_mark
 from doremi.study import stats
 from doremi.study.design import DESIGN, Design, Gate, Rule, config_differences
 from doremi.study.runs import Pairs, RunResult, StudyError, find_runs, pair_runs
+from doremi.study.sharing import shares_of
 
 CALIBRATION_JSON = "calibration.json"
 CALIBRATION_MD = "calibration.md"
@@ -202,11 +203,17 @@ def calibrate(
         )
     n = decision.pairs or design.rule.pairs
     upper = stats.sd_upper_bound(s_d, len(diffs), 0.8)
+    shares = shares_of(r.path for r in (*pairs.runs, *pairs.bases))
+
+    def rate_of(r: RunResult) -> float | None:
+        """The run's tokens/s over its share of the GPU (runs side by side each measure a slice)."""
+        return None if r.tokens_per_s is None else r.tokens_per_s / shares.get(r.name, 1.0)
+
     rates = {
-        name: _mean([r.tokens_per_s for r in rs if r.tokens_per_s is not None])
+        name: _mean([x for x in map(rate_of, rs) if x is not None])
         for name, rs in ((baseline, pairs.bases), (arm, pairs.runs))
     }
-    all_rates = [r.tokens_per_s for r in (*pairs.runs, *pairs.bases) if r.tokens_per_s is not None]
+    all_rates = [x for x in map(rate_of, (*pairs.runs, *pairs.bases)) if x is not None]
     rate = _mean(all_rates)
     differs = sorted({f"{r.name}: {x}" for r in (*pairs.runs, *pairs.bases) for x in setting_differences(r, design)})
     return Calibration(
@@ -265,7 +272,10 @@ def format_markdown(c: Calibration, design: Design = DESIGN) -> str:
             ["pairs: the design's table", str(c.decision.table_pairs)],
             [f"pairs: the power rule (detectable effect {r.mde:g})", str(c.decision.power_pairs)],
         ]
-        + [[f"tokens/s, {k} (median of logged intervals, mean over runs)", _f(v, 0)] for k, v in c.tokens_per_s.items()]
+        + [
+            [f"tokens/s, {k} (median of logged intervals over the run's share of the GPU, mean over runs)", _f(v, 0)]
+            for k, v in c.tokens_per_s.items()
+        ]
         + [["a main run's training at that rate (s)", _f(c.main_seconds, 1)]],
     )
     differs = (
