@@ -234,3 +234,21 @@ def test_fewer_pairs_than_the_plan_give_a_provisional_go_that_the_study_refuses(
     write_calibration(tmp_path / "all", [-0.02, -0.01, 0.0, 0.01])
     assert main(["study", "calibrate", str(tmp_path / "all")]) == 0
     launcher.check_gate(str(tmp_path / "all" / CALIBRATION_JSON))  # a final GO
+
+
+@pytest.mark.parametrize(
+    ("archive", "arm", "folder"),
+    [
+        ("calibration.tar.xz", None, ""),
+        ("study.tar.xz", "doremi_pooled", "calibration_doremi_pooled"),
+    ],
+)
+def test_the_committed_calibrations_are_what_their_commands_write(tmp_path, capsys, archive, arm, folder):
+    """experiments/results/doremi_study's calibration files, recomputed from the committed
+    archives by the commands doremi_study.md gives."""
+    from doremi.study.calibration import run_calibration
+
+    results = Path(__file__).resolve().parents[1] / "experiments" / "results" / "doremi_study"
+    run_calibration(results / archive, tmp_path, arm=arm)
+    for name in ("calibration.json", "calibration.md"):
+        assert (tmp_path / name).read_text() == (results / folder / name).read_text(), name

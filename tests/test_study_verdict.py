@@ -362,3 +362,15 @@ def test_a_pooled_arm_not_on_its_pre_registered_mixture_is_refused(tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
     assert not out.exists()
+
+
+def test_the_committed_study_is_what_its_committed_command_writes(tmp_path, monkeypatch, capsys):
+    """experiments/results/doremi_study/study.{md,json}: recomputed from the committed archive
+    by the command doremi_study.md gives (issue 34: every number from the archive)."""
+    root = Path(__file__).resolve().parents[1]
+    results = "experiments/results/doremi_study"
+    monkeypatch.chdir(root)
+    argv = ["study", "summarize", f"{results}/study.tar.xz", "--out", str(tmp_path)]
+    assert main([*argv, "--calibration", f"{results}/calibration.json"]) == 0
+    for name in (STUDY_JSON, STUDY_MD):
+        assert (tmp_path / name).read_text() == (root / results / name).read_text(), name
