@@ -197,3 +197,29 @@ def test_the_launcher_skips_only_stages_whose_header_says_finished(tmp_path):
     assert not launcher.finished(running, tmp_path)
     assert not launcher.finished(average, tmp_path)  # no weights.json yet
     assert not launcher.finished(launcher.Stage("c", "train"), tmp_path)
+
+
+def test_the_launcher_refuses_pooled_weights_made_from_other_seeds(monkeypatch, tmp_path, capsys):
+    """A pooled weights file from an earlier call with other --seeds is not taken as finished
+    (its main runs would train on another pooling): one line, exit status 2."""
+    import importlib.util
+
+    from data import artifact
+    from data.sampling.weights_file import write_weights_file
+
+    spec = importlib.util.spec_from_file_location("doremi_study_launcher", LAUNCHER)
+    launcher = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, launcher)
+    spec.loader.exec_module(launcher)
+    folder = tmp_path / "study"
+    sources = [artifact.Source("run", str(folder / f"proxy-seed{k}"), f"{k:016x}") for k in (1, 2)]
+    write_weights_file(folder / "pooled" / "weights.json", ["a", "b"], [0.5, 0.5], {}, sources=sources)
+    stages = launcher.study_stages([1, 2], folder)
+    pooled = next(s for s in stages if s.name == "pooled")
+    assert launcher.finished(pooled, folder)
+    other = next(s for s in launcher.study_stages([1, 2, 3], folder) if s.name == "pooled")
+    with pytest.raises(SystemExit) as e:
+        launcher.finished(other, folder)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pools proxy-seed1, proxy-seed2, this call's --seeds pool proxy-seed1" in err[0]

@@ -275,6 +275,13 @@ def finished(stage: Stage, folder: Path) -> bool:
 
     record = folder / stage.name / ("weights.json" if stage.command == "average" else "run.json")
     header = artifact.read(record) if record.is_file() else None
+    if header is not None and stage.pooled:
+        made_from = sorted(Path(src.path).name for src in header.sources if src.kind == "run")
+        if made_from != sorted(stage.pooled):
+            die(
+                f"{record}: pools {', '.join(made_from)}, this call's --seeds pool {', '.join(stage.pooled)}; "
+                f"runs may have trained on it: move it aside (and its doremi_pooled runs) to pool again"
+            )
     return header is not None and header.status == "finished"
 
 
