@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU measurements still pending, as device-tool calls of at most 600 s each. The eleventh
-# session ran 8, 2, 5, 6, 7 and call 1's MoE step (experiments/results/gpu_session11); left, in
+# session ran 8, 2, 5, 6, 7 and call 1's MoE step (experiments/results/gpu_session11); the twelfth
+# spent its device time on the study's pooled arm (experiments/results/doremi_study.md). Left, in
 # this order: 4 (DoGE one pass), 1 (ODM, ADO, Aioli at 1B; the MoE layer against the plain loop),
-# 3 (the 120M FP8 training run). A session has 30 device minutes, counted from asking for the
+# 9 (FP8 at 1b: MLP-only and micro-batch 16, experiments/notes/FP8.md G2 and G3), 3 (the 120M FP8
+# training run). A session has 30 device minutes, counted from asking for the
 # machine (a start of a minute or more, again after any gap of more than 30 s between calls)
 # until it is given back.
 # Every bench writes under $OUT (the only folder that comes back from the device machine) and
 # its log is teed there; each runs under its own timeout so a slow one cannot starve the next.
-# Calls 3 and 5 install torchao from runs/wheels_gpu (carry it) when it is not importable.
+# Calls 3, 5 and 9 install torchao from runs/wheels_gpu (carry it) when it is not importable.
 #
 #   bash experiments/tools/bench/gpu_queue.sh 1   # issue 35: ODM, ADO, Aioli at 1B (Aioli's validation
 #                                                 # cost row); issue 37: the MoE layer against the plain loop
@@ -20,6 +22,7 @@
 #   bash experiments/tools/bench/gpu_queue.sh 7   # issue 36: the same grid with zero head and query init
 #   bash experiments/tools/bench/gpu_queue.sh 8   # issue 39: a stacked sweep chunk (4 runs) at the study's proxy
 #                                                 # shape against one run (measured slower: the sweep runs one by one)
+#   bash experiments/tools/bench/gpu_queue.sh 9   # issue 36: FP8 steps at 1b, MLP linears only (G2) and micro-batch 16 (G3)
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -47,8 +50,12 @@ commands() {
         ;;
     8) echo "stacked_bench_sweep_shape 300 $PY $B/stacked_bench.py --device cuda --compile --models 4 --single 1 --d-model 384 --layers 6 --heads 6 --ffn 1152 --vocab 2048 --seq 1024 --batch 96 --steps 5 --warmup 2" ;;
     7) echo "mup_transfer_zero 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --zero-init --out \$OUT/mup_zero" ;;
+    9)
+        echo "fp8_bench_mlp_only 260 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 8 --fp8-layers gate_up down --out \$OUT/fp8_g2"
+        echo "fp8_bench_mb16 300 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 16 --out \$OUT/fp8_g3"
+        ;;
     *)
-        echo "gpu_queue.sh: expected a call number 1 to 8, got '$1'" >&2
+        echo "gpu_queue.sh: expected a call number 1 to 9, got '$1'" >&2
         return 2
         ;;
     esac
@@ -60,7 +67,7 @@ if [ "${1:-}" = "--print" ]; then
 fi
 : "${OUT:?gpu_queue.sh: set OUT to the folder that comes back (the device tool sets it)}"
 list=$(commands "${1:-}") || exit 2
-if { [ "${1:-}" = 3 ] || [ "${1:-}" = 5 ]; } && ! $PY -c "import torchao" 2>/dev/null; then
+if { [ "${1:-}" = 3 ] || [ "${1:-}" = 5 ] || [ "${1:-}" = 9 ]; } && ! $PY -c "import torchao" 2>/dev/null; then
     $PY -m pip install -q --no-deps runs/wheels_gpu/torchao-*.whl || exit 1
 fi
 status=0
