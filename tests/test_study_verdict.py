@@ -247,6 +247,7 @@ def test_an_arm_short_of_the_gates_pairs_gets_no_verdict(tmp_path, capsys):
     assert "works" not in printed and "worse" not in printed
     md = (out / STUDY_MD).read_text()
     assert "| doremi | 6 of 8 |  |  |  | incomplete |" in md
+    assert "## Per seed\n\nNo arm is paired with the baseline (every arm is withheld, below).\n" in md
     assert (out / STUDY_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # no verdict to plot: said so, not left out
 
 

@@ -323,6 +323,8 @@ def seed_table(summary: dict[str, Any], design: Design) -> str:
     from doremi.reports.report import markdown_table
 
     paired = [r for r in summary["results"] if r.diffs]
+    if not paired:
+        return "No arm is paired with the baseline (every arm is withheld, below).\n"
     seeds = sorted({s for r in paired for s in r.seeds})
     by_arm = [dict(zip(r.seeds, r.diffs)) for r in paired]
     rows = [[f"seed {s}"] + [f"{d[s]:+.4f}" if s in d else "" for d in by_arm] for s in seeds]
