@@ -296,7 +296,7 @@ def arms_table(
             "worst case (max over domains) minus baseline",
             "worst domain (largest difference)",
             "domains better",
-            "compute per seed (search + main)",
+            "compute per seed (search + main; the monitoring evaluations apart)",
             "GPU-s per seed (training steps)",
             f"SE <= {rule.max_se:g}",
             *more,
