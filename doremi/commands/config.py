@@ -46,7 +46,7 @@ def stage_overview(path: str, overrides: list[str]) -> list[str]:
     """What `doremi pipeline CONFIG` runs, stage by stage (a plain config: its one run), and each
     input that does not exist yet, as lines."""
     from doremi.config import OFFLINE_METHODS
-    from doremi.outputs.main_runs import REFERENCE_RUN, main_run_name, online_run_name
+    from doremi.outputs.main_runs import REFERENCE_RUN, main_run_name, online_run_name, search_dir
     from doremi.pipeline.pipeline import Pipeline
 
     cfg = load_config(path, overrides, cls=ExperimentConfig)
@@ -65,13 +65,18 @@ def stage_overview(path: str, overrides: list[str]) -> list[str]:
         p, root = pipe.p, pipe.root
         proxy = pipe.stage_config(p.proxy)
         main = pipe.stage_config(p.main)
+        searches = range(1, p.searches + 1)
         if REFERENCE_RUN in p.methods:
             for r in range(1, getattr(proxy.mixing, REFERENCE_RUN).rounds + 1):
-                for stage in ("reference", "proxy"):
-                    out.append(f"round {r}: {stage}: {_run_words(proxy)} -> {root / f'round{r}' / stage}")
+                for i in searches:
+                    where = search_dir(root / f"round{r}", i, p.searches)
+                    for stage in ("reference", "proxy"):
+                        out.append(f"round {r}: {stage}: {_run_words(proxy)} -> {where / stage}")
         for m in p.methods:
             if m != REFERENCE_RUN and m not in OFFLINE_METHODS:
-                out.append(f"{m}: proxy: {_run_words(proxy)} -> {root / 'methods' / m / 'proxy'}")
+                for i in searches:
+                    where = search_dir(root / "methods" / m, i, p.searches)
+                    out.append(f"{m}: proxy: {_run_words(proxy)} -> {where / 'proxy'}")
         offline = [m for m in p.methods if m in OFFLINE_METHODS]
         if offline:
             out.append(f"sweep: {proxy.sweep.runs} small runs for {', '.join(offline)} -> {root / 'sweep'}")

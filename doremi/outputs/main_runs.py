@@ -40,6 +40,20 @@ def method_dir(root: str | os.PathLike, method: str) -> Path:
     return Path(root) / "methods" / method
 
 
+def search_dir(stage_dir: str | os.PathLike, search: int, searches: int) -> Path:
+    """Where search `search` (1 to `searches`, `pipeline.searches`) of a round's or a method's
+    directory runs its reference and proxy: the directory itself for one search, its
+    `search<i>/` for several."""
+    return Path(stage_dir) if searches == 1 else Path(stage_dir) / f"search{search}"
+
+
+def search_dirs(stage_dir: str | os.PathLike) -> list[Path]:
+    """The searches a round's or a method's directory holds, in order: its `search<i>/` folders
+    where there are (`search_dir`), else the directory itself."""
+    found = [p for p in Path(stage_dir).glob("search*") if p.is_dir() and p.name[6:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[6:])) or [Path(stage_dir)]
+
+
 def online_run_name(method: str) -> str:
     """The main run of a method run online on the main model."""
     return f"{method}-online"

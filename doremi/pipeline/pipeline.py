@@ -48,7 +48,7 @@ from doremi.outputs.fingerprint import (  # noqa: F401 (store_fingerprint: impor
     store_fingerprint,
     store_keys,
 )
-from doremi.outputs.main_runs import REFERENCE_RUN, SWEEP_DIR, method_dir, mixtures, online_run_name
+from doremi.outputs.main_runs import REFERENCE_RUN, SWEEP_DIR, method_dir, mixtures, online_run_name, search_dir
 from doremi.outputs.stage_markers import (
     EVAL_OUTPUT,
     PREVIOUS_DIR,
@@ -330,48 +330,55 @@ class Pipeline:
 
     def tune_weights(self, name: str) -> Path:
         """Method `name`, which needs a reference: per round its reference, its proxy and the
-        average, round r + 1's reference on round r's weights, until `rounds` or the weights
-        move less than `rounds_tolerance`."""
+        average (of `pipeline.searches` of them, `search_dir`), round r + 1's reference on round
+        r's weights, until `rounds` or the weights move less than `rounds_tolerance`."""
         dcfg = getattr(self.cfg.mixing, name)
         ref_weights: Any = dcfg.reference_weights
         previous: np.ndarray | None = None
         weights_path = self.root / WEIGHTS_FILE
         for r in range(1, dcfg.rounds + 1):
             rdir = self.root / f"round{r}"
-            ref_cfg = self.stage_config(
-                self.p.proxy,
-                train__run_dir=str(rdir / "reference"),
-                **{f"mixing__{name}__reference_weights": ref_weights},
-            )
-            self._run_stage(
-                f"round {r}: reference",
-                rdir / "reference",
-                stage_keys(ref_cfg, REFERENCE_IGNORES, REFERENCE_READS),
-                lambda: (stages.train_reference(ref_cfg), None)[1],
-            )
-            proxy_cfg = self.stage_config(
-                self.p.proxy,
-                train__run_dir=str(rdir / "proxy"),
-                mixing__method=name,
-                **{
-                    f"mixing__{name}__reference": str(rdir / "reference"),
-                    f"mixing__{name}__reference_weights": ref_weights,
-                },
-            )
-            self._run_stage(
-                f"round {r}: proxy",
-                rdir / "proxy",
-                stage_keys(proxy_cfg, PROXY_IGNORES),
-                lambda: (stages.train_proxy(proxy_cfg), None)[1],
-            )
+            self.set_aside_other_searches(rdir, ("reference", "proxy"))
+            proxies = []
+            for i in range(1, self.p.searches + 1):
+                sdir, seeds = search_dir(rdir, i, self.p.searches), self.search_seeds(i)
+                where = f"round {r}" + (f", search {i}" if self.p.searches > 1 else "")
+                ref_cfg = self.stage_config(
+                    self.p.proxy,
+                    train__run_dir=str(sdir / "reference"),
+                    **seeds,
+                    **{f"mixing__{name}__reference_weights": ref_weights},
+                )
+                self._run_stage(
+                    f"{where}: reference",
+                    sdir / "reference",
+                    stage_keys(ref_cfg, REFERENCE_IGNORES, REFERENCE_READS),
+                    lambda: (stages.train_reference(ref_cfg), None)[1],
+                )
+                proxy_cfg = self.stage_config(
+                    self.p.proxy,
+                    train__run_dir=str(sdir / "proxy"),
+                    mixing__method=name,
+                    **seeds,
+                    **{
+                        f"mixing__{name}__reference": str(sdir / "reference"),
+                        f"mixing__{name}__reference_weights": ref_weights,
+                    },
+                )
+                self._run_stage(
+                    f"{where}: proxy",
+                    sdir / "proxy",
+                    stage_keys(proxy_cfg, PROXY_IGNORES),
+                    lambda: (stages.train_proxy(proxy_cfg), None)[1],
+                )
+                proxies.append((sdir / "proxy", proxy_cfg))
             avg_path = rdir / WEIGHTS_FILE
+            from_step = getattr(proxy_cfg.mixing, name).average_from_step
             self._run_stage(
                 f"round {r}: average",
                 avg_path,
-                stage_keys(proxy_cfg, PROXY_IGNORES),
-                lambda: str(
-                    stages.average(rdir / "proxy", avg_path, getattr(proxy_cfg.mixing, name).average_from_step)
-                ),
+                self.average_keys([stage_keys(c, PROXY_IGNORES) for _, c in proxies]),
+                lambda: str(stages.average_runs([p for p, _ in proxies], avg_path, from_step)),
                 main_only=True,
             )
             tuned = read_weights_file(avg_path)
@@ -387,15 +394,59 @@ class Pipeline:
             previous = weights
         return weights_path
 
+    def set_aside_other_searches(self, stage_dir: Path, runs: tuple[str, ...]) -> None:
+        """Move under ROOT/previous/ what `stage_dir` holds of another `pipeline.searches`: the
+        `search<i>/` folders beyond this pipeline's (all of them with one search), or with several
+        searches the `runs` of one search kept in the directory itself. The reports, the ledger
+        and the guardrails read the searches they find there (`search_dirs`)."""
+        if is_launch_main() and stage_dir.is_dir():
+            k = self.p.searches
+            found = [p for p in stage_dir.glob("search*") if p.is_dir() and p.name[6:].isdigit()]
+            stale = [p for p in found if k == 1 or int(p.name[6:]) > k]
+            stale += [stage_dir / r for r in runs if k > 1 and (stage_dir / r).exists()]
+            for path in stale:
+                dest = self.root / PREVIOUS_DIR / path.relative_to(self.root)
+                if dest.exists():
+                    shutil.rmtree(dest)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                path.rename(dest)
+                self.say(f"[{self._elapsed()}] {path}: another pipeline.searches' run, kept in {dest}")
+        barrier()
+
+    def search_seeds(self, search: int) -> dict[str, int]:
+        """The seeds of search `search`: the experiment's for the first, each plus search - 1 for
+        the others (no override with one search, so its stages' keys are those of before)."""
+        if self.p.searches == 1:
+            return {}
+        return {"train__seed": self.cfg.train.seed + search - 1, "data__seed": self.cfg.data.seed + search - 1}
+
+    def average_keys(self, keys: list[dict[str, Any]]) -> dict[str, Any]:
+        """The average stage's keys: its proxy's, or with several searches each search's."""
+        return keys[0] if len(keys) == 1 else {f"search{i}": k for i, k in enumerate(keys, start=1)}
+
     def method_proxy(self, name: str) -> Path:
-        """A mixing method that needs no reference as a proxy: its run and its
-        averaged weights under `methods/<name>/`."""
+        """A mixing method that needs no reference as a proxy: its run (`pipeline.searches` of
+        them, `search_dir`) and its averaged weights under `methods/<name>/`."""
         mdir = method_dir(self.root, name)
-        cfg = self.stage_config(self.p.proxy, train__run_dir=str(mdir / "proxy"), mixing__method=name)
-        keys = stage_keys(cfg, METHOD_IGNORES, ("mixing.method", f"mixing.{name}"))
-        self._run_stage(f"{name}: proxy", mdir / "proxy", keys, lambda: (stages.train_proxy(cfg), None)[1])
+        self.set_aside_other_searches(mdir, ("proxy",))
+        proxies, keys = [], []
+        for i in range(1, self.p.searches + 1):
+            sdir = search_dir(mdir, i, self.p.searches)
+            cfg = self.stage_config(
+                self.p.proxy, train__run_dir=str(sdir / "proxy"), mixing__method=name, **self.search_seeds(i)
+            )
+            keys.append(stage_keys(cfg, METHOD_IGNORES, ("mixing.method", f"mixing.{name}")))
+            label = f"{name}: proxy" + (f" (search {i})" if self.p.searches > 1 else "")
+            self._run_stage(label, sdir / "proxy", keys[-1], lambda: (stages.train_proxy(cfg), None)[1])
+            proxies.append(sdir / "proxy")
         avg = mdir / WEIGHTS_FILE
-        self._run_stage(f"{name}: average", avg, keys, lambda: str(stages.average(mdir / "proxy", avg)), main_only=True)
+        self._run_stage(
+            f"{name}: average",
+            avg,
+            self.average_keys(keys),
+            lambda: str(stages.average_runs(proxies, avg)),
+            main_only=True,
+        )
         tuned = read_weights_file(avg)
         self.say("           weights: " + ", ".join(f"{d}={w:.3f}" for d, w in zip(tuned["domains"], tuned["weights"])))
         return avg

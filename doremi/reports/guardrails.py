@@ -25,7 +25,7 @@ from data.sampling.pools import pool_size
 from doremi.config import GuardrailConfig
 from doremi.errors import DoReMiError
 from doremi.methods import registry
-from doremi.outputs.main_runs import REFERENCE_RUN
+from doremi.outputs.main_runs import REFERENCE_RUN, search_dirs
 
 #: reference and proxy: DoReMi's; method: another method's proxy; sweep: a small run of the
 #: offline methods' sweep (the checks of any run: epochs and, when logged, realised mixture).
@@ -625,12 +625,14 @@ def pipeline_runs(root: str | Path, main: bool = True) -> list[tuple[str, str, P
         (p for p in root.glob("round*") if p.is_dir() and p.name[5:].isdigit()), key=lambda p: int(p.name[5:])
     )
     for r in rounds:
-        for kind in ("reference", "proxy"):
-            if (r / kind / "metrics.jsonl").is_file():
-                runs.append((f"{r.name}/{kind}", kind, r / kind))
-    for proxy in sorted(root.glob("methods/*/proxy")):
-        if (proxy / "metrics.jsonl").is_file():
-            runs.append((f"methods/{proxy.parent.name}/proxy", "method", proxy))
+        for search in search_dirs(r):
+            for kind in ("reference", "proxy"):
+                if (search / kind / "metrics.jsonl").is_file():
+                    runs.append((str((search / kind).relative_to(root)), kind, search / kind))
+    for method in sorted(p for p in root.glob("methods/*") if p.is_dir()):
+        for search in search_dirs(method):
+            if (search / "proxy" / "metrics.jsonl").is_file():
+                runs.append((str((search / "proxy").relative_to(root)), "method", search / "proxy"))
     if main and (root / "main").is_dir():
         for d in sorted(p for p in (root / "main").iterdir() if (p / "metrics.jsonl").is_file()):
             runs.append((f"main/{d.name}", "main", d))

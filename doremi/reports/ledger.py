@@ -34,7 +34,7 @@ from typing import Any
 
 from doremi.config import OFFLINE_METHODS
 from doremi.methods import registry
-from doremi.outputs.main_runs import REFERENCE_RUN, SWEEP_DIR, method_dir
+from doremi.outputs.main_runs import REFERENCE_RUN, SWEEP_DIR, method_dir, search_dirs
 from doremi.outputs.stage_markers import dir_marker
 from trainer.records.metrics import read_jsonl
 
@@ -105,8 +105,14 @@ def method_runs(root: Path, method: str, online: bool = False) -> list[tuple[str
         return [("online", root / "main" / method)]
     if method == REFERENCE_RUN:
         rounds = sorted(root.glob("round*"), key=lambda p: int(p.name.removeprefix("round") or 0))
-        return [(kind, r / kind) for r in rounds if r.name[5:].isdigit() for kind in ("reference", "proxy")]
-    return [("method", method_dir(root, method) / "proxy")]
+        return [
+            (kind, s / kind)
+            for r in rounds
+            if r.name[5:].isdigit()
+            for s in search_dirs(r)
+            for kind in ("reference", "proxy")
+        ]
+    return [("method", s / "proxy") for s in search_dirs(method_dir(root, method))]
 
 
 def trained_measured(rows: list[dict]) -> float | None:

@@ -14,7 +14,7 @@ from data.store.store import Manifest, open_stores
 from doremi.config import GuardrailConfig
 from doremi.methods import registry
 from doremi.methods.history import HistoryError, read_history
-from doremi.outputs.main_runs import REFERENCE_RUN, method_dir, online_run_name
+from doremi.outputs.main_runs import REFERENCE_RUN, method_dir, online_run_name, search_dirs
 from doremi.outputs.main_runs import mixtures as mixture_specs
 from doremi.outputs.stage_markers import eval_result
 from doremi.reports.guardrails import findings, format_guardrail_table, measure_pipeline, warnings, with_advice
@@ -94,8 +94,11 @@ def setup_table(root: Path) -> str | None:
 
     runs = [
         *sorted(root.glob("round*/reference")),
+        *sorted(root.glob("round*/search*/reference")),
         *sorted(root.glob("round*/proxy")),
+        *sorted(root.glob("round*/search*/proxy")),
         *sorted(root.glob("methods/*/proxy")),
+        *sorted(root.glob("methods/*/search*/proxy")),
         *sorted(root.glob("main/*")),
     ]
     configs = {r: load_yaml((r / "config.yaml").read_text()) for r in runs if (r / "config.yaml").is_file()}
@@ -198,16 +201,29 @@ def logged_weights(run: Path, field: str = "weights") -> list[list[float]]:
     return [h[field] if field in h else h["weights"] for h in records]
 
 
+def searches_weights(stage_dir: Path) -> list[list[float]]:
+    """The logged weights of a round's or a method's proxy; with several searches their mean
+    step by step over the steps all of them logged (what the pooled weights average)."""
+    runs = [logged_weights(s / "proxy") for s in search_dirs(stage_dir)]
+    runs = [r for r in runs if r]
+    if len(runs) < 2:
+        return runs[0] if runs else []
+    steps = min(len(r) for r in runs)
+    return [[sum(w) / len(runs) for w in zip(*(r[t] for r in runs))] for t in range(steps)]
+
+
 def weight_histories(root: Path) -> dict[str, list[list[float]]]:
     """Each method's logged weights over its steps: DoReMi's last round's proxy, the other
     methods' proxies, and the methods run online (their sampling weights)."""
     out: dict[str, list[list[float]]] = {}
-    rounds = sorted(root.glob("round*/proxy"), key=lambda p: int(p.parent.name.removeprefix("round")))
+    rounds = sorted(
+        (p for p in root.glob("round*") if p.is_dir() and p.name[5:].isdigit()), key=lambda p: int(p.name[5:])
+    )
     if rounds:
-        out[REFERENCE_RUN] = logged_weights(rounds[-1])
+        out[REFERENCE_RUN] = searches_weights(rounds[-1])
     for m in tuned_methods(root):
         if m != REFERENCE_RUN:
-            out[m] = logged_weights(method_dir(root, m) / "proxy")
+            out[m] = searches_weights(method_dir(root, m))
     for name in online_runs(root):
         out[name] = logged_weights(root / "main" / name, "sampling")
     return {k: v for k, v in out.items() if v}

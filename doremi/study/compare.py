@@ -208,7 +208,15 @@ def weights_used(run: Path, domains: list[str]) -> list[float] | None:
 
 #: The runs of a root whose saved configs are compared (the sweep's many runs are not: its
 #: `sweep.json` keys are the stage's own check).
-SETTING_RUNS = ("round*/reference", "round*/proxy", "methods/*/proxy", "main/*")
+SETTING_RUNS = (
+    "round*/reference",
+    "round*/proxy",
+    "round*/search*/reference",
+    "round*/search*/proxy",
+    "methods/*/proxy",
+    "methods/*/search*/proxy",
+    "main/*",
+)
 
 
 def is_seed(key: str) -> bool:
