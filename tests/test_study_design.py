@@ -40,7 +40,7 @@ def test_the_design_is_the_costed_one():
         0.008,
     )
     assert [a.name for a in DESIGN.arms] == ["uniform", "doremi", "natural", "doremi_pooled"]
-    assert [a.name for a in DESIGN.arms if a.pooled] == ["doremi_pooled"]
+    assert [a.name for a in DESIGN.arms if a.pooled] == ["doremi_pooled"] and DESIGN.primary == "doremi_pooled"
     assert DESIGN.arm("doremi_pooled").search_stages == DESIGN.arm("doremi").search_stages
     assert DESIGN.arm("natural").mixture == "tokens" and DESIGN.arm("doremi").search_stages == ("reference", "proxy")
     assert (DESIGN.guardrails.memorisation_gap, DESIGN.guardrails.se_multiple) == (0.05, 2.0)

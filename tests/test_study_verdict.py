@@ -17,7 +17,7 @@ from doremi.commands.cli import main
 from doremi.study import stats
 from doremi.study.design import DESIGN, SMALL, SMALL_SCHEDULE
 from doremi.study.runs import find_runs, pair_runs
-from doremi.study.summarize import STUDY_JSON, STUDY_MD, STUDY_PNG, summarize
+from doremi.study.summarize import STUDY_JSON, STUDY_MD, STUDY_PNG, primary_line, summarize
 from doremi.study.verdict import arm_result, domain_diff
 from tests.test_study_calibration import write_run
 
@@ -331,6 +331,11 @@ def test_a_pooled_arm_is_judged_on_its_pairs_and_charged_every_seeds_search(tmp_
     summary = summarize(tmp_path / "s", gate={"go": True, "pairs": 6})
     pooled = summary["results"][-1]
     assert pooled.arm == "doremi_pooled" and pooled.seeds == (1, 2, 3, 4, 5, 6) and not summary["withheld"]
+    assert summary["primary"] == "doremi_pooled"
+    assert primary_line(summary["results"], DESIGN) == (
+        f"**Primary difference** (doremi_pooled - uniform): {np.mean(POOLED):+.4f} nats, "
+        f"SE {stats.paired_test(POOLED).se:.4f}, within the rule's 0.008."
+    )
     p = stats.paired_test(POOLED)
     assert pooled.paired.mean == pytest.approx(p.mean, abs=1e-12) and pooled.paired.se == pytest.approx(p.se)
     # Each seed: its main run and all six seeds' references and proxies.

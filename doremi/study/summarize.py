@@ -174,6 +174,7 @@ def summarize(root: Path, design: Design = DESIGN, gate: Mapping[str, Any] | Non
     baseline = baseline_result(bases, compute_of(dirs, base, (), tuple(r.seed for r in bases), shares=shares))
     return {
         "results": [baseline, *results],
+        "primary": design.primary,
         "guardrails": guardrail_findings(dirs, design),
         "split": first.split,
         "domains": list(first.domains),
@@ -354,6 +355,18 @@ def _note_text(summary: dict[str, Any]) -> str:
     return "\n".join(f"- {n}" for n in dict.fromkeys(notes)) or "- none"
 
 
+def primary_line(results: list[Any], design: Design) -> str:
+    """The design's primary difference and whether its SE is within the rule's `max_se`."""
+    r = next((r for r in results if r.arm == design.primary), None)
+    if r is None or r.paired is None:
+        return f"**Primary difference** ({design.primary} - {design.rule.baseline}): not judged (no pairs)"
+    ok = "within" if r.se_ok else "**above**"
+    return (
+        f"**Primary difference** ({design.primary} - {design.rule.baseline}): {r.paired.mean:+.4f} nats, "
+        f"SE {r.paired.se:.4f}, {ok} the rule's {design.rule.max_se:g}."
+    )
+
+
 def _verdict_lines(results: list[Any], design: Design, guards: list[Any]) -> str:
     """One verdict line per paired arm, headed by a warning if a guardrail failed."""
     lines = "\n".join(f"- {verdict_line(r, design)}" for r in results if r.paired is not None)
@@ -378,6 +391,8 @@ at the final step (nats/token); differences are arm minus {rule.baseline}, paire
 the arm is better). Verdict: "works" if the mean < -t_(0.95,n-1) x SE, "worse" if > +t_(0.95,n-1) x SE.
 
 ## Verdict
+
+{primary_line(results, design)}
 
 {lines}
 
