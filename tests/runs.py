@@ -92,3 +92,14 @@ def run_stage(rank: int, world: int, stage: str, store: str, jobs: list[tuple[st
         {"train": stages.train, "train-proxy": stages.train_proxy, "train-reference": stages.train_reference}[stage](
             cfg
         )
+
+
+def pipeline_messages(stores: Path, tmp_path: Path, root: Path, sets: list[str]) -> list[str]:
+    """Run `doremi pipeline` in process on the test experiment (its file under tmp_path) into
+    `root` on `stores`, with `sets`; the messages it said."""
+    from doremi.pipeline.pipeline import Pipeline
+
+    messages: list[str] = []
+    overrides = [*sets, f"pipeline.run_dir={root}", f"data.store_dir={stores}"]
+    Pipeline(config_path(stores, tmp_path / "exp"), overrides, say=messages.append).run()
+    return messages

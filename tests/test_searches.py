@@ -19,22 +19,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(stores: Path, tmp_path: Path, searches: int) -> tuple[Path, list[str]]:
-    from doremi.pipeline.pipeline import Pipeline
-    from tests.runs import config_path
+    from tests.runs import pipeline_messages
 
     root = tmp_path / "pipe"
-    sets = [
-        "train.steps=2",
-        "train.warmup_steps=0",
-        "pipeline.methods=[doremi, odm]",
-        "pipeline.skip_main=true",
-        f"pipeline.searches={searches}",
-        f"pipeline.run_dir={root}",
-        f"data.store_dir={stores}",
-    ]
-    messages: list[str] = []
-    Pipeline(config_path(stores, tmp_path / "exp"), sets, say=messages.append).run()
-    return root, messages
+    sets = ["train.steps=2", "train.warmup_steps=0", "pipeline.methods=[doremi, odm]", "pipeline.skip_main=true"]
+    return root, pipeline_messages(stores, tmp_path, root, [*sets, f"pipeline.searches={searches}"])
 
 
 def averaged(proxy: Path, tmp_path: Path) -> np.ndarray:

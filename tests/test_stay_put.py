@@ -110,8 +110,7 @@ def test_rebuilt_tokenizer_is_refused_then_forced_and_the_old_run_is_not_evaluat
 
 
 def sweep_point(stores: Path, tmp_path: Path, eta: float) -> tuple[Path, list[str]]:
-    from doremi.pipeline.pipeline import Pipeline
-    from tests.runs import config_path
+    from tests.runs import pipeline_messages
 
     root = tmp_path / "sweep"
     sets = [
@@ -120,13 +119,9 @@ def sweep_point(stores: Path, tmp_path: Path, eta: float) -> tuple[Path, list[st
         "train.warmup_steps=0",
         "checkpoint.every=3",
         "pipeline.baselines=[uniform]",
-        f"pipeline.run_dir={root}",
-        f"data.store_dir={stores}",
         f"mixing.doremi.eta={eta}",
     ]
-    messages: list[str] = []
-    Pipeline(config_path(stores, tmp_path / "exp"), sets, say=messages.append).run()
-    return root, messages
+    return root, pipeline_messages(stores, tmp_path, root, sets)
 
 
 def said(messages: list[str], start: str) -> list[str]:
