@@ -92,3 +92,21 @@ def test_searches_must_be_a_positive_int(stores, tmp_path, capsys, value):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pipeline.searches: expected" in err[0], err
     assert not (tmp_path / "exp").exists()
+
+
+def test_the_stage_overview_lists_every_search(tmp_path):
+    from doremi.commands.config import stage_overview
+
+    cfg = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "quickstart.yaml"
+    sets = [f"pipeline.run_dir={tmp_path / 'pipe'}", "pipeline.methods=[doremi, odm]", "pipeline.searches=2"]
+    lines = [line for line in stage_overview(str(cfg), sets) if "search" in line]
+    pipe = tmp_path / "pipe"
+    assert [f"{x.split(': ', 1)[0]} -> {x.rsplit(' -> ', 1)[1]}" for x in lines] == [
+        f"round 1, search 1 -> {pipe / 'round1' / 'search1' / 'reference'}",
+        f"round 1, search 1 -> {pipe / 'round1' / 'search1' / 'proxy'}",
+        f"round 1, search 2 -> {pipe / 'round1' / 'search2' / 'reference'}",
+        f"round 1, search 2 -> {pipe / 'round1' / 'search2' / 'proxy'}",
+        f"odm -> {pipe / 'methods' / 'odm' / 'search1' / 'proxy'}",
+        f"odm -> {pipe / 'methods' / 'odm' / 'search2' / 'proxy'}",
+    ]
+    assert [x.split(": ")[1] for x in lines] == ["reference", "proxy"] * 2 + ["proxy (search 1)", "proxy (search 2)"]

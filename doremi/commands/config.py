@@ -70,13 +70,15 @@ def stage_overview(path: str, overrides: list[str]) -> list[str]:
             for r in range(1, getattr(proxy.mixing, REFERENCE_RUN).rounds + 1):
                 for i in searches:
                     where = search_dir(root / f"round{r}", i, p.searches)
+                    label = f"round {r}" + (f", search {i}" if p.searches > 1 else "")
                     for stage in ("reference", "proxy"):
-                        out.append(f"round {r}: {stage}: {_run_words(proxy)} -> {where / stage}")
+                        out.append(f"{label}: {stage}: {_run_words(proxy)} -> {where / stage}")
         for m in p.methods:
             if m != REFERENCE_RUN and m not in OFFLINE_METHODS:
                 for i in searches:
                     where = search_dir(root / "methods" / m, i, p.searches)
-                    out.append(f"{m}: proxy: {_run_words(proxy)} -> {where / 'proxy'}")
+                    label = f"{m}: proxy" + (f" (search {i})" if p.searches > 1 else "")
+                    out.append(f"{label}: {_run_words(proxy)} -> {where / 'proxy'}")
         offline = [m for m in p.methods if m in OFFLINE_METHODS]
         if offline:
             out.append(f"sweep: {proxy.sweep.runs} small runs for {', '.join(offline)} -> {root / 'sweep'}")
