@@ -217,9 +217,9 @@ def average_runs(
 
     One proxy's averaged weights carry its seed's noise: the DoReMi study measured searched
     weights that differ by seed enough to dominate the main runs' differences (docs/design.md
-    section 4e). Pooling k searches is the same average DoReMi takes over steps (Xie et al.
-    2023, section 2, "we return the averaged weights"), taken over independent runs as well; its
-    cost is k searches, and a study's ledger charges all of them to the pooled arm."""
+    section 4e). Pooling k searches is the average DoReMi already takes over a proxy's steps
+    (Xie et al. 2023, Algorithm 1 returns the mean of alpha_t), taken over independent runs as
+    well; its cost is k searches, and a study's ledger charges all of them to the pooled arm."""
     if len(run_dirs) < 2:
         return average(run_dirs[0], out, from_step, allow_unfinished)
     seen: dict[Path, str | Path] = {}

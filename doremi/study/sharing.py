@@ -1,5 +1,5 @@
 """How much of a GPU each run of a study had, from the launcher's own records (docs/design.md
-section 4e, "Compute").
+section 4e, "GPU-seconds of runs that shared the GPU").
 
 The study launcher (experiments/launch/doremi_study.py) may run several main runs side by side
 on one GPU; they time-slice it, so each run's training steps take about that many times as
