@@ -252,3 +252,11 @@ def test_the_committed_calibrations_are_what_their_commands_write(tmp_path, caps
     run_calibration(results / archive, tmp_path, arm=arm)
     for name in ("calibration.json", "calibration.md"):
         assert (tmp_path / name).read_text() == (results / folder / name).read_text(), name
+
+
+def test_a_pooled_arm_gets_the_fixed_mixture_advice_not_the_searchs():
+    from doremi.study.calibration import GateDecision
+
+    no_go = GateDecision(go=False, pairs=None, table_pairs=None, power_pairs=42, reason="r", change="train longer")
+    assert searched_advice(no_go, DESIGN, "doremi_pooled") == no_go
+    assert "finds other weights on every seed" in searched_advice(no_go, DESIGN, "doremi").change

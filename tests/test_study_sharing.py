@@ -74,3 +74,12 @@ def test_the_calibration_reads_a_shared_runs_rate_over_its_share(tmp_path):
     per_run = alone["uniform"]
     assert shared["uniform"] == pytest.approx(per_run * (2 + 1 + 1 + 1) / 4)
     assert shared["all"] == pytest.approx(alone["all"] * 5 / 4)
+
+
+def test_a_damaged_launcher_record_is_refused_by_name(tmp_path):
+    from doremi.study.runs import StudyError
+
+    (tmp_path / "session-3").mkdir()
+    (tmp_path / "session-3" / "launch-call1.json").write_text('{"stages": [')
+    with pytest.raises(StudyError, match=r"launch-call1.json: damaged launcher record"):
+        device_shares(tmp_path)

@@ -350,10 +350,15 @@ def test_a_pooled_arm_is_judged_on_its_pairs_and_charged_every_seeds_search(tmp_
     )
 
 
-@pytest.mark.parametrize("fault", ["one seed on other weights", "pooled from five proxies"])
+@pytest.mark.parametrize("fault", ["one seed on other weights", "pooled from five proxies", "a damaged run record"])
 def test_a_pooled_arm_not_on_its_pre_registered_mixture_is_refused(tmp_path, capsys, fault):
     write_study(tmp_path / "s")
-    if fault == "one seed on other weights":
+    if fault == "a damaged run record":
+        write_pooled(tmp_path / "s")
+        record = tmp_path / "s" / "doremi_pooled-seed2" / "run.json"
+        record.write_text('{"keys": ')
+        needle = f"{record}: damaged, not a run record"
+    elif fault == "one seed on other weights":
         write_pooled(tmp_path / "s", odd_seed=4)
         needle = "a pooled arm trains every seed on one weights file, but its runs read doremi_pooled-seed1 "
     else:

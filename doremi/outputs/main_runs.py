@@ -47,11 +47,16 @@ def search_dir(stage_dir: str | os.PathLike, search: int, searches: int) -> Path
     return Path(stage_dir) if searches == 1 else Path(stage_dir) / f"search{search}"
 
 
+def search_folders(stage_dir: str | os.PathLike) -> list[Path]:
+    """The `search<i>/` folders of a round's or a method's directory, by i (none for one search)."""
+    found = [p for p in Path(stage_dir).glob("search*") if p.is_dir() and p.name[6:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[6:]))
+
+
 def search_dirs(stage_dir: str | os.PathLike) -> list[Path]:
     """The searches a round's or a method's directory holds, in order: its `search<i>/` folders
     where there are (`search_dir`), else the directory itself."""
-    found = [p for p in Path(stage_dir).glob("search*") if p.is_dir() and p.name[6:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[6:])) or [Path(stage_dir)]
+    return search_folders(stage_dir) or [Path(stage_dir)]
 
 
 def online_run_name(method: str) -> str:

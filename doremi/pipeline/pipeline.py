@@ -48,7 +48,15 @@ from doremi.outputs.fingerprint import (  # noqa: F401 (store_fingerprint: impor
     store_fingerprint,
     store_keys,
 )
-from doremi.outputs.main_runs import REFERENCE_RUN, SWEEP_DIR, method_dir, mixtures, online_run_name, search_dir
+from doremi.outputs.main_runs import (
+    REFERENCE_RUN,
+    SWEEP_DIR,
+    method_dir,
+    mixtures,
+    online_run_name,
+    search_dir,
+    search_folders,
+)
 from doremi.outputs.stage_markers import (
     EVAL_OUTPUT,
     PREVIOUS_DIR,
@@ -401,8 +409,7 @@ class Pipeline:
         and the guardrails read the searches they find there (`search_dirs`)."""
         if is_launch_main() and stage_dir.is_dir():
             k = self.p.searches
-            found = [p for p in stage_dir.glob("search*") if p.is_dir() and p.name[6:].isdigit()]
-            stale = [p for p in found if k == 1 or int(p.name[6:]) > k]
+            stale = [p for p in search_folders(stage_dir) if k == 1 or int(p.name[6:]) > k]
             stale += [stage_dir / r for r in runs if k > 1 and (stage_dir / r).exists()]
             for path in stale:
                 dest = self.root / PREVIOUS_DIR / path.relative_to(self.root)

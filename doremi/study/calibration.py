@@ -148,8 +148,8 @@ def calibration_arms(design: Design, arm: str | None = None) -> tuple[str, str]:
 def searched_advice(decision: GateDecision, design: Design, arm: str) -> GateDecision:
     """A NO-GO on an arm whose mixture a search finds on every seed: the spread is the search's
     more than the main runs', so the change to make is to the search (or the budget), not the
-    main runs' length."""
-    stages = next((a.search_stages for a in design.arms if a.name == arm), ())
+    main runs' length. A pooled arm's one mixture is not searched per seed: the usual advice."""
+    stages = next((a.search_stages for a in design.arms if a.name == arm and not a.pooled), ())
     if decision.go or not stages:
         return decision
     steadier = (

@@ -19,6 +19,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from doremi.study.runs import StudyError
+
 TRAINING = ("train", "train-reference", "train-proxy")
 
 
@@ -28,10 +30,14 @@ def _records(folder: Path) -> list[dict]:
     for path in sorted(folder.glob("launch*.json"), key=lambda p: (len(p.name), p.name)):
         try:
             doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        stages = doc.get("stages") if isinstance(doc, dict) else None
-        out += [s for s in stages or () if isinstance(s, dict) and s.get("command") in TRAINING]
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict) or not isinstance(doc.get("stages", []), list):
+            raise StudyError(
+                f"{path}: damaged launcher record (expected a JSON object with a `stages` list); the GPU "
+                f"shares of its runs cannot be read"
+            )
+        out += [s for s in doc.get("stages", []) if isinstance(s, dict) and s.get("command") in TRAINING]
     return out
 
 

@@ -204,7 +204,10 @@ def check_pooled(root: Path, arm: str, stage: str, runs: Sequence[Any], seeds: S
     read = {}
     for r in runs:
         record = r.path / RECORD_FILE
-        keys = json.loads(record.read_text()).get("keys", {}) if record.is_file() else {}
+        try:
+            keys = json.loads(record.read_text()).get("keys", {}) if record.is_file() else {}
+        except (ValueError, AttributeError):
+            raise StudyError(f"{record}: damaged, not a run record (valid JSON object)") from None
         read[r.name] = keys.get("data.domain_weights (content)")
     if None in read.values() or len(set(read.values())) != 1:
         seen = ", ".join(f"{n} {c}" for n, c in sorted(read.items()))

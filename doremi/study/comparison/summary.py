@@ -228,6 +228,7 @@ def compare(
     design, eq = protocol.design, protocol.equal_compute
     base = design.rule.baseline
     dirs, sweeps = find_sources(roots)
+    shares = shares_of(dirs.values())
     points = [eq.name(b, m) for b in eq.baselines for m in eq.multiples]
     runs, mains = _read_mains(protocol, roots, dirs)
     finished = [len({s for (a, s), r in runs.items() if a == arm.name and not r.unfinished}) for arm in protocol.arms]
@@ -248,13 +249,13 @@ def compare(
             for v in held.values():
                 v.append(w)
             continue
-        result, at = _judge(protocol, arm, runs, dirs, sweeps, seeds, sequences, flops, plain)
+        result, at = _judge(protocol, arm, runs, dirs, sweeps, seeds, sequences, flops, plain, shares)
         tokens.append(result)
         for b, got in at.items():
             (held[b] if isinstance(got, Withheld) else computed[b]).append(got)  # type: ignore[arg-type]
     bases = [r for (a, _), r in sorted(runs.items()) if a == base and not r.unfinished]
     first = bases[0] if bases else next(r for (a, _), r in runs.items() if a == base)
-    base_compute = compute_of(dirs, base, (), tuple(r.seed for r in bases), shares=shares_of(dirs.values()))
+    base_compute = compute_of(dirs, base, (), tuple(r.seed for r in bases), shares=shares)
     add_search(base, base_compute, plain, 0)
     baseline = baseline_result(bases or [first], base_compute)
     found = guardrail_warnings(dirs, design, mains)
@@ -328,14 +329,16 @@ def _judge(
     sequences: Mapping[tuple[str, int], Any],
     flops: Mapping[tuple[str, int], float],
     plain: Mapping[int, float],
+    shares: Mapping[str, float],
 ) -> tuple[ArmResult, dict[str, AtCompute | Withheld]]:
     """One complete arm: its row at equal main tokens (the study's rule, its compute with its
-    search), and per baseline its row at equal total compute (or what withholds it there)."""
+    search), and per baseline its row at equal total compute (or what withholds it there).
+    `shares`: each run's share of the GPU (doremi/study/sharing.py)."""
     base = protocol.design.rule.baseline
     pairs = pair_runs(runs, arm.name, base)
     kinds, sweep = search_stages(protocol, arm)
     extra = {s: {"sweep": c} for s in seeds if (c := _sweep(sweeps, sweep, s)) is not None}
-    compute = compute_of(dirs, arm.name, tuple(kinds), tuple(seeds), kinds, extra, shares=shares_of(dirs.values()))
+    compute = compute_of(dirs, arm.name, tuple(kinds), tuple(seeds), kinds, extra, shares=shares)
     compute["missing"] += [f"{sweep}-seed{s}" for s in seeds if sweep and s not in extra]
     add_search(arm.name, compute, plain, len(kinds) + bool(sweep))
     at = {
