@@ -139,9 +139,7 @@ DEFAULT_MIN = 0.98
 
 
 @dataclass
-class Row:
-    preset: str
-    variant: str
+class Row(step_bench.BenchRow):
     #: median seconds per timed step, the method's validation passes subtracted
     step_s: float = 0.0
     #: the timed window's wall seconds per step, validation subtracted (synchronised at its ends)

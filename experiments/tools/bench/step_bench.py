@@ -108,9 +108,16 @@ DEFAULT_KERNELS = Kernels()
 
 
 @dataclass
-class Row:
+class BenchRow:
+    """What names a row of this bench and of method_bench (which times its presets): the preset,
+    and the variant of the step on it."""
+
     preset: str
     variant: str
+
+
+@dataclass
+class Row(BenchRow):
     tokens_per_s: float = 0.0
     tflops: float = 0.0
     mfu_datasheet: float = 0.0
