@@ -209,16 +209,27 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(tmp_path):
     assert float(table[0].split("|")[vs]) == 1.0
 
 
-def test_method_bench_times_only_the_chosen_variants_in_the_catalogs_order(capsys):
-    """`--variants doge-1p,doge,plain` gives exactly those rows, plain first; an unknown name exits 2."""
+def test_method_bench_times_only_the_chosen_variants_in_the_catalogs_order(capsys, tmp_path):
+    """`--variants doge-1p,doge,plain` gives exactly those rows, plain first, and `--profile doge-1p`
+    one profile table, of that variant; an unknown name, or a profile of a variant not chosen or
+    without --out, exits 2."""
     mb = bench_module("method_bench")
     argv = ["--presets", "tiny", "--steps", "1", "--warmup", "0", "--device", "cpu"]
-    result = mb.main([*argv, "--variants", "doge-1p,doge,plain"])
+    out = tmp_path / "out"
+    result = mb.main([*argv, "--variants", "doge-1p,doge,plain", "--profile", "doge-1p", "--out", str(out)])
     assert [r["variant"] for r in result["rows"]] == ["plain", "doge", "doge-1p"]
     assert all(r["step_s"] > 0 for r in result["rows"]), result["notes"]
-    with pytest.raises(SystemExit) as e:
-        mb.main([*argv, "--variants", "plain,dogee"])
-    assert e.value.code == 2 and "expected --variants of plain, doge" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["method_bench.json", "method_bench.md", "profile_tiny_doge-1p.txt"]
+    table = (out / "profile_tiny_doge-1p.txt").read_text()
+    assert "Self CPU time total" in table and "_GroupLinearBackward" in table
+    for bad, said in (
+        (["--variants", "plain,dogee"], "expected --variants of plain, doge"),
+        (["--variants", "plain", "--profile", "doge", "--out", str(out)], "expected --profile of the chosen variants"),
+        (["--variants", "plain", "--profile", "plain"], "expected --profile of the chosen variants"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            mb.main([*argv, *bad])
+        assert e.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_stacked_bench_runs_both_sides_on_a_tiny_shape_on_the_cpu(capsys):

@@ -63,10 +63,10 @@ temporary directory; no checkpoint is written (the bench calls `train_step`, nev
 
 Usage (repository root):
     python experiments/tools/bench/method_bench.py [--presets 280m,1b] [--steps 8] [--warmup 3] \
-        [--deadline SECONDS] [--out DIR] [--device cuda|cpu] [--variants plain,doge]
+        [--deadline SECONDS] [--out DIR] [--device cuda|cpu] [--variants plain,doge] [--profile doge]
 
 `--variants` times only the named rows (default: all, in the catalog's order); `vs plain` needs
-plain among them.
+plain among them. `--profile` writes, per named variant, one more step's costliest ops.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import step_bench  # noqa: E402
+from timing import profile_table  # noqa: E402
 
 from data.config import DataConfig, DomainSource, SyntheticSpec  # noqa: E402
 from data.preprocess.preprocess import preprocess  # noqa: E402
@@ -127,6 +128,8 @@ FIRST_COST = {"280m": 60.0, "1b": 90.0, "tiny": 5.0}
 AIOLI_DELTA, AIOLI_SWEEPS = 2, 1
 #: ADO's refit interval in the bench (steps), and the default it stands for.
 ADO_REFIT, ADO_DEFAULT_REFIT = 4, ADOConfig().refit_every
+#: Rows of a `--profile` table.
+PROFILE_ROWS = 40
 #: The run length the methods' schedules see (`train.steps`, at least warm-up + timed steps).
 NOMINAL_STEPS = 1000
 #: Tokens per synthetic document.
@@ -340,7 +343,11 @@ def run_variant(
     tmp: Path,
     steps: int,
     warmup: int,
+    profile_to: Path | None = None,
 ) -> Row:
+    """The variant's row; with `profile_to`, one more step after the timed ones is profiled and its
+    costliest ops by device time are written there (where a variant's step goes, for the next
+    change: the row's numbers are the timed steps', not this one's)."""
     cuda = device.type == "cuda"
     base = free(device)
     if cuda:
@@ -386,6 +393,9 @@ def run_variant(
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
         row.tokens_per_s = tokens / row.step_s if row.step_s > 0 else 0.0
         row.tflops = row.tokens_per_s * trainer.flops_per_token / 1e12
+        if profile_to is not None:
+            profile_to.parent.mkdir(parents=True, exist_ok=True)
+            profile_to.write_text(profile_table(trainer.train_step, device, PROFILE_ROWS) + "\n")
         if variant == "ado":
             row.note = refit_note(row)
         if variant == "aioli":
@@ -507,6 +517,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=",".join(VARIANTS),
         help=f"comma-separated, of {', '.join(VARIANTS)} (vs plain needs plain)",
     )
+    p.add_argument(
+        "--profile",
+        default="",
+        help="comma-separated variants whose one more step is profiled into --out/profile_<preset>_<variant>.txt",
+    )
     args = p.parse_args(argv)
     presets = [s for s in args.presets.split(",") if s]
     unknown = [s for s in presets if s not in SHAPES]
@@ -516,6 +531,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not chosen or chosen - set(VARIANTS):
         p.error(f"expected --variants of {', '.join(VARIANTS)} (got {args.variants!r})")
     variants = [v for v in VARIANTS if v in chosen]
+    profiled = {s for s in args.profile.split(",") if s}
+    if profiled - chosen or (profiled and args.out is None):
+        p.error(f"expected --profile of the chosen variants, with --out (got {args.profile!r})")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -577,7 +595,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     continue
                 started = time.perf_counter()
                 try:
-                    row = run_variant(name, variant, device, data, tmp, args.steps, args.warmup)
+                    trace = args.out / f"profile_{name}_{variant}.txt" if variant in profiled else None
+                    row = run_variant(name, variant, device, data, tmp, args.steps, args.warmup, trace)
                 except Exception as e:  # noqa: BLE001 - keep the other variants' numbers
                     traceback.print_exc()
                     msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__

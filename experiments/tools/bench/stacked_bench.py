@@ -44,6 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from timing import profile_table  # noqa: E402
+
 from data.config import DataConfig  # noqa: E402
 from data.store.batch import IGNORE_INDEX  # noqa: E402
 from trainer.build import RunFacts, build_model  # noqa: E402
@@ -185,19 +187,6 @@ def op_counts(step) -> collections.Counter:
         if event.name.startswith("aten::") and parent is None:
             counts[event.name] += 1
     return counts
-
-
-def profile_table(step, device: torch.device, rows: int) -> str:
-    """One profiled `step` (already warm): its `rows` costliest ops by device time (self time,
-    so that a kernel is not counted again under the op that launched it)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        step()
-        _sync(device)
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -162,3 +162,17 @@ def run_part(rows: list[dict], part: str, fn: Callable[[], list[dict]]) -> bool:
         traceback.print_exc()
         rows.append({"part": part, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
         return False
+
+
+def profile_table(step: Callable[[], object], device: torch.device, rows: int) -> str:
+    """One profiled `step()` (already warm): its `rows` costliest ops by device time (self time,
+    so that a kernel is not counted again under the op that launched it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
