@@ -308,12 +308,19 @@ def cmd_sweep(args):
 
 
 def cmd_fit(args):
+    from doremi.errors import DoReMiError
     from doremi.offline.propose import fit_quality, propose
 
     cfg = _config(args)
-    sweep = Path(args.sweep or cfg.sweep.run_dir)
+    sweeps = [Path(s) for s in args.sweep or [cfg.sweep.run_dir]]
+    if len(sweeps) > 1 and not args.out:
+        raise DoReMiError("fit: --out is required with several sweeps (their pooled fit belongs to no one sweep)")
     out = propose(
-        cfg, args.method, args.out or sweep / f"{args.method}.json", sweep, allow_unfinished=args.allow_unfinished
+        cfg,
+        args.method,
+        args.out or sweeps[0] / f"{args.method}.json",
+        sweeps if len(sweeps) > 1 else sweeps[0],
+        allow_unfinished=args.allow_unfinished,
     )
     doc = json.loads(out.read_text())
     print(f"{args.method} weights: " + ", ".join(f"{d}={w:.3f}" for d, w in zip(doc["domains"], doc["weights"])))
@@ -462,7 +469,12 @@ def _stage_parsers(sub) -> None:
     _with_config(sub, "sweep", cmd_sweep, "train a small model on each of many designed mixtures (RegMix, mixing laws)")
     sp = _with_config(sub, "fit", cmd_fit, "propose a mixture from a sweep's table (RegMix or a data mixing law)")
     sp.add_argument("--method", required=True, choices=list(_offline_methods()), help="the offline method")
-    sp.add_argument("--sweep", help="the sweep directory (default: sweep.run_dir)")
+    sp.add_argument(
+        "--sweep",
+        nargs="+",
+        help="the sweep directory (default: sweep.run_dir); several: one fit over all their runs, the same sweep "
+        "but for its seeds (sweep.seed, train.seed, data.seed)",
+    )
     sp.add_argument("--out", help="weights JSON path (default: SWEEP/<method>.json)")
     sp.add_argument(
         "--allow-unfinished", action="store_true", help="fit a sweep whose runs did not all finish (recorded)"

@@ -11,11 +11,19 @@ prior (`fit_reads_prior`) gets it once checked to be the sweep's; one that extra
 main run (`fit_reads_main_size`) gets the sizes, tokens and curves. Every proposal keeps every
 domain within `fit.max_epochs` epochs of the main run, counted as that run reads them (sequences
 over its sampler's pools, doremi/offline/sweep.py `sequence_caps`).
+
+Several sweeps are one fit over all their runs (`--sweep A B ...`) when they are the same sweep
+but for its seeds (`POOLED_KEYS`): the comparison pools its six seeds' sweeps of 64 runs into one
+fit of 384 (doremi/study/comparison/protocol.py, pooled SWEPT arms), because a mixture searched
+anew on every seed spread the study's pairs to sigma_D 0.0507 where one pooled mixture's spread
+0.0056 (experiments/results/doremi_study.md, session 12). Sweeps of other domains, stores or
+design keys are refused: their losses are not one table.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,19 +45,23 @@ from doremi.offline.sweep import SWEEP_FILE, final_table, loss_curves, run_seque
 from trainer.model.flops import non_embedding_params
 from trainer.records.run_dir import changed_keys
 
+#: The keys in which sweeps pooled into one fit may differ: their seeds (each draws its own
+#: mixtures and trains its own runs); every other key of `sweep_keys` must be the same.
+POOLED_KEYS = ("sweep.seed", "train.seed", "data.seed")
+
 
 def propose(
     cfg: ExperimentConfig,
     method: str,
     out: str | Path,
-    sweep_dir: str | Path | None = None,
+    sweep_dir: str | Path | Sequence[str | Path] | None = None,
     budget: int | None = None,
     allow_unfinished: bool = False,
     main_params: float | None = None,
     main: ExperimentConfig | None = None,
 ) -> Path:
-    """Fit `method` to the sweep in `sweep_dir` (default `sweep.run_dir`) and write its mixture
-    to `out`. `main`: the config of the run the mixture is for (default `cfg`): `fit.max_epochs`
+    """Fit `method` to the sweep in `sweep_dir` (default `sweep.run_dir`; several: one fit over
+    all their runs, `read_sweeps`) and write its mixture to `out`. `main`: the config of the run the mixture is for (default `cfg`): `fit.max_epochs`
     caps the weights in its unit, sequences over its sampler's pools (`sequence_caps`, the cap
     that run applies under `data.max_epochs`, so that it reads the proposal unchanged);
     `budget`: its token budget (default `main`'s), to which the mixing law's step law
@@ -58,9 +70,11 @@ def propose(
     if method not in offline:
         raise DoReMiError(f"--method: expected one of {', '.join(offline)}, got {method!r}")
     spec = registry.spec(method)
-    root = Path(sweep_dir or cfg.sweep.run_dir)
-    made_from = _checked_sweep(root, allow_unfinished)
-    domains, weights, losses = final_table(root)
+    given = [sweep_dir] if isinstance(sweep_dir, (str, Path)) else list(sweep_dir or [cfg.sweep.run_dir])
+    roots = [Path(r) for r in given]
+    root = roots[0]
+    headers = [_checked_sweep(r, allow_unfinished) for r in roots]
+    domains, weights, losses = read_sweeps(roots)
     manifest = read_manifest(cfg.data.store_dir)
     check_stores_match(cfg.data, manifest)
     if manifest.domain_names != domains:
@@ -83,18 +97,70 @@ def propose(
         seed=f.seed,
     )
     if spec.fit_reads_prior:
-        check_prior(cfg, root)
+        for r in roots:
+            check_prior(cfg, r)
         table = replace(table, prior=resolve_weights(cfg.sweep.prior, manifest, "sweep.prior", budget))
     if spec.fit_reads_main_size:
-        table = _with_sizes(table, cfg, root, float(main_params or non_embedding_params(main.model)))
+        table = _with_sizes(table, cfg, roots, float(main_params or non_embedding_params(main.model)))
     assert spec.fit is not None  # an offline spec has one (MethodSpec.__post_init__)
     result: FitResult = spec.fit(cfg, table)
-    provenance = _provenance(method, table, f, n, result, counted)
-    sources = [artifact.Source("sweep", str(root), made_from.fingerprint)] if made_from else []
-    notes = []
-    if made_from is not None and made_from.status != "finished":
-        notes.append(f"--allow-unfinished: fitted a sweep that did not finish ({made_from.describe()})")
+    provenance = _provenance(method, table, f, n, result, counted, roots)
+    sources = [artifact.Source("sweep", str(r), h.fingerprint) for r, h in zip(roots, headers) if h]
+    notes = [
+        f"--allow-unfinished: fitted a sweep that did not finish ({h.describe()})"
+        for h in headers
+        if h is not None and h.status != "finished"
+    ]
     return write_proposal(out, domains, result.weights, provenance, sources=sources, notes=notes)
+
+
+def read_sweeps(roots: Sequence[Path]) -> tuple[list[str], np.ndarray, dict[str, np.ndarray]]:
+    """`final_table` of one sweep, or of several as one table (their runs in the order given):
+    refused, naming the sweep, when one is given twice, or its domains or its keys other than
+    `POOLED_KEYS` (design, schedule, model, stores by their fingerprint) are not the first's."""
+    if len(set(map(str, roots))) != len(roots):
+        raise DoReMiError(f"--sweep: a sweep given twice ({', '.join(map(str, roots))})")
+    tables = [final_table(r) for r in roots]
+    first_keys = _unseeded_keys(roots[0])
+    seeds = {}
+    for r, (domains, _, _) in zip(roots[1:], tables[1:]):
+        if domains != tables[0][0]:
+            raise DoReMiError(
+                f"{r}: its domains {domains} are not {roots[0]}'s {tables[0][0]}: one fit pools one corpus"
+            )
+        keys = _unseeded_keys(r)
+        if keys != first_keys:
+            raise DoReMiError(
+                f"{r}: not the sweep of {roots[0]} but for its seeds ({changed_keys(first_keys, keys)}); "
+                f"pooled sweeps differ only in {', '.join(POOLED_KEYS)}"
+            )
+    for r in roots:
+        saved = json.loads((r / SWEEP_FILE).read_text()).get("keys", {})
+        seed = tuple(saved.get(k) for k in POOLED_KEYS)
+        if len(roots) > 1 and seed in seeds:
+            raise DoReMiError(
+                f"{r}: the same seeds as {seeds[seed]} ({dict(zip(POOLED_KEYS, seed))}): the same sweep twice"
+            )
+        seeds[seed] = r
+    domains = tables[0][0]
+    weights = np.concatenate([t[1] for t in tables])
+    losses = {key: np.concatenate([t[2][key] for t in tables]) for key in tables[0][2]}
+    return domains, weights, losses
+
+
+def _unseeded_keys(root: Path) -> dict[str, Any]:
+    keys = json.loads((root / SWEEP_FILE).read_text()).get("keys", {})
+    return {k: v for k, v in keys.items() if k not in POOLED_KEYS}
+
+
+def _pooled_curves(roots: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
+    """`loss_curves` of every sweep, runs concatenated in `read_sweeps`' order; their steps are
+    one (the same keys), checked."""
+    curves = [loss_curves(r) for r in roots]
+    for r, (steps, _) in zip(roots[1:], curves[1:]):
+        if steps.tolist() != curves[0][0].tolist():
+            raise DoReMiError(f"{r}: evaluated at other steps than {roots[0]}")
+    return curves[0][0], np.concatenate([c[1] for c in curves])
 
 
 def _fit_caps(
@@ -109,9 +175,11 @@ def _fit_caps(
     return caps, {"unit": "sequences", "pools": pools, "run_sequences": sequences, "slack": SEQUENCE_SLACK}
 
 
-def _with_sizes(table: SweepTable, cfg: ExperimentConfig, root: Path, main_params: float) -> SweepTable:
+def _with_sizes(table: SweepTable, cfg: ExperimentConfig, roots: Sequence[Path], main_params: float) -> SweepTable:
     """`table` with what the nested laws extrapolate across: the proxies' size and tokens (from
-    the sweep), the main run's size, and the proxies' loss curves (read when the fit asks)."""
+    the first sweep: pooled sweeps share their keys), the main run's size, and the proxies' loss
+    curves (read when the fit asks)."""
+    root = roots[0]
     proxy_params, per_step = proxy_of(cfg, root)
     keys = json.loads((root / SWEEP_FILE).read_text()).get("keys", {})
     return replace(
@@ -120,17 +188,34 @@ def _with_sizes(table: SweepTable, cfg: ExperimentConfig, root: Path, main_param
         proxy_params=proxy_params,
         proxy_tokens=int(keys.get("train.steps", cfg.train.steps)) * per_step,
         tokens_per_step=per_step,
-        curves=lambda: loss_curves(root),
+        curves=lambda: _pooled_curves(roots),
     )
 
 
 def _provenance(
-    method: str, t: SweepTable, f: Any, n: int, result: FitResult, counted: dict[str, Any] | None
+    method: str,
+    t: SweepTable,
+    f: Any,
+    n: int,
+    result: FitResult,
+    counted: dict[str, Any] | None,
+    roots: Sequence[Path] = (),
 ) -> dict[str, Any]:
     """What the weights JSON records of the fit: the method's options, its held-out check, the
-    sweep it was fitted to (its runs and compute), what its caps count (`caps_counted`: the
-    main run's pools and sequences), then the method's own record."""
-    sweep = json.loads((t.root / SWEEP_FILE).read_text())
+    sweep it was fitted to (its runs and compute; several pooled: `sweeps`, each one's path, and
+    their runs and compute summed), what its caps count (`caps_counted`: the main run's pools and
+    sequences), then the method's own record."""
+    docs = [json.loads((r / SWEEP_FILE).read_text()) for r in roots or [t.root]]
+    sweep = docs[0]
+    pooled: dict[str, Any] = {}
+    if len(docs) > 1:
+        computes = [d.get("compute") or {} for d in docs]
+        keys = [k for k in computes[0] if all(isinstance(c.get(k), (int, float)) for c in computes)]
+        sweep = {
+            "design": [row for d in docs for row in d.get("design", [])],
+            "compute": {k: sum(c[k] for c in computes) for k in keys},
+        }
+        pooled = {"sweeps": [str(r) for r in roots]}
     return proposal_provenance(
         method=method,
         n_runs=n,
@@ -147,6 +232,7 @@ def _provenance(
             "compute": sweep.get("compute"),
             "held_out_skipped": result.skipped,
             "caps_counted": counted,
+            **pooled,
             **result.record,
         },
     )
