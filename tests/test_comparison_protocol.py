@@ -95,6 +95,7 @@ def test_the_arms_are_pre_registered_and_the_study_s_are_reused():
     assert names == [
         "uniform",
         "natural",
+        "doremi_pooled",
         "doremi",
         "unimax",
         "temperature",
@@ -111,9 +112,17 @@ def test_the_arms_are_pre_registered_and_the_study_s_are_reused():
     ]
     assert (
         {a.name for a in PROTOCOL.arms if a.reused}
-        == {a.name for a in DESIGN.arms if not a.pooled}
-        == {"uniform", "natural", "doremi"}
+        == {a.name for a in DESIGN.arms}
+        == {"uniform", "natural", "doremi", "doremi_pooled"}
     )
+    # pooled: every transferred and swept arm but the study's per-seed doremi, a secondary row
+    pooled = {a.name for a in PROTOCOL.arms if a.pooled}
+    assert pooled == {"doremi_pooled", "doge", "odm", "aioli", "ado", "regmix", "mixing_law"}
+    assert {a.name for a in PROTOCOL.arms if a.secondary} == {"doremi"}
+    assert not any(a.pooled for a in PROTOCOL.arms if a.kind in ("online", "static"))
+    # Holm's family: one row per method and form, the rule's baseline and the secondary row out
+    assert PROTOCOL.holm_family() == tuple(n for n in names if n not in ("uniform", "doremi"))
+    assert len(PROTOCOL.holm_family()) == 14 and len(PROTOCOL.holm_family("natural")) == 13
     assert PROTOCOL.arm("natural").mixture == DESIGN.arm("natural").mixture == "tokens"
     from doremi.methods import registry
 
@@ -128,6 +137,9 @@ def test_the_arms_are_pre_registered_and_the_study_s_are_reused():
     dropped = dataclasses.replace(PROTOCOL, arms=_replace_arm("doremi", reused=False))
     with pytest.raises(ProtocolError, match="the study's arms doremi are not reused"):
         check_reused(dropped)
+    unpooled = dataclasses.replace(PROTOCOL, arms=_replace_arm("doremi_pooled", pooled=False))
+    with pytest.raises(ProtocolError, match="arm doremi_pooled: reused with pooled=False, the study's is True"):
+        check_reused(unpooled)
 
 
 def test_unimax_at_two_epochs_would_be_uniform_so_the_arm_takes_one():
@@ -174,7 +186,7 @@ def test_no_arm_reads_the_verdict_s_test_half():
     with pytest.raises(ProtocolError, match="arm peek: reads validation as 'verdict', the 'test' half"):
         check(peeking)
     whole = dataclasses.replace(PROTOCOL, validation_split="none")
-    with pytest.raises(ProtocolError, match="arm doremi: reads validation as 'search_run', the 'all' half"):
+    with pytest.raises(ProtocolError, match="arm doremi_pooled: reads validation as 'search_run', the 'all' half"):
         check_reads(whole)
 
 
@@ -236,35 +248,35 @@ def test_every_planned_config_loads_and_its_method_builds(launcher, tmp_path):
 
 
 def test_the_reused_arms_are_the_study_s_configs(launcher, tmp_path):
-    """The reused arms' stages, as the comparison would run them, resolve to the same configs as
-    the study launcher's stages of those names (seeds 1 and 6: one done, one still to run)."""
+    """The reused arms' stages, as the comparison would run them, are the study launcher's
+    stages of those names for the gate's seeds: the same configs, the same averages (the pooled
+    one over all six proxies, `pooled/weights.json`, which every doremi_pooled run reads)."""
     from doremi.config import ExperimentConfig
     from trainer.config.schema import load_config
     from trainer.config.tools import to_dict
 
     study = launcher.study_launcher()
+    assert plan.STUDY_POOL == study.POOLED and PROTOCOL.arm("doremi_pooled").name == study.POOLED_ARM
+    seeds = list(seeds_for(6))
     folder = tmp_path / "study"
-    for seed in (1, 6):
-        theirs = {}
-        pooled = {f"{a.name}-seed{seed}" for a in DESIGN.arms if a.pooled} | {study.POOLED}
-        for stage in (s for s in study.study_stages([seed], folder) if s.name not in pooled):
-            theirs[(stage.name, stage.command)] = study.command(stage, folder, [], study.main_sets(study.CONFIG), [])
-        ours = {
-            (s.name, s.verb): launcher.command_of(s, PROTOCOL, tmp_path, [], []) for s in plan.plan(PROTOCOL, (seed,))
-        }
-        reused = {
-            k: v
-            for k, v in ours.items()
-            if k[0].split("-seed")[0] in ("uniform", "natural", "doremi", "reference", "proxy")
-        }
-        assert set(reused) == set(theirs)
-        for key, cmd in reused.items():
-            if key[1] == "average":
-                assert cmd == theirs[key]
-                continue
-            a = to_dict(load_config(study.CONFIG, _sets(cmd), cls=ExperimentConfig))
-            b = to_dict(load_config(study.CONFIG, _sets(theirs[key]), cls=ExperimentConfig))
-            assert a == b, key
+    theirs = {
+        (stage.name, stage.command): study.command(stage, folder, [], study.main_sets(study.CONFIG), [])
+        for stage in study.study_stages(seeds, folder)
+    }
+    ours = {(s.name, s.verb): launcher.command_of(s, PROTOCOL, tmp_path, [], []) for s in plan.plan(PROTOCOL, seeds)}
+    reused = {
+        k: v
+        for k, v in ours.items()
+        if k[0].split("-seed")[0] in (*(a.name for a in DESIGN.arms), "reference", "proxy", "pooled")
+    }
+    assert set(reused) == set(theirs) and len(reused) == 6 * 7 + 1
+    for key, cmd in reused.items():
+        if key[1] == "average":
+            assert cmd == theirs[key]
+            continue
+        a = to_dict(load_config(study.CONFIG, _sets(cmd), cls=ExperimentConfig))
+        b = to_dict(load_config(study.CONFIG, _sets(theirs[key]), cls=ExperimentConfig))
+        assert a == b, key
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -331,10 +343,13 @@ def test_the_committed_study_runs_are_what_the_comparison_would_run(launcher, tm
                 assert weights == ours["mixing.doremi.reference_weights"] == DESIGN.reference_weights
             elif step.arms == ("doremi",) and step.verb == "train":
                 assert weights.endswith(f"/proxy-seed{step.seed}/weights.json")
+            elif step.arms == ("doremi_pooled",):
+                assert weights.endswith("/pooled/weights.json") and step.reads == "pooled"
             else:
                 assert weights == ours["data.domain_weights"]
             seen.add(parts[1])
-    assert seen == set(steps) | {"manifest", "pools"}  # 4 seeds x (reference, proxy, uniform, natural, doremi)
+    # 4 seeds x (reference, proxy, uniform, natural, doremi, doremi_pooled)
+    assert seen == set(steps) | {"manifest", "pools"} and len(steps) == 4 * 6
 
 
 # -- the 2-epoch rule ---------------------------------------------------------------------------------
@@ -425,27 +440,92 @@ def test_the_planned_equal_compute_multiples():
     assert costs["regmix"].how == cost.EXTRAPOLATED and costs["regmix"].beyond_corpus and costs["regmix"].shared
 
 
+def test_a_pooled_arm_is_charged_all_its_searches_on_every_seed():
+    """As the study charges doremi_pooled (summarize.compute_of(pooled_from=...)): per seed, the
+    sum of the six seeds' searches; the transferred arms near 2x, the swept far beyond the corpus."""
+    seeds = seeds_for(6)
+    steps = plan.plan(PROTOCOL, seeds)
+    small, main = plan.flops_per_token(DESIGN.proxy, 2048), plan.flops_per_token(DESIGN.main, 2048)
+    ratio = small * DESIGN.proxy.schedule.tokens / (main * DESIGN.main.schedule.tokens)
+    for seed in (1, 6):
+        costs = {c.arm: c for c in plan.arm_costs(PROTOCOL, steps, seed)}
+        for arm in (a for a in PROTOCOL.arms if a.pooled):
+            searches = [s for s in steps if arm.name in s.arms and s.role == plan.SEARCH and s.seed in seeds]
+            assert len(searches) == 6 * (2 if arm.name == "doremi_pooled" else 1)
+            assert costs[arm.name].search_flops == pytest.approx(sum(s.flops for s in searches), rel=1e-12)
+        assert costs["doremi_pooled"].multiple == pytest.approx(1 + 6 * ratio * (1 + 1 + 1 / 3))
+        assert costs["doge"].multiple == pytest.approx(1 + 6 * ratio * (1 + 12 / 96))
+        assert costs["odm"].multiple == pytest.approx(1 + 6 * ratio) and costs["doremi"].multiple < 1.4
+        assert costs["regmix"].multiple == pytest.approx(
+            1 + 6 * plan.sweep_flops(PROTOCOL) / plan.run_flops(PROTOCOL, DESIGN.main)
+        )
+        assert costs["regmix"].multiple > 70 and costs["regmix"].beyond_corpus
+        assert {costs[a].how for a in ("doge", "odm", "aioli", "ado")} == {cost.EXTRAPOLATED}
+        assert not any(costs[a].beyond_corpus for a in ("doge", "odm", "aioli", "ado"))
+    # GPU-seconds: the six proxies and the pool, once each; the sweeps shared by both swept arms
+    c = {c.arm: c for c in plan.arm_costs(PROTOCOL, steps, 1)}
+    assert c["odm"].search_seconds == pytest.approx(6 * 76 / 0.983 + 6)
+    assert c["odm"].total_seconds == pytest.approx(6 * 76 / 0.983 + 6 + 6 * 240)
+    assert c["regmix"].search_seconds == pytest.approx(6 * 64 * 76 + 10.0)
+
+
+def test_a_pool_that_is_not_the_gate_s_seeds_or_not_read_is_refused():
+    seeds = seeds_for(6)
+    steps = plan.plan(PROTOCOL, seeds)
+    plan.check_pools(PROTOCOL, steps, seeds)
+    check(PROTOCOL, seeds)
+    pool = next(s for s in steps if s.name == "doge_pooled")
+    assert pool.pool == tuple(f"doge_proxy-seed{k}" for k in seeds) and pool.verb == "average"
+    assert next(s for s in steps if s.name == "regmix_pooled").pool == tuple(f"sweep-seed{k}" for k in seeds)
+    short = [dataclasses.replace(s, pool=s.pool[:5]) if s is pool else s for s in steps]
+    with pytest.raises(
+        ProtocolError,
+        match=r"arm doge: its pool doge_pooled averages doge_proxy-seed1, .*seed5; the gate's seeds are .*seed6",
+    ):
+        plan.check_pools(PROTOCOL, short, seeds)
+    own = [dataclasses.replace(s, reads="") if s.name == "doge-seed3" else s for s in steps]
+    with pytest.raises(
+        ProtocolError,
+        match="arm doge: every seed's main run trains on its pool doge_pooled, but doge-seed3 reads its own search",
+    ):
+        plan.check_pools(PROTOCOL, own, seeds)
+    twice = steps + [dataclasses.replace(pool, name="doge_pooled2")]
+    with pytest.raises(ProtocolError, match="arm doge: pooled, so one pool over every seed's search, got 2"):
+        plan.check_pools(PROTOCOL, twice, seeds)
+    with pytest.raises(
+        ProtocolError,
+        match="arm doremi_pooled: its pool pooled averages proxy-seed1, .*, proxy-seed6; the gate's seeds are proxy-seed1, proxy-seed2, proxy-seed3$",
+    ):
+        plan.check_pools(PROTOCOL, steps, (1, 2, 3))
+
+
 # -- the launcher's dry run ----------------------------------------------------------------------------
 
 
 def _per_seed_seconds() -> float:
     """One seed's stages the comparison runs, by hand from the measured times (small run 76 s,
-    average 6 s, main run 240 s) and the methods' step ratios (doge 0.735, odm 0.983, aioli
-    0.994 with 10% validation, ado 0.998)."""
-    proxies = 76 / 0.735 + 76 / 0.983 + 76 / 0.994 * 1.1 + 76 / 0.998 + 4 * 6 + 4 * 240
+    main run 240 s) and the methods' step ratios (doge 0.735, odm 0.983, aioli 0.994 with 10%
+    validation, ado 0.998): no average or fit per seed (they are the pools')."""
+    proxies = 76 / 0.735 + 76 / 0.983 + 76 / 0.994 * 1.1 + 76 / 0.998 + 4 * 240
     online = 240 / 0.735 + 240 / 0.983 + 240 / 0.994 * 1.1 + 240 / 0.998
     static = 2 * 240
-    swept = 64 * 76 + (10.0 + 8.2) + 2 * 240
+    swept = 64 * 76 + 2 * 240
     equal = 2 * 480
     return static + proxies + online + swept + equal
+
+
+#: The pools, once for every seed: 4 averages (6 s) and the 2 fits (10.0 s, 8.2 s).
+POOL_SECONDS = 4 * 6 + 10.0 + 8.2
 
 
 def test_the_dry_run_lists_every_stage_and_its_price(launcher, tmp_path, capsys):
     assert launcher.main(["--dry-run", "--work", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    heads = re.findall(r"^# \[(\w+)\] (\S+) \(([\w-]+); ([\w, ]+); seed (\d)\)", out, re.M)
-    assert len(heads) == 6 * 31  # per seed: 6 stages of the study, reused; 25 run here
-    names = {n for g, n, v, _, s in heads if s == "1"}
+    heads = re.findall(r"^# \[(\w+)\] (\S+) \(([\w-]+); ([\w, ]+); (seed \d|pool of seeds [\d, ]+)\)", out, re.M)
+    # per seed: 7 stages of the study, reused (reference, proxy, its average, uniform, natural,
+    # doremi, doremi_pooled), 19 run here; the study's pool and the comparison's 6
+    assert len(heads) == 6 * 26 + 1 + 6
+    names = {n for g, n, v, _, s in heads if s == "seed 1"}
     assert names == {
         *(f"{a}-seed1" for a in [a.name for a in PROTOCOL.arms]),
         "reference-seed1",
@@ -455,12 +535,28 @@ def test_the_dry_run_lists_every_stage_and_its_price(launcher, tmp_path, capsys)
         "uniform_x2-seed1",
         "natural_x2-seed1",
     }
+    pools = {n: (v, a) for g, n, v, a, s in heads if s == "pool of seeds 1, 2, 3, 4, 5, 6"}
+    assert pools == {
+        "pooled": ("average", "doremi_pooled"),
+        **{f"{m}_pooled": ("average", m) for m in ("doge", "odm", "aioli", "ado")},
+        **{f"{m}_pooled": ("fit", m) for m in ("regmix", "mixing_law")},
+    }
+    # every seed's fit reads the six sweeps, and every seed's main run the pool
+    assert re.search(
+        r"doremi fit .* --method regmix --sweep (\S+/sweep-seed\d ){5}\S+/sweep-seed6 --out \S+/regmix_pooled/regmix.json",
+        out,
+    )
+    assert out.count("data.domain_weights=" + str(tmp_path / "comparison" / "doge_pooled" / "weights.json")) == 6
+    assert (
+        out.count("data.domain_weights=" + str(tmp_path / "comparison" / "mixing_law_pooled" / "mixing_law.json")) == 6
+    )
+    assert out.count("data.domain_weights=" + str(tmp_path / "study" / "pooled" / "weights.json")) == 6
     groups = [g for g, *_ in heads]
     order = ["static", "transferred", "online", "equal_compute", "swept"]
     assert groups == sorted(groups, key=order.index)  # group by group, each over every seed
-    assert len(re.findall(r": reused, the study's run", out)) == 6 * 6
-    total = 6 * _per_seed_seconds()
-    assert f"Total: {total / 60:.1f} GPU minutes (150 stages)" in out
+    assert len(re.findall(r": reused, the study's run", out)) == 6 * 7 + 1
+    total = 6 * _per_seed_seconds() + POOL_SECONDS
+    assert f"Total: {total / 60:.1f} GPU minutes (120 stages)" in out
     assert f"{math.ceil(total / (1800 - 69.5))} sessions of 30 device-minutes" in out
     assert "Stacked main runs: not costed" in out and "GO with 6 pairs" in out
 
@@ -476,7 +572,7 @@ def test_the_dry_run_skips_what_is_finished(launcher, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "unimax-seed1 (train; unimax; seed 1): finished before, skipped" in out
     assert "uniform-seed1 (train; uniform; seed 1): reused, the study's run (finished in the work folder)" in out
-    assert f"Total: {(6 * _per_seed_seconds() - 240) / 60:.1f} GPU minutes (149 stages)" in out
+    assert f"Total: {(6 * _per_seed_seconds() + POOL_SECONDS - 240) / 60:.1f} GPU minutes (119 stages)" in out
 
 
 def test_a_calibration_the_gate_refuses_is_one_line_and_exit_2(launcher, tmp_path, capsys):
@@ -508,7 +604,7 @@ def test_a_run_starts_with_the_first_stage_of_its_own_and_packs_what_finished(la
     monkeypatch.setattr(launcher.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0))
     argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--corpus", str(corpus)]
     assert launcher.main(argv) == 1
-    assert started[0] == "unimax-seed1" and len(started) == 150  # every command built, none of the study's
+    assert started[0] == "unimax-seed1" and len(started) == 120  # every command built, none of the study's
     with tarfile.open(tmp_path / "out" / "comparison.tar.xz") as tar:
         info = json.loads(tar.extractfile("comparison/launch.json").read())
     assert [(s["stage"], s["exit_status"]) for s in info["stages"]] == [("preprocess", 0), ("unimax-seed1", 2)]

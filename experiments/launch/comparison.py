@@ -104,7 +104,7 @@ def stage_of(step: planning.Step, protocol: Protocol, work: Path) -> tuple[Any, 
     proxy_seeds = study.seeded(s, s + study.PROXY_DATA_SEED_OFFSET)
     arm = next((a for a in protocol.arms if a.name == step.arms[0]), None)
     if step.verb == "average":
-        return study.Stage(step.name, "average"), folder
+        return study.Stage(step.name, "average", pooled=step.pool), folder
     if step.verb == "train-reference":
         return study.Stage(step.name, "train-reference", study.seeded(s)), folder
     if step.verb == "train-proxy":
@@ -118,6 +118,9 @@ def stage_of(step: planning.Step, protocol: Protocol, work: Path) -> tuple[Any, 
     if step.verb == "sweep":
         return study.Stage(step.name, "sweep", proxy_seeds + protocol.sweep.sets(s)), folder
     if step.verb == "fit":
+        if step.pool:  # one fit of every seed's sweep: the keys of the first (they differ only in their seeds)
+            s = int(step.pool[0].rsplit("-seed", 1)[1])
+            proxy_seeds = study.seeded(s, s + study.PROXY_DATA_SEED_OFFSET)
         sets = proxy_seeds + protocol.sweep.sets(s) + protocol.sweep.fit_sets() + arm.sets()
         return study.Stage(step.name, "fit", sets, main=True), folder
     sets = study.seeded(s)
@@ -132,6 +135,8 @@ def stage_of(step: planning.Step, protocol: Protocol, work: Path) -> tuple[Any, 
         )
     elif arm.kind == STATIC:
         sets += (f"data.domain_weights={arm.mixture}",)
+    elif arm.pooled:
+        sets += (f"data.domain_weights={folder / step.reads / planning.pool_file(arm)}",)
     elif arm.kind == TRANSFERRED:
         proxy = next(x for x in planning.arm_steps(protocol, arm, s) if x.verb == "train-proxy")
         sets += (f"data.domain_weights={folder / proxy.name / 'weights.json'}",)
@@ -151,7 +156,11 @@ def command_of(step: planning.Step, protocol: Protocol, work: Path, base: list[s
     if step.verb == "sweep":
         cmd += ["--set", f"sweep.run_dir={folder / step.name}"]
     if step.verb == "fit":
-        cmd += ["--method", protocol.arm(step.arms[0]).method, "--sweep", str(folder / step.name)]
+        method = protocol.arm(step.arms[0]).method
+        sweeps = [str(folder / n) for n in step.pool or (step.name,)]
+        cmd += ["--method", method, "--sweep", *sweeps]
+        if step.pool:
+            cmd += ["--out", str(folder / step.name / planning.pool_file(protocol.arm(step.arms[0])))]
     return cmd
 
 
@@ -172,20 +181,21 @@ def _minutes(seconds: float) -> str:
 
 
 def price_table(protocol: Protocol, steps: list[planning.Step], seeds: tuple[int, ...]) -> str:
-    """Per arm: GPU-seconds a seed (search, main), minutes over the seeds, search FLOPs a seed,
-    the equal-compute multiple and how the baseline there is obtained."""
+    """Per arm: GPU-seconds a seed (search, main; a pooled arm's search is every seed's and its
+    pool), minutes over the seeds (each stage once), search FLOPs a seed, the equal-compute
+    multiple and how the baseline there is obtained; a secondary arm says it is outside Holm's family."""
     costs = planning.arm_costs(protocol, steps, seeds[0])
-    n = len(seeds)
     lines = [
         "| arm | kind | search s/seed | main s/seed | GPU min, all seeds | search PFLOPs/seed | equal-compute multiple |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for c, arm in zip(costs, protocol.arms):
-        total = "reused (the study's)" if c.reused else _minutes(n * (c.search_seconds + c.main_seconds))
-        shared = " (sweep shared)" if c.shared else ""
+        total = "reused (the study's)" if c.reused else _minutes(c.total_seconds)
+        shared = " (shared)" if c.shared else ""
+        kind = arm.kind + (", pooled" if arm.pooled else "") + (", secondary: outside Holm" if arm.secondary else "")
         flag = c.how + (", beyond the corpus" if c.beyond_corpus else "")
         lines.append(
-            f"| {c.arm} | {arm.kind} | {c.search_seconds:.0f}{shared} | {c.main_seconds:.0f} | {total} | "
+            f"| {c.arm} | {kind} | {c.search_seconds:.0f}{shared} | {c.main_seconds:.0f} | {total} | "
             f"{c.search_flops / 1e15:.2f} | {c.multiple:.3f} ({flag}) |"
         )
     eq = protocol.equal_compute
@@ -234,7 +244,7 @@ def power_lines(protocol: Protocol, decision: Any) -> str:
     cal = json.loads(CALIBRATION.read_text()) if CALIBRATION.is_file() else None
     if cal is None:
         return ""
-    r, n, arms = protocol.rule, decision.pairs, len(protocol.arms) - 1
+    r, n, arms = protocol.rule, decision.pairs, len(protocol.holm_family())
     sd = float(cal["sigma_d"])
     one = stats.detectable_effect(sd, n, r.alpha, r.power)
     holm = stats.detectable_effect(sd, n, r.alpha / arms, r.power)
@@ -285,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         print(power_lines(PROTOCOL, decision))
         print(shlex.join(preprocess[1:]))
         for step, f in zip(steps, finished):
-            head = f"# [{step.group}] {step.name} ({step.verb}; {', '.join(step.arms)}; seed {step.seed})"
+            seed = (
+                f"pool of seeds {', '.join(n.rsplit('-seed', 1)[1] for n in step.pool)}"
+                if step.pool
+                else f"seed {step.seed}"
+            )
+            head = f"# [{step.group}] {step.name} ({step.verb}; {', '.join(step.arms)}; {seed})"
             cmd = shlex.join(command_of(step, PROTOCOL, work, base, args.sets)[1:])
             if step.reused:
                 state = "finished in the work folder" if f else "not yet in the work folder: the study runs it"

@@ -2,10 +2,13 @@
 (docs/design.md section 4f; the commands: experiments/launch/comparison.py).
 
 Per seed and arm: the search stages (a reference and a proxy for a method that reads one, a
-proxy and its average for the other transferred methods, the seed's sweep and a fit for a swept
-one) and the main run; per seed and equal-compute baseline, its runs at the larger multiples.
-Stage groups run in the protocol's `order`, each over every seed. A reused arm's stages are
-listed (they are the study's) but priced outside the comparison's total: they are not rerun.
+proxy for the other transferred methods, the seed's sweep for a swept one) and the main run;
+per pooled arm (protocol.py `Arm.pooled`) one stage over every seed's searches (`doremi average`
+of the proxies, `doremi fit` of the sweeps), which every seed's main run reads; the per-seed
+doremi arm keeps its proxy's own average. Per seed and equal-compute baseline, its runs at the
+larger multiples. Stage groups run in the protocol's `order`, each over every seed: a group's
+searches, then its pools, then its main runs. A reused arm's stages are listed (they are the
+study's) but priced outside the comparison's total: they are not rerun.
 
 FLOPs are the ledger's (doremi/reports/ledger.py `train_flops`, `forward_flops`: training, a
 reference's forward, a target batch, validation passes; a sweep's evaluations, which its fit
@@ -15,9 +18,10 @@ reads), planned from the stages' shapes; the equal-compute multiple of an arm is
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from doremi.study.comparison.cost import classify, compute_multiple
 from doremi.study.comparison.price import Price, run_price
@@ -28,6 +32,7 @@ from doremi.study.comparison.protocol import (
     TRANSFERRED,
     Arm,
     Protocol,
+    ProtocolError,
     arm_stage,
     corpus_capacity,
     multiple_stage,
@@ -35,6 +40,7 @@ from doremi.study.comparison.protocol import (
 from doremi.study.design import Stage
 
 SEARCH, MAIN = "search", "main"
+RUN_SEED = re.compile(r"-seed\d+$")
 
 #: Why the plan trains main runs one by one, although the arms of one seed share initialisation
 #: and data streams and could in principle be stacked in one process (trainer/stacked/, read for
@@ -62,12 +68,20 @@ STACKED_MAIN_RUNS = (
 EQUAL_COMPUTE = "equal_compute"
 
 
+#: The study's pooled DoReMi directory (experiments/launch/doremi_study.py `POOLED`, held equal
+#: by tests/test_comparison_protocol.py): the reused doremi_pooled arm's pool.
+STUDY_POOL = "pooled"
+
+
 @dataclass(frozen=True)
 class Step:
     """One stage of the plan. `name`: its run directory under the work folder (`<arm>-seed<k>`
     for a main run). `verb`: the `doremi` command (train, train-reference, train-proxy, average,
-    sweep, fit). `arms`: the arms it serves (a sweep serves every swept arm). `role`: SEARCH or
-    MAIN. `multiple`: a main run's tokens as a multiple of the study's."""
+    sweep, fit). `arms`: the arms it serves (a sweep serves every swept arm, DoReMi's reference
+    and proxy both DoReMi arms). `seed`: 0 for a pool, which belongs to every seed. `role`:
+    SEARCH or MAIN. `multiple`: a main run's tokens as a multiple of the study's. `pool`: a
+    pool's inputs, the search runs of every seed (`<stage>-seed<k>`). `reads`: the pool a pooled
+    arm's main run trains on."""
 
     name: str
     verb: str
@@ -79,6 +93,8 @@ class Step:
     flops: float = 0.0
     multiple: int = 1
     reused: bool = False
+    pool: tuple[str, ...] = ()
+    reads: str = ""
 
 
 def flops_per_token(stage: Stage, vocab_size: int) -> int:
@@ -137,8 +153,25 @@ def sweep_flops(protocol: Protocol) -> float:
     return sw.runs * per_run
 
 
+def pool_name(arm: Arm) -> str:
+    """A pooled arm's pool directory: the study's for the reused doremi_pooled, else `<arm>_pooled`."""
+    return STUDY_POOL if arm.reused else f"{arm.name}_pooled"
+
+
+def pool_file(arm: Arm) -> str:
+    """The mixture in the pool directory: `doremi average`'s weights.json, `doremi fit`'s <method>.json."""
+    return f"{arm.method}.json" if arm.kind == SWEPT else "weights.json"
+
+
+def sweep_step(protocol: Protocol, seed: int) -> Step:
+    """Seed `seed`'s sweep, which every swept arm fits."""
+    swept = tuple(a.name for a in protocol.arms if a.kind == SWEPT)
+    price = run_price("small_run", runs=protocol.sweep.runs)
+    return Step(f"sweep-seed{seed}", "sweep", swept, seed, SWEPT, SEARCH, price, sweep_flops(protocol))
+
+
 def arm_steps(protocol: Protocol, arm: Arm, seed: int) -> list[Step]:
-    """The arm's stages for one seed, search first."""
+    """The arm's stages for one seed, search first (a pooled arm's pool is `pool_step`'s)."""
     from doremi.methods import registry
 
     d = protocol.design
@@ -154,12 +187,16 @@ def arm_steps(protocol: Protocol, arm: Arm, seed: int) -> list[Step]:
         run_price("main_run", step_ratio=ratio, validation_share=arm.validation_share if arm.kind == ONLINE else 0.0),
         main,
         reused=arm.reused,
+        reads=pool_name(arm) if arm.pooled else "",
     )
     if arm.kind in (STATIC, ONLINE):
         return [main_step]
     if arm.kind == SWEPT:
+        sweep = sweep_step(protocol, seed)
+        if arm.pooled:
+            return [sweep, main_step]
         fit = Price(arm.fit_seconds.value if arm.fit_seconds else 0.0, arm.fit_seconds.where if arm.fit_seconds else "")
-        return [Step(f"sweep-seed{seed}", "fit", (arm.name,), seed, SWEPT, SEARCH, fit), main_step]
+        return [sweep, Step(sweep.name, "fit", (arm.name,), seed, SWEPT, SEARCH, fit), main_step]
     out = []
     proxy_name = f"{arm.name}_proxy"
     if registry.spec(arm.method).needs_reference:
@@ -189,33 +226,61 @@ def arm_steps(protocol: Protocol, arm: Arm, seed: int) -> list[Step]:
     out.append(
         Step(name, "train-proxy", (arm.name,), seed, TRANSFERRED, SEARCH, proxy_price, proxy_flops, reused=arm.reused)
     )
-    out.append(Step(name, "average", (arm.name,), seed, TRANSFERRED, SEARCH, run_price("average"), reused=arm.reused))
+    if not arm.pooled:
+        out.append(
+            Step(name, "average", (arm.name,), seed, TRANSFERRED, SEARCH, run_price("average"), reused=arm.reused)
+        )
     return out + [main_step]
 
 
+def pool_step(protocol: Protocol, arm: Arm, seeds: Sequence[int]) -> Step:
+    """A pooled arm's one stage over every seed's searches: `doremi average` of its proxies (the
+    study's mechanism) or `doremi fit` of the sweeps (384 runs for 6 seeds), priced as one
+    average or as the fit of one 64-run sweep (host time; not measured at 384 runs)."""
+    last = [s for s in arm_steps(protocol, arm, seeds[0]) if s.role == SEARCH][-1]
+    stage = RUN_SEED.sub("", last.name)
+    if arm.kind == SWEPT:
+        m = arm.fit_seconds
+        price = Price(m.value if m else 0.0, f"{m.where if m else ''}; a 64-run sweep's, not measured at more")
+        verb = "fit"
+    else:
+        price, verb = run_price("average"), "average"
+    return Step(
+        pool_name(arm),
+        verb,
+        (arm.name,),
+        0,
+        arm.kind,
+        SEARCH,
+        price,
+        reused=arm.reused,
+        pool=tuple(f"{stage}-seed{k}" for k in seeds),
+    )
+
+
+def _merged(steps: Sequence[Step]) -> list[Step]:
+    """One step per (name, verb, seed), serving every arm that lists it (a sweep, DoReMi's
+    reference and proxy), in first-seen order."""
+    out: dict[tuple[str, str, int], Step] = {}
+    for st in steps:
+        key = (st.name, st.verb, st.seed)
+        have = out.get(key)
+        out[key] = st if have is None else replace(have, arms=tuple(dict.fromkeys(have.arms + st.arms)))
+    return list(out.values())
+
+
 def plan(protocol: Protocol, seeds: Sequence[int]) -> list[Step]:
-    """Every stage of the comparison, group by group (`protocol.order`), seed by seed."""
-    swept = tuple(a.name for a in protocol.arms if a.kind == SWEPT)
-    by_group: dict[str, list[Step]] = defaultdict(list)
+    """Every stage of the comparison, group by group (`protocol.order`): in each, the searches
+    seed by seed, then the pools over every seed, then the main runs seed by seed."""
+    parts: dict[str, dict[str, list[Step]]] = defaultdict(lambda: {"search": [], "pool": [], "main": []})
     for seed in seeds:
         for arm in protocol.arms:
-            if arm.kind == SWEPT and arm.name == swept[0]:
-                sweep = Step(
-                    f"sweep-seed{seed}",
-                    "sweep",
-                    swept,
-                    seed,
-                    SWEPT,
-                    SEARCH,
-                    run_price("small_run", runs=protocol.sweep.runs),
-                    sweep_flops(protocol),
-                )
-                by_group[SWEPT].append(sweep)
-            by_group[arm.kind].extend(arm_steps(protocol, arm, seed))
+            for st in arm_steps(protocol, arm, seed):
+                parts[arm.kind]["main" if st.role == MAIN else "search"].append(st)
         eq = protocol.equal_compute
         for baseline in eq.baselines:
             for m in eq.multiples[1:]:
-                by_group[EQUAL_COMPUTE].append(
+                parts[EQUAL_COMPUTE]["main"].append(
                     Step(
                         f"{eq.name(baseline, m)}-seed{seed}",
                         "train",
@@ -228,13 +293,42 @@ def plan(protocol: Protocol, seeds: Sequence[int]) -> list[Step]:
                         multiple=m,
                     )
                 )
-    return [s for group in protocol.order for s in by_group[group]]
+    for arm in protocol.arms:
+        if arm.pooled and seeds:
+            parts[arm.kind]["pool"].append(pool_step(protocol, arm, seeds))
+    return [st for group in protocol.order for part in ("search", "pool", "main") for st in _merged(parts[group][part])]
+
+
+def check_pools(protocol: Protocol, steps: Sequence[Step], seeds: Sequence[int]) -> None:
+    """Refuse (ProtocolError, one line) a pooled arm whose plan has not exactly one pool, of the
+    search runs of exactly the gate's `seeds`, or whose main runs do not all read it: the
+    mixture its verdict is about would then not be the pooled one it pre-registered (after the
+    runs, doremi/study/summarize.py `check_pooled` holds the runs to the same)."""
+    for arm in (a for a in protocol.arms if a.pooled):
+        pools = [s for s in steps if arm.name in s.arms and s.pool]
+        if len(pools) != 1:
+            raise ProtocolError(f"arm {arm.name}: pooled, so one pool over every seed's search, got {len(pools)}")
+        pool = pools[0]
+        stage = RUN_SEED.sub("", pool.pool[0]) if pool.pool else ""
+        want = tuple(f"{stage}-seed{k}" for k in seeds)
+        if sorted(pool.pool) != sorted(want):
+            raise ProtocolError(
+                f"arm {arm.name}: its pool {pool.name} averages {', '.join(pool.pool) or 'nothing'}; "
+                f"the gate's seeds are {', '.join(want)}"
+            )
+        mains = [s for s in steps if s.arms == (arm.name,) and s.role == MAIN]
+        wrong = [f"{s.name} reads {s.reads or 'its own search'}" for s in mains if s.reads != pool.name]
+        if wrong or sorted(s.seed for s in mains) != sorted(seeds):
+            why = wrong[0] if wrong else f"main runs of seeds {sorted(s.seed for s in mains)}"
+            raise ProtocolError(f"arm {arm.name}: every seed's main run trains on its pool {pool.name}, but {why}")
 
 
 @dataclass(frozen=True)
 class ArmCost:
     """One arm's planned cost per seed: search and main GPU-seconds (a shared stage counted in
-    each arm it serves), search FLOPs, the equal-compute multiple and how its baseline is got."""
+    each arm it serves; a pooled arm's search is every seed's and its pool, as the study charges
+    doremi_pooled), search FLOPs, the equal-compute multiple and how its baseline is got; and
+    `total_seconds`, the arm's stages over every seed, each once."""
 
     arm: str
     reused: bool
@@ -245,6 +339,7 @@ class ArmCost:
     how: str
     beyond_corpus: bool
     shared: bool
+    total_seconds: float = 0.0
 
 
 def arm_costs(protocol: Protocol, steps: Sequence[Step], seed: int) -> list[ArmCost]:
@@ -252,9 +347,9 @@ def arm_costs(protocol: Protocol, steps: Sequence[Step], seed: int) -> list[ArmC
     plain = run_flops(protocol, protocol.design.main)
     out = []
     for arm in protocol.arms:
-        mine = [s for s in steps if s.seed == seed and arm.name in s.arms]
-        search = [s for s in mine if s.role == SEARCH]
-        main = [s for s in mine if s.role == MAIN]
+        every = [s for s in steps if arm.name in s.arms]
+        search = [s for s in every if s.role == SEARCH and (arm.pooled or s.seed == seed)]
+        main = [s for s in every if s.role == MAIN and s.seed == seed]
         flops = sum(s.flops for s in search) + sum(max(s.flops - plain, 0.0) for s in main)
         multiple = compute_multiple(flops, plain)
         how, beyond = classify(multiple, protocol.equal_compute.multiples, corpus_capacity(protocol))
@@ -269,6 +364,7 @@ def arm_costs(protocol: Protocol, steps: Sequence[Step], seed: int) -> list[ArmC
                 how,
                 beyond,
                 any(len(s.arms) > 1 for s in search),
+                sum(s.price.seconds for s in every),
             )
         )
     return out

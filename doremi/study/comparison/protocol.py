@@ -10,8 +10,16 @@ the study's uniform, natural and DoReMi runs are this comparison's arms of those
 never rerun). What it adds, each with its reason beside it:
 
 - arms: the static baselines UniMax and temperature; DoGE, ODM, Aioli and ADO twice, as a proxy
-  whose averaged weights train the main run (as DoReMi) and online on the main run itself (as
-  their authors use them); RegMix and data mixing laws, each a fit of its seed's sweep;
+  whose averaged weights train the main run and online on the main run itself (as their authors
+  use them); RegMix and data mixing laws, each a fit of a sweep;
+- pooled searches (`Arm.pooled`): every transferred arm is pooled as the study's doremi_pooled
+  (one average over all the seeds' proxies, every seed's main run on it) and every swept arm
+  fits all the seeds' sweeps at once; the study's per-seed doremi is a secondary row outside the
+  Holm family. The reason is measured: a mixture searched anew on every seed spread the study's
+  pairs to sigma_D 0.0507 (6 pairs detect 0.06 nats, 42 are needed for 0.02), one pooled mixture
+  to 0.0056, a fixed mixture's spread (experiments/results/doremi_study.md, sessions 11 and 12).
+  Online arms cannot be pooled (the search is the main run); their own pairs go through the
+  calibration gate in the table (summary.py `own_gate`), and a NO-GO is flagged, never given seeds;
 - each method as its authors run it (`variant: authors` where a method has variants, issue 35),
   except where the study's proxy schedule cannot hold the authors' default: each such option
   is an `Option` naming its reason, and the same default on the main run is kept;
@@ -22,7 +30,8 @@ never rerun). What it adds, each with its reason beside it:
   many arms compared with one baseline.
 
 `check` refuses a protocol that breaks its rules (an arm reading the verdict's test half, a
-schedule a method cannot run, a reused arm that is not the study's, a sweep beyond 2 epochs):
+schedule a method cannot run, a reused arm that is not the study's, a sweep beyond 2 epochs, a
+pooled arm whose main runs do not all read its one pool or whose pool is not the gate's seeds):
 one line, `ProtocolError`.
 """
 
@@ -76,7 +85,11 @@ class Arm:
     `step_ratio`: the method's measured step time relative to a plain step. `validation_share`:
     its validation passes' FLOPs as a share of its training FLOPs (a bound). `fit_seconds`: the
     host time of a SWEPT arm's fit. `reads`: validation consumers (data/store/validation_split.py
-    CONSUMERS) the arm reads beyond those derived from its kind and method."""
+    CONSUMERS) the arm reads beyond those derived from its kind and method. `pooled`: its
+    searches of every seed make one mixture (one average of the proxies, one fit of the sweeps),
+    on which every seed's main run trains, and each seed is charged all of them (the study's
+    doremi_pooled, `Arm(pooled=True)` of doremi/study/design.py). `secondary`: why the arm is
+    reported but outside the Holm family and the comparison's question (empty: a primary arm)."""
 
     name: str
     kind: str
@@ -88,6 +101,8 @@ class Arm:
     validation_share: float = 0.0
     fit_seconds: Measured | None = None
     reads: tuple[str, ...] = ()
+    pooled: bool = False
+    secondary: str = ""
 
     def sets(self) -> tuple[str, ...]:
         return tuple(o.set() for o in self.options)
@@ -239,6 +254,13 @@ def ado_refits(steps: int, warmup: int, refit_every: int) -> int:
     return sum(1 for t in range(1, steps + 1) if t - 1 >= warmup and (t - 1) % refit_every == 0)
 
 
+#: Why the study's per-seed DoReMi arm is reported but not judged for the comparison's question.
+PER_SEED_DOREMI = (
+    "per-seed search, underpowered by design: sigma_D 0.0507 (6 pairs detect 0.06 nats; 42 needed for 0.02); "
+    "the comparison's DoReMi is doremi_pooled"
+)
+
+
 def _arms(design: Design) -> tuple[Arm, ...]:
     from doremi.methods.aioli.config import AioliConfig
 
@@ -248,7 +270,10 @@ def _arms(design: Design) -> tuple[Arm, ...]:
         # The study's arms, reused: the same runs, stores and configs (tests/test_comparison_protocol.py).
         Arm("uniform", STATIC, mixture=study["uniform"].mixture, reused=True),
         Arm("natural", STATIC, mixture=study["natural"].mixture, reused=True),
-        Arm("doremi", TRANSFERRED, method="doremi", reused=True),
+        # DoReMi as the study judged it after session 11: its six proxies pooled into one mixture
+        # (sigma_D 0.0056). The per-seed arm stays as a secondary row (sigma_D 0.0507).
+        Arm("doremi_pooled", TRANSFERRED, method="doremi", reused=True, pooled=True),
+        Arm("doremi", TRANSFERRED, method="doremi", reused=True, secondary=PER_SEED_DOREMI),
         # UniMax (Chung et al. 2023) at 1 epoch: at the main run's budget every domain's uniform
         # share is within 2 epochs, so `unimax:2` would be uniform itself.
         Arm("unimax", STATIC, mixture="unimax:1"),
@@ -261,7 +286,15 @@ def _arms(design: Design) -> tuple[Arm, ...]:
         share = aioli_share if method == "aioli" else 0.0
         ratio = STEP_RATIOS[method]
         out.append(
-            Arm(method, TRANSFERRED, method=method, options=variant + proxy, step_ratio=ratio, validation_share=share)
+            Arm(
+                method,
+                TRANSFERRED,
+                method=method,
+                options=variant + proxy,
+                step_ratio=ratio,
+                validation_share=share,
+                pooled=True,
+            )
         )
         out.append(
             Arm(f"{method}_online", ONLINE, method=method, options=variant, step_ratio=ratio, validation_share=share)
@@ -272,17 +305,17 @@ def _arms(design: Design) -> tuple[Arm, ...]:
         "the released nested step-law extrapolation (issue 35; docs/design.md 4d-i)",
     )
     regressor = Option("fit.regressor", "lightgbm", "RegMix's regressor with the authors' settings")
-    out.append(Arm("regmix", SWEPT, method="regmix", options=(regressor,), fit_seconds=FIT_SECONDS["regmix"]))
-    out.append(
-        Arm("mixing_law", SWEPT, method="mixing_law", options=(fit_variant,), fit_seconds=FIT_SECONDS["mixing_law"])
-    )
+    for method, option in (("regmix", regressor), ("mixing_law", fit_variant)):
+        out.append(Arm(method, SWEPT, method=method, options=(option,), fit_seconds=FIT_SECONDS[method], pooled=True))
     return tuple(out)
 
 
 @dataclass(frozen=True)
 class SweepPlan:
-    """The sweep of small runs a SWEPT arm fits, one per seed (as DoReMi's reference and proxy are:
-    the verdict is then of the method with its search's own noise, not of one sweep's mixture).
+    """The sweep of small runs the SWEPT arms fit, one per seed (as DoReMi's reference and proxy
+    are), all the seeds' sweeps fitted at once (`Arm.pooled`): 6 x 64 = 384 runs, nearer RegMix's
+    own 512 than one seed's 64, and one mixture for every seed's main run, so that its pairs
+    spread as a fixed mixture's (the study's pooled DoReMi: sigma_D 0.0056 against 0.0507 per seed).
 
     Its runs have the study's proxy shape and schedule (`stage`), like every other method's
     search. `runs`: LightGBM's two leaves of 20 need 40 runs, and the 5-fold held-out check fits
@@ -376,7 +409,9 @@ class Protocol:
     baseline's runs voids every arm compared with it. `multiplicity`: with this many arms
     against one baseline, about one in twenty arms with no effect is called "works" or "worse"
     at the rule's one-sided alpha; the table adds Holm's adjustment over the arms as a second
-    column (the rule's verdict stays the primary one, as in the study). `order`: the stage
+    column (the rule's verdict stays the primary one, as in the study), over the primary arms
+    only (`holm_family`: one row per method and form, the secondary per-seed doremi outside it).
+    `order`: the stage
     groups in the order they run, each over every seed, so that a budget spent part-way leaves
     whole arms rather than every arm short of pairs."""
 
@@ -401,6 +436,14 @@ class Protocol:
     @property
     def endpoint(self) -> Endpoint:
         return self.design.endpoint
+
+    def holm_family(self, baseline: str | None = None) -> tuple[str, ...]:
+        """The arms Holm's column adjusts over against `baseline` (default the rule's): every
+        primary arm but the baseline and the rule's baseline, fixed before the runs (14 at
+        equal tokens: natural, unimax, temperature; doremi_pooled, doge, odm, aioli, ado; the
+        four online; regmix, mixing_law)."""
+        skip = {self.rule.baseline, baseline or self.rule.baseline}
+        return tuple(a.name for a in self.arms if not a.secondary and a.name not in skip)
 
     def arm(self, name: str) -> Arm:
         found = {a.name: a for a in self.arms}
@@ -510,14 +553,15 @@ def check_reused(protocol: Protocol) -> None:
             raise ProtocolError(
                 f"arm {arm.name}: reused with mixture {arm.mixture!r}, the study's is {study[arm.name].mixture!r}"
             )
+        if arm.pooled != study[arm.name].pooled:
+            raise ProtocolError(
+                f"arm {arm.name}: reused with pooled={arm.pooled}, the study's is {study[arm.name].pooled}"
+            )
         if arm.options:
             raise ProtocolError(
                 f"arm {arm.name}: reused, so it sets nothing the study's did not ({arm.options[0].key})"
             )
-    # The study's pooled arm is not one: every transferred arm here searches per seed, and
-    # pooling searches would be a change to all of them (experiments/notes/COMPARISON.md).
-    pooled = {a.name for a in DESIGN.arms if a.pooled}
-    missing = sorted({a.name for a in DESIGN.arms} - pooled - {a.name for a in protocol.arms if a.reused})
+    missing = sorted({a.name for a in DESIGN.arms} - {a.name for a in protocol.arms if a.reused})
     if missing:
         raise ProtocolError(f"the study's arms {', '.join(missing)} are not reused (every arm of the study is one)")
 
@@ -584,6 +628,10 @@ def check(protocol: Protocol, seeds: tuple[int, ...] = ()) -> None:
     check_schedules(protocol)
     check_equal_compute(protocol)
     check_sweep(protocol, seeds)
+    if seeds:
+        from doremi.study.comparison.plan import check_pools, plan
+
+        check_pools(protocol, plan(protocol, seeds), seeds)
 
 
 # -- pairs, from the calibration's gate ------------------------------------------------------------------
