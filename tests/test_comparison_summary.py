@@ -22,6 +22,7 @@ from doremi.study.comparison.guards import voided_by
 from doremi.study.comparison.protocol import CORPUS, PROTOCOL
 from doremi.study.comparison.summary import COMPARISON_JSON, COMPARISON_MD, COMPARISON_PNG, compare, format_markdown
 from doremi.study.design import DESIGN, SMALL, SMALL_SCHEDULE
+from doremi.study.runs import StudyError
 from tests.test_study_calibration import write_run
 from tests.test_study_verdict import _flops, write_search_run
 
@@ -36,7 +37,7 @@ ONLINE = [-0.05, -0.04, -0.06]
 X2 = -0.1  # uniform_x2 minus uniform, every domain
 ONLINE_EVAL_TOKENS = 3 * MAIN_TOKENS // 2  # a forward of 1.5 main runs' tokens: multiple 1.5
 PLAIN = _flops(DESIGN.main.shape, 1024) * MAIN_TOKENS
-SWEEP = (1.25 * PLAIN, 0.25 * PLAIN)  # training and evaluations: multiple 2.5, beyond 2x and the corpus
+SWEEP = (1.25 * PLAIN, 0.25 * PLAIN)  # training and evaluations: pooled over 3 seeds, multiple 5.5
 
 
 def losses(endpoint: float) -> np.ndarray:
@@ -72,9 +73,27 @@ def search_run(root: Path, name: str, seed: int, gap: float = 0.0) -> Path:
     return run
 
 
+def write_pool(root: Path, pool: str, file: str, kind: str, made_from: list[str], mains: list[Path]) -> Path:
+    """A pooled arm's one mixture (`root/pool/file`, its sources `made_from` of `kind`: proxies
+    averaged or sweeps fitted) and each of its main runs' run.json recording that file's content."""
+    from data import artifact
+    from data.sampling.weights_file import write_weights_file
+    from trainer.records.run_dir import content_id
+
+    weights = root / pool / file
+    weights.parent.mkdir(exist_ok=True)
+    sources = [artifact.Source(kind, str(root / n), f"{i:016x}") for i, n in enumerate(made_from)]
+    write_weights_file(weights, list(DOMAINS), [1 / len(DOMAINS)] * len(DOMAINS), {"method": pool}, sources=sources)
+    for run in mains:
+        (run / "run.json").write_text(json.dumps({"keys": {"data.domain_weights (content)": content_id(str(weights))}}))
+    return weights
+
+
 def write_comparison(study: Path, comparison: Path, seeds: tuple[int, ...] = SEEDS) -> None:
     """The study's runs (uniform, natural) under `study`; the comparison's (baselines at 2x, ODM as a
-    proxy and online, UniMax short of seed 3) under `comparison`."""
+    pooled proxy and online, RegMix as a pooled fit of the seeds' sweeps, UniMax short of seed 3)
+    under `comparison`."""
+    odm, regmix = [], []
     for s in seeds:
         u = uniform(s)
         main_run(study, f"uniform-seed{s}", u, s)
@@ -82,14 +101,16 @@ def write_comparison(study: Path, comparison: Path, seeds: tuple[int, ...] = SEE
         main_run(comparison, f"uniform_x2-seed{s}", u + X2, s, multiple=2)
         main_run(comparison, f"natural_x2-seed{s}", u + 0.03 - 0.08, s, multiple=2)
         search_run(comparison, f"odm_proxy-seed{s}", s)
-        main_run(comparison, f"odm-seed{s}", u + ODM[s - 1], s)
+        odm.append(main_run(comparison, f"odm-seed{s}", u + ODM[s - 1], s))
         online_run(comparison, f"odm_online-seed{s}", u + ONLINE[s - 1], s)
         if s < 3:
             main_run(comparison, f"unimax-seed{s}", u - 0.01, s)
         sweep = comparison / f"sweep-seed{s}"
         sweep.mkdir(parents=True)
         (sweep / "sweep.json").write_text(json.dumps({"compute": {"train_flops": SWEEP[0], "eval_flops": SWEEP[1]}}))
-        main_run(comparison, f"regmix-seed{s}", u + 0.01, s)
+        regmix.append(main_run(comparison, f"regmix-seed{s}", u + 0.01, s))
+    write_pool(comparison, "odm_pooled", "weights.json", "run", [f"odm_proxy-seed{s}" for s in seeds], odm)
+    write_pool(comparison, "regmix_pooled", "regmix.json", "sweep", [f"sweep-seed{s}" for s in seeds], regmix)
 
 
 def _pack(folder: Path, archive: Path) -> Path:
@@ -111,15 +132,24 @@ def test_both_views_against_hand_computed_numbers(tmp_path):
     assert odm.paired.verdict == "works"
     big, small = _flops(DESIGN.main.shape, 1024), _flops(SMALL, 1024)
     proxy_flops = small * SMALL_SCHEDULE.tokens
+    # Pooled: every seed is charged the three seeds' proxies (the sum of its searches).
     assert odm.compute["per_seed_mean"]["train_flops_total"] == pytest.approx(
-        proxy_flops + big * MAIN_TOKENS, rel=1e-12
+        3 * proxy_flops + big * MAIN_TOKENS, rel=1e-12
     )
-    # Search: the proxy's training; online, the main run's validation passes (a forward, a third).
-    assert odm.compute["search_flops_mean"] == pytest.approx(proxy_flops, rel=1e-12)
+    assert sorted(odm.compute["per_seed"][2]["stages"]) == [
+        "main",
+        "odm_proxy-seed1",
+        "odm_proxy-seed2",
+        "odm_proxy-seed3",
+    ]
+    # Search: the proxies' training; online, the main run's validation passes (a forward, a third).
+    assert odm.compute["search_flops_mean"] == pytest.approx(3 * proxy_flops, rel=1e-12)
     assert by_arm["odm_online"].compute["search_flops_mean"] == pytest.approx(big / 3 * ONLINE_EVAL_TOKENS, rel=1e-12)
     # View 2, against uniform: the compute multiples 1 + search / plain main.
     at = {r.result.arm: r for r in s["at_compute"]["uniform"]}
-    assert [b.multiple for b in at["odm"].at] == pytest.approx([1 + proxy_flops / (big * MAIN_TOKENS)] * 3, rel=1e-12)
+    assert [b.multiple for b in at["odm"].at] == pytest.approx(
+        [1 + 3 * proxy_flops / (big * MAIN_TOKENS)] * 3, rel=1e-12
+    )
     assert [b.multiple for b in at["odm_online"].at] == pytest.approx([1.5] * 3, rel=1e-12)
     assert {b.how for b in at["odm_online"].at} == {"interpolated"}
     # The baseline at 1.5x, per domain the power law through 1x and 2x: L1 (L2 / L1)^log2(1.5).
@@ -129,13 +159,20 @@ def test_both_views_against_hand_computed_numbers(tmp_path):
     diffs = [uniform(k) + ONLINE[k - 1] - w.mean() for k, w in zip(SEEDS, want)]
     assert at["odm_online"].result.paired.mean == pytest.approx(np.mean(diffs), abs=1e-12)
     assert at["odm_online"].result.paired.ci == pytest.approx(stats.paired_test(diffs).ci, abs=1e-12)
-    # RegMix: the sweep's training and evaluations, 1.5 plain main runs: extrapolated, beyond the corpus.
-    assert [b.multiple for b in at["regmix"].at] == pytest.approx([2.5] * 3, rel=1e-12)
+    # RegMix, pooled: the three sweeps' training and evaluations, 1.5 plain main runs each, on
+    # every seed: 5.5x, extrapolated, beyond the corpus.
+    assert [b.multiple for b in at["regmix"].at] == pytest.approx([5.5] * 3, rel=1e-12)
+    assert sorted(by_arm["regmix"].compute["per_seed"][1]["stages"]) == [
+        "main",
+        "sweep-seed1",
+        "sweep-seed2",
+        "sweep-seed3",
+    ]
     assert (
         at["regmix"].at[0].flag()
         == "extrapolated beyond the largest measured multiple; beyond the corpus's 2-epoch capacity"
     )
-    want = losses(uniform(1)) * (losses(uniform(1) + X2) / losses(uniform(1))) ** (math.log(2.5) / math.log(2))
+    want = losses(uniform(1)) * (losses(uniform(1) + X2) / losses(uniform(1))) ** (math.log(5.5) / math.log(2))
     assert at["regmix"].at[0].losses == pytest.approx(tuple(want), rel=1e-12)
     # natural: no search, so the baseline there is the measured 1x run, and view 2 is view 1.
     assert [b.how for b in at["natural"].at] == ["measured"] * 3
@@ -188,7 +225,7 @@ def test_two_archives_round_trip_through_the_command(tmp_path, capsys):
     )
     md = (out / COMPARISON_MD).read_text()
     assert "| odm_online | 3 |" in md and "| unimax | 2 of 3 |" in md and "1.500 | interpolated;" in md
-    assert "| 2.500 | extrapolated beyond the largest measured multiple; beyond the corpus" in md
+    assert "| 5.500 | extrapolated beyond the largest measured multiple; beyond the corpus" in md
     assert f"doremi study compare-methods {sources[0]} {sources[1]} --out {out}" in md
     assert (out / COMPARISON_PNG).is_file()
 
@@ -313,3 +350,74 @@ def test_bad_sources_are_one_line_and_write_nothing(tmp_path, capsys, bad):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"doremi study: error: {want}")
     assert not out.exists()
+
+
+def test_online_arms_own_pairs_go_through_the_gate_and_a_no_go_is_flagged(tmp_path, capsys):
+    """An online arm's search is its main run, so it is not pooled: its own pairs' sigma_D goes
+    through the calibration's gate (as the study's calibration_doremi/), and a NO-GO is reported
+    with the pairs it would need, its verdict flagged, and no seed added. The per-seed doremi is a
+    secondary row: reported, outside Holm's family."""
+    import shutil
+
+    from doremi.study.calibration import decide
+
+    study, comparison = tmp_path / "study", tmp_path / "comparison"
+    write_comparison(study, comparison)
+    s = compare([study, comparison], PROTOCOL)
+    assert list(s["own_gate"]) == ["odm_online"]  # only the online arms; the pooled and static have the calibration's
+    spread = stats.sigma_d(ONLINE)
+    assert s["own_gate"]["odm_online"] == decide(spread, DESIGN.gate, DESIGN.rule) and s["own_gate"]["odm_online"].go
+    wide = [-0.10, 0.0, 0.05]
+    for seed, d in zip(SEEDS, wide):
+        shutil.rmtree(comparison / f"odm_online-seed{seed}")
+        online_run(comparison, f"odm_online-seed{seed}", uniform(seed) + d, seed)
+    for seed in SEEDS:  # the study's per-seed DoReMi, every guardrail holding
+        search_run(study, f"reference-seed{seed}", seed)
+        search_run(study, f"proxy-seed{seed}", seed)
+        main_run(study, f"doremi-seed{seed}", uniform(seed) - 0.02 - 0.001 * seed, seed)
+    out = tmp_path / "out"
+    assert main(["study", "compare-methods", str(study), str(comparison), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    s = compare([study, comparison], PROTOCOL)
+    gate = s["own_gate"]["odm_online"]
+    need = stats.pairs_needed(stats.sigma_d(wide), DESIGN.rule.mde, DESIGN.rule.alpha, DESIGN.rule.power)
+    assert not gate.go and gate.power_pairs == need and need > 6
+    assert len(s["seeds"]) == 3 and {r.arm: len(r.seeds) for r in s["results"]}["odm_online"] == 3  # no seed added
+    assert f"[NO-GO on its own pairs: needs {need}; underpowered]" in printed
+    md = (out / COMPARISON_MD).read_text()
+    assert f"| **NO-GO**: needs {need} pairs for 0.02 nats; verdict underpowered, no seeds added |" in md
+    # the secondary doremi: judged by the rule, outside Holm's family (still 14 arms), said so
+    assert "doremi" in {r.arm for r in s["results"]} and "doremi" not in s["holm"][EQUAL_TOKENS]
+    assert {h.family for h in s["holm"][EQUAL_TOKENS].values()} == {14}
+    assert "| outside the family (secondary) |" in md
+    assert "[secondary: outside Holm's family, not judged for the comparison]" in printed
+    assert "doremi: a secondary row, outside Holm's family and not judged for the comparison's question" in md
+    doc = json.loads((out / COMPARISON_JSON).read_text())
+    assert doc["own_gate"]["odm_online"]["go"] is False and doc["own_gate"]["odm_online"]["power_pairs"] == need
+
+
+def test_a_pooled_arm_off_its_pool_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """The study's check_pooled, reused: one seed's main run on another weights file, or a pool of
+    other seeds' searches, refuses the comparison."""
+    study, comparison = tmp_path / "study", tmp_path / "comparison"
+    write_comparison(study, comparison)
+    (comparison / "regmix-seed2" / "run.json").write_text(
+        json.dumps({"keys": {"data.domain_weights (content)": "0123456789abcdef"}})
+    )
+    out = tmp_path / "out"
+    assert main(["study", "compare-methods", str(study), str(comparison), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "regmix: a pooled arm trains every seed on one weights file, but its runs read" in err[0]
+    assert not out.exists()
+    regmix = [comparison / f"regmix-seed{k}" for k in SEEDS]
+    (comparison / "regmix_pooled" / "regmix.json").unlink()
+    write_pool(comparison, "regmix_pooled", "regmix.json", "sweep", [f"sweep-seed{k}" for k in SEEDS], regmix)
+    compare([study, comparison], PROTOCOL)  # every seed back on the pool
+    odm = [comparison / f"odm-seed{k}" for k in SEEDS]
+    (comparison / "odm_pooled" / "weights.json").unlink()
+    write_pool(comparison, "odm_pooled", "weights.json", "run", ["odm_proxy-seed1", "odm_proxy-seed2"], odm)
+    with pytest.raises(
+        StudyError,
+        match="odm: its weights odm_pooled/weights.json pool odm_proxy-seed1, odm_proxy-seed2; the design pools odm_proxy-seed1, odm_proxy-seed2, odm_proxy-seed3",
+    ):
+        compare([study, comparison], PROTOCOL)

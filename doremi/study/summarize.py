@@ -194,10 +194,19 @@ def pooled_seeds(
     return tuple(sorted({k for (name, k) in dirs if stages and name == stages[-1]}))
 
 
-def check_pooled(root: Path, arm: str, stage: str, runs: Sequence[Any], seeds: Sequence[int]) -> None:
+def check_pooled(
+    root: Path,
+    arm: str,
+    stage: str,
+    runs: Sequence[Any],
+    seeds: Sequence[int],
+    file: str = "weights.json",
+    kind: str = "run",
+) -> None:
     """Refuse a pooled arm whose main runs did not all train on one weights file, or whose file
-    (found under root by its content) was not made from the `stage` runs of exactly `seeds`:
-    the mixture the arm's verdict is about is then not the one it pre-registered."""
+    (a `file` found under root by its content) was not made from the `stage` sources (of
+    `kind`: runs averaged, or sweeps fitted, as the comparison's swept arms pool) of exactly
+    `seeds`: the mixture the arm's verdict is about is then not the one it pre-registered."""
     from data import artifact
     from trainer.records.run_dir import RECORD_FILE, content_id
 
@@ -213,11 +222,11 @@ def check_pooled(root: Path, arm: str, stage: str, runs: Sequence[Any], seeds: S
         seen = ", ".join(f"{n} {c}" for n, c in sorted(read.items()))
         raise StudyError(f"{arm}: a pooled arm trains every seed on one weights file, but its runs read {seen}")
     want = next(iter(read.values()))
-    found = [p for p in sorted(root.rglob("weights.json")) if content_id(str(p)) == want]
+    found = [p for p in sorted(root.rglob(file)) if content_id(str(p)) == want]
     if not found:
         raise StudyError(f"{arm}: the weights file its runs trained on (content {want}) is not under {root}")
     header = artifact.read(found[0])
-    made_from = sorted(Path(src.path).name for src in (header.sources if header else ()) if src.kind == "run")
+    made_from = sorted(Path(src.path).name for src in (header.sources if header else ()) if src.kind == kind)
     expect = sorted(f"{stage}-seed{k}" for k in seeds)
     if made_from != expect:
         raise StudyError(

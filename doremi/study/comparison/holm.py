@@ -4,15 +4,17 @@
 Fourteen arms against one baseline at the rule's one-sided alpha call about one arm in twenty
 with no effect. The rule's verdict stays the primary one (the study's); beside it, each table
 gives the verdict of the same one-sided paired t-tests with the family-wise error held at alpha
-by Holm's step-down (doremi/study/stats.py `holm`). The family is fixed before the runs: every
-arm the protocol judges in that table (14 against uniform at equal tokens). An arm withheld
+by Holm's step-down (doremi/study/stats.py `holm`). The family is fixed before the runs: the
+protocol's primary arms in that table (`Protocol.holm_family`: 14 against uniform at equal
+tokens, one row per method and form; the study's per-seed doremi, underpowered by design at
+sigma_D 0.0507, is reported outside it). An arm withheld
 (short of pairs) or voided by a guardrail (guards.py) stays in it with p = 1, so that losing an
 arm never makes the others' threshold easier than the pre-registered 0.05/14.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from doremi.study import stats
@@ -47,6 +49,20 @@ def holm_readings(results: Sequence[ArmResult], alpha: float, family: int) -> di
     return out
 
 
-def holm_cells(results: Sequence[ArmResult], readings: Mapping[str, HolmReading]) -> list[list[str]]:
-    """The "Holm" column of a table: the reading, `void` for a voided arm, empty for the baseline."""
-    return [[readings[r.arm].cell() if r.arm in readings else "void" if r.void else ""] for r in results]
+def holm_cells(
+    results: Sequence[ArmResult], readings: Mapping[str, HolmReading], secondary: Collection[str] = ()
+) -> list[list[str]]:
+    """The "Holm" column of a table: the reading, `void` for a voided arm, "outside the family"
+    for a secondary arm (protocol.py `Arm.secondary`), empty for the baseline."""
+    return [
+        [
+            readings[r.arm].cell()
+            if r.arm in readings
+            else "void"
+            if r.void
+            else "outside the family (secondary)"
+            if r.arm in secondary
+            else ""
+        ]
+        for r in results
+    ]

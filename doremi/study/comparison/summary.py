@@ -21,9 +21,14 @@ Two views of cost (cost.py):
 
 Every arm is judged on the same seeds, 1 to the calibration gate's pairs (or, without a
 calibration, the most any arm has): an arm with fewer is listed as incomplete with what it
-lacks, never judged on fewer pairs. Beside the rule's verdict each table gives Holm's adjustment
-over its arms (holm.py); a failing guardrail voids the arms that use its run, not the comparison
-(guards.py). Writes comparison.md, comparison.json and comparison.png.
+lacks, never judged on fewer pairs. A pooled arm (protocol.py `Arm.pooled`) is held to its one
+pool (summarize.py `check_pooled`, the study's) and charged every seed's search on each seed
+(`compute_of(pooled_from=...)`). Beside the rule's verdict each table gives Holm's adjustment
+over the protocol's family (holm.py, `Protocol.holm_family`; a secondary arm is reported outside
+it); an online arm's own pairs go through the calibration's gate (`own_gate`), since its search
+is its main run and its spread was never calibrated: a NO-GO is flagged with the pairs it would
+need, never given more seeds. A failing guardrail voids the arms that use its run, not the
+comparison (guards.py). Writes comparison.md, comparison.json and comparison.png.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 
 from data.atomic import atomic_write_text
 from doremi.reports.outputs import WRITTEN_BY, check_outputs, md_mark, png_metadata
+from doremi.study.calibration import GateDecision, decide
 from doremi.study.comparison.cost import (
     EQUAL_COMPUTE,
     EQUAL_TOKENS,
@@ -49,8 +55,16 @@ from doremi.study.comparison.cost import (
 )
 from doremi.study.comparison.guards import Voids, guard_text, void_reasons
 from doremi.study.comparison.holm import HolmReading, holm_cells, holm_readings
-from doremi.study.comparison.plan import SEARCH, arm_steps
-from doremi.study.comparison.protocol import PROTOCOL, Arm, Protocol, baseline_capacity, corpus_capacity
+from doremi.study.comparison.plan import SEARCH, arm_steps, pool_file
+from doremi.study.comparison.protocol import (
+    ONLINE,
+    PROTOCOL,
+    SWEPT,
+    Arm,
+    Protocol,
+    baseline_capacity,
+    corpus_capacity,
+)
 from doremi.study.runs import (
     INCOMPLETE,
     RUN_NAME,
@@ -68,6 +82,7 @@ from doremi.study.sharing import shares_of
 from doremi.study.summarize import (
     ARM_COLUMNS,
     arms_table,
+    check_pooled,
     check_source,
     compute_of,
     domain_table,
@@ -112,10 +127,10 @@ def search_stages(protocol: Protocol, arm: Arm) -> tuple[dict[str, str], str | N
 
     kinds, sweep = {}, None
     for step in arm_steps(protocol, arm, 1):
-        if step.role != SEARCH or step.verb == "average":
+        if step.role != SEARCH or step.verb in ("average", "fit"):
             continue
         stage = RUN_NAME.match(step.name)["arm"]  # type: ignore[index]
-        if step.verb == "fit":
+        if step.verb == "sweep":
             sweep = stage
         elif step.verb == "train-reference":
             kinds[stage] = "reference"
@@ -249,7 +264,7 @@ def compare(
             for v in held.values():
                 v.append(w)
             continue
-        result, at = _judge(protocol, arm, runs, dirs, sweeps, seeds, sequences, flops, plain, shares)
+        result, at = _judge(protocol, arm, runs, dirs, sweeps, seeds, sequences, flops, plain, shares, roots)
         tokens.append(result)
         for b, got in at.items():
             (held[b] if isinstance(got, Withheld) else computed[b]).append(got)  # type: ignore[arg-type]
@@ -261,7 +276,9 @@ def compare(
     found = guardrail_warnings(dirs, design, mains)
     voids = void_reasons(protocol, found, {a.name: _stage_names(protocol, a) for a in protocol.arms})
     tokens, computed, holm = _scoped(protocol, tokens, computed, voids)
+    gates = {r.arm: g for r in tokens if (g := own_gate(protocol, r)) is not None}
     return {
+        "own_gate": gates,
         "results": [baseline, *tokens],
         "at_compute": computed,
         "withheld": held,
@@ -312,11 +329,37 @@ def _scoped(
         b: [replace(a, result=replace(a.result, void=voids.get(b, {}).get(a.result.arm))) for a in rows]
         for b, rows in computed.items()
     }
-    base = protocol.design.rule.baseline
-    family = {b: sum(a.name not in (base, b) for a in protocol.arms) for b in computed}
-    holm = {EQUAL_TOKENS: holm_readings(tokens, alpha, sum(a.name != base for a in protocol.arms))}
-    holm.update({b: holm_readings([a.result for a in rows], alpha, family[b]) for b, rows in computed.items()})
+
+    def over(rows: Sequence[ArmResult], baseline: str | None = None) -> dict[str, HolmReading]:
+        family = protocol.holm_family(baseline)
+        return holm_readings([r for r in rows if r.arm in family], alpha, len(family))
+
+    holm = {EQUAL_TOKENS: over(tokens)}
+    holm.update({b: over([a.result for a in rows], b) for b, rows in computed.items()})
     return tokens, computed, holm
+
+
+def own_gate(protocol: Protocol, result: ArmResult) -> GateDecision | None:
+    """An online arm's own pairs through the calibration's gate (doremi/study/calibration.py
+    `decide`, as the study fed its per-seed doremi arm's pairs: calibration_doremi/, NO-GO, 42
+    pairs): its search is its main run, so it cannot be pooled, and the gate's fixed-mixture
+    sigma_D 0.0082 does not price it. None for other arms and fewer than 2 pairs. A NO-GO is
+    reported with the pairs it would need (`power_pairs`); the arm gets no more seeds."""
+    if protocol.arm(result.arm).kind != ONLINE or len(result.diffs) < 2:
+        return None
+    from doremi.study import stats
+
+    return decide(stats.sigma_d(result.diffs), protocol.design.gate, protocol.rule)
+
+
+def gate_cell(decision: GateDecision | None) -> str:
+    """The view-1 column of an arm's own-pairs gate: empty where the calibration's gate applies."""
+    if decision is None:
+        return ""
+    if decision.go:
+        return f"GO ({decision.pairs} pairs)"
+    need = "more than 100000" if decision.power_pairs is None else str(decision.power_pairs)
+    return f"**NO-GO**: needs {need} pairs for {PROTOCOL.rule.mde:g} nats; verdict underpowered, no seeds added"
 
 
 def _judge(
@@ -330,17 +373,31 @@ def _judge(
     flops: Mapping[tuple[str, int], float],
     plain: Mapping[int, float],
     shares: Mapping[str, float],
+    roots: Sequence[Path] = (),
 ) -> tuple[ArmResult, dict[str, AtCompute | Withheld]]:
     """One complete arm: its row at equal main tokens (the study's rule, its compute with its
     search), and per baseline its row at equal total compute (or what withholds it there).
-    `shares`: each run's share of the GPU (doremi/study/sharing.py)."""
+    `shares`: each run's share of the GPU (doremi/study/sharing.py). A pooled arm is first held
+    to its pool (`check_pooled`, under the root that holds its runs) and charged on every seed
+    all the seeds' searches, sweeps included."""
     base = protocol.design.rule.baseline
     pairs = pair_runs(runs, arm.name, base)
     kinds, sweep = search_stages(protocol, arm)
-    extra = {s: {"sweep": c} for s in seeds if (c := _sweep(sweeps, sweep, s)) is not None}
-    compute = compute_of(dirs, arm.name, tuple(kinds), tuple(seeds), kinds, extra, shares=shares)
-    compute["missing"] += [f"{sweep}-seed{s}" for s in seeds if sweep and s not in extra]
-    add_search(arm.name, compute, plain, len(kinds) + bool(sweep))
+    pooled = tuple(seeds) if arm.pooled else None
+    if pooled is not None:
+        stage = sweep if arm.kind == SWEPT else list(kinds)[-1]
+        first = pairs.runs[0].path
+        root = next((r for r in roots if r.resolve() in first.resolve().parents), first.parent)
+        kind = "sweep" if arm.kind == SWEPT else "run"
+        check_pooled(root, arm.name, stage, pairs.runs, pooled, pool_file(arm), kind)  # type: ignore[arg-type]
+    found = {k: c for k in seeds if (c := _sweep(sweeps, sweep, k)) is not None}
+    if pooled is not None:
+        extra = {s: {f"{sweep}-seed{k}": c for k, c in found.items()} for s in seeds} if found else {}
+    else:
+        extra = {s: {"sweep": c} for s, c in found.items()}
+    compute = compute_of(dirs, arm.name, tuple(kinds), tuple(seeds), kinds, extra, pooled_from=pooled, shares=shares)
+    compute["missing"] += [f"{sweep}-seed{s}" for s in seeds if sweep and s not in found]
+    add_search(arm.name, compute, plain, (len(kinds) + bool(sweep)) * (len(seeds) if pooled else 1))
     at = {
         b: at_compute(protocol, pairs, compute, plain, runs, flops, b)
         for b in protocol.equal_compute.baselines
@@ -435,18 +492,33 @@ def _compute_tables(summary: dict[str, Any], protocol: Protocol, cols: int) -> l
             extra=[w.row(cols + 3) for w in summary["withheld"][b]],
             baseline=f"{b} at the arm's compute",
             more=("compute multiple (mean over seeds)", f"{b} there", "Holm"),
-            cells=[r.cells(cap) + h for r, h in zip(rows, holm_cells(part["results"], summary["holm"][b]))],
+            cells=[
+                r.cells(cap) + h
+                for r, h in zip(rows, holm_cells(part["results"], summary["holm"][b], _secondary(protocol)))
+            ],
         )
         out.append(f"### Against {b}\n\n{table}")
     return out
 
 
-def _notes(summary: dict[str, Any]) -> str:
-    """Each arm's notes, the unfinished runs, the gate's, the withheld arms and the stages whose
-    run directories are missing, once each."""
+def _secondary(protocol: Protocol) -> dict[str, str]:
+    return {a.name: a.secondary for a in protocol.arms if a.secondary}
+
+
+def _notes(summary: dict[str, Any], protocol: Protocol = PROTOCOL) -> str:
+    """Each arm's notes, the unfinished runs, the gate's, the withheld arms, the secondary arms
+    (outside Holm's family, and why), the online arms' own gates, and the stages whose run
+    directories are missing, once each."""
     results = summary["results"]
     held = [w.line() for ws in summary["withheld"].values() for w in ws]
     notes = [n for r in results for n in r.notes] + summary["unfinished"] + summary["gate"] + held
+    notes += [
+        f"{arm}: a secondary row, outside Holm's family and not judged for the comparison's question ({why})"
+        for arm, why in _secondary(protocol).items()
+    ]
+    notes += [
+        f"{arm}: its own pairs through the calibration's gate: {g.line()}" for arm, g in summary["own_gate"].items()
+    ]
     notes += [
         f"{r.arm}: no run directory {m}; its compute leaves that stage out"
         for r in results
@@ -461,17 +533,18 @@ def format_markdown(summary: dict[str, Any], protocol: Protocol = PROTOCOL, comm
     design, eq, g = protocol.design, protocol.equal_compute, protocol.guardrails
     rule = design.rule
     results, cols = summary["results"], ARM_COLUMNS
-    holm = holm_cells(results, summary["holm"][EQUAL_TOKENS])
+    holm = holm_cells(results, summary["holm"][EQUAL_TOKENS], _secondary(protocol))
+    gates = summary["own_gate"]
     view1 = arms_table(
         summary,
         design,
-        extra=[w.row(cols + 2) for w in summary["withheld"][EQUAL_TOKENS]],
-        more=("of which search, per seed", "Holm"),
-        cells=[_search_cell(r) + h for r, h in zip(results, holm)],
+        extra=[w.row(cols + 3) for w in summary["withheld"][EQUAL_TOKENS]],
+        more=("of which search, per seed", "Holm", "gate on its own pairs (online)"),
+        cells=[_search_cell(r) + h + [gate_cell(gates.get(r.arm))] for r, h in zip(results, holm)],
     )
     views2 = _compute_tables(summary, protocol, cols)
-    note_text = _notes(summary)
-    lines = "\n".join(f"- {verdict_line(r, design)}" for r in results if r.paired is not None)
+    note_text = _notes(summary, protocol)
+    lines = "\n".join(f"- {_verdict(r, protocol, gates)}" for r in results if r.paired is not None)
     uniform_at = {
         "results": [r.result for r in summary["at_compute"].get(rule.baseline, [])],
         "domains": summary["domains"],
@@ -516,10 +589,22 @@ beyond the largest it is extrapolated, beyond {corpus_capacity(protocol):.2f}x n
 """
 
 
+def _verdict(r: ArmResult, protocol: Protocol, gates: Mapping[str, GateDecision]) -> str:
+    """The rule's verdict line, flagged for a secondary arm and an online arm its own gate refuses."""
+    line = verdict_line(r, protocol.design)
+    if protocol.arm(r.arm).secondary:
+        line += " [secondary: outside Holm's family, not judged for the comparison]"
+    g = gates.get(r.arm)
+    if g is not None and not g.go:
+        line += f" [NO-GO on its own pairs: needs {g.power_pairs or 'more than 100000'}; underpowered]"
+    return line
+
+
 def to_doc(summary: dict[str, Any]) -> dict[str, Any]:
     """comparison.json: view 1 as study.json's results, view 2 per baseline, the withheld arms,
     each view's Holm readings."""
-    out = to_json({k: v for k, v in summary.items() if k not in ("at_compute", "withheld", "holm")})
+    out = to_json({k: v for k, v in summary.items() if k not in ("at_compute", "withheld", "holm", "own_gate")})
+    out["own_gate"] = {a: asdict(g) for a, g in summary["own_gate"].items()}
     out[EQUAL_COMPUTE] = {
         b: [{**to_json({"results": [r.result]})["results"][0], "at": [asdict(x) for x in r.at]} for r in rows]
         for b, rows in summary["at_compute"].items()
@@ -596,7 +681,7 @@ def run_comparison(
         atomic_write_text(out / COMPARISON_MD, text)
     for r in summary["results"]:
         if r.paired is not None:
-            print(verdict_line(r, protocol.design))
+            print(_verdict(r, protocol, summary["own_gate"]))
     for w in dict.fromkeys(w for ws in summary["withheld"].values() for w in ws):
         print(w.line())
     print(f"written: {out / COMPARISON_MD}, {out / COMPARISON_JSON}, {out / COMPARISON_PNG}")
