@@ -11,8 +11,11 @@ committed experiments/results/doremi_study/calibration.json) and the stages of e
 protocol's order. Every stage is an ordinary `doremi` command on the study's config
 (experiments/configs/doremi_study.yaml), built by the study's launcher
 (experiments/launch/doremi_study.py: its `Stage`, `seeded`, `command`, `finished`, `run_stages`,
-`pack`), in `<work>/comparison/<name>`; the arms the study ran (uniform, natural, DoReMi) are
-read from `<work>/study/` (the study's archive unpacked there) and never run here. A finished
+`pack`), in `<work>/comparison/<name>`; the arms the study ran (uniform, natural, DoReMi and
+doremi_pooled with its `pooled/` average) are read from `<work>/study/` (the study's archive
+unpacked there) and never run here. A pooled arm's pool (`<arm>_pooled/`: one `doremi average`
+of its six proxies, or one `doremi fit` of the six sweeps) runs after every seed's search of its
+group and before any of its main runs, which all train on it. A finished
 stage is skipped; an interrupted one resumes from its checkpoint; `--deadline` stops the running
 stage with SIGTERM (it checkpoints). The run directories, without checkpoints, and the call's
 records are packed as `$OUT/comparison.tar.xz`.
