@@ -6,8 +6,8 @@ experiments/notes/COMPARISON.md).
 It is the powered DoReMi study (doremi/study/design.py) widened, not a second design: the same
 stages' shapes and schedules, the same endpoint, test, TOST margin and guardrails (`Rule` and
 `GuardrailRule` imported, not restated), the same corpus, stores, dev/test split and seeds, and
-the study's uniform, natural and DoReMi runs are this comparison's arms of those names (reused,
-never rerun). What it adds, each with its reason beside it:
+the study's uniform, natural, DoReMi and doremi_pooled runs are this comparison's arms of those
+names (reused, never rerun). What it adds, each with its reason beside it:
 
 - arms: the static baselines UniMax and temperature; DoGE, ODM, Aioli and ADO twice, as a proxy
   whose averaged weights train the main run and online on the main run itself (as their authors

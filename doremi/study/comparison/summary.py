@@ -2,9 +2,9 @@
 number recomputed from its archives (issue 39; docs/design.md section 4f).
 
 SOURCE: directories or archives (as `doremi study summarize` reads them) of run directories: the
-study's (uniform, natural, DoReMi and its reference and proxy) and the comparison's (the
-launcher's stages: `<arm>-seed<k>`, `<method>_proxy-seed<k>`, `sweep-seed<k>`,
-`<baseline>_x<m>-seed<k>`). Every name is read from the protocol (protocol.py `Protocol`, plan.py
+study's (uniform, natural, DoReMi and its reference and proxy, doremi_pooled and its `pooled/`)
+and the comparison's (the launcher's stages: `<arm>-seed<k>`, `<method>_proxy-seed<k>`,
+`sweep-seed<k>`, a pooled arm's `<arm>_pooled/`, `<baseline>_x<m>-seed<k>`). Every name is read from the protocol (protocol.py `Protocol`, plan.py
 `arm_steps`, `EqualCompute.name`), none restated here.
 
 Two views of cost (cost.py):
@@ -352,14 +352,14 @@ def own_gate(protocol: Protocol, result: ArmResult) -> GateDecision | None:
     return decide(stats.sigma_d(result.diffs), protocol.design.gate, protocol.rule)
 
 
-def gate_cell(decision: GateDecision | None) -> str:
+def gate_cell(decision: GateDecision | None, mde: float) -> str:
     """The view-1 column of an arm's own-pairs gate: empty where the calibration's gate applies."""
     if decision is None:
         return ""
     if decision.go:
         return f"GO ({decision.pairs} pairs)"
     need = "more than 100000" if decision.power_pairs is None else str(decision.power_pairs)
-    return f"**NO-GO**: needs {need} pairs for {PROTOCOL.rule.mde:g} nats; verdict underpowered, no seeds added"
+    return f"**NO-GO**: needs {need} pairs for {mde:g} nats; verdict underpowered, no seeds added"
 
 
 def _judge(
@@ -540,7 +540,7 @@ def format_markdown(summary: dict[str, Any], protocol: Protocol = PROTOCOL, comm
         design,
         extra=[w.row(cols + 3) for w in summary["withheld"][EQUAL_TOKENS]],
         more=("of which search, per seed", "Holm", "gate on its own pairs (online)"),
-        cells=[_search_cell(r) + h + [gate_cell(gates.get(r.arm))] for r, h in zip(results, holm)],
+        cells=[_search_cell(r) + h + [gate_cell(gates.get(r.arm), rule.mde)] for r, h in zip(results, holm)],
     )
     views2 = _compute_tables(summary, protocol, cols)
     note_text = _notes(summary, protocol)
