@@ -307,6 +307,9 @@ def train_run(args, device: torch.device, label: str, work: Path) -> dict:
             f"model.max_seq_len={seq}",
             f"data.seq_len={seq}",
             f"data.store_dir={work / f'stores-{seq}'}",
+            # the embedded corpus's smallest domain (notes) holds 82 sequences of 512 tokens, and
+            # a holdout may take at most a quarter of a domain (data/sampling/holdout.py)
+            "data.holdout_sequences=16",
             f"train.global_batch_size={args.train_batch}",
             "train.lr=1e-3",
             "train.min_lr=1e-4",
