@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements still pending, as device-tool calls of at most 600 s each. The eleventh
 # session ran 8, 2, 5, 6, 7 and call 1's MoE step (experiments/results/gpu_session11); the twelfth
-# spent its device time on the study's pooled arm (experiments/results/doremi_study.md). Left, in
-# this order: 4 (DoGE one pass), 1 (ODM, ADO, Aioli at 1B; the MoE layer against the plain loop),
-# 9 (FP8 at 1b: MLP-only and micro-batch 16, experiments/notes/FP8.md G2 and G3), 3 (the 120M FP8
-# training run). A session has 30 device minutes, counted from asking for the
+# spent its device time on the study's pooled arm (experiments/results/doremi_study.md); the
+# thirteenth ran the MoE layer, ODM/ADO/Aioli with DoGE's one pass, FP8 at micro-batch 16 with the
+# head and call 3 (experiments/results/gpu_session13). Left: 4 (DoGE's one pass after its skinny-
+# products kernel, profiled). A session has 30 device minutes, counted from asking for the
 # machine (a start of a minute or more, again after any gap of more than 30 s between calls)
 # until it is given back.
 # Every bench writes under $OUT (the only folder that comes back from the device machine) and
