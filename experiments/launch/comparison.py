@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         decision = pairs_from_calibration(args.calibration)
         seeds = seeds_for(decision.pairs)
         check(PROTOCOL, seeds)
+        steps = planning.plan(PROTOCOL, seeds)
     except ProtocolError as e:
         die(str(e))
     study = study_launcher()
@@ -285,7 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         die(f"{corpus}: no corpus manifest; build it with `python experiments/tools/real_corpus.py --out {corpus}`")
     stores = work / "stores"
     base = study.corpus_sets(corpus, study.CONFIG) + [f"data.store_dir={stores}"]
-    steps = planning.plan(PROTOCOL, seeds)
     finished = [done(s, PROTOCOL, work) for s in steps]
     todo = [s for s, f in zip(steps, finished) if not f]
     preprocess = [sys.executable, "-m", "doremi", "preprocess", str(study.CONFIG)]

@@ -271,7 +271,8 @@ def _merged(steps: Sequence[Step]) -> list[Step]:
 
 def plan(protocol: Protocol, seeds: Sequence[int]) -> list[Step]:
     """Every stage of the comparison, group by group (`protocol.order`): in each, the searches
-    seed by seed, then the pools over every seed, then the main runs seed by seed."""
+    seed by seed, then the pools over every seed, then the main runs seed by seed; refused
+    (`check_pools`) where a pooled arm's stages would not train on its one pool."""
     parts: dict[str, dict[str, list[Step]]] = defaultdict(lambda: {"search": [], "pool": [], "main": []})
     for seed in seeds:
         for arm in protocol.arms:
@@ -296,7 +297,12 @@ def plan(protocol: Protocol, seeds: Sequence[int]) -> list[Step]:
     for arm in protocol.arms:
         if arm.pooled and seeds:
             parts[arm.kind]["pool"].append(pool_step(protocol, arm, seeds))
-    return [st for group in protocol.order for part in ("search", "pool", "main") for st in _merged(parts[group][part])]
+    steps = [
+        st for group in protocol.order for part in ("search", "pool", "main") for st in _merged(parts[group][part])
+    ]
+    if seeds:
+        check_pools(protocol, steps, seeds)
+    return steps
 
 
 def check_pools(protocol: Protocol, steps: Sequence[Step], seeds: Sequence[int]) -> None:

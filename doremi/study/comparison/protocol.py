@@ -628,10 +628,6 @@ def check(protocol: Protocol, seeds: tuple[int, ...] = ()) -> None:
     check_schedules(protocol)
     check_equal_compute(protocol)
     check_sweep(protocol, seeds)
-    if seeds:
-        from doremi.study.comparison.plan import check_pools, plan
-
-        check_pools(protocol, plan(protocol, seeds), seeds)
 
 
 # -- pairs, from the calibration's gate ------------------------------------------------------------------
