@@ -61,8 +61,8 @@ def propose(
     main: ExperimentConfig | None = None,
 ) -> Path:
     """Fit `method` to the sweep in `sweep_dir` (default `sweep.run_dir`; several: one fit over
-    all their runs, `read_sweeps`) and write its mixture to `out`. `main`: the config of the run the mixture is for (default `cfg`): `fit.max_epochs`
-    caps the weights in its unit, sequences over its sampler's pools (`sequence_caps`, the cap
+    all their runs, `read_sweeps`) and write its mixture to `out`. `main`: the config of the run
+    the mixture is for (default `cfg`): `fit.max_epochs` caps the weights in its unit, sequences over its sampler's pools (`sequence_caps`, the cap
     that run applies under `data.max_epochs`, so that it reads the proposal unchanged);
     `budget`: its token budget (default `main`'s), to which the mixing law's step law
     extrapolates; `main_params`: its model size (default `main`'s model's)."""
@@ -79,13 +79,44 @@ def propose(
     check_stores_match(cfg.data, manifest)
     if manifest.domain_names != domains:
         raise DoReMiError(f"{root}: the sweep's domains {domains} are not the stores' {manifest.domain_names}")
-    f = cfg.fit
     main = main or cfg
     budget = budget or main.budget_tokens
-    caps, counted = _fit_caps(f.max_epochs, main, domains)
+    caps, counted = _fit_caps(cfg.fit.max_epochs, main, domains)
+    table = _sweep_table(cfg, root, domains, weights, losses, manifest, budget, caps)
+    if spec.fit_reads_prior:
+        for r in roots:
+            check_prior(cfg, r)
+        table = replace(table, prior=resolve_weights(cfg.sweep.prior, manifest, "sweep.prior", budget))
+    if spec.fit_reads_main_size:
+        table = _with_sizes(table, cfg, roots, float(main_params or non_embedding_params(main.model)))
+    assert spec.fit is not None  # an offline spec has one (MethodSpec.__post_init__)
+    result: FitResult = spec.fit(cfg, table)
+    provenance = _provenance(method, table, cfg.fit, len(weights), result, counted, roots)
+    sources = [artifact.Source("sweep", str(r), h.fingerprint) for r, h in zip(roots, headers) if h]
+    notes = [
+        f"--allow-unfinished: fitted a sweep that did not finish ({h.describe()})"
+        for h in headers
+        if h is not None and h.status != "finished"
+    ]
+    return write_proposal(out, domains, result.weights, provenance, sources=sources, notes=notes)
+
+
+def _sweep_table(
+    cfg: ExperimentConfig,
+    root: Path,
+    domains: list[str],
+    weights: np.ndarray,
+    losses: dict[str, np.ndarray],
+    manifest: Any,
+    budget: int,
+    caps: np.ndarray | None,
+) -> SweepTable:
+    """What every fit reads: the runs' weights and per-domain losses, the target mixture its
+    proposal is scored on, the caps, and the held-out folds (`fit.folds`, at most half the runs)."""
+    f = cfg.fit
     n = len(weights)
     folds = min(f.folds, n // 2)
-    table = SweepTable(
+    return SweepTable(
         root=root,
         weights=weights,
         per_domain=np.stack([losses[d] for d in domains], axis=1),
@@ -96,22 +127,6 @@ def propose(
         budget=budget,
         seed=f.seed,
     )
-    if spec.fit_reads_prior:
-        for r in roots:
-            check_prior(cfg, r)
-        table = replace(table, prior=resolve_weights(cfg.sweep.prior, manifest, "sweep.prior", budget))
-    if spec.fit_reads_main_size:
-        table = _with_sizes(table, cfg, roots, float(main_params or non_embedding_params(main.model)))
-    assert spec.fit is not None  # an offline spec has one (MethodSpec.__post_init__)
-    result: FitResult = spec.fit(cfg, table)
-    provenance = _provenance(method, table, f, n, result, counted, roots)
-    sources = [artifact.Source("sweep", str(r), h.fingerprint) for r, h in zip(roots, headers) if h]
-    notes = [
-        f"--allow-unfinished: fitted a sweep that did not finish ({h.describe()})"
-        for h in headers
-        if h is not None and h.status != "finished"
-    ]
-    return write_proposal(out, domains, result.weights, provenance, sources=sources, notes=notes)
 
 
 def read_sweeps(roots: Sequence[Path]) -> tuple[list[str], np.ndarray, dict[str, np.ndarray]]:

@@ -347,39 +347,8 @@ class Pipeline:
         for r in range(1, dcfg.rounds + 1):
             rdir = self.root / f"round{r}"
             self.set_aside_other_searches(rdir, ("reference", "proxy"))
-            proxies = []
-            for i in range(1, self.p.searches + 1):
-                sdir, seeds = search_dir(rdir, i, self.p.searches), self.search_seeds(i)
-                where = f"round {r}" + (f", search {i}" if self.p.searches > 1 else "")
-                ref_cfg = self.stage_config(
-                    self.p.proxy,
-                    train__run_dir=str(sdir / "reference"),
-                    **seeds,
-                    **{f"mixing__{name}__reference_weights": ref_weights},
-                )
-                self._run_stage(
-                    f"{where}: reference",
-                    sdir / "reference",
-                    stage_keys(ref_cfg, REFERENCE_IGNORES, REFERENCE_READS),
-                    lambda: (stages.train_reference(ref_cfg), None)[1],
-                )
-                proxy_cfg = self.stage_config(
-                    self.p.proxy,
-                    train__run_dir=str(sdir / "proxy"),
-                    mixing__method=name,
-                    **seeds,
-                    **{
-                        f"mixing__{name}__reference": str(sdir / "reference"),
-                        f"mixing__{name}__reference_weights": ref_weights,
-                    },
-                )
-                self._run_stage(
-                    f"{where}: proxy",
-                    sdir / "proxy",
-                    stage_keys(proxy_cfg, PROXY_IGNORES),
-                    lambda: (stages.train_proxy(proxy_cfg), None)[1],
-                )
-                proxies.append((sdir / "proxy", proxy_cfg))
+            proxies = [self.reference_search(name, r, i, ref_weights) for i in range(1, self.p.searches + 1)]
+            proxy_cfg = proxies[-1][1]
             avg_path = rdir / WEIGHTS_FILE
             from_step = getattr(proxy_cfg.mixing, name).average_from_step
             self._run_stage(
@@ -401,6 +370,41 @@ class Pipeline:
                 break
             previous = weights
         return weights_path
+
+    def reference_search(self, name: str, r: int, i: int, ref_weights: Any) -> tuple[Path, Any]:
+        """Round `r`'s search `i` of method `name`: its reference on `ref_weights`, then its
+        proxy against that reference; returns the proxy's run directory and config."""
+        sdir, seeds = search_dir(self.root / f"round{r}", i, self.p.searches), self.search_seeds(i)
+        where = f"round {r}" + (f", search {i}" if self.p.searches > 1 else "")
+        ref_cfg = self.stage_config(
+            self.p.proxy,
+            train__run_dir=str(sdir / "reference"),
+            **seeds,
+            **{f"mixing__{name}__reference_weights": ref_weights},
+        )
+        self._run_stage(
+            f"{where}: reference",
+            sdir / "reference",
+            stage_keys(ref_cfg, REFERENCE_IGNORES, REFERENCE_READS),
+            lambda: (stages.train_reference(ref_cfg), None)[1],
+        )
+        proxy_cfg = self.stage_config(
+            self.p.proxy,
+            train__run_dir=str(sdir / "proxy"),
+            mixing__method=name,
+            **seeds,
+            **{
+                f"mixing__{name}__reference": str(sdir / "reference"),
+                f"mixing__{name}__reference_weights": ref_weights,
+            },
+        )
+        self._run_stage(
+            f"{where}: proxy",
+            sdir / "proxy",
+            stage_keys(proxy_cfg, PROXY_IGNORES),
+            lambda: (stages.train_proxy(proxy_cfg), None)[1],
+        )
+        return sdir / "proxy", proxy_cfg
 
     def set_aside_other_searches(self, stage_dir: Path, runs: tuple[str, ...]) -> None:
         """Move under ROOT/previous/ what `stage_dir` holds of another `pipeline.searches`: the

@@ -172,8 +172,6 @@ def sweep_step(protocol: Protocol, seed: int) -> Step:
 
 def arm_steps(protocol: Protocol, arm: Arm, seed: int) -> list[Step]:
     """The arm's stages for one seed, search first (a pooled arm's pool is `pool_step`'s)."""
-    from doremi.methods import registry
-
     d = protocol.design
     main = run_flops(protocol, d.main, arm if arm.kind == ONLINE else None)
     ratio = arm.step_ratio if arm.kind == ONLINE else None
@@ -197,6 +195,15 @@ def arm_steps(protocol: Protocol, arm: Arm, seed: int) -> list[Step]:
             return [sweep, main_step]
         fit = Price(arm.fit_seconds.value if arm.fit_seconds else 0.0, arm.fit_seconds.where if arm.fit_seconds else "")
         return [sweep, Step(sweep.name, "fit", (arm.name,), seed, SWEPT, SEARCH, fit), main_step]
+    return transferred_search(protocol, arm, seed) + [main_step]
+
+
+def transferred_search(protocol: Protocol, arm: Arm, seed: int) -> list[Step]:
+    """A TRANSFERRED arm's search stages for one seed: its reference (a method that needs one),
+    its proxy, and (unless pooled) the average of that proxy's weights."""
+    from doremi.methods import registry
+
+    d = protocol.design
     out = []
     proxy_name = f"{arm.name}_proxy"
     if registry.spec(arm.method).needs_reference:
@@ -230,7 +237,7 @@ def arm_steps(protocol: Protocol, arm: Arm, seed: int) -> list[Step]:
         out.append(
             Step(name, "average", (arm.name,), seed, TRANSFERRED, SEARCH, run_price("average"), reused=arm.reused)
         )
-    return out + [main_step]
+    return out
 
 
 def pool_step(protocol: Protocol, arm: Arm, seeds: Sequence[int]) -> Step:
