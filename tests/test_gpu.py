@@ -215,22 +215,26 @@ def test_compiled_stage_under_changing_batch_sizes_matches_eager():
 
 
 @cuda
-def test_gram_and_row_products_of_bf16_gradients_take_the_fp32_output_gemm():
+def test_gram_and_row_products_of_bf16_gradients_take_the_skinny_product_kernel():
     """DoGE's one-pass products (trainer/run/alignment.py `rows_gram`, `rows_dot`) on bf16 G
-    [k + 1, n] at the 1B embedding's size: one GEMM with an fp32 output (no fallback to the
-    chunked upcast, whose launches cost the step), fp32-accurate against fp64: within the error of
-    an fp32 sum of n products, c sqrt(n) 2^-24 sum_k |g_ik g_jk| (c = 4; the ninth session's H100
-    measured 45,782 at the diagonal's 6.5e7, 0.7e-3 relative, c = 1.4, where the earlier rtol 1e-5
-    had asked for more than an fp32 sum over 65M terms gives). The bound is about a bf16 output's
-    rounding of the diagonal (2^-9 relative, 1.3e5 here), so the dtype assertion, not the bound,
-    tells the fp32-output GEMM apart."""
+    [k + 1, n] at the 1B embedding's size: the Triton skinny-product kernel
+    (trainer/model/ops/skinny_products_triton.py; before it, one GEMM with an fp32 output, which
+    ran at a tenth of the bandwidth), bitwise the same on a second call, fp32-accurate against
+    fp64: within the error of an fp32 sum of n products, c sqrt(n) 2^-24 sum_k |g_ik g_jk| (c = 4;
+    the ninth session's H100 measured 45,782 at the diagonal's 6.5e7, 0.7e-3 relative, c = 1.4,
+    for the GEMM, where the earlier rtol 1e-5 had asked for more than an fp32 sum over 65M terms
+    gives). The bound is about a bf16 output's rounding of the diagonal (2^-9 relative, 1.3e5
+    here), so the dtype assertion, not the bound, tells an fp32 output apart."""
     from trainer.run import alignment
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     flat = torch.randn(5, 32000 * 2048, device=dev, generator=g).bfloat16()
+    assert alignment._skinny_kernels() is not None, "Triton is not importable"
     gram, dots = alignment.rows_gram(flat), alignment.rows_dot(flat[:4], flat[4])
-    assert not alignment._NO_FP32_OUT and gram.dtype == dots.dtype == torch.float32
+    assert gram.dtype == dots.dtype == torch.float32
+    assert torch.equal(gram, alignment.rows_gram(flat)) and torch.equal(gram, gram.t())
+    assert torch.equal(dots, alignment.rows_dot(flat[:4], flat[4]))
     exact = flat.double()
     want = exact @ exact.t()
     bound = 4 * flat.shape[1] ** 0.5 * 2.0**-24 * (exact.abs() @ exact.abs().t())
@@ -245,5 +249,5 @@ if __name__ == "__main__":
     test_triton_sums_of_squares_match_float64_on_bf16_gradients()
     test_whole_stage_graph_matches_eager_for_every_recompute_mode()
     test_compiled_stage_under_changing_batch_sizes_matches_eager()
-    test_gram_and_row_products_of_bf16_gradients_take_the_fp32_output_gemm()
+    test_gram_and_row_products_of_bf16_gradients_take_the_skinny_product_kernel()
     print("ok")

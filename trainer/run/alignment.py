@@ -39,6 +39,7 @@ parameter (`_one_pass`, `group_gram`). Memory as deferred: k + 2 gradient copies
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from data.store.batch import IGNORE_INDEX, collate
 from trainer.feed.data_feed import DataFeed
 from trainer.feed.weighting import DomainWeights, MeanTokenLoss
+from trainer.model.ops.dispatch import triton_kernels_of
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.main_grad import grad_of, reset_main_grads
 from trainer.parallel.pipeline_schedule import train_schedule
@@ -504,8 +506,9 @@ def group_products(
 def group_gram(grads: list[torch.Tensor], counted: list[bool], here: bool) -> torch.Tensor:
     """[r, r] fp64: the Gram matrix of the rows of G (G_p [r, *p.shape], here [G[0..k-1]; g_T])
     over the parameters this rank counts (zeros where not `here`): every <G[d], g_T>, ||G[d]||^2
-    and ||g_T||^2 from one GEMM per parameter (`rows_gram`), so G is read once, not once for the
-    products and once more for the norms as `group_products` does (the same numbers to fp32
+    and ||g_T||^2 from one product per parameter (`rows_gram`: on CUDA the Triton kernel
+    `trainer.model.ops.skinny_products_triton`, one read of G), so G is read once, not once for
+    the products and once more for the norms as `group_products` does (the same numbers to fp32
     rounding); accumulated in fp32 whatever the gradients' dtype, added over parameters in fp64."""
     r = grads[0].shape[0] if grads else 0
     out = torch.zeros(r, r, dtype=torch.float64, device=grads[0].device if grads else None)
@@ -517,9 +520,38 @@ def group_gram(grads: list[torch.Tensor], counted: list[bool], here: bool) -> to
     return out
 
 
+@functools.cache
+def _skinny_kernels() -> tuple | None:
+    """`skinny_products`, `MAX_ROWS` and `DTYPES` of `trainer.model.ops.skinny_products_triton`,
+    or None without Triton; imported on first use (trainer.model.ops.dispatch)."""
+    return triton_kernels_of("trainer.model.ops.skinny_products_triton", "skinny_products", "MAX_ROWS", "DTYPES")
+
+
+def _triton_products(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """x [r, n] @ y [s, n]^T in fp32 by the Triton kernel where it applies: on CUDA, Triton
+    importable, at most its `MAX_ROWS` rows each, dtypes it loads; else None (the torch paths)."""
+    if x.device.type != "cuda":
+        return None
+    kernels = _skinny_kernels()
+    if kernels is None:
+        return None
+    products, max_rows, dtypes = kernels
+    if x.shape[0] > max_rows or y.shape[0] > max_rows or x.dtype not in dtypes or y.dtype not in dtypes:
+        return None
+    return products(x, y)
+
+
 def rows_gram(flat: torch.Tensor) -> torch.Tensor:
-    """flat [r, n] @ flat^T in fp32 [r, r]: as `rows_dot`, one GEMM (fp32 operands, or on CUDA
+    """flat [r, n] @ flat^T in fp32 [r, r]. On CUDA, with Triton and r <= 8, the skinny-product
+    kernel (`trainer.model.ops.skinny_products_triton`: each program reads its block of every
+    row once, fp32 partial sums added by one `.sum(0)`, bitwise repeatable): as one
+    `torch.mm(..., out_dtype=torch.float32)` this Gram ran as a CUTLASS kernel at about a tenth
+    of the H100's bandwidth, 71.5 ms of a 1B one-pass DoGE step (docs/design.md section 4c-iii).
+    Elsewhere (CPU, no Triton, more rows) as before: one GEMM (fp32 operands, or on CUDA
     low-precision ones with an fp32 output), else upcast in chunks of at most `_DOT_CHUNK`."""
+    out = _triton_products(flat, flat)
+    if out is not None:
+        return out
     if flat.dtype == torch.float32:
         return torch.mm(flat, flat.t())
     kind = flat.device.type
@@ -540,11 +572,16 @@ _NO_FP32_OUT: set[str] = set()
 
 
 def rows_dot(flat: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
-    """flat [k, n] @ vec [n] in fp32 [k]: one GEMV for fp32 operands; for low-precision ones on
-    CUDA one GEMM with an fp32 output (`out_dtype`: cuBLAS accumulates in fp32, and the result
-    is not rounded to bf16, which would leave 3 significant digits), else upcast in chunks of at
-    most `_DOT_CHUNK` elements (no fp32 temporary the size of G). Untested on a GPU: where the
+    """flat [k, n] @ vec [n] in fp32 [k]. On CUDA, with Triton and k <= 8, the skinny-product
+    kernel as `rows_gram` (vec as one row; the fp32-output GEMM it replaces is the same skinny
+    shape, likely as slow). Elsewhere as before: one GEMV for fp32 operands; for low-precision
+    ones on CUDA one GEMM with an fp32 output (`out_dtype`: cuBLAS accumulates in fp32, and the
+    result is not rounded to bf16, which would leave 3 significant digits), else upcast in
+    chunks of at most `_DOT_CHUNK` elements (no fp32 temporary the size of G). Untested on a GPU: where the
     fp32-output GEMM is missing, the first call falls back to the chunks for good."""
+    out = _triton_products(flat, vec.reshape(1, -1))
+    if out is not None:
+        return out.view(-1)
     if flat.dtype == torch.float32 and vec.dtype == torch.float32:
         return torch.mv(flat, vec)
     kind = flat.device.type
