@@ -115,3 +115,22 @@ def test_rows_gram_and_rows_dot_on_the_cpu_are_unchanged(monkeypatch, dtype):
         vec = torch.randn(1000, generator=g).to(dtype)
         assert torch.equal(alignment.rows_gram(flat), _gram_before(flat))
         assert torch.equal(alignment.rows_dot(flat, vec), _dot_before(flat, vec))
+
+
+def test_a_kernel_that_fails_on_cuda_leaves_the_torch_paths_and_says_so_once(monkeypatch):
+    """A kernel Triton cannot build on the machine (stood in by one that raises) is tried once:
+    `_triton_products` warns with the reason and returns None, so `rows_gram` / `rows_dot` take
+    their torch GEMMs, and it is not called again in the process."""
+    calls = []
+
+    def broken(x, y):
+        calls.append(1)
+        raise RuntimeError("PTX compile failed")
+
+    monkeypatch.setattr(alignment, "_skinny_kernels", lambda: (broken, 8, (torch.bfloat16,)))
+    monkeypatch.setattr(alignment, "_TRITON_PRODUCTS_FAILED", [])
+    fake = type("Cuda", (), {"device": torch.device("cuda"), "shape": (5, 7), "dtype": torch.bfloat16})()
+    with pytest.warns(UserWarning, match=r"skinny-product Triton kernel failed \(RuntimeError: PTX compile failed\)"):
+        assert alignment._triton_products(fake, fake) is None
+    assert alignment._triton_products(fake, fake) is None
+    assert calls == [1] and alignment._TRITON_PRODUCTS_FAILED == ["RuntimeError: PTX compile failed"]

@@ -40,6 +40,7 @@ parameter (`_one_pass`, `group_gram`). Memory as deferred: k + 2 gradient copies
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -530,7 +531,7 @@ def _skinny_kernels() -> tuple | None:
 def _triton_products(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
     """x [r, n] @ y [s, n]^T in fp32 by the Triton kernel where it applies: on CUDA, Triton
     importable, at most its `MAX_ROWS` rows each, dtypes it loads; else None (the torch paths)."""
-    if x.device.type != "cuda":
+    if x.device.type != "cuda" or _TRITON_PRODUCTS_FAILED:
         return None
     kernels = _skinny_kernels()
     if kernels is None:
@@ -538,7 +539,20 @@ def _triton_products(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
     products, max_rows, dtypes = kernels
     if x.shape[0] > max_rows or y.shape[0] > max_rows or x.dtype not in dtypes or y.dtype not in dtypes:
         return None
-    return products(x, y)
+    try:
+        return products(x, y)
+    except Exception as e:  # noqa: BLE001 - a kernel Triton cannot build here: the torch paths, said once
+        _TRITON_PRODUCTS_FAILED.append(f"{type(e).__name__}: {e}")
+        warnings.warn(
+            f"the skinny-product Triton kernel failed ({_TRITON_PRODUCTS_FAILED[0][:200]}); "
+            "DoGE's products use the torch GEMM from now on",
+            stacklevel=2,
+        )
+        return None
+
+
+#: Why the skinny-product kernel failed in this process (then never tried again), if it did.
+_TRITON_PRODUCTS_FAILED: list[str] = []
 
 
 def rows_gram(flat: torch.Tensor) -> torch.Tensor:
