@@ -297,6 +297,44 @@ def test_fp8_bench_steps_smoke_compiles_ours_and_torchaos_plain_model_on_the_cpu
     assert result["native_fp8"] is False and (tmp_path / "fp8_step.json").exists()
 
 
+def test_fp8_bench_times_each_size_at_its_own_micro_batch_and_only_the_head_rows(monkeypatch, capsys):
+    """`--sizes 1b 4096 --micro-batch 16 4 --only-with-head`: each size's rows at its own
+    micro-batch, one FP8 row per model (with the head); a count of micro-batches that is neither
+    one nor one per size exits 2 before anything is built."""
+    fb = _fp8_bench()
+    seen = []
+
+    def fake(model):
+        def row(cfg, args, device, *rest):
+            seen.append((model, cfg.d_model, args.micro_batch, rest))
+            return {"part": "step", "model": model, "ms": 1.0, "tokens_per_s": 100.0, "graph_breaks": 0}
+
+        return row
+
+    monkeypatch.setattr(fb, "ours", fake("ours"))
+    monkeypatch.setattr(fb, "plain", fake("plain"))
+    argv = ["step", "--device", "cpu", "--sizes", "1b", "4096", "--only-with-head"]
+    result = fb.main([*argv, "--micro-batch", "16", "4"])
+    got = [(r["size"], r["micro_batch"], r["model"], r["variant"]) for r in result["rows"]]
+    assert got == [
+        (size, mb, model, variant)
+        for size, mb in (("1b", 16), ("4096", 4))
+        for model, variant in (
+            ("ours", "bf16"),
+            ("ours", "tensorwise+head"),
+            ("plain", "bf16"),
+            ("plain", "tensorwise+head"),
+        )
+    ]
+    assert [(m, d, mb) for m, d, mb, _ in seen] == [
+        (m, d, mb) for d, mb in ((2048, 16), (4096, 4)) for m in ("ours", "ours", "plain", "plain")
+    ]
+    assert {r["micro_batch"] for r in fb.main([*argv, "--micro-batch", "8"])["rows"]} == {8}
+    with pytest.raises(SystemExit) as e:
+        fb.main([*argv, "--micro-batch", "16", "4", "2"])
+    assert e.value.code == 2 and "--micro-batch: one positive value, or one per size (2)" in capsys.readouterr().err
+
+
 def test_fp8_bench_train_smoke_runs_both_arms_and_plots_their_curves(stores, tmp_path):
     """`fp8_bench.py train --smoke --with-head`: a few steps of bf16, FP8 and FP8 with the LM head
     in FP8 too (the tests' tiny model and data), finite losses, the final validation losses and
@@ -366,7 +404,7 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.syspath_prepend(str(BENCH.parent))  # experiments/tools/mup_transfer.py
-    for call in (1, 2, 3, 4, 5, 6, 7, 8, 9):
+    for call in range(1, 11):
         lines = subprocess.run(["bash", str(queue), "--print", str(call)], capture_output=True, text=True, check=True)
         rows = [line.split() for line in lines.stdout.splitlines()]
         assert sum(int(r[1]) for r in rows) <= 600 - 20, call
@@ -384,6 +422,6 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
             if args.get("preset") is not None:
                 assert args["preset"] in PRESETS, name
     bad = subprocess.run(
-        ["bash", str(queue), "10"], capture_output=True, text=True, env={"OUT": "/tmp/x", "PATH": "/usr/bin:/bin"}
+        ["bash", str(queue), "11"], capture_output=True, text=True, env={"OUT": "/tmp/x", "PATH": "/usr/bin:/bin"}
     )
-    assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1 to 9, got '10'"
+    assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1 to 10, got '11'"

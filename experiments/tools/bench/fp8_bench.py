@@ -220,20 +220,21 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 def bench_steps(args, device: torch.device) -> tuple[list[dict], bool]:
     rows: list[dict] = []
     ok = True
-    for size in args.sizes:
+    for size, micro_batch in zip(args.sizes, micro_batches(args)):
         preset, overrides = SIZES[size]
         cfg = replace(model_config(preset=preset, **overrides), max_seq_len=max(args.seq, 16))
-        heads = (False, True) if args.with_head else (False,)
-        parts: list[tuple[str, Callable[[], dict]]] = [("ours/bf16", lambda c=cfg: ours(c, args, device, "bf16"))]
+        heads = (True,) if args.only_with_head else (False, True) if args.with_head else (False,)
+        a = argparse.Namespace(**{**vars(args), "micro_batch": micro_batch})
+        parts: list[tuple[str, Callable[[], dict]]] = [("ours/bf16", lambda c=cfg, a=a: ours(c, a, device, "bf16"))]
         for s in args.scalings:
             for head in heads:
                 layers = [*args.fp8_layers, *([HEAD] if head else [])]
                 fp8 = replace(cfg, fp8=Fp8Config(scaling=SCALINGS[s][0], grad_dtype=SCALINGS[s][1], layers=layers))
                 label = s + (WITH_HEAD if head else "")
-                parts.append((f"ours/{label}", lambda c=fp8, label=label: ours(c, args, device, label)))
-        parts.append(("plain/bf16", lambda c=cfg: plain(c, args, device, None)))
+                parts.append((f"ours/{label}", lambda c=fp8, label=label, a=a: ours(c, a, device, label)))
+        parts.append(("plain/bf16", lambda c=cfg, a=a: plain(c, a, device, None)))
         parts += [
-            (f"plain/{s}{WITH_HEAD if head else ''}", lambda c=cfg, s=s, head=head: plain(c, args, device, s, head))
+            (f"plain/{s}{WITH_HEAD if head else ''}", lambda c=cfg, s=s, head=head, a=a: plain(c, a, device, s, head))
             for s in args.scalings
             for head in heads
         ]
@@ -241,8 +242,15 @@ def bench_steps(args, device: torch.device) -> tuple[list[dict], bool]:
             new: list[dict] = []
             ok &= run_part(new, f"{size}/{name}", lambda fn=fn: [fn()])
             model, variant = name.split("/")
-            rows += [{"size": size, "model": model, "variant": variant, **r} for r in new]
+            rows += [{"size": size, "micro_batch": micro_batch, "model": model, "variant": variant, **r} for r in new]
     return with_ratios(rows), ok
+
+
+def micro_batches(args: argparse.Namespace) -> list[int]:
+    """Each size's micro-batch: `--micro-batch` gives one for every size or one per size, so that
+    one call can time each size at the micro-batch it fits (1b at 16, d_model 4096 at 4)."""
+    given = args.micro_batch if isinstance(args.micro_batch, list) else [args.micro_batch]
+    return given * len(args.sizes) if len(given) == 1 else list(given)
 
 
 def step_table(rows: list[dict]) -> list[str]:
@@ -412,6 +420,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="per scaling, one more row with the LM head in FP8 too: step, ours (model.fp8.layers + head) and "
         "plain; train, an arm",
     )
+    p.add_argument(
+        "--only-with-head",
+        action="store_true",
+        help="step: the FP8 rows only with the LM head in FP8 too (ours and plain): half the compiles of --with-head",
+    )
     p.add_argument("--plain-head", action="store_true", help="step: plain's head in FP8 in every FP8 row (ours not)")
     p.add_argument(
         "--inductor",
@@ -420,7 +433,9 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="KEY=VALUE",
         help="torch._inductor.config settings for the compiles",
     )
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument(
+        "--micro-batch", type=int, nargs="+", default=[4], help="step: one for every size, or one per --sizes entry"
+    )
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -432,8 +447,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU, FP8 emulated: not a result")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if len(args.micro_batch) not in (1, len(args.sizes)) or min(args.micro_batch) < 1:
+        p.error(f"--micro-batch: one positive value, or one per size ({len(args.sizes)}), got {args.micro_batch}")
     if args.smoke:
-        args.device, args.sizes, args.micro_batch, args.seq = "cpu", ["smoke"], 2, 32
+        args.device, args.sizes, args.micro_batch, args.seq = "cpu", ["smoke"], [2], 32
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     device = torch.device(args.device)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

@@ -4,12 +4,12 @@
 # spent its device time on the study's pooled arm (experiments/results/doremi_study.md); the
 # thirteenth ran the MoE layer, ODM/ADO/Aioli with DoGE's one pass, FP8 at micro-batch 16 with the
 # head and call 3 (experiments/results/gpu_session13). Left: 4 (DoGE's one pass after its skinny-
-# products kernel, profiled). A session has 30 device minutes, counted from asking for the
+# products kernel, profiled), 10 (FP8's two sizes in one run). A session has 30 device minutes, counted from asking for the
 # machine (a start of a minute or more, again after any gap of more than 30 s between calls)
 # until it is given back.
 # Every bench writes under $OUT (the only folder that comes back from the device machine) and
 # its log is teed there; each runs under its own timeout so a slow one cannot starve the next.
-# Calls 3, 5 and 9 install torchao from runs/wheels_gpu (carry it) when it is not importable.
+# Calls 3, 5, 9 and 10 install torchao from runs/wheels_gpu (carry it) when it is not importable.
 #
 #   bash experiments/tools/bench/gpu_queue.sh 1   # issue 35: ODM, ADO, Aioli at 1B (Aioli's validation
 #                                                 # cost row); issue 37: the MoE layer against the plain loop
@@ -23,6 +23,8 @@
 #   bash experiments/tools/bench/gpu_queue.sh 8   # issue 39: a stacked sweep chunk (4 runs) at the study's proxy
 #                                                 # shape against one run (measured slower: the sweep runs one by one)
 #   bash experiments/tools/bench/gpu_queue.sh 9   # issue 36: FP8 steps at 1b, MLP linears only (G2) and micro-batch 16 (G3)
+#   bash experiments/tools/bench/gpu_queue.sh 10  # issue 36: 1b (micro-batch 16) and d_model 4096 (4) in one run, FP8
+#                                                 # rows with the head, ours and torchao on plain
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -54,8 +56,9 @@ commands() {
         echo "fp8_bench_mlp_only 260 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 8 --fp8-layers gate_up down --out \$OUT/fp8_g2"
         echo "fp8_bench_mb16 300 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 16 --out \$OUT/fp8_g3"
         ;;
+    10) echo "fp8_bench_one_run 560 $PY $B/fp8_bench.py step --sizes 1b 4096 --micro-batch 16 4 --only-with-head --out \$OUT/fp8_one_run" ;;
     *)
-        echo "gpu_queue.sh: expected a call number 1 to 9, got '$1'" >&2
+        echo "gpu_queue.sh: expected a call number 1 to 10, got '$1'" >&2
         return 2
         ;;
     esac
@@ -67,7 +70,7 @@ if [ "${1:-}" = "--print" ]; then
 fi
 : "${OUT:?gpu_queue.sh: set OUT to the folder that comes back (the device tool sets it)}"
 list=$(commands "${1:-}") || exit 2
-if { [ "${1:-}" = 3 ] || [ "${1:-}" = 5 ] || [ "${1:-}" = 9 ]; } && ! $PY -c "import torchao" 2>/dev/null; then
+if { [ "${1:-}" = 3 ] || [ "${1:-}" = 5 ] || [ "${1:-}" = 9 ] || [ "${1:-}" = 10 ]; } && ! $PY -c "import torchao" 2>/dev/null; then
     $PY -m pip install -q --no-deps runs/wheels_gpu/torchao-*.whl || exit 1
 fi
 status=0
