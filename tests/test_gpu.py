@@ -224,7 +224,8 @@ def test_gram_and_row_products_of_bf16_gradients_take_the_skinny_product_kernel(
     the ninth session's H100 measured 45,782 at the diagonal's 6.5e7, 0.7e-3 relative, c = 1.4,
     for the GEMM, where the earlier rtol 1e-5 had asked for more than an fp32 sum over 65M terms
     gives). The bound is about a bf16 output's rounding of the diagonal (2^-9 relative, 1.3e5
-    here), so the dtype assertion, not the bound, tells an fp32 output apart."""
+    here), so the dtype assertion, not the bound, tells an fp32 output apart. `combine` (the
+    `weighted_rows` kernel) gives the GEMV's update to one bf16 ulp, and no kernel fell back."""
     from trainer.run import alignment
 
     dev = torch.device("cuda")
@@ -240,6 +241,14 @@ def test_gram_and_row_products_of_bf16_gradients_take_the_skinny_product_kernel(
     bound = 4 * flat.shape[1] ** 0.5 * 2.0**-24 * (exact.abs() @ exact.abs().t())
     assert ((gram.double() - want).abs() <= bound).all(), ((gram.double() - want).abs() / bound).max()
     assert ((dots.double() - want[:4, 4]).abs() <= bound[:4, 4]).all()
+    scale = torch.randn(4, device=dev, generator=g, dtype=torch.float64)
+    update = alignment.combine(scale, flat[:4].view(4, 32000, 2048))
+    gemv = torch.mv(flat[:4].t(), scale.to(flat.dtype)).view(32000, 2048)
+    assert update.dtype == torch.bfloat16 and torch.equal(
+        update, alignment.combine(scale, flat[:4].view(4, 32000, 2048))
+    )
+    assert ((update.double() - gemv.double()).abs() <= gemv.double().abs() * 2.0**-7 + 1e-3).all()
+    assert not alignment._TRITON_PRODUCTS_FAILED, alignment._TRITON_PRODUCTS_FAILED
 
 
 if __name__ == "__main__":

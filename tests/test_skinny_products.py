@@ -40,7 +40,7 @@ def test_kernel_matches_float64_reference_is_repeatable_and_symmetric_in_the_int
             return out
 
         BLOCK, SUB = 128, 32
-        for r in (1, 3, 5, 8):
+        for r in (1, 3, 5, 8, 13):
             for s in sorted({1, r}):
                 for n in (0, 1, BLOCK - 1, BLOCK, 3 * BLOCK + 7):
                     for dtype in (torch.float32, torch.bfloat16):
@@ -59,11 +59,11 @@ def test_kernel_matches_float64_reference_is_repeatable_and_symmetric_in_the_int
         wide = torch.randn(4, 300 + 16, generator=g).bfloat16()
         check(wide[:, 8:-8], wide[:2, 8:-8], block=BLOCK, sub=SUB)  # rows 300 long, row stride 316
         check(wide.t().contiguous().t()[:, :300], wide[:1, :300], block=BLOCK, sub=SUB)  # columns strided
-        for bad, err in (((9, 1), ValueError), ((1, 9), ValueError), ((0, 1), ValueError)):
+        for bad, err in (((17, 1), ValueError), ((1, 17), ValueError), ((0, 1), ValueError)):
             try:
                 sk.skinny_products(torch.zeros(bad[0], 4), torch.zeros(bad[1], 4))
             except err as e:
-                assert "rows must be 1 to 8" in str(e), e
+                assert "rows must be 1 to 16" in str(e), e
             else:
                 raise AssertionError(bad)
         try:
@@ -72,6 +72,33 @@ def test_kernel_matches_float64_reference_is_repeatable_and_symmetric_in_the_int
             pass
         else:
             raise AssertionError("float64 accepted")
+        # weighted_rows: sum_i w_i x_i in fp32, rounded once to x's dtype
+        for r in (1, 4, 13):
+            for n in (0, 1, BLOCK - 1, BLOCK, 3 * BLOCK + 5):
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(r, n, generator=g).to(dtype)
+                    w = torch.randn(r, generator=g)
+                    out = sk.weighted_rows(w, x, block=BLOCK)
+                    assert out.dtype == dtype and out.shape == (n,)
+                    want = (w.double()[:, None] * x.double()).sum(0)
+                    slack = 1e-5 * (w.double().abs()[:, None] * x.double().abs()).sum(0)
+                    if dtype == torch.bfloat16:  # one rounding of the fp32 sum to bf16 (the
+                        # interpreter casts toward zero, a GPU to nearest: one bf16 ulp either way)
+                        slack = slack + want.abs() * 2.0**-7
+                    assert ((out.double() - want).abs() <= slack).all(), (r, n, dtype)
+                    assert torch.equal(out, sk.weighted_rows(w, x, block=BLOCK)), "not repeatable"
+        wide = torch.randn(4, 300 + 16, generator=g).bfloat16()
+        rows = wide[:, 8:-8]  # rows 300 long, row stride 316
+        w = torch.randn(4, generator=g)
+        want = (w.double()[:, None] * rows.double()).sum(0)
+        assert ((sk.weighted_rows(w, rows, block=BLOCK).double() - want).abs() <= want.abs() * 2.0**-7 + 1e-4).all()
+        for bad in ((torch.zeros(2), torch.zeros(3, 4)), (torch.zeros(65), torch.zeros(65, 4))):
+            try:
+                sk.weighted_rows(*bad)
+            except ValueError as e:
+                assert "weighted_rows: expected x [r, n]" in str(e), e
+            else:
+                raise AssertionError([t.shape for t in bad])
         print("ok")
     """)
     run_interpreted(script)
@@ -101,8 +128,8 @@ def _dot_before(flat: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_gram_and_rows_dot_on_the_cpu_are_unchanged(monkeypatch, dtype):
-    """On the CPU the Triton kernel is never asked for, and the numbers are bitwise the torch
-    paths' (chunks made small so that the chunked upcast takes several)."""
+    """On the CPU the Triton kernels are never asked for, and the numbers are bitwise the torch
+    paths' (chunks made small so that the chunked upcast takes several; `combine` one GEMV)."""
 
     def no_triton():
         raise AssertionError("the Triton kernel was asked for on the CPU")
@@ -115,6 +142,10 @@ def test_rows_gram_and_rows_dot_on_the_cpu_are_unchanged(monkeypatch, dtype):
         vec = torch.randn(1000, generator=g).to(dtype)
         assert torch.equal(alignment.rows_gram(flat), _gram_before(flat))
         assert torch.equal(alignment.rows_dot(flat, vec), _dot_before(flat, vec))
+        scale = torch.randn(r, generator=g, dtype=torch.float64)
+        grads = flat.view(r, 10, 100)
+        want = torch.mv(flat.t(), scale.to(dtype)).view(10, 100)
+        assert torch.equal(alignment.combine(scale, grads), want)
 
 
 def test_a_kernel_that_fails_on_cuda_leaves_the_torch_paths_and_says_so_once(monkeypatch):
@@ -127,7 +158,7 @@ def test_a_kernel_that_fails_on_cuda_leaves_the_torch_paths_and_says_so_once(mon
         calls.append(1)
         raise RuntimeError("PTX compile failed")
 
-    monkeypatch.setattr(alignment, "_skinny_kernels", lambda: (broken, 8, (torch.bfloat16,)))
+    monkeypatch.setattr(alignment, "_skinny_kernels", lambda: (broken, broken, 16, (torch.bfloat16,)))
     monkeypatch.setattr(alignment, "_TRITON_PRODUCTS_FAILED", [])
     fake = type("Cuda", (), {"device": torch.device("cuda"), "shape": (5, 7), "dtype": torch.bfloat16})()
     with pytest.warns(UserWarning, match=r"skinny-product Triton kernel failed \(RuntimeError: PTX compile failed\)"):

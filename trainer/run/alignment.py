@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -523,40 +524,56 @@ def group_gram(grads: list[torch.Tensor], counted: list[bool], here: bool) -> to
 
 @functools.cache
 def _skinny_kernels() -> tuple | None:
-    """`skinny_products`, `MAX_ROWS` and `DTYPES` of `trainer.model.ops.skinny_products_triton`,
-    or None without Triton; imported on first use (trainer.model.ops.dispatch)."""
-    return triton_kernels_of("trainer.model.ops.skinny_products_triton", "skinny_products", "MAX_ROWS", "DTYPES")
+    """`skinny_products`, `weighted_rows`, `MAX_ROWS` and `DTYPES` of
+    `trainer.model.ops.skinny_products_triton`, or None without Triton; imported on first use
+    (trainer.model.ops.dispatch)."""
+    return triton_kernels_of(
+        "trainer.model.ops.skinny_products_triton", "skinny_products", "weighted_rows", "MAX_ROWS", "DTYPES"
+    )
 
 
-def _triton_products(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-    """x [r, n] @ y [s, n]^T in fp32 by the Triton kernel where it applies: on CUDA, Triton
-    importable, at most its `MAX_ROWS` rows each, dtypes it loads; else None (the torch paths)."""
-    if x.device.type != "cuda" or _TRITON_PRODUCTS_FAILED:
+def _triton_kernel(op: int, rows: int, *tensors: torch.Tensor) -> Any:
+    """Kernel `op` (0: `skinny_products`, 1: `weighted_rows`) of `_skinny_kernels` where it
+    applies to `tensors`: on CUDA, Triton importable, at most `MAX_ROWS` `rows`, dtypes it
+    loads, and no kernel failed before in this process; else None (the torch paths)."""
+    if tensors[0].device.type != "cuda" or _TRITON_PRODUCTS_FAILED:
         return None
     kernels = _skinny_kernels()
     if kernels is None:
         return None
-    products, max_rows, dtypes = kernels
-    if x.shape[0] > max_rows or y.shape[0] > max_rows or x.dtype not in dtypes or y.dtype not in dtypes:
+    max_rows, dtypes = kernels[2], kernels[3]
+    if rows > max_rows or any(t.dtype not in dtypes for t in tensors):
         return None
+    return kernels[op]
+
+
+def _run_kernel(kernel: Any, *args: torch.Tensor) -> torch.Tensor | None:
+    """`kernel(*args)`, or None once it fails: a kernel Triton cannot build on this machine is
+    tried once, said in a warning, and the torch paths serve from then on."""
     try:
-        return products(x, y)
-    except Exception as e:  # noqa: BLE001 - a kernel Triton cannot build here: the torch paths, said once
+        return kernel(*args)
+    except Exception as e:  # noqa: BLE001 - the torch paths, said once
         _TRITON_PRODUCTS_FAILED.append(f"{type(e).__name__}: {e}")
         warnings.warn(
             f"the skinny-product Triton kernel failed ({_TRITON_PRODUCTS_FAILED[0][:200]}); "
-            "DoGE's products use the torch GEMM from now on",
-            stacklevel=2,
+            "DoGE's products and updates use the torch GEMMs from now on",
+            stacklevel=3,
         )
         return None
 
 
-#: Why the skinny-product kernel failed in this process (then never tried again), if it did.
+def _triton_products(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """x [r, n] @ y [s, n]^T in fp32 by the Triton kernel where it applies, else None."""
+    kernel = _triton_kernel(0, max(x.shape[0], y.shape[0]), x, y)
+    return None if kernel is None else _run_kernel(kernel, x, y)
+
+
+#: Why a skinny-row kernel failed in this process (then none is tried again), if one did.
 _TRITON_PRODUCTS_FAILED: list[str] = []
 
 
 def rows_gram(flat: torch.Tensor) -> torch.Tensor:
-    """flat [r, n] @ flat^T in fp32 [r, r]. On CUDA, with Triton and r <= 8, the skinny-product
+    """flat [r, n] @ flat^T in fp32 [r, r]. On CUDA, with Triton and r <= 16, the skinny-product
     kernel (`trainer.model.ops.skinny_products_triton`: each program reads its block of every
     row once, fp32 partial sums added by one `.sum(0)`, bitwise repeatable): as one
     `torch.mm(..., out_dtype=torch.float32)` this Gram ran as a CUTLASS kernel at about a tenth
@@ -586,7 +603,7 @@ _NO_FP32_OUT: set[str] = set()
 
 
 def rows_dot(flat: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
-    """flat [k, n] @ vec [n] in fp32 [k]. On CUDA, with Triton and k <= 8, the skinny-product
+    """flat [k, n] @ vec [n] in fp32 [k]. On CUDA, with Triton and k <= 16, the skinny-product
     kernel as `rows_gram` (vec as one row; the fp32-output GEMM it replaces is the same skinny
     shape, likely as slow). Elsewhere as before: one GEMV for fp32 operands; for low-precision
     ones on CUDA one GEMM with an fp32 output (`out_dtype`: cuBLAS accumulates in fp32, and the
@@ -612,10 +629,17 @@ def rows_dot(flat: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
 
 
 def combine(scale: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """sum_d scale[d] G[d] (G [k, *shape]) as one GEMV in G's dtype (fp32 accumulation; for bf16
-    gradients the weights are rounded to bf16, as the k-pass step's `addcmul_` rounds them)."""
+    """sum_d scale[d] G[d] (G [k, *shape]) in G's dtype, accumulated in fp32 (for bf16 gradients
+    the weights rounded to bf16 first, as the k-pass step's `addcmul_` rounds them). On CUDA
+    with Triton the `weighted_rows` kernel (one read of G, one write; the GEMV below ran at about
+    a third of that speed at 1B, docs/design.md 4c-iii), elsewhere one GEMV."""
     k = g.shape[0]
-    return torch.mv(g.reshape(k, -1).t(), scale.to(g.dtype)).view(g.shape[1:])
+    flat, weights = g.reshape(k, -1), scale.to(g.dtype)
+    kernel = _triton_kernel(1, k, flat)
+    out = None if kernel is None else _run_kernel(kernel, weights.float(), flat)
+    if out is None:
+        out = torch.mv(flat.t(), weights)
+    return out.view(g.shape[1:])
 
 
 def _write_grads(params: list[torch.Tensor], total: list[torch.Tensor], norm: torch.Tensor | None) -> None:
