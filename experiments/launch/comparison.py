@@ -122,7 +122,7 @@ def stage_of(step: planning.Step, protocol: Protocol, work: Path) -> tuple[Any, 
         return study.Stage(step.name, "sweep", proxy_seeds + protocol.sweep.sets(s)), folder
     if step.verb == "fit":
         if step.pool:  # one fit of every seed's sweep: the keys of the first (they differ only in their seeds)
-            s = int(step.pool[0].rsplit("-seed", 1)[1])
+            s = planning.pool_seeds(step)[0]
             proxy_seeds = study.seeded(s, s + study.PROXY_DATA_SEED_OFFSET)
         sets = proxy_seeds + protocol.sweep.sets(s) + protocol.sweep.fit_sets() + arm.sets()
         return study.Stage(step.name, "fit", sets, main=True), folder
@@ -299,9 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print(shlex.join(preprocess[1:]))
         for step, f in zip(steps, finished):
             seed = (
-                f"pool of seeds {', '.join(n.rsplit('-seed', 1)[1] for n in step.pool)}"
-                if step.pool
-                else f"seed {step.seed}"
+                f"pool of seeds {', '.join(map(str, planning.pool_seeds(step)))}" if step.pool else f"seed {step.seed}"
             )
             head = f"# [{step.group}] {step.name} ({step.verb}; {', '.join(step.arms)}; {seed})"
             cmd = shlex.join(command_of(step, PROTOCOL, work, base, args.sets)[1:])

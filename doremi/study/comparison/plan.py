@@ -243,12 +243,13 @@ def transferred_search(protocol: Protocol, arm: Arm, seed: int) -> list[Step]:
 def pool_step(protocol: Protocol, arm: Arm, seeds: Sequence[int]) -> Step:
     """A pooled arm's one stage over every seed's searches: `doremi average` of its proxies (the
     study's mechanism) or `doremi fit` of the sweeps (384 runs for 6 seeds), priced as one
-    average or as the fit of one 64-run sweep (host time; not measured at 384 runs)."""
+    average or as the fit of one 64-run sweep (host time: RegMix's fit measured 0.93 s at 64
+    runs and 2.04 s at 384 on the development CPU, experiments/notes/COMPARISON.md)."""
     last = [s for s in arm_steps(protocol, arm, seeds[0]) if s.role == SEARCH][-1]
     stage = RUN_SEED.sub("", last.name)
     if arm.kind == SWEPT:
         m = arm.fit_seconds
-        price = Price(m.value if m else 0.0, f"{m.where if m else ''}; a 64-run sweep's, not measured at more")
+        price = Price(m.value if m else 0.0, f"{m.where if m else ''}; a 64-run sweep's (RegMix's: 2.04 s at 384 runs)")
         verb = "fit"
     else:
         price, verb = run_price("average"), "average"
@@ -263,6 +264,11 @@ def pool_step(protocol: Protocol, arm: Arm, seeds: Sequence[int]) -> Step:
         reused=arm.reused,
         pool=tuple(f"{stage}-seed{k}" for k in seeds),
     )
+
+
+def pool_seeds(step: Step) -> list[int]:
+    """The seeds whose searches a pool step reads (its `pool`: `<stage>-seed<k>`)."""
+    return [int(name.rsplit("-seed", 1)[1]) for name in step.pool]
 
 
 def _merged(steps: Sequence[Step]) -> list[Step]:

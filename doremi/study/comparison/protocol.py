@@ -30,9 +30,9 @@ names (reused, never rerun). What it adds, each with its reason beside it:
   many arms compared with one baseline.
 
 `check` refuses a protocol that breaks its rules (an arm reading the verdict's test half, a
-schedule a method cannot run, a reused arm that is not the study's, a sweep beyond 2 epochs, a
-pooled arm whose main runs do not all read its one pool or whose pool is not the gate's seeds):
-one line, `ProtocolError`.
+schedule a method cannot run, a reused arm that is not the study's, a sweep beyond 2 epochs):
+one line, `ProtocolError`; the plan (plan.py `check_pools`) refuses a pooled arm whose main runs
+do not all read its one pool or whose pool is not the gate's seeds.
 """
 
 from __future__ import annotations
