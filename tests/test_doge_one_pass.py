@@ -21,7 +21,8 @@ from trainer.config.fp8 import Fp8Config
 from trainer.config.moe import MoEConfig
 from trainer.config.tools import ConfigError
 from trainer.model.llama import Llama
-from trainer.run.group_grads import GroupGrads, group_offsets
+from trainer.run import group_grads
+from trainer.run.group_grads import GroupGrads, group_offsets, segment_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,10 +47,13 @@ def _weights(batch: dict, k: int) -> torch.Tensor:
     return mask.double() * (1.0 / n.clamp_min(1))[ids][:, None]
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["copied", "rows"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_per_group_gradients_equal_each_groups_own_backward(tied):
+def test_per_group_gradients_equal_each_groups_own_backward(tied, rows, monkeypatch):
     """Groups of 3, 0, 1 and 2 rows (one empty), in two micro-batches: G[g] of every parameter
-    of a tiny dense Llama (fp64) equals the gradient of group g's mean loss by autograd alone."""
+    of a tiny dense Llama (fp64) equals the gradient of group g's mean loss by autograd alone,
+    with the linears' weight gradients by group (copied segments) or by row (`SEGMENT_ROWS`)."""
+    monkeypatch.setattr(group_grads, "SEGMENT_ROWS", rows)
     k, groups = 4, [0, 0, 0, 2, 3, 3]
     model = Llama(_cfg(tie_embeddings=tied)).double()
     named = list(model.named_parameters())
@@ -76,12 +80,15 @@ def test_per_group_gradients_equal_each_groups_own_backward(tied):
     assert not got[0][1].any()  # the empty group
 
 
-def test_the_compiled_stage_takes_one_more_graph_and_keeps_it(monkeypatch):
+@pytest.mark.parametrize("rows", [False, True], ids=["copied", "rows"])
+def test_the_compiled_stage_takes_one_more_graph_and_keeps_it(rows, monkeypatch):
     """The compiled model (one graph per stage, as on CUDA; here dynamo with AOTAutograd's eager
     backend on the CPU): over 3 steps of an ordinary pass then a one-pass one, dynamo makes two
     graphs (no recompile per step, no graph break), whose per-group gradients are the eager
-    model's."""
+    model's, in either form of the linears' weight gradients."""
     import torch._dynamo
+
+    monkeypatch.setattr(group_grads, "SEGMENT_ROWS", rows)
     from torch._dynamo.backends.debugging import aot_eager
 
     graphs: list[int] = []
@@ -134,6 +141,33 @@ def test_products_norms_and_update_from_the_stacked_gradients(dtype):
     want = (scale[:, None, None] * grads[0].double()).sum(0)
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(alignment.combine(scale, grads[0]).double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
+def test_weight_gradients_by_row_equal_those_by_copied_group(out, monkeypatch):
+    """`segment_grads` on bf16 activations [s, b, .] with groups of 3, 0, 1 and 2 rows, into
+    fp32 (main gradients: the rows' products added in fp32) and bf16 (summed in `addmm`'s
+    epilogue): each group's g^T x against fp64, within a bf16 rounding per row (each GEMM's
+    output is bf16 in both forms); the empty group exact zeros."""
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(16, 6, 24, generator=gen).bfloat16()
+    x = torch.randn(16, 6, 20, generator=gen).bfloat16()
+    offsets = (0, 3, 3, 4, 6)
+    want = [
+        torch.einsum("sbo,sbi->oi", g[:, lo:hi].double(), x[:, lo:hi].double()) for lo, hi in zip(offsets, offsets[1:])
+    ]
+    for rows in (False, True):
+        monkeypatch.setattr(group_grads, "SEGMENT_ROWS", rows)
+        got = segment_grads(g, x, offsets, out)
+        assert got.dtype == out and got.shape == (4, 24, 20) and not got[1].any()
+        tol = 3 * 2.0**-8
+        for i in (0, 2, 3):
+            scale = torch.einsum(
+                "sbo,sbi->oi",
+                g[:, offsets[i] : offsets[i + 1]].double().abs(),
+                x[:, offsets[i] : offsets[i + 1]].double().abs(),
+            )
+            assert ((got[i].double() - want[i]).abs() <= tol * scale + 1e-6).all(), (rows, i)
 
 
 def test_group_offsets_need_sorted_rows():

@@ -71,13 +71,50 @@ def group_offsets(groups: Sequence[int], k: int) -> tuple[int, ...]:
 
 def segment_grads(g: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """[k, out, in]: g_i^T x_i for the rows (dim 1 of [s, b, .]) of each group i (zeros for an
-    empty group: a product over no rows)."""
+    empty group: a product over no rows). `SEGMENT_ROWS` picks how (`_rows_products`,
+    `_copied_products`)."""
+    products = _rows_products if SEGMENT_ROWS else _copied_products
+    return products(g, x, offsets, dtype)
+
+
+def _copied_products(g: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """One GEMM per group over its rows' tokens (K = s x rows), each segment of g and x copied
+    contiguous first ([s, b, .] has a group's rows on dim 1)."""
     gt, xt = g.transpose(0, 1), x.transpose(0, 1)
     parts = []
     for i in range(len(offsets) - 1):
         lo, hi = offsets[i], offsets[i + 1]
         parts.append(gt[lo:hi].reshape(-1, g.shape[-1]).t().matmul(xt[lo:hi].reshape(-1, x.shape[-1])))
     return torch.stack(parts).to(dtype)
+
+
+def _rows_products(g: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """One GEMM per row (K = s), each reading the row in place: row r of [s, b, .] is a matrix
+    [s, .] with leading dimension b x width, which a GEMM takes as it is, so nothing is copied
+    (the compiled graph hands the strided views to `mm`/`addmm` and writes each group's last
+    product into its slice of the stacked result). The group's sum runs in the GEMMs' epilogue
+    (`addmm`, beta 1) in the output's dtype where it is the compute dtype, else as an add in
+    `dtype` (fp32 main gradients)."""
+    parts = []
+    for i in range(len(offsets) - 1):
+        lo, hi = offsets[i], offsets[i + 1]
+        if lo == hi:
+            parts.append(g.new_zeros((g.shape[-1], x.shape[-1]), dtype=dtype))
+            continue
+        acc = torch.mm(g[:, lo].t(), x[:, lo]).to(dtype)
+        for r in range(lo + 1, hi):
+            if acc.dtype == g.dtype:
+                acc = torch.addmm(acc, g[:, r].t(), x[:, r])
+            else:
+                acc = acc + torch.mm(g[:, r].t(), x[:, r]).to(dtype)
+        parts.append(acc)
+    return torch.stack(parts)
+
+
+#: How `segment_grads` forms each group's weight gradient: True one GEMM per row read in place
+#: (`_rows_products`), False one GEMM per group over copied segments (`_copied_products`). Read
+#: when a backward is traced; method_bench's `doge-1p-rows` row times the other form.
+SEGMENT_ROWS = False
 
 
 class _GroupLinear(torch.autograd.Function):
