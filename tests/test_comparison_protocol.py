@@ -609,3 +609,36 @@ def test_a_run_starts_with_the_first_stage_of_its_own_and_packs_what_finished(la
         info = json.loads(tar.extractfile("comparison/launch.json").read())
     assert [(s["stage"], s["exit_status"]) for s in info["stages"]] == [("preprocess", 0), ("unimax-seed1", 2)]
     assert info["exit_status"] == 1
+
+
+def test_side_by_side_batches_main_runs_only_never_a_fit_or_what_reads_it(launcher, tmp_path, monkeypatch):
+    """`--side-by-side 2`: the first two main runs (unimax-seed1, temperature-seed1) start together;
+    in the whole plan no batch holds anything but main `train` stages (a pooled fit or average runs
+    alone, before the runs that read it); 0 is one line and exit 2."""
+    import subprocess
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text("{}\n")
+    monkeypatch.setattr(launcher, "command_of", lambda *a: [sys.executable, "-c", "raise SystemExit(2)"])
+    monkeypatch.setattr(launcher.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0))
+    argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--corpus", str(corpus)]
+    assert launcher.main([*argv, "--side-by-side", "2"]) == 1
+    with tarfile.open(tmp_path / "out" / "comparison.tar.xz") as tar:
+        info = json.loads(tar.extractfile("comparison/launch.json").read())
+    assert [(s["stage"], s.get("side_by_side")) for s in info["stages"]] == [
+        ("preprocess", None),
+        ("unimax-seed1", 2),
+        ("temperature-seed1", 2),
+    ]
+    study = launcher.study_launcher()
+    steps = [s for s in launcher.planning.plan(launcher.PROTOCOL, [1, 2, 3, 4, 5, 6]) if not s.reused]
+    stages = [launcher.stage_of(s, launcher.PROTOCOL, tmp_path)[0] for s in steps]
+    batches = study.batches(stages, 6)
+    assert any(len(b) == 6 for b in batches)
+    for b in batches:
+        assert len(b) == 1 or all(stages[i].command == "train" and stages[i].main for i in b)
+    assert {stages[b[0]].command for b in batches if len(b) == 1} >= {"fit", "average", "train-proxy"}
+    with pytest.raises(SystemExit) as e:
+        launcher.main([*argv, "--side-by-side", "0"])
+    assert e.value.code == 2

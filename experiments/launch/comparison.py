@@ -3,7 +3,8 @@
 
     python experiments/launch/comparison.py --dry-run [--calibration CAL] [--work DIR]
     python experiments/launch/comparison.py --out $OUT [--calibration CAL] [--work runs/doremi_study]
-        [--corpus runs/real_corpus] [--deadline SECONDS] [--session LABEL] [--set KEY=VALUE ...]
+        [--corpus runs/real_corpus] [--deadline SECONDS] [--side-by-side N] [--session LABEL]
+        [--set KEY=VALUE ...]
 
 The protocol is doremi/study/comparison/protocol.py (the prose: experiments/notes/COMPARISON.md):
 the arms, their seeds (1 to the pairs of the calibration's gate, read from CAL, default the
@@ -17,7 +18,9 @@ unpacked there) and never run here. A pooled arm's pool (`<arm>_pooled/`: one `d
 of its six proxies, or one `doremi fit` of the six sweeps) runs after every seed's search of its
 group and before any of its main runs, which all train on it. A finished
 stage is skipped; an interrupted one resumes from its checkpoint; `--deadline` stops the running
-stage with SIGTERM (it checkpoints). The run directories, without checkpoints, and the call's
+stage with SIGTERM (it checkpoints). `--side-by-side N` runs up to N consecutive main runs at
+once, as the study's launcher does (each bitwise the run alone; every other stage, a fit or an
+average whose output the next stages read, alone). The run directories, without checkpoints, and the call's
 records are packed as `$OUT/comparison.tar.xz`.
 
 The dry run prints every stage with its command and its estimated GPU-seconds (from the study's
@@ -264,12 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="runs/doremi_study", help="holds study/ (the study's runs) and comparison/")
     ap.add_argument("--corpus", default="runs/real_corpus")
     ap.add_argument("--deadline", type=int, default=0)
+    ap.add_argument(
+        "--side-by-side", type=int, default=1, help="consecutive main runs at once on the one GPU (default 1)"
+    )
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--session", default="", help="a label: this call's records go to comparison/session-LABEL/")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, its commands and its price; run nothing")
     args = ap.parse_args(argv)
     if not args.out and not args.dry_run:
         die("--out (or OUT) is not set: the directory the packed results go to")
+    if args.side_by_side < 1:
+        die(f"--side-by-side: expected >= 1, got {args.side_by_side}")
     if args.session and not re.fullmatch(r"[A-Za-z0-9._-]+", args.session):
         die(f"--session: expected a label of letters, digits, '.', '_' or '-', got {args.session!r}")
     try:
@@ -344,7 +352,7 @@ def run(
     if not status:
         stages = [stage_of(s, PROTOCOL, work)[0] for s in todo]
         cmds = [command_of(s, PROTOCOL, work, base, args.sets) for s in todo]
-        for record in study.run_stages(stages, cmds, log, deadline):
+        for record in study.run_stages(stages, cmds, log, deadline, args.side_by_side):
             info["stages"].append(record)
             print(f"{record['stage']} ({record['command']}): exit {record['exit_status']} in {record['seconds']} s")
             status = 3 if record["stopped"] else (status or (1 if record["exit_status"] else 0))

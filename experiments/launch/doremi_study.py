@@ -255,11 +255,16 @@ def left_unfinished(stages: list[Stage], folder: Path) -> frozenset:
 
 
 def batches(stages: list[Stage], side_by_side: int) -> list[list[int]]:
-    """Stage indices in the order they run: up to `side_by_side` consecutive main runs at once
-    (their results do not depend on it, below), every other stage alone."""
+    """Stage indices in the order they run: up to `side_by_side` consecutive main runs (`train`
+    stages with the main overrides) at once (their results do not depend on it, `run_stages`),
+    every other stage alone: a main-shaped fit, say, writes the weights its next stages read."""
+
+    def together(stage: Stage) -> bool:
+        return stage.main and stage.command == "train"
+
     out: list[list[int]] = []
     for i, stage in enumerate(stages):
-        if stage.main and out and len(out[-1]) < side_by_side and all(stages[j].main for j in out[-1]):
+        if together(stage) and out and len(out[-1]) < side_by_side and all(together(stages[j]) for j in out[-1]):
             out[-1].append(i)
         else:
             out.append([i])
