@@ -186,12 +186,12 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(tmp_path):
     result = mb.main(["--presets", "tiny", "--steps", "4", "--warmup", "1", "--device", "cpu", "--out", str(out)])
     assert sorted(p.name for p in out.iterdir()) == ["method_bench.json", "method_bench.md"]
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == list(mb.VARIANTS) == ["plain", "doge", "doge-1p", "doge-1p-rows", "odm", "aioli", "ado"]
+    assert list(rows) == list(mb.VARIANTS) == ["plain", "doge", "doge-1p", "odm", "aioli", "ado"]  # the catalog's
     for r in rows.values():
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and len(r["steps_s"]) == 4, r
         assert r["grad_bytes"] == 4 * r["params"] > 0
     assert rows["aioli"]["val_passes"] > 0 and rows["aioli"]["val_s_per_step"] > 0
-    assert all(rows[v]["val_passes"] == 0 for v in ("plain", "odm", "ado", "doge", "doge-1p", "doge-1p-rows"))
+    assert all(rows[v]["val_passes"] == 0 for v in ("plain", "odm", "ado", "doge", "doge-1p"))
     assert rows["ado"]["refits"], "no ADO refit in the timed steps"
     text = (out / "method_bench.md").read_text()
     assert "tiny" in text and "CPU: not a result" in text and "--presets tiny" in text
@@ -209,28 +209,15 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(tmp_path):
     assert float(table[0].split("|")[vs]) == 1.0
 
 
-def test_method_bench_times_only_the_chosen_variants_in_the_catalogs_order(capsys, tmp_path, monkeypatch):
-    """`--variants doge-1p-rows,doge-1p,doge,plain` gives exactly those rows, plain first, and
-    `--profile doge-1p` one profile table, of that variant; doge-1p-rows alone forms the weight
-    gradients by row (`SEGMENT_ROWS`, set back after it); an unknown name, or a profile of a
-    variant not chosen or without --out, exits 2."""
-    from trainer.run import group_grads
-
+def test_method_bench_times_only_the_chosen_variants_in_the_catalogs_order(capsys, tmp_path):
+    """`--variants doge-1p,doge,plain` gives exactly those rows, plain first, and `--profile doge-1p`
+    one profile table, of that variant; an unknown name, or a profile of a variant not chosen or
+    without --out, exits 2."""
     mb = bench_module("method_bench")
-    by_row, real = [], group_grads._rows_products
-
-    def counted(*args):
-        by_row.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(group_grads, "_rows_products", counted)
     argv = ["--presets", "tiny", "--steps", "1", "--warmup", "0", "--device", "cpu"]
     out = tmp_path / "out"
     result = mb.main([*argv, "--variants", "doge-1p,doge,plain", "--profile", "doge-1p", "--out", str(out)])
-    assert [r["variant"] for r in result["rows"]] == ["plain", "doge", "doge-1p"] and not by_row
-    rows = mb.main([*argv, "--variants", "doge-1p-rows,plain"])["rows"]
-    assert [r["variant"] for r in rows] == ["plain", "doge-1p-rows"] and rows[1]["step_s"] > 0
-    assert by_row and group_grads.SEGMENT_ROWS is False
+    assert [r["variant"] for r in result["rows"]] == ["plain", "doge", "doge-1p"]
     assert all(r["step_s"] > 0 for r in result["rows"]), result["notes"]
     assert sorted(p.name for p in out.iterdir()) == ["method_bench.json", "method_bench.md", "profile_tiny_doge-1p.txt"]
     table = (out / "profile_tiny_doge-1p.txt").read_text()

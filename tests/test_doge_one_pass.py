@@ -21,7 +21,6 @@ from trainer.config.fp8 import Fp8Config
 from trainer.config.moe import MoEConfig
 from trainer.config.tools import ConfigError
 from trainer.model.llama import Llama
-from trainer.run import group_grads
 from trainer.run.group_grads import GroupGrads, group_offsets, segment_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,13 +46,10 @@ def _weights(batch: dict, k: int) -> torch.Tensor:
     return mask.double() * (1.0 / n.clamp_min(1))[ids][:, None]
 
 
-@pytest.mark.parametrize("rows", [False, True], ids=["copied", "rows"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_per_group_gradients_equal_each_groups_own_backward(tied, rows, monkeypatch):
+def test_per_group_gradients_equal_each_groups_own_backward(tied):
     """Groups of 3, 0, 1 and 2 rows (one empty), in two micro-batches: G[g] of every parameter
-    of a tiny dense Llama (fp64) equals the gradient of group g's mean loss by autograd alone,
-    with the linears' weight gradients by group (copied segments) or by row (`SEGMENT_ROWS`)."""
-    monkeypatch.setattr(group_grads, "SEGMENT_ROWS", rows)
+    of a tiny dense Llama (fp64) equals the gradient of group g's mean loss by autograd alone."""
     k, groups = 4, [0, 0, 0, 2, 3, 3]
     model = Llama(_cfg(tie_embeddings=tied)).double()
     named = list(model.named_parameters())
@@ -80,15 +76,12 @@ def test_per_group_gradients_equal_each_groups_own_backward(tied, rows, monkeypa
     assert not got[0][1].any()  # the empty group
 
 
-@pytest.mark.parametrize("rows", [False, True], ids=["copied", "rows"])
-def test_the_compiled_stage_takes_one_more_graph_and_keeps_it(rows, monkeypatch):
+def test_the_compiled_stage_takes_one_more_graph_and_keeps_it(monkeypatch):
     """The compiled model (one graph per stage, as on CUDA; here dynamo with AOTAutograd's eager
     backend on the CPU): over 3 steps of an ordinary pass then a one-pass one, dynamo makes two
     graphs (no recompile per step, no graph break), whose per-group gradients are the eager
-    model's, in either form of the linears' weight gradients."""
+    model's (the weight gradients' op `trainer::group_weight_grads` traced as one node)."""
     import torch._dynamo
-
-    monkeypatch.setattr(group_grads, "SEGMENT_ROWS", rows)
     from torch._dynamo.backends.debugging import aot_eager
 
     graphs: list[int] = []
@@ -144,30 +137,25 @@ def test_products_norms_and_update_from_the_stacked_gradients(dtype):
 
 
 @pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
-def test_weight_gradients_by_row_equal_those_by_copied_group(out, monkeypatch):
+def test_weight_gradients_by_row_read_in_place(out):
     """`segment_grads` on bf16 activations [s, b, .] with groups of 3, 0, 1 and 2 rows, into
-    fp32 (main gradients: the rows' products added in fp32) and bf16 (summed in `addmm`'s
-    epilogue): each group's g^T x against fp64, within a bf16 rounding per row (each GEMM's
-    output is bf16 in both forms); the empty group exact zeros."""
+    fp32 (main gradients: the rows' products added in fp32) and bf16 (summed in `addmm_`'s
+    epilogue): each group's g^T x against fp64, within a bf16 rounding per row (each row's
+    GEMM output is bf16); the empty group exact zeros; the compiled graph (Inductor on the CPU)
+    gives the same numbers through the opaque op, and a [s, b, .] slice of a wider tensor
+    (strided rows) is read as it is."""
     gen = torch.Generator().manual_seed(1)
     g = torch.randn(16, 6, 24, generator=gen).bfloat16()
-    x = torch.randn(16, 6, 20, generator=gen).bfloat16()
+    x = torch.randn(16, 6, 28, generator=gen).bfloat16()[..., 4:24]
     offsets = (0, 3, 3, 4, 6)
-    want = [
-        torch.einsum("sbo,sbi->oi", g[:, lo:hi].double(), x[:, lo:hi].double()) for lo, hi in zip(offsets, offsets[1:])
-    ]
-    for rows in (False, True):
-        monkeypatch.setattr(group_grads, "SEGMENT_ROWS", rows)
-        got = segment_grads(g, x, offsets, out)
-        assert got.dtype == out and got.shape == (4, 24, 20) and not got[1].any()
-        tol = 3 * 2.0**-8
-        for i in (0, 2, 3):
-            scale = torch.einsum(
-                "sbo,sbi->oi",
-                g[:, offsets[i] : offsets[i + 1]].double().abs(),
-                x[:, offsets[i] : offsets[i + 1]].double().abs(),
-            )
-            assert ((got[i].double() - want[i]).abs() <= tol * scale + 1e-6).all(), (rows, i)
+    got = segment_grads(g, x, offsets, out)
+    assert got.dtype == out and got.shape == (4, 24, 20) and not got[1].any()
+    for i in (0, 2, 3):
+        gi, xi = g[:, offsets[i] : offsets[i + 1]].double(), x[:, offsets[i] : offsets[i + 1]].double()
+        want = torch.einsum("sbo,sbi->oi", gi, xi)
+        scale = torch.einsum("sbo,sbi->oi", gi.abs(), xi.abs())
+        assert ((got[i].double() - want).abs() <= 3 * 2.0**-8 * scale + 1e-6).all(), i
+    assert torch.equal(torch.compile(segment_grads, backend="aot_eager")(g, x, offsets, out), got)
 
 
 def test_group_offsets_need_sorted_rows():
@@ -206,8 +194,10 @@ def test_one_pass_writes_the_k_pass_update(stores, tmp_path, extra):
     (k_pass, want), (one, got) = runs[False], runs[True]
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
     for a, b in zip(want, got):
-        assert b["alignment"] == pytest.approx(a["alignment"], rel=1e-5, abs=1e-12)
-        assert b["weights"] == pytest.approx(a["weights"], abs=1e-6)  # 1.2e-7 seen: fp32 order of the sums
+        # fp32 order of the sums: the weight gradients are summed a row at a time (1.07e-5 seen in
+        # an alignment of 0.336, a sum of products that cancel)
+        assert b["alignment"] == pytest.approx(a["alignment"], rel=3e-5, abs=1e-12)
+        assert b["weights"] == pytest.approx(a["weights"], abs=1e-6)  # 1.2e-7 seen
         assert b.get("grad_norm") == (None if "grad_norm" not in a else pytest.approx(a["grad_norm"], rel=1e-5))
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     for name, g in k_pass.items():

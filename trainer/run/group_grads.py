@@ -11,11 +11,9 @@ autograd accumulates over the micro-batches; the parameters' own gradients stay 
 
 - linears (`trainer.parallel.tensor`'s column- and row-parallel linears and the LM head, at
   tp 1): their `mm` hook (the FP8 one's place) runs y = x W^T and the input gradient g W as
-  usual, and the weight gradient as one GEMM per group, dW_g = g_g^T x_g, stacked into the
-  leaf's gradient (the same FLOPs as the one GEMM it replaces). Activations are [s, b, d], so a
-  group's rows are a slice of dim 1: each segment's x and g are copied contiguous (about one
-  more read and write of every linear's activations per step), and the stack is one more write
-  of the k gradients;
+  usual, and the weight gradient per group, dW_g = g_g^T x_g, into the leaf's gradient (the
+  same FLOPs as the one GEMM it replaces): activations are [s, b, d], so a group's rows are
+  slices of dim 1, each read in place by a GEMM of its own (`segment_grads`);
 - the embedding: its lookup, whose backward adds each token's gradient at [group, id] of the
   leaf's gradient (one `index_add_` over [k * vocab, d]); a tied head's GEMMs add into the same
   leaf;
@@ -70,51 +68,44 @@ def group_offsets(groups: Sequence[int], k: int) -> tuple[int, ...]:
 
 
 def segment_grads(g: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """[k, out, in]: g_i^T x_i for the rows (dim 1 of [s, b, .]) of each group i (zeros for an
-    empty group: a product over no rows). `SEGMENT_ROWS` picks how (`_rows_products`,
-    `_copied_products`)."""
-    products = _rows_products if SEGMENT_ROWS else _copied_products
-    return products(g, x, offsets, dtype)
+    """[k, out, in] in `dtype`: g_i^T x_i summed over the rows (dim 1 of [s, b, .]) of each group
+    i, zeros for an empty group (a product over no rows), as one GEMM per row read in place.
+
+    Row r of [s, b, width] is a matrix [s, width] with leading dimension b x width, which a GEMM
+    takes as it is: nothing is copied, and the group's sum runs in the GEMMs' epilogue
+    (`addmm_`, beta 1, into the group's slice of the result). Measured at 1B on one H100
+    (method_bench `doge-1p`, 14th session, experiments/results/gpu_session14): the form before,
+    one GEMM per group over segments copied contiguous (K = s x rows), took 43.9 ms a step in
+    those GEMMs and about 10 ms in the copies, and 4.17 GiB of peak memory over plain; one GEMM
+    per row (K = s) 53 ms and no copies, +1.22 GiB (issue 35 bounds DoGE at 2 gradient copies,
+    4.1 GiB), 269.0 ms a step against 274.7. The op is opaque to the compiler
+    (`trainer::group_weight_grads`): traced, each sum became an `addmm` into a fresh buffer, which
+    cuBLAS starts with a copy of the accumulator (5.5 ms a step)."""
+    return group_weight_grads(g, x, list(offsets), dtype)
 
 
-def _copied_products(g: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """One GEMM per group over its rows' tokens (K = s x rows), each segment of g and x copied
-    contiguous first ([s, b, .] has a group's rows on dim 1)."""
-    gt, xt = g.transpose(0, 1), x.transpose(0, 1)
-    parts = []
-    for i in range(len(offsets) - 1):
-        lo, hi = offsets[i], offsets[i + 1]
-        parts.append(gt[lo:hi].reshape(-1, g.shape[-1]).t().matmul(xt[lo:hi].reshape(-1, x.shape[-1])))
-    return torch.stack(parts).to(dtype)
-
-
-def _rows_products(g: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """One GEMM per row (K = s), each reading the row in place: row r of [s, b, .] is a matrix
-    [s, .] with leading dimension b x width, which a GEMM takes as it is, so nothing is copied
-    (the compiled graph hands the strided views to `mm`/`addmm` and writes each group's last
-    product into its slice of the stacked result). The group's sum runs in the GEMMs' epilogue
-    (`addmm`, beta 1) in the output's dtype where it is the compute dtype, else as an add in
-    `dtype` (fp32 main gradients)."""
-    parts = []
-    for i in range(len(offsets) - 1):
-        lo, hi = offsets[i], offsets[i + 1]
+@torch.library.custom_op("trainer::group_weight_grads", mutates_args=())
+def group_weight_grads(g: torch.Tensor, x: torch.Tensor, offsets: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """`segment_grads`' op: g [s, b, out], x [s, b, in], groups' row offsets [k + 1]."""
+    out = g.new_empty((len(offsets) - 1, g.shape[-1], x.shape[-1]), dtype=dtype)
+    for i, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+        acc = out[i]
         if lo == hi:
-            parts.append(g.new_zeros((g.shape[-1], x.shape[-1]), dtype=dtype))
-            continue
-        acc = torch.mm(g[:, lo].t(), x[:, lo]).to(dtype)
-        for r in range(lo + 1, hi):
-            if acc.dtype == g.dtype:
-                acc = torch.addmm(acc, g[:, r].t(), x[:, r])
-            else:
-                acc = acc + torch.mm(g[:, r].t(), x[:, r]).to(dtype)
-        parts.append(acc)
-    return torch.stack(parts)
+            acc.zero_()
+        elif dtype == g.dtype:
+            torch.mm(g[:, lo].t(), x[:, lo], out=acc)
+            for r in range(lo + 1, hi):
+                acc.addmm_(g[:, r].t(), x[:, r])
+        else:  # fp32 main gradients: each row's product (in g's dtype) added in fp32
+            acc.copy_(torch.mm(g[:, lo].t(), x[:, lo]))
+            for r in range(lo + 1, hi):
+                acc.add_(torch.mm(g[:, r].t(), x[:, r]))
+    return out
 
 
-#: How `segment_grads` forms each group's weight gradient: True one GEMM per row read in place
-#: (`_rows_products`), False one GEMM per group over copied segments (`_copied_products`). Read
-#: when a backward is traced; method_bench's `doge-1p-rows` row times the other form.
-SEGMENT_ROWS = False
+@group_weight_grads.register_fake
+def _(g: torch.Tensor, x: torch.Tensor, offsets: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return g.new_empty((len(offsets) - 1, g.shape[-1], x.shape[-1]), dtype=dtype)
 
 
 class _GroupLinear(torch.autograd.Function):

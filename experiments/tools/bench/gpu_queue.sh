@@ -15,8 +15,8 @@
 #                                                 # cost row); issue 37: the MoE layer against the plain loop
 #   bash experiments/tools/bench/gpu_queue.sh 2   # issue 37: stacked 64 vs 8 one by one, fused and unfused head, profiled
 #   bash experiments/tools/bench/gpu_queue.sh 3   # issue 36: the 120M FP8 training run (bf16, FP8, FP8 with its head)
-#   bash experiments/tools/bench/gpu_queue.sh 4   # issue 35: DoGE's one pass at 1B (`mixing.doge.one_pass`), its weight
-#                                                 # gradients by copied group and by row, both profiled
+#   bash experiments/tools/bench/gpu_queue.sh 4   # issue 35: DoGE at 1B, k passes and one pass (`mixing.doge.one_pass`),
+#                                                 # the one pass profiled
 #   bash experiments/tools/bench/gpu_queue.sh 5   # issue 36: FP8 steps at 1B with and without the head (FP8.md, G1)
 #   bash experiments/tools/bench/gpu_queue.sh 6   # issue 36: the muP transfer sweep on the grid centred on width 256's
 #                                                 # optimum (mup_transfer.py's docstring), seeds 0 and 1
@@ -46,7 +46,7 @@ commands() {
         ;;
     3) echo "fp8_bench 400 $PY $B/fp8_bench.py train --with-head --out \$OUT/fp8" ;;
     5) echo "fp8_bench 560 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 8 --with-head --out \$OUT/fp8_g1" ;;
-    4) echo "method_bench 560 $PY $B/method_bench.py --presets 1b --variants plain,doge-1p,doge-1p-rows --deadline 530 --profile doge-1p,doge-1p-rows --out \$OUT/method_bench" ;;
+    4) echo "method_bench 560 $PY $B/method_bench.py --presets 1b --variants plain,doge,doge-1p --deadline 530 --profile doge-1p --out \$OUT/method_bench" ;;
     6)
         echo "mup_transfer_centred 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --out \$OUT/mup_centred"
         echo "mup_transfer_centred_seed1 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --seed 1 --out \$OUT/mup_centred_seed1"

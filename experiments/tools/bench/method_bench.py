@@ -18,9 +18,7 @@ the step, clipping, the optimizer):
   default target batch (`target_sequences` None: an eighth of the global batch, at least one);
 - doge-1p: DoGE with `mixing.doge.one_pass: true` (every domain's gradient and the target's, its
   sequences folded in as one more group, from one forward and backward, trainer/run/group_grads.py;
-  `VARIANT_OPTIONS`), against issue 35's floor of 0.85 as the k-pass row; doge-1p-rows the same
-  with each linear's per-group weight gradients as one GEMM per row read in place instead of
-  one per group over copied segments (`VARIANT_SWITCHES`).
+  `VARIANT_OPTIONS`), against issue 35's floor of 0.85 as the k-pass row.
 `train.steps` (what the methods' schedules see) is that of a 1000-step run; the bench runs only
 the first warm-up + timed steps of it.
 The config is the GPU configs' (experiments/configs/gpu_scale.yaml, pile_280m.yaml): on CUDA
@@ -108,23 +106,15 @@ from trainer.config.schema import TrainerConfig  # noqa: E402
 from trainer.config.tools import from_dict, to_dict  # noqa: E402
 from trainer.parallel.context import ParallelContext  # noqa: E402
 from trainer.parallel.data_parallel import sums_gradients  # noqa: E402
-from trainer.run import group_grads  # noqa: E402
 from trainer.run.loop import Trainer  # noqa: E402
 
 GIB = 2**30
 #: A variant that is a method with options other than its defaults: (method, its options' changes).
-VARIANT_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    "doge-1p": ("doge", {"one_pass": True}),
-    "doge-1p-rows": ("doge", {"one_pass": True}),
-}
-#: A variant that also sets a module's switch while it runs: (module, attribute, value).
-#: doge-1p-rows: the one pass with each linear's per-group weight gradient as one GEMM per row
-#: read in place (trainer/run/group_grads.py `SEGMENT_ROWS`) instead of copied segments.
-VARIANT_SWITCHES: dict[str, tuple[Any, str, Any]] = {"doge-1p-rows": (group_grads, "SEGMENT_ROWS", True)}
+VARIANT_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {"doge-1p": ("doge", {"one_pass": True})}
 #: plain, then every online method of the catalog, each followed by its VARIANT_OPTIONS rows.
 VARIANTS = ("plain", *[v for n in names(ONLINE) for v in (n, *(a for a, (m, _) in VARIANT_OPTIONS.items() if m == n))])
 #: DoGE's rows: the doubled time estimate and the gradient-copies bound apply to each.
-DOGE_ROWS = ("doge", "doge-1p", "doge-1p-rows")
+DOGE_ROWS = ("doge", "doge-1p")
 #: bench preset -> (model preset, micro-batch = global batch): step_bench's shapes, and `tiny`.
 SHAPES: dict[str, tuple[str, int]] = {**step_bench.SHAPES, "tiny": ("tiny", 8)}
 #: `tiny`'s changes to the `tiny` model preset: a vocabulary that holds the byte tokenizer's
@@ -361,28 +351,6 @@ def run_variant(
     """The variant's row; with `profile_to`, one more step after the timed ones is profiled and its
     costliest ops by device time are written there (where a variant's step goes, for the next
     change: the row's numbers are the timed steps', not this one's)."""
-    switch = VARIANT_SWITCHES.get(variant)
-    if switch is None:
-        return _run_variant(name, variant, device, data, tmp, steps, warmup, profile_to)
-    module, attribute, value = switch
-    old = getattr(module, attribute)
-    setattr(module, attribute, value)
-    try:
-        return _run_variant(name, variant, device, data, tmp, steps, warmup, profile_to)
-    finally:
-        setattr(module, attribute, old)
-
-
-def _run_variant(
-    name: str,
-    variant: str,
-    device: torch.device,
-    data: DataConfig,
-    tmp: Path,
-    steps: int,
-    warmup: int,
-    profile_to: Path | None,
-) -> Row:
     cuda = device.type == "cuda"
     base = free(device)
     if cuda:
