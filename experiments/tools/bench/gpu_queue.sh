@@ -3,10 +3,11 @@
 # session ran 8, 2, 5, 6, 7 and call 1's MoE step (experiments/results/gpu_session11); the twelfth
 # spent its device time on the study's pooled arm (experiments/results/doremi_study.md); the
 # thirteenth ran the MoE layer, ODM/ADO/Aioli with DoGE's one pass, FP8 at micro-batch 16 with the
-# head and call 3 (experiments/results/gpu_session13). Left: 4 (DoGE's one pass after its skinny-
-# products kernel, profiled), 10 (FP8's two sizes in one run). A session has 30 device minutes, counted from asking for the
-# machine (a start of a minute or more, again after any gap of more than 30 s between calls)
-# until it is given back.
+# head and call 3 (experiments/results/gpu_session13); the fourteenth 4 (DoGE's one pass after the
+# skinny kernels) and 10 (FP8's two sizes in one run: issue 36 met; experiments/results/gpu_session14).
+# Left: 4 again, after the tensor-core Gram and the per-row weight gradients. A session has 30
+# device minutes, counted from asking for the machine (a start of a minute or more, again after
+# any gap of more than 30 s between calls) until it is given back.
 # Every bench writes under $OUT (the only folder that comes back from the device machine) and
 # its log is teed there; each runs under its own timeout so a slow one cannot starve the next.
 # Calls 3, 5, 9 and 10 install torchao from runs/wheels_gpu (carry it) when it is not importable.
