@@ -234,7 +234,10 @@ def test_gram_and_row_products_of_bf16_gradients_take_the_skinny_product_kernel(
     for the GEMM, where the earlier rtol 1e-5 had asked for more than an fp32 sum over 65M terms
     gives). The bound is about a bf16 output's rounding of the diagonal (2^-9 relative, 1.3e5
     here), so the dtype assertion, not the bound, tells an fp32 output apart. `combine` (the
-    `weighted_rows` kernel) gives the GEMV's update to one bf16 ulp, and no kernel fell back."""
+    `weighted_rows` kernel) gives the GEMV's update to one bf16 ulp. `group_gram` (one
+    `summed_gram` call: one kernel launch a parameter into one buffer, summed in fp64) within the
+    same bound, repeatable and symmetric; fp32 rows whose tf32 rounding is 2^-12 off exact to the
+    bound (the kernel's fp32 dot is "ieee", not tf32); and no kernel fell back."""
     from trainer.run import alignment
 
     dev = torch.device("cuda")
@@ -257,6 +260,20 @@ def test_gram_and_row_products_of_bf16_gradients_take_the_skinny_product_kernel(
         update, alignment.combine(scale, flat[:4].view(4, 32000, 2048))
     )
     assert ((update.double() - gemv.double()).abs() <= gemv.double().abs() * 2.0**-7 + 1e-3).all()
+    small = torch.randn(5, 3, 2048, device=dev, generator=g).bfloat16()
+    params = [flat.view(5, 32000, 2048), small, torch.randn(5, 7, device=dev, generator=g).bfloat16()]
+    summed = alignment.group_gram(params, [True, True, False], here=True)
+    assert summed.dtype == torch.float64 and torch.equal(summed, summed.t())
+    assert torch.equal(summed, alignment.group_gram(params, [True, True, False], here=True))
+    tail = small.reshape(5, -1).double()
+    bound_sum = bound + 4 * tail.shape[1] ** 0.5 * 2.0**-24 * (tail.abs() @ tail.abs().t())
+    assert ((summed - want - tail @ tail.t()).abs() <= bound_sum).all()
+    t = torch.randn(6, 1 << 20, device=dev, generator=g)
+    x = (t.view(torch.int32) & ~0x1FFF).view(torch.float32) * (1 + 2.0**-12)  # tf32 takes x to t
+    xd = x.double()
+    bound32 = 4 * x.shape[1] ** 0.5 * 2.0**-24 * (xd.abs() @ xd.abs().t())
+    assert ((alignment.rows_gram(x).double() - xd @ xd.t()).abs() <= bound32).all()
+    assert ((alignment.rows_dot(x[:5], x[5]).double() - xd[:5] @ xd[5]).abs() <= bound32[:5, 5]).all()
     assert not alignment._TRITON_PRODUCTS_FAILED, alignment._TRITON_PRODUCTS_FAILED
 
 

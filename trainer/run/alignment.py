@@ -508,46 +508,63 @@ def group_products(
 def group_gram(grads: list[torch.Tensor], counted: list[bool], here: bool) -> torch.Tensor:
     """[r, r] fp64: the Gram matrix of the rows of G (G_p [r, *p.shape], here [G[0..k-1]; g_T])
     over the parameters this rank counts (zeros where not `here`): every <G[d], g_T>, ||G[d]||^2
-    and ||g_T||^2 from one product per parameter (`rows_gram`: on CUDA the Triton kernel
-    `trainer.model.ops.skinny_products_triton`, one read of G), so G is read once, not once for
-    the products and once more for the norms as `group_products` does (the same numbers to fp32
-    rounding); accumulated in fp32 whatever the gradients' dtype, added over parameters in fp64."""
+    and ||g_T||^2 from one read of G, not once for the products and once more for the norms as
+    `group_products` does (the same numbers to fp32 rounding); accumulated in fp32 whatever the
+    gradients' dtype, added over parameters in fp64. On CUDA with Triton (r <= 16) one call of
+    `trainer.model.ops.skinny_products_triton.summed_gram`: the tensor-core skinny-product kernel
+    launched once a parameter, all writing fp32 partial sums into one buffer that one fp64
+    `.sum(0)` adds up (no torch ops a parameter: with ~99 parameters at 1B the host's launches
+    would bind once the kernel reads at the card's bandwidth), bitwise repeatable and symmetric.
+    Elsewhere (CPU, no Triton, more rows, or the kernel failed) one `rows_gram` a parameter added
+    in fp64, as before the kernel."""
     r = grads[0].shape[0] if grads else 0
     out = torch.zeros(r, r, dtype=torch.float64, device=grads[0].device if grads else None)
     if not here:
         return out
-    for g, c in zip(grads, counted):
-        if c:
-            out += rows_gram(g.reshape(r, -1)).to(torch.float64)
+    flats = [g.reshape(r, -1) for g, c in zip(grads, counted) if c]
+    if not flats:
+        return out
+    kernel = _triton_kernel(2, r, *flats)
+    summed = None if kernel is None else _run_kernel(kernel, flats)
+    if summed is not None:
+        return summed
+    for flat in flats:
+        out += rows_gram(flat).to(torch.float64)
     return out
 
 
 @functools.cache
 def _skinny_kernels() -> tuple | None:
-    """`skinny_products`, `weighted_rows`, `MAX_ROWS` and `DTYPES` of
+    """`skinny_products`, `weighted_rows`, `summed_gram`, `MAX_ROWS` and `DTYPES` of
     `trainer.model.ops.skinny_products_triton`, or None without Triton; imported on first use
     (trainer.model.ops.dispatch)."""
     return triton_kernels_of(
-        "trainer.model.ops.skinny_products_triton", "skinny_products", "weighted_rows", "MAX_ROWS", "DTYPES"
+        "trainer.model.ops.skinny_products_triton",
+        "skinny_products",
+        "weighted_rows",
+        "summed_gram",
+        "MAX_ROWS",
+        "DTYPES",
     )
 
 
 def _triton_kernel(op: int, rows: int, *tensors: torch.Tensor) -> Any:
-    """Kernel `op` (0: `skinny_products`, 1: `weighted_rows`) of `_skinny_kernels` where it
-    applies to `tensors`: on CUDA, Triton importable, at most `MAX_ROWS` `rows`, dtypes it
-    loads, and no kernel failed before in this process; else None (the torch paths)."""
+    """Kernel `op` (0: `skinny_products`, 1: `weighted_rows`, 2: `summed_gram`) of
+    `_skinny_kernels` where it applies to `tensors`: on CUDA, Triton importable, at most
+    `MAX_ROWS` `rows`, dtypes it loads, and no kernel failed before in this process; else None
+    (the torch paths)."""
     if tensors[0].device.type != "cuda" or _TRITON_PRODUCTS_FAILED:
         return None
     kernels = _skinny_kernels()
     if kernels is None:
         return None
-    max_rows, dtypes = kernels[2], kernels[3]
+    max_rows, dtypes = kernels[-2], kernels[-1]
     if rows > max_rows or any(t.dtype not in dtypes for t in tensors):
         return None
     return kernels[op]
 
 
-def _run_kernel(kernel: Any, *args: torch.Tensor) -> torch.Tensor | None:
+def _run_kernel(kernel: Any, *args: Any) -> torch.Tensor | None:
     """`kernel(*args)`, or None once it fails: a kernel Triton cannot build on this machine is
     tried once, said in a warning, and the torch paths serve from then on."""
     try:
@@ -574,10 +591,13 @@ _TRITON_PRODUCTS_FAILED: list[str] = []
 
 def rows_gram(flat: torch.Tensor) -> torch.Tensor:
     """flat [r, n] @ flat^T in fp32 [r, r]. On CUDA, with Triton and r <= 16, the skinny-product
-    kernel (`trainer.model.ops.skinny_products_triton`: each program reads its block of every
-    row once, fp32 partial sums added by one `.sum(0)`, bitwise repeatable): as one
-    `torch.mm(..., out_dtype=torch.float32)` this Gram ran as a CUTLASS kernel at about a tenth
-    of the H100's bandwidth, 71.5 ms of a 1B one-pass DoGE step (docs/design.md section 4c-iii).
+    kernel (`trainer.model.ops.skinny_products_triton`: each program reads its columns of every
+    row once, in [16, 256] tiles loaded once for both operands of a tensor-core dot with an fp32
+    accumulator; fp32 partial sums added by one `.sum(0)`, bitwise repeatable, the upper triangle
+    mirrored so bitwise symmetric): as one `torch.mm(..., out_dtype=torch.float32)` this Gram ran
+    as a CUTLASS kernel at about a tenth of the H100's bandwidth, 71.5 ms of a 1B one-pass DoGE
+    step (docs/design.md section 4c-iii), and the kernel's first, CUDA-core version at a sixth
+    (18.6 ms). `group_gram` sums it over parameters with one buffer (`summed_gram`).
     Elsewhere (CPU, no Triton, more rows) as before: one GEMM (fp32 operands, or on CUDA
     low-precision ones with an fp32 output), else upcast in chunks of at most `_DOT_CHUNK`."""
     out = _triton_products(flat, flat)

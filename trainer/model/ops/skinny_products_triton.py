@@ -1,7 +1,8 @@
 """Skinny products out[i, j] = sum_c X[i, c] Y[j, c] in fp32, for X [r, n] and Y [s, n] with a few
 rows (r, s <= `MAX_ROWS`) and n up to tens of millions: the Gram matrix of the rows of DoGE's
-per-parameter gradients G [k + 1, n] (`trainer.run.alignment.rows_gram`, Y = X) and their
-products with the target gradient (`rows_dot`, s = 1).
+per-parameter gradients G [k + 1, n] (`trainer.run.alignment.rows_gram`, Y = X; summed over all
+parameters with one buffer, `summed_gram`, for `group_gram`) and their products with the target
+gradient (`rows_dot`, s = 1).
 
 Why a kernel of our own: the one-pass DoGE step took that Gram as one
 `torch.mm(flat, flat.t(), out_dtype=torch.float32)` per parameter, and on one H100 (1B,
@@ -10,72 +11,107 @@ s1688gemm...>`: 99 calls, 71.5 ms per step, 722 us each, about 10x slower than r
 the card's bandwidth (G is about 11 GB in bf16, ~3.3 ms per read at 3.35 TB/s). cuBLAS/CUTLASS
 pick a poor kernel for an [r, n] x [n, r] GEMM with n in the tens of millions: with M = N = r there
 is one output tile, all the parallelism must come from splitting a K that long, and their
-heuristics do not pick a kernel that reads at the card's bandwidth. Here each program
-reads one block of `block` columns of every row of X and Y once (upcast to fp32 in registers),
-keeps the r x s products elementwise over a sub-block of columns and sums them at its end; its
-r x s partial sums go to a buffer [programs, r, s] that one torch `.sum(0)` adds up. No atomics:
-the result is bitwise the same on every call (the project's runs are bitwise repeatable), and
-for Y = X bitwise symmetric (each pair's products are the same fp32 numbers in the same order).
+heuristics do not pick a kernel that reads at the card's bandwidth.
+
+Why tensor cores: the first version of this kernel computed the r x s products elementwise on
+the CUDA cores over a padded [RP, SP, sub] fp32 tile (8 x 8 x 256 for r = 5: 64 FMAs per column
+for 10 bytes read) and loaded Y separately even when Y is X. At 1B on one H100
+(`python experiments/tools/bench/method_bench.py --presets 1b --variants plain,doge-1p,doge-1p-rows
+--profile doge-1p,doge-1p-rows`) it took 18.6 ms a step over 99 calls (188 us each) for about
+11 GB of bf16 G: ~590 GB/s, a sixth of the card's 3.35 TB/s, bound by those FMAs, not the reads.
+Now each program walks its range of `block` columns in tiles of `sub` columns: it loads X's tile
+[16, sub] (rows >= r masked to 0: they are never read from memory) and, unless Y is X (`SAME`,
+then the loaded tile serves as both), Y's, and accumulates `tl.dot(x, y^T)` into a [16, 16] fp32
+accumulator on the tensor cores, the loop's loads pipelined (`NUM_STAGES`). bf16 and fp16 inputs
+go to the dot as they are (their products are exact in fp32, accumulated in fp32); fp32 inputs,
+and mixed dtypes (cast to fp32 in registers), take the dot with `input_precision="ieee"` (fp32
+FMAs: never truncated to tf32's 10-bit mantissa). Predicted: about one read of G at the card's
+bandwidth, ~3.5-4 ms a step at 1B; the next GPU profile should say.
+
+The r x s partial sums of each program go to a buffer [programs, r, s] that one torch `.sum(0)`
+adds up (`summed_gram`: one buffer for all tensors, summed in fp64). No atomics: the result is
+bitwise the same on every call (the project's runs are bitwise repeatable). A Gram (Y is X) is
+returned bitwise symmetric by construction: its upper triangle mirrored
+(`out.triu() + out.triu(1).t()`), since the tensor cores' dot does not promise out[i, j] and
+out[j, i] the same order of additions.
 
 Imported only through `trainer.model.ops.dispatch.triton_kernels_of`, on first use (Triton is
 optional; TRITON_INTERPRET=1, the tests' CPU mode, is read when the kernel is built).
-Untuned on a GPU: the tile (`tile`) is chosen for bandwidth on paper, and the next GPU profile
-should say whether the padded r x s tile's FMAs, not the reads, bind.
+Not yet run on a GPU in this form: the tile (`tile`, `NUM_STAGES`) is chosen for bandwidth on
+paper; tests/test_gpu.py's skinny-product test and the next profile should say.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-#: The most rows of X or of Y: the program's accumulator is [RP, SP, sub] fp32 (RP, SP the rows
-#: rounded up to a power of two), held at 16384 values (`tile`); 16 rows take DoGE's Gram to 15
-#: domains (the study's corpus has 12).
+#: The most rows of X or of Y: the dot's tile has 16 rows (the tensor cores' smallest, tl.dot's
+#: least M and N); 16 rows take DoGE's Gram to 15 domains (the study's corpus has 12).
 MAX_ROWS = 16
 
-#: The input dtypes the kernel loads (each upcast to fp32 as loaded).
+#: The input dtypes the kernel loads.
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-#: Warps per program: 256 threads, 64 fp32 accumulator registers each at the largest tile.
-NUM_WARPS = 8
+#: Columns per step of a program's loop (the dot's K): a [16, 256] bf16 tile is 8 KB of shared
+#: memory a stage (of which r / 16 is read from memory), 32 values a thread at 4 warps.
+SUB = 256
 
-#: Sub-blocks of columns per program (a program covers `SUBS_PER_PROGRAM * sub` columns).
-SUBS_PER_PROGRAM = 16
+#: Programs per launch at most: a program covers `tile(n)[0]` columns, a multiple of `SUB` chosen
+#: so that n's columns need at most this many programs. A constant, not the SM count: the partial
+#: sums, so the result's bits, do not depend on the card. For a Gram of bf16 rows 1024 programs
+#: fit on an H100's 132 SMs at once (24 KB of shared memory and 4 warps each: 9 a SM), so a long
+#: row is read in one wave of equal programs.
+MAX_PROGRAMS = 1024
+
+#: Warps per program, and stages of the loop's load pipeline: 4 stages keep 3 tiles' loads in
+#: flight a program (3 x 2.5 KB for r = 5 bf16, about 60 KB a SM at 8 programs). Built for
+#: sm_90 by Triton 3.9 (on a machine without a GPU), a bf16 Gram takes mma.sync (MMAv2) with
+#: 16-byte cp.async loads, 24 KB of shared memory and 40 registers a thread.
+NUM_WARPS = 4
+NUM_STAGES = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["base"])
 def skinny_products_kernel(
     x_ptr,
     y_ptr,
     part_ptr,
+    base,
     n,
+    block,
     x_row_stride,
     y_row_stride,
     R: tl.constexpr,
     S: tl.constexpr,
-    RP: tl.constexpr,
-    SP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    SAME: tl.constexpr,
+    FP32: tl.constexpr,
     SUB: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    start = pid.to(tl.int64) * BLOCK
-    rx = tl.arange(0, RP)
-    ry = tl.arange(0, SP)
+    start = pid.to(tl.int64) * block
+    rows = tl.arange(0, 16)
     sub = tl.arange(0, SUB)
-    x_rows = x_ptr + rx.to(tl.int64)[:, None] * x_row_stride
-    y_rows = y_ptr + ry.to(tl.int64)[:, None] * y_row_stride
-    acc = tl.zeros((RP, SP, SUB), dtype=tl.float32)
-    for off in range(0, BLOCK, SUB):
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
+    y_rows = y_ptr + rows.to(tl.int64)[:, None] * y_row_stride
+    acc = tl.zeros((16, 16), dtype=tl.float32)
+    for off in range(0, block, SUB):
         cols = start + off + sub
         inside = cols < n
-        x = tl.load(x_rows + cols[None, :], mask=(rx[:, None] < R) & inside[None, :], other=0.0).to(tl.float32)
-        y = tl.load(y_rows + cols[None, :], mask=(ry[:, None] < S) & inside[None, :], other=0.0).to(tl.float32)
-        acc += x[:, None, :] * y[None, :, :]
-    part = tl.sum(acc, axis=2)
-    out = part_ptr + pid.to(tl.int64) * (R * S) + rx[:, None] * S + ry[None, :]
-    tl.store(out, part, mask=(rx[:, None] < R) & (ry[None, :] < S))
+        x = tl.load(x_rows + cols[None, :], mask=(rows[:, None] < R) & inside[None, :], other=0.0)
+        if SAME:
+            y = x
+        else:
+            y = tl.load(y_rows + cols[None, :], mask=(rows[:, None] < S) & inside[None, :], other=0.0)
+        if FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(y.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(y), acc)
+    out = part_ptr + (base + pid).to(tl.int64) * (R * S) + rows[:, None] * S + rows[None, :]
+    tl.store(out, acc, mask=(rows[:, None] < R) & (rows[None, :] < S))
 
 
 @triton.jit
@@ -118,53 +154,121 @@ def weighted_rows(w: torch.Tensor, x: torch.Tensor, *, block: int = WEIGHTED_BLO
     return out
 
 
-def tile(r: int, s: int) -> tuple[int, int]:
-    """(block, sub): columns per program and per step of its loop, for r x s rows. The
-    accumulator [RP, SP, sub] is held at 16384 fp32 values (64 registers a thread at
-    `NUM_WARPS` 8), sub at most 1024; a program covers `SUBS_PER_PROGRAM` steps."""
-    rp, sp = triton.next_power_of_2(r), triton.next_power_of_2(s)
-    sub = min(1024, 16384 // (rp * sp))
-    return SUBS_PER_PROGRAM * sub, sub
+def tile(n: int, *, block: int | None = None, sub: int | None = None) -> tuple[int, int]:
+    """(block, sub) for rows n columns long: columns per program and per step of its loop (the
+    dot's K, `SUB`), block the fewest multiple of sub that covers n in at most `MAX_PROGRAMS`
+    programs (one program for n <= sub). `block` and `sub` override them (tests: small tiles
+    keep the interpreter fast); sub a power of two >= 16 (tl.dot's least K), block a multiple."""
+    sub = sub or SUB
+    if block is None:
+        block = sub * max(1, triton.cdiv(triton.cdiv(n, sub), MAX_PROGRAMS))
+    if sub < 16 or sub & (sub - 1) or block % sub:
+        raise ValueError(f"skinny_products: sub must be a power of two >= 16 dividing block, got {block}, {sub}")
+    return block, sub
+
+
+def _check(x: torch.Tensor, y: torch.Tensor) -> None:
+    if x.dim() != 2 or y.dim() != 2 or x.shape[1] != y.shape[1]:
+        raise ValueError(f"skinny_products: expected x [r, n] and y [s, n], got {tuple(x.shape)} and {tuple(y.shape)}")
+    r, s = x.shape[0], y.shape[0]
+    if not (1 <= r <= MAX_ROWS and 1 <= s <= MAX_ROWS):
+        raise ValueError(f"skinny_products: rows must be 1 to {MAX_ROWS} (the kernel's dot tile), got {r} and {s}")
+    if x.dtype not in DTYPES or y.dtype not in DTYPES:
+        raise TypeError(f"skinny_products: dtypes must be among {DTYPES}, got {x.dtype} and {y.dtype}")
+    if x.device != y.device:
+        raise ValueError(f"skinny_products: x on {x.device}, y on {y.device}")
+
+
+def _launch(
+    x: torch.Tensor, y: torch.Tensor, same: bool, partials: torch.Tensor, base: int, block: int, sub: int
+) -> None:
+    """The kernel's programs over x, y (columns contiguous) writing partials[base : base +
+    cdiv(n, block)]. Tensor cores take bf16 or fp16 as they are where x and y share the dtype;
+    any fp32 or a mix of dtypes is cast to fp32 and taken exactly (ieee)."""
+    n = x.shape[1]
+    skinny_products_kernel[(triton.cdiv(n, block),)](
+        x,
+        y,
+        partials,
+        base,
+        n,
+        block,
+        x.stride(0),
+        y.stride(0),
+        R=x.shape[0],
+        S=y.shape[0],
+        SAME=same,
+        FP32=x.dtype == torch.float32 or y.dtype != x.dtype,
+        SUB=sub,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+
+
+def _mirrored(out: torch.Tensor) -> torch.Tensor:
+    """A Gram's upper triangle mirrored below its diagonal: bitwise symmetric."""
+    return out.triu() + out.triu(1).t()
+
+
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """y is x, or a view of the same elements: the product is a Gram."""
+    return y is x or (
+        y.shape == x.shape
+        and y.stride() == x.stride()
+        and y.dtype == x.dtype
+        and y.device == x.device
+        and y.data_ptr() == x.data_ptr()
+    )
 
 
 def skinny_products(
     x: torch.Tensor, y: torch.Tensor, *, block: int | None = None, sub: int | None = None
 ) -> torch.Tensor:
-    """x [r, n] @ y[s, n]^T as fp32 [r, s], accumulated in fp32 (inputs bf16, fp16 or fp32, each
-    upcast as loaded), for 1 <= r, s <= `MAX_ROWS`; rows may have any stride, columns are made
-    contiguous. `block` and `sub` (powers of two, sub dividing block) override `tile` (tests)."""
-    if x.dim() != 2 or y.dim() != 2 or x.shape[1] != y.shape[1]:
-        raise ValueError(f"skinny_products: expected x [r, n] and y [s, n], got {tuple(x.shape)} and {tuple(y.shape)}")
+    """x [r, n] @ y[s, n]^T as fp32 [r, s], accumulated in fp32 (inputs bf16, fp16 or fp32; fp32
+    products exact, not tf32), for 1 <= r, s <= `MAX_ROWS`; rows may have any stride, columns
+    are made contiguous. Where y is x (a Gram: x's tile is loaded once for both operands) the
+    upper triangle is mirrored, so the result is bitwise symmetric. `block` and `sub` override
+    `tile` (tests)."""
+    _check(x, y)
+    same = _same(x, y)
     r, s, n = x.shape[0], y.shape[0], x.shape[1]
-    if not (1 <= r <= MAX_ROWS and 1 <= s <= MAX_ROWS):
-        raise ValueError(f"skinny_products: rows must be 1 to {MAX_ROWS} (the kernel's register tile), got {r} and {s}")
-    if x.dtype not in DTYPES or y.dtype not in DTYPES:
-        raise TypeError(f"skinny_products: dtypes must be among {DTYPES}, got {x.dtype} and {y.dtype}")
-    if x.device != y.device:
-        raise ValueError(f"skinny_products: x on {x.device}, y on {y.device}")
     if n == 0:
         return torch.zeros(r, s, dtype=torch.float32, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
-    if y.stride(1) != 1:
-        y = y.contiguous()
-    default_block, default_sub = tile(r, s)
-    block, sub = block or default_block, sub or default_sub
-    programs = triton.cdiv(n, block)
-    partials = torch.empty(programs, r, s, dtype=torch.float32, device=x.device)
-    skinny_products_kernel[(programs,)](
-        x,
-        y,
-        partials,
-        n,
-        x.stride(0),
-        y.stride(0),
-        R=r,
-        S=s,
-        RP=triton.next_power_of_2(r),
-        SP=triton.next_power_of_2(s),
-        BLOCK=block,
-        SUB=sub,
-        num_warps=NUM_WARPS,
-    )
-    return partials.sum(0)
+    y = x if same else y if y.stride(1) == 1 else y.contiguous()
+    block, sub = tile(n, block=block, sub=sub)
+    partials = torch.empty(triton.cdiv(n, block), r, s, dtype=torch.float32, device=x.device)
+    _launch(x, y, same, partials, 0, block, sub)
+    out = partials.sum(0)
+    return _mirrored(out) if same else out
+
+
+def summed_gram(xs: Sequence[torch.Tensor], *, block: int | None = None, sub: int | None = None) -> torch.Tensor:
+    """sum_t x_t @ x_t^T as fp64 [r, r] over tensors x_t [r, n_t] (the same r, 1 <= r <=
+    `MAX_ROWS`; any n_t, dtypes among `DTYPES`, one device): DoGE's Gram of G's rows summed over
+    the parameters (`trainer.run.alignment.group_gram`). One kernel launch a tensor, each writing
+    its programs' fp32 partial sums into its own consecutive slice of ONE buffer [programs, r, r],
+    then one `.sum(0)` in fp64 and the upper triangle mirrored: no torch op a tensor beyond the
+    launch, no atomics, bitwise repeatable and symmetric. `block` and `sub` override `tile`."""
+    if not xs:
+        raise ValueError("summed_gram: no tensors")
+    _check(xs[0], xs[0])
+    r, device = xs[0].shape[0], xs[0].device
+    todo = []
+    for x in xs:
+        _check(x, x)
+        if x.shape[0] != r or x.device != device:
+            raise ValueError(f"summed_gram: expected tensors [{r}, n] on {device}, got {tuple(x.shape)} on {x.device}")
+        n = x.shape[1]
+        if n:
+            todo.append((x if x.stride(1) == 1 else x.contiguous(), *tile(n, block=block, sub=sub)))
+    total = sum(triton.cdiv(x.shape[1], b) for x, b, _ in todo)
+    if total == 0:
+        return torch.zeros(r, r, dtype=torch.float64, device=device)
+    partials = torch.empty(total, r, r, dtype=torch.float32, device=device)
+    base = 0
+    for x, b, s in todo:
+        _launch(x, x, True, partials, base, b, s)
+        base += triton.cdiv(x.shape[1], b)
+    return _mirrored(partials.sum(0, dtype=torch.float64))
