@@ -183,6 +183,8 @@ def test_kernel_matches_float64_reference_is_repeatable_and_symmetric_in_the_int
         w = torch.randn(4, generator=g)
         want = (w.double()[:, None] * rows.double()).sum(0)
         assert ((sk.weighted_rows(w, rows, block=BLOCK).double() - want).abs() <= want.abs() * 2.0**-7 + 1e-4).all()
+        low = w.bfloat16()  # bf16 weights are upcast in the kernel: bitwise their fp32 values' result
+        assert torch.equal(sk.weighted_rows(low, rows, block=BLOCK), sk.weighted_rows(low.float(), rows, block=BLOCK))
         for bad in ((torch.zeros(2), torch.zeros(3, 4)), (torch.zeros(65), torch.zeros(65, 4))):
             try:
                 sk.weighted_rows(*bad)

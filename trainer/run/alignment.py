@@ -346,10 +346,13 @@ def _one_pass(
     c_target = clip_coefficients(target_square.sqrt(), spec.domain_clip) if g_target is None else 1.0
     alignment, scale = _one_pass_scale(hook, step, dots * c_target, squares, signals, k)
     zero = spec.deferred and pc.dp > 1 and pc.dp_rank != 0
-    total = []
+    total, rounded = [], {}  # the weights in each gradient dtype, converted once, not once a parameter
     while grads:  # each G freed once combined: at most k + 2 gradient copies at a time
         g = grads.pop(0)[:k]
-        total.append(torch.zeros(g.shape[1:], dtype=g.dtype, device=g.device) if zero else combine(scale, g))
+        if zero:
+            total.append(torch.zeros(g.shape[1:], dtype=g.dtype, device=g.device))
+        else:
+            total.append(combine(rounded.setdefault(g.dtype, scale.to(g.dtype)), g))
     _write_grads(params, total, None)
     signals.alignment = alignment
     return global_stats(losses, batches, k, pc)
@@ -652,11 +655,12 @@ def combine(scale: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """sum_d scale[d] G[d] (G [k, *shape]) in G's dtype, accumulated in fp32 (for bf16 gradients
     the weights rounded to bf16 first, as the k-pass step's `addcmul_` rounds them). On CUDA
     with Triton the `weighted_rows` kernel (one read of G, one write; the GEMV below ran at about
-    a third of that speed at 1B, docs/design.md 4c-iii), elsewhere one GEMV."""
+    a third of that speed at 1B, docs/design.md 4c-iii), elsewhere one GEMV. `scale` already in
+    G's dtype costs no conversion (the one-pass step rounds it once for all parameters)."""
     k = g.shape[0]
     flat, weights = g.reshape(k, -1), scale.to(g.dtype)
     kernel = _triton_kernel(1, k, flat)
-    out = None if kernel is None else _run_kernel(kernel, weights.float(), flat)
+    out = None if kernel is None else _run_kernel(kernel, weights, flat)
     if out is None:
         out = torch.mv(flat.t(), weights)
     return out.view(g.shape[1:])

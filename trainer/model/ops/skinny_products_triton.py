@@ -121,7 +121,7 @@ def weighted_rows_kernel(x_ptr, w_ptr, out_ptr, n, x_row_stride, R: tl.constexpr
     inside = cols < n
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in tl.static_range(R):
-        w = tl.load(w_ptr + i)
+        w = tl.load(w_ptr + i).to(tl.float32)
         acc += w * tl.load(x_ptr + i * x_row_stride + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -132,7 +132,8 @@ WEIGHTED_BLOCK = 2048
 
 def weighted_rows(w: torch.Tensor, x: torch.Tensor, *, block: int = WEIGHTED_BLOCK) -> torch.Tensor:
     """sum_i w[i] x[i] for x [r, n] (bf16, fp16 or fp32; rows of any stride, columns contiguous)
-    and fp32 weights w [r], accumulated in fp32 and rounded once to x's dtype: DoGE's update
+    and weights w [r] (any of those dtypes, upcast in the kernel: no conversion launched a call),
+    accumulated in fp32 and rounded once to x's dtype: DoGE's update
     sum_d w_d G[d] (`trainer.run.alignment.combine`). As `torch.mv(x.t(), w)` it ran as cuBLAS
     GEMV kernels (`aten::addmv_`), 10.1 ms a step at 1B (one H100, 99 parameters, k = 4), about
     3x one read of G[0..k-1] and one write of the update; this reads each row once and writes
@@ -141,15 +142,15 @@ def weighted_rows(w: torch.Tensor, x: torch.Tensor, *, block: int = WEIGHTED_BLO
         raise ValueError(
             f"weighted_rows: expected x [r, n] with 1 <= r <= 64 and w [r], got {tuple(x.shape)}, {tuple(w.shape)}"
         )
-    if x.dtype not in DTYPES:
-        raise TypeError(f"weighted_rows: dtypes must be among {DTYPES}, got {x.dtype}")
+    if x.dtype not in DTYPES or w.dtype not in DTYPES:
+        raise TypeError(f"weighted_rows: dtypes must be among {DTYPES}, got {x.dtype} and {w.dtype}")
     if x.stride(1) != 1:
         x = x.contiguous()
     r, n = x.shape
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    w = w.to(device=x.device, dtype=torch.float32).contiguous()
+    w = w.to(device=x.device).contiguous()
     weighted_rows_kernel[(triton.cdiv(n, block),)](x, w, out, n, x.stride(0), R=r, BLOCK=block, num_warps=4)
     return out
 
