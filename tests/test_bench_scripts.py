@@ -177,28 +177,40 @@ def test_the_bench_reference_cache_is_one_the_proxy_reads(bench_modules, tmp_pat
     assert all(9.0 <= a.min() and a.max() <= 11.0 for a in ref.arrays)
 
 
-def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(tmp_path):
+def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(capsys, tmp_path):
     """`method_bench.main` on the `tiny` preset (CPU): one table row per variant with positive
     numbers and `vs plain` computed; Aioli's validation passes and ADO's refits fall inside the
-    timed steps, and the run writes nothing but its two reports."""
+    timed steps; DoReMi's proxy runs against its online reference, from a reference run the bench
+    made for the preset, and its FP8 row is skipped with one line (no FP8 on the CPU); the run
+    writes nothing but its two reports."""
     mb = bench_module("method_bench")
     out = tmp_path / "out"
     result = mb.main(["--presets", "tiny", "--steps", "4", "--warmup", "1", "--device", "cpu", "--out", str(out)])
     assert sorted(p.name for p in out.iterdir()) == ["method_bench.json", "method_bench.md"]
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == list(mb.VARIANTS) == ["plain", "doge", "doge-1p", "odm", "aioli", "ado"]  # the catalog's
+    # plain, then the catalog's trained methods in its order (DoReMi a proxy only), each with its option rows
+    variants = ["plain", "doremi", "doremi-fp8", "doge", "doge-1p", "odm", "aioli", "ado"]
+    assert list(rows) == list(mb.VARIANTS) == variants
+    skipped = rows.pop("doremi-fp8")
+    assert skipped["step_s"] == 0 and skipped["note"] == "skipped: needs torchao and an FP8 GPU", skipped
+    assert capsys.readouterr().out.count("skipped doremi-fp8") == 1
     for r in rows.values():
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and len(r["steps_s"]) == 4, r
         assert r["grad_bytes"] == 4 * r["params"] > 0
     assert rows["aioli"]["val_passes"] > 0 and rows["aioli"]["val_s_per_step"] > 0
-    assert all(rows[v]["val_passes"] == 0 for v in ("plain", "odm", "ado", "doge", "doge-1p"))
+    assert all(rows[v]["val_passes"] == 0 for v in ("plain", "doremi", "odm", "ado", "doge", "doge-1p"))
     assert rows["ado"]["refits"], "no ADO refit in the timed steps"
+    assert rows["doremi"]["note"].startswith("online reference in the run's precision")
+    assert [n for n in result["notes"] if n.startswith("tiny reference: a one-step reference run")], result["notes"]
     text = (out / "method_bench.md").read_text()
     assert "tiny" in text and "CPU: not a result" in text and "--presets tiny" in text
+    assert "DoReMi's FLOP floor against plain" in text and "= 0.75x" in text
     table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
     assert [line.split("|")[1].strip() for line in table] == list(mb.VARIANTS)
     head = next(line for line in text.splitlines() if line.startswith("| variant")).split("|")
     vs = head.index(" vs plain ")
+    assert table.pop(2).split("|")[1:-1] == [" doremi-fp8 ", *[" - "] * 7, " skipped: needs torchao and an FP8 GPU "]
+    assert ">= 0.78x" in table[1].split("|")[-2]
     for line in table:
         cells = line.split("|")
         step_ms, tokens = float(cells[2]), float(cells[3].replace(",", ""))
@@ -223,7 +235,7 @@ def test_method_bench_times_only_the_chosen_variants_in_the_catalogs_order(capsy
     table = (out / "profile_tiny_doge-1p.txt").read_text()
     assert "Self CPU time total" in table and "_GroupLinearBackward" in table
     for bad, said in (
-        (["--variants", "plain,dogee"], "expected --variants of plain, doge"),
+        (["--variants", "plain,dogee"], "expected --variants of plain, doremi, doremi-fp8, doge"),
         (["--variants", "plain", "--profile", "doge", "--out", str(out)], "expected --profile of the chosen variants"),
         (["--variants", "plain", "--profile", "plain"], "expected --profile of the chosen variants"),
     ):

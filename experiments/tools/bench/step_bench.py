@@ -439,11 +439,13 @@ class FrameworkStep:
             fn()
 
 
-def fp8_reference_runs(device: torch.device) -> bool:
+def fp8_reference_runs(device: torch.device, row: str = "doremi-online-fp8") -> bool:
     """`mixing.doremi.reference_fp8`'s row runs here: torchao installed and `torch._scaled_mm`
-    on the device (elsewhere torchao emulates FP8, slower than bf16: nothing to time)."""
+    on the device (elsewhere torchao emulates FP8, slower than bf16: nothing to time). Where it
+    does not, one line says that `row` (the caller's name for it; method_bench's `doremi-fp8`)
+    is skipped."""
     if torchao_version() is None or not native_fp8(device):
-        print("skipped doremi-online-fp8: needs torchao (.[fp8]) and an FP8 GPU", flush=True)
+        print(f"skipped {row}: needs torchao (.[fp8]) and an FP8 GPU", flush=True)
         return False
     return True
 
