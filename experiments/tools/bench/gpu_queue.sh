@@ -5,19 +5,21 @@
 # thirteenth ran the MoE layer, ODM/ADO/Aioli with DoGE's one pass, FP8 at micro-batch 16 with the
 # head and call 3 (experiments/results/gpu_session13); the fourteenth 4 (DoGE's one pass after the
 # skinny kernels) and 10 (FP8's two sizes in one run: issue 36 met; experiments/results/gpu_session14).
-# Left: 4 again, after the tensor-core Gram and the per-row weight gradients. A session has 30
+# Left: 4 again, now every method's row in one run (after the tensor-core Gram and the per-row
+# weight gradients; with DoReMi's rows). A session has 30
 # device minutes, counted from asking for the machine (a start of a minute or more, again after
 # any gap of more than 30 s between calls) until it is given back.
 # Every bench writes under $OUT (the only folder that comes back from the device machine) and
 # its log is teed there; each runs under its own timeout so a slow one cannot starve the next.
-# Calls 3, 5, 9 and 10 install torchao from runs/wheels_gpu (carry it) when it is not importable.
+# Calls 3, 4, 5, 9 and 10 install torchao from runs/wheels_gpu (carry it) when it is not importable.
 #
 #   bash experiments/tools/bench/gpu_queue.sh 1   # issue 35: ODM, ADO, Aioli at 1B (Aioli's validation
 #                                                 # cost row); issue 37: the MoE layer against the plain loop
 #   bash experiments/tools/bench/gpu_queue.sh 2   # issue 37: stacked 64 vs 8 one by one, fused and unfused head, profiled
 #   bash experiments/tools/bench/gpu_queue.sh 3   # issue 36: the 120M FP8 training run (bf16, FP8, FP8 with its head)
-#   bash experiments/tools/bench/gpu_queue.sh 4   # issue 35: DoGE at 1B, k passes and one pass (`mixing.doge.one_pass`),
-#                                                 # the one pass profiled
+#   bash experiments/tools/bench/gpu_queue.sh 4   # issue 35: every method's row at 1B in one run (DoReMi's online
+#                                                 # reference in bf16 and FP8, DoGE's k passes and one pass, profiled,
+#                                                 # ODM, Aioli, ADO)
 #   bash experiments/tools/bench/gpu_queue.sh 5   # issue 36: FP8 steps at 1B with and without the head (FP8.md, G1)
 #   bash experiments/tools/bench/gpu_queue.sh 6   # issue 36: the muP transfer sweep on the grid centred on width 256's
 #                                                 # optimum (mup_transfer.py's docstring), seeds 0 and 1
@@ -47,7 +49,7 @@ commands() {
         ;;
     3) echo "fp8_bench 400 $PY $B/fp8_bench.py train --with-head --out \$OUT/fp8" ;;
     5) echo "fp8_bench 560 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 8 --with-head --out \$OUT/fp8_g1" ;;
-    4) echo "method_bench 560 $PY $B/method_bench.py --presets 1b --variants plain,doge,doge-1p --deadline 530 --profile doge-1p --out \$OUT/method_bench" ;;
+    4) echo "method_bench 580 $PY $B/method_bench.py --presets 1b --deadline 550 --profile doge-1p --out \$OUT/method_bench" ;;
     6)
         echo "mup_transfer_centred 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --out \$OUT/mup_centred"
         echo "mup_transfer_centred_seed1 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --seed 1 --out \$OUT/mup_centred_seed1"
@@ -72,7 +74,7 @@ if [ "${1:-}" = "--print" ]; then
 fi
 : "${OUT:?gpu_queue.sh: set OUT to the folder that comes back (the device tool sets it)}"
 list=$(commands "${1:-}") || exit 2
-if { [ "${1:-}" = 3 ] || [ "${1:-}" = 5 ] || [ "${1:-}" = 9 ] || [ "${1:-}" = 10 ]; } && ! $PY -c "import torchao" 2>/dev/null; then
+if { [ "${1:-}" = 3 ] || [ "${1:-}" = 4 ] || [ "${1:-}" = 5 ] || [ "${1:-}" = 9 ] || [ "${1:-}" = 10 ]; } && ! $PY -c "import torchao" 2>/dev/null; then
     $PY -m pip install -q --no-deps runs/wheels_gpu/torchao-*.whl || exit 1
 fi
 status=0
