@@ -437,3 +437,13 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
         ["bash", str(queue), "11"], capture_output=True, text=True, env={"OUT": "/tmp/x", "PATH": "/usr/bin:/bin"}
     )
     assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1 to 10, got '11'"
+
+
+def test_idle_gaps_are_the_stretches_no_kernel_covers():
+    """`timing.idle_gaps` over overlapping kernels (two streams) and out-of-order intervals: the
+    span from the first start to the last end, the uncovered stretches longest first, their sum."""
+    timing = bench_module("timing")
+    span, idle, gaps = timing.idle_gaps([(10.0, 20.0), (0.0, 5.0), (3.0, 8.0), (30.0, 31.0), (15.0, 25.0)])
+    assert (span, idle, gaps) == (31.0, 7.0, [(25.0, 30.0), (8.0, 10.0)])
+    assert timing.idle_gaps([(0.0, 4.0), (4.0, 6.0)]) == (6.0, 0.0, [])
+    assert timing.idle_gaps([]) == (0.0, 0.0, [])

@@ -277,6 +277,35 @@ def test_gram_and_row_products_of_bf16_gradients_take_the_skinny_product_kernel(
     assert not alignment._TRITON_PRODUCTS_FAILED, alignment._TRITON_PRODUCTS_FAILED
 
 
+@cuda
+def test_a_profile_says_where_the_gpu_waited_for_the_host():
+    """experiments/tools/bench/timing.py `profile_table` on CUDA: the kernels' table, then the GPU's
+    idle time with its longest gaps (a host sleep between two launches is one of them), then the
+    ops by host time."""
+    import importlib.util
+    import time
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "bench" / "timing.py"
+    spec = importlib.util.spec_from_file_location("bench_timing", path)
+    timing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timing)
+    dev = torch.device("cuda")
+    a = torch.randn(2048, 2048, device=dev)
+
+    def step():
+        a @ a
+        torch.cuda.synchronize()
+        time.sleep(0.02)
+        a @ a
+
+    step()
+    text = timing.profile_table(step, dev, 10)
+    idle_line = next(line for line in text.splitlines() if line.startswith("GPU idle:"))
+    assert float(idle_line.split()[2]) >= 15.0, idle_line
+    assert "by host time:" in text
+
+
 if __name__ == "__main__":
     chosen = sys.argv[1:]
     tests = [f for name, f in sorted(globals().items()) if name.startswith("test_") and callable(f)]

@@ -164,9 +164,30 @@ def run_part(rows: list[dict], part: str, fn: Callable[[], list[dict]]) -> bool:
         return False
 
 
+def idle_gaps(busy: list[tuple[float, float]]) -> tuple[float, float, list[tuple[float, float]]]:
+    """(span, idle, gaps) of the device's busy intervals [(start, end)] (any order, overlapping
+    allowed, e.g. kernels on two streams): span from the first start to the last end, idle the
+    part of it no interval covers, gaps those uncovered (start, end) stretches, longest first."""
+    if not busy:
+        return 0.0, 0.0, []
+    spans = sorted(busy)
+    gaps: list[tuple[float, float]] = []
+    reach = spans[0][1]
+    for start, end in spans[1:]:
+        if start > reach:
+            gaps.append((reach, start))
+        reach = max(reach, end)
+    span = reach - spans[0][0]
+    gaps.sort(key=lambda g: g[0] - g[1])
+    return span, sum(b - a for a, b in gaps), gaps
+
+
 def profile_table(step: Callable[[], object], device: torch.device, rows: int) -> str:
     """One profiled `step()` (already warm): its `rows` costliest ops by device time (self time,
-    so that a kernel is not counted again under the op that launched it)."""
+    so that a kernel is not counted again under the op that launched it); on a GPU then where the
+    GPU waited for the host (`idle_gaps` of the kernels' intervals: the idle total and the longest
+    gaps, each with the innermost host op running when it began), and the costliest ops by host
+    time. A step's wall time above its kernels' sum is such waiting; this says where it is."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -175,4 +196,29 @@ def profile_table(step: Callable[[], object], device: torch.device, rows: int) -
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
+    table = prof.key_averages().table(sort_by=key, row_limit=rows)
+    if device.type != "cuda":
+        return table
+    try:
+        lines = _idle_lines(prof.events())
+    except (AttributeError, TypeError, ValueError) as e:  # a profiler whose events lack the fields
+        lines = [f"GPU idle: not computed ({type(e).__name__}: {e})"]
+    by_host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=HOST_ROWS)
+    return "\n".join([table, *lines, "", "by host time:", by_host])
+
+
+def _idle_lines(events) -> list[str]:
+    """`profile_table`'s idle report from the profiler's events (kernels are CUDA events)."""
+    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA"]
+    host = [e for e in events if e.device_type.name == "CPU"]
+    span, idle, gaps = idle_gaps(kernels)
+    lines = [f"GPU idle: {idle / 1e3:.2f} ms of the kernels' {span / 1e3:.2f} ms span; longest gaps:"]
+    for start, end in gaps[:GAPS_LISTED]:
+        covering = [e for e in host if e.time_range.start <= start < e.time_range.end]
+        inner = min(covering, key=lambda e: e.time_range.end - e.time_range.start, default=None)
+        lines.append(f"  {(end - start) / 1e3:8.3f} ms  while the host ran {inner.name if inner else '(no op)'}")
+    return lines
+
+
+#: Gaps and host-time rows `profile_table` lists on a GPU.
+GAPS_LISTED, HOST_ROWS = 12, 20
