@@ -1,14 +1,18 @@
 """GPU-only paths against their CPU-tested references (skipped without CUDA; on the device
-machine, without pytest: `python tests/test_gpu.py`)."""
+machine, without pytest: `python tests/test_gpu.py [NAME ...]` from the repository root)."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-from trainer.optim.adamw_update import BLOCK, adamw_update, adamw_update_tensors, stacked_coefficients
-from trainer.optim.multi_tensor import TensorBlocks
+if __name__ == "__main__":  # run as a script: the repository's packages, as pytest's rootdir gives them
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.optim.adamw_update import BLOCK, adamw_update, adamw_update_tensors, stacked_coefficients  # noqa: E402
+from trainer.optim.multi_tensor import TensorBlocks  # noqa: E402
 
 try:
     import pytest
@@ -284,7 +288,6 @@ def test_a_profile_says_where_the_gpu_waited_for_the_host():
     ops by host time."""
     import importlib.util
     import time
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "bench" / "timing.py"
     spec = importlib.util.spec_from_file_location("bench_timing", path)
