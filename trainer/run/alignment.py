@@ -351,8 +351,10 @@ def _one_pass(
         g = grads.pop(0)[:k]
         if zero:
             total.append(torch.zeros(g.shape[1:], dtype=g.dtype, device=g.device))
-        else:
-            total.append(combine(rounded.setdefault(g.dtype, scale.to(g.dtype)), g))
+            continue
+        if g.dtype not in rounded:
+            rounded[g.dtype] = scale.to(g.dtype)
+        total.append(combine(rounded[g.dtype], g))
     _write_grads(params, total, None)
     signals.alignment = alignment
     return global_stats(losses, batches, k, pc)
