@@ -5,8 +5,11 @@ they existed, and the one ablation outside the model checks its own patch."""
 
 from __future__ import annotations
 
+import gzip
 import importlib
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -231,9 +234,17 @@ def test_method_bench_times_only_the_chosen_variants_in_the_catalogs_order(capsy
     result = mb.main([*argv, "--variants", "doge-1p,doge,plain", "--profile", "doge-1p", "--out", str(out)])
     assert [r["variant"] for r in result["rows"]] == ["plain", "doge", "doge-1p"]
     assert all(r["step_s"] > 0 for r in result["rows"]), result["notes"]
-    assert sorted(p.name for p in out.iterdir()) == ["method_bench.json", "method_bench.md", "profile_tiny_doge-1p.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "method_bench.json",
+        "method_bench.md",
+        "profile_tiny_doge-1p.txt",
+        "trace_tiny_doge-1p.json.gz",
+    ]
     table = (out / "profile_tiny_doge-1p.txt").read_text()
     assert "Self CPU time total" in table and "_GroupLinearBackward" in table
+    trace = json.loads(gzip.decompress((out / "trace_tiny_doge-1p.json.gz").read_bytes()))
+    marks = sorted(e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("bench step"))
+    assert marks == ["bench step 0", "bench step 1"]
     for bad, said in (
         (["--variants", "plain,dogee"], "expected --variants of plain, doremi, doremi-fp8, doge"),
         (["--variants", "plain", "--profile", "doge", "--out", str(out)], "expected --profile of the chosen variants"),
@@ -437,6 +448,35 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
         ["bash", str(queue), "11"], capture_output=True, text=True, env={"OUT": "/tmp/x", "PATH": "/usr/bin:/bin"}
     )
     assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1 to 10, got '11'"
+
+
+def test_the_idle_report_places_each_gap_between_its_kernels():
+    """`timing.idle_lines` over kernels and host ops (the profiler's fields): the idle per step,
+    the gaps by length, and the longest first with its start in the span, the kernels either
+    side and the innermost host op running when it began."""
+    timing = bench_module("timing")
+
+    def event(name, device, start, end):
+        return SimpleNamespace(
+            name=name, device_type=SimpleNamespace(name=device), time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    events = [
+        event("gemm", "CUDA", 1000.0, 2000.0),
+        event("gram", "CUDA", 2010.0, 2500.0),
+        event("adamw", "CUDA", 2550.0, 3000.0),
+        event("embedding", "CUDA", 6000.0, 6100.0),
+        event("train_step", "CPU", 0.0, 7000.0),
+        event("aten::fill_", "CPU", 2900.0, 5900.0),
+        event("aten::cat", "CPU", 2495.0, 2540.0),
+    ]
+    lines = timing.idle_lines(events, steps=2)
+    assert lines[0] == "GPU idle: 3.06 ms of the kernels' 5.10 ms span (2 step(s), 1.53 ms a step)"
+    assert lines[1] == "  gaps by length: < 20 us: 1 (0.01 ms); 20-200 us: 1 (0.05 ms); >= 200 us: 1 (3.00 ms)"
+    assert lines[3].split() == ["2.000", "ms", "3.000", "ms", "adamw", "->", "embedding", "host:", "aten::fill_"]
+    assert lines[4].split() == ["1.500", "ms", "0.050", "ms", "gram", "->", "adamw", "host:", "aten::cat"]
+    assert lines[5].split() == ["1.000", "ms", "0.010", "ms", "gemm", "->", "gram", "host:", "train_step"]
+    assert timing.gap_sizes([]) == [("< 20 us", 0, 0.0), ("20-200 us", 0, 0.0), (">= 200 us", 0, 0.0)]
 
 
 def test_idle_gaps_are_the_stretches_no_kernel_covers():

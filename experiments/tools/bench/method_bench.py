@@ -95,7 +95,8 @@ Usage (repository root):
 
 `--variants` times only the named rows (default: all, in the catalog's order); `vs plain` needs
 plain among them; the reference run is made only for a preset with a DoReMi row. `--profile`
-writes, per named variant, one more step's costliest ops.
+writes, per named variant, two more steps' costliest ops and where the GPU waited
+(`profile_<preset>_<variant>.txt`), and their timeline (`trace_<preset>_<variant>.json.gz`).
 """
 
 from __future__ import annotations
@@ -182,8 +183,9 @@ FIRST_COST = {"280m": 60.0, "1b": 90.0, "tiny": 5.0}
 AIOLI_DELTA, AIOLI_SWEEPS = 2, 1
 #: ADO's refit interval in the bench (steps), and the default it stands for.
 ADO_REFIT, ADO_DEFAULT_REFIT = 4, ADOConfig().refit_every
-#: Rows of a `--profile` table.
-PROFILE_ROWS = 40
+#: Rows of a `--profile` table, and the steps it profiles back to back (two: the gap between
+#: steps shows, where a host sync at a step's end exposes the next step's host work).
+PROFILE_ROWS, PROFILE_STEPS = 40, 2
 #: The run length the methods' schedules see (`train.steps`, at least warm-up + timed steps).
 NOMINAL_STEPS = 1000
 #: Tokens per synthetic document.
@@ -450,11 +452,11 @@ def run_variant(
     profile_to: Path | None = None,
     reference: Path | None = None,
 ) -> Row:
-    """The variant's row; with `profile_to`, one more step after the timed ones is profiled and its
-    costliest ops by device time are written there (where a variant's step goes, for the next
-    change: the row's numbers are the timed steps', not this one's). `reference`: the preset's
-    reference run (`make_reference`), for `REFERENCE_ROWS`; loading it is the method's build, in
-    the row's build time."""
+    """The variant's row; with `profile_to`, `PROFILE_STEPS` more steps after the timed ones are
+    profiled and their costliest ops by device time are written there, the Chrome trace beside it
+    (where a variant's step goes, for the next change: the row's numbers are the timed steps',
+    not these). `reference`: the preset's reference run (`make_reference`), for `REFERENCE_ROWS`;
+    loading it is the method's build, in the row's build time."""
     cuda = device.type == "cuda"
     base = free(device)
     if cuda:
@@ -502,7 +504,9 @@ def run_variant(
         row.tflops = row.tokens_per_s * trainer.flops_per_token / 1e12
         if profile_to is not None:
             profile_to.parent.mkdir(parents=True, exist_ok=True)
-            profile_to.write_text(profile_table(trainer.train_step, device, PROFILE_ROWS) + "\n")
+            trace = profile_to.with_name(profile_to.stem.replace("profile_", "trace_", 1) + ".json.gz")
+            table = profile_table(trainer.train_step, device, PROFILE_ROWS, steps=PROFILE_STEPS, trace=trace)
+            profile_to.write_text(table + "\n")
         if variant == "ado":
             row.note = refit_note(row)
         if variant == "aioli":
@@ -665,7 +669,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--profile",
         default="",
-        help="comma-separated variants whose one more step is profiled into --out/profile_<preset>_<variant>.txt",
+        help="comma-separated variants whose two more steps are profiled into --out/profile_<preset>_<variant>.txt",
     )
     args = p.parse_args(argv)
     presets = [s for s in args.presets.split(",") if s]

@@ -182,42 +182,99 @@ def idle_gaps(busy: list[tuple[float, float]]) -> tuple[float, float, list[tuple
     return span, sum(b - a for a, b in gaps), gaps
 
 
-def profile_table(step: Callable[[], object], device: torch.device, rows: int) -> str:
-    """One profiled `step()` (already warm): its `rows` costliest ops by device time (self time,
-    so that a kernel is not counted again under the op that launched it); on a GPU then where the
-    GPU waited for the host (`idle_gaps` of the kernels' intervals: the idle total and the longest
-    gaps, each with the innermost host op running when it began), and the costliest ops by host
-    time. A step's wall time above its kernels' sum is such waiting; this says where it is."""
-    from torch.profiler import ProfilerActivity, profile
+def gap_sizes(gaps: list[tuple[float, float]]) -> list[tuple[str, int, float]]:
+    """(label, count, total) of the gaps by length in microseconds: launch-latency gaps (under
+    20), host-bound stretches (20 to 200) and stalls (200 and more). Many small gaps mean the host
+    launches more slowly than the GPU runs; a few long ones, a wait (a sync, an allocation)."""
+    bins = [("< 20 us", 0.0, 20.0), ("20-200 us", 20.0, 200.0), (">= 200 us", 200.0, float("inf"))]
+    out = []
+    for label, lo, hi in bins:
+        inside = [b - a for a, b in gaps if lo <= b - a < hi]
+        out.append((label, len(inside), sum(inside)))
+    return out
+
+
+def profile_table(
+    step: Callable[[], object], device: torch.device, rows: int, *, steps: int = 1, trace: Path | None = None
+) -> str:
+    """`steps` profiled calls of `step()` (already warm), back to back: their `rows` costliest ops
+    by device time (self time, so that a kernel is not counted again under the op that launched
+    it); on a GPU then where the GPU waited for the host (`idle_gaps` of the kernels' intervals:
+    the idle total per step, the gaps by size, and the longest, each with its place in the span,
+    the kernels either side and the host op running when it began), and the costliest ops by
+    host time. A step's wall time above its kernels' sum is such waiting; this says where it is.
+    Two steps show the gap between steps too (a host sync at a step's end exposes the next
+    step's host work). `trace`: the profile as a gzipped Chrome trace (chrome://tracing,
+    Perfetto) for the whole timeline."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        step()
+        for i in range(steps):
+            with record_function(f"bench step {i}"):
+                step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    if trace is not None:
+        write_trace(prof, trace)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows)
     if device.type != "cuda":
         return table
     try:
-        lines = _idle_lines(prof.events())
+        lines = idle_lines(prof.events(), steps)
     except (AttributeError, TypeError, ValueError) as e:  # a profiler whose events lack the fields
         lines = [f"GPU idle: not computed ({type(e).__name__}: {e})"]
     by_host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=HOST_ROWS)
     return "\n".join([table, *lines, "", "by host time:", by_host])
 
 
-def _idle_lines(events) -> list[str]:
-    """`profile_table`'s idle report from the profiler's events (kernels are CUDA events)."""
-    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA"]
+def write_trace(prof, path: Path) -> None:
+    """The profile's Chrome trace, gzipped, at `path` (a `.json.gz`)."""
+    import gzip
+    import shutil
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
+
+
+def idle_lines(events, steps: int = 1) -> list[str]:
+    """`profile_table`'s idle report from the profiler's events (kernels are CUDA events, host
+    ops CPU events; each has `name`, `device_type.name` and `time_range.start`/`.end` in us)."""
+    kernels = sorted(
+        ((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type.name == "CUDA"),
+        key=lambda k: (k[0], k[1]),
+    )
     host = [e for e in events if e.device_type.name == "CPU"]
-    span, idle, gaps = idle_gaps(kernels)
-    lines = [f"GPU idle: {idle / 1e3:.2f} ms of the kernels' {span / 1e3:.2f} ms span; longest gaps:"]
+    span, idle, gaps = idle_gaps([(a, b) for a, b, _ in kernels])
+    per = f", {idle / steps / 1e3:.2f} ms a step" if steps > 1 else ""
+    lines = [f"GPU idle: {idle / 1e3:.2f} ms of the kernels' {span / 1e3:.2f} ms span ({steps} step(s){per})"]
+    lines.append(
+        "  gaps by length: "
+        + "; ".join(f"{label}: {n} ({total / 1e3:.2f} ms)" for label, n, total in gap_sizes(gaps))
+    )
+    lines.append("  longest (start in the span, length, kernel before -> kernel after, host op when it began):")
+    origin = kernels[0][0] if kernels else 0.0
     for start, end in gaps[:GAPS_LISTED]:
+        before = max((k for k in kernels if k[1] <= start), key=lambda k: k[1], default=None)
+        after = min((k for k in kernels if k[0] >= end), key=lambda k: k[0], default=None)
         covering = [e for e in host if e.time_range.start <= start < e.time_range.end]
         inner = min(covering, key=lambda e: e.time_range.end - e.time_range.start, default=None)
-        lines.append(f"  {(end - start) / 1e3:8.3f} ms  while the host ran {inner.name if inner else '(no op)'}")
+        lines.append(
+            f"  {(start - origin) / 1e3:9.3f} ms  {(end - start) / 1e3:7.3f} ms  "
+            f"{_short(before[2] if before else '-')} -> {_short(after[2] if after else '-')}  "
+            f"host: {inner.name if inner else '(no op)'}"
+        )
     return lines
+
+
+def _short(name: str, width: int = 48) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 #: Gaps and host-time rows `profile_table` lists on a GPU.
