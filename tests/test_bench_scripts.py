@@ -427,7 +427,7 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.syspath_prepend(str(BENCH.parent))  # experiments/tools/mup_transfer.py
-    for call in range(1, 11):
+    for call in range(1, 12):
         lines = subprocess.run(["bash", str(queue), "--print", str(call)], capture_output=True, text=True, check=True)
         rows = [line.split() for line in lines.stdout.splitlines()]
         assert sum(int(r[1]) for r in rows) <= 600 - 20, call
@@ -445,9 +445,30 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
             if args.get("preset") is not None:
                 assert args["preset"] in PRESETS, name
     bad = subprocess.run(
-        ["bash", str(queue), "11"], capture_output=True, text=True, env={"OUT": "/tmp/x", "PATH": "/usr/bin:/bin"}
+        ["bash", str(queue), "12"], capture_output=True, text=True, env={"OUT": "/tmp/x", "PATH": "/usr/bin:/bin"}
     )
-    assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1 to 10, got '11'"
+    assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1 to 11, got '12'"
+
+
+def test_doge_kernels_bench_times_every_weight_gradient_form_and_checks_it(capsys, tmp_path):
+    """On the CPU the bench's `dw` part runs (the Triton parts say they need CUDA): every linear
+    kind of the preset in three forms, each within fp32 rounding of the committed op's per-group
+    sums (plain: of their total); bad arguments exit 2 with one line."""
+    bench = bench_module("doge_kernels_bench")
+    out = tmp_path / "out"
+    result = bench.main(["--preset", "tiny", "--seq", "16", "--reps", "1", "--device", "cpu", "--out", str(out)])
+    kinds = {r["kind"] for r in result["dw"]}
+    assert kinds == {"qkv", "out", "gate_up", "down", "head"}
+    assert [r["form"] for r in result["dw"][:3]] == ["rows", "batch-major", "plain"]
+    assert all(r["rel_diff"] < 1e-5 and r["ms"] > 0 for r in result["dw"])
+    assert {r["count"] for r in result["dw"] if r["kind"] != "head"} == {2}
+    assert result["notes"] == ["gram, update: skipped (the Triton kernels need CUDA here)"]
+    assert "A step's weight gradients: rows" in (out / "doge_kernels.md").read_text()
+    assert json.loads((out / "doge_kernels.json").read_text())["groups"] == [2, 2, 2, 2, 1]
+    for bad, said in ((["--parts", "gramm"], "expected --parts of"), (["--groups", "3"], "expected --groups of")):
+        with pytest.raises(SystemExit) as e:
+            bench.main([*bad, "--device", "cpu"])
+        assert e.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_the_idle_report_places_each_gap_between_its_kernels():

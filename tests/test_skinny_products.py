@@ -78,8 +78,8 @@ def test_kernel_matches_float64_reference_is_repeatable_and_symmetric_in_the_int
         # GPU's need not be): partial sums spoilt below the diagonal change nothing
         launch = sk._launch
 
-        def skewed(x, y, same, partials, base, block, sub):
-            launch(x, y, same, partials, base, block, sub)
+        def skewed(x, y, same, partials, base, block, sub, *launch_choices):
+            launch(x, y, same, partials, base, block, sub, *launch_choices)
             partials.add_(torch.ones_like(partials).tril(-1))
 
         x = torch.randn(4, 3 * BLOCK + 7, generator=g).bfloat16()
@@ -144,6 +144,10 @@ def test_kernel_matches_float64_reference_is_repeatable_and_symmetric_in_the_int
             within(out, each, bound, ("summed_gram vs per-tensor", r))
             assert torch.equal(out, sk.summed_gram(xs, block=BLOCK, sub=SUB)), "not repeatable"
             assert torch.equal(out, out.t()), "summed Gram not symmetric"
+            # the bench's launch choices (doge_kernels_bench.py): at most 2 programs a tensor
+            fewer = sk.summed_gram(xs, sub=SUB, warps=8, stages=2, programs=2)
+            within(fewer, want, bound, ("summed_gram, 2 programs", r))
+        assert sk.tile(10 * SUB, sub=SUB, programs=2) == (5 * SUB, SUB)
         assert torch.equal(sk.summed_gram([torch.zeros(3, 0), torch.zeros(3, 0)]), torch.zeros(3, 3, dtype=torch.float64))
         for bad in ([], [torch.zeros(3, 4), torch.zeros(2, 4)], [torch.zeros(17, 4)]):
             try:

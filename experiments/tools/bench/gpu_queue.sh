@@ -4,9 +4,10 @@
 # spent its device time on the study's pooled arm (experiments/results/doremi_study.md); the
 # thirteenth ran the MoE layer, ODM/ADO/Aioli with DoGE's one pass, FP8 at micro-batch 16 with the
 # head and call 3 (experiments/results/gpu_session13); the fourteenth 4 (DoGE's one pass after the
-# skinny kernels) and 10 (FP8's two sizes in one run: issue 36 met; experiments/results/gpu_session14).
-# Left: 4 again, now every method's row in one run (after the tensor-core Gram and the per-row
-# weight gradients; with DoReMi's rows). A session has 30
+# skinny kernels) and 10 (FP8's two sizes in one run: issue 36 met; experiments/results/gpu_session14);
+# the fifteenth 4 (every method's row in one run: DoReMi FP8 0.781, DoGE's one pass 0.784;
+# experiments/results/gpu_session15). Left: 11 (DoGE's kernels alone), then 4 again with the
+# profile's gap report and trace. A session has 30
 # device minutes, counted from asking for the machine (a start of a minute or more, again after
 # any gap of more than 30 s between calls) until it is given back.
 # Every bench writes under $OUT (the only folder that comes back from the device machine) and
@@ -29,6 +30,9 @@
 #   bash experiments/tools/bench/gpu_queue.sh 9   # issue 36: FP8 steps at 1b, MLP linears only (G2) and micro-batch 16 (G3)
 #   bash experiments/tools/bench/gpu_queue.sh 10  # issue 36: 1b (micro-batch 16) and d_model 4096 (4) in one run, FP8
 #                                                 # rows with the head, ours and torchao on plain
+#   bash experiments/tools/bench/gpu_queue.sh 11  # issue 35: DoGE's one-pass kernels alone at 1B's shapes: the Gram's
+#                                                 # and the update's launch choices, the weight gradients by row,
+#                                                 # batch-major and plain (what a batch-major layout would save)
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -61,8 +65,9 @@ commands() {
         echo "fp8_bench_mb16 300 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 16 --out \$OUT/fp8_g3"
         ;;
     10) echo "fp8_bench_one_run 560 $PY $B/fp8_bench.py step --sizes 1b 4096 --micro-batch 16 4 --only-with-head --out \$OUT/fp8_one_run" ;;
+    11) echo "doge_kernels_bench 300 $PY $B/doge_kernels_bench.py --preset bench-1b --out \$OUT/doge_kernels" ;;
     *)
-        echo "gpu_queue.sh: expected a call number 1 to 10, got '$1'" >&2
+        echo "gpu_queue.sh: expected a call number 1 to 11, got '$1'" >&2
         return 2
         ;;
     esac

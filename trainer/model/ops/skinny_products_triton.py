@@ -130,14 +130,15 @@ def weighted_rows_kernel(x_ptr, w_ptr, out_ptr, n, x_row_stride, R: tl.constexpr
 WEIGHTED_BLOCK = 2048
 
 
-def weighted_rows(w: torch.Tensor, x: torch.Tensor, *, block: int = WEIGHTED_BLOCK) -> torch.Tensor:
+def weighted_rows(w: torch.Tensor, x: torch.Tensor, *, block: int = WEIGHTED_BLOCK, warps: int = 4) -> torch.Tensor:
     """sum_i w[i] x[i] for x [r, n] (bf16, fp16 or fp32; rows of any stride, columns contiguous)
     and weights w [r] (any of those dtypes, upcast in the kernel: no conversion launched a call),
     accumulated in fp32 and rounded once to x's dtype: DoGE's update
     sum_d w_d G[d] (`trainer.run.alignment.combine`). As `torch.mv(x.t(), w)` it ran as cuBLAS
     GEMV kernels (`aten::addmv_`), 10.1 ms a step at 1B (one H100, 99 parameters, k = 4), about
     3x one read of G[0..k-1] and one write of the update; this reads each row once and writes
-    the result once."""
+    the result once. `block` and `warps` override the launch's (experiments/tools/bench/doge_kernels_bench.py
+    times the choices)."""
     if x.dim() != 2 or w.shape != (x.shape[0],) or not 1 <= x.shape[0] <= 64:
         raise ValueError(
             f"weighted_rows: expected x [r, n] with 1 <= r <= 64 and w [r], got {tuple(x.shape)}, {tuple(w.shape)}"
@@ -151,18 +152,19 @@ def weighted_rows(w: torch.Tensor, x: torch.Tensor, *, block: int = WEIGHTED_BLO
     if n == 0:
         return out
     w = w.to(device=x.device).contiguous()
-    weighted_rows_kernel[(triton.cdiv(n, block),)](x, w, out, n, x.stride(0), R=r, BLOCK=block, num_warps=4)
+    weighted_rows_kernel[(triton.cdiv(n, block),)](x, w, out, n, x.stride(0), R=r, BLOCK=block, num_warps=warps)
     return out
 
 
-def tile(n: int, *, block: int | None = None, sub: int | None = None) -> tuple[int, int]:
+def tile(n: int, *, block: int | None = None, sub: int | None = None, programs: int | None = None) -> tuple[int, int]:
     """(block, sub) for rows n columns long: columns per program and per step of its loop (the
-    dot's K, `SUB`), block the fewest multiple of sub that covers n in at most `MAX_PROGRAMS`
-    programs (one program for n <= sub). `block` and `sub` override them (tests: small tiles
-    keep the interpreter fast); sub a power of two >= 16 (tl.dot's least K), block a multiple."""
+    dot's K, `SUB`), block the fewest multiple of sub that covers n in at most `programs`
+    (`MAX_PROGRAMS`) programs (one program for n <= sub). `block` and `sub` override them (tests:
+    small tiles keep the interpreter fast); sub a power of two >= 16 (tl.dot's least K), block a
+    multiple."""
     sub = sub or SUB
     if block is None:
-        block = sub * max(1, triton.cdiv(triton.cdiv(n, sub), MAX_PROGRAMS))
+        block = sub * max(1, triton.cdiv(triton.cdiv(n, sub), programs or MAX_PROGRAMS))
     if sub < 16 or sub & (sub - 1) or block % sub:
         raise ValueError(f"skinny_products: sub must be a power of two >= 16 dividing block, got {block}, {sub}")
     return block, sub
@@ -181,7 +183,15 @@ def _check(x: torch.Tensor, y: torch.Tensor) -> None:
 
 
 def _launch(
-    x: torch.Tensor, y: torch.Tensor, same: bool, partials: torch.Tensor, base: int, block: int, sub: int
+    x: torch.Tensor,
+    y: torch.Tensor,
+    same: bool,
+    partials: torch.Tensor,
+    base: int,
+    block: int,
+    sub: int,
+    warps: int = NUM_WARPS,
+    stages: int = NUM_STAGES,
 ) -> None:
     """The kernel's programs over x, y (columns contiguous) writing partials[base : base +
     cdiv(n, block)]. Tensor cores take bf16 or fp16 as they are where x and y share the dtype;
@@ -201,8 +211,8 @@ def _launch(
         SAME=same,
         FP32=x.dtype == torch.float32 or y.dtype != x.dtype,
         SUB=sub,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_warps=warps,
+        num_stages=stages,
     )
 
 
@@ -245,13 +255,23 @@ def skinny_products(
     return _mirrored(out) if same else out
 
 
-def summed_gram(xs: Sequence[torch.Tensor], *, block: int | None = None, sub: int | None = None) -> torch.Tensor:
+def summed_gram(
+    xs: Sequence[torch.Tensor],
+    *,
+    block: int | None = None,
+    sub: int | None = None,
+    warps: int = NUM_WARPS,
+    stages: int = NUM_STAGES,
+    programs: int | None = None,
+) -> torch.Tensor:
     """sum_t x_t @ x_t^T as fp64 [r, r] over tensors x_t [r, n_t] (the same r, 1 <= r <=
     `MAX_ROWS`; any n_t, dtypes among `DTYPES`, one device): DoGE's Gram of G's rows summed over
     the parameters (`trainer.run.alignment.group_gram`). One kernel launch a tensor, each writing
     its programs' fp32 partial sums into its own consecutive slice of ONE buffer [programs, r, r],
     then one `.sum(0)` in fp64 and the upper triangle mirrored: no torch op a tensor beyond the
-    launch, no atomics, bitwise repeatable and symmetric. `block` and `sub` override `tile`."""
+    launch, no atomics, bitwise repeatable and symmetric. `block`, `sub` and `programs` override
+    `tile`, `warps` and `stages` the launch (experiments/tools/bench/doge_kernels_bench.py times
+    the choices; the partial sums, so the bits, depend on block and sub)."""
     if not xs:
         raise ValueError("summed_gram: no tensors")
     _check(xs[0], xs[0])
@@ -263,13 +283,13 @@ def summed_gram(xs: Sequence[torch.Tensor], *, block: int | None = None, sub: in
             raise ValueError(f"summed_gram: expected tensors [{r}, n] on {device}, got {tuple(x.shape)} on {x.device}")
         n = x.shape[1]
         if n:
-            todo.append((x if x.stride(1) == 1 else x.contiguous(), *tile(n, block=block, sub=sub)))
+            todo.append((x if x.stride(1) == 1 else x.contiguous(), *tile(n, block=block, sub=sub, programs=programs)))
     total = sum(triton.cdiv(x.shape[1], b) for x, b, _ in todo)
     if total == 0:
         return torch.zeros(r, r, dtype=torch.float64, device=device)
     partials = torch.empty(total, r, r, dtype=torch.float32, device=device)
     base = 0
     for x, b, s in todo:
-        _launch(x, x, True, partials, base, b, s)
+        _launch(x, x, True, partials, base, b, s, warps, stages)
         base += triton.cdiv(x.shape[1], b)
     return _mirrored(partials.sum(0, dtype=torch.float64))
