@@ -255,8 +255,7 @@ def idle_lines(events, steps: int = 1) -> list[str]:
     per = f", {idle / steps / 1e3:.2f} ms a step" if steps > 1 else ""
     lines = [f"GPU idle: {idle / 1e3:.2f} ms of the kernels' {span / 1e3:.2f} ms span ({steps} step(s){per})"]
     lines.append(
-        "  gaps by length: "
-        + "; ".join(f"{label}: {n} ({total / 1e3:.2f} ms)" for label, n, total in gap_sizes(gaps))
+        "  gaps by length: " + "; ".join(f"{label}: {n} ({total / 1e3:.2f} ms)" for label, n, total in gap_sizes(gaps))
     )
     lines.append("  longest (start in the span, length, kernel before -> kernel after, host op when it began):")
     origin = kernels[0][0] if kernels else 0.0
