@@ -7,8 +7,10 @@ an op whose output shape depends on the data (`nonzero`, boolean-mask indexing) 
 host. They dispatch as the aten ops below, which a TorchDispatchMode sees on any device, so the
 CPU suite can hold every phase of the step to zero of them: the reference forward, forward
 and backward, the gradient syncs and the optimizer. (What does not dispatch, such as
-`.tolist()` and `.cpu()`, the GPU bench counts with `torch.cuda.set_sync_debug_mode`; the
-step's host reads for logging come after it, in `after_step`.)
+`.tolist()` and `.cpu()`, the GPU bench counts with `torch.cuda.set_sync_debug_mode`.) A
+method's `after_step` leaves its values on the device where its sampling does not need them
+(DoReMi, DoGE): the loop reads them where it reads the device anyway, at its logging steps
+(the last test).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from doremi.pipeline import stages
 from tests.runs import config
 from trainer.config.fp8 import torchao_version
 from trainer.optim.master_weights import MasterWeightAdamW
+from trainer.records.metrics import read_jsonl
 from trainer.run import loop
 from trainer.run.loop import Trainer
 
@@ -149,3 +152,60 @@ def test_doremi_proxy_step(stores, reference, tmp_path, monkeypatch, sets):
     finally:
         trainer.hook.close()
     assert mode.seen == []
+
+
+#: Host reads of a tensor that do not dispatch (the detector above cannot see them).
+HOST_READS = ("tolist", "item", "cpu", "numpy", "__float__", "__int__", "__bool__")
+
+
+@pytest.mark.parametrize("method", ["doremi", "doge"])
+def test_a_methods_step_end_leaves_its_values_on_the_device_until_the_loop_logs(
+    stores, reference, tmp_path, monkeypatch, method
+):
+    """DoReMi's and DoGE's `after_step` read nothing on the host (their sampling needs no weights
+    there): the trainer's metrics rows and `domain_weights.jsonl` get the values at the loop's
+    logging steps, checkpoints and end, every step's line written once, in order."""
+    run = tmp_path / "run"
+    sets = [*COMMON, "train.steps=5", "logging.every=2", "checkpoint.every=3"]
+    sets += [f"mixing.doremi.reference={reference}"] if method == "doremi" else ["mixing.method=doge"]
+    trainer = stages.proxy_trainer(config(stores, run, *sets))
+    assert trainer.hook.sampling_weights(1) is trainer.hook.sampling_weights(2)
+    reads: list[tuple[int, str]] = []
+    after, save = trainer.hook.after_step, trainer.save
+    written: list[int] = []
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def spy(step: int, name: str):
+        def read(self, *args, **kwargs):
+            reads.append((step, name))
+            return originals[name](self, *args, **kwargs)
+
+        return read
+
+    def watched(step, signals):
+        for name in HOST_READS:
+            monkeypatch.setattr(torch.Tensor, name, spy(step, name))
+        try:
+            return after(step, signals)
+        finally:
+            for name, fn in originals.items():
+                monkeypatch.setattr(torch.Tensor, name, fn)
+
+    def saved():
+        save()
+        written.append(len(read_jsonl(run / "domain_weights.jsonl")))
+
+    monkeypatch.setattr(trainer.hook, "after_step", watched)
+    monkeypatch.setattr(trainer, "save", saved)
+    trainer.fit()
+    assert reads == []
+    assert written == [3, 5]  # the checkpoint at step 3 and the last
+    history = read_jsonl(run / "domain_weights.jsonl")
+    assert [r["step"] for r in history] == [1, 2, 3, 4, 5]
+    logged = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in logged] == [2, 4, 5]
+    domains = history[0]["domains"]
+    for row in logged:
+        assert list(row["domain_weights"]) == domains
+        assert list(row["domain_weights"].values()) == history[row["step"] - 1]["weights"]
+        assert all(isinstance(t, int) for t in history[row["step"] - 1]["tokens"])

@@ -177,7 +177,16 @@ class MixingHook(Protocol):
 
     def observe_validation(self, step: int, losses: torch.Tensor) -> None: ...
 
-    def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]: ...
+    def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]:
+        """The step's values for the trainer's metrics row. A tensor value is per domain ([k],
+        on the device) and is read on the host only when the loop logs (`Trainer._row`), so that
+        a step's end never waits for the device."""
+        ...
+
+    def flush(self) -> None:
+        """Write what the method deferred (a per-step log held on the device): called where the
+        loop reads the device anyway, at its logging steps and before a checkpoint."""
+        ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -218,6 +227,9 @@ class MethodBase:
 
     def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]:
         return {}
+
+    def flush(self) -> None:
+        pass
 
     def state_dict(self) -> dict[str, Any]:
         return {}

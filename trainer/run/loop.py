@@ -150,6 +150,7 @@ class Trainer:
         }
 
     def save(self) -> None:
+        self.hook.flush()  # the method's log holds every step the checkpoint does
         save_checkpoint(
             self.run_dir,
             self.step,
@@ -429,6 +430,7 @@ class Trainer:
                 if pc.device.type == "cuda":
                     torch.cuda.synchronize(pc.device)
                 dt = time.perf_counter() - t0
+                self.hook.flush()
                 row = self._row(step, stats, tokens_since / dt, extra)
                 tokens_since, t0 = 0.0, time.perf_counter()
                 log.log(row)
@@ -487,7 +489,8 @@ class Trainer:
             row["mfu"] = achieved / DATASHEET_PEAK_FLOPS
             row["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.pc.device) / 2**30
         row.update(moe_metrics(self.model, self.cfg.model, self.pc))
-        row.update(extra)
+        domains = self.feed.domains
+        row.update({k: dict(zip(domains, v.tolist())) if isinstance(v, torch.Tensor) else v for k, v in extra.items()})
         return row
 
     def _by_domain(self, values: np.ndarray) -> dict[str, float | None]:

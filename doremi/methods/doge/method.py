@@ -161,17 +161,15 @@ class DoGE(MethodBase):
     def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]:
         assert signals.alignment is not None
         self.log_alpha = doge_update(self.log_alpha, self._scores(signals.alignment, signals.grad_norms, signals.lr))
-        alpha = self.alpha.tolist()
-        row = {
-            "weights": alpha,
-            "tokens": signals.tokens.tolist(),
-            "loss": signals.domain_loss.tolist(),
-            "alignment": signals.alignment.tolist(),
-        }
+        alpha = self.alpha
+        row = {"weights": alpha, "tokens": signals.tokens, "loss": signals.domain_loss, "alignment": signals.alignment}
         if signals.grad_norms is not None:
-            row["grad_norm"] = signals.grad_norms.tolist()
-        self.log.append(step, row)
-        return {"domain_weights": dict(zip(self.domains, alpha))}
+            row["grad_norm"] = signals.grad_norms
+        self.log.append(step, row)  # read on the host at the trainer's next flush, not now
+        return {"domain_weights": alpha}
+
+    def flush(self) -> None:
+        self.log.flush()
 
     def state_dict(self) -> dict[str, Any]:
         return {"log_alpha": self.log_alpha.tolist()}

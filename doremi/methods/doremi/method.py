@@ -50,7 +50,6 @@ class DoReMi(MethodBase):
         self.excess = torch.zeros(self.k, dtype=torch.float64, device=dev)
         self.ref_loss = torch.zeros(self.k, dtype=torch.float64, device=dev)
         self.log = MethodLog(ctx)
-        self.is_main = ctx.is_main
         self._updated = False
 
     @property
@@ -79,23 +78,22 @@ class DoReMi(MethodBase):
     def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]:
         if not self._updated:
             self._update(signals)
-        alpha = self.alpha.tolist()
-        row: dict[str, Any] = {"domain_weights": dict(zip(self.domains, alpha))}
-        if self.is_main:
-            excess, ref = self.excess.tolist(), self.ref_loss.tolist()
-            self.log.append(
-                step,
-                {
-                    "weights": alpha,
-                    "excess": excess,
-                    "proxy_loss": signals.domain_loss.tolist(),
-                    "ref_loss": ref,
-                    "tokens": signals.tokens.tolist(),
-                },
-            )
-            row["excess_loss"] = dict(zip(self.domains, excess))
-            row["reference_loss"] = dict(zip(self.domains, ref))
-        return row
+        alpha, excess, ref = self.alpha, self.excess, self.ref_loss
+        # device tensors: read on the host at the trainer's next flush or logging step, not now
+        self.log.append(
+            step,
+            {
+                "weights": alpha,
+                "excess": excess,
+                "proxy_loss": signals.domain_loss,
+                "ref_loss": ref,
+                "tokens": signals.tokens,
+            },
+        )
+        return {"domain_weights": alpha, "excess_loss": excess, "reference_loss": ref}
+
+    def flush(self) -> None:
+        self.log.flush()
 
     def _update(self, signals: StepSignals) -> None:
         """lambda_t and alpha_t from the global batch's excess sums and token counts."""
