@@ -64,6 +64,7 @@ def test_per_group_gradients_equal_each_groups_own_backward(tied):
     got = gg.grads()
     assert all(p.grad is None for _, p in named)
     assert "forward" not in vars(model) and all(getattr(m, "fp8", None) is None for m in model.modules())
+    assert not model.batch_first and not any(getattr(m, "batch_first", False) for m in model.modules())
     for g in range(k):
         rows = batch["domain_ids"] == g
         loss = (model(None, batch) * w * rows[:, None]).sum()
@@ -137,24 +138,25 @@ def test_products_norms_and_update_from_the_stacked_gradients(dtype):
 
 
 @pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
-def test_weight_gradients_by_row_read_in_place(out):
-    """`segment_grads` on bf16 activations [s, b, .] with groups of 3, 0, 1 and 2 rows, into
-    fp32 (main gradients: the rows' products added in fp32) and bf16 (summed in `addmm_`'s
-    epilogue): each group's g^T x against fp64, within a bf16 rounding per row (each row's
-    GEMM output is bf16); the empty group exact zeros; the compiled graph (Inductor on the CPU)
-    gives the same numbers through the opaque op, and a [s, b, .] slice of a wider tensor
-    (strided rows) is read as it is."""
+def test_weight_gradients_by_group_of_batch_first_rows(out):
+    """`segment_grads` on bf16 batch-first activations [b, s, .] with groups of 3, 0, 1 and 2
+    rows, into fp32 (main gradients) and bf16: each group's g^T x (one GEMM, K = rows x s)
+    against fp64, within one bf16 rounding of the GEMM's output; the empty group exact zeros;
+    the compiled graph (AOTAutograd) gives the same numbers through the opaque op; a slice of a
+    wider tensor (strided rows) and a transposed view (the qkv projection's gradient, RoPE's
+    [s, b, .] transposed) give the contiguous tensors' numbers."""
     gen = torch.Generator().manual_seed(1)
-    g = torch.randn(16, 6, 24, generator=gen).bfloat16()
-    x = torch.randn(16, 6, 28, generator=gen).bfloat16()[..., 4:24]
+    g = torch.randn(16, 6, 24, generator=gen).bfloat16().transpose(0, 1)
+    x = torch.randn(6, 16, 28, generator=gen).bfloat16()[..., 4:24]
     offsets = (0, 3, 3, 4, 6)
     got = segment_grads(g, x, offsets, out)
     assert got.dtype == out and got.shape == (4, 24, 20) and not got[1].any()
     for i in (0, 2, 3):
-        gi, xi = g[:, offsets[i] : offsets[i + 1]].double(), x[:, offsets[i] : offsets[i + 1]].double()
-        want = torch.einsum("sbo,sbi->oi", gi, xi)
-        scale = torch.einsum("sbo,sbi->oi", gi.abs(), xi.abs())
-        assert ((got[i].double() - want).abs() <= 3 * 2.0**-8 * scale + 1e-6).all(), i
+        gi, xi = g[offsets[i] : offsets[i + 1]].double(), x[offsets[i] : offsets[i + 1]].double()
+        want = torch.einsum("bso,bsi->oi", gi, xi)
+        scale = torch.einsum("bso,bsi->oi", gi.abs(), xi.abs())
+        assert ((got[i].double() - want).abs() <= 2.0**-8 * scale + 1e-6).all(), i
+    assert torch.equal(segment_grads(g.contiguous(), x.contiguous(), offsets, out), got)
     assert torch.equal(torch.compile(segment_grads, backend="aot_eager")(g, x, offsets, out), got)
 
 

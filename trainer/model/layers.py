@@ -111,19 +111,25 @@ def causal_attention(
     impl: str,
     priority: Sequence[SDPBackend] = CUDA_SDPA_PRIORITY,
     scale: float | None = None,
+    batch_first: bool = False,
 ) -> torch.Tensor:
-    """q [s, b, h, hd], k and v [s, b, kv, hd] (grouped-query when kv < h) -> [s, b, h * hd].
-    `priority`: the SDPA backends tried on CUDA, in order (`trainer.model.ops.kernels.Kernels`)."""
+    """q [s, b, h, hd], k and v [s, b, kv, hd] (grouped-query when kv < h) -> [s, b, h * hd];
+    under `batch_first` q, k, v [b, s, ., hd] -> [b, s, h * hd]. `priority`: the SDPA backends
+    tried on CUDA, in order (`trainer.model.ops.kernels.Kernels`)."""
+    if batch_first:
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     s, b, h, hd = q.shape
     if impl == "flash" and q.dtype in (torch.float16, torch.bfloat16):
         from flash_attn import flash_attn_func
 
         out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal=True, softmax_scale=scale)
-        return out.transpose(0, 1).reshape(s, b, h * hd)
+        return out.reshape(b, s, h * hd) if batch_first else out.transpose(0, 1).reshape(s, b, h * hd)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     if q.device.type == "cuda":
         with sdpa_kernel(list(priority), set_priority=True):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != h)
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != h)
+    if batch_first:
+        return out.permute(0, 2, 1, 3).reshape(b, s, h * hd)
     return out.permute(2, 0, 1, 3).reshape(s, b, h * hd)

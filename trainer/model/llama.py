@@ -71,6 +71,8 @@ class Attention(nn.Module):
         self.local_kv_heads = cfg.n_kv_heads // tp.size
         self.impl = impl
         self.recompute_core = False
+        # [b, s, d] activations instead of [s, b, d]: DoGE's one pass only (trainer/run/group_grads.py)
+        self.batch_first = False
         self.softmax_scale: float | None = None  # muP's 1/d_head (`trainer.model.mup`); None: 1/sqrt(d_head)
         self.qkv = tp_module(
             "attn.qkv", tp, (cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd), cfg.d_model, device=device
@@ -78,9 +80,15 @@ class Attention(nn.Module):
         self.out = tp_module("attn.out", tp, (cfg.d_model,), cfg.n_heads * hd, device=device)
 
     def core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE and causal attention: [s, b, (h + 2 kv) hd / tp] -> [s, b, h hd / tp]."""
-        q, k, v = self.kernels.rope_qkv(qkv, cos, sin, self.local_heads, self.local_kv_heads)
+        """RoPE and causal attention: [s, b, (h + 2 kv) hd / tp] -> [s, b, h hd / tp] ([b, s, .]
+        both under `batch_first`: RoPE reads the projection through a transposed view and its
+        outputs are handed to attention as [b, s, ., hd] views, the same memory either way)."""
         scale = {} if self.softmax_scale is None else {"scale": self.softmax_scale}
+        if self.batch_first:
+            q, k, v = self.kernels.rope_qkv(qkv.transpose(0, 1), cos, sin, self.local_heads, self.local_kv_heads)
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+            return causal_attention(q, k, v, self.impl, self.kernels.sdpa_priority, batch_first=True, **scale)
+        q, k, v = self.kernels.rope_qkv(qkv, cos, sin, self.local_heads, self.local_kv_heads)
         return causal_attention(q, k, v, self.impl, self.kernels.sdpa_priority, **scale)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -219,6 +227,10 @@ class LlamaStage(nn.Module):
                 self.head = tp_module("head", tp, (self.padded_vocab,), cfg.d_model, device=device)
         self.set_recompute(recompute)
         self.logit_scale = 1.0  # muP's readout multiplier (`trainer.model.mup`)
+        # [b, s, d] activations instead of [s, b, d] (with every `Attention.batch_first`): set by
+        # trainer/run/group_grads.py for DoGE's one pass, whose per-group weight gradients then
+        # read each group's rows as one contiguous [rows x s, d] block
+        self.batch_first = False
         self.head_fp8 = None  # the head's FP8 GEMMs (`model.fp8.layers: [..., head]`, `apply_fp8`)
         apply_mup(self, cfg)
         apply_fp8(self, getattr(cfg, "fp8", None), device)
@@ -251,7 +263,7 @@ class LlamaStage(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        seq = x.shape[0] * (self.tp.size if self.tp.sequence_parallel else 1)
+        seq = x.shape[1 if self.batch_first else 0] * (self.tp.size if self.tp.sequence_parallel else 1)
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.rope_cos.shape[0]}")
         return self.rope_cos[:seq], self.rope_sin[:seq]
@@ -285,13 +297,15 @@ class LlamaStage(nn.Module):
         return column_parallel_linear(h, head_weight(self), self.tp, self.head_fp8)
 
     def head_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Final norm, head and per-token cross entropy: [s(/tp), b, d], [b, s] -> [b, s] fp32."""
-        logits, target = self._local_logits(x), labels.t()
+        """Final norm, head and per-token cross entropy: [s(/tp), b, d] ([b, s, d] under
+        `batch_first`), [b, s] -> [b, s] fp32."""
+        logits = self._local_logits(x)
+        target = labels if self.batch_first else labels.t()
         if self._fused_loss:
             losses = self.kernels.cross_entropy(logits, target, self.cfg.vocab_size, IGNORE_INDEX)
         else:
             losses = vocab_parallel_cross_entropy(logits, target, self.tp, self.cfg.vocab_size, IGNORE_INDEX)
-        return losses.t().contiguous()
+        return losses.contiguous() if self.batch_first else losses.t().contiguous()
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         """Hidden states for the next stage, or on the last stage per-token losses [b, s] (fp32,
@@ -304,8 +318,8 @@ class LlamaStage(nn.Module):
         """Last stage: logits [b, s, vocab_size], gathered over tp (for eval and tests)."""
         if not self.is_last:
             raise ValueError("LlamaStage.logits: only the last pipeline stage has the head")
-        local = self._local_logits(self.hidden(hidden, batch))
-        return gather_last_dim(local, self.tp)[..., : self.cfg.vocab_size].transpose(0, 1)
+        local = gather_last_dim(self._local_logits(self.hidden(hidden, batch)), self.tp)[..., : self.cfg.vocab_size]
+        return local if self.batch_first else local.transpose(0, 1)
 
 
 def _check_layout(cfg, tp: int, layers: range) -> None:

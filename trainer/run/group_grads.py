@@ -12,8 +12,9 @@ autograd accumulates over the micro-batches; the parameters' own gradients stay 
 - linears (`trainer.parallel.tensor`'s column- and row-parallel linears and the LM head, at
   tp 1): their `mm` hook (the FP8 one's place) runs y = x W^T and the input gradient g W as
   usual, and the weight gradient per group, dW_g = g_g^T x_g, into the leaf's gradient (the
-  same FLOPs as the one GEMM it replaces): activations are [s, b, d], so a group's rows are
-  slices of dim 1, each read in place by a GEMM of its own (`segment_grads`);
+  same FLOPs as the one GEMM it replaces): the stage runs batch-first for the pass
+  (`LlamaStage.batch_first`: activations [b, s, d]), so a group's rows are one contiguous
+  block [rows x s, d] that one GEMM reads in place (`segment_grads`);
 - the embedding: its lookup, whose backward adds each token's gradient at [group, id] of the
   leaf's gradient (one `index_add_` over [k * vocab, d]); a tied head's GEMMs add into the same
   leaf;
@@ -22,7 +23,8 @@ autograd accumulates over the micro-batches; the parameters' own gradients stay 
 
 Any other parameter (MoE experts and router, Mamba's, tp > 1's shards) is refused, never
 silently left without its gradient. The model's own forward is untouched: `GroupGrads`
-installs the hooks on the modules' instances for the duration of its `with` block only; a
+installs the hooks (and the batch-first layout) on the modules' instances for the duration of
+its `with` block only; a
 compiled stage traces them as one more graph, kept from step to step (no graph break,
 tests/test_doge_one_pass.py).
 
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 
 from trainer.config.tools import ConfigError
 from trainer.model.layers import RMSNorm
+from trainer.model.llama import Attention, LlamaStage
 from trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from trainer.parallel.tied import head_weight
 
@@ -68,38 +71,36 @@ def group_offsets(groups: Sequence[int], k: int) -> tuple[int, ...]:
 
 
 def segment_grads(g: torch.Tensor, x: torch.Tensor, offsets: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """[k, out, in] in `dtype`: g_i^T x_i summed over the rows (dim 1 of [s, b, .]) of each group
-    i, zeros for an empty group (a product over no rows), as one GEMM per row read in place.
+    """[k, out, in] in `dtype`: g_i^T x_i over the rows (dim 0 of batch-first [b, s, .]) of each
+    group i, zeros for an empty group (a product over no rows): one GEMM per group, K = rows x s,
+    reading the group's contiguous block in place.
 
-    Row r of [s, b, width] is a matrix [s, width] with leading dimension b x width, which a GEMM
-    takes as it is: nothing is copied, and the group's sum runs in the GEMMs' epilogue
-    (`addmm_`, beta 1, into the group's slice of the result). Measured at 1B on one H100
-    (method_bench `doge-1p`, 14th session, experiments/results/gpu_session14): the form before,
-    one GEMM per group over segments copied contiguous (K = s x rows), took 43.9 ms a step in
-    those GEMMs and about 10 ms in the copies, and 4.17 GiB of peak memory over plain; one GEMM
-    per row (K = s) 53 ms and no copies, +1.22 GiB (issue 35 bounds DoGE at 2 gradient copies,
-    4.1 GiB), 269.0 ms a step against 274.7. The op is opaque to the compiler
-    (`trainer::group_weight_grads`): traced, each sum became an `addmm` into a fresh buffer, which
-    cuBLAS starts with a copy of the accumulator (5.5 ms a step)."""
+    The forms before it, with the model's [s, b, d] activations, where a group's rows are not one
+    block (measured at 1B on one H100, method_bench `doge-1p`, experiments/results/gpu_session14
+    and gpu_session15): one GEMM per group over segments copied contiguous, 43.9 ms a step in
+    GEMMs, about 10 ms of copies and 4.17 GiB of peak memory over plain; one GEMM per row
+    (K = s) read in place, 52.5 ms in GEMMs and no copies, +1.22 GiB, each row a launch from the
+    host. Batch-first gives the first form's GEMMs without its copies. The op is opaque to the
+    compiler (`trainer::group_weight_grads`): traced, a sum of GEMMs became `addmm`s into fresh
+    buffers that cuBLAS fills by copying the accumulator first."""
     return group_weight_grads(g, x, list(offsets), dtype)
 
 
 @torch.library.custom_op("trainer::group_weight_grads", mutates_args=())
 def group_weight_grads(g: torch.Tensor, x: torch.Tensor, offsets: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """`segment_grads`' op: g [s, b, out], x [s, b, in], groups' row offsets [k + 1]."""
-    out = g.new_empty((len(offsets) - 1, g.shape[-1], x.shape[-1]), dtype=dtype)
+    """`segment_grads`' op: g [b, s, out], x [b, s, in] (batch-first), groups' row offsets [k + 1]."""
+    g, x = g.contiguous(), x.contiguous()
+    n_out, n_in = g.shape[-1], x.shape[-1]
+    out = g.new_empty((len(offsets) - 1, n_out, n_in), dtype=dtype)
     for i, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
-        acc = out[i]
         if lo == hi:
-            acc.zero_()
-        elif dtype == g.dtype:
-            torch.mm(g[:, lo].t(), x[:, lo], out=acc)
-            for r in range(lo + 1, hi):
-                acc.addmm_(g[:, r].t(), x[:, r])
-        else:  # fp32 main gradients: each row's product (in g's dtype) added in fp32
-            acc.copy_(torch.mm(g[:, lo].t(), x[:, lo]))
-            for r in range(lo + 1, hi):
-                acc.add_(torch.mm(g[:, r].t(), x[:, r]))
+            out[i].zero_()
+            continue
+        a, b = g[lo:hi].reshape(-1, n_out).t(), x[lo:hi].reshape(-1, n_in)
+        if dtype == g.dtype:
+            torch.mm(a, b, out=out[i])
+        else:  # fp32 main gradients: the group's product (in g's dtype, as its own pass) in fp32
+            out[i].copy_(torch.mm(a, b))
     return out
 
 
@@ -120,12 +121,14 @@ class _GroupLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
+        g = g.contiguous()  # the qkv projection's arrives as RoPE's [s, b, .] gradient transposed
         grad_x = torch.matmul(g, weight) if ctx.needs_input_grad[0] else None
         return grad_x, None, segment_grads(g, x, ctx.offsets, ctx.dtype), None
 
 
 class _GroupEmbedding(torch.autograd.Function):
-    """ids [s, b] -> weight[ids]; the weight's gradient goes to `leaf`[group of the row, id]."""
+    """ids [b, s] -> weight[ids] [b, s, d] (batch-first); the weight's gradient goes to
+    `leaf`[group of the row, id]."""
 
     @staticmethod
     def forward(ctx, ids, weight, leaf, rows):
@@ -137,7 +140,7 @@ class _GroupEmbedding(torch.autograd.Function):
     def backward(ctx, g):
         ids, rows = ctx.saved_tensors
         k, vocab, d = ctx.shape
-        index = (rows.unsqueeze(0) * vocab + ids).reshape(-1)
+        index = (rows.unsqueeze(1) * vocab + ids).reshape(-1)
         out = g.new_zeros((k * vocab, d), dtype=ctx.dtype).index_add_(0, index, g.reshape(-1, d).to(ctx.dtype))
         return None, None, out.view(k, vocab, d), None
 
@@ -183,6 +186,7 @@ class GroupGrads:
         self._linears: list[nn.Module] = []
         self._embeds: list[VocabParallelEmbedding] = []
         self._norms: list[RMSNorm] = []
+        self._attentions: list[Attention] = []
         covered = self._plan()
         names = [n for n, p in named_params if id(p) not in covered]
         if names:
@@ -204,7 +208,13 @@ class GroupGrads:
         """Which modules get hooks; returns the ids of the parameters they cover."""
         covered: set[int] = set()
         head = getattr(self.stage, "head", None)
+        if not isinstance(self.stage, LlamaStage):
+            raise ConfigError(
+                f"group gradients (DoGE's one pass): expected a Llama stage, got {type(self.stage).__name__}"
+            )
         for m in self.stage.modules():
+            if isinstance(m, Attention):
+                self._attentions.append(m)
             tp = getattr(m, "tp", None)
             if tp is not None and getattr(tp, "size", 1) != 1:
                 raise ConfigError(f"group gradients (DoGE's one pass): tensor parallel (tp {tp.size}) is not supported")
@@ -244,6 +254,9 @@ class GroupGrads:
             return forward(hidden, batch)
 
         self._set(stage, "forward", stage_forward)
+        self._set(stage, "batch_first", True)
+        for m in self._attentions:
+            self._set(m, "batch_first", True)
         for m in self._linears:
             self._set(m, "fp8", GroupMatmul(leaves[id(m.weight)], groups))
         if getattr(stage, "is_last", False):
@@ -277,14 +290,14 @@ class GroupGrads:
 
 def _embedding(m: VocabParallelEmbedding, leaf: torch.Tensor, groups: RowGroups):
     def forward(input_ids: torch.Tensor) -> torch.Tensor:
-        return _GroupEmbedding.apply(input_ids.t(), m.weight, leaf, groups.rows)
+        return _GroupEmbedding.apply(input_ids, m.weight, leaf, groups.rows)
 
     return forward
 
 
 def _norm(m: RMSNorm, leaf: torch.Tensor, groups: RowGroups):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        w = leaf[groups.rows].to(x.dtype)  # [b, d]: each row's group's weight
+        w = leaf[groups.rows].to(x.dtype)[:, None, :]  # [b, 1, d]: each row's group's weight
         return F.rms_norm(x, (x.shape[-1],), None, m.eps) * w
 
     return forward

@@ -10,11 +10,11 @@ Three parts, each a table:
   1B, about 1 TB/s, a third of the card's.
 - `update`: `weighted_rows` (sum_d w_d G[d] per parameter) over `block` and warps.
 - `dw`: each linear's per-group weight gradients for one micro-batch of B + T rows split into
-  the run's groups, three ways: `rows` (the committed op `trainer::group_weight_grads`: one GEMM
-  per row of the [s, b, d] activations, read in place), `batch-major` (one GEMM per group over
-  contiguous [rows x s, d] slices: what a batch-major layout in this mode would give) and `plain`
-  (one GEMM over all rows, K = b x s: the FLOPs' floor, plain's own weight gradient). Every form's
-  result is checked against `rows` (the sums of the same products).
+  the run's groups, three ways: `rows` (sessions 14-15's form: one GEMM per row of [s, b, d]
+  activations, read in place and summed by `addmm_`), `batch-major` (the committed op
+  `trainer::group_weight_grads` on the one pass's batch-first activations: one GEMM per group
+  over its contiguous [rows x s, d] block) and `plain` (one GEMM over all rows, K = b x s: the
+  FLOPs' floor, plain's own weight gradient). Every form's result is checked against `rows`.
 
 Each time is the median of `--reps` timed calls after one warm-up (CUDA events on a GPU, wall
 clock elsewhere); a step's estimate multiplies a layer's time by the layers. The Triton parts
@@ -141,13 +141,14 @@ def dw_part(
         g_bm, x_bm = g.transpose(0, 1).contiguous(), x.transpose(0, 1).contiguous()
 
         def rows():
-            return segment_grads(g, x, offsets, dtype)
+            acc = torch.zeros(len(groups), n_out, n_in, dtype=dtype, device=device)
+            for i, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+                for r in range(lo, hi):
+                    acc[i].addmm_(g[:, r].t(), x[:, r])
+            return acc
 
         def batch_major():
-            acc = torch.empty(len(groups), n_out, n_in, dtype=dtype, device=device)
-            for i, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
-                torch.mm(g_bm[lo:hi].reshape(-1, n_out).t(), x_bm[lo:hi].reshape(-1, n_in), out=acc[i])
-            return acc
+            return segment_grads(g_bm, x_bm, offsets, dtype)
 
         def plain():
             return torch.mm(g.reshape(-1, n_out).t(), x.reshape(-1, n_in))
