@@ -192,7 +192,7 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(capsys, tmp
     assert sorted(p.name for p in out.iterdir()) == ["method_bench.json", "method_bench.md"]
     rows = {r["variant"]: r for r in result["rows"]}
     # plain, then the catalog's trained methods in its order (DoReMi a proxy only), each with its option rows
-    variants = ["plain", "doremi", "doremi-fp8", "doge", "doge-1p", "odm", "aioli", "ado"]
+    variants = ["plain", "doremi", "doremi-fp8", "doge", "doge-kpass", "odm", "aioli", "ado"]
     assert list(rows) == list(mb.VARIANTS) == variants
     skipped = rows.pop("doremi-fp8")
     assert skipped["step_s"] == 0 and skipped["note"] == "skipped: needs torchao and an FP8 GPU", skipped
@@ -201,7 +201,7 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(capsys, tmp
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and len(r["steps_s"]) == 4, r
         assert r["grad_bytes"] == 4 * r["params"] > 0
     assert rows["aioli"]["val_passes"] > 0 and rows["aioli"]["val_s_per_step"] > 0
-    assert all(rows[v]["val_passes"] == 0 for v in ("plain", "doremi", "odm", "ado", "doge", "doge-1p"))
+    assert all(rows[v]["val_passes"] == 0 for v in ("plain", "doremi", "odm", "ado", "doge", "doge-kpass"))
     assert rows["ado"]["refits"], "no ADO refit in the timed steps"
     assert rows["doremi"]["note"].startswith("online reference in the run's precision")
     assert [n for n in result["notes"] if n.startswith("tiny reference: a one-step reference run")], result["notes"]
@@ -225,24 +225,24 @@ def test_method_bench_runs_every_variant_on_a_tiny_preset_on_the_cpu(capsys, tmp
 
 
 def test_method_bench_times_only_the_chosen_variants_in_the_catalogs_order(capsys, tmp_path):
-    """`--variants doge-1p,doge,plain` gives exactly those rows, plain first, and `--profile doge-1p`
+    """`--variants doge-kpass,doge,plain` gives exactly those rows, plain first, and `--profile doge`
     one profile table, of that variant; an unknown name, or a profile of a variant not chosen or
     without --out, exits 2."""
     mb = bench_module("method_bench")
     argv = ["--presets", "tiny", "--steps", "1", "--warmup", "0", "--device", "cpu"]
     out = tmp_path / "out"
-    result = mb.main([*argv, "--variants", "doge-1p,doge,plain", "--profile", "doge-1p", "--out", str(out)])
-    assert [r["variant"] for r in result["rows"]] == ["plain", "doge", "doge-1p"]
+    result = mb.main([*argv, "--variants", "doge-kpass,doge,plain", "--profile", "doge", "--out", str(out)])
+    assert [r["variant"] for r in result["rows"]] == ["plain", "doge", "doge-kpass"]
     assert all(r["step_s"] > 0 for r in result["rows"]), result["notes"]
     assert sorted(p.name for p in out.iterdir()) == [
         "method_bench.json",
         "method_bench.md",
-        "profile_tiny_doge-1p.txt",
-        "trace_tiny_doge-1p.json.gz",
+        "profile_tiny_doge.txt",
+        "trace_tiny_doge.json.gz",
     ]
-    table = (out / "profile_tiny_doge-1p.txt").read_text()
+    table = (out / "profile_tiny_doge.txt").read_text()  # DoGE's default step here: the one pass
     assert "Self CPU time total" in table and "_GroupLinearBackward" in table
-    trace = json.loads(gzip.decompress((out / "trace_tiny_doge-1p.json.gz").read_bytes()))
+    trace = json.loads(gzip.decompress((out / "trace_tiny_doge.json.gz").read_bytes()))
     marks = sorted(e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("bench step"))
     assert marks == ["bench step 0", "bench step 1"]
     for bad, said in (

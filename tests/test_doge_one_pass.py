@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import trainer.run.alignment as alignment
-from doremi.methods.doge import check_layout
+from doremi.methods.doge import check_layout, one_pass
 from doremi.methods.history import read_history
 from doremi.pipeline import stages
 from tests.runs import config, losses
@@ -342,9 +342,18 @@ def test_one_pass_under_dp2_logs_the_single_process_step(stores, tmp_path, extra
     ],
 )
 def test_one_pass_refuses_what_it_cannot_split(stores, tmp_path, section, key, value, why):
-    """One line naming the key and the reason (the method's `check`, run before any stage)."""
+    """Asked for (`true`): one line naming the key and the reason (the method's `check`, run
+    before any stage). Left null (the default): the one pass at tp 1 without them, the k passes
+    with them, and nothing refused."""
     cfg = config(stores, tmp_path / "run", *SETS, "mixing.doge.one_pass=true")
     check_layout(cfg)
+    default = config(stores, tmp_path / "run", *SETS)
+    assert default.mixing.doge.one_pass is None and one_pass(default) and one_pass(cfg)
     setattr(getattr(cfg, section), key, value)
-    with pytest.raises(ConfigError, match=rf"^mixing.doge.one_pass: .* got {why}; set mixing.doge.one_pass: false$"):
+    with pytest.raises(
+        ConfigError, match=rf"^mixing.doge.one_pass: .* got {why}; set mixing.doge.one_pass: false \(or null: .*\)$"
+    ):
         check_layout(cfg)
+    setattr(getattr(default, section), key, value)
+    check_layout(default)
+    assert not one_pass(default)

@@ -39,11 +39,12 @@ class DoGEConfig:
     # Every domain's gradient and the target's from ONE forward and backward of the step's
     # sequences sorted by domain, the target's after them (per-group weight gradients,
     # trainer/run/group_grads.py) instead of the target's pass and one pass per domain's
-    # micro-batches: the same update (equal to fp32 rounding), fewer and fuller passes (issue 35's
-    # floor of 0.85 of a plain step; the k-pass step measured 0.735 at 1B). Memory: k + 1
-    # gradient copies and the update, as the k-pass step. Dense models at tp 1 and pp 1 without
-    # FP8 only. Not yet measured on a GPU (experiments/notes/PERFORMANCE.md), hence off by default.
-    one_pass: bool = False
+    # micro-batches: the same update (equal to fp32 rounding), fewer and fuller passes (at 1B on
+    # one H100: 0.784 of a plain step, the k passes 0.484; experiments/results/gpu_session15).
+    # Memory: k + 1 gradient copies and the update, as the k-pass step. Dense models at tp 1 and
+    # pp 1 without FP8 only. null (the default): the one pass wherever the layout allows it, the
+    # k passes elsewhere; true: the one pass or a refusal; false: the k passes.
+    one_pass: bool | None = None
 
     def validate(self, path: str = "mixing.doge") -> None:
         if self.variant not in ("authors", "paper"):

@@ -53,7 +53,7 @@ commands() {
         ;;
     3) echo "fp8_bench 400 $PY $B/fp8_bench.py train --with-head --out \$OUT/fp8" ;;
     5) echo "fp8_bench 560 $PY $B/fp8_bench.py step --sizes 1b --micro-batch 8 --with-head --out \$OUT/fp8_g1" ;;
-    4) echo "method_bench 580 $PY $B/method_bench.py --presets 1b --deadline 550 --profile plain,doge-1p --out \$OUT/method_bench" ;;
+    4) echo "method_bench 580 $PY $B/method_bench.py --presets 1b --deadline 550 --profile plain,doge --out \$OUT/method_bench" ;;
     6)
         echo "mup_transfer_centred 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --out \$OUT/mup_centred"
         echo "mup_transfer_centred_seed1 200 $PY experiments/tools/mup_transfer.py --lrs $MUP_CENTRED --max-seconds 170 --seed 1 --out \$OUT/mup_centred_seed1"
