@@ -14,6 +14,7 @@ import trainer.run.alignment as alignment
 from doremi.methods.doge import check_layout, one_pass
 from doremi.methods.history import read_history
 from doremi.pipeline import stages
+from tests.group_grads_case import per_group_grads
 from tests.runs import config, losses
 from tests.test_method_doge import fit_capturing_gradients
 from tests.test_model import _cfg
@@ -55,13 +56,7 @@ def test_per_group_gradients_equal_each_groups_own_backward(tied):
     named = list(model.named_parameters())
     batch = _rows(groups)
     w = _weights(batch, k)
-    halves = [{key: v[:4] for key, v in batch.items()}, {key: v[4:] for key, v in batch.items()}]
-    with GroupGrads(model, named, k) as gg:
-        for h in halves:
-            gg.announce(h, group_offsets(h["domain_ids"].tolist(), k))
-        for h, hw in zip(halves, (w[:4], w[4:])):
-            (model(None, h) * hw).sum().backward()
-    got = gg.grads()
+    got = per_group_grads(model, named, batch, w, k)
     assert all(p.grad is None for _, p in named)
     assert "forward" not in vars(model) and all(getattr(m, "fp8", None) is None for m in model.modules())
     assert not model.batch_first and not any(getattr(m, "batch_first", False) for m in model.modules())

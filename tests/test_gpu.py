@@ -315,10 +315,10 @@ def test_doge_one_pass_on_cuda_gives_each_groups_own_gradient():
     RoPE's Triton kernels on a transposed view, one GEMM per group, the fused loss), fp32: each
     parameter's G[g] equals the gradient of group g's own loss by autograd through the model's
     usual [s, b, d] layout (groups of 3, 0, 1 and 2 rows, two micro-batches)."""
+    from tests.group_grads_case import per_group_grads
     from trainer.config.schema import model_config
     from trainer.model.llama import Llama
     from trainer.parallel.context import ParallelContext
-    from trainer.run.group_grads import GroupGrads, group_offsets
 
     dev = torch.device("cuda")
     model = Llama(model_config(preset="tiny", compile=True), pc=ParallelContext.single(dev))
@@ -335,13 +335,7 @@ def test_doge_one_pass_on_cuda_gives_each_groups_own_gradient():
     mask = batch["labels"] != -100
     n = torch.stack([(mask & (batch["domain_ids"] == g)[:, None]).sum() for g in range(k)]).float()
     w = mask.float() / n.clamp_min(1)[batch["domain_ids"]][:, None]
-    halves = [{key: v[:4] for key, v in batch.items()}, {key: v[4:] for key, v in batch.items()}]
-    with GroupGrads(model, named, k) as gg:
-        for h in halves:
-            gg.announce(h, group_offsets(h["domain_ids"].tolist(), k))
-        for h, hw in zip(halves, (w[:4], w[4:])):
-            (model(None, h) * hw).sum().backward()
-    got = gg.grads()
+    got = per_group_grads(model, named, batch, w, k)
     assert not model.batch_first and all(p.grad is None for _, p in named)
     for g in range(k):
         loss = (model(None, batch) * w * (batch["domain_ids"] == g)[:, None]).sum()
