@@ -642,3 +642,46 @@ def test_side_by_side_batches_main_runs_only_never_a_fit_or_what_reads_it(launch
     with pytest.raises(SystemExit) as e:
         launcher.main([*argv, "--side-by-side", "0"])
     assert e.value.code == 2
+
+
+def test_whole_stages_starts_no_stage_that_would_not_end_before_the_deadline(launcher, tmp_path, monkeypatch):
+    """`--whole-stages` (a session's last call): with 400 s left, the first main run (240 s x 1.2)
+    runs and the second (whose 288 s would end after the deadline) is not started, said in its
+    record and on stdout, exit 3; without --deadline it is one line and exit 2."""
+    import subprocess
+    import time
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text("{}\n")
+    clock = {"now": 1000.0}
+
+    def fake_command(*args):
+        return [sys.executable, "-c", "print('ok')"]
+
+    def fake_time():
+        clock["now"] += 1.0  # every reading a second later
+        return clock["now"]
+
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        clock["now"] += 200.0  # a stage takes 200 s
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(launcher, "command_of", fake_command)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0))
+    monkeypatch.setattr(subprocess, "Popen", popen)  # the launchers' own module objects
+    monkeypatch.setattr(time, "time", fake_time)
+    argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--corpus", str(corpus)]
+    assert launcher.main([*argv, "--deadline", "400", "--whole-stages"]) == 3
+    with tarfile.open(tmp_path / "out" / "comparison.tar.xz") as tar:
+        info = json.loads(tar.extractfile("comparison/launch.json").read())
+    ran, skipped = info["stages"][1], info["stages"][2]
+    assert (ran["stage"], ran["exit_status"], "not_started" in ran) == ("unimax-seed1", 0, False)
+    assert (skipped["stage"], skipped["exit_status"]) == ("temperature-seed1", None)
+    assert skipped["not_started"].startswith("needs about 288 s, ")
+    assert len(info["stages"]) == 3 and info["exit_status"] == 3
+    with pytest.raises(SystemExit) as e:
+        launcher.main([*argv, "--whole-stages"])
+    assert e.value.code == 2

@@ -3,7 +3,7 @@
 
     python experiments/launch/comparison.py --dry-run [--calibration CAL] [--work DIR]
     python experiments/launch/comparison.py --out $OUT [--calibration CAL] [--work runs/doremi_study]
-        [--corpus runs/real_corpus] [--deadline SECONDS] [--side-by-side N] [--session LABEL]
+        [--corpus runs/real_corpus] [--deadline SECONDS [--whole-stages]] [--side-by-side N] [--session LABEL]
         [--set KEY=VALUE ...]
 
 The protocol is doremi/study/comparison/protocol.py (the prose: experiments/notes/COMPARISON.md):
@@ -18,7 +18,9 @@ unpacked there) and never run here. A pooled arm's pool (`<arm>_pooled/`: one `d
 of its six proxies, or one `doremi fit` of the six sweeps) runs after every seed's search of its
 group and before any of its main runs, which all train on it. A finished
 stage is skipped; an interrupted one resumes from its checkpoint; `--deadline` stops the running
-stage with SIGTERM (it checkpoints). `--side-by-side N` runs up to N consecutive main runs at
+stage with SIGTERM (it checkpoints); with `--whole-stages` (a session's last call, whose stopped
+stage's checkpoint goes back with the machine) no stage is started that its estimated time
+would not end before the deadline. `--side-by-side N` runs up to N consecutive main runs at
 once, as the study's launcher does (each bitwise the run alone; every other stage, a fit or an
 average whose output the next stages read, alone). The run directories, without checkpoints, and the call's
 records are packed as `$OUT/comparison.tar.xz`.
@@ -260,6 +262,12 @@ def power_lines(protocol: Protocol, decision: Any) -> str:
     )
 
 
+#: `--whole-stages`: a stage's estimated seconds are its price times this. The prices are the
+#: study's H200 times (a main run 240 s); on an H100 main runs took 256-274 s with their start
+#: (experiments/results/gpu_session15), 1.14x at most.
+WHOLE_MARGIN = 1.2
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -270,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--side-by-side", type=int, default=1, help="consecutive main runs at once on the one GPU (default 1)"
     )
+    ap.add_argument(
+        "--whole-stages",
+        action="store_true",
+        help="with --deadline: start no stage whose estimated time (its price x "
+        f"{WHOLE_MARGIN:g}) would not end before it (a session's last call)",
+    )
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--session", default="", help="a label: this call's records go to comparison/session-LABEL/")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, its commands and its price; run nothing")
@@ -278,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         die("--out (or OUT) is not set: the directory the packed results go to")
     if args.side_by_side < 1:
         die(f"--side-by-side: expected >= 1, got {args.side_by_side}")
+    if args.whole_stages and not args.deadline:
+        die("--whole-stages: needs --deadline (the time the stages must end by)")
     if args.session and not re.fullmatch(r"[A-Za-z0-9._-]+", args.session):
         die(f"--session: expected a label of letters, digits, '.', '_' or '-', got {args.session!r}")
     try:
@@ -352,8 +368,13 @@ def run(
     if not status:
         stages = [stage_of(s, PROTOCOL, work)[0] for s in todo]
         cmds = [command_of(s, PROTOCOL, work, base, args.sets) for s in todo]
-        for record in study.run_stages(stages, cmds, log, deadline, args.side_by_side):
+        needs = [s.price.seconds * WHOLE_MARGIN for s in todo] if args.whole_stages else None
+        for record in study.run_stages(stages, cmds, log, deadline, args.side_by_side, needs):
             info["stages"].append(record)
+            if "not_started" in record:
+                print(f"{record['stage']} ({record['command']}): not started ({record['not_started']})")
+                status = 3
+                continue
             print(f"{record['stage']} ({record['command']}): exit {record['exit_status']} in {record['seconds']} s")
             status = 3 if record["stopped"] else (status or (1 if record["exit_status"] else 0))
     info["exit_status"] = status

@@ -291,10 +291,18 @@ def finished(stage: Stage, folder: Path) -> bool:
 
 
 def run_stages(
-    stages: list[Stage], cmds: list[list[str]], log: Path, deadline: float | None, side_by_side: int = 1
+    stages: list[Stage],
+    cmds: list[list[str]],
+    log: Path,
+    deadline: float | None,
+    side_by_side: int = 1,
+    needs: list[float] | None = None,
 ) -> Iterator[dict]:
     """Run the commands, a batch at a time (`batches`), each to its end or to the deadline
-    (SIGTERM: the stage saves a checkpoint and stops), yielding one record per stage.
+    (SIGTERM: the stage saves a checkpoint and stops), yielding one record per stage. With
+    `needs` (each stage's estimated seconds), a batch that would not end before the deadline is
+    not started: its stages' records say so (`not_started`) and the call stops there, for a
+    session's last call, whose stopped stage's checkpoint would go back with the machine.
 
     Side by side, the processes time-slice one GPU: with deterministic kernels each run is
     bitwise the run it would be alone (../shared/study-design.md, "Measured since": three
@@ -303,6 +311,21 @@ def run_stages(
     529 s of wall time against about 800 s one after another)."""
     for batch in batches(stages, side_by_side):
         start = time.time()
+        if needs is not None and deadline is not None:
+            need = max(needs[i] for i in batch)
+            if start + need > deadline:
+                for i in batch:
+                    yield {
+                        "stage": stages[i].name,
+                        "command": stages[i].command,
+                        "exit_status": None,
+                        "seconds": 0.0,
+                        "stopped": True,
+                        "not_started": f"needs about {need:.0f} s, {max(0.0, deadline - start):.0f} s left",
+                        "side_by_side": len(batch),
+                        "argv": shlex.join(cmds[i][1:]),
+                    }
+                return
         procs = {}
         for i in batch:
             out = open(log if len(batch) == 1 else log.with_name(f"{log.stem}-{stages[i].name}.log"), "a")
