@@ -163,10 +163,14 @@ def _grad_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.float32 if getattr(p, "main_grad", None) is not None else p.dtype
 
 
-def _receiver(p: torch.Tensor, k: int) -> torch.Tensor:
+def _receiver(p: torch.Tensor, k: int, zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor]) -> torch.Tensor:
     """A leaf [k, *p.shape] that only receives gradients (its values are never read): one
-    element broadcast, no storage of the parameter's size."""
-    return torch.zeros((), dtype=_grad_dtype(p), device=p.device).expand(k, *p.shape).requires_grad_()
+    element broadcast, no storage of the parameter's size; the element is shared by every
+    receiver of its dtype and device (`zeros`), not one fill launched a parameter a step."""
+    key = (_grad_dtype(p), p.device)
+    if key not in zeros:
+        zeros[key] = torch.zeros((), dtype=key[0], device=key[1])
+    return zeros[key].expand(k, *p.shape).requires_grad_()
 
 
 class GroupGrads:
@@ -195,11 +199,12 @@ class GroupGrads:
                 f"{' ...' if len(names) > 4 else ''}; only dense linears, RMSNorm and the embedding at tp 1"
             )
         norms = {id(m.weight) for m in self._norms}
+        zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.leaves = {
             id(p): (
                 p.detach().to(_grad_dtype(p)).expand(k, *p.shape).requires_grad_()
                 if id(p) in norms
-                else _receiver(p, k)
+                else _receiver(p, k, zeros)
             )
             for p in self.params
         }
