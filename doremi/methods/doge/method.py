@@ -123,11 +123,10 @@ class DoGE(MethodBase):
         sampling: np.ndarray,
         target: np.ndarray,
         target_batch: int,
-        one_pass: bool | None = None,
+        one_pass: bool,
     ):
         """`target_batch`: validation sequences of the target gradient per step (`target_sequences`);
-        `one_pass`: the step's form as the layout resolved it (`doremi.methods.doge.one_pass`;
-        None: `cfg.one_pass` as it is, the k passes when null)."""
+        `one_pass`: the step's form as the layout resolved it (`doremi.methods.doge.one_pass`)."""
         self.cfg = cfg
         self.domains = ctx.domains
         self.sampling = np.asarray(sampling, dtype=np.float64)
@@ -138,7 +137,7 @@ class DoGE(MethodBase):
             target_batch,
             domain_clip(cfg),
             deferred=self.authors,
-            one_pass=bool(cfg.one_pass) if one_pass is None else one_pass,
+            one_pass=one_pass,
         )
         self.needs = Needs(alignment=spec)
         self.log_alpha = torch.full((ctx.k,), -float(np.log(ctx.k)), dtype=torch.float64, device=ctx.device)
