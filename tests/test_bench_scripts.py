@@ -474,15 +474,20 @@ def test_doge_kernels_bench_times_every_weight_gradient_form_and_checks_it(capsy
 def test_the_idle_report_places_each_gap_between_its_kernels():
     """`timing.idle_lines` over kernels and host ops (the profiler's fields): the idle per step,
     the gaps by length, and the longest first with its start in the span, the kernels either
-    side and the innermost host op running when it began."""
+    side and the innermost host op running when it began; a step's `record_function` range on
+    the device (a user annotation) is no kernel."""
     timing = bench_module("timing")
 
-    def event(name, device, start, end):
+    def event(name, device, start, end, annotation=False):
         return SimpleNamespace(
-            name=name, device_type=SimpleNamespace(name=device), time_range=SimpleNamespace(start=start, end=end)
+            name=name,
+            device_type=SimpleNamespace(name=device),
+            time_range=SimpleNamespace(start=start, end=end),
+            is_user_annotation=annotation,
         )
 
     events = [
+        event("bench step 0", "CUDA", 1000.0, 6100.0, annotation=True),  # a step's range: not work
         event("gemm", "CUDA", 1000.0, 2000.0),
         event("gram", "CUDA", 2010.0, 2500.0),
         event("adamw", "CUDA", 2550.0, 3000.0),

@@ -278,6 +278,14 @@ def test_gram_and_row_products_of_bf16_gradients_take_the_skinny_product_kernel(
     bound32 = 4 * x.shape[1] ** 0.5 * 2.0**-24 * (xd.abs() @ xd.abs().t())
     assert ((alignment.rows_gram(x).double() - xd @ xd.t()).abs() <= bound32).all()
     assert ((alignment.rows_dot(x[:5], x[5]).double() - xd[:5] @ xd[5]).abs() <= bound32[:5, 5]).all()
+    # the tuned launch (warps and stages timed at the first call) gives the bits of every choice
+    from trainer.model.ops import skinny_products_triton as sk
+
+    flats = [flat, small.reshape(5, -1)]
+    tuned = sk.summed_gram(flats)
+    assert sk.tuned_choices(), "the launch was not tuned"
+    for warps, stages in sk.CHOICES:
+        assert torch.equal(sk.summed_gram(flats, warps=warps, stages=stages), tuned), (warps, stages)
     assert not alignment._TRITON_PRODUCTS_FAILED, alignment._TRITON_PRODUCTS_FAILED
 
 

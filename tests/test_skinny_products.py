@@ -90,13 +90,17 @@ def test_kernel_matches_float64_reference_is_repeatable_and_symmetric_in_the_int
         sk._launch = launch
         assert torch.equal(spoilt, sk.summed_gram([x, x[:, :5]], block=BLOCK, sub=SUB))
 
-        assert sk.tile(1) == sk.tile(sk.SUB) == (sk.SUB, sk.SUB)
-        assert sk.tile(sk.SUB * sk.MAX_PROGRAMS) == (sk.SUB, sk.SUB)
-        assert sk.tile(sk.SUB * sk.MAX_PROGRAMS + 1) == (2 * sk.SUB, sk.SUB)
+        # a loop step packs chunks(r, s) chunks of sub columns: 16 for one row, 3 for DoGE's 5
+        assert (sk.chunks(1, 1), sk.chunks(5, 5), sk.chunks(5, 1), sk.chunks(9, 9), sk.chunks(16, 1)) == (16, 3, 3, 1, 1)
+        step = 16 * sk.SUB
+        assert sk.tile(1) == sk.tile(step) == (step, sk.SUB)
+        assert sk.tile(step * sk.MAX_PROGRAMS) == (step, sk.SUB)
+        assert sk.tile(step * sk.MAX_PROGRAMS + 1) == (2 * step, sk.SUB)
         for n in (2048, 4 * 2048 * 2048, 32000 * 2048):
-            block, sub = sk.tile(n)
-            fewest = block == sub or -(-n // (block - sub)) > sk.MAX_PROGRAMS
-            assert block % sub == 0 and -(-n // block) <= sk.MAX_PROGRAMS and fewest, (n, block)
+            block, sub = sk.tile(n, 5, 5)
+            step = 3 * sub
+            fewest = block == step or -(-n // (block - step)) > sk.MAX_PROGRAMS
+            assert block % step == 0 and -(-n // block) <= sk.MAX_PROGRAMS and fewest, (n, block)
         for bad in ({"sub": 8}, {"sub": 48}, {"block": 100, "sub": 32}):
             try:
                 sk.tile(1000, **bad)
@@ -147,7 +151,8 @@ def test_kernel_matches_float64_reference_is_repeatable_and_symmetric_in_the_int
             # the bench's launch choices (doge_kernels_bench.py): at most 2 programs a tensor
             fewer = sk.summed_gram(xs, sub=SUB, warps=8, stages=2, programs=2)
             within(fewer, want, bound, ("summed_gram, 2 programs", r))
-        assert sk.tile(10 * SUB, sub=SUB, programs=2) == (5 * SUB, SUB)
+        assert sk.tile(10 * SUB, 16, 16, sub=SUB, programs=2) == (5 * SUB, SUB)
+        assert sk.tile(10 * SUB, 5, 5, sub=SUB, programs=2) == (6 * SUB, SUB)
         assert torch.equal(sk.summed_gram([torch.zeros(3, 0), torch.zeros(3, 0)]), torch.zeros(3, 3, dtype=torch.float64))
         for bad in ([], [torch.zeros(3, 4), torch.zeros(2, 4)], [torch.zeros(17, 4)]):
             try:

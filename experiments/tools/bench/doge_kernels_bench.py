@@ -4,8 +4,8 @@ measured before it is built.
 
 Three parts, each a table:
 - `gram`: `summed_gram` (the Gram of G's k + 1 rows summed over every parameter, one launch a
-  parameter) over launch choices (columns per loop step `sub`, warps, pipeline stages, programs
-  at most), against one read of G by torch (`x.sum(dtype=float32)` per parameter: the bandwidth a
+  parameter), its tuned launch and each launch choice (warps, pipeline stages, programs at
+  most), against one read of G by torch (`x.sum(dtype=float32)` per parameter: the bandwidth a
   read-once kernel can reach). The 15th session's step profile put the Gram at 10.9 ms a step at
   1B, about 1 TB/s, a third of the card's.
 - `update`: `weighted_rows` (sum_d w_d G[d] per parameter) over `block` and warps.
@@ -45,8 +45,8 @@ from trainer.config.schema import model_config  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
 from trainer.run.group_grads import group_offsets, segment_grads  # noqa: E402
 
-#: Launch choices `gram` times: (sub, warps, stages, programs).
-GRAM_CHOICES = tuple(itertools.product((256, 512), (4, 8), (3, 4), (1024, 4096)))
+#: Launch choices `gram` times beyond the tuned launch: (warps, stages, programs at most).
+GRAM_CHOICES = tuple(itertools.product((1, 2, 4), (2, 3, 4), (1024, 4096)))
 #: Launch choices `update` times: (block, warps).
 UPDATE_CHOICES = tuple(itertools.product((1024, 2048, 4096, 8192), (4, 8)))
 PARTS = ("gram", "update", "dw")
@@ -86,15 +86,17 @@ def gradient_rows(shapes, rows: int, dtype: torch.dtype, device: torch.device) -
 
 
 def gram_part(gs: list[torch.Tensor], reps: int, device: torch.device) -> list[dict[str, Any]]:
-    from trainer.model.ops.skinny_products_triton import summed_gram
+    from trainer.model.ops.skinny_products_triton import summed_gram, tuned_choices
 
     gb = sum(g.numel() * g.element_size() for g in gs) / 1e9
     out = []
     t = timed(lambda: [g.sum(dtype=torch.float32) for g in gs], reps, device)
     out.append({"form": "torch sum (one read)", "ms": t * 1e3, "GB/s": gb / t})
     reference = summed_gram(gs)
-    for sub, warps, stages, programs in GRAM_CHOICES:
-        kw = {"sub": sub, "warps": warps, "stages": stages, "programs": programs}
+    t = timed(lambda: summed_gram(gs), reps, device)
+    out.append({"form": "summed_gram, tuned", "ms": t * 1e3, "GB/s": gb / t, "choices": tuned_choices()})
+    for warps, stages, programs in GRAM_CHOICES:
+        kw = {"warps": warps, "stages": stages, "programs": programs}
         got = summed_gram(gs, **kw)
         t = timed(lambda kw=kw: summed_gram(gs, **kw), reps, device)
         err = float(((got - reference).abs().max() / reference.abs().max()).item())
@@ -105,7 +107,7 @@ def gram_part(gs: list[torch.Tensor], reps: int, device: torch.device) -> list[d
 def update_part(gs: list[torch.Tensor], k: int, reps: int, device: torch.device) -> list[dict[str, Any]]:
     from trainer.model.ops.skinny_products_triton import weighted_rows
 
-    w = torch.rand(k, dtype=torch.float64, device=device)
+    w = torch.rand(k, device=device).to(gs[0].dtype)  # the update's weights in G's dtype, as `_one_pass` rounds them
     # reads k rows, writes one
     gb = sum(g.shape[1] * g.element_size() * (k + 1) for g in gs) / 1e9
     out = []
@@ -186,14 +188,17 @@ def report(result: dict[str, Any]) -> str:
         lines += [
             "### gram (every parameter, one step's worth)",
             "",
-            "| form | sub | warps | stages | programs | ms | GB/s | rel. diff |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| form | warps | stages | programs | ms | GB/s | rel. diff |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["gram"]:
             lines.append(
-                f"| {r['form']} | {r.get('sub', '')} | {r.get('warps', '')} | {r.get('stages', '')} | "
+                f"| {r['form']} | {r.get('warps', '')} | {r.get('stages', '')} | "
                 f"{r.get('programs', '')} | {r['ms']:.2f} | {r['GB/s']:.0f} | {r.get('rel_diff', 0.0):.1e} |"
             )
+        chosen = next((r["choices"] for r in result["gram"] if r.get("choices")), None)
+        if chosen:
+            lines += ["", "The tuning's choices (key: warps, stages): " + "; ".join(f"{k}: {v}" for k, v in chosen.items())]
         lines.append("")
     if result.get("update"):
         lines += [

@@ -245,9 +245,15 @@ def write_trace(prof, path: Path) -> None:
 
 def idle_lines(events, steps: int = 1) -> list[str]:
     """`profile_table`'s idle report from the profiler's events (kernels are CUDA events, host
-    ops CPU events; each has `name`, `device_type.name` and `time_range.start`/`.end` in us)."""
+    ops CPU events; each has `name`, `device_type.name` and `time_range.start`/`.end` in us).
+    A `record_function` range shows on the device too (`is_user_annotation`) and covers a whole
+    step: it is not work, and counted as such it hid every gap (the 16th session's profiles)."""
     kernels = sorted(
-        ((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type.name == "CUDA"),
+        (
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in events
+            if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
+        ),
         key=lambda k: (k[0], k[1]),
     )
     host = [e for e in events if e.device_type.name == "CPU"]

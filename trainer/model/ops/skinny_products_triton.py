@@ -19,16 +19,26 @@ for 10 bytes read) and loaded Y separately even when Y is X. At 1B on one H100
 (`python experiments/tools/bench/method_bench.py --presets 1b --variants plain,doge-1p,doge-1p-rows
 --profile doge-1p,doge-1p-rows`) it took 18.6 ms a step over 99 calls (188 us each) for about
 11 GB of bf16 G: ~590 GB/s, a sixth of the card's 3.35 TB/s, bound by those FMAs, not the reads.
-Now each program walks its range of `block` columns in tiles of `sub` columns: it loads X's tile
-[16, sub] (rows >= r masked to 0: they are never read from memory) and, unless Y is X (`SAME`,
-then the loaded tile serves as both), Y's, and accumulates `tl.dot(x, y^T)` into a [16, 16] fp32
-accumulator on the tensor cores, the loop's loads pipelined (`NUM_STAGES`). bf16 and fp16 inputs
-go to the dot as they are (their products are exact in fp32, accumulated in fp32); fp32 inputs,
-and mixed dtypes (cast to fp32 in registers), take the dot with `input_precision="ieee"` (fp32
-FMAs: never truncated to tf32's 10-bit mantissa). Predicted: about one read of G at the card's
-bandwidth, ~3.5-4 ms a step at 1B; the next GPU profile should say.
+Each program walks its range of `block` columns in tiles of `chunks(r, s)` x `sub` columns: it
+loads X's tile [16, sub] whose row c r + i holds row i at the step's c-th chunk of `sub` columns
+(rows past the last chunk masked to 0, never read from memory) and, unless Y is X (`SAME`, then
+the loaded tile serves as both), Y's likewise, and accumulates `tl.dot(x, y^T)` into a [16, 16]
+fp32 accumulator on the tensor cores, the loop's loads pipelined; the dot's diagonal blocks
+[c r + i, c s + j] are the wanted products, the rest is not stored. bf16 and fp16 inputs go to
+the dot as they are (their products are exact in fp32, accumulated in fp32); fp32 inputs, and
+mixed dtypes (cast to fp32 in registers), take the dot with `input_precision="ieee"` (fp32 FMAs:
+never truncated to tf32's 10-bit mantissa).
 
-The r x s partial sums of each program go to a buffer [programs, r, s] that one torch `.sum(0)`
+Why packed chunks and tuned warps: with one chunk a tile (r of 16 rows live) the 15th session's
+profile (1B, one H100, k + 1 = 5 rows) had the Gram at 10.6 ms a step for about 11 GB, about
+1 TB/s, a third of the card's. Each step moves a [16, sub] tile through shared memory three times
+(stored, then read as both operands), 9.6 bytes of shared-memory traffic per byte read from
+memory at r = 5, and at 4 warps the [16, 16] output (one row of m16n8k16 tiles) is split at most
+2 ways, so the other warps repeat it: the shared memory, not the memory bus, bounds it. Three
+chunks make 15 of 16 rows live (3.2 bytes per byte read), and the warps and pipeline stages are
+timed at the first launch of each kind (`tuned_kernel`): the sums' order does not depend on them.
+
+The partial sums of each program go to a buffer [programs, chunks, r, s] that one torch `.sum`
 adds up (`summed_gram`: one buffer for all tensors, summed in fp64). No atomics: the result is
 bitwise the same on every call (the project's runs are bitwise repeatable). A Gram (Y is X) is
 returned bitwise symmetric by construction: its upper triangle mirrored
@@ -37,13 +47,15 @@ out[j, i] the same order of additions.
 
 Imported only through `trainer.model.ops.dispatch.triton_kernels_of`, on first use (Triton is
 optional; TRITON_INTERPRET=1, the tests' CPU mode, is read when the kernel is built).
-Not yet run on a GPU in this form: the tile (`tile`, `NUM_STAGES`) is chosen for bandwidth on
-paper; tests/test_gpu.py's skinny-product test and the next profile should say.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -56,26 +68,26 @@ MAX_ROWS = 16
 #: The input dtypes the kernel loads.
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-#: Columns per step of a program's loop (the dot's K): a [16, 256] bf16 tile is 8 KB of shared
-#: memory a stage (of which r / 16 is read from memory), 32 values a thread at 4 warps.
+#: Columns of a chunk (the dot's K): a [16, 256] bf16 tile is 8 KB of shared memory a stage.
 SUB = 256
 
-#: Programs per launch at most: a program covers `tile(n)[0]` columns, a multiple of `SUB` chosen
-#: so that n's columns need at most this many programs. A constant, not the SM count: the partial
-#: sums, so the result's bits, do not depend on the card. For a Gram of bf16 rows 1024 programs
-#: fit on an H100's 132 SMs at once (24 KB of shared memory and 4 warps each: 9 a SM), so a long
-#: row is read in one wave of equal programs.
+#: Programs per launch at most: a program covers `tile(n)[0]` columns, a multiple of a loop step
+#: chosen so that n's columns need at most this many programs. A constant, not the SM count: the
+#: partial sums, so the result's bits, do not depend on the card.
 MAX_PROGRAMS = 1024
 
-#: Warps per program, and stages of the loop's load pipeline: 4 stages keep 3 tiles' loads in
-#: flight a program (3 x 2.5 KB for r = 5 bf16, about 60 KB a SM at 8 programs). Built for
-#: sm_90 by Triton 3.9 (on a machine without a GPU), a bf16 Gram takes mma.sync (MMAv2) with
-#: 16-byte cp.async loads, 24 KB of shared memory and 40 registers a thread.
+#: Warps per program and stages of the loop's load pipeline where a launch names none and no tuning
+#: runs (Triton's interpreter, the tests).
 NUM_WARPS = 4
 NUM_STAGES = 4
 
+#: The (warps, stages) `tuned_kernel` times. The 16th session's profile (1B, one H100) had the
+#: 4-warp launch at about 1 TB/s: a [16, 16] output is one m16n8k16 row of tiles, which 4 warps
+#: split at most 2 ways, so the others repeat it, each re-reading the shared-memory tile.
+CHOICES = tuple(itertools.product((1, 2, 4), (2, 3, 4)))
 
-@triton.jit(do_not_specialize=["base"])
+
+@triton.jit(do_not_specialize=["base", "n_key"])
 def skinny_products_kernel(
     x_ptr,
     y_ptr,
@@ -85,33 +97,46 @@ def skinny_products_kernel(
     block,
     x_row_stride,
     y_row_stride,
+    n_key,
     R: tl.constexpr,
     S: tl.constexpr,
+    C: tl.constexpr,
     SAME: tl.constexpr,
     FP32: tl.constexpr,
     SUB: tl.constexpr,
 ):
+    """Program `pid` adds up columns [pid block, (pid + 1) block) in steps of C x SUB: tile row
+    c R + i holds X's row i at the step's c-th SUB columns (Y's likewise with S), so the [16, 16]
+    dot's diagonal blocks [c R + i, c S + j] are the wanted products of chunk c, the rest unused.
+    Writes part[base + pid, c, i, j]. `n_key` only keys the launch choices' tuning."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * block
+    end = tl.minimum(start + block, n)
     rows = tl.arange(0, 16)
     sub = tl.arange(0, SUB)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
-    y_rows = y_ptr + rows.to(tl.int64)[:, None] * y_row_stride
+    x_chunk = rows // R
+    y_chunk = rows // S
+    x_live = rows < C * R
+    y_live = rows < C * S
+    x_rows = x_ptr + (rows % R).to(tl.int64)[:, None] * x_row_stride + (x_chunk * SUB)[:, None]
+    y_rows = y_ptr + (rows % S).to(tl.int64)[:, None] * y_row_stride + (y_chunk * SUB)[:, None]
     acc = tl.zeros((16, 16), dtype=tl.float32)
-    for off in range(0, block, SUB):
-        cols = start + off + sub
-        inside = cols < n
-        x = tl.load(x_rows + cols[None, :], mask=(rows[:, None] < R) & inside[None, :], other=0.0)
+    for off in range(0, block, C * SUB):
+        at = start + off + sub[None, :]
+        x = tl.load(x_rows + at, mask=x_live[:, None] & (at + (x_chunk * SUB)[:, None] < end), other=0.0)
         if SAME:
             y = x
         else:
-            y = tl.load(y_rows + cols[None, :], mask=(rows[:, None] < S) & inside[None, :], other=0.0)
+            y = tl.load(y_rows + at, mask=y_live[:, None] & (at + (y_chunk * SUB)[:, None] < end), other=0.0)
         if FP32:
             acc = tl.dot(x.to(tl.float32), tl.trans(y.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(y), acc)
-    out = part_ptr + (base + pid).to(tl.int64) * (R * S) + rows[:, None] * S + rows[None, :]
-    tl.store(out, acc, mask=(rows[:, None] < R) & (rows[None, :] < S))
+    i = rows[:, None]
+    j = rows[None, :]
+    wanted = (i // R == j // S) & (i < C * R) & (j < C * S)
+    out = part_ptr + (base + pid).to(tl.int64) * (C * R * S) + (i // R) * (R * S) + (i % R) * S + j % S
+    tl.store(out, acc, mask=wanted)
 
 
 @triton.jit
@@ -156,15 +181,26 @@ def weighted_rows(w: torch.Tensor, x: torch.Tensor, *, block: int = WEIGHTED_BLO
     return out
 
 
-def tile(n: int, *, block: int | None = None, sub: int | None = None, programs: int | None = None) -> tuple[int, int]:
-    """(block, sub) for rows n columns long: columns per program and per step of its loop (the
-    dot's K, `SUB`), block the fewest multiple of sub that covers n in at most `programs`
-    (`MAX_PROGRAMS`) programs (one program for n <= sub). `block` and `sub` override them (tests:
-    small tiles keep the interpreter fast); sub a power of two >= 16 (tl.dot's least K), block a
-    multiple."""
+def chunks(r: int, s: int) -> int:
+    """Column chunks a [16, sub] tile packs: rows c r + i hold X's row i at the c-th chunk, so
+    that at most 16 rows of the dot tile are zeros the tensor cores multiply (3 chunks for DoGE's
+    r = 5: 15 of 16 rows live, against 5 of 16 when one chunk filled the tile)."""
+    return 16 // max(r, s)
+
+
+def tile(
+    n: int, r: int = 1, s: int = 1, *, block: int | None = None, sub: int | None = None, programs: int | None = None
+) -> tuple[int, int]:
+    """(block, sub) for rows n columns long: columns per program and per chunk of a step of its
+    loop (the dot's K, `SUB`), block the fewest multiple of a step (`chunks(r, s)` x sub columns)
+    that covers n in at most `programs` (`MAX_PROGRAMS`) programs (one program for n within a
+    step). `block` and `sub` override them (tests: small tiles keep the interpreter fast); sub a
+    power of two >= 16 (tl.dot's least K), block a multiple of sub (a program's last step is
+    masked at its block's end)."""
     sub = sub or SUB
+    step = chunks(r, s) * sub
     if block is None:
-        block = sub * max(1, triton.cdiv(triton.cdiv(n, sub), programs or MAX_PROGRAMS))
+        block = step * max(1, triton.cdiv(triton.cdiv(n, step), programs or MAX_PROGRAMS))
     if sub < 16 or sub & (sub - 1) or block % sub:
         raise ValueError(f"skinny_products: sub must be a power of two >= 16 dividing block, got {block}, {sub}")
     return block, sub
@@ -190,30 +226,51 @@ def _launch(
     base: int,
     block: int,
     sub: int,
-    warps: int = NUM_WARPS,
-    stages: int = NUM_STAGES,
+    warps: int | None = None,
+    stages: int | None = None,
 ) -> None:
     """The kernel's programs over x, y (columns contiguous) writing partials[base : base +
-    cdiv(n, block)]. Tensor cores take bf16 or fp16 as they are where x and y share the dtype;
-    any fp32 or a mix of dtypes is cast to fp32 and taken exactly (ieee)."""
+    cdiv(n, block)] ([programs, chunks, r, s]). Tensor cores take bf16 or fp16 as they are where
+    x and y share the dtype; any fp32 or a mix of dtypes is cast to fp32 and taken exactly
+    (ieee). `warps` and `stages` given (or Triton's interpreter): that launch; else the tuned one
+    (`tuned_kernel`)."""
     n = x.shape[1]
-    skinny_products_kernel[(triton.cdiv(n, block),)](
-        x,
-        y,
-        partials,
-        base,
-        n,
-        block,
-        x.stride(0),
-        y.stride(0),
-        R=x.shape[0],
-        S=y.shape[0],
-        SAME=same,
-        FP32=x.dtype == torch.float32 or y.dtype != x.dtype,
-        SUB=sub,
-        num_warps=warps,
-        num_stages=stages,
-    )
+    args = (x, y, partials, base, n, block, x.stride(0), y.stride(0), block.bit_length())
+    meta = {
+        "R": x.shape[0],
+        "S": y.shape[0],
+        "C": chunks(x.shape[0], y.shape[0]),
+        "SAME": same,
+        "FP32": x.dtype == torch.float32 or y.dtype != x.dtype,
+        "SUB": sub,
+    }
+    grid = (triton.cdiv(n, block),)
+    if warps is None and stages is None and not _interpreted():
+        tuned_kernel()[grid](*args, **meta)
+        return
+    skinny_products_kernel[grid](*args, **meta, num_warps=warps or NUM_WARPS, num_stages=stages or NUM_STAGES)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def tuned_kernel() -> Any:
+    """`skinny_products_kernel` with its warps and pipeline stages chosen by timing `CHOICES` at
+    the first launch of each kind (rows, dtypes, columns a program to the power of two: Triton's
+    autotune, a few seconds once a process). Only the launch varies: each output's sum runs
+    through the same chunks in the same order whatever the choice, so the bits do not depend on
+    it (tests/test_gpu.py checks that every choice gives the same bits)."""
+    configs = [triton.Config({}, num_warps=w, num_stages=st) for w, st in CHOICES]
+    return triton.autotune(configs, key=["R", "S", "SAME", "FP32", "n_key"])(skinny_products_kernel)
+
+
+def tuned_choices() -> dict[str, tuple[int, int]]:
+    """The (warps, stages) the tuning chose, by its key (experiments' reports)."""
+    if tuned_kernel.cache_info().currsize == 0:
+        return {}
+    return {str(key): (c.num_warps, c.num_stages) for key, c in tuned_kernel().cache.items()}
 
 
 def _mirrored(out: torch.Tensor) -> torch.Tensor:
@@ -248,10 +305,10 @@ def skinny_products(
     if x.stride(1) != 1:
         x = x.contiguous()
     y = x if same else y if y.stride(1) == 1 else y.contiguous()
-    block, sub = tile(n, block=block, sub=sub)
-    partials = torch.empty(triton.cdiv(n, block), r, s, dtype=torch.float32, device=x.device)
+    block, sub = tile(n, r, s, block=block, sub=sub)
+    partials = torch.empty(triton.cdiv(n, block), chunks(r, s), r, s, dtype=torch.float32, device=x.device)
     _launch(x, y, same, partials, 0, block, sub)
-    out = partials.sum(0)
+    out = partials.view(-1, r, s).sum(0)
     return _mirrored(out) if same else out
 
 
@@ -260,8 +317,8 @@ def summed_gram(
     *,
     block: int | None = None,
     sub: int | None = None,
-    warps: int = NUM_WARPS,
-    stages: int = NUM_STAGES,
+    warps: int | None = None,
+    stages: int | None = None,
     programs: int | None = None,
 ) -> torch.Tensor:
     """sum_t x_t @ x_t^T as fp64 [r, r] over tensors x_t [r, n_t] (the same r, 1 <= r <=
@@ -283,13 +340,13 @@ def summed_gram(
             raise ValueError(f"summed_gram: expected tensors [{r}, n] on {device}, got {tuple(x.shape)} on {x.device}")
         n = x.shape[1]
         if n:
-            todo.append((x if x.stride(1) == 1 else x.contiguous(), *tile(n, block=block, sub=sub, programs=programs)))
+            todo.append((x if x.stride(1) == 1 else x.contiguous(), *tile(n, r, r, block=block, sub=sub, programs=programs)))
     total = sum(triton.cdiv(x.shape[1], b) for x, b, _ in todo)
     if total == 0:
         return torch.zeros(r, r, dtype=torch.float64, device=device)
-    partials = torch.empty(total, r, r, dtype=torch.float32, device=device)
+    partials = torch.empty(total, chunks(r, r), r, r, dtype=torch.float32, device=device)
     base = 0
     for x, b, s in todo:
         _launch(x, x, True, partials, base, b, s, warps, stages)
         base += triton.cdiv(x.shape[1], b)
-    return _mirrored(partials.sum(0, dtype=torch.float64))
+    return _mirrored(partials.view(-1, r, r).sum(0, dtype=torch.float64))
