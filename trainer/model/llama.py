@@ -81,11 +81,14 @@ class Attention(nn.Module):
 
     def core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE and causal attention: [s, b, (h + 2 kv) hd / tp] -> [s, b, h hd / tp] ([b, s, .]
-        both under `batch_first`: RoPE reads the projection through a transposed view and its
-        outputs are handed to attention as [b, s, ., hd] views, the same memory either way)."""
+        both under `batch_first`: RoPE reads the projection through a transposed view and writes
+        q, k, v batch-major, handed to attention as [b, s, ., hd]; attention's output, its
+        gradient and the projection's gradient are then batch-major too, none of them copied)."""
         scale = {} if self.softmax_scale is None else {"scale": self.softmax_scale}
         if self.batch_first:
-            q, k, v = self.kernels.rope_qkv(qkv.transpose(0, 1), cos, sin, self.local_heads, self.local_kv_heads)
+            q, k, v = self.kernels.rope_qkv(
+                qkv.transpose(0, 1), cos, sin, self.local_heads, self.local_kv_heads, batch_first=True
+            )
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))
             return causal_attention(q, k, v, self.impl, self.kernels.sdpa_priority, batch_first=True, **scale)
         q, k, v = self.kernels.rope_qkv(qkv, cos, sin, self.local_heads, self.local_kv_heads)

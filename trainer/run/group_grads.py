@@ -121,7 +121,7 @@ class _GroupLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        g = g.contiguous()  # the qkv projection's arrives as RoPE's [s, b, .] gradient transposed
+        g = g.contiguous()  # a no-op in the model (RoPE writes the qkv projection's gradient batch-major)
         grad_x = torch.matmul(g, weight) if ctx.needs_input_grad[0] else None
         return grad_x, None, segment_grads(g, x, ctx.offsets, ctx.dtype), None
 

@@ -20,10 +20,9 @@ from trainer.model.layers import CUDA_SDPA_PRIORITY
 from trainer.model.ops.cross_entropy import cross_entropy
 from trainer.model.ops.rope import rope_qkv
 
-#: (qkv [s, b, (h + 2 kv) hd], cos, sin, heads, kv_heads) -> q, k, v [s, b, heads, hd]
-RopeQKV = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-]
+#: (qkv [s, b, (h + 2 kv) hd], cos, sin, heads, kv_heads, batch_first=False) -> q, k, v [s, b, heads, hd]
+#: (batch-major in memory under `batch_first`: `trainer.model.ops.rope.rope_qkv`)
+RopeQKV = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 #: (logits [..., V], target [...], vocab_size, ignore_index) -> per-token loss [...] fp32
 CrossEntropy = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 

@@ -37,28 +37,42 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
+def new_tokens(like: torch.Tensor, s: int, b: int, *rest: int, batch_first: bool) -> torch.Tensor:
+    """An empty [s, b, *rest] in `like`'s dtype and device: contiguous, or (`batch_first`) the
+    [s, b] view of a contiguous [b, s, *rest], batch-major in memory."""
+    if batch_first:
+        return like.new_empty(b, s, *rest).transpose(0, 1)
+    return like.new_empty(s, b, *rest)
+
+
+def _laid_out(t: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    """t [s, b, ...] in `new_tokens`' layout (the torch path's results, computed contiguous)."""
+    return new_tokens(t, t.shape[0], t.shape[1], *t.shape[2:], batch_first=batch_first).copy_(t) if batch_first else t
+
+
 def rope_qkv_torch(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, batch_first: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`rope_qkv` in torch ops (autograd differentiates it)."""
     s, b, width = qkv.shape
     hd = width // (heads + 2 * kv_heads)
     q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     cos, sin = cos[:s], sin[:s]
-    return (
+    out = (
         rotate(q.view(s, b, heads, hd), cos, sin),
         rotate(k.view(s, b, kv_heads, hd), cos, sin),
         v.reshape(s, b, kv_heads, hd).clone(memory_format=torch.contiguous_format),
     )
+    return tuple(_laid_out(t, batch_first) for t in out)
 
 
 def rope_qkv_backward_torch(
-    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_first: bool = False
 ) -> torch.Tensor:
     """The projection's gradient [s, b, (h + 2 kv) hd] from dq, dk, dv [s, b, heads, hd]."""
     s, b = dq.shape[:2]
     parts = (rotate(dq, cos, -sin), rotate(dk, cos, -sin), dv)
-    return torch.cat([p.reshape(s, b, -1) for p in parts], dim=-1)
+    return _laid_out(torch.cat([p.reshape(s, b, -1) for p in parts], dim=-1), batch_first)
 
 
 @functools.cache
@@ -77,16 +91,16 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def rope_qkv_triton(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, batch_first: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward kernel; qkv [s, b, width] of any strides with dense rows."""
     forward, _ = triton_kernels()
     s, b, width = qkv.shape
     hd = width // (heads + 2 * kv_heads)
     qkv = _dense_last(qkv)
-    q = qkv.new_empty(s, b, heads, hd)
-    k = qkv.new_empty(s, b, kv_heads, hd)
-    v = qkv.new_empty(s, b, kv_heads, hd)
+    q = new_tokens(qkv, s, b, heads, hd, batch_first=batch_first)
+    k = new_tokens(qkv, s, b, kv_heads, hd, batch_first=batch_first)
+    v = new_tokens(qkv, s, b, kv_heads, hd, batch_first=batch_first)
     if q.numel():
         forward[(s * b,)](
             qkv,
@@ -101,6 +115,10 @@ def rope_qkv_triton(
             hd // 2,
             qkv.stride(0),
             qkv.stride(1),
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
             HEADS=_pow2(heads + kv_heads),
             HALF=_pow2(hd // 2),
         )
@@ -108,14 +126,14 @@ def rope_qkv_triton(
 
 
 def rope_qkv_backward_triton(
-    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_first: bool = False
 ) -> torch.Tensor:
     """The backward kernel; dq, dk, dv [s, b, heads, hd] of any strides."""
     _, backward = triton_kernels()
     s, b, heads, hd = dq.shape
     kv_heads = dk.shape[2]
     dq, dk, dv = _dense_last(dq), _dense_last(dk), _dense_last(dv)
-    out = dq.new_empty(s, b, (heads + 2 * kv_heads) * hd)
+    out = new_tokens(dq, s, b, (heads + 2 * kv_heads) * hd, batch_first=batch_first)
     if out.numel():
         backward[(s * b,)](
             dq,
@@ -131,6 +149,8 @@ def rope_qkv_backward_triton(
             *dq.stride()[:3],
             *dk.stride()[:3],
             *dv.stride()[:3],
+            out.stride(0),
+            out.stride(1),
             HEADS=_pow2(heads + kv_heads),
             HALF=_pow2(hd // 2),
         )
@@ -142,10 +162,10 @@ rope_qkv_op.register_kernel("cuda", triton_or_torch(triton_kernels, rope_qkv_tor
 
 
 @rope_qkv_op.register_fake
-def _rope_qkv_fake(qkv, cos, sin, heads, kv_heads):
+def _rope_qkv_fake(qkv, cos, sin, heads, kv_heads, batch_first=False):
     s, b, width = qkv.shape
     hd = width // (heads + 2 * kv_heads)
-    return qkv.new_empty(s, b, heads, hd), qkv.new_empty(s, b, kv_heads, hd), qkv.new_empty(s, b, kv_heads, hd)
+    return tuple(new_tokens(qkv, s, b, n, hd, batch_first=batch_first) for n in (heads, kv_heads, kv_heads))
 
 
 rope_qkv_backward_op = torch.library.custom_op("trainer::rope_qkv_backward", rope_qkv_backward_torch, mutates_args=())
@@ -155,27 +175,33 @@ rope_qkv_backward_op.register_kernel(
 
 
 @rope_qkv_backward_op.register_fake
-def _rope_qkv_backward_fake(dq, dk, dv, cos, sin):
+def _rope_qkv_backward_fake(dq, dk, dv, cos, sin, batch_first=False):
     s, b, heads, hd = dq.shape
-    return dq.new_empty(s, b, (heads + 2 * dk.shape[2]) * hd)
+    return new_tokens(dq, s, b, (heads + 2 * dk.shape[2]) * hd, batch_first=batch_first)
 
 
 class _RopeQKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, cos, sin, heads, kv_heads):
+    def forward(ctx, qkv, cos, sin, heads, kv_heads, batch_first):
         ctx.save_for_backward(cos, sin)
-        return rope_qkv_op(qkv, cos, sin, heads, kv_heads)
+        ctx.batch_first = batch_first
+        return rope_qkv_op(qkv, cos, sin, heads, kv_heads, batch_first)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
-        return rope_qkv_backward_op(dq, dk, dv, cos, sin), None, None, None, None
+        return rope_qkv_backward_op(dq, dk, dv, cos, sin, ctx.batch_first), None, None, None, None, None
 
 
 def rope_qkv(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, batch_first: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[s, b, (heads + 2 kv_heads) hd] -> q [s, b, heads, hd], k and v [s, b, kv_heads, hd], with
-    RoPE (cos, sin [>= s, hd / 2], fp32) applied to q and k."""
+    RoPE (cos, sin [>= s, hd / 2], fp32) applied to q and k. `batch_first`: q, k, v and, in
+    backward, the projection's gradient are batch-major in memory ([s, b] views of [b, s]
+    tensors; `new_tokens`), as a batch-first model's attention and linears read them: DoGE's
+    one pass (`trainer.model.llama.Attention.batch_first`), where the sequence-major outputs
+    cost three copies a layer (attention's output and its gradient re-laid out by inductor, the
+    projection's gradient made contiguous: 3.7 ms of a 1B step on one H100, 16th session)."""
     s = qkv.shape[0]
-    return _RopeQKV.apply(qkv, cos[:s], sin[:s], heads, kv_heads)
+    return _RopeQKV.apply(qkv, cos[:s], sin[:s], heads, kv_heads, batch_first)

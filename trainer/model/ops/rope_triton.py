@@ -22,16 +22,22 @@ def rope_forward_kernel(
     half,
     qkv_s,
     qkv_b,
+    q_s,
+    q_b,
+    kv_s,
+    kv_b,
     HEADS: tl.constexpr,
     HALF: tl.constexpr,
 ):
-    """One program per token (s, b): q and k heads rotated, v copied, all [s, b, heads, hd]."""
+    """One program per token (s, b): q and k heads rotated, v copied, all [s, b, heads, hd] with
+    token strides (q_s, q_b) and (kv_s, kv_b) for k and v (heads dense within a token)."""
     row = tl.program_id(0).to(tl.int64)
     pos = row // batch
+    bi = row % batch
     hd = 2 * half
     rows = tl.arange(0, HEADS)[:, None]
     cols = tl.arange(0, HALF)[None, :]
-    src = qkv_ptr + pos * qkv_s + (row % batch) * qkv_b
+    src = qkv_ptr + pos * qkv_s + bi * qkv_b
     # Rows < heads are q heads, the next kv_heads rows k heads (adjacent in qkv).
     rotated = heads + kv_heads
     mask = (rows < rotated) & (cols < half)
@@ -45,14 +51,14 @@ def rope_forward_kernel(
     y1 = x1 * c - x2 * sn
     y2 = x2 * c + x1 * sn
     dst = tl.where(
-        rows < heads, q_ptr + row * heads * hd + rows * hd, k_ptr + row * kv_heads * hd + (rows - heads) * hd
+        rows < heads, q_ptr + pos * q_s + bi * q_b + rows * hd, k_ptr + pos * kv_s + bi * kv_b + (rows - heads) * hd
     )
     tl.store(dst + cols, y1.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + half + cols, y2.to(q_ptr.dtype.element_ty), mask=mask)
     vcols = tl.arange(0, 2 * HALF)[None, :]
     vmask = (rows < kv_heads) & (vcols < hd)
     v = tl.load(src + rotated * hd + rows * hd + vcols, mask=vmask, other=0.0)
-    tl.store(v_ptr + row * kv_heads * hd + rows * hd + vcols, v, mask=vmask)
+    tl.store(v_ptr + pos * kv_s + bi * kv_b + rows * hd + vcols, v, mask=vmask)
 
 
 @triton.jit
@@ -76,11 +82,14 @@ def rope_backward_kernel(
     dv_s,
     dv_b,
     dv_h,
+    out_s,
+    out_b,
     HEADS: tl.constexpr,
     HALF: tl.constexpr,
 ):
     """One program per token: the inverse rotation of dq and dk, and dv, into one row of the
-    projection's gradient. The incoming gradients may have any strides (last dim dense)."""
+    projection's gradient (token strides out_s, out_b). The incoming gradients may have any
+    strides (last dim dense)."""
     row = tl.program_id(0).to(tl.int64)
     pos = row // batch
     bi = row % batch
@@ -103,10 +112,11 @@ def rope_backward_kernel(
     sn = sn.to(out_ptr.dtype.element_ty).to(tl.float32)[None, :]
     y1 = g1 * c + g2 * sn
     y2 = g2 * c - g1 * sn
-    dst = out_ptr + row * (rotated + kv_heads) * hd + rows * hd
+    token = out_ptr + pos * out_s + bi * out_b
+    dst = token + rows * hd
     tl.store(dst + cols, y1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + half + cols, y2.to(out_ptr.dtype.element_ty), mask=mask)
     vcols = tl.arange(0, 2 * HALF)[None, :]
     vmask = (rows < kv_heads) & (vcols < hd)
     dv = tl.load(dv_ptr + pos * dv_s + bi * dv_b + rows * dv_h + vcols, mask=vmask, other=0.0)
-    tl.store(out_ptr + row * (rotated + kv_heads) * hd + (rotated + rows) * hd + vcols, dv, mask=vmask)
+    tl.store(token + (rotated + rows) * hd + vcols, dv, mask=vmask)
