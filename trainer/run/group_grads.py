@@ -18,8 +18,10 @@ autograd accumulates over the micro-batches; the parameters' own gradients stay 
 - the embedding: its lookup, whose backward adds each token's gradient at [group, id] of the
   leaf's gradient (one `index_add_` over [k * vocab, d]); a tied head's GEMMs add into the same
   leaf;
-- RMSNorm weights: the leaf holds the weight's values, indexed by each row's group, so
-  autograd's index backward gives the per-group sums.
+- RMSNorm weights: the leaf holds the weight's values, indexed by each row's group; the
+  per-group sums of dy x_hat come from one op (`_GroupRMSNorm`,
+  `trainer.model.ops.group_norm_grads`), not from autograd's index backward, which inductor
+  fused into a slow reduction.
 
 Any other parameter (MoE experts and router, Mamba's, tp > 1's shards) is refused, never
 silently left without its gradient. The model's own forward is untouched: `GroupGrads`
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 from trainer.config.tools import ConfigError
 from trainer.model.layers import RMSNorm
 from trainer.model.llama import Attention, LlamaStage
+from trainer.model.ops.group_norm_grads import group_norm_weight_grads
 from trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from trainer.parallel.tied import head_weight
 
@@ -300,9 +303,33 @@ def _embedding(m: VocabParallelEmbedding, leaf: torch.Tensor, groups: RowGroups)
     return forward
 
 
+class _GroupRMSNorm(torch.autograd.Function):
+    """y = (x rstd) w_row for batch-first x [b, s, d] (rstd = 1 / sqrt(mean(x^2) + eps), in
+    fp32 or wider; w_row = `leaf`[group of the row]); the weight's gradient goes per group to `leaf` [k, d]
+    (`trainer.model.ops.group_norm_grads`: one pass over dy and x), the input's is the norm's
+    usual backward with each row's weight, in torch ops that inductor fuses with the residual's."""
+
+    @staticmethod
+    def forward(ctx, x, leaf, rows, eps):
+        wide = torch.promote_types(x.dtype, torch.float32)
+        rstd = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
+        w = leaf[rows].to(x.dtype)[:, None, :]  # [b, 1, d]: each row's group's weight
+        ctx.save_for_backward(x, rstd, w, rows)
+        ctx.k, ctx.dtype = leaf.shape[0], leaf.dtype
+        return (x.to(wide) * rstd).to(x.dtype) * w
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd, w, rows = ctx.saved_tensors
+        x_hat = x.to(rstd.dtype) * rstd
+        g = dy.to(rstd.dtype) * w.to(rstd.dtype)
+        dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), group_norm_weight_grads(dy, x, rstd, rows, ctx.k, ctx.dtype), None, None
+
+
 def _norm(m: RMSNorm, leaf: torch.Tensor, groups: RowGroups):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        w = leaf[groups.rows].to(x.dtype)[:, None, :]  # [b, 1, d]: each row's group's weight
-        return F.rms_norm(x, (x.shape[-1],), None, m.eps) * w
+        eps = torch.finfo(x.dtype).eps if m.eps is None else m.eps  # `F.rms_norm`'s default
+        return _GroupRMSNorm.apply(x, leaf, groups.rows, eps)
 
     return forward

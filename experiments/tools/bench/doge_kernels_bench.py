@@ -198,7 +198,10 @@ def report(result: dict[str, Any]) -> str:
             )
         chosen = next((r["choices"] for r in result["gram"] if r.get("choices")), None)
         if chosen:
-            lines += ["", "The tuning's choices (key: warps, stages): " + "; ".join(f"{k}: {v}" for k, v in chosen.items())]
+            lines += [
+                "",
+                "The tuning's choices (key: warps, stages): " + "; ".join(f"{k}: {v}" for k, v in chosen.items()),
+            ]
         lines.append("")
     if result.get("update"):
         lines += [

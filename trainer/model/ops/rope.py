@@ -67,7 +67,12 @@ def rope_qkv_torch(
 
 
 def rope_qkv_backward_torch(
-    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_first: bool = False
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    batch_first: bool = False,
 ) -> torch.Tensor:
     """The projection's gradient [s, b, (h + 2 kv) hd] from dq, dk, dv [s, b, heads, hd]."""
     s, b = dq.shape[:2]
@@ -126,7 +131,12 @@ def rope_qkv_triton(
 
 
 def rope_qkv_backward_triton(
-    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch_first: bool = False
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    batch_first: bool = False,
 ) -> torch.Tensor:
     """The backward kernel; dq, dk, dv [s, b, heads, hd] of any strides."""
     _, backward = triton_kernels()

@@ -340,7 +340,9 @@ def summed_gram(
             raise ValueError(f"summed_gram: expected tensors [{r}, n] on {device}, got {tuple(x.shape)} on {x.device}")
         n = x.shape[1]
         if n:
-            todo.append((x if x.stride(1) == 1 else x.contiguous(), *tile(n, r, r, block=block, sub=sub, programs=programs)))
+            todo.append(
+                (x if x.stride(1) == 1 else x.contiguous(), *tile(n, r, r, block=block, sub=sub, programs=programs))
+            )
     total = sum(triton.cdiv(x.shape[1], b) for x, b, _ in todo)
     if total == 0:
         return torch.zeros(r, r, dtype=torch.float64, device=device)
