@@ -209,3 +209,52 @@ def test_a_methods_step_end_leaves_its_values_on_the_device_until_the_loop_logs(
         assert list(row["domain_weights"]) == domains
         assert list(row["domain_weights"].values()) == history[row["step"] - 1]["weights"]
         assert all(isinstance(t, int) for t in history[row["step"] - 1]["tokens"])
+
+
+#: Each method's steps and settings for a short run (Aioli: one round longer than its probes).
+HOST_READERS = {
+    "odm": (3, []),
+    "ado": (3, []),
+    "aioli": (5, ["mixing.aioli.rounds=1", "mixing.aioli.delta=1", "mixing.aioli.sweeps=1"]),
+}
+
+
+@pytest.mark.parametrize("method", HOST_READERS)
+def test_a_method_that_reads_its_losses_on_the_host_gets_them_queued_before_the_update(
+    stores, tmp_path, monkeypatch, method
+):
+    """ODM's, ADO's and Aioli's `after_step` read the step's per-domain losses and tokens on the
+    host every step: from `StepSignals.on_host`, whose copy the loop queued after the backward and
+    before the optimizer's step (so the read waits for the backward alone). With the device
+    tensors taken away before `after_step` the run is the same: each step's method log line and
+    weights equal an untouched run's."""
+    steps, extra = HOST_READERS[method]
+    sets = [*COMMON, f"train.steps={steps}", f"mixing.method={method}", *extra]
+    plain = tmp_path / "plain"
+    trainer = stages.proxy_trainer(config(stores, plain, *sets))
+    trainer.fit()
+    run = tmp_path / "run"
+    trainer = stages.proxy_trainer(config(stores, run, *sets))
+    assert trainer.hook.needs.host_signals
+    order: list[str] = []
+    copy, step, after = loop.StepSignals.copy_to_host, trainer.optimizer.step, trainer.hook.after_step
+
+    def copied(signals):
+        order.append("copy")
+        copy(signals)
+
+    def stepped(*args, **kwargs):
+        order.append("update")
+        return step(*args, **kwargs)
+
+    def after_step(n, signals):
+        order.append("after_step")
+        signals.loss_sum = signals.tokens = None  # only the host copies are left to read
+        return after(n, signals)
+
+    monkeypatch.setattr(loop.StepSignals, "copy_to_host", copied)
+    monkeypatch.setattr(trainer.optimizer, "step", stepped)
+    monkeypatch.setattr(trainer.hook, "after_step", after_step)
+    trainer.fit()
+    assert order == ["copy", "update", "after_step"] * steps
+    assert read_jsonl(run / "domain_weights.jsonl") == read_jsonl(plain / "domain_weights.jsonl")

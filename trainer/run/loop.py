@@ -230,6 +230,8 @@ class Trainer:
             sync_sequence_parallel_grads(self.model, pc)
             sync_tied_grads(self.model, pc)
         signals.loss_sum = stats.domain_loss_sum
+        if hook.needs.host_signals:
+            signals.copy_to_host()
         self.optimizer.reduce_gradients()
         stats.grad_norm = self.optimizer.clip_grad_norm(self.cfg.train.grad_clip)
         self.health.observe(step, stats.loss, stats.grad_norm)

@@ -558,8 +558,7 @@ class ADO(MethodBase):
         self.cfg = cfg
         self.authors = cfg.variant == "authors"
         self.choices = {name: cfg.choice(name) for name in VARIANT_CHOICES[cfg.variant]}
-        if self.authors:
-            self.needs = Needs(draws="random")
+        self.needs = Needs(draws="random" if self.authors else "exact", host_signals=True)
         self.device = ctx.device
         self.domains = list(ctx.domains)
         self.k = ctx.k
@@ -705,10 +704,10 @@ class ADO(MethodBase):
 
     def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]:
         cfg = self.cfg
-        assert signals.loss_sum is not None
+        host = signals.on_host()
         sequences = [int(s) for s in np.asarray(signals.sequences).tolist()]
-        tokens = signals.tokens.tolist()
-        loss_sum = signals.loss_sum.tolist()
+        tokens = host.tokens.tolist()
+        loss_sum = host.loss_sum.tolist()
         used = self.policy
         # The policy as drawn: less what the run's epoch caps moved (data/sampling/sampler.py); the
         # policy itself while no cap binds. The credit and the log read it; pibar averages the policy.

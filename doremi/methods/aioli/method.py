@@ -227,7 +227,7 @@ class Aioli(MethodBase):
         rl = round_length(ctx.steps, cfg.rounds, cfg.round_steps)
         self.schedule = ProbeSchedule(k, ctx.steps, rl, cfg.delta, cfg.sweeps, cfg.shuffle, ctx.seed)
         self.eval_sequences = eval_sequences(cfg, self.schedule, ctx.global_batch_size)
-        self.needs = Needs(validation=True, validation_sequences=self.eval_sequences)
+        self.needs = Needs(validation=True, validation_sequences=self.eval_sequences, host_signals=True)
         if self.schedule.probe_steps >= rl:
             key = "round_steps" if cfg.round_steps is not None else "rounds"
             raise ConfigError(
@@ -294,6 +294,7 @@ class Aioli(MethodBase):
         self.log_p = mixture_update(base, self.a_bar, cfg.eta)
 
     def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]:
+        host = signals.on_host()
         p = self.weights.tolist()
         j = self.probe_domain(step)
         self.log.append(
@@ -302,8 +303,8 @@ class Aioli(MethodBase):
                 "weights": p,
                 "sampling": np.asarray(signals.weights, dtype=np.float64).tolist(),
                 "sequences": np.asarray(signals.sequences).tolist(),
-                "tokens": signals.tokens.tolist(),
-                "loss": signals.domain_loss.tolist(),
+                "tokens": host.tokens.tolist(),
+                "loss": host.domain_loss.tolist(),
                 "probe": None if j is None else self.domains[j],
             },
         )

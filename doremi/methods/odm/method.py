@@ -129,7 +129,7 @@ class ODM(MethodBase):
         self.domains = ctx.domains
         self.k = ctx.k
         self.seed = ctx.seed
-        self.needs = Needs(draws="random")
+        self.needs = Needs(draws="random", host_signals=True)
         if cfg.initial_weights == "tokens":
             self.initial = check_weights(ctx.train_tokens, ctx.domains, "mixing.odm.initial_weights (train tokens)")
         else:
@@ -176,9 +176,9 @@ class ODM(MethodBase):
 
     def after_step(self, step: int, signals: StepSignals) -> dict[str, Any]:
         pi = self.drawn_probabilities(step, signals)
-        assert signals.loss_sum is not None
-        loss = signals.domain_loss.cpu().numpy().astype(np.float64)
-        tokens = signals.tokens.tolist()
+        host = signals.on_host()
+        loss = host.domain_loss
+        tokens = host.tokens.tolist()
         if step > self.cfg.warmup_steps:
             drawn = np.asarray(tokens) > 0
             r = step_rewards(loss, pi, self.cfg.reward, self.cfg.importance_weighting, self.cfg.reward_scale)
