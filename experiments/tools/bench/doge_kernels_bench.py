@@ -5,7 +5,8 @@ measured before it is built.
 Three parts, each a table:
 - `gram`: `summed_gram` (the Gram of G's k + 1 rows summed over every parameter, one launch a
   parameter), its tuned launch and each launch choice (warps, pipeline stages, programs at
-  most), against one read of G by torch (`x.sum(dtype=float32)` per parameter: the bandwidth a
+  most), two candidates beside it (the CUDA-core shift kernel of `gram_fma_triton.py` and cuBLAS
+  over column slices), against one read of G by torch (`x.sum(dtype=float32)` per parameter: the bandwidth a
   read-once kernel can reach). The 15th session's step profile put the Gram at 10.9 ms a step at
   1B, about 1 TB/s, a third of the card's.
 - `update`: `weighted_rows` (sum_d w_d G[d] per parameter) over `block` and warps.
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trainer.config.schema import model_config  # noqa: E402
 from trainer.model.llama import Llama  # noqa: E402
@@ -101,6 +103,14 @@ def gram_part(gs: list[torch.Tensor], reps: int, device: torch.device) -> list[d
         t = timed(lambda kw=kw: summed_gram(gs, **kw), reps, device)
         err = float(((got - reference).abs().max() / reference.abs().max()).item())
         out.append({"form": "summed_gram", **kw, "ms": t * 1e3, "GB/s": gb / t, "rel_diff": err})
+    from gram_fma_triton import shifted_gram
+
+    for block_cols, warps in ((256, 4), (512, 4), (1024, 8)):
+        got = shifted_gram(gs, block_cols=block_cols, warps=warps)
+        t = timed(lambda b=block_cols, w=warps: shifted_gram(gs, block_cols=b, warps=w), reps, device)
+        err = float(((got - reference).abs().max() / reference.abs().max()).item())
+        form = f"CUDA-core shifts, {block_cols} columns a step"
+        out.append({"form": form, "warps": warps, "programs": 1024, "ms": t * 1e3, "GB/s": gb / t, "rel_diff": err})
     for programs in (256, 1024):
         try:
             got = batched_gram(gs, programs)
