@@ -29,14 +29,16 @@ the dot as they are (their products are exact in fp32, accumulated in fp32); fp3
 mixed dtypes (cast to fp32 in registers), take the dot with `input_precision="ieee"` (fp32 FMAs:
 never truncated to tf32's 10-bit mantissa).
 
-Why packed chunks and tuned warps: with one chunk a tile (r of 16 rows live) the 15th session's
-profile (1B, one H100, k + 1 = 5 rows) had the Gram at 10.6 ms a step for about 11 GB, about
-1 TB/s, a third of the card's. Each step moves a [16, sub] tile through shared memory three times
-(stored, then read as both operands), 9.6 bytes of shared-memory traffic per byte read from
-memory at r = 5, and at 4 warps the [16, 16] output (one row of m16n8k16 tiles) is split at most
-2 ways, so the other warps repeat it: the shared memory, not the memory bus, bounds it. Three
-chunks make 15 of 16 rows live (3.2 bytes per byte read), and the warps and pipeline stages are
-timed at the first launch of each kind (`tuned_kernel`): the sums' order does not depend on them.
+Why packed chunks and tuned warps: with one chunk a tile (r of 16 rows live) the 16th session's
+profile (1B, one H100, k + 1 = 5 rows; experiments/results/gpu_session16) had the Gram at
+10.6 ms a step for about 11 GB, about 1.05 TB/s in every launch whatever its size, a third of
+the card's. The reading of it (not yet timed apart: experiments/tools/bench/doge_kernels_bench.py
+does): each step moves a [16, sub] tile through shared memory three times (stored, then read as
+both operands), 9.6 bytes of shared-memory traffic per byte read from memory at r = 5, and at 4
+warps the [16, 16] output (one row of m16n8k16 tiles) is split at most 2 ways, so the other
+warps repeat it; the shared memory, not the memory bus, would bound it. Three chunks make 15 of
+16 rows live (3.2 bytes per byte read), and the warps and pipeline stages are timed at the first
+launch of each kind (`tuned_kernel`): the sums' order does not depend on them.
 
 The partial sums of each program go to a buffer [programs, chunks, r, s] that one torch `.sum`
 adds up (`summed_gram`: one buffer for all tensors, summed in fp64). No atomics: the result is
@@ -82,8 +84,8 @@ NUM_WARPS = 4
 NUM_STAGES = 4
 
 #: The (warps, stages) `tuned_kernel` times. The 16th session's profile (1B, one H100) had the
-#: 4-warp launch at about 1 TB/s: a [16, 16] output is one m16n8k16 row of tiles, which 4 warps
-#: split at most 2 ways, so the others repeat it, each re-reading the shared-memory tile.
+#: 4-warp, 4-stage launch at about 1 TB/s: a [16, 16] output is one m16n8k16 row of tiles, which
+#: 4 warps split at most 2 ways, so the others would repeat it, each re-reading the tile.
 CHOICES = tuple(itertools.product((1, 2, 4), (2, 3, 4)))
 
 
