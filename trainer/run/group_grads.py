@@ -304,10 +304,13 @@ def _embedding(m: VocabParallelEmbedding, leaf: torch.Tensor, groups: RowGroups)
 
 
 class _GroupRMSNorm(torch.autograd.Function):
-    """y = (x rstd) w_row for batch-first x [b, s, d] (rstd = 1 / sqrt(mean(x^2) + eps), in
-    fp32 or wider; w_row = `leaf`[group of the row]); the weight's gradient goes per group to `leaf` [k, d]
-    (`trainer.model.ops.group_norm_grads`: one pass over dy and x), the input's is the norm's
-    usual backward with each row's weight, in torch ops that inductor fuses with the residual's."""
+    """y = (x rstd) w_row for batch-first x [b, s, d] (rstd = 1 / sqrt(mean(x^2) + eps), in fp32
+    or wider; w_row = `leaf`[group of the row]); the weight's gradient goes per group to `leaf`
+    [k, d] (`trainer.model.ops.group_norm_grads`: one pass over dy and x), the input's is the
+    norm's usual backward with each row's weight, in torch ops that inductor fuses with the
+    residual's. The weight's gradient is taken against x_hat in fp32, not the forward's x_hat
+    rounded to the activations' dtype (as `F.rms_norm` with a weight does: the weight multiplies
+    before the rounding)."""
 
     @staticmethod
     def forward(ctx, x, leaf, rows, eps):

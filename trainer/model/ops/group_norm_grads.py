@@ -9,12 +9,12 @@ H100 against plain's 95 us (7.2 ms of the step against 3.2 at 9/8 of plain's row
 session's profile). As an opaque op the weight's sums are one pass over dy and x (this op), and
 the input's gradient is the usual row-wise norm backward that inductor fuses with the residual's.
 
-`group_norm_weight_grads(dy, x, rstd, rows, k, dtype)`: dy, x [b, s, d] (batch-first rows, each
-row one group's), rstd [b, s, 1] (fp32, or fp64 for fp64 inputs), rows [b] each row's group (on the device) -> [k, d] in
-`dtype`, accumulated in rstd's dtype. On CUDA two Triton kernels (`group_norm_grads_triton`): each
-program sums dy x rstd over a chunk of one row's tokens into fp32 partials (one read of dy and x),
-then each group's partials are added in a fixed order (no atomics: bitwise repeatable);
-elsewhere the same sums in torch ops.
+`group_norm_weight_grads(dy, x, rstd, rows, k, dtype)`: dy, x [b, s, d] (batch-first rows,
+each row one group's), rstd [b, s, 1] (fp32, or fp64 for fp64 inputs), rows [b] each row's
+group (on the device) -> [k, d] in `dtype`, accumulated in rstd's dtype. On CUDA two Triton
+kernels (`group_norm_grads_triton`): each program sums dy x rstd over a chunk of one row's
+tokens into fp32 partials (one read of dy and x), then each group's partials are added in a
+fixed order (no atomics: bitwise repeatable); elsewhere the same sums in torch ops.
 """
 
 from __future__ import annotations
