@@ -785,6 +785,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         counters = torch._dynamo.utils.counters
         notes.append(f"dynamo graph breaks: {dict(counters['graph_break'])}")
+        skinny = sys.modules.get("trainer.model.ops.skinny_products_triton")
+        if skinny is not None and skinny.tuned_choices():
+            notes.append(f"the Gram's tuned launches (key: warps, stages): {skinny.tuned_choices()}")
     result["rows"] = [asdict(r) for r in rows]
     text = report(result, rows, presets, args)
     print("\n" + text, flush=True)
