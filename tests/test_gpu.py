@@ -284,7 +284,7 @@ def test_gram_and_row_products_of_bf16_gradients_take_the_skinny_product_kernel(
 
     flats = [flat, small.reshape(5, -1)]
     tuned = sk.summed_gram(flats)
-    assert sk.tuned_choices(), "the launch was not tuned"
+    assert sk.tuned_choices() and not sk.TUNING_FAILED, sk.TUNING_FAILED
     for warps, stages in sk.CHOICES:
         assert torch.equal(sk.summed_gram(flats, warps=warps, stages=stages), tuned), (warps, stages)
     assert not alignment._TRITON_PRODUCTS_FAILED, alignment._TRITON_PRODUCTS_FAILED

@@ -151,6 +151,21 @@ def test_kernel_matches_float64_reference_is_repeatable_and_symmetric_in_the_int
             # the bench's launch choices (doge_kernels_bench.py): at most 2 programs a tensor
             fewer = sk.summed_gram(xs, sub=SUB, warps=8, stages=2, programs=2)
             within(fewer, want, bound, ("summed_gram, 2 programs", r))
+        # a tuned launch that fails leaves the fixed one, said once: the same numbers
+        x = torch.randn(5, 3 * BLOCK + 7, generator=g).bfloat16()
+        want = sk.summed_gram([x], block=BLOCK, sub=SUB)
+
+        class Broken:
+            def __getitem__(self, grid):
+                raise RuntimeError("no such launch")
+
+        sk._interpreted, sk.tuned_kernel = (lambda: False), (lambda: Broken())
+        import warnings
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            assert torch.equal(sk.summed_gram([x], block=BLOCK, sub=SUB), want)
+            assert torch.equal(sk.summed_gram([x], block=BLOCK, sub=SUB), want)
+        assert sk.TUNING_FAILED == ["RuntimeError: no such launch"] and len(said) == 1, (sk.TUNING_FAILED, said)
         assert sk.tile(10 * SUB, 16, 16, sub=SUB, programs=2) == (5 * SUB, SUB)
         assert sk.tile(10 * SUB, 5, 5, sub=SUB, programs=2) == (6 * SUB, SUB)
         assert torch.equal(sk.summed_gram([torch.zeros(3, 0), torch.zeros(3, 0)]), torch.zeros(3, 3, dtype=torch.float64))

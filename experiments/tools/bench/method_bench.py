@@ -788,6 +788,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         skinny = sys.modules.get("trainer.model.ops.skinny_products_triton")
         if skinny is not None and skinny.tuned_choices():
             notes.append(f"the Gram's tuned launches (key: warps, stages): {skinny.tuned_choices()}")
+        if skinny is not None and skinny.TUNING_FAILED:
+            notes.append(f"the Gram's tuned launch failed, the fixed one served: {skinny.TUNING_FAILED[0]}")
     result["rows"] = [asdict(r) for r in rows]
     text = report(result, rows, presets, args)
     print("\n" + text, flush=True)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -247,10 +248,20 @@ def _launch(
         "SUB": sub,
     }
     grid = (triton.cdiv(n, block),)
-    if warps is None and stages is None and not _interpreted():
-        tuned_kernel()[grid](*args, **meta)
-        return
+    if warps is None and stages is None and not _interpreted() and not TUNING_FAILED:
+        try:
+            tuned_kernel()[grid](*args, **meta)
+            return
+        except Exception as e:  # noqa: BLE001 - the fixed launch serves; said once, kept for the reports
+            TUNING_FAILED.append(f"{type(e).__name__}: {str(e)[:300]}")
+            warnings.warn(
+                f"skinny products: the tuned launch failed ({TUNING_FAILED[0]}); the fixed one serves", stacklevel=3
+            )
     skinny_products_kernel[grid](*args, **meta, num_warps=warps or NUM_WARPS, num_stages=stages or NUM_STAGES)
+
+
+#: Why the tuned launch failed in this process, if it did (then the fixed one serves from there on).
+TUNING_FAILED: list[str] = []
 
 
 def _interpreted() -> bool:
