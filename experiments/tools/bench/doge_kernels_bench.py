@@ -14,7 +14,8 @@ Three parts, each a table:
   the run's groups, three ways: `rows` (sessions 14-15's form: one GEMM per row of [s, b, d]
   activations, read in place and summed by `addmm_`), `batch-major` (the committed op
   `trainer::group_weight_grads` on the one pass's batch-first activations: one GEMM per group
-  over its contiguous [rows x s, d] block) and `plain` (one GEMM over all rows, K = b x s: the
+  over its contiguous [rows x s, d] block), `grouped_mm` (torch's grouped GEMM, one launch for
+  every group, where the device takes it) and `plain` (one GEMM over all rows, K = b x s: the
   FLOPs' floor, plain's own weight gradient). Every form's result is checked against `rows`.
 
 Each time is the median of `--reps` timed calls after one warm-up (CUDA events on a GPU, wall
@@ -193,11 +194,23 @@ def dw_part(
         def plain():
             return torch.mm(g.reshape(-1, n_out).t(), x.reshape(-1, n_in))
 
+        ends = torch.tensor([hi * seq for hi in offsets[1:]], dtype=torch.int32, device=device)
+
+        def grouped():  # one launch for every group (torch's grouped GEMM, K split at the groups' ends)
+            return torch._grouped_mm(g_bm.view(-1, n_out).t(), x_bm.view(-1, n_in), offs=ends)
+
         want = rows().float()
         scale = float(want.abs().max())
         diff = float((batch_major().float() - want).abs().max()) / scale
         plain_diff = float((plain().float() - want.sum(0)).abs().max()) / scale
-        for form, fn, d in (("rows", rows, 0.0), ("batch-major", batch_major, diff), ("plain", plain, plain_diff)):
+        forms = [("rows", rows, 0.0), ("batch-major", batch_major, diff), ("plain", plain, plain_diff)]
+        try:
+            forms.append(("grouped_mm", grouped, float((grouped().float() - want).abs().max()) / scale))
+        except (RuntimeError, TypeError, AttributeError) as e:  # not on this device, dtype or layout
+            out.append(
+                {"kind": kind, "shape": [n_out, n_in], "count": count, "form": "grouped_mm", "error": str(e)[:200]}
+            )
+        for form, fn, d in forms:
             t = timed(fn, reps, device)
             out.append(
                 {
@@ -261,12 +274,13 @@ def report(result: dict[str, Any]) -> str:
             "|---|---|---:|---|---:|---:|---:|",
         ]
         for r in result["dw"]:
-            lines.append(
-                f"| {r['kind']} | {r['shape'][0]} x {r['shape'][1]} | {r['count']} | {r['form']} | {r['ms']:.3f} | "
-                f"{r['step_ms']:.2f} | {r['rel_diff']:.1e} |"
-            )
+            head = f"| {r['kind']} | {r['shape'][0]} x {r['shape'][1]} | {r['count']} | {r['form']} |"
+            if "error" in r:
+                lines.append(f"{head} {r['error']} | | |")
+                continue
+            lines.append(f"{head} {r['ms']:.3f} | {r['step_ms']:.2f} | {r['rel_diff']:.1e} |")
         totals: dict[str, float] = {}
-        for r in result["dw"]:
+        for r in (r for r in result["dw"] if "error" not in r):
             totals[r["form"]] = totals.get(r["form"], 0.0) + r["step_ms"]
         lines += ["", "A step's weight gradients: " + "; ".join(f"{f} {t:.2f} ms" for f, t in totals.items()), ""]
     lines += [f"- {n}" for n in result["notes"]]
