@@ -7,8 +7,9 @@
 # skinny kernels) and 10 (FP8's two sizes in one run: issue 36 met; experiments/results/gpu_session14);
 # the fifteenth 4 (every method's row in one run: DoReMi FP8 0.781, DoGE's one pass 0.784;
 # experiments/results/gpu_session15); the sixteenth 4 (DoGE 0.802; experiments/results/gpu_session16;
-# 11 stopped at a bench bug, since fixed). Left: 11 (DoGE's kernels alone: every Gram candidate),
-# then 4 on the session-16 code (batch-major RoPE, the norms' op, the packed Gram). A session has 30
+# 11 stopped at a bench bug, since fixed). Left: 12 (the CUDA checks, then DoGE's kernels alone:
+# every Gram candidate), then 4 on the session-16 code (batch-major RoPE, the norms' op, the
+# packed Gram). A session has 30
 # device minutes, counted from asking for the machine (a start of a minute or more, again after
 # any gap of more than 30 s between calls) until it is given back.
 # Every bench writes under $OUT (the only folder that comes back from the device machine) and
@@ -34,6 +35,8 @@
 #   bash experiments/tools/bench/gpu_queue.sh 11  # issue 35: DoGE's one-pass kernels alone at 1B's shapes: the Gram's
 #                                                 # and the update's launch choices, the weight gradients by row,
 #                                                 # batch-major and plain (what a batch-major layout would save)
+#   bash experiments/tools/bench/gpu_queue.sh 12  # issue 35: the CUDA checks (tests/test_gpu.py), then the Gram's
+#                                                 # candidates and the weight-gradient forms (before call 4)
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -67,8 +70,12 @@ commands() {
         ;;
     10) echo "fp8_bench_one_run 560 $PY $B/fp8_bench.py step --sizes 1b 4096 --micro-batch 16 4 --only-with-head --out \$OUT/fp8_one_run" ;;
     11) echo "doge_kernels_bench 300 $PY $B/doge_kernels_bench.py --preset bench-1b --out \$OUT/doge_kernels" ;;
+    12)
+        echo "test_gpu 200 $PY tests/test_gpu.py"
+        echo "doge_kernels_bench 300 $PY $B/doge_kernels_bench.py --preset bench-1b --parts gram,dw --reps 3 --out \$OUT/doge_kernels"
+        ;;
     *)
-        echo "gpu_queue.sh: expected a call number 1 to 11, got '$1'" >&2
+        echo "gpu_queue.sh: expected a call number 1 to 12, got '$1'" >&2
         return 2
         ;;
     esac
