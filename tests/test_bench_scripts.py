@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.scripts import BENCH, ROOT, bench_module
+from tests.paths import ROOT
+from tests.scripts import BENCH, bench_module
 from trainer.config.schema import ModelConfig
 from trainer.model import layers, llama
 from trainer.model.llama import Llama
