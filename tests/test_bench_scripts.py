@@ -492,6 +492,7 @@ def test_the_idle_report_places_each_gap_between_its_kernels():
 
     events = [
         event("bench step 0", "CUDA", 1000.0, 6100.0, annotation=True),  # a step's range: not work
+        event("bench step 1", "CUDA", 1000.0, 6100.0),  # the same, where the profiler does not flag it
         event("gemm", "CUDA", 1000.0, 2000.0),
         event("gram", "CUDA", 2010.0, 2500.0),
         event("adamw", "CUDA", 2550.0, 3000.0),

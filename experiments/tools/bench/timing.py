@@ -211,7 +211,7 @@ def profile_table(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for i in range(steps):
-            with record_function(f"bench step {i}"):
+            with record_function(STEP_RANGE.format(i)):
                 step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -243,16 +243,22 @@ def write_trace(prof, path: Path) -> None:
             shutil.copyfileobj(src, dst)
 
 
+#: `profile_table`'s range around step i.
+STEP_RANGE = "bench step {}"
+
+
 def idle_lines(events, steps: int = 1) -> list[str]:
     """`profile_table`'s idle report from the profiler's events (kernels are CUDA events, host
     ops CPU events; each has `name`, `device_type.name` and `time_range.start`/`.end` in us).
-    A `record_function` range shows on the device too (`is_user_annotation`) and covers a whole
-    step: it is not work, and counted as such it hid every gap (the 16th session's profiles)."""
+    A `record_function` range shows on the device too (`is_user_annotation`; `profile_table`'s
+    own are named `STEP_RANGE`) and covers a whole step: it is not work, and counted as such it
+    hid every gap (the 16th session's profiles)."""
+    ranges = {STEP_RANGE.format(i) for i in range(steps)}
     kernels = sorted(
         (
             (e.time_range.start, e.time_range.end, e.name)
             for e in events
-            if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
+            if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False) and e.name not in ranges
         ),
         key=lambda k: (k[0], k[1]),
     )
