@@ -5,6 +5,7 @@ the k-pass step's update, products and weights."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from doremi.methods.doge import check_layout, one_pass
 from doremi.methods.history import read_history
 from doremi.pipeline import stages
 from tests.group_grads_case import per_group_grads
+from tests.interpreter import needs_triton, run_interpreted
 from tests.runs import config, losses
 from tests.test_method_doge import fit_capturing_gradients
 from tests.test_model import _cfg
@@ -352,3 +354,64 @@ def test_one_pass_refuses_what_it_cannot_split(stores, tmp_path, section, key, v
     setattr(getattr(default, section), key, value)
     check_layout(default)
     assert not one_pass(default)
+
+
+@needs_triton
+def test_the_optimizer_takes_the_one_pass_update_unwritten_where_it_can(stores, tmp_path):
+    """Where the optimizer reads autograd's gradients with its Triton kernel (bf16 parameters,
+    one process; on the CPU under Triton's interpreter), DoGE's folded one pass hands it the
+    domain gradients and weights (`combine_gradients`) instead of writing the update, every step.
+    Against the written update made as the kernel makes it (summed in row order, rounded toward
+    zero as the interpreter rounds to bf16): without clipping, the same run bit for bit (losses,
+    masters), each step's reported norm (from the Gram matrix, of the exact sum) above the
+    written sum's by at most that rounding, 2^-8 (on a GPU both round to nearest); with clipping,
+    the first step's the same (later steps are not compared: the clip's coefficient moves with
+    the norm, and Adam turns any difference in a tiny gradient's sign into lr)."""
+    run_interpreted(
+        textwrap.dedent(f"""
+        import torch
+        from pathlib import Path
+        from doremi.pipeline import stages
+        from tests.runs import config
+        import trainer.run.alignment as alignment
+        from trainer.optim.master_weights import MasterWeightAdamW
+        from trainer.records.metrics import read_jsonl
+
+        sets = ["train.decay=constant", "train.warmup_steps=0", "checkpoint.every=0", "train.steps=3",
+                "mixing.method=doge", "train.precision=bf16", "train.param_dtype=bf16"]
+        offer, written = MasterWeightAdamW.combine_gradients, alignment.combine
+        taken = []
+
+        def spy(self, rows, weights, norm):
+            taken.append(offer(self, rows, weights, norm))
+            return taken[-1]
+
+        def as_the_kernel(scale, g):  # sum_d w_d G[d] in fp32 in row order, rounded toward zero
+            w, acc = scale.to(g.dtype), torch.zeros(g.shape[1:], dtype=torch.float32)
+            for d in range(g.shape[0]):
+                acc = acc + w[d].float() * g[d].float()
+            return (acc.view(torch.int32) & ~0xFFFF).view(torch.float32).to(g.dtype)
+
+        def run(name, clip, combined):
+            MasterWeightAdamW.combine_gradients = spy if combined else (lambda self, rows, weights, norm: False)
+            alignment.combine = written if combined else as_the_kernel
+            out = Path({str(tmp_path)!r}) / name
+            trainer = stages.proxy_trainer(config(Path({str(stores)!r}), out, *sets, f"train.grad_clip={{clip}}"))
+            trainer.fit()
+            rows = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+            return trainer.optimizer.master_weights(), rows
+
+        (a, a_rows), (b, b_rows) = run("combined", 0.0, True), run("written", 0.0, False)
+        assert taken == [True, True, True], taken
+        assert [r["loss"] for r in a_rows] == [r["loss"] for r in b_rows]
+        for n, w in b.items():
+            assert torch.equal(a[n], w), n
+        for ra, rb in zip(a_rows, b_rows, strict=True):
+            assert 0 <= ra["grad_norm"] - rb["grad_norm"] <= 2.0**-8 * rb["grad_norm"], (ra, rb)
+        (_, c_rows), (_, d_rows) = run("combined_clip", 0.5, True), run("written_clip", 0.5, False)
+        c, d = c_rows[0]["grad_norm"], d_rows[0]["grad_norm"]
+        assert d > 0.5 and 0 <= c - d <= 2.0**-8 * d, (c, d)
+        assert c_rows[0]["loss"] == d_rows[0]["loss"]
+        print("ok")
+        """)
+    )

@@ -376,6 +376,46 @@ def test_group_norm_weight_grads_on_cuda_match_the_torch_path():
     assert torch.equal(got, ng.group_norm_weight_grads(dy, x, rstd, rows, 5, torch.float32))
 
 
+@cuda
+def test_the_update_of_combined_gradients_equals_the_update_of_their_written_sum_on_cuda():
+    """`MasterWeightAdamW.combine_gradients` on CUDA (DoGE's one-pass update summed inside the
+    AdamW kernel, never written) against the same rows summed by `alignment.combine` (the
+    `weighted_rows` kernel) and written as `.grad`, the clip's norm handed over: bitwise the
+    same parameters, remainders and moments over three steps, at the 1B MLP's row width."""
+    from trainer.config.schema import TrainConfig
+    from trainer.optim.master_weights import MasterWeightAdamW
+    from trainer.parallel.context import ParallelContext
+    from trainer.run import alignment
+
+    dev = torch.device("cuda")
+    cfg = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, micro_batches=1)
+    shapes = {"w1": (2048, 5632), "norm": (2048,), "w2": (5632, 2048)}
+
+    def built():
+        g = torch.Generator(device=dev).manual_seed(0)
+        named = [(n, torch.nn.Parameter(torch.randn(s, generator=g, device=dev))) for n, s in shapes.items()]
+        return MasterWeightAdamW(named, cfg, ParallelContext.single(dev))
+
+    written, combined = built(), built()
+    g = torch.Generator(device=dev).manual_seed(1)
+    for t in range(3):
+        rows = {n: torch.randn(4, *s, generator=g, device=dev).bfloat16() for n, s in shapes.items()}
+        weights = torch.randn(4, generator=g, device=dev).bfloat16()
+        for n, p in written.named_params:
+            p.grad = alignment.combine(weights, rows[n])
+        norm = written.clip_grad_norm(0.5)
+        written.step(1e-2 / (t + 1))
+        written.zero_grad()
+        assert combined.combine_gradients({id(p): rows[n] for n, p in combined.named_params}, weights, norm.double())
+        assert torch.equal(combined.clip_grad_norm(0.5), norm)
+        combined.step(1e-2 / (t + 1))
+        combined.zero_grad()
+        for (n, a), (_, b) in zip(written.named_params, combined.named_params):
+            assert torch.equal(a.detach(), b.detach()), n
+        for buf in ("remainder", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(written, buf), getattr(combined, buf)), buf
+
+
 if __name__ == "__main__":
     chosen = sys.argv[1:]
     tests = [f for name, f in sorted(globals().items()) if name.startswith("test_") and callable(f)]

@@ -232,3 +232,68 @@ def test_bad_state_and_config_are_one_line_errors():
         ValueError, match="train.optimizer: mixed-precision master weights support adamw, got 'adafactor'"
     ):
         MasterWeightAdamW(_named(), TrainConfig(optimizer="adafactor"), ParallelContext.single())
+
+
+COMBINED_CASE = textwrap.dedent("""
+    import torch
+    from trainer.optim import adamw_update as au
+    from trainer.config.schema import TrainConfig
+    from trainer.optim.master_weights import MasterWeightAdamW
+    from trainer.parallel.context import ParallelContext
+
+    cfg = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, micro_batches=1)
+    shapes = {"w1": (au.BLOCK + 40, 3), "norm": (8,), "w2": (2, 8)}  # rows of whole 16-byte units
+
+    def built():
+        g = torch.Generator().manual_seed(0)
+        named = [(n, torch.nn.Parameter(torch.randn(s, generator=g))) for n, s in shapes.items()]
+        return MasterWeightAdamW(named, cfg, ParallelContext.single())
+
+    written, combined = built(), built()
+    assert combined._blocks is not None
+    g = torch.Generator().manual_seed(1)
+    for t in range(3):
+        rows = {n: torch.randn(3, *s, generator=g).bfloat16() for n, s in shapes.items()}
+        weights = torch.randn(3, generator=g).bfloat16()
+        for n, p in written.named_params:  # sum_r w_r row_r in fp32, in row order, rounded once
+            acc = torch.zeros(p.shape, dtype=torch.float32)
+            for r in range(3):
+                acc = acc + weights[r].float() * rows[n][r].float()
+            # to bf16 as the interpreter rounds (toward zero; a GPU to nearest even)
+            p.grad = (acc.view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16()
+        norm = written.clip_grad_norm(0.5)
+        assert norm > 0.5  # clipping is active
+        written.step(1e-2 / (t + 1))
+        written.zero_grad()
+        by_id = {id(p): rows[n] for n, p in combined.named_params}
+        assert combined.combine_gradients(by_id, weights, norm.double())
+        assert all(p.grad is None for _, p in combined.named_params)
+        assert torch.equal(combined.clip_grad_norm(0.5), norm)
+        combined.step(1e-2 / (t + 1))
+        combined.zero_grad()
+        for (n, a), (_, b) in zip(written.named_params, combined.named_params):
+            assert torch.equal(a.detach(), b.detach()), n
+        for buf in ("remainder", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(written, buf), getattr(combined, buf)), buf
+    # declined, and nothing taken, where the rows do not fit: a parameter missing, another dtype,
+    # another shape, more than 16 rows, rows whose addresses are not 16-byte aligned
+    odd = MasterWeightAdamW([("v", torch.nn.Parameter(torch.randn(5)))], cfg, ParallelContext.single())
+    assert not odd.combine_gradients({id(odd.params[0]): torch.randn(3, 5).bfloat16()}, weights, norm.double())
+    some = dict(list(by_id.items())[:2])
+    wrong_dtype = {i: r.float() for i, r in by_id.items()}
+    wrong_shape = {i: r[:2] for i, r in by_id.items()}
+    many = {i: r[:1].expand(17, *r.shape[1:]).contiguous() for i, r in by_id.items()}
+    for bad, w in ((some, weights), (wrong_dtype, weights), (wrong_shape, weights), (many, torch.ones(17).bfloat16())):
+        assert not combined.combine_gradients(bad, w, norm.double())
+        assert combined._combined is None
+    print("ok")
+""")
+
+
+@needs_triton
+def test_the_update_of_combined_gradients_equals_the_update_of_their_written_sum_in_the_interpreter():
+    """`combine_gradients` (DoGE's one-pass update, never written): the Triton update summing
+    each parameter's rows in its kernel gives bitwise the parameters, remainders and moments of
+    the update of the sum written as `.grad` (fp32 in row order, rounded once to bf16), the
+    clip with the norm handed over; rows that do not fit are declined."""
+    run_interpreted(COMBINED_CASE)

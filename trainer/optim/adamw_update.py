@@ -163,6 +163,65 @@ def adamw_update_tensors(
         beta2,
         1.0 - beta2,
         eps,
+        coefficients,  # no weights: ROWS = 0
+        len(grads),
+        ROWS=0,
+        ALIGN=blocks.align,
+        num_warps=NUM_WARPS,
+    )
+
+
+def adamw_update_combined(
+    remainder: torch.Tensor,
+    rows: Sequence[torch.Tensor],
+    weights: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    param: torch.Tensor,
+    blocks: TensorBlocks,
+    coefficients: torch.Tensor,
+    n_decay: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    """`adamw_update_tensors` with each parameter's gradient sum_r weights[r] rows[i][r] (rows[i]
+    [R, *shape], R rows each contiguous, in the parameters' dtype; weights [R], upcast to fp32),
+    summed in fp32 in row order and rounded once to the parameters' dtype inside the kernel:
+    what `trainer.model.ops.skinny_products_triton.weighted_rows` would write and this update
+    would read, without the write and the read (DoGE's one-pass update, `trainer.run.alignment`:
+    one read of the k domain gradients instead of that read, a write and another read)."""
+    r = rows[0].shape[0] if rows else 0
+    for g in rows:
+        if g.dtype != param.dtype or not g.is_contiguous() or g.shape[0] != r or g.numel() % max(r, 1):
+            raise ValueError(
+                f"adamw_update_combined: rows must be contiguous {param.dtype} [{r}, ...], "
+                f"got {g.dtype} {tuple(g.shape)} of strides {g.stride()}"
+            )
+    if not 1 <= r <= 16 or weights.shape != (r,):
+        raise ValueError(f"adamw_update_combined: expected 1 to 16 rows and weights [{r}], got {tuple(weights.shape)}")
+    if not aligned(rows) or any(g.numel() // r * g.element_size() % ADDRESS_ALIGN for g in rows):
+        raise ValueError(f"adamw_update_combined: row addresses must be {ADDRESS_ALIGN}-byte aligned")
+    launch(
+        triton_kernel(),
+        blocks,
+        tensor_pointers(rows, param.device, r),
+        blocks.offsets,
+        blocks.numels,
+        remainder,
+        exp_avg,
+        exp_avg_sq,
+        param,
+        coefficients,
+        n_decay,
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        eps,
+        weights.to(device=param.device, dtype=torch.float32).contiguous(),
+        len(rows),
+        ROWS=r,
         ALIGN=blocks.align,
         num_warps=NUM_WARPS,
     )

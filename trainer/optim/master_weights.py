@@ -55,6 +55,7 @@ from trainer.config.schema import TrainConfig
 from trainer.optim.adamw_update import (
     BLOCK,
     adamw_update,
+    adamw_update_combined,
     adamw_update_tensors,
     join_fp32,
     split_fp32,
@@ -62,7 +63,7 @@ from trainer.optim.adamw_update import (
     uses_triton,
 )
 from trainer.optim.clip import clip_coefficient, global_grad_norm
-from trainer.optim.multi_tensor import TensorBlocks, aligned
+from trainer.optim.multi_tensor import ADDRESS_ALIGN, TensorBlocks, aligned
 from trainer.optim.param_groups import decay_first, lr_scale, scaled_weight_decay
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.data_parallel import (
@@ -191,6 +192,7 @@ class MasterWeightAdamW:
         self._step = torch.zeros((), dtype=torch.float64, device=device)
         self._grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self._reduced = False
+        self._combined: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None = None
 
     def _build_kernels(self, device: torch.device, compile: bool | None) -> None:
         """The update kernel (compiled on CUDA by default) and, where autograd's gradients are
@@ -258,11 +260,39 @@ class MasterWeightAdamW:
         reduce_grads(self.params, self.owners, self.pc, self.zero1, self.bucket_numel)
         self._reduced = True
 
+    def combine_gradients(self, rows: dict[int, torch.Tensor], weights: torch.Tensor, norm: torch.Tensor) -> bool:
+        """Take each parameter p's next gradient as sum_r weights[r] rows[id(p)][r] (rows [R,
+        *p.shape], contiguous, in the parameters' dtype; weights [R]) without it being written:
+        `step` sums the rows inside its kernel (`adamw_update_combined`: the sum in fp32 rounded
+        once to the parameters' dtype, as a written gradient would be) and `clip_grad_norm`
+        reports `norm`, the caller's global L2 norm of the sum, instead of reading gradients.
+        DoGE's one-pass update (`trainer.run.alignment`): the k domain gradients read once here,
+        not read to write the update that the norm and this step then read again. Taken only on
+        the path that reads autograd's gradients with the Triton kernel (no main grads), at one
+        lr and one process (nothing reduces or shards the gradients); returns whether it was
+        taken, else the caller writes `.grad` as usual."""
+        local = [p for _, p in self.local]
+        if self._blocks is None or not self._uniform_lr or self.pc.world_size > 1 or not local:
+            return False
+        if any(id(p) not in rows for p in local):
+            return False
+        picked = [rows[id(p)] for p in local]
+        r = weights.shape[0]
+        fits = all(g.dtype == p.dtype and g.is_contiguous() and g.shape == (r, *p.shape) for g, p in zip(picked, local))
+        rows_aligned = all(g[0].numel() * g.element_size() % ADDRESS_ALIGN == 0 for g in picked)
+        if not fits or not aligned(picked) or not rows_aligned or not 1 <= r <= 16:
+            return False
+        self._combined = (picked, weights, norm)
+        return True
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient L2 norm (fp32 0-dim on the device, as `trainer.optim.clip`); when
         max_norm > 0 the next `step` scales the gradient by min(1, max_norm / (norm + 1e-6))."""
         self.reduce_gradients()
-        total = global_grad_norm(self.named_params, self.pc)
+        if self._combined is not None:
+            total = self._combined[2].to(torch.float32).reshape(())
+        else:
+            total = global_grad_norm(self.named_params, self.pc)
         if max_norm > 0:
             self._grad_scale = clip_coefficient(total, max_norm)
         return total
@@ -310,8 +340,28 @@ class MasterWeightAdamW:
     def _update_from_autograd(self) -> None:
         """The update on the local parameters' `.grad` (zero where a parameter got none): one
         Triton kernel where `uses_triton` (and the gradients are aligned, as autograd's are),
-        else the flat update per parameter, eagerly (the CPU)."""
+        else the flat update per parameter, eagerly (the CPU). After `combine_gradients`, the
+        kernel sums each parameter's rows instead."""
         c = self.cfg
+        if self._combined is not None:
+            rows, weights, _ = self._combined
+            self._combined = None
+            coefficients = self._coefficients(self._lr, self._step, self._grad_scale, c.beta1, c.beta2, c.weight_decay)
+            adamw_update_combined(
+                self.remainder,
+                rows,
+                weights,
+                self.exp_avg,
+                self.exp_avg_sq,
+                self._local(self.flat_params),
+                self._blocks,
+                coefficients,
+                self.n_decay,
+                c.beta1,
+                c.beta2,
+                c.eps,
+            )
+            return
         for _, p in self.local:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -365,6 +415,7 @@ class MasterWeightAdamW:
             )
 
     def zero_grad(self) -> None:
+        self._combined = None
         reset_main_grads(self.params)
         for p in self.params:
             p.grad = None

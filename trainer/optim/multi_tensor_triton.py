@@ -37,17 +37,31 @@ def adamw_tensors_kernel(
     beta2,
     one_minus_beta2,
     eps,
+    weights,
+    n_tensors,
+    ROWS: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
+    """ROWS = 0: tensor t's gradient at grad_ptrs[t]. ROWS > 0: it is sum_r weights[r] row_r,
+    row r of tensor t at grad_ptrs[r * n_tensors + t], summed in fp32 in row order and rounded
+    once to the parameters' dtype (`adamw_update_combined`: never written to memory)."""
     t, _, idx, mask = _block(block_tensor, block_start, numels, BLOCK_SIZE, MASKED)
     flat = tl.multiple_of(tl.load(offsets + t), ALIGN) + idx
-    grad = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(param.dtype.element_ty)), 16)
     step_size = tl.load(coefficients)
     bias_correction2_sqrt = tl.load(coefficients + 1)
     keep = tl.load(coefficients + 2)
-    g = tl.load(grad + idx, mask=mask, other=0.0).to(tl.float32) * tl.load(coefficients + 3)
+    if ROWS == 0:
+        grad = tl.multiple_of(tl.load(grad_ptrs + t).to(tl.pointer_type(param.dtype.element_ty)), 16)
+        g = tl.load(grad + idx, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+        for r in tl.static_range(ROWS):
+            row = tl.multiple_of(tl.load(grad_ptrs + r * n_tensors + t).to(tl.pointer_type(param.dtype.element_ty)), 16)
+            acc += tl.load(weights + r).to(tl.float32) * tl.load(row + idx, mask=mask, other=0.0).to(tl.float32)
+        g = acc.to(param.dtype.element_ty).to(tl.float32)
+    g = g * tl.load(coefficients + 3)
     m = tl.load(exp_avg + flat, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq + flat, mask=mask, other=0.0)
     low = tl.load(remainder + flat, mask=mask, other=0)

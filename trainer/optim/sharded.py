@@ -77,6 +77,10 @@ class ShardedOptimizer:
         reduce_grads(self.params, self.owners, self.pc, self.zero1, self.bucket_numel)
         self._reduced = True
 
+    def combine_gradients(self, rows: dict[int, torch.Tensor], weights: torch.Tensor, norm: torch.Tensor) -> bool:
+        """Never: torch's optimizers read `.grad` (`MasterWeightAdamW.combine_gradients`)."""
+        return False
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm (device tensor); clips the gradients in place when max_norm > 0."""
         self.reduce_gradients()

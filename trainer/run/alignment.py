@@ -52,6 +52,7 @@ from data.store.batch import IGNORE_INDEX, collate
 from trainer.feed.data_feed import DataFeed
 from trainer.feed.weighting import DomainWeights, MeanTokenLoss
 from trainer.model.ops.dispatch import triton_kernels_of
+from trainer.optim.interface import Optimizer
 from trainer.parallel.context import ParallelContext
 from trainer.parallel.main_grad import grad_of, reset_main_grads
 from trainer.parallel.pipeline_schedule import train_schedule
@@ -153,9 +154,12 @@ def aligned_step(
     hook: MixingHook,
     feed: DataFeed,
     pc: ParallelContext,
+    optimizer: Optimizer | None = None,
 ) -> StepStats:
     """Leaves sum_i m_i g_i / sum_i m_i in the gradient buffers (tp and tied syncs done, dp
-    reduction not) and fills `signals.alignment`; returns the step's statistics."""
+    reduction not), or hands it unwritten to `optimizer` (`Optimizer.combine_gradients`, the
+    folded one pass where it takes it), and fills `signals.alignment`; returns the step's
+    statistics."""
     spec = hook.needs.alignment
     assert spec is not None
     k = feed.k
@@ -165,7 +169,7 @@ def aligned_step(
     schedule = "afab" if pc.pp > 1 else "1f1b"
     by_domain = _by_domain(micro_batches, k)
     if spec.one_pass and FOLD_TARGET:
-        return _one_pass(model, named_params, counted, by_domain, None, signals, step, hook, feed, size, pc)
+        return _one_pass(model, named_params, counted, by_domain, None, signals, step, hook, feed, size, pc, optimizer)
     g_target = _target_gradient(model, params, counted, spec, feed, step, size, schedule, pc)
     if spec.one_pass:
         return _one_pass(model, named_params, counted, by_domain, g_target, signals, step, hook, feed, size, pc)
@@ -305,6 +309,7 @@ def _one_pass(
     feed: DataFeed,
     size: int,
     pc: ParallelContext,
+    optimizer: Optimizer | None = None,
 ) -> StepStats:
     """`Alignment.one_pass`: every domain's gradient G[d] from ONE forward and backward of this
     rank's sequences sorted by domain (`trainer.run.group_grads`), under the objective sum_d
@@ -317,7 +322,12 @@ def _one_pass(
     Deferred: G is summed over dp, domain d clipped by the coefficient c_d of its norm, a_d =
     c_d <G[d], g_T>, the update sum_d w_d c_d G[d] written on dp rank 0 (zeros elsewhere), as
     `_add_deferred` does; otherwise (g_T alone summed over dp) sum_d m_d G[d] / sum_d m_d on every
-    rank, m_d = `alignment_weight` of the partial products (`_one_pass_scale`)."""
+    rank, m_d = `alignment_weight` of the partial products (`_one_pass_scale`).
+
+    Folded, on one process, the update is offered to `optimizer` unwritten
+    (`Optimizer.combine_gradients`: its kernel sums the k rows of each G with the weights, and
+    the clip reads the update's norm from the Gram matrix, sqrt(w^T Gram w) over the domain
+    rows, of the exact sum rather than its rounding); where it declines, written as above."""
     spec = hook.needs.alignment
     assert spec is not None
     k = feed.k
@@ -342,9 +352,16 @@ def _one_pass(
     if pc.dp > 1 and (spec.deferred or g_target is None):
         for g in grads:
             dist.all_reduce(g if spec.deferred else g[k:], group=pc.dp_group)
-    dots, squares, target_square = _alignment_products(grads, g_target, counted, k, spec.deferred, pc)
+    dots, squares, target_square, gram = _alignment_products(grads, g_target, counted, k, spec.deferred, pc)
     c_target = clip_coefficients(target_square.sqrt(), spec.domain_clip) if g_target is None else 1.0
     alignment, scale = _one_pass_scale(hook, step, dots * c_target, squares, signals, k)
+    signals.alignment = alignment
+    if optimizer is not None and gram is not None and pc.world_size == 1 and len({g.dtype for g in grads}) == 1:
+        weights = scale.to(grads[0].dtype)  # the update's weights as `combine` rounds them
+        w = weights.to(torch.float64)
+        norm = (w @ gram[:k, :k] @ w).clamp_min(0.0).sqrt()
+        if optimizer.combine_gradients({id(p): g[:k] for p, g in zip(params, grads)}, weights, norm):
+            return global_stats(losses, batches, k, pc)
     zero = spec.deferred and pc.dp > 1 and pc.dp_rank != 0
     total, rounded = [], {}  # the weights in each gradient dtype, converted once, not once a parameter
     while grads:  # each G freed once combined: at most k + 2 gradient copies at a time
@@ -356,7 +373,6 @@ def _one_pass(
             rounded[g.dtype] = scale.to(g.dtype)
         total.append(combine(rounded[g.dtype], g))
     _write_grads(params, total, None)
-    signals.alignment = alignment
     return global_stats(losses, batches, k, pc)
 
 
@@ -464,8 +480,9 @@ def _alignment_products(
     deferred: bool,
     pc: ParallelContext,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(<G[d], g_T> [k], ||G[d]||^2 [k] (deferred), ||g_T||^2 (folded)) over the whole model,
-    fp64, summed over the world. Deferred, G is dp-reduced: dp rank 0 counts it. Otherwise
+    """(<G[d], g_T> [k], ||G[d]||^2 [k] (deferred), ||g_T||^2 (folded), the Gram matrix
+    [k + 1, k + 1] (folded, one process; else None)) over the whole model, fp64, summed over the
+    world. Deferred, G is dp-reduced: dp rank 0 counts it. Otherwise
     every rank's partial products add up; g_T (G[k]) is dp-reduced, so its norm is dp rank
     0's. Folded: one Gram matrix of [G[0..k-1]; g_T] per parameter (`group_gram`)."""
     if g_target is None:
@@ -474,11 +491,13 @@ def _alignment_products(
             gram[k, k] = 0.0
         out = torch.cat([gram[:k, k], gram.diagonal()[:k], gram[k, k:]])
     else:
+        gram = None
         prods = group_products(grads, g_target, counted, norms=deferred, here=pc.dp_rank == 0 or not deferred)
         out = torch.cat([prods.reshape(-1), prods.new_zeros(1)])
     if pc.world_size > 1:
         dist.all_reduce(out)
-    return out[:k], out[k : 2 * k], out[2 * k]
+        gram = None
+    return out[:k], out[k : 2 * k], out[2 * k], gram
 
 
 def clip_coefficients(norms: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -220,7 +220,9 @@ class Trainer:
         )
         if hook.needs.alignment is not None:
             with self.autocast:
-                stats = aligned_step(self.model, self.named_params, batches, signals, step, hook, self.feed, pc)
+                stats = aligned_step(
+                    self.model, self.named_params, batches, signals, step, hook, self.feed, pc, self.optimizer
+                )
         else:
             weighting = MethodWeighting(hook, step, signals, pc, k)
             schedule = "afab" if weighting.needs_forward_losses else self.cfg.parallelism.pp_schedule
