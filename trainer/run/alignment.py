@@ -479,7 +479,7 @@ def _alignment_products(
     k: int,
     deferred: bool,
     pc: ParallelContext,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(<G[d], g_T> [k], ||G[d]||^2 [k] (deferred), ||g_T||^2 (folded), the Gram matrix
     [k + 1, k + 1] (folded, one process; else None)) over the whole model, fp64, summed over the
     world. Deferred, G is dp-reduced: dp rank 0 counts it. Otherwise
