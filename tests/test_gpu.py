@@ -12,7 +12,13 @@ import torch
 if __name__ == "__main__":  # run as a script: the repository's packages, as pytest's rootdir gives them
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.optim.adamw_update import BLOCK, adamw_update, adamw_update_tensors, stacked_coefficients  # noqa: E402
+from trainer.optim.adamw_update import (  # noqa: E402
+    BLOCK,
+    UpdateState,
+    adamw_update,
+    adamw_update_tensors,
+    stacked_coefficients,
+)
 from trainer.optim.multi_tensor import TensorBlocks  # noqa: E402
 
 try:
@@ -76,7 +82,7 @@ def test_triton_update_on_grad_tensors_equals_the_compiled_flat_update():
         flat_update(r, flat_grad, m, v, p, lr, step, scale, n_decay, 0.9, 0.95, 1e-8, 0.1)
         r, m, v, p = states["tensors"]
         coefficients = stacked_coefficients(lr, step, scale, 0.9, 0.95, 0.1)
-        adamw_update_tensors(r, grads, m, v, p, blocks, coefficients, n_decay, 0.9, 0.95, 1e-8)
+        adamw_update_tensors(UpdateState(r, m, v, p, blocks, coefficients, n_decay, 0.9, 0.95, 1e-8), grads)
         for w, gr in zip(ref, grads):
             w.grad = gr.float() * 0.7
         ref_opt.step()
@@ -382,6 +388,7 @@ def test_the_update_of_combined_gradients_equals_the_update_of_their_written_sum
     AdamW kernel, never written) against the same rows summed by `alignment.combine` (the
     `weighted_rows` kernel) and written as `.grad`, the clip's norm handed over: bitwise the
     same parameters, remainders and moments over three steps, at the 1B MLP's row width."""
+    from tests.combined_update_case import combined_against_written
     from trainer.config.schema import TrainConfig
     from trainer.optim.master_weights import MasterWeightAdamW
     from trainer.parallel.context import ParallelContext
@@ -396,24 +403,7 @@ def test_the_update_of_combined_gradients_equals_the_update_of_their_written_sum
         named = [(n, torch.nn.Parameter(torch.randn(s, generator=g, device=dev))) for n, s in shapes.items()]
         return MasterWeightAdamW(named, cfg, ParallelContext.single(dev))
 
-    written, combined = built(), built()
-    g = torch.Generator(device=dev).manual_seed(1)
-    for t in range(3):
-        rows = {n: torch.randn(4, *s, generator=g, device=dev).bfloat16() for n, s in shapes.items()}
-        weights = torch.randn(4, generator=g, device=dev).bfloat16()
-        for n, p in written.named_params:
-            p.grad = alignment.combine(weights, rows[n])
-        norm = written.clip_grad_norm(0.5)
-        written.step(1e-2 / (t + 1))
-        written.zero_grad()
-        assert combined.combine_gradients({id(p): rows[n] for n, p in combined.named_params}, weights, norm.double())
-        assert torch.equal(combined.clip_grad_norm(0.5), norm)
-        combined.step(1e-2 / (t + 1))
-        combined.zero_grad()
-        for (n, a), (_, b) in zip(written.named_params, combined.named_params):
-            assert torch.equal(a.detach(), b.detach()), n
-        for buf in ("remainder", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(getattr(written, buf), getattr(combined, buf)), buf
+    combined_against_written(built(), built(), shapes, alignment.combine, dev, 4)
 
 
 if __name__ == "__main__":

@@ -236,6 +236,7 @@ def test_bad_state_and_config_are_one_line_errors():
 
 COMBINED_CASE = textwrap.dedent("""
     import torch
+    from tests.combined_update_case import combined_against_written
     from trainer.optim import adamw_update as au
     from trainer.config.schema import TrainConfig
     from trainer.optim.master_weights import MasterWeightAdamW
@@ -249,32 +250,16 @@ COMBINED_CASE = textwrap.dedent("""
         named = [(n, torch.nn.Parameter(torch.randn(s, generator=g))) for n, s in shapes.items()]
         return MasterWeightAdamW(named, cfg, ParallelContext.single())
 
+    def as_the_interpreter(weights, rows):  # sum_r w_r row_r in fp32, in row order, rounded once
+        acc = torch.zeros(rows.shape[1:], dtype=torch.float32)
+        for r in range(rows.shape[0]):
+            acc = acc + weights[r].float() * rows[r].float()
+        # to bf16 as the interpreter rounds (toward zero; a GPU to nearest even)
+        return (acc.view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16()
+
     written, combined = built(), built()
     assert combined._blocks is not None
-    g = torch.Generator().manual_seed(1)
-    for t in range(3):
-        rows = {n: torch.randn(3, *s, generator=g).bfloat16() for n, s in shapes.items()}
-        weights = torch.randn(3, generator=g).bfloat16()
-        for n, p in written.named_params:  # sum_r w_r row_r in fp32, in row order, rounded once
-            acc = torch.zeros(p.shape, dtype=torch.float32)
-            for r in range(3):
-                acc = acc + weights[r].float() * rows[n][r].float()
-            # to bf16 as the interpreter rounds (toward zero; a GPU to nearest even)
-            p.grad = (acc.view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16()
-        norm = written.clip_grad_norm(0.5)
-        assert norm > 0.5  # clipping is active
-        written.step(1e-2 / (t + 1))
-        written.zero_grad()
-        by_id = {id(p): rows[n] for n, p in combined.named_params}
-        assert combined.combine_gradients(by_id, weights, norm.double())
-        assert all(p.grad is None for _, p in combined.named_params)
-        assert torch.equal(combined.clip_grad_norm(0.5), norm)
-        combined.step(1e-2 / (t + 1))
-        combined.zero_grad()
-        for (n, a), (_, b) in zip(written.named_params, combined.named_params):
-            assert torch.equal(a.detach(), b.detach()), n
-        for buf in ("remainder", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(getattr(written, buf), getattr(combined, buf)), buf
+    by_id, weights, norm = combined_against_written(written, combined, shapes, as_the_interpreter, torch.device("cpu"), 3)
     # declined, and nothing taken, where the rows do not fit: a parameter missing, another dtype,
     # another shape, more than 16 rows, rows whose addresses are not 16-byte aligned
     odd = MasterWeightAdamW([("v", torch.nn.Parameter(torch.randn(5)))], cfg, ParallelContext.single())

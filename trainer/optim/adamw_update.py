@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -122,69 +123,40 @@ def uses_triton(device: torch.device) -> bool:
     return triton_runs_on(device) and triton_kernel() is not None
 
 
-def adamw_update_tensors(
-    remainder: torch.Tensor,
-    grads: Sequence[torch.Tensor],
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    param: torch.Tensor,
-    blocks: TensorBlocks,
-    coefficients: torch.Tensor,
-    n_decay: int,
-    beta1: float,
-    beta2: float,
-    eps: float,
-) -> None:
+@dataclass(frozen=True)
+class UpdateState:
+    """What the Triton update writes and reads beside the gradients: this rank's flat buffers
+    (`remainder`, the moments, `param`), their block table, the stacked coefficients
+    (`stacked_coefficients`, fp32 [4]), the decayed elements and the AdamW constants."""
+
+    remainder: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    param: torch.Tensor
+    blocks: TensorBlocks
+    coefficients: torch.Tensor
+    n_decay: int
+    beta1: float
+    beta2: float
+    eps: float
+
+
+def adamw_update_tensors(state: UpdateState, grads: Sequence[torch.Tensor]) -> None:
     """The update with one gradient tensor per parameter, in one Triton kernel (see the module
     docstring). `grads[i]` is the gradient of the flat buffers' elements [offsets[i], +numels[i])
-    (`blocks`), in the parameters' dtype; `coefficients` is `adamw_coefficients` stacked (fp32 [4])."""
+    (`state.blocks`), in the parameters' dtype."""
     for g in grads:
-        if g.dtype != param.dtype or not g.is_contiguous():
+        if g.dtype != state.param.dtype or not g.is_contiguous():
             raise ValueError(
-                f"adamw_update_tensors: gradients must be contiguous {param.dtype}, "
+                f"adamw_update_tensors: gradients must be contiguous {state.param.dtype}, "
                 f"got {g.dtype} of strides {g.stride()}"
             )
     if not aligned(grads):
         raise ValueError(f"adamw_update_tensors: gradient addresses must be {ADDRESS_ALIGN}-byte aligned")
-    launch(
-        triton_kernel(),
-        blocks,
-        tensor_pointers(grads, param.device),
-        blocks.offsets,
-        blocks.numels,
-        remainder,
-        exp_avg,
-        exp_avg_sq,
-        param,
-        coefficients,
-        n_decay,
-        beta1,
-        1.0 - beta1,
-        beta2,
-        1.0 - beta2,
-        eps,
-        coefficients,  # no weights: ROWS = 0
-        len(grads),
-        ROWS=0,
-        ALIGN=blocks.align,
-        num_warps=NUM_WARPS,
-    )
+    _launch_update(state, tensor_pointers(grads, state.param.device), 0, state.coefficients, len(grads))
 
 
-def adamw_update_combined(
-    remainder: torch.Tensor,
-    rows: Sequence[torch.Tensor],
-    weights: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    param: torch.Tensor,
-    blocks: TensorBlocks,
-    coefficients: torch.Tensor,
-    n_decay: int,
-    beta1: float,
-    beta2: float,
-    eps: float,
-) -> None:
+def adamw_update_combined(state: UpdateState, rows: Sequence[torch.Tensor], weights: torch.Tensor) -> None:
     """`adamw_update_tensors` with each parameter's gradient sum_r weights[r] rows[i][r] (rows[i]
     [R, *shape], R rows each contiguous, in the parameters' dtype; weights [R], upcast to fp32),
     summed in fp32 in row order and rounded once to the parameters' dtype inside the kernel:
@@ -192,36 +164,46 @@ def adamw_update_combined(
     would read, without the write and the read (DoGE's one-pass update, `trainer.run.alignment`:
     one read of the k domain gradients instead of that read, a write and another read)."""
     r = rows[0].shape[0] if rows else 0
+    dtype = state.param.dtype
     for g in rows:
-        if g.dtype != param.dtype or not g.is_contiguous() or g.shape[0] != r or g.numel() % max(r, 1):
+        if g.dtype != dtype or not g.is_contiguous() or g.shape[0] != r or g.numel() % max(r, 1):
             raise ValueError(
-                f"adamw_update_combined: rows must be contiguous {param.dtype} [{r}, ...], "
+                f"adamw_update_combined: rows must be contiguous {dtype} [{r}, ...], "
                 f"got {g.dtype} {tuple(g.shape)} of strides {g.stride()}"
             )
     if not 1 <= r <= 16 or weights.shape != (r,):
         raise ValueError(f"adamw_update_combined: expected 1 to 16 rows and weights [{r}], got {tuple(weights.shape)}")
     if not aligned(rows) or any(g.numel() // r * g.element_size() % ADDRESS_ALIGN for g in rows):
         raise ValueError(f"adamw_update_combined: row addresses must be {ADDRESS_ALIGN}-byte aligned")
+    device = state.param.device
+    weights = weights.to(device=device, dtype=torch.float32).contiguous()
+    _launch_update(state, tensor_pointers(rows, device, r), r, weights, len(rows))
+
+
+def _launch_update(state: UpdateState, pointers: torch.Tensor, rows: int, weights: torch.Tensor, n: int) -> None:
+    """The kernel over every block of `state.blocks`, the gradients at `pointers` (`rows` of each
+    of the n tensors, or 0: the tensors themselves; `weights` read only with rows)."""
+    s = state
     launch(
         triton_kernel(),
-        blocks,
-        tensor_pointers(rows, param.device, r),
-        blocks.offsets,
-        blocks.numels,
-        remainder,
-        exp_avg,
-        exp_avg_sq,
-        param,
-        coefficients,
-        n_decay,
-        beta1,
-        1.0 - beta1,
-        beta2,
-        1.0 - beta2,
-        eps,
-        weights.to(device=param.device, dtype=torch.float32).contiguous(),
-        len(rows),
-        ROWS=r,
-        ALIGN=blocks.align,
+        s.blocks,
+        pointers,
+        s.blocks.offsets,
+        s.blocks.numels,
+        s.remainder,
+        s.exp_avg,
+        s.exp_avg_sq,
+        s.param,
+        s.coefficients,
+        s.n_decay,
+        s.beta1,
+        1.0 - s.beta1,
+        s.beta2,
+        1.0 - s.beta2,
+        s.eps,
+        weights,
+        n,
+        ROWS=rows,
+        ALIGN=s.blocks.align,
         num_warps=NUM_WARPS,
     )

@@ -54,6 +54,7 @@ from data.errors import UserError
 from trainer.config.schema import TrainConfig
 from trainer.optim.adamw_update import (
     BLOCK,
+    UpdateState,
     adamw_update,
     adamw_update_combined,
     adamw_update_tensors,
@@ -342,47 +343,33 @@ class MasterWeightAdamW:
         Triton kernel where `uses_triton` (and the gradients are aligned, as autograd's are),
         else the flat update per parameter, eagerly (the CPU). After `combine_gradients`, the
         kernel sums each parameter's rows instead."""
+        combined, self._combined = self._combined, None
+        grads: list[torch.Tensor] = []
+        if combined is None:
+            for _, p in self.local:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for _, p in self.local]
+            if self._blocks is None or not self._uniform_lr or not aligned(grads):
+                self._update_each(grads)
+                return
         c = self.cfg
-        if self._combined is not None:
-            rows, weights, _ = self._combined
-            self._combined = None
-            coefficients = self._coefficients(self._lr, self._step, self._grad_scale, c.beta1, c.beta2, c.weight_decay)
-            adamw_update_combined(
-                self.remainder,
-                rows,
-                weights,
-                self.exp_avg,
-                self.exp_avg_sq,
-                self._local(self.flat_params),
-                self._blocks,
-                coefficients,
-                self.n_decay,
-                c.beta1,
-                c.beta2,
-                c.eps,
-            )
-            return
-        for _, p in self.local:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for _, p in self.local]
-        if self._blocks is not None and self._uniform_lr and aligned(grads):
-            coefficients = self._coefficients(self._lr, self._step, self._grad_scale, c.beta1, c.beta2, c.weight_decay)
-            adamw_update_tensors(
-                self.remainder,
-                grads,
-                self.exp_avg,
-                self.exp_avg_sq,
-                self._local(self.flat_params),
-                self._blocks,
-                coefficients,
-                self.n_decay,
-                c.beta1,
-                c.beta2,
-                c.eps,
-            )
-            return
-        self._update_each(grads)
+        state = UpdateState(
+            self.remainder,
+            self.exp_avg,
+            self.exp_avg_sq,
+            self._local(self.flat_params),
+            self._blocks,
+            self._coefficients(self._lr, self._step, self._grad_scale, c.beta1, c.beta2, c.weight_decay),
+            self.n_decay,
+            c.beta1,
+            c.beta2,
+            c.eps,
+        )
+        if combined is None:
+            adamw_update_tensors(state, grads)
+        else:
+            adamw_update_combined(state, combined[0], combined[1])
 
     def _update_each(self, grads: Sequence[torch.Tensor]) -> None:
         """The flat update per local parameter, eagerly, each with lr x its `_lr_scales` entry and
