@@ -37,6 +37,8 @@
 #                                                 # batch-major and plain (what a batch-major layout would save)
 #   bash experiments/tools/bench/gpu_queue.sh 12  # issue 35: the CUDA checks (tests/test_gpu.py), then the Gram's
 #                                                 # candidates and the weight-gradient forms (before call 4)
+#   bash experiments/tools/bench/gpu_queue.sh 13  # issues 35: the CUDA checks, then 4 within one call (a session
+#                                                 # whose device time may allow one call)
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -74,8 +76,12 @@ commands() {
         echo "test_gpu 200 $PY tests/test_gpu.py"
         echo "doge_kernels_bench 300 $PY $B/doge_kernels_bench.py --preset bench-1b --parts gram,dw --reps 3 --out \$OUT/doge_kernels"
         ;;
+    13)
+        echo "test_gpu 150 $PY tests/test_gpu.py"
+        echo "method_bench 430 $PY $B/method_bench.py --presets 1b --deadline 400 --profile plain,doge --out \$OUT/method_bench"
+        ;;
     *)
-        echo "gpu_queue.sh: expected a call number 1 to 12, got '$1'" >&2
+        echo "gpu_queue.sh: expected a call number 1 to 13, got '$1'" >&2
         return 2
         ;;
     esac
@@ -87,7 +93,7 @@ if [ "${1:-}" = "--print" ]; then
 fi
 : "${OUT:?gpu_queue.sh: set OUT to the folder that comes back (the device tool sets it)}"
 list=$(commands "${1:-}") || exit 2
-if { [ "${1:-}" = 3 ] || [ "${1:-}" = 4 ] || [ "${1:-}" = 5 ] || [ "${1:-}" = 9 ] || [ "${1:-}" = 10 ]; } && ! $PY -c "import torchao" 2>/dev/null; then
+if { [ "${1:-}" = 3 ] || [ "${1:-}" = 4 ] || [ "${1:-}" = 5 ] || [ "${1:-}" = 9 ] || [ "${1:-}" = 10 ] || [ "${1:-}" = 13 ]; } && ! $PY -c "import torchao" 2>/dev/null; then
     $PY -m pip install -q --no-deps runs/wheels_gpu/torchao-*.whl || exit 1
 fi
 status=0
