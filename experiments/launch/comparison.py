@@ -3,8 +3,8 @@
 
     python experiments/launch/comparison.py --dry-run [--calibration CAL] [--work DIR]
     python experiments/launch/comparison.py --out $OUT [--calibration CAL] [--work runs/doremi_study]
-        [--corpus runs/real_corpus] [--deadline SECONDS [--whole-stages]] [--side-by-side N] [--session LABEL]
-        [--set KEY=VALUE ...]
+        [--corpus runs/real_corpus] [--deadline SECONDS [--whole-stages]] [--side-by-side N | --gpus N]
+        [--session LABEL] [--set KEY=VALUE ...]
 
 The protocol is doremi/study/comparison/protocol.py (the prose: experiments/notes/COMPARISON.md):
 the arms, their seeds (1 to the pairs of the calibration's gate, read from CAL, default the
@@ -22,7 +22,9 @@ stage with SIGTERM (it checkpoints); with `--whole-stages` (a session's last cal
 stage's checkpoint goes back with the machine) no stage is started that its estimated time
 would not end before the deadline. `--side-by-side N` runs up to N consecutive main runs at
 once, as the study's launcher does (each bitwise the run alone; every other stage, a fit or an
-average whose output the next stages read, alone). The run directories, without checkpoints, and the call's
+average whose output the next stages read, alone). `--gpus N` runs up to N stages at once, each
+on its own GPU, a stage starting once every stage it reads has ended well
+(doremi/study/comparison/schedule.py; the study launcher's `run_on_gpus`). The run directories, without checkpoints, and the call's
 records are packed as `$OUT/comparison.tar.xz`.
 
 The dry run prints every stage with its command and its estimated GPU-seconds (from the study's
@@ -54,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from data import artifact  # noqa: E402
 from doremi.study.comparison import plan as planning  # noqa: E402
+from doremi.study.comparison import schedule  # noqa: E402
 from doremi.study.comparison.price import STAGE_TIMES, sessions  # noqa: E402
 from doremi.study.comparison.protocol import (  # noqa: E402
     ONLINE,
@@ -217,6 +220,14 @@ def price_table(protocol: Protocol, steps: list[planning.Step], seeds: tuple[int
     return "\n".join(lines)
 
 
+def wall_on(steps: list[planning.Step], todo: list[planning.Step], gpus: int) -> float:
+    """Wall seconds of the stages still to run (`todo`) on `gpus` GPUs under `--gpus`'s rule, at
+    their prices (finished and reused stages take none)."""
+    left = {id(s) for s in todo if not s.reused}
+    seconds = [s.price.seconds if id(s) in left else 0.0 for s in steps]
+    return schedule.wall_seconds(seconds, schedule.waits_for(steps), gpus)
+
+
 def summary(protocol: Protocol, steps: list[planning.Step], todo: list[planning.Step], seeds: tuple[int, ...]) -> str:
     """The dry run's closing part: the price per arm, by group and in all for the stages still to
     run (`todo`), the sessions they take, and why main runs are not stacked."""
@@ -235,6 +246,10 @@ def summary(protocol: Protocol, steps: list[planning.Step], todo: list[planning.
         f"{sessions(total)} sessions of 30 device-minutes, each spending {pre.value:g} s preprocessing "
         "on a fresh machine (a lower bound: a stage cut at a session's end repeats its last checkpoint "
         "interval, and machine starts are not counted)",
+        "On several GPUs (`--gpus N`: each stage on a free GPU once the stages it reads have ended, "
+        "doremi/study/comparison/schedule.py): "
+        + ", ".join(f"{n} GPUs {_minutes(wall_on(steps, todo, n))}" for n in (2, 4, 8))
+        + " wall minutes",
         f"Without the swept arms ({', '.join(a.name for a in protocol.arms if a.kind == SWEPT)} and their sweeps): "
         f"{_minutes(without_sweeps)} GPU minutes, "
         f"{sessions(without_sweeps)} sessions",
@@ -268,6 +283,13 @@ def power_lines(protocol: Protocol, decision: Any) -> str:
 WHOLE_MARGIN = 1.2
 
 
+def visible_gpus() -> int:
+    """GPUs this process may use (`--gpus` at most this many)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT"))
@@ -277,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=int, default=0)
     ap.add_argument(
         "--side-by-side", type=int, default=1, help="consecutive main runs at once on the one GPU (default 1)"
+    )
+    ap.add_argument(
+        "--gpus", type=int, default=0, help="stages at once, each on its own GPU (default: one after another)"
     )
     ap.add_argument(
         "--whole-stages",
@@ -292,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         die("--out (or OUT) is not set: the directory the packed results go to")
     if args.side_by_side < 1:
         die(f"--side-by-side: expected >= 1, got {args.side_by_side}")
+    if args.gpus < 0 or (args.gpus and args.side_by_side > 1):
+        die(f"--gpus: expected N >= 1 GPUs, and not with --side-by-side (several runs on one GPU), got {args.gpus}")
     if args.whole_stages and not args.deadline:
         die("--whole-stages: needs --deadline (the time the stages must end by)")
     if args.session and not re.fullmatch(r"[A-Za-z0-9._-]+", args.session):
@@ -337,7 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(PROTOCOL, steps, todo, seeds))
         return 0
     ours = [s for s in steps if not s.reused]
-    return run(args, study, work, stores, preprocess, ours, [s for s in todo if not s.reused], base)
+    if args.gpus and args.gpus > visible_gpus():
+        die(f"--gpus {args.gpus}: this machine shows {visible_gpus()} GPUs")
+    run_now = [i for i, (s, f) in enumerate(zip(steps, finished)) if not f and not s.reused]
+    at = {i: k for k, i in enumerate(run_now)}
+    waits = [tuple(at[j] for j in w if j in at) for w in (schedule.waits_for(steps)[i] for i in run_now)]
+    return run(args, study, work, stores, preprocess, ours, [steps[i] for i in run_now], base, waits)
 
 
 def run(
@@ -349,9 +381,12 @@ def run(
     ours: list[planning.Step],
     todo: list[planning.Step],
     base: list[str],
+    waits: list[tuple[int, ...]],
 ) -> int:
     """Preprocess, then the stages still to run (`todo` of the comparison's own, `ours`) one
-    after another, then pack (the study launcher's `run_stages` and `pack`)."""
+    after another, or with `--gpus` each on a free GPU once the stages it reads (`waits`, indices
+    into `todo`) have ended well, then pack (the study launcher's `run_stages`, `run_on_gpus`
+    and `pack`). Exit 1 where a stage failed, else 3 where one stopped or was not started."""
     out, folder = Path(args.out), work / PHASE
     out.mkdir(parents=True, exist_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
@@ -369,14 +404,20 @@ def run(
         stages = [stage_of(s, PROTOCOL, work)[0] for s in todo]
         cmds = [command_of(s, PROTOCOL, work, base, args.sets) for s in todo]
         needs = [s.price.seconds * WHOLE_MARGIN for s in todo] if args.whole_stages else None
-        for record in study.run_stages(stages, cmds, log, deadline, args.side_by_side, needs):
+        if args.gpus:
+            records = study.run_on_gpus(stages, cmds, log, deadline, args.gpus, waits, needs)
+        else:
+            records = study.run_stages(stages, cmds, log, deadline, args.side_by_side, needs)
+        for record in records:
             info["stages"].append(record)
             if "not_started" in record:
                 print(f"{record['stage']} ({record['command']}): not started ({record['not_started']})")
-                status = 3
                 continue
-            print(f"{record['stage']} ({record['command']}): exit {record['exit_status']} in {record['seconds']} s")
-            status = 3 if record["stopped"] else (status or (1 if record["exit_status"] else 0))
+            on = f" on GPU {record['gpu']}" if "gpu" in record else ""
+            print(f"{record['stage']} ({record['command']}): exit {record['exit_status']} in {record['seconds']} s{on}")
+        ran = info["stages"][1:]
+        failed = any(r["exit_status"] not in (0, None) and not r["stopped"] for r in ran)
+        status = 1 if failed else 3 if any(r["stopped"] or "not_started" in r for r in ran) else 0
     info["exit_status"] = status
     # the directories of which no stage is finished (a proxy's stays once it trained, averaged or not)
     unfinished = frozenset(s.name for s in ours) - {s.name for s in ours if done(s, PROTOCOL, work)}

@@ -358,6 +358,103 @@ def run_stages(
             return
 
 
+#: Seconds between looks at the running stages of `run_on_gpus`.
+POLL_SECONDS = 0.2
+
+
+def run_on_gpus(
+    stages: list[Stage],
+    cmds: list[list[str]],
+    log: Path,
+    deadline: float | None,
+    gpus: int,
+    waits: list[tuple[int, ...]],
+    needs: list[float] | None = None,
+) -> Iterator[dict]:
+    """Run the commands on `gpus` GPUs, each stage alone on one (`CUDA_VISIBLE_DEVICES`, its
+    log `<log>-<stage>.log`), yielding one record per stage as it ends. Whenever a GPU is free,
+    the first stage in order whose `waits` (indices of the stages whose outputs it reads,
+    doremi/study/comparison/schedule.py `waits_for`) have all exited 0 starts on it; a stage
+    waiting for one that failed or was not started is not started either (its record says
+    which), and the stages that do not depend on it go on. With `needs` and `deadline`, a stage
+    whose estimated seconds would not end before the deadline is not started (a session's last
+    call: its checkpoint would go back with the machine); at the deadline every running stage
+    gets SIGTERM (it checkpoints) and nothing more starts. A stage's result does not depend on
+    what runs beside it: each has its own GPU, and with deterministic kernels a run is bitwise
+    the run alone (../shared/study-design.md)."""
+    if gpus < 1 or len(waits) != len(stages) or len(cmds) != len(stages):
+        raise ValueError(f"run_on_gpus: {len(stages)} stages, {len(cmds)} commands, {len(waits)} waits, {gpus} GPUs")
+    pending = list(range(len(stages)))
+    ok: set[int] = set()
+    bad: dict[int, str] = {}
+    free = list(range(gpus))
+    running: dict[int, tuple[subprocess.Popen, object, int, float]] = {}
+    stopped = False
+
+    def record(i: int, **fields) -> dict:
+        return {"stage": stages[i].name, "command": stages[i].command, **fields, "argv": shlex.join(cmds[i][1:])}
+
+    while pending or running:
+        now = time.time()
+        for i in list(pending):
+            if stopped or not free:
+                break
+            failed = [j for j in waits[i] if j in bad]
+            if failed:
+                pending.remove(i)
+                bad[i] = "not started"
+                why = ", ".join(f"{stages[j].name} ({bad[j]})" for j in failed)
+                yield record(i, exit_status=None, seconds=0.0, stopped=False, not_started=f"waits for {why}")
+                continue
+            if any(j not in ok for j in waits[i]):
+                continue
+            if needs is not None and deadline is not None and now + needs[i] > deadline:
+                pending.remove(i)
+                bad[i] = "not started"
+                left = max(0.0, deadline - now)
+                yield record(
+                    i,
+                    exit_status=None,
+                    seconds=0.0,
+                    stopped=True,
+                    not_started=f"needs about {needs[i]:.0f} s, {left:.0f} s left",
+                )
+                continue
+            pending.remove(i)
+            gpu = free.pop(0)
+            out = open(log.with_name(f"{log.stem}-{stages[i].name}.log"), "a")
+            out.write(f"\n$ {shlex.join(cmds[i][1:])}\n")
+            out.flush()
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+            proc = subprocess.Popen(
+                cmds[i], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
+            running[i] = (proc, out, gpu, now)
+        if not running:
+            return  # the rest wait for stages that cannot start (stopped at the deadline)
+        if deadline is not None and time.time() >= deadline and not stopped:
+            for proc, *_ in running.values():
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+            stopped = True
+        ended = [i for i, (proc, *_) in running.items() if proc.poll() is not None]
+        if not ended:
+            time.sleep(POLL_SECONDS)
+            continue
+        for i in ended:
+            proc, out, gpu, start = running.pop(i)
+            out.close()
+            free.append(gpu)
+            free.sort()
+            if proc.returncode == 0 and not stopped:
+                ok.add(i)
+            else:
+                bad[i] = "stopped" if stopped else f"exit {proc.returncode}"
+            yield record(
+                i, exit_status=proc.returncode, seconds=round(time.time() - start, 1), stopped=stopped, gpu=gpu
+            )
+
+
 def stores_mismatch(folder: Path, stores: Path) -> str | None:
     """One line naming the finished runs in `folder` that were trained on other stores than
     `stores` (their headers' `stores` source against the stores' own fingerprint), or None.
