@@ -399,6 +399,7 @@ def test_the_optimizer_takes_the_one_pass_update_unwritten_where_it_can(stores, 
             trainer = stages.proxy_trainer(config(Path({str(stores)!r}), out, *sets, f"train.grad_clip={{clip}}"))
             trainer.fit()
             rows = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+            assert trainer.optimizer.combined_steps == (3 if combined else 0), trainer.optimizer.combined_steps
             return trainer.optimizer.master_weights(), rows
 
         (a, a_rows), (b, b_rows) = run("combined", 0.0, True), run("written", 0.0, False)

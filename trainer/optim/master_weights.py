@@ -194,6 +194,8 @@ class MasterWeightAdamW:
         self._grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self._reduced = False
         self._combined: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None = None
+        #: Steps whose update summed the caller's rows (`combine_gradients`): what a bench reports.
+        self.combined_steps = 0
 
     def _build_kernels(self, device: torch.device, compile: bool | None) -> None:
         """The update kernel (compiled on CUDA by default) and, where autograd's gradients are
@@ -370,6 +372,7 @@ class MasterWeightAdamW:
             adamw_update_tensors(state, grads)
         else:
             adamw_update_combined(state, combined[0], combined[1])
+            self.combined_steps += 1
 
     def _update_each(self, grads: Sequence[torch.Tensor]) -> None:
         """The flat update per local parameter, eagerly, each with lr x its `_lr_scales` entry and

@@ -506,6 +506,8 @@ def run_variant(
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
         row.tokens_per_s = tokens / row.step_s if row.step_s > 0 else 0.0
         row.tflops = row.tokens_per_s * trainer.flops_per_token / 1e12
+        if variant in DOGE_ROWS:
+            row.note = combined_note(trainer.optimizer, warmup + steps)
         if profile_to is not None:
             profile_to.parent.mkdir(parents=True, exist_ok=True)
             trace = profile_to.with_name(profile_to.stem.replace("profile_", "trace_", 1) + ".json.gz")
@@ -522,6 +524,13 @@ def run_variant(
         trainer.hook.close()
         del trainer, method
         free(device)
+
+
+def combined_note(optimizer: Any, steps: int) -> str:
+    """Whether DoGE's update went to the optimizer unwritten (`Optimizer.combine_gradients`,
+    docs/design.md 4c-iii) in the steps timed and warmed up, or was written as `.grad`."""
+    taken = getattr(optimizer, "combined_steps", 0)
+    return f"update unwritten (the optimizer summed the domain rows) in {taken} of {steps} steps"
 
 
 # -- the report ------------------------------------------------------------------------------
