@@ -141,3 +141,26 @@ def test_the_comparison_launcher_runs_its_stages_on_several_gpus(tmp_path, monke
         with pytest.raises(SystemExit) as e:
             launcher.main([*argv, *bad])
         assert e.value.code == 2
+
+
+def test_run_on_gpus_stops_what_runs_at_the_deadline_and_starts_nothing_after_it(tmp_path, monkeypatch):
+    """At the deadline both running stages get SIGTERM (each would run until signalled) and
+    their records say stopped; the stage waiting for one of them never starts; past the
+    deadline nothing starts at all."""
+    import types
+
+    launcher = _module("doremi_study_gpus_stop", ROOT / "experiments" / "launch" / "doremi_study.py")
+    clock = {"now": 0.0}
+
+    def now() -> float:
+        clock["now"] += 1.0
+        return clock["now"]
+
+    monkeypatch.setattr(launcher, "time", types.SimpleNamespace(time=now, sleep=lambda s: None))
+    stages = [launcher.Stage(n, "train", main=True) for n in ("a", "b", "c")]
+    blocked = "import signal, sys; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); signal.pause()"
+    cmds = [[sys.executable, "-c", blocked]] * 2 + [[sys.executable, "-c", "print('never')"]]
+    records = list(launcher.run_on_gpus(stages, cmds, tmp_path / "l.log", 5.0, 2, [(), (), (0,)]))
+    assert sorted(r["stage"] for r in records) == ["a", "b"]
+    assert all(r["stopped"] and r["exit_status"] not in (0, None) for r in records), records
+    assert list(launcher.run_on_gpus(stages, cmds, tmp_path / "l.log", 0.0, 2, [(), (), (0,)])) == []

@@ -396,6 +396,11 @@ def run_on_gpus(
 
     while pending or running:
         now = time.time()
+        if deadline is not None and now >= deadline and not stopped:
+            for proc, *_ in running.values():
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+            stopped = True
         for i in list(pending):
             if stopped or not free:
                 break
@@ -432,11 +437,6 @@ def run_on_gpus(
             running[i] = (proc, out, gpu, now)
         if not running:
             return  # the rest wait for stages that cannot start (stopped at the deadline)
-        if deadline is not None and time.time() >= deadline and not stopped:
-            for proc, *_ in running.values():
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-            stopped = True
         ended = [i for i, (proc, *_) in running.items() if proc.poll() is not None]
         if not ended:
             time.sleep(POLL_SECONDS)
