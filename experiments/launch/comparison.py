@@ -368,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         die(f"--gpus {args.gpus}: this machine shows {visible_gpus()} GPUs")
     run_now = [i for i, (s, f) in enumerate(zip(steps, finished)) if not f and not s.reused]
     at = {i: k for k, i in enumerate(run_now)}
-    waits = [tuple(at[j] for j in w if j in at) for w in (schedule.waits_for(steps)[i] for i in run_now)]
+    every = schedule.waits_for(steps)  # finished and reused stages wait for nothing more
+    waits = [tuple(at[j] for j in every[i] if j in at) for i in run_now]
     return run(args, study, work, stores, preprocess, ours, [steps[i] for i in run_now], base, waits)
 
 
