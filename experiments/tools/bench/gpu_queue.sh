@@ -7,7 +7,7 @@
 # skinny kernels) and 10 (FP8's two sizes in one run: issue 36 met; experiments/results/gpu_session14);
 # the fifteenth 4 (every method's row in one run: DoReMi FP8 0.781, DoGE's one pass 0.784;
 # experiments/results/gpu_session15); the sixteenth 4 (DoGE 0.802; experiments/results/gpu_session16;
-# 11 stopped at a bench bug, since fixed); the seventeenth got no machine (eleven starts refused).
+# 11 stopped at a bench bug, since fixed); the seventeenth got no machine (about fifteen starts refused).
 # Left: 13 (the CUDA checks, then 4 on the session-16 code: batch-major RoPE, the norms' op, the
 # packed Gram, the unwritten update), then 12 (DoGE's kernels alone: every Gram candidate).
 # A session has 30
