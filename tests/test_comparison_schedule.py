@@ -14,7 +14,7 @@ import pytest
 
 from doremi.study.comparison import plan as planning
 from doremi.study.comparison.protocol import PROTOCOL, pairs_from_calibration
-from doremi.study.comparison.schedule import waits_for, wall_seconds
+from doremi.study.comparison.schedule import remaining_paths, start_order, waits_for, wall_seconds
 from doremi.study.runs import seeds_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +63,21 @@ def test_the_wall_time_follows_the_launchers_rule():
         wall_seconds(seconds, waits, 0)
 
 
+def test_the_longest_remaining_path_starts_first():
+    # d waits for c, e for d: c's path is 5 + 5 + 2 = 12, d's 7; a and b 1 each. In plan order on
+    # 2 GPUs a, b ran 0..1, c 1..6, d 6..11, e 11..13 (13); c first: c 0..5 beside a 0..1 and
+    # b 1..2, d 5..10, e 10..12
+    seconds, waits = [1.0, 1.0, 5.0, 5.0, 2.0], [(), (), (), (2,), (3,)]
+    assert remaining_paths(seconds, waits) == [1.0, 1.0, 12.0, 7.0, 2.0]
+    assert start_order(seconds, waits) == [2, 3, 4, 0, 1]
+    assert wall_seconds(seconds, waits, 2) == 12.0
+    # two branches: the join waits for both, so each path counts the join's 3
+    assert remaining_paths([2.0, 4.0, 3.0], [(), (), (0, 1)]) == [5.0, 7.0, 3.0]
+    assert start_order([1.0, 1.0], [(), ()]) == [0, 1]
+    with pytest.raises(ValueError, match="stage 0 waits for stage 1"):
+        remaining_paths([1.0, 1.0], [(1,), ()])
+
+
 def test_the_plans_wall_time_on_one_gpu_is_its_price_and_falls_with_more(steps):
     seconds = [0.0 if s.reused else s.price.seconds for s in steps]
     waits = waits_for(steps)
@@ -70,6 +85,10 @@ def test_the_plans_wall_time_on_one_gpu_is_its_price_and_falls_with_more(steps):
     assert one == pytest.approx(planning.total_seconds(steps), rel=1e-12)
     walls = [wall_seconds(seconds, waits, n) for n in (2, 4, 8)]
     assert one > walls[0] > walls[1] > walls[2] >= max(seconds)
+    # the longest path first keeps each within 2 % of the bound max(sum / N, longest path)
+    longest = max(remaining_paths(seconds, waits))
+    for n, wall in zip((2, 4, 8), walls):
+        assert wall <= 1.02 * max(one / n, longest)
 
 
 def test_run_on_gpus_starts_what_is_ready_on_a_free_gpu_and_never_what_waits_for_a_failure(tmp_path):
@@ -101,6 +120,18 @@ def test_run_on_gpus_starts_what_is_ready_on_a_free_gpu_and_never_what_waits_for
     assert sorted(p.name for p in log.parent.iterdir()) == [f"launch-{n}.log" for n in "abce"]
     with pytest.raises(ValueError, match="2 waits"):
         list(launcher.run_on_gpus(stages, cmds, log, None, 2, waits[:2]))
+
+
+def test_run_on_gpus_takes_ready_stages_in_the_order_given(tmp_path):
+    """On one GPU three independent stages run one at a time in `order`; an order that is not
+    every stage's index once is refused."""
+    launcher = _module("doremi_study_gpus_order", ROOT / "experiments" / "launch" / "doremi_study.py")
+    stages = [launcher.Stage(n, "train", main=True) for n in "abc"]
+    cmds = [[sys.executable, "-c", "print('ok')"]] * 3
+    records = list(launcher.run_on_gpus(stages, cmds, tmp_path / "l.log", None, 1, [(), (), ()], order=[2, 0, 1]))
+    assert [r["stage"] for r in records] == ["c", "a", "b"]
+    with pytest.raises(ValueError, match="not every stage's index once"):
+        list(launcher.run_on_gpus(stages, cmds, tmp_path / "l.log", None, 1, [(), (), ()], order=[0, 0, 1]))
 
 
 def test_run_on_gpus_starts_no_stage_that_would_not_end_before_the_deadline(tmp_path, monkeypatch):

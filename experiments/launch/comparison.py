@@ -386,7 +386,7 @@ def run(
 ) -> int:
     """Preprocess, then the stages still to run (`todo` of the comparison's own, `ours`) one
     after another, or with `--gpus` each on a free GPU once the stages it reads (`waits`, indices
-    into `todo`) have ended well, then pack (the study launcher's `run_stages`, `run_on_gpus`
+    into `todo`) have ended well, the longest remaining path first (`schedule.start_order`), then pack (the study launcher's `run_stages`, `run_on_gpus`
     and `pack`). Exit 1 where a stage failed, else 3 where one stopped or was not started."""
     out, folder = Path(args.out), work / PHASE
     out.mkdir(parents=True, exist_ok=True)
@@ -406,7 +406,8 @@ def run(
         cmds = [command_of(s, PROTOCOL, work, base, args.sets) for s in todo]
         needs = [s.price.seconds * WHOLE_MARGIN for s in todo] if args.whole_stages else None
         if args.gpus:
-            records = study.run_on_gpus(stages, cmds, log, deadline, args.gpus, waits, needs)
+            order = schedule.start_order([s.price.seconds for s in todo], waits)
+            records = study.run_on_gpus(stages, cmds, log, deadline, args.gpus, waits, needs, order)
         else:
             records = study.run_stages(stages, cmds, log, deadline, args.side_by_side, needs)
         for record in records:

@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -370,11 +370,13 @@ def run_on_gpus(
     gpus: int,
     waits: list[tuple[int, ...]],
     needs: list[float] | None = None,
+    order: Sequence[int] | None = None,
 ) -> Iterator[dict]:
     """Run the commands on `gpus` GPUs, each stage alone on one (`CUDA_VISIBLE_DEVICES`, its
     log `<log>-<stage>.log`), yielding one record per stage as it ends. Whenever a GPU is free,
-    the first stage in order whose `waits` (indices of the stages whose outputs it reads,
-    doremi/study/comparison/schedule.py `waits_for`) have all exited 0 starts on it; a stage
+    the first stage in `order` (every stage's index once, doremi/study/comparison/schedule.py
+    `start_order`; the stages' own order by default) whose `waits` (indices of the stages whose
+    outputs it reads, `waits_for`) have all exited 0 starts on it; a stage
     waiting for one that failed or was not started is not started either (its record says
     which), and the stages that do not depend on it go on. With `needs` and `deadline`, a stage
     whose estimated seconds would not end before the deadline is not started (a session's last
@@ -384,7 +386,9 @@ def run_on_gpus(
     the run alone (../shared/study-design.md)."""
     if gpus < 1 or len(waits) != len(stages) or len(cmds) != len(stages):
         raise ValueError(f"run_on_gpus: {len(stages)} stages, {len(cmds)} commands, {len(waits)} waits, {gpus} GPUs")
-    pending = list(range(len(stages)))
+    pending = list(range(len(stages)) if order is None else order)
+    if sorted(pending) != list(range(len(stages))):
+        raise ValueError(f"run_on_gpus: the order {pending} is not every stage's index once")
     ok: set[int] = set()
     bad: dict[int, str] = {}
     free = list(range(gpus))
