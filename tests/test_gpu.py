@@ -406,6 +406,35 @@ def test_the_update_of_combined_gradients_equals_the_update_of_their_written_sum
     combined_against_written(built(), built(), shapes, alignment.combine, dev, 4)
 
 
+@cuda
+def test_the_device_timer_counts_the_timed_work_not_the_work_queued_before_it():
+    """Some 100 ms of matrix products queued, then one small product timed: the events measure
+    the small product alone (under 5 ms), while the host's clock around the same block, ended by
+    a host read, also counts the queued products (over 50 ms)."""
+    import time
+
+    from trainer.run.device_timer import DeviceTimer
+
+    dev = torch.device("cuda")
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    small = torch.randn(256, 256, device=dev)
+    (a @ a, (small @ small).sum().item())  # the libraries' first calls, untimed
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(4):
+        a @ a
+    torch.cuda.synchronize()
+    per = (time.perf_counter() - t) / 4
+    for _ in range(max(1, int(0.1 / per))):
+        a @ a
+    t0 = time.perf_counter()
+    with DeviceTimer(dev) as timer:
+        (small @ small).sum().item()
+    host = time.perf_counter() - t0
+    assert timer.seconds() < 5e-3, timer.seconds()
+    assert host > 0.05, host
+
+
 if __name__ == "__main__":
     chosen = sys.argv[1:]
     tests = [f for name, f in sorted(globals().items()) if name.startswith("test_") and callable(f)]

@@ -16,7 +16,8 @@ the tokens those passes processed (nominal: steps x batch x sequence length), be
 non-masked tokens the training steps measured (`realised` in metrics.jsonl; none for a stacked
 sweep), the measured wall-clock seconds its stages took (the pipeline's stage markers,
 `seconds`), and of those the seconds its validation passes took (`method_evals`' `seconds`,
-timed by the trainer around each pass; none for a sweep, whose evaluations are not timed apart).
+timed by the trainer around each pass on the device, trainer/run/device_timer.py; none for a
+sweep, whose evaluations are not timed apart).
 `train_flops` and `forward_flops` are the two formulas, pure, so that a method's cost at its
 default setting is a number a test asserts (Aioli's validation within 10% of its training).
 

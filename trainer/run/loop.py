@@ -38,6 +38,7 @@ from trainer.records.pairing import first_batch_by_domain, rank_digests, write_p
 from trainer.records.run_report import cpu_build_note, decision_line, say, startup_line, summary_lines
 from trainer.run.alignment import aligned_step
 from trainer.run.determinism import set_deterministic
+from trainer.run.device_timer import DeviceTimer
 from trainer.run.evaluate import evaluate_domains, evaluate_domains_with_error, evaluate_sequences, sequence_means
 from trainer.run.health import NumericHealth
 from trainer.run.hooks import FixedMixture, MethodContext, MethodFactory, MixingHook, StepSignals
@@ -248,16 +249,17 @@ class Trainer:
         return stats, extra
 
     def method_validation(self, step: int) -> None:
-        """The method's validation losses at `step`, counted with the seconds they took (the
-        cost of the method's signal, apart from the training step's)."""
-        t0 = time.perf_counter()
+        """The method's validation losses at `step`, counted with the seconds they took on the
+        device (the cost of the method's signal, apart from the training step's; `DeviceTimer`:
+        a host clock would also count the training work still queued when the pass began)."""
         n = self.hook.needs.validation_sequences
         sequences = self.cfg.train.eval_sequences if n is None else n
-        batches = self.feed.validation(self.facts.micro_batch_size, sequences, "method_probe")
-        self.hook.observe_validation(step, evaluate_domains(self.model, batches, self.pc, self.autocast))
+        with DeviceTimer(self.pc.device) as timer:
+            batches = self.feed.validation(self.facts.micro_batch_size, sequences, "method_probe")
+            self.hook.observe_validation(step, evaluate_domains(self.model, batches, self.pc, self.autocast))
         self.method_evals["passes"] += 1
         self.method_evals["tokens"] += sum(int((b["labels"] != IGNORE_INDEX).sum()) for d in batches for b in d)
-        self.method_evals["seconds"] += time.perf_counter() - t0
+        self.method_evals["seconds"] += timer.seconds()
 
     def _announce_exhausted(self, step: int) -> None:
         """One line (rank 0) for each domain the step just drawn read to `data.max_epochs`: from

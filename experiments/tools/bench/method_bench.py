@@ -62,8 +62,10 @@ the host-device overlap that a method's own syncs, e.g. a `.tolist()` in `after_
 On CUDA each step's time is the span between CUDA events recorded at the start of consecutive
 steps (the GPU's timeline, idle gaps included); on the CPU its wall time. The seconds of the
 method's validation passes (`Trainer.method_evals["seconds"]`, which the trainer measures
-around `method_validation`) are subtracted from the step they fall in and reported apart, per
-step and per pass. The row's step time is the median over the timed steps; tokens/s =
+around `method_validation` on the device: CUDA events, `trainer/run/device_timer.py`) are
+subtracted from the step they fall in and reported apart, per step and per pass. Until session
+18 the trainer timed them on the host's clock, which also counted the training work still queued
+when a pass began: Aioli's row, its passes subtracted, read 1.034 of plain (gpu_session18). The row's step time is the median over the timed steps; tokens/s =
 global batch x seq_len / that; `vs plain` = plain step time / the variant's.
 
 FLOPs per token: step_bench's (the baseline's) convention, `trainer.model.flops`: 6 N + 6 L d s,
