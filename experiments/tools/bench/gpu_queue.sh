@@ -7,9 +7,12 @@
 # skinny kernels) and 10 (FP8's two sizes in one run: issue 36 met; experiments/results/gpu_session14);
 # the fifteenth 4 (every method's row in one run: DoReMi FP8 0.781, DoGE's one pass 0.784;
 # experiments/results/gpu_session15); the sixteenth 4 (DoGE 0.802; experiments/results/gpu_session16;
-# 11 stopped at a bench bug, since fixed); the seventeenth got no machine (about fifteen starts refused).
-# Left: 13 (the CUDA checks, then 4 on the session-16 code: batch-major RoPE, the norms' op, the
-# packed Gram, the unwritten update), then 12 (DoGE's kernels alone: every Gram candidate).
+# 11 stopped at a bench bug, since fixed); the seventeenth got no machine (about fifteen starts refused);
+# the eighteenth, after about twelve refused starts, a lean 13 (DoGE 0.846, every other floor met;
+# experiments/results/gpu_session18; test_gpu.py's compile checks used its 80 s, so 13 now runs
+# the kernels' checks only: the compile checks' code did not change and call 12 runs them all).
+# Left: 13 again (the kernels' checks did not run in the eighteenth's 80 s; every floor's row on
+# the code after it), then 12 (every CUDA check, DoGE's kernels alone).
 # A session has 30
 # device minutes, counted from asking for the machine (a start of a minute or more, again after
 # any gap of more than 30 s between calls) until it is given back.
@@ -38,8 +41,8 @@
 #                                                 # batch-major and plain (what a batch-major layout would save)
 #   bash experiments/tools/bench/gpu_queue.sh 12  # issue 35: the CUDA checks (tests/test_gpu.py), then the Gram's
 #                                                 # candidates and the weight-gradient forms (before call 4)
-#   bash experiments/tools/bench/gpu_queue.sh 13  # issues 35: the CUDA checks, then 4 within one call (a session
-#                                                 # whose device time may allow one call)
+#   bash experiments/tools/bench/gpu_queue.sh 13  # issue 35: the kernels' CUDA checks, then every floor's row at 1B
+#                                                 # within one call (a session whose device time may allow one call)
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -78,8 +81,8 @@ commands() {
         echo "doge_kernels_bench 300 $PY $B/doge_kernels_bench.py --preset bench-1b --parts gram,dw --reps 3 --out \$OUT/doge_kernels"
         ;;
     13)
-        echo "test_gpu 150 $PY tests/test_gpu.py"
-        echo "method_bench 430 $PY $B/method_bench.py --presets 1b --deadline 400 --profile plain,doge --out \$OUT/method_bench"
+        echo "test_gpu_kernels 120 $PY tests/test_gpu.py triton_ gram profile doge group_norm combined device_timer"
+        echo "method_bench 420 $PY $B/method_bench.py --presets 1b --variants plain,doremi-fp8,doge,odm,aioli,ado --deadline 380 --profile plain,doge --out \$OUT/method_bench"
         ;;
     *)
         echo "gpu_queue.sh: expected a call number 1 to 13, got '$1'" >&2
