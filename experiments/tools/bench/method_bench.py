@@ -65,8 +65,9 @@ method's validation passes (`Trainer.method_evals["seconds"]`, which the trainer
 around `method_validation` on the device: CUDA events, `trainer/run/device_timer.py`) are
 subtracted from the step they fall in and reported apart, per step and per pass. Until session
 18 the trainer timed them on the host's clock, which also counted the training work still queued
-when a pass began: Aioli's row, its passes subtracted, read 1.034 of plain (gpu_session18). The row's step time is the median over the timed steps; tokens/s =
-global batch x seq_len / that; `vs plain` = plain step time / the variant's.
+when a pass began: Aioli's row, its passes subtracted, read 1.034 of plain (gpu_session18).
+The row's step time is the median over the timed steps; tokens/s = global batch x seq_len /
+that; `vs plain` = plain step time / the variant's.
 
 FLOPs per token: step_bench's (the baseline's) convention, `trainer.model.flops`: 6 N + 6 L d s,
 causal attention counted half, for the training tokens only: DoGE's extra target forward and
