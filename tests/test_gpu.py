@@ -363,23 +363,33 @@ def test_doge_one_pass_on_cuda_gives_each_groups_own_gradient():
 
 
 @cuda
-def test_group_norm_weight_grads_on_cuda_match_the_torch_path():
-    """DoGE's per-group RMSNorm weight gradients (trainer/model/ops/group_norm_grads.py) at 1B's
-    norm shape, bf16 inputs ([9, 2048, 2048], groups 2, 2, 2, 2, 1): the Triton kernels give the
-    torch path's fp64 sums to fp32 rounding, bitwise the same on a second call."""
-    from trainer.model.ops import group_norm_grads as ng
+def test_group_norm_backward_on_cuda_matches_the_torch_path():
+    """RMSNorm's backward for DoGE's one pass (trainer/model/ops/group_norm_backward.py) at 1B's
+    norm shape, bf16 inputs ([9, 2048, 2048], groups 2, 2, 2, 2, 1), with and without the residual
+    stream's gradient: the Triton kernels' dx within one bf16 rounding of the fp64 value (plus
+    fp32 rounding of its terms) and their per-group weight gradients the torch path's fp64 sums
+    to fp32 rounding, bitwise the same on a second call."""
+    from trainer.model.ops import group_norm_backward as nb
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(9, 2048, 2048, device=dev, generator=g).bfloat16()
-    dy = torch.randn(9, 2048, 2048, device=dev, generator=g).bfloat16()
+    x, dy, res = (torch.randn(9, 2048, 2048, device=dev, generator=g).bfloat16() for _ in range(3))
+    w = torch.randn(2048, device=dev, generator=g).bfloat16()
     rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
     rows = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4], device=dev)
-    got = ng.group_norm_weight_grads(dy, x, rstd, rows, 5, torch.float32)
-    want = ng.group_norm_weight_grads_torch(dy.double(), x.double(), rstd.double(), rows, 5, torch.float64)
     scale = (dy.double().abs() * x.double().abs() * rstd.double()).sum((0, 1))
-    assert ((got.double() - want).abs() <= 4 * (2 * 2048) ** 0.5 * 2.0**-24 * scale).all()
-    assert torch.equal(got, ng.group_norm_weight_grads(dy, x, rstd, rows, 5, torch.float32))
+    for residual in (None, res):
+        dx, dw = nb.group_norm_backward(dy, x, rstd, w, rows, 5, torch.float32, residual)
+        wide = [t if t is None else t.double() for t in (dy, x, rstd, w, residual)]
+        want_dx, want_dw = nb.group_norm_backward_torch(*wide[:4], rows, 5, torch.float64, wide[4])
+        gw, x_hat = (wide[0] * wide[3]).abs(), wide[1].abs() * wide[2]
+        terms = wide[2] * (gw + x_hat * (gw * x_hat).mean(-1, keepdim=True)) + (
+            0 if residual is None else wide[4].abs()
+        )
+        assert ((dx.double() - want_dx).abs() <= 2.0**-8 * want_dx.abs() + 1e-5 * terms).all()
+        assert ((dw.double() - want_dw).abs() <= 4 * (2 * 2048) ** 0.5 * 2.0**-24 * scale).all()
+        again = nb.group_norm_backward(dy, x, rstd, w, rows, 5, torch.float32, residual)
+        assert torch.equal(dx, again[0]) and torch.equal(dw, again[1])
 
 
 @cuda

@@ -173,12 +173,21 @@ class Block(nn.Module):
         self._recompute = mode
         (self.mamba if self.mixer == MAMBA else self.attn).recompute_core = mode == "selective"
 
+    def pre_norm(self, norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream, its norm): a seam that DoGE's one pass (`trainer.run.group_grads`)
+        replaces on the instance by one autograd function whose backward receives both outputs'
+        gradients, the fused add-norm backward (`trainer.model.ops.group_norm_backward`)."""
+        return x, norm(x)
+
     def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.mixer == MAMBA:
-            x = x + self.mamba(self.mamba_norm(x))
+            x, h = self.pre_norm(self.mamba_norm, x)
+            x = x + self.mamba(h)
         else:
-            x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+            x, h = self.pre_norm(self.attn_norm, x)
+            x = x + self.attn(h, cos, sin)
+        x, h = self.pre_norm(self.mlp_norm, x)
+        return x + self.mlp(h)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         body = self._compiled or self.body

@@ -18,10 +18,10 @@ autograd accumulates over the micro-batches; the parameters' own gradients stay 
 - the embedding: its lookup, whose backward adds each token's gradient at [group, id] of the
   leaf's gradient (one `index_add_` over [k * vocab, d]); a tied head's GEMMs add into the same
   leaf;
-- RMSNorm weights: the leaf holds the weight's values, indexed by each row's group; the
-  per-group sums of dy x_hat come from one op (`_GroupRMSNorm`,
-  `trainer.model.ops.group_norm_grads`), not from autograd's index backward, which inductor
-  fused into a slow reduction.
+- RMSNorm weights: the norm's backward is one op (`trainer.model.ops.group_norm_backward`)
+  that writes the input's gradient and each group's sums of dy x_hat from one read of dy and x;
+  a block's pre-norm (`Block.pre_norm`) is one function of the residual stream with two outputs,
+  the stream and its norm, whose backward also adds the stream's gradient (`_GroupPreNorm`).
 
 Any other parameter (MoE experts and router, Mamba's, tp > 1's shards) is refused, never
 silently left without its gradient. The model's own forward is untouched: `GroupGrads`
@@ -45,8 +45,8 @@ import torch.nn.functional as F
 
 from trainer.config.tools import ConfigError
 from trainer.model.layers import RMSNorm
-from trainer.model.llama import Attention, LlamaStage
-from trainer.model.ops.group_norm_grads import group_norm_weight_grads
+from trainer.model.llama import Attention, Block, LlamaStage
+from trainer.model.ops.group_norm_backward import group_norm_backward
 from trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from trainer.parallel.tied import head_weight
 
@@ -194,6 +194,7 @@ class GroupGrads:
         self._embeds: list[VocabParallelEmbedding] = []
         self._norms: list[RMSNorm] = []
         self._attentions: list[Attention] = []
+        self._blocks: list[Block] = []
         covered = self._plan()
         names = [n for n, p in named_params if id(p) not in covered]
         if names:
@@ -201,16 +202,8 @@ class GroupGrads:
                 f"group gradients (DoGE's one pass): no per-group gradient for {', '.join(names[:4])}"
                 f"{' ...' if len(names) > 4 else ''}; only dense linears, RMSNorm and the embedding at tp 1"
             )
-        norms = {id(m.weight) for m in self._norms}
         zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self.leaves = {
-            id(p): (
-                p.detach().to(_grad_dtype(p)).expand(k, *p.shape).requires_grad_()
-                if id(p) in norms
-                else _receiver(p, k, zeros)
-            )
-            for p in self.params
-        }
+        self.leaves = {id(p): _receiver(p, k, zeros) for p in self.params}
 
     def _plan(self) -> set[int]:
         """Which modules get hooks; returns the ids of the parameters they cover."""
@@ -223,6 +216,8 @@ class GroupGrads:
         for m in self.stage.modules():
             if isinstance(m, Attention):
                 self._attentions.append(m)
+            if isinstance(m, Block):
+                self._blocks.append(m)
             tp = getattr(m, "tp", None)
             if tp is not None and getattr(tp, "size", 1) != 1:
                 raise ConfigError(f"group gradients (DoGE's one pass): tensor parallel (tp {tp.size}) is not supported")
@@ -273,6 +268,8 @@ class GroupGrads:
             self._set(m, "forward", _embedding(m, leaves[id(m.weight)], groups))
         for m in self._norms:
             self._set(m, "forward", _norm(m, leaves[id(m.weight)], groups))
+        for m in self._blocks:
+            self._set(m, "pre_norm", _pre_norm(m, leaves, groups))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -303,36 +300,74 @@ def _embedding(m: VocabParallelEmbedding, leaf: torch.Tensor, groups: RowGroups)
     return forward
 
 
+def _norm_forward(ctx, x, weight, leaf, rows, eps) -> torch.Tensor:
+    """y = (x rstd) w for batch-first x [b, s, d] (rstd = 1 / sqrt(mean(x^2) + eps), in fp32 or
+    wider; w the weight in x's dtype, each group's the same), saving what the backward reads."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    rstd = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.detach().to(x.dtype)
+    ctx.save_for_backward(x, rstd, w, rows)
+    ctx.k, ctx.dtype = leaf.shape[0], leaf.dtype
+    return (x.to(wide) * rstd).to(x.dtype) * w
+
+
+def _norm_backward(ctx, dy, residual):
+    """The input's gradient (plus the residual stream's, if any) and the weight's per group, to
+    `leaf` [k, d], from one read of dy and x (`trainer.model.ops.group_norm_backward`). The
+    weight's gradient is taken against x_hat in fp32, not the forward's x_hat rounded to the
+    activations' dtype (as `F.rms_norm` with a weight does: the weight multiplies before the
+    rounding)."""
+    x, rstd, w, rows = ctx.saved_tensors
+    return group_norm_backward(dy, x, rstd, w, rows, ctx.k, ctx.dtype, residual)
+
+
 class _GroupRMSNorm(torch.autograd.Function):
-    """y = (x rstd) w_row for batch-first x [b, s, d] (rstd = 1 / sqrt(mean(x^2) + eps), in fp32
-    or wider; w_row = `leaf`[group of the row]); the weight's gradient goes per group to `leaf`
-    [k, d] (`trainer.model.ops.group_norm_grads`: one pass over dy and x), the input's is the
-    norm's usual backward with each row's weight, in torch ops that inductor fuses with the
-    residual's. The weight's gradient is taken against x_hat in fp32, not the forward's x_hat
-    rounded to the activations' dtype (as `F.rms_norm` with a weight does: the weight multiplies
-    before the rounding)."""
+    """A norm with no residual stream past it (the stage's last): y, the weight's gradient per
+    group to `leaf`."""
 
     @staticmethod
-    def forward(ctx, x, leaf, rows, eps):
-        wide = torch.promote_types(x.dtype, torch.float32)
-        rstd = torch.rsqrt(x.to(wide).pow(2).mean(-1, keepdim=True) + eps)
-        w = leaf[rows].to(x.dtype)[:, None, :]  # [b, 1, d]: each row's group's weight
-        ctx.save_for_backward(x, rstd, w, rows)
-        ctx.k, ctx.dtype = leaf.shape[0], leaf.dtype
-        return (x.to(wide) * rstd).to(x.dtype) * w
+    def forward(ctx, x, weight, leaf, rows, eps):
+        return _norm_forward(ctx, x, weight, leaf, rows, eps)
 
     @staticmethod
     def backward(ctx, dy):
-        x, rstd, w, rows = ctx.saved_tensors
-        x_hat = x.to(rstd.dtype) * rstd
-        g = dy.to(rstd.dtype) * w.to(rstd.dtype)
-        dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
-        return dx.to(x.dtype), group_norm_weight_grads(dy, x, rstd, rows, ctx.k, ctx.dtype), None, None
+        dx, dw = _norm_backward(ctx, dy, None)
+        return dx, None, dw, None, None
+
+
+class _GroupPreNorm(torch.autograd.Function):
+    """A block's pre-norm (`Block.pre_norm`): (x, y), the stream passed on as a view and its
+    norm; the backward receives the gradients of both and writes their sum as x's, so the
+    residual's add is in the norm's kernel, not one of its own."""
+
+    @staticmethod
+    def forward(ctx, x, weight, leaf, rows, eps):
+        return x.view_as(x), _norm_forward(ctx, x, weight, leaf, rows, eps)
+
+    @staticmethod
+    def backward(ctx, d_stream, dy):
+        dx, dw = _norm_backward(ctx, dy, d_stream)
+        return dx, None, dw, None, None
+
+
+def _eps(m: RMSNorm, x: torch.Tensor) -> float:
+    return torch.finfo(x.dtype).eps if m.eps is None else m.eps  # `F.rms_norm`'s default
 
 
 def _norm(m: RMSNorm, leaf: torch.Tensor, groups: RowGroups):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        eps = torch.finfo(x.dtype).eps if m.eps is None else m.eps  # `F.rms_norm`'s default
-        return _GroupRMSNorm.apply(x, leaf, groups.rows, eps)
+        return _GroupRMSNorm.apply(x, m.weight, leaf, groups.rows, _eps(m, x))
 
     return forward
+
+
+def _pre_norm(block: Block, leaves: dict[int, torch.Tensor], groups: RowGroups):
+    """`block`'s `pre_norm` for the pass: its norms' leaves looked up by identity (no `id()` in
+    the traced code)."""
+    pairs = tuple((m, leaves[id(m.weight)]) for m in block.children() if isinstance(m, RMSNorm))
+
+    def pre_norm(norm: RMSNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        leaf = next(leaf for m, leaf in pairs if m is norm)
+        return _GroupPreNorm.apply(x, norm.weight, leaf, groups.rows, _eps(norm, x))
+
+    return pre_norm
