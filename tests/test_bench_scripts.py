@@ -431,7 +431,7 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.syspath_prepend(str(BENCH.parent))  # experiments/tools/mup_transfer.py
-    for call in range(1, 14):
+    for call in range(1, 15):
         lines = subprocess.run(["bash", str(queue), "--print", str(call)], capture_output=True, text=True, check=True)
         rows = [line.split() for line in lines.stdout.splitlines()]
         assert sum(int(r[1]) for r in rows) <= 600 - 20, call
@@ -453,9 +453,24 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
             if args.get("preset") is not None:
                 assert args["preset"] in PRESETS, name
     bad = subprocess.run(
-        ["bash", str(queue), "14"], capture_output=True, text=True, env={"OUT": "/tmp/x", "PATH": "/usr/bin:/bin"}
+        ["bash", str(queue), "15"], capture_output=True, text=True, env={"OUT": "/tmp/x", "PATH": "/usr/bin:/bin"}
     )
-    assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1 to 13, got '14'"
+    assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1 to 14, got '15'"
+
+
+def test_doge_kernels_bench_norm_part_times_the_committed_launch_and_every_choice(monkeypatch):
+    """The `norm` part's code on the CPU (the op's torch path; inductor left out): the plain
+    reference, the committed launch and each of `NORM_CHOICES`, a step's estimate over the
+    preset's norms, every choice's result the committed one's."""
+    bench = bench_module("doge_kernels_bench")
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)
+    shapes = bench.parameter_shapes("tiny")
+    norms = sum(1 for n, _ in shapes if n.endswith("norm.weight"))
+    rows = bench.norm_part(shapes, [2, 0, 1], 8, 1, torch.device("cpu"))
+    assert [r["form"] for r in rows[:2]] == ["plain (inductor)", "one pass, committed"]
+    assert len(rows) == 2 + len(bench.NORM_CHOICES)
+    assert all(r["ms"] > 0 and abs(r["step_ms"] - r["ms"] * norms) < 1e-9 for r in rows)
+    assert all(r["rel_diff"] == 0.0 for r in rows[2:])
 
 
 def test_doge_kernels_bench_times_every_weight_gradient_form_and_checks_it(capsys, tmp_path):
@@ -470,7 +485,7 @@ def test_doge_kernels_bench_times_every_weight_gradient_form_and_checks_it(capsy
     assert [r["form"] for r in result["dw"][:3]] == ["rows", "batch-major", "plain"]
     assert all(r["rel_diff"] < 1e-5 and r["ms"] > 0 for r in result["dw"])
     assert {r["count"] for r in result["dw"] if r["kind"] != "head"} == {2}
-    assert result["notes"] == ["gram, update: skipped (the Triton kernels need CUDA here)"]
+    assert result["notes"] == ["gram, update, norm: skipped (the Triton kernels need CUDA here)"]
     assert "A step's weight gradients: rows" in (out / "doge_kernels.md").read_text()
     assert json.loads((out / "doge_kernels.json").read_text())["groups"] == [2, 2, 2, 2, 1]
     for bad, said in ((["--parts", "gramm"], "expected --parts of"), (["--groups", "3"], "expected --groups of")):

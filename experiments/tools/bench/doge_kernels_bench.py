@@ -2,7 +2,7 @@
 docs/design.md section 4c-iii): what each costs a step and what the next change would save,
 measured before it is built.
 
-Three parts, each a table:
+Four parts, each a table:
 - `gram`: `summed_gram` (the Gram of G's k + 1 rows summed over every parameter, one launch a
   parameter), its tuned launch and each launch choice (warps, pipeline stages, programs at
   most), two candidates beside it (the CUDA-core shift kernel of `gram_fma_triton.py` and cuBLAS
@@ -10,6 +10,10 @@ Three parts, each a table:
   read-once kernel can reach). The 15th session's step profile put the Gram at 10.9 ms a step at
   1B, about 1 TB/s, a third of the card's.
 - `update`: `weighted_rows` (sum_d w_d G[d] per parameter) over `block` and warps.
+- `norm`: one RMSNorm's backward in the one pass (`trainer::group_norm_backward`: dx with the
+  residual stream's gradient and each group's weight sums, one read of dy and x) at its
+  committed launch and each of `NORM_CHOICES`, against a plain step's compiled backward of the
+  same norm.
 - `dw`: each linear's per-group weight gradients for one micro-batch of B + T rows split into
   the run's groups, three ways: `rows` (sessions 14-15's form: one GEMM per row of [s, b, d]
   activations, read in place and summed by `addmm_`), `batch-major` (the committed op
@@ -24,7 +28,7 @@ need CUDA; on the CPU only `dw` runs (the tests' check of the script).
 
 Usage (repository root):
     python experiments/tools/bench/doge_kernels_bench.py [--preset bench-1b] [--rows 9]
-        [--groups 2,2,2,2,1] [--parts gram,update,dw] [--reps 5] [--out DIR] [--device cuda|cpu]
+        [--groups 2,2,2,2,1] [--parts gram,update,dw,norm] [--reps 5] [--out DIR] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ from trainer.run.group_grads import group_offsets, segment_grads  # noqa: E402
 GRAM_CHOICES = tuple(itertools.product((1, 2, 4), (2, 3, 4), (1024, 4096)))
 #: Launch choices `update` times: (block, warps).
 UPDATE_CHOICES = tuple(itertools.product((1024, 2048, 4096, 8192), (4, 8)))
-PARTS = ("gram", "update", "dw")
+#: Launch choices `norm` times: (tokens a program, elements a tile, warps).
+NORM_CHOICES = tuple(itertools.product((16, 32, 64), (2048, 4096, 8192), (4, 8, 16)))
+PARTS = ("gram", "update", "dw", "norm")
 
 
 def timed(fn: Callable[[], object], reps: int, device: torch.device) -> float:
@@ -153,6 +159,62 @@ def update_part(gs: list[torch.Tensor], k: int, reps: int, device: torch.device)
     for block, warps in UPDATE_CHOICES:
         t = timed(lambda b=block, wp=warps: [weighted_rows(w, g[:k], block=b, warps=wp) for g in gs], reps, device)
         out.append({"form": "weighted_rows", "block": block, "warps": warps, "ms": t * 1e3, "GB/s": gb / t})
+    return out
+
+
+def norm_part(
+    shapes, groups: list[int], seq: int, reps: int, device: torch.device
+) -> list[dict[str, Any]]:
+    """One RMSNorm's backward at the model's width over the micro-batch's rows: the one pass's op
+    (`trainer::group_norm_backward`: dx with the residual stream's gradient, each group's weight
+    sums) at its committed launch and at each of `NORM_CHOICES`, against what a plain step pays
+    for the same norm (the row-wise backward with the residual's add and the weight's sum over
+    all tokens, compiled by inductor). A step's estimate multiplies by the norms."""
+    from trainer.model.ops import group_norm_backward as nb
+
+    d = next(s[0] for n, s in shapes if n.endswith("norm.weight"))
+    norms = sum(1 for n, _ in shapes if n.endswith("norm.weight"))
+    b = sum(groups)
+    rows = torch.tensor([i for i, n in enumerate(groups) for _ in range(n)], device=device)
+    gen = torch.Generator(device=device).manual_seed(2)
+    x, dy, res = (torch.randn(b, seq, d, generator=gen, device=device).bfloat16() for _ in range(3))
+    w = torch.randn(d, generator=gen, device=device).bfloat16()
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    gb = 4 * x.numel() * x.element_size() / 1e9  # dy, x and the residual's gradient read, dx written
+
+    @torch.compile
+    def plain(dy, x, rstd, w, res):
+        x_hat = x.float() * rstd
+        g = dy.float() * w.float()
+        dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True)) + res.float()
+        return dx.to(x.dtype), (dy.float() * x_hat).sum((0, 1))
+
+    def fused():
+        return nb.group_norm_backward(dy, x, rstd, w, rows, len(groups), torch.float32, res)
+
+    out = []
+    t = timed(lambda: plain(dy, x, rstd, w, res), reps, device)
+    out.append({"form": "plain (inductor)", "ms": t * 1e3, "step_ms": t * 1e3 * norms, "GB/s": gb / t})
+    ref_dx, ref_dw = fused()
+    t = timed(fused, reps, device)
+    launch = {"tokens": nb.TOKENS, "tile": nb.TILE, "warps": nb.launch_shape(d)[2]}
+    out.append({"form": "one pass, committed", **launch, "ms": t * 1e3, "step_ms": t * 1e3 * norms, "GB/s": gb / t})
+    saved = (nb.TOKENS, nb.TILE, nb.WARPS)
+    try:
+        for tokens, tile, warps in NORM_CHOICES:
+            nb.TOKENS, nb.TILE, nb.WARPS = tokens, tile, warps
+            dx, dw = fused()
+            err = max(
+                float((dx.float() - ref_dx.float()).abs().max() / ref_dx.float().abs().max()),
+                float((dw - ref_dw).abs().max() / ref_dw.abs().max()),
+            )
+            t = timed(fused, reps, device)
+            out.append(
+                {"form": "one pass", "tokens": tokens, "tile": tile, "warps": warps, "ms": t * 1e3,
+                 "step_ms": t * 1e3 * norms, "GB/s": gb / t, "rel_diff": err}
+            )  # fmt: skip
+    finally:
+        nb.TOKENS, nb.TILE, nb.WARPS = saved
     return out
 
 
@@ -283,6 +345,19 @@ def report(result: dict[str, Any]) -> str:
         for r in (r for r in result["dw"] if "error" not in r):
             totals[r["form"]] = totals.get(r["form"], 0.0) + r["step_ms"]
         lines += ["", "A step's weight gradients: " + "; ".join(f"{f} {t:.2f} ms" for f, t in totals.items()), ""]
+    if result.get("norm"):
+        lines += [
+            f"### norm (one RMSNorm's backward, groups {result['groups']}, s = {result['seq']})",
+            "",
+            "| form | tokens | tile | warps | ms each | ms a step | GB/s | rel. diff |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['form']} | {r.get('tokens', '')} | {r.get('tile', '')} | {r.get('warps', '')} | {r['ms']:.3f} | "
+            f"{r['step_ms']:.2f} | {r['GB/s']:.0f} | {r.get('rel_diff', 0.0):.1e} |"
+            for r in result["norm"]
+        ]
+        lines.append("")
     lines += [f"- {n}" for n in result["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -324,17 +399,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seq": args.seq,
         "notes": [],
     }
-    triton_parts = [x for x in parts if x in ("gram", "update")]
+    triton_parts = [x for x in parts if x in ("gram", "update", "norm")]
     if triton_parts and not cuda:
         result["notes"].append(f"{', '.join(triton_parts)}: skipped (the Triton kernels need CUDA here)")
     elif triton_parts:
-        gs = gradient_rows(shapes, rows, dtype, device)
+        gs = gradient_rows(shapes, rows, dtype, device) if {"gram", "update"} & set(parts) else []
         if "gram" in parts:
             result["gram"] = gram_part(gs, args.reps, device)
         if "update" in parts:
             result["update"] = update_part(gs, rows - 1, args.reps, device)
         del gs
         torch.cuda.empty_cache()
+        if "norm" in parts:
+            result["norm"] = norm_part(shapes, groups, args.seq, args.reps, device)
     if "dw" in parts:
         result["dw"] = dw_part(shapes, groups, args.seq, dtype, args.reps, device)
     text = report(result)

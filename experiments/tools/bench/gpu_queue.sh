@@ -11,8 +11,9 @@
 # the eighteenth, after about twelve refused starts, a lean 13 (DoGE 0.846, every other floor met;
 # experiments/results/gpu_session18; test_gpu.py's compile checks used its 80 s, so 13 now runs
 # the kernels' checks only: the compile checks' code did not change and call 12 runs them all).
-# Left: 13 again (the kernels' checks did not run in the eighteenth's 80 s; every floor's row on
-# the code after it), then 12 (every CUDA check, DoGE's kernels alone).
+# The nineteenth got no machine (loans paused). Left: 13 again (the kernels' checks, every floor's
+# row on the code after it: the norm's backward as one op), then 14 (the norm's op and the weight
+# gradients' forms alone, to tune), then 12 (every CUDA check, the Gram's candidates).
 # A session has 30
 # device minutes, counted from asking for the machine (a start of a minute or more, again after
 # any gap of more than 30 s between calls) until it is given back.
@@ -43,6 +44,8 @@
 #                                                 # candidates and the weight-gradient forms (before call 4)
 #   bash experiments/tools/bench/gpu_queue.sh 13  # issue 35: the kernels' CUDA checks, then every floor's row at 1B
 #                                                 # within one call (a session whose device time may allow one call)
+#   bash experiments/tools/bench/gpu_queue.sh 14  # issue 35: DoGE's norm backward alone (its launch choices against
+#                                                 # plain's compiled one) and the weight gradients' forms (grouped_mm)
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -84,8 +87,9 @@ commands() {
         echo "test_gpu_kernels 120 $PY tests/test_gpu.py triton_ gram profile doge group_norm combined device_timer"
         echo "method_bench 420 $PY $B/method_bench.py --presets 1b --variants plain,doremi-fp8,doge,odm,aioli,ado --deadline 380 --profile plain,doge --out \$OUT/method_bench"
         ;;
+    14) echo "doge_kernels_bench 300 $PY $B/doge_kernels_bench.py --preset bench-1b --parts norm,dw --reps 3 --out \$OUT/doge_kernels" ;;
     *)
-        echo "gpu_queue.sh: expected a call number 1 to 13, got '$1'" >&2
+        echo "gpu_queue.sh: expected a call number 1 to 14, got '$1'" >&2
         return 2
         ;;
     esac

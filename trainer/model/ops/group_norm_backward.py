@@ -43,8 +43,9 @@ TOKENS = 32
 BLOCK = 64
 CHUNKS = 64
 #: Elements of one [tokens, d] tile the first kernel holds per tensor (its tokens per iteration:
-#: this over d's power of two, at least one).
-TILE = 8192
+#: this over d's power of two, at least one), and its warps (None: by the width, `launch_shape`).
+TILE = 4096
+WARPS: int | None = None
 
 
 def group_norm_backward_torch(
@@ -80,7 +81,8 @@ def triton_kernels():
 def launch_shape(d: int) -> tuple[int, int, int]:
     """(columns' power of two, tokens an iteration, warps) of the first kernel for width d."""
     cols = 1 << max(d - 1, 0).bit_length()
-    return cols, max(1, TILE // cols), 4 if cols < 2048 else 8 if cols < 8192 else 16
+    warps = WARPS or (4 if cols < 2048 else 8 if cols < 8192 else 16)
+    return cols, max(1, TILE // cols), warps
 
 
 def group_norm_backward_triton(
