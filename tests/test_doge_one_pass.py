@@ -24,7 +24,7 @@ from trainer.config.fp8 import Fp8Config
 from trainer.config.moe import MoEConfig
 from trainer.config.tools import ConfigError
 from trainer.model.llama import Llama
-from trainer.run.group_grads import GroupGrads, group_offsets, segment_grads
+from trainer.run.group_grads import GroupGrads, group_embedding_grads, group_offsets, segment_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -155,6 +155,28 @@ def test_weight_gradients_by_group_of_batch_first_rows(out):
         assert ((got[i].double() - want).abs() <= 2.0**-8 * scale + 1e-6).all(), i
     assert torch.equal(segment_grads(g.contiguous(), x.contiguous(), offsets, out), got)
     assert torch.equal(torch.compile(segment_grads, backend="aot_eager")(g, x, offsets, out), got)
+
+
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
+def test_embedding_gradients_by_group(out):
+    """`group_embedding_grads`: rows of groups 0, 0, 2 (group 1 empty: zeros), repeated ids within
+    and across rows: each [group, id] the fp64 sum of its tokens' gradients, to one rounding in
+    the dtype asked for; the op's registration checks; the compiled graph (AOTAutograd) gives the
+    same numbers through the opaque op."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[1, 4, 1, 0], [4, 4, 2, 1], [0, 3, 3, 3]])
+    rows = torch.tensor([0, 0, 2])
+    g = torch.randn(3, 4, 5, generator=gen).bfloat16()
+    got = group_embedding_grads(g, ids, rows, 3, 6, out)
+    want = torch.zeros(3, 6, 5, dtype=torch.float64)
+    for r in range(3):
+        for t in range(4):
+            want[rows[r], ids[r, t]] += g[r, t].double()
+    assert got.dtype == out and got.shape == (3, 6, 5) and not got[1].any()
+    step = 2.0**-24 if out == torch.float32 else 2.0**-8
+    assert ((got.double() - want).abs() <= 3 * step * want.abs() + 1e-30).all()
+    torch.library.opcheck(group_embedding_grads, (g, ids, rows, 3, 6, out))
+    assert torch.equal(torch.compile(group_embedding_grads, backend="aot_eager")(g, ids, rows, 3, 6, out), got)
 
 
 def test_group_offsets_need_sorted_rows():

@@ -16,8 +16,8 @@ autograd accumulates over the micro-batches; the parameters' own gradients stay 
   (`LlamaStage.batch_first`: activations [b, s, d]), so a group's rows are one contiguous
   block [rows x s, d] that one GEMM reads in place (`segment_grads`);
 - the embedding: its lookup, whose backward adds each token's gradient at [group, id] of the
-  leaf's gradient (one `index_add_` over [k * vocab, d]); a tied head's GEMMs add into the same
-  leaf;
+  leaf's gradient (the embedding's own backward over [k * vocab, d], an op the compiler does not
+  trace: `group_embedding_grads`); a tied head's GEMMs add into the same leaf;
 - RMSNorm weights: the norm's backward is one op (`trainer.model.ops.group_norm_backward`)
   that writes the input's gradient and each group's sums of dy x_hat from one read of dy and x;
   a block's pre-norm (`Block.pre_norm`) is one function of the residual stream with two outputs,
@@ -129,6 +129,36 @@ class _GroupLinear(torch.autograd.Function):
         return grad_x, None, segment_grads(g, x, ctx.offsets, ctx.dtype), None
 
 
+@torch.library.custom_op("trainer::group_embedding_grads", mutates_args=())
+def group_embedding_grads(
+    g: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, k: int, vocab: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[k, vocab, d] in `dtype`: each token's gradient g [b, s, d] added at [group of its row, id]
+    (ids [b, s], rows [b]) in fp32 and rounded once, by the embedding's own backward over
+    k x vocab rows (sorted, no atomics). Opaque to the compiler: traced,
+    `new_zeros(...).index_add_` became an out-of-place `index_add` that copied the zeros first,
+    a 655 MB copy (0.44 ms) a step at 1B (session 18's profile). The CPU's backward adds in the
+    gradient's dtype, so it is given fp32 (fp64 kept); CUDA's adds in fp32 whatever the dtype
+    (below)."""
+    return _embedding_grads(g.to(torch.promote_types(g.dtype, torch.float32)), ids, rows, k, vocab).to(dtype)
+
+
+def _embedding_grads(g: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, k: int, vocab: int) -> torch.Tensor:
+    d = g.shape[-1]
+    index = (rows.unsqueeze(1) * vocab + ids).reshape(-1)
+    return torch.ops.aten.embedding_dense_backward(g.reshape(-1, d), index, k * vocab, -1, False).view(k, vocab, d)
+
+
+@group_embedding_grads.register_kernel("cuda")
+def _(g, ids, rows, k, vocab, dtype):
+    return _embedding_grads(g.to(dtype), ids, rows, k, vocab)
+
+
+@group_embedding_grads.register_fake
+def _(g, ids, rows, k, vocab, dtype):
+    return g.new_empty((k, vocab, g.shape[-1]), dtype=dtype)
+
+
 class _GroupEmbedding(torch.autograd.Function):
     """ids [b, s] -> weight[ids] [b, s, d] (batch-first); the weight's gradient goes to
     `leaf`[group of the row, id]."""
@@ -142,10 +172,8 @@ class _GroupEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         ids, rows = ctx.saved_tensors
-        k, vocab, d = ctx.shape
-        index = (rows.unsqueeze(1) * vocab + ids).reshape(-1)
-        out = g.new_zeros((k * vocab, d), dtype=ctx.dtype).index_add_(0, index, g.reshape(-1, d).to(ctx.dtype))
-        return None, None, out.view(k, vocab, d), None
+        k, vocab, _ = ctx.shape
+        return None, None, group_embedding_grads(g, ids, rows, k, vocab, ctx.dtype), None
 
 
 @dataclass

@@ -162,9 +162,7 @@ def update_part(gs: list[torch.Tensor], k: int, reps: int, device: torch.device)
     return out
 
 
-def norm_part(
-    shapes, groups: list[int], seq: int, reps: int, device: torch.device
-) -> list[dict[str, Any]]:
+def norm_part(shapes, groups: list[int], seq: int, reps: int, device: torch.device) -> list[dict[str, Any]]:
     """One RMSNorm's backward at the model's width over the micro-batch's rows: the one pass's op
     (`trainer::group_norm_backward`: dx with the residual stream's gradient, each group's weight
     sums) at its committed launch and at each of `NORM_CHOICES`, against what a plain step pays
