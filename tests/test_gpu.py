@@ -363,6 +363,36 @@ def test_doge_one_pass_on_cuda_gives_each_groups_own_gradient():
 
 
 @cuda
+def test_doge_embedding_gradients_on_cuda_sum_in_fp32_without_a_host_sync():
+    """DoGE's per-group embedding gradients (trainer/run/group_grads.py `group_embedding_grads`)
+    at 1B's sizes (9 rows of 2048 tokens, groups 2, 2, 2, 2, 1, vocabulary 32000, d 2048), bf16:
+    each [group, id] within one bf16 rounding of the fp64 sum of its tokens' gradients, bitwise
+    the same on a second call, and no host synchronisation (the step ends without host reads)."""
+    from trainer.run.group_grads import group_embedding_grads
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.randint(0, 32000, (9, 2048), device=dev, generator=gen)
+    ids[:, :512] = torch.randint(0, 50, (9, 512), device=dev, generator=gen)  # ids repeated within and across rows
+    rows = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4], device=dev)
+    g = torch.randn(9, 2048, 2048, device=dev, generator=gen).bfloat16()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = group_embedding_grads(g, ids, rows, 5, 32000, torch.bfloat16)
+        again = group_embedding_grads(g, ids, rows, 5, 32000, torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    index = (rows[:, None] * 32000 + ids).reshape(-1)
+    want = torch.zeros(5 * 32000, 2048, dtype=torch.float64, device=dev).index_add_(
+        0, index, g.reshape(-1, 2048).double()
+    )
+    scale = torch.zeros_like(want).index_add_(0, index, g.reshape(-1, 2048).double().abs())
+    err = (got.reshape(-1, 2048).double() - want).abs()
+    assert (err <= 2.0**-8 * want.abs() + 2.0**-20 * scale).all()
+    assert torch.equal(got, again)
+
+
+@cuda
 def test_group_norm_backward_on_cuda_matches_the_torch_path():
     """RMSNorm's backward for DoGE's one pass (trainer/model/ops/group_norm_backward.py) at 1B's
     norm shape, bf16 inputs ([9, 2048, 2048], groups 2, 2, 2, 2, 1), with and without the residual
