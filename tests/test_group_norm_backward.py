@@ -69,7 +69,8 @@ def test_launch_shape_holds_at_most_one_tile_of_tokens_by_the_width():
 
 @needs_triton
 def test_triton_kernels_match_the_torch_path_in_the_interpreter():
-    """Sequences that are not a multiple of the kernel's token chunk nor of its step, widths that
+    """Sequences that are not a multiple of the kernel's token chunk nor of its step, a chunk not a
+    multiple of the step (6 tokens, 4 a step at width 16), widths that
     are not a power of two, a row count past one tile of chunks, an empty group, with and without
     the residual's gradient, fp32 and bf16 inputs, fp32 and bf16 weight gradients: dx to one
     rounding of the fp64 value (one bf16 step: the interpreter truncates; fp32 rounding of its
@@ -81,7 +82,8 @@ from trainer.model.ops import group_norm_backward as nb
 assert nb.triton_kernels() is not None, "triton is not importable"
 g = torch.Generator().manual_seed(0)
 nb.TOKENS, nb.BLOCK, nb.CHUNKS, nb.TILE = 6, 16, 2, 64
-for b, s, d, rows in ((3, 9, 20, [0, 0, 2]), (2, 4, 16, [1, 1]), (5, 17, 33, [0, 1, 1, 2, 3]), (1, 1, 5, [0])):
+cases = ((3, 9, 20, [0, 0, 2]), (2, 4, 16, [1, 1]), (5, 17, 33, [0, 1, 1, 2, 3]), (1, 1, 5, [0]), (2, 17, 16, [0, 1]))
+for b, s, d, rows in cases:
     k = max(rows) + 1
     r = torch.tensor(rows)
     for dtype in (torch.float32, torch.bfloat16):

@@ -23,7 +23,7 @@ def chunk_backward_kernel(
     acc = tl.zeros((COLS,), dtype=tl.float32)
     for t in range(0, TOKENS, STEP):
         toks = first + t + tl.arange(0, STEP)
-        inside = toks < s
+        inside = (toks < s) & (toks < first + TOKENS)
         flat = row.to(tl.int64) * s + toks
         at = flat[:, None] * d + cols[None, :]
         mask = inside[:, None] & live[None, :]
