@@ -101,13 +101,7 @@ def group_norm_backward_triton(
         return group_norm_backward_torch(dy, x, rstd, weight, rows, k, dtype, residual)
     chunk_backward, group_sums = triton_kernels()
     b, s, d = x.shape
-    dy, x, rstd, weight, rows = (
-        dy.contiguous(),
-        x.contiguous(),
-        rstd.contiguous(),
-        weight.contiguous(),
-        rows.contiguous(),
-    )
+    dy, x, rstd, weight, rows = (t.contiguous() for t in (dy, x, rstd, weight, rows))
     dx = torch.empty_like(x)
     out = torch.empty(k, d, dtype=dtype, device=x.device)
     if b * s * d == 0:
