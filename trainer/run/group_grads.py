@@ -6,8 +6,9 @@ host, gives every parameter p a gradient per group G_p [k, *p.shape]: G_p[g] is 
 the step's objective restricted to group g's rows. Rows never mix in a dense Llama (attention
 is within a sequence; no batch statistic), so each weight's gradient is a sum over rows, and
 splitting that sum by group needs no extra forward or backward. Each parameter has, for the
-pass, a leaf [k, *shape] (the weight broadcast over groups, requiring grad) whose gradient
-autograd accumulates over the micro-batches; the parameters' own gradients stay empty:
+pass, a leaf [k, *shape] that only receives gradients (one shared zero broadcast, requiring
+grad; the forward reads the parameter itself), whose gradient autograd accumulates over the
+micro-batches; the parameters' own gradients stay empty:
 
 - linears (`trainer.parallel.tensor`'s column- and row-parallel linears and the LM head, at
   tp 1): their `mm` hook (the FP8 one's place) runs y = x W^T and the input gradient g W as
@@ -209,8 +210,8 @@ class GroupGrads:
     was announced by `gg.announce(batch, offsets)` leaves, after its backward, each parameter's
     per-group gradient in `gg.grads()` (in `params`' order), summed over the micro-batches.
 
-    Each parameter has a leaf [k, *shape] (`leaves`), the weight broadcast over groups, whose
-    gradient autograd accumulates: the parameters' own gradients are left empty."""
+    Each parameter has a leaf [k, *shape] (`leaves`) that only receives its per-group gradient,
+    which autograd accumulates: the parameters' own gradients are left empty."""
 
     def __init__(self, stage: nn.Module, named_params: Sequence[tuple[str, torch.Tensor]], k: int):
         self.stage, self.k = stage, k
