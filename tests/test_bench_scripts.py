@@ -458,6 +458,23 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
     assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1 to 14, got '15'"
 
 
+def test_the_cuda_checks_run_in_the_order_of_the_words_given():
+    """`python tests/test_gpu.py WORD ...` runs the checks whose names hold a word, in the order of
+    the first word each holds (gpu_queue's call names the new checks first); none given, all in
+    name order."""
+    import tests.test_gpu as gpu
+
+    names = [t.__name__ for t in gpu._in_order(["group_norm", "doge", "triton_rope"])]
+    assert names == [
+        "test_group_norm_backward_on_cuda_matches_the_torch_path",
+        "test_doge_embedding_gradients_on_cuda_sum_in_fp32_without_a_host_sync",
+        "test_doge_one_pass_on_cuda_gives_each_groups_own_gradient",
+        "test_triton_rope_matches_the_compiled_torch_ops_at_the_bench_shape",
+    ]
+    every = [t.__name__ for t in gpu._in_order([])]
+    assert every == sorted(every) and len(every) == len([n for n in vars(gpu) if n.startswith("test_")])
+
+
 def test_doge_kernels_bench_norm_part_times_the_committed_launch_and_every_choice(monkeypatch):
     """The `norm` part's code on the CPU (the op's torch path; inductor left out): the plain
     reference, the committed launch and each of `NORM_CHOICES`, a step's estimate over the

@@ -84,7 +84,7 @@ commands() {
         echo "doge_kernels_bench 300 $PY $B/doge_kernels_bench.py --preset bench-1b --parts gram,dw --reps 3 --out \$OUT/doge_kernels"
         ;;
     13)
-        echo "test_gpu_kernels 150 $PY tests/test_gpu.py triton_ gram profile doge group_norm combined device_timer"
+        echo "test_gpu_kernels 150 $PY tests/test_gpu.py doge_embedding group_norm doge_one_pass device_timer combined gram profile triton_"
         echo "method_bench 410 $PY $B/method_bench.py --presets 1b --variants plain,doremi-fp8,doge,odm,aioli,ado --deadline 370 --profile plain,doge --out \$OUT/method_bench"
         ;;
     14) echo "doge_kernels_bench 300 $PY $B/doge_kernels_bench.py --preset bench-1b --parts norm,dw --reps 3 --out \$OUT/doge_kernels" ;;
