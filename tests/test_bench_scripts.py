@@ -431,7 +431,7 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.syspath_prepend(str(BENCH.parent))  # experiments/tools/mup_transfer.py
-    for call in range(1, 15):
+    for call in range(1, 16):
         lines = subprocess.run(["bash", str(queue), "--print", str(call)], capture_output=True, text=True, check=True)
         rows = [line.split() for line in lines.stdout.splitlines()]
         assert sum(int(r[1]) for r in rows) <= 600 - 20, call
@@ -453,9 +453,9 @@ def test_gpu_queue_commands_parse_write_under_out_and_fit_the_device_limit(monke
             if args.get("preset") is not None:
                 assert args["preset"] in PRESETS, name
     bad = subprocess.run(
-        ["bash", str(queue), "15"], capture_output=True, text=True, env={"OUT": "/tmp/x", "PATH": "/usr/bin:/bin"}
+        ["bash", str(queue), "16"], capture_output=True, text=True, env={"OUT": "/tmp/x", "PATH": "/usr/bin:/bin"}
     )
-    assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1 to 14, got '15'"
+    assert bad.returncode == 2 and bad.stderr.strip() == "gpu_queue.sh: expected a call number 1 to 15, got '16'"
 
 
 def test_the_cuda_checks_run_in_the_order_of_the_words_given():

@@ -13,13 +13,14 @@
 # the kernels' checks only: the compile checks' code did not change and call 12 runs them all).
 # The nineteenth got no machine (loans paused). Left: 13 again (the kernels' checks, every floor's
 # row on the code after it: the norm's backward as one op), then 14 (the norm's op and the weight
-# gradients' forms alone, to tune), then 12 (every CUDA check, the Gram's candidates).
+# gradients' forms alone, to tune), then 12 (every CUDA check, the Gram's candidates); 15 is 13
+# cut to about 7 minutes.
 # A session has 30
 # device minutes, counted from asking for the machine (a start of a minute or more, again after
 # any gap of more than 30 s between calls) until it is given back.
 # Every bench writes under $OUT (the only folder that comes back from the device machine) and
 # its log is teed there; each runs under its own timeout so a slow one cannot starve the next.
-# Calls 3, 4, 5, 9 and 10 install torchao from runs/wheels_gpu (carry it) when it is not importable.
+# Calls 3, 4, 5, 9, 10, 13 and 15 install torchao from runs/wheels_gpu (carry it) when it is not importable.
 #
 #   bash experiments/tools/bench/gpu_queue.sh 1   # issue 35: ODM, ADO, Aioli at 1B (Aioli's validation
 #                                                 # cost row); issue 37: the MoE layer against the plain loop
@@ -46,6 +47,8 @@
 #                                                 # within one call (a session whose device time may allow one call)
 #   bash experiments/tools/bench/gpu_queue.sh 14  # issue 35: DoGE's norm backward alone (its launch choices against
 #                                                 # plain's compiled one) and the weight gradients' forms (grouped_mm)
+#   bash experiments/tools/bench/gpu_queue.sh 15  # issue 35: 13 cut to about 7 minutes (the new kernels' checks, every
+#                                                 # floor's row, DoGE profiled) for a session with little device time left
 #   bash experiments/tools/bench/gpu_queue.sh --print N   # the commands of call N, not run
 #
 set -u
@@ -87,9 +90,13 @@ commands() {
         echo "test_gpu_kernels 150 $PY tests/test_gpu.py doge_embedding group_norm doge_one_pass device_timer combined gram profile triton_"
         echo "method_bench 410 $PY $B/method_bench.py --presets 1b --variants plain,doremi-fp8,doge,odm,aioli,ado --deadline 370 --profile plain,doge --out \$OUT/method_bench"
         ;;
+    15)
+        echo "test_gpu_kernels 90 $PY tests/test_gpu.py doge_embedding group_norm doge_one_pass"
+        echo "method_bench 330 $PY $B/method_bench.py --presets 1b --variants plain,doremi-fp8,doge,odm,aioli,ado --deadline 300 --profile doge --out \$OUT/method_bench"
+        ;;
     14) echo "doge_kernels_bench 300 $PY $B/doge_kernels_bench.py --preset bench-1b --parts norm,dw --reps 3 --out \$OUT/doge_kernels" ;;
     *)
-        echo "gpu_queue.sh: expected a call number 1 to 14, got '$1'" >&2
+        echo "gpu_queue.sh: expected a call number 1 to 15, got '$1'" >&2
         return 2
         ;;
     esac
@@ -101,7 +108,7 @@ if [ "${1:-}" = "--print" ]; then
 fi
 : "${OUT:?gpu_queue.sh: set OUT to the folder that comes back (the device tool sets it)}"
 list=$(commands "${1:-}") || exit 2
-if { [ "${1:-}" = 3 ] || [ "${1:-}" = 4 ] || [ "${1:-}" = 5 ] || [ "${1:-}" = 9 ] || [ "${1:-}" = 10 ] || [ "${1:-}" = 13 ]; } && ! $PY -c "import torchao" 2>/dev/null; then
+if { [ "${1:-}" = 3 ] || [ "${1:-}" = 4 ] || [ "${1:-}" = 5 ] || [ "${1:-}" = 9 ] || [ "${1:-}" = 10 ] || [ "${1:-}" = 13 ] || [ "${1:-}" = 15 ]; } && ! $PY -c "import torchao" 2>/dev/null; then
     $PY -m pip install -q --no-deps runs/wheels_gpu/torchao-*.whl || exit 1
 fi
 status=0
